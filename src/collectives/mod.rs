@@ -1,0 +1,101 @@
+//! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
+//! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host).
+
+mod threads;
+
+pub use threads::{ThreadGroup, ThreadProcessGroup};
+
+use crate::error::{Error, Result};
+use serde::{de::DeserializeOwned, Serialize};
+use std::sync::Arc;
+
+/// A group of ranks that run the same sequence of collective calls.
+///
+/// Every method is collective: all ranks of the group must call it, in the same order, with
+/// compatible arguments. A backend returns an error (never hangs forever, never panics) when
+/// ranks disagree, a peer leaves, or the configured timeout expires.
+pub trait ProcessGroup: Send + Sync {
+    /// This rank's index in the group, `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Gathers every rank's `send` (all the same length) into `recv`, rank `r`'s bytes at
+    /// `recv[r * send.len()..]` (`all_gather_into_tensor`). `recv.len()` must be
+    /// `send.len() * world_size()`.
+    fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> Result<()>;
+
+    /// Copies root's `buf` into every rank's `buf` (all the same length).
+    fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()>;
+
+    /// Gathers variable-length byte strings from every rank, in rank order.
+    fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Sends root's bytes (length decided by root) to every rank; non-root ranks pass `None`.
+    fn broadcast_bytes(&self, send: Option<&[u8]>, root: usize) -> Result<Vec<u8>>;
+
+    /// Blocks until every rank has arrived.
+    fn barrier(&self) -> Result<()>;
+
+    /// Creates the sub-group of `ranks` (collective over this group: every rank calls it with
+    /// the same list). Returns `None` on ranks outside the sub-group.
+    fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>>;
+
+    /// Name of the backend, for messages.
+    fn backend(&self) -> &'static str;
+}
+
+/// Typed object exchange on top of any [`ProcessGroup`], serialized with serde + bincode.
+pub trait ProcessGroupExt: ProcessGroup {
+    /// `all_gather_object`: every rank's value, in rank order.
+    fn all_gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        let bytes = encode(value)?;
+        self.all_gather_bytes(&bytes)?.iter().map(|b| decode(b)).collect()
+    }
+
+    /// `broadcast_object_list` of one object: root passes `Some`, the others `None`.
+    fn broadcast_object<T: Serialize + DeserializeOwned>(&self, value: Option<&T>, root: usize) -> Result<T> {
+        let bytes = match value {
+            Some(v) if self.rank() == root => Some(encode(v)?),
+            None if self.rank() == root => {
+                return Err(Error::InvalidCollective {
+                    op: "broadcast_object".into(),
+                    rank: self.rank(),
+                    reason: "the root rank must pass the object".into(),
+                })
+            }
+            _ => None,
+        };
+        decode(&self.broadcast_bytes(bytes.as_deref(), root)?)
+    }
+}
+
+impl<P: ProcessGroup + ?Sized> ProcessGroupExt for P {}
+
+fn codec() -> impl bincode::config::Config {
+    bincode::config::standard()
+}
+
+/// Serializes a value as the collectives exchange it.
+pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
+    bincode::serde::encode_to_vec(value, codec()).map_err(|e| Error::Serialization {
+        what: std::any::type_name::<T>().into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Deserializes a value exchanged by the collectives.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    let (v, used) = bincode::serde::decode_from_slice(bytes, codec()).map_err(|e| Error::Serialization {
+        what: std::any::type_name::<T>().into(),
+        reason: e.to_string(),
+    })?;
+    if used != bytes.len() {
+        return Err(Error::Serialization {
+            what: std::any::type_name::<T>().into(),
+            reason: format!("{} trailing bytes", bytes.len() - used),
+        });
+    }
+    Ok(v)
+}

@@ -1,0 +1,6 @@
+//! In-process thread backend.
+
+/// Placeholder.
+pub struct ThreadGroup;
+/// Placeholder.
+pub struct ThreadProcessGroup;

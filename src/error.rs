@@ -1,0 +1,236 @@
+//! The crate's one error type.
+//!
+//! Every variant names what was wrong and where (parameter, rank, state name, unit), so that a
+//! user can act on the message without reading the crate's source.
+
+use std::time::Duration;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `fsdp`.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    // ----- model description and layout -----
+    /// The model description or wrapping policy is inconsistent.
+    #[error("invalid model description: {0}")]
+    InvalidModel(String),
+
+    /// A name does not refer to any parameter (or unit) of the model.
+    #[error("unknown parameter `{name}`{context}")]
+    UnknownParameter {
+        /// The name that was looked up.
+        name: String,
+        /// Where the lookup happened (already formatted, may be empty).
+        context: String,
+    },
+
+    /// The parameters of one FSDP unit cannot be flattened together.
+    #[error("cannot flatten FSDP unit `{unit}`: {reason}")]
+    Flatten {
+        /// Module prefix of the unit (`""` is the root).
+        unit: String,
+        /// Why.
+        reason: String,
+    },
+
+    // ----- tensors -----
+    /// A tensor had another dtype than required.
+    #[error("dtype mismatch in {context}: expected {expected}, found {found}")]
+    DtypeMismatch {
+        /// Where.
+        context: String,
+        /// What was needed.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
+
+    /// A tensor had another shape or element count than required.
+    #[error("shape mismatch in {context}: expected {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        /// Where (parameter and state name when known).
+        context: String,
+        /// What was needed.
+        expected: Vec<usize>,
+        /// What was given.
+        found: Vec<usize>,
+    },
+
+    /// An element range lies outside a tensor.
+    #[error("range {start}..{end} out of bounds for {context} with {numel} elements")]
+    OutOfBounds {
+        /// Where.
+        context: String,
+        /// Start of the range.
+        start: usize,
+        /// End of the range (exclusive).
+        end: usize,
+        /// Number of elements available.
+        numel: usize,
+    },
+
+    // ----- optimizer state validation (PyTorch's own checks) -----
+    /// The optimizer state dict is malformed (missing key, id out of range, wrong value kind).
+    #[error("invalid optimizer state dict: {0}")]
+    InvalidStateDict(String),
+
+    /// Parameters of one flat parameter have different sets of state names.
+    #[error("differing optimizer state names for the unflattened parameters {params:?}: {names:?}")]
+    DifferingStateNames {
+        /// The parameters of the flat parameter.
+        params: Vec<String>,
+        /// The state-name set of each parameter that has state, in `params` order.
+        names: Vec<Vec<String>>,
+    },
+
+    /// One state is a tensor for one parameter and something else for another.
+    #[error("differing optimizer state types for state `{state}` of the unflattened parameters {params:?}: {kinds:?}")]
+    DifferingStateTypes {
+        /// State name.
+        state: String,
+        /// The parameters of the flat parameter.
+        params: Vec<String>,
+        /// The kind found for each parameter that has the state.
+        kinds: Vec<String>,
+    },
+
+    /// Zero-dim tensor or plain state (e.g. Adam's `step`) is missing or differs across the
+    /// parameters of one flat parameter, or across ranks.
+    #[error("all unflattened parameters comprising a single flat parameter must have scalar state with the same value and dtype, but state `{state}` of {params:?} has values {values:?}")]
+    ScalarStateMismatch {
+        /// State name.
+        state: String,
+        /// The parameters (or `rank N` labels) involved.
+        params: Vec<String>,
+        /// Each value, formatted; `missing` where a parameter lacks the state.
+        values: Vec<String>,
+    },
+
+    /// Positive-dim tensor state has different dtypes across the parameters of one flat parameter.
+    #[error("all unflattened parameters comprising a single flat parameter must have positive-dimension tensor state with the same dtype, but state `{state}` of {params:?} has dtypes {dtypes:?}")]
+    TensorStateDtypeMismatch {
+        /// State name.
+        state: String,
+        /// The parameters involved.
+        params: Vec<String>,
+        /// The dtypes found.
+        dtypes: Vec<String>,
+    },
+
+    /// A zero-dimensional parameter has no state while its flat parameter needs some.
+    #[error("flattening a zero-dimension parameter without state is not supported: parameter `{param}`, state `{state}`")]
+    ZeroDimParamWithoutState {
+        /// Parameter name.
+        param: String,
+        /// State name.
+        state: String,
+    },
+
+    /// Some ranks lack optimizer state that rank 0 has.
+    #[error("FSDP requires each rank to have at least the optimizer states needed by rank 0's optimizer, but some ranks are missing some of those states:{}", format_missing(.missing))]
+    MissingStateOnRanks {
+        /// For each rank that misses something: the rank and the parameter names it misses.
+        missing: Vec<(usize, Vec<Vec<String>>)>,
+    },
+
+    /// An FSDP-managed parameter that requires grad has no state on any rank while its flat
+    /// parameter has state (use_orig_params).
+    #[error("parameter `{param}` of FSDP unit `{unit}` is not in the optimizer state on any rank")]
+    MissingParamState {
+        /// Parameter name.
+        param: String,
+        /// Unit prefix.
+        unit: String,
+    },
+
+    // ----- agreement and collectives -----
+    /// Ranks disagree about the plan of a collective operation (layout, keys, state names).
+    #[error("ranks disagree on the plan of `{op}`: ranks {ranks:?} differ from rank {reference}: {detail}")]
+    PlanMismatch {
+        /// The façade operation.
+        op: String,
+        /// The rank everything was compared with.
+        reference: usize,
+        /// The ranks whose plan differs.
+        ranks: Vec<usize>,
+        /// What differs (keys, state names, layout).
+        detail: String,
+    },
+
+    /// A collective did not complete in time.
+    #[error("collective `{op}` on rank {rank} timed out after {waited:?}; ranks not arrived: {missing:?}")]
+    CollectiveTimeout {
+        /// Operation name.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// Ranks that never arrived.
+        missing: Vec<usize>,
+    },
+
+    /// A peer rank left the group (its handle was dropped or its thread panicked).
+    #[error("collective `{op}` on rank {rank} failed: peer rank {peer} has left the group")]
+    PeerDied {
+        /// Operation name.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// The rank that is gone.
+        peer: usize,
+    },
+
+    /// Ranks called different collectives, or the same one with incompatible arguments.
+    #[error("collective mismatch on rank {rank}: {detail}")]
+    CollectiveMismatch {
+        /// The calling rank.
+        rank: usize,
+        /// What differed.
+        detail: String,
+    },
+
+    /// A process-group operation got invalid arguments (bad root, buffer size, ranks).
+    #[error("invalid process-group call `{op}` on rank {rank}: {reason}")]
+    InvalidCollective {
+        /// Operation name.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// Why.
+        reason: String,
+    },
+
+    /// A communication backend is not available (not compiled in, no driver, no library).
+    #[error("backend `{backend}` unavailable: {reason}")]
+    BackendUnavailable {
+        /// Backend name.
+        backend: String,
+        /// Why.
+        reason: String,
+    },
+
+    // ----- encoding -----
+    /// Serializing or deserializing an object for exchange failed.
+    #[error("serialization failed for {what}: {reason}")]
+    Serialization {
+        /// What was being (de)serialized.
+        what: String,
+        /// The codec's message.
+        reason: String,
+    },
+
+    /// A feature exists in PyTorch but is not supported here.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+fn format_missing(missing: &[(usize, Vec<Vec<String>>)]) -> String {
+    let mut s = String::new();
+    for (rank, keys) in missing {
+        s.push_str(&format!("\nRank {rank} is missing states for the parameters: {keys:?}"));
+    }
+    s
+}

@@ -1,0 +1,379 @@
+//! Membership, order and padding of the flat parameters (`FlatParamHandle` init), as pure
+//! arithmetic over a [`ModelDesc`], a [`WrapPolicy`] and the shard-group size.
+
+use super::shard::{chunk_bounds, chunk_size, shard_param_infos, Shard};
+use crate::error::{Error, Result};
+use crate::model::{module_of, prefix_contains, ModelDesc, WrapPolicy};
+use crate::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// Name under which FSDP registers a flat parameter on its unit.
+pub const FLAT_PARAM: &str = "_flat_param";
+
+/// One original parameter inside a flat parameter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlatParamMember {
+    /// The name that keys this parameter's optimizer state (first name within the unit).
+    pub fqn: String,
+    /// Index into [`ModelDesc::params`].
+    pub param_index: usize,
+    /// Original shape.
+    pub shape: Vec<usize>,
+    /// Number of elements.
+    pub numel: usize,
+    /// Whether the parameter is trained.
+    pub requires_grad: bool,
+    /// First element in the unsharded flat parameter (alignment padding included).
+    pub offset: usize,
+}
+
+/// Layout of one flat parameter: members, padding and sharding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlatParamLayout {
+    /// Position among the model's flat parameters (claim order).
+    pub index: usize,
+    /// Module prefix of the FSDP unit (`""` is the root).
+    pub unit: String,
+    /// Common dtype of the members.
+    pub dtype: DType,
+    /// Original parameters in flattening order.
+    pub members: Vec<FlatParamMember>,
+    /// `_numels_with_padding`: member and padding sizes in order.
+    pub numels_with_padding: Vec<usize>,
+    /// `_is_padding_mask`, parallel to `numels_with_padding`.
+    pub is_padding_mask: Vec<bool>,
+    /// `_unpadded_unsharded_size`: every member and padding entry (so with `use_orig_params`
+    /// it includes the world-size padding, as in PyTorch).
+    pub unpadded_numel: usize,
+    /// Size of the shard group.
+    pub world_size: usize,
+    /// Whether the flat parameter is split (false for `NO_SHARD` and world size 1).
+    pub sharded: bool,
+}
+
+/// `16 / element size`: alignment in elements for `use_orig_params=True`.
+pub fn aligned_numel(dtype: DType) -> usize {
+    16 / dtype.size()
+}
+
+impl FlatParamLayout {
+    /// Builds the layout of one unit from its members (`(fqn, param_index)` in order).
+    pub fn new(
+        index: usize,
+        unit: &str,
+        model: &ModelDesc,
+        members: &[(String, usize)],
+        align: bool,
+        world_size: usize,
+        sharded: bool,
+    ) -> Result<Self> {
+        let Some(&(_, first)) = members.first() else {
+            return Err(Error::Flatten { unit: unit.into(), reason: "no parameters to flatten".into() });
+        };
+        let dtype = model.params[first].dtype;
+        let aligned = if align { aligned_numel(dtype) } else { 0 };
+        let mut out = FlatParamLayout {
+            index,
+            unit: unit.to_string(),
+            dtype,
+            members: Vec::with_capacity(members.len()),
+            numels_with_padding: Vec::new(),
+            is_padding_mask: Vec::new(),
+            unpadded_numel: 0,
+            world_size,
+            sharded: sharded && world_size > 1,
+        };
+        let mut total = 0usize;
+        for (fqn, pidx) in members {
+            let p = &model.params[*pidx];
+            if !p.dtype.is_floating_point() {
+                return Err(Error::Flatten {
+                    unit: unit.into(),
+                    reason: format!("parameter `{fqn}` has dtype {}, FSDP flattens only floating point", p.dtype),
+                });
+            }
+            if p.dtype != dtype {
+                return Err(Error::Flatten {
+                    unit: unit.into(),
+                    reason: format!(
+                        "parameters must share one dtype: `{}` is {dtype} but `{fqn}` is {}",
+                        members[0].0, p.dtype
+                    ),
+                });
+            }
+            if aligned > 0 {
+                let pad = aligned - total % aligned;
+                if pad > 0 && pad < aligned {
+                    out.numels_with_padding.push(pad);
+                    out.is_padding_mask.push(true);
+                    total += pad;
+                }
+            }
+            out.members.push(FlatParamMember {
+                fqn: fqn.clone(),
+                param_index: *pidx,
+                shape: p.shape.clone(),
+                numel: p.numel(),
+                requires_grad: p.requires_grad,
+                offset: total,
+            });
+            out.numels_with_padding.push(p.numel());
+            out.is_padding_mask.push(false);
+            total += p.numel();
+        }
+        if aligned > 0 {
+            let pad = world_size - total % world_size;
+            if pad > 0 && pad < world_size {
+                out.numels_with_padding.push(pad);
+                out.is_padding_mask.push(true);
+                total += pad;
+            }
+        }
+        out.unpadded_numel = total;
+        Ok(out)
+    }
+
+    /// Fully qualified name of the flat parameter itself (`block1._flat_param`).
+    pub fn fqn(&self) -> String {
+        if self.unit.is_empty() {
+            FLAT_PARAM.to_string()
+        } else {
+            format!("{}.{FLAT_PARAM}", self.unit)
+        }
+    }
+
+    /// Member FQNs in order (the `_OptimStateKey` of the flat parameter).
+    pub fn fqns(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.fqn.clone()).collect()
+    }
+
+    /// Each member's `[begin, end]` (inclusive) offsets in the unsharded flat parameter.
+    pub fn member_offsets(&self) -> Vec<(usize, usize)> {
+        // An empty member gets (offset, offset - 1) like PyTorch; wrapping is avoided by
+        // expressing it as (offset + 1, offset) which `shard_param_infos` treats as empty.
+        self.members
+            .iter()
+            .map(|m| if m.numel == 0 { (m.offset + 1, m.offset) } else { (m.offset, m.offset + m.numel - 1) })
+            .collect()
+    }
+
+    /// Elements per rank: `ceil(N / world_size)` when sharded, else `N`.
+    pub fn shard_numel(&self) -> usize {
+        if self.sharded {
+            chunk_size(self.unpadded_numel, self.world_size)
+        } else {
+            self.unpadded_numel
+        }
+    }
+
+    /// Size of the all-gathered buffer (`_padded_unsharded_size`).
+    pub fn padded_numel(&self) -> usize {
+        if self.sharded {
+            self.shard_numel() * self.world_size
+        } else {
+            self.unpadded_numel
+        }
+    }
+
+    /// Rank `rank`'s shard (the whole flat parameter when not sharded).
+    pub fn shard(&self, rank: usize) -> Shard {
+        let (start, numel, numel_padded) = if self.sharded {
+            chunk_bounds(self.unpadded_numel, rank, self.world_size)
+        } else {
+            (0, self.unpadded_numel, 0)
+        };
+        Shard { rank, start, numel, numel_padded, params: shard_param_infos(&self.member_offsets(), start, numel) }
+    }
+
+    /// Index of the member with this FQN.
+    pub fn member_index(&self, fqn: &str) -> Option<usize> {
+        self.members.iter().position(|m| m.fqn == fqn)
+    }
+}
+
+/// What manages a model parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Ownership {
+    /// Member `member` of flat parameter `flat`.
+    Flat {
+        /// Flat parameter index.
+        flat: usize,
+        /// Member index.
+        member: usize,
+    },
+    /// Not managed by FSDP (outside every unit, or in an ignored module).
+    Unmanaged,
+}
+
+/// The whole model's FSDP layout for one shard-group size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelLayout {
+    /// The model.
+    pub model: ModelDesc,
+    /// The wrapping policy.
+    pub policy: WrapPolicy,
+    /// Size of the shard group the flat parameters are split over.
+    pub world_size: usize,
+    /// Flat parameters in claim order (innermost units first).
+    pub flat_params: Vec<FlatParamLayout>,
+    /// Per model parameter, what manages it.
+    pub ownership: Vec<Ownership>,
+    /// Per model parameter, whether an ignored module holds it.
+    pub ignored: Vec<bool>,
+}
+
+impl ModelLayout {
+    /// Computes membership, order and padding of every flat parameter.
+    pub fn new(model: &ModelDesc, policy: &WrapPolicy, world_size: usize) -> Result<Self> {
+        if world_size == 0 {
+            return Err(Error::InvalidModel("world size must be at least 1".into()));
+        }
+        model.validate()?;
+        policy.validate(model)?;
+        let names = model.names_with_aliases();
+        let mut ignored = vec![false; model.params.len()];
+        for (n, p) in &names {
+            if policy.ignored_modules.iter().any(|m| prefix_contains(m, n)) {
+                ignored[*p] = true;
+            }
+        }
+        // Claim order: a unit claims before every unit that contains it; otherwise list order.
+        let mut order: Vec<usize> = Vec::with_capacity(policy.units.len());
+        let mut placed = vec![false; policy.units.len()];
+        while order.len() < policy.units.len() {
+            let next = (0..policy.units.len())
+                .find(|&i| {
+                    !placed[i]
+                        && !(0..policy.units.len()).any(|j| {
+                            !placed[j] && j != i && prefix_contains(&policy.units[i], &policy.units[j])
+                        })
+                })
+                .expect("prefix containment is acyclic");
+            placed[next] = true;
+            order.push(next);
+        }
+        let sharded = policy.sharding_strategy.shards();
+        let mut ownership = vec![Ownership::Unmanaged; model.params.len()];
+        let mut flat_params = Vec::new();
+        for &u in &order {
+            let unit = &policy.units[u];
+            let mut members: Vec<(String, usize)> = Vec::new();
+            for (n, p) in &names {
+                if !prefix_contains(unit, n) || ignored[*p] {
+                    continue;
+                }
+                if ownership[*p] == Ownership::Unmanaged && !members.iter().any(|(_, q)| q == p) {
+                    members.push((n.clone(), *p));
+                }
+            }
+            if members.is_empty() {
+                continue;
+            }
+            let flat = flat_params.len();
+            for (m, (_, p)) in members.iter().enumerate() {
+                ownership[*p] = Ownership::Flat { flat, member: m };
+            }
+            flat_params.push(FlatParamLayout::new(
+                flat,
+                unit,
+                model,
+                &members,
+                policy.use_orig_params,
+                world_size,
+                sharded,
+            )?);
+        }
+        Ok(ModelLayout {
+            model: model.clone(),
+            policy: policy.clone(),
+            world_size,
+            flat_params,
+            ownership,
+            ignored,
+        })
+    }
+
+    /// Whether the optimizer sees original parameters (`use_orig_params=True`).
+    pub fn use_orig_params(&self) -> bool {
+        self.policy.use_orig_params
+    }
+
+    /// The flat parameter of a unit, if the unit has one.
+    pub fn flat_of_unit(&self, unit: &str) -> Option<&FlatParamLayout> {
+        self.flat_params.iter().find(|f| f.unit == unit)
+    }
+
+    /// The name that keys parameter `index`'s optimizer state (its FQN inside its unit, or its
+    /// primary name when unmanaged).
+    pub fn state_fqn(&self, index: usize) -> &str {
+        match self.ownership[index] {
+            Ownership::Flat { flat, member } => &self.flat_params[flat].members[member].fqn,
+            Ownership::Unmanaged => &self.model.params[index].name,
+        }
+    }
+
+    /// Map from every state FQN (and alias) to the parameter index.
+    pub fn fqn_index(&self) -> HashMap<String, usize> {
+        let mut m = HashMap::new();
+        for (n, p) in self.model.names_with_aliases() {
+            m.insert(n, p);
+        }
+        for i in 0..self.model.params.len() {
+            m.insert(self.state_fqn(i).to_string(), i);
+        }
+        m
+    }
+
+    /// The parameters an optimizer built from `model.parameters()` of the wrapped model would
+    /// receive, in that order: pre-order over modules, each module's unmanaged own parameters,
+    /// then its flat parameter (use_orig_params=False), then its children.
+    pub fn default_optim_params(&self) -> Vec<crate::optim_state::OptimParam> {
+        use crate::optim_state::OptimParam;
+        if self.use_orig_params() {
+            return self.model.params.iter().map(|p| OptimParam::Param(p.name.clone())).collect();
+        }
+        // Module tree in first-appearance order.
+        let mut modules: Vec<String> = vec![String::new()];
+        let mut children: HashMap<String, Vec<String>> = HashMap::new();
+        let mut own: HashMap<String, Vec<usize>> = HashMap::new();
+        let add_module = |m: &str, modules: &mut Vec<String>, children: &mut HashMap<String, Vec<String>>| {
+            let mut chain = vec![];
+            let mut cur = m.to_string();
+            while !cur.is_empty() && !modules.contains(&cur) {
+                chain.push(cur.clone());
+                cur = module_of(&cur).to_string();
+            }
+            for c in chain.into_iter().rev() {
+                children.entry(module_of(&c).to_string()).or_default().push(c.clone());
+                modules.push(c);
+            }
+        };
+        for (i, p) in self.model.params.iter().enumerate() {
+            let m = module_of(&p.name);
+            add_module(m, &mut modules, &mut children);
+            own.entry(m.to_string()).or_default().push(i);
+        }
+        for f in &self.flat_params {
+            add_module(&f.unit, &mut modules, &mut children);
+        }
+        let mut out = Vec::new();
+        let mut stack = vec![String::new()];
+        while let Some(m) = stack.pop() {
+            for &i in own.get(&m).map(Vec::as_slice).unwrap_or(&[]) {
+                if self.ownership[i] == Ownership::Unmanaged {
+                    out.push(OptimParam::Param(self.model.params[i].name.clone()));
+                }
+            }
+            if let Some(f) = self.flat_of_unit(&m) {
+                out.push(OptimParam::Flat(f.unit.clone()));
+            }
+            if let Some(ch) = children.get(&m) {
+                for c in ch.iter().rev() {
+                    stack.push(c.clone());
+                }
+            }
+        }
+        out
+    }
+}

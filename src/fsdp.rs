@@ -1,0 +1,1 @@
+//! The `Fsdp` façade.

@@ -1,0 +1,18 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+pub mod collectives;
+pub mod error;
+pub mod flat_param;
+pub mod model;
+pub mod optim;
+pub mod optim_state;
+pub mod tensor;
+
+mod fsdp;
+
+pub use error::{Error, Result};
+pub use fsdp::*;
+pub use model::{ModelDesc, ParamSpec, ShardingStrategy, WrapPolicy};
+pub use optim_state::{OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+pub use tensor::{DType, HostTensor, Tensor};

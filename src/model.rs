@@ -1,0 +1,300 @@
+//! Model description and wrapping policy (layer 1).
+//!
+//! A [`ModelDesc`] replaces `nn.Module`: the parameters in `model.named_parameters()` order
+//! (primary names only) and the tied aliases. A [`WrapPolicy`] says which module prefixes are
+//! FSDP units, which modules are ignored, whether `use_orig_params` is on and the sharding
+//! strategy. Both are serde-serializable; their JSON form is the `DESC.json` schema.
+
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+
+/// One parameter of the model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamSpec {
+    /// Fully qualified name relative to the model root, without wrapper prefixes.
+    pub name: String,
+    /// Shape; empty for a 0-dim parameter.
+    pub shape: Vec<usize>,
+    /// Element type.
+    pub dtype: DType,
+    /// Whether the parameter is trained (frozen parameters get no gradient, hence no state).
+    #[serde(default = "default_true")]
+    pub requires_grad: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl ParamSpec {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The parameters of a model, in `named_parameters()` order, and its tied aliases.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelDesc {
+    /// Unique parameters under their primary (first) name, in registration pre-order.
+    pub params: Vec<ParamSpec>,
+    /// Tied aliases: alias name → primary name (e.g. `lm_head.weight` → `embed.weight`).
+    #[serde(default)]
+    pub tied: BTreeMap<String, String>,
+}
+
+/// Whether the module `prefix` (`""` is the root) contains the parameter `name`.
+pub fn prefix_contains(prefix: &str, name: &str) -> bool {
+    prefix.is_empty()
+        || (name.len() > prefix.len() && name.starts_with(prefix) && name.as_bytes()[prefix.len()] == b'.')
+}
+
+/// The module that directly owns parameter `name` (`""` for the root).
+pub fn module_of(name: &str) -> &str {
+    name.rfind('.').map_or("", |i| &name[..i])
+}
+
+impl ModelDesc {
+    /// An empty description; add parameters with [`ModelDesc::param`].
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a trainable parameter (builder style).
+    pub fn param(mut self, name: &str, shape: &[usize], dtype: DType) -> Self {
+        self.params.push(ParamSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype,
+            requires_grad: true,
+        });
+        self
+    }
+
+    /// Adds a frozen parameter (`requires_grad=False`).
+    pub fn frozen_param(mut self, name: &str, shape: &[usize], dtype: DType) -> Self {
+        self.params.push(ParamSpec {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            dtype,
+            requires_grad: false,
+        });
+        self
+    }
+
+    /// Declares `alias` as another name of the parameter `primary` (builder style).
+    pub fn tie(mut self, alias: &str, primary: &str) -> Self {
+        self.tied.insert(alias.to_string(), primary.to_string());
+        self
+    }
+
+    /// Index of the parameter with this primary name or alias.
+    pub fn index_of(&self, name: &str) -> Option<usize> {
+        let primary = self.tied.get(name).map(String::as_str).unwrap_or(name);
+        self.params.iter().position(|p| p.name == primary)
+    }
+
+    /// The parameter with this primary name or alias.
+    pub fn get(&self, name: &str) -> Result<&ParamSpec> {
+        self.index_of(name).map(|i| &self.params[i]).ok_or_else(|| Error::UnknownParameter {
+            name: name.to_string(),
+            context: " in the model description".into(),
+        })
+    }
+
+    /// Total number of elements over unique parameters.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(ParamSpec::numel).sum()
+    }
+
+    /// Checks names are unique and non-empty and aliases point at existing parameters.
+    pub fn validate(&self) -> Result<()> {
+        let mut seen = HashMap::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if p.name.is_empty() || p.name.starts_with('.') || p.name.ends_with('.') {
+                return Err(Error::InvalidModel(format!("parameter {i} has an invalid name `{}`", p.name)));
+            }
+            if seen.insert(p.name.as_str(), i).is_some() {
+                return Err(Error::InvalidModel(format!("parameter `{}` is listed twice", p.name)));
+            }
+        }
+        for (alias, primary) in &self.tied {
+            if seen.contains_key(alias.as_str()) {
+                return Err(Error::InvalidModel(format!(
+                    "tied alias `{alias}` is also listed as a parameter"
+                )));
+            }
+            if !seen.contains_key(primary.as_str()) {
+                return Err(Error::InvalidModel(format!(
+                    "tied alias `{alias}` points at `{primary}`, which is not a parameter"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every name of every parameter (aliases included) as `(name, parameter index)`, in the
+    /// order of `named_parameters(remove_duplicate=False)`.
+    ///
+    /// Primaries keep their listed order. An alias is placed after the last primary its module
+    /// owns directly; if it owns none, after the last primary in that module's subtree; failing
+    /// that, the same rule is applied to the parent module (the root places it last).
+    pub fn names_with_aliases(&self) -> Vec<(String, usize)> {
+        let mut out: Vec<(String, usize)> =
+            self.params.iter().enumerate().map(|(i, p)| (p.name.clone(), i)).collect();
+        for (alias, primary) in &self.tied {
+            let Some(pidx) = self.index_of(primary) else { continue };
+            let mut module = module_of(alias).to_string();
+            let pos = loop {
+                let direct = out.iter().rposition(|(n, _)| module_of(n) == module);
+                let subtree = out.iter().rposition(|(n, _)| prefix_contains(&module, n));
+                if let Some(p) = direct.or(subtree) {
+                    break p + 1;
+                }
+                if module.is_empty() {
+                    break out.len();
+                }
+                module = module_of(&module).to_string();
+            };
+            out.insert(pos, (alias.clone(), pidx));
+        }
+        out
+    }
+}
+
+/// FSDP sharding strategy, named as `torch.distributed.fsdp.ShardingStrategy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum ShardingStrategy {
+    /// Shard parameters, gradients and optimizer state across the group.
+    #[default]
+    FullShard,
+    /// Shard gradients and optimizer state; for optimizer state identical to `FULL_SHARD`.
+    ShardGradOp,
+    /// `FULL_SHARD` within each shard group, replicated across shard groups.
+    HybridShard,
+    /// `SHARD_GRAD_OP` within each shard group, replicated across shard groups.
+    #[serde(rename = "_HYBRID_SHARD_ZERO2")]
+    HybridShardZero2,
+    /// No sharding: every rank holds everything (like DDP).
+    NoShard,
+}
+
+impl ShardingStrategy {
+    /// Whether flat parameters are split across the (shard) group.
+    pub fn shards(self) -> bool {
+        !matches!(self, ShardingStrategy::NoShard)
+    }
+
+    /// Whether the strategy shards within a sub-group and replicates across sub-groups.
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2)
+    }
+}
+
+/// How the model is wrapped: FSDP units, ignored modules, `use_orig_params`, strategy.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WrapPolicy {
+    /// Module prefixes wrapped as FSDP units, in wrap order (`""` is the root). A unit claims
+    /// its parameters before any unit that contains it, so nested units may be listed in any
+    /// order relative to their ancestors.
+    pub units: Vec<String>,
+    /// Module prefixes whose parameters FSDP ignores (their state passes through untouched).
+    #[serde(default)]
+    pub ignored_modules: Vec<String>,
+    /// `use_orig_params=True`: the optimizer sees original parameters instead of flat ones.
+    #[serde(default)]
+    pub use_orig_params: bool,
+    /// Sharding strategy.
+    #[serde(default)]
+    pub sharding_strategy: ShardingStrategy,
+}
+
+impl WrapPolicy {
+    /// A policy wrapping the given units with default options.
+    pub fn units<S: AsRef<str>>(units: &[S]) -> Self {
+        WrapPolicy {
+            units: units.iter().map(|s| s.as_ref().to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Sets `use_orig_params` (builder style).
+    pub fn with_orig_params(mut self, on: bool) -> Self {
+        self.use_orig_params = on;
+        self
+    }
+
+    /// Sets the ignored modules (builder style).
+    pub fn with_ignored<S: AsRef<str>>(mut self, modules: &[S]) -> Self {
+        self.ignored_modules = modules.iter().map(|s| s.as_ref().to_string()).collect();
+        self
+    }
+
+    /// Sets the sharding strategy (builder style).
+    pub fn with_strategy(mut self, strategy: ShardingStrategy) -> Self {
+        self.sharding_strategy = strategy;
+        self
+    }
+
+    /// Checks that units are unique and that every unit and ignored module holds a parameter.
+    pub fn validate(&self, model: &ModelDesc) -> Result<()> {
+        let names = model.names_with_aliases();
+        let mut seen = std::collections::HashSet::new();
+        for u in &self.units {
+            if !seen.insert(u) {
+                return Err(Error::InvalidModel(format!("FSDP unit `{u}` is listed twice")));
+            }
+            if !names.iter().any(|(n, _)| prefix_contains(u, n)) {
+                return Err(Error::InvalidModel(format!(
+                    "FSDP unit `{u}` contains no parameter of the model"
+                )));
+            }
+        }
+        for m in &self.ignored_modules {
+            if !names.iter().any(|(n, _)| prefix_contains(m, n)) {
+                return Err(Error::InvalidModel(format!(
+                    "ignored module `{m}` contains no parameter of the model"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_match_whole_segments() {
+        assert!(prefix_contains("", "a.b"));
+        assert!(prefix_contains("block1", "block1.weight"));
+        assert!(!prefix_contains("block1", "block10.weight"));
+        assert!(!prefix_contains("block1.weight", "block1.weight"));
+        assert_eq!(module_of("a.b.c"), "a.b");
+        assert_eq!(module_of("bias"), "");
+    }
+
+    #[test]
+    fn alias_of_a_module_without_primaries_goes_last() {
+        let m = ModelDesc::new()
+            .param("embed.weight", &[4, 2], DType::F32)
+            .param("layer.weight", &[2, 2], DType::F32)
+            .tie("head.weight", "embed.weight");
+        let names: Vec<_> = m.names_with_aliases().into_iter().map(|(n, i)| (n, i)).collect();
+        assert_eq!(names.last().unwrap(), &("head.weight".to_string(), 0));
+    }
+
+    #[test]
+    fn validation_names_the_culprit() {
+        let m = ModelDesc::new().param("a", &[1], DType::F32).tie("b", "zzz");
+        let e = m.validate().unwrap_err();
+        assert!(e.to_string().contains("zzz"), "{e}");
+        let m = ModelDesc::new().param("a.w", &[1], DType::F32);
+        let e = WrapPolicy::units(&["b"]).validate(&m).unwrap_err();
+        assert!(e.to_string().contains("`b`"), "{e}");
+    }
+}

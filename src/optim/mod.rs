@@ -1,0 +1,1 @@
+//! Sharded optimizers with `torch.optim`-shaped state dicts.
