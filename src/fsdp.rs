@@ -1,1 +1,339 @@
-//! The `Fsdp` façade.
+//! The `Fsdp` façade (layer 6): owns the model description, the layout and the process group
+//! and exposes PyTorch's optimizer-state API under PyTorch's names.
+
+use crate::collectives::ProcessGroup;
+use crate::error::{Error, Result};
+use crate::flat_param::ModelLayout;
+use crate::model::{ModelDesc, WrapPolicy};
+use crate::optim_state::consolidate::{consolidate, ConsolidateOptions};
+use crate::optim_state::scatter::{gather_sharded, scatter_full};
+use crate::optim_state::{flatten_optim_state_dict, rekey_optim_state_dict, OptimParams, OptimStateDict, OptimStateKeyType};
+use crate::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+
+/// Which kind of state dict `optim_state_dict` produces (`StateDictType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum StateDictType {
+    /// Unflattened, unsharded, keyed by names (`FULL_STATE_DICT`).
+    #[default]
+    Full,
+    /// Unflattened, each tensor row-chunked across ranks (`SHARDED_STATE_DICT`).
+    Sharded,
+    /// The optimizer's own flat, local dict, untransformed (`LOCAL_STATE_DICT`).
+    Local,
+}
+
+/// `FullStateDictConfig` (model state; kept for API parity).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FullStateDictConfig {
+    /// Move tensors to CPU (host tensors already are).
+    pub offload_to_cpu: bool,
+    /// Only rank 0 holds the result.
+    pub rank0_only: bool,
+}
+
+/// `ShardedStateDictConfig` (model state; kept for API parity).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ShardedStateDictConfig {
+    /// Move tensors to CPU (host tensors already are).
+    pub offload_to_cpu: bool,
+}
+
+/// Optimizer-state configuration for each [`StateDictType`] (`*OptimStateDictConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OptimStateDictConfig {
+    /// `FullOptimStateDictConfig`.
+    Full {
+        /// Move tensors to CPU. Host tensors are on CPU already; a device backend copies.
+        offload_to_cpu: bool,
+        /// Save: only rank 0 returns the dict. Load: only rank 0 passes it; it is scattered.
+        rank0_only: bool,
+    },
+    /// `ShardedOptimStateDictConfig`.
+    Sharded {
+        /// Move tensors to CPU.
+        offload_to_cpu: bool,
+    },
+    /// `LocalOptimStateDictConfig`.
+    Local {
+        /// Move tensors to CPU.
+        offload_to_cpu: bool,
+    },
+}
+
+impl OptimStateDictConfig {
+    /// PyTorch's default config for a state-dict type.
+    pub fn default_for(t: StateDictType) -> Self {
+        match t {
+            StateDictType::Full => OptimStateDictConfig::Full { offload_to_cpu: true, rank0_only: false },
+            StateDictType::Sharded => OptimStateDictConfig::Sharded { offload_to_cpu: true },
+            StateDictType::Local => OptimStateDictConfig::Local { offload_to_cpu: false },
+        }
+    }
+}
+
+/// The settings `set_state_dict_type` installs (`StateDictSettings`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateDictSettings {
+    /// The type.
+    pub state_dict_type: StateDictType,
+    /// Its optimizer-state config.
+    pub optim_state_dict_config: OptimStateDictConfig,
+}
+
+impl Default for StateDictSettings {
+    fn default() -> Self {
+        StateDictSettings {
+            state_dict_type: StateDictType::Full,
+            optim_state_dict_config: OptimStateDictConfig::default_for(StateDictType::Full),
+        }
+    }
+}
+
+/// One rank's view of an FSDP-wrapped model: its layout and process groups.
+///
+/// Every method that communicates is collective: all ranks of the group call it in the same
+/// order. Before moving any tensor the ranks exchange a digest of the layout and their keys;
+/// any disagreement is the same typed error on every rank.
+pub struct Fsdp {
+    layout: ModelLayout,
+    /// The group flat parameters are sharded over.
+    shard_pg: Arc<dyn ProcessGroup>,
+    /// The whole job (equal to `shard_pg` unless hybrid sharding).
+    world_pg: Arc<dyn ProcessGroup>,
+    settings: StateDictSettings,
+}
+
+impl std::fmt::Debug for Fsdp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fsdp")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("flat_params", &self.layout.flat_params.len())
+            .field("settings", &self.settings)
+            .finish()
+    }
+}
+
+const OPT: &str = "optim_state_dict";
+
+impl Fsdp {
+    /// Wraps `model` with `policy`, sharding over every rank of `pg`.
+    ///
+    /// `HYBRID_SHARD` needs [`Fsdp::new_hybrid`]. World size 1 behaves as `NO_SHARD`, as in
+    /// PyTorch.
+    pub fn new(model: &ModelDesc, policy: &WrapPolicy, pg: Arc<dyn ProcessGroup>) -> Result<Self> {
+        if policy.sharding_strategy.is_hybrid() {
+            return Err(Error::InvalidModel(
+                "HYBRID_SHARD needs a shard group: use Fsdp::new_hybrid(model, policy, world, shard_group_size)".into(),
+            ));
+        }
+        let layout = ModelLayout::new(model, policy, pg.world_size())?;
+        Ok(Fsdp { layout, shard_pg: pg.clone(), world_pg: pg, settings: StateDictSettings::default() })
+    }
+
+    /// `HYBRID_SHARD`: shards within consecutive groups of `shard_group_size` ranks of `world`
+    /// and replicates across them. Collective over `world` (it creates the sub-groups).
+    pub fn new_hybrid(
+        model: &ModelDesc,
+        policy: &WrapPolicy,
+        world: Arc<dyn ProcessGroup>,
+        shard_group_size: usize,
+    ) -> Result<Self> {
+        let ws = world.world_size();
+        if shard_group_size == 0 || ws % shard_group_size != 0 {
+            return Err(Error::InvalidModel(format!(
+                "shard group size {shard_group_size} does not divide the world size {ws}"
+            )));
+        }
+        let mut mine = None;
+        for g in 0..ws / shard_group_size {
+            let ranks: Vec<usize> = (g * shard_group_size..(g + 1) * shard_group_size).collect();
+            if let Some(pg) = world.new_subgroup(&ranks)? {
+                mine = Some(pg);
+            }
+        }
+        let shard_pg = mine.expect("every rank belongs to one shard group");
+        let layout = ModelLayout::new(model, policy, shard_group_size)?;
+        Ok(Fsdp { layout, shard_pg, world_pg: world, settings: StateDictSettings::default() })
+    }
+
+    /// The layout (flat parameters, padding, shards).
+    pub fn layout(&self) -> &ModelLayout {
+        &self.layout
+    }
+
+    /// This rank within the shard group.
+    pub fn rank(&self) -> usize {
+        self.shard_pg.rank()
+    }
+
+    /// Size of the shard group.
+    pub fn world_size(&self) -> usize {
+        self.shard_pg.world_size()
+    }
+
+    /// The shard group.
+    pub fn process_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.shard_pg
+    }
+
+    /// The parameters of `model.parameters()` of the wrapped model, in that order, as one
+    /// param group: what `torch.optim.Adam(model.parameters())` would hold.
+    pub fn optim_params(&self) -> OptimParams {
+        OptimParams::single(self.layout.default_optim_params())
+    }
+
+    /// `FSDP.set_state_dict_type`: selects what [`Fsdp::optim_state_dict`] returns and what
+    /// [`Fsdp::optim_state_dict_to_load`] expects. `None` takes PyTorch's default config.
+    pub fn set_state_dict_type(&mut self, t: StateDictType, config: Option<OptimStateDictConfig>) -> Result<StateDictSettings> {
+        let config = config.unwrap_or_else(|| OptimStateDictConfig::default_for(t));
+        let matches = matches!(
+            (t, config),
+            (StateDictType::Full, OptimStateDictConfig::Full { .. })
+                | (StateDictType::Sharded, OptimStateDictConfig::Sharded { .. })
+                | (StateDictType::Local, OptimStateDictConfig::Local { .. })
+        );
+        if !matches {
+            return Err(Error::InvalidModel(format!("{config:?} is not a config for {t:?}")));
+        }
+        let prev = self.settings;
+        self.settings = StateDictSettings { state_dict_type: t, optim_state_dict_config: config };
+        Ok(prev)
+    }
+
+    /// The current settings (`FSDP.get_state_dict_type`).
+    pub fn state_dict_settings(&self) -> StateDictSettings {
+        self.settings
+    }
+
+    fn rank0_only(&self) -> bool {
+        matches!(self.settings.optim_state_dict_config, OptimStateDictConfig::Full { rank0_only: true, .. })
+    }
+
+    /// `FSDP.full_optim_state_dict`: consolidates every rank's local optimizer state into the
+    /// full dict keyed by parameter names. With `rank0_only`, ranks other than 0 return
+    /// `None` (PyTorch's empty dict). Collective.
+    pub fn full_optim_state_dict<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        rank0_only: bool,
+    ) -> Result<Option<OptimStateDict<T>>> {
+        let to_save = !rank0_only || self.world_pg.rank() == 0;
+        consolidate(
+            "full_optim_state_dict",
+            &self.layout,
+            self.shard_pg.as_ref(),
+            osd,
+            params,
+            ConsolidateOptions { shard_state: false, to_save },
+        )
+    }
+
+    /// `FSDP.sharded_optim_state_dict`: like the full dict, but each tensor state keeps only
+    /// this rank's dim-0 chunk ([`crate::optim_state::ShardedTensor`]). Collective.
+    pub fn sharded_optim_state_dict<T: Tensor>(&self, osd: &OptimStateDict<T>, params: &OptimParams) -> Result<OptimStateDict<T>> {
+        let out = consolidate(
+            "sharded_optim_state_dict",
+            &self.layout,
+            self.shard_pg.as_ref(),
+            osd,
+            params,
+            ConsolidateOptions { shard_state: true, to_save: true },
+        )?;
+        Ok(out.expect("to_save"))
+    }
+
+    /// `FSDP.shard_full_optim_state_dict`: this rank's flattened, sharded dict for its
+    /// optimizer, from a full dict every rank holds. Local: no communication.
+    pub fn shard_full_optim_state_dict<T: Tensor>(&self, full: &OptimStateDict<T>, params: &OptimParams) -> Result<OptimStateDict<T>> {
+        flatten_optim_state_dict(&self.layout, self.rank(), full, params)
+    }
+
+    /// `FSDP.scatter_full_optim_state_dict`: rank 0 passes the full dict, the others `None`;
+    /// every rank gets its flattened, sharded dict. Collective.
+    pub fn scatter_full_optim_state_dict<T: Tensor>(
+        &self,
+        full: Option<&OptimStateDict<T>>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        scatter_full("scatter_full_optim_state_dict", &self.layout, self.rank(), self.world_pg.as_ref(), 0, full, params)
+    }
+
+    /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
+    /// at this world size), this rank's flattened dict for its optimizer. Collective.
+    pub fn flatten_sharded_optim_state_dict<T: Tensor>(
+        &self,
+        sharded: &OptimStateDict<T>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        let full = gather_sharded("flatten_sharded_optim_state_dict", &self.layout, self.shard_pg.as_ref(), sharded)?;
+        flatten_optim_state_dict(&self.layout, self.rank(), &full, params)
+    }
+
+    /// `FSDP.rekey_optim_state_dict` against this model: ids of `params` ↔ parameter names.
+    pub fn rekey_optim_state_dict<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        key_type: OptimStateKeyType,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        rekey_optim_state_dict(osd, key_type, &self.layout, params)
+    }
+
+    /// `FSDP.optim_state_dict`: transforms the local optimizer state dict per the state-dict
+    /// type: full (rank-0-only returns `None` elsewhere), sharded, or local (unchanged).
+    /// Collective for full and sharded.
+    pub fn optim_state_dict<T: Tensor>(&self, osd: &OptimStateDict<T>, params: &OptimParams) -> Result<Option<OptimStateDict<T>>> {
+        match self.settings.state_dict_type {
+            StateDictType::Full => {
+                let to_save = !self.rank0_only() || self.world_pg.rank() == 0;
+                consolidate(OPT, &self.layout, self.shard_pg.as_ref(), osd, params, ConsolidateOptions { shard_state: false, to_save })
+            }
+            StateDictType::Sharded => consolidate(
+                OPT,
+                &self.layout,
+                self.shard_pg.as_ref(),
+                osd,
+                params,
+                ConsolidateOptions { shard_state: true, to_save: true },
+            ),
+            StateDictType::Local => Ok(Some(osd.clone())),
+        }
+    }
+
+    /// `FSDP.optim_state_dict_to_load`: the dict this rank's optimizer can load, from a dict
+    /// made by [`Fsdp::optim_state_dict`] under the same state-dict type (possibly at another
+    /// world size or wrapping, for full dicts). With full rank-0-only, only rank 0 passes the
+    /// dict. Collective for full rank-0-only and sharded.
+    pub fn optim_state_dict_to_load<T: Tensor>(
+        &self,
+        osd: Option<&OptimStateDict<T>>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        let need = |what: &str| {
+            Error::InvalidStateDict(format!(
+                "optim_state_dict_to_load: rank {} must pass the {what} dict",
+                self.world_pg.rank()
+            ))
+        };
+        match self.settings.state_dict_type {
+            StateDictType::Full if self.rank0_only() => {
+                scatter_full("optim_state_dict_to_load", &self.layout, self.rank(), self.world_pg.as_ref(), 0, osd, params)
+            }
+            StateDictType::Full => flatten_optim_state_dict(&self.layout, self.rank(), osd.ok_or_else(|| need("full"))?, params),
+            StateDictType::Sharded => {
+                // Every rank joins the gather even when its own input is missing, so peers fail
+                // with the same error instead of waiting.
+                let empty = OptimStateDict::default();
+                let full = gather_sharded("optim_state_dict_to_load", &self.layout, self.shard_pg.as_ref(), osd.unwrap_or(&empty))?;
+                let osd = osd.ok_or_else(|| need("sharded"))?;
+                let _ = osd;
+                flatten_optim_state_dict(&self.layout, self.rank(), &full, params)
+            }
+            StateDictType::Local => osd.cloned().ok_or_else(|| need("local")),
+        }
+    }
+}

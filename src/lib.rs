@@ -7,9 +7,12 @@ pub mod flat_param;
 pub mod model;
 pub mod optim;
 pub mod optim_state;
+pub mod params;
 pub mod tensor;
 
 mod fsdp;
+
+pub use optim_state::OptimStateKeyType;
 
 pub use error::{Error, Result};
 pub use fsdp::*;

@@ -102,6 +102,15 @@ impl FlatParamLayout {
                     ),
                 });
             }
+            if !align && p.requires_grad != model.params[first].requires_grad {
+                return Err(Error::Flatten {
+                    unit: unit.into(),
+                    reason: format!(
+                        "with use_orig_params=False all parameters must share requires_grad, but `{}` and `{fqn}` differ",
+                        members[0].0
+                    ),
+                });
+            }
             if aligned > 0 {
                 let pad = aligned - total % aligned;
                 if pad > 0 && pad < aligned {

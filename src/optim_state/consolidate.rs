@@ -1,0 +1,449 @@
+//! Consolidating each rank's local optimizer state into a full or sharded name-keyed dict
+//! (`_optim_state_dict`): agree on keys, all-gather flat shards, unflatten per parameter.
+
+use super::keys::{LocalParam, OptimStateKey, Resolved};
+use super::plan::{check_digests, layout_digest, KeyInfo, PlanMsg, StateInfo};
+use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value};
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use crate::error::{Error, Result};
+use crate::flat_param::{unflatten_full, FlatParamLayout, ModelLayout, Ownership};
+use crate::tensor::{HostTensor, Tensor};
+use indexmap::IndexMap;
+use std::collections::{BTreeSet, HashMap};
+
+/// How the consolidated dict is returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsolidateOptions {
+    /// `true`: each rank keeps only its dim-0 chunk of every tensor (`SHARDED_STATE_DICT`).
+    pub shard_state: bool,
+    /// Whether this rank returns the dict (others still take part and return `None`).
+    pub to_save: bool,
+}
+
+/// Converts this rank's local optimizer state dict into the full (or sharded) dict keyed by
+/// parameter names. Collective over `pg`, the shard group of `layout`.
+pub fn consolidate<T: Tensor>(
+    op: &str,
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    osd: &OptimStateDict<T>,
+    params: &OptimParams,
+    opts: ConsolidateOptions,
+) -> Result<Option<OptimStateDict<T>>> {
+    // Local map and plan; errors here are this rank's own, but the exchange below must still
+    // happen so that peers do not hang: a failed rank sends an empty plan with digest 0.
+    let local = layout.local_params(params);
+    let local_plan = local.as_ref().map_err(Clone::clone).and_then(|l| local_plan(op, layout, osd, l));
+    let msg = match &local_plan {
+        Ok(p) => p.clone(),
+        Err(_) => PlanMsg { digest: 0, keys: vec![] },
+    };
+    let plans: Vec<PlanMsg> = pg.all_gather_object(&msg)?;
+    let local = local?;
+    local_plan?;
+    check_digests(op, &plans.iter().map(|p| p.digest).collect::<Vec<_>>())?;
+
+    let by_skey: HashMap<&OptimStateKey, &LocalParam> = local.iter().map(|l| (&l.skey, l)).collect();
+    let mut out: IndexMap<ParamKey, ParamState<T>> = IndexMap::new();
+
+    if !layout.use_orig_params() {
+        let keys = agree_flat_keys(op, layout, &plans)?;
+        for k in &keys {
+            // agree_flat_keys checked that every rank holds state for rank 0's keys.
+            let missing = || Error::MissingStateOnRanks { missing: vec![(pg.rank(), vec![k.key.names.clone()])] };
+            let l = by_skey.get(&k.key).ok_or_else(missing)?;
+            let st = osd.state.get(&l.key).ok_or_else(missing)?;
+            match l.resolved {
+                Resolved::Flat(f) => {
+                    let fl = &layout.flat_params[f];
+                    let per_member = unflatten_flat_state(fl, pg, st)?;
+                    if opts.to_save {
+                        for (m, s) in fl.members.iter().zip(per_member) {
+                            out.insert(ParamKey::Name(m.fqn.clone()), maybe_shard(s, opts, pg)?);
+                        }
+                    }
+                }
+                Resolved::Orig { .. } => {
+                    if opts.to_save {
+                        out.insert(ParamKey::Name(k.key.names[0].clone()), st.clone());
+                    }
+                }
+            }
+        }
+    } else {
+        let keys: BTreeSet<&OptimStateKey> = plans.iter().flat_map(|p| p.keys.iter().map(|k| &k.key)).collect();
+        let infos: Vec<HashMap<&OptimStateKey, &KeyInfo>> =
+            plans.iter().map(|p| p.keys.iter().map(|k| (&k.key, k)).collect()).collect();
+        // Unmanaged keys in sorted order; managed ones grouped per flat parameter.
+        let mut groups: IndexMap<usize, Vec<&OptimStateKey>> = IndexMap::new();
+        for k in keys {
+            if !k.managed {
+                if let (true, Some(st)) = (opts.to_save, by_skey.get(k).and_then(|l| osd.state.get(&l.key))) {
+                    out.insert(ParamKey::Name(k.names[0].clone()), st.clone());
+                }
+                continue;
+            }
+            let idx = layout.model.index_of(&k.names[0]).ok_or_else(|| Error::UnknownParameter {
+                name: k.names[0].clone(),
+                context: " (a peer rank's optimizer holds it)".into(),
+            })?;
+            let Ownership::Flat { flat, .. } = layout.ownership[idx] else {
+                return Err(Error::InvalidStateDict(format!("`{}` is not managed by FSDP", k.names[0])));
+            };
+            groups.entry(flat).or_default().push(k);
+        }
+        for (f, ks) in groups {
+            let fl = &layout.flat_params[f];
+            let local_states: Vec<Option<&ParamState<T>>> =
+                ks.iter().map(|k| by_skey.get(k).and_then(|l| osd.state.get(&l.key))).collect();
+            let gathered = gather_orig_param_states(fl, pg, &ks, &local_states, &infos)?;
+            if opts.to_save {
+                for (k, s) in ks.iter().zip(gathered) {
+                    out.insert(ParamKey::Name(k.names[0].clone()), maybe_shard(s, opts, pg)?);
+                }
+            }
+        }
+    }
+    if !opts.to_save {
+        return Ok(None);
+    }
+    // User-defined state: keys that no optimizer parameter owns pass through.
+    let flat_fqns: BTreeSet<String> = layout.flat_params.iter().map(FlatParamLayout::fqn).collect();
+    let owned: BTreeSet<&ParamKey> = local.iter().map(|l| &l.key).collect();
+    for (k, v) in &osd.state {
+        let skip = out.contains_key(k) || owned.contains(k) || k.as_name().is_some_and(|n| flat_fqns.contains(n));
+        if !skip {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    let param_groups = match &osd.param_groups {
+        None => None,
+        Some(groups) => {
+            let by_key: HashMap<&ParamKey, &LocalParam> = local.iter().map(|l| (&l.key, l)).collect();
+            let mut res = Vec::with_capacity(groups.len());
+            for (gi, g) in groups.iter().enumerate() {
+                let mut names = Vec::new();
+                for p in &g.params {
+                    let l = by_key.get(p).ok_or_else(|| Error::InvalidStateDict(format!(
+                        "param_groups[{gi}] lists the key {p}, which the optimizer's param groups do not hold"
+                    )))?;
+                    names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
+                }
+                res.push(ParamGroup { options: g.options.clone(), params: names });
+            }
+            Some(res)
+        }
+    };
+    Ok(Some(OptimStateDict { state: out, param_groups }))
+}
+
+fn local_plan<T: Tensor>(
+    op: &str,
+    layout: &ModelLayout,
+    osd: &OptimStateDict<T>,
+    local: &[LocalParam],
+) -> Result<PlanMsg> {
+    let mut keys = Vec::new();
+    for l in local {
+        if let Some(st) = osd.state.get(&l.key) {
+            if let Some((n, v)) = st.iter().find(|(_, v)| matches!(v, Value::Sharded(_))) {
+                return Err(Error::InvalidStateDict(format!(
+                    "local optimizer state of {} holds a sharded tensor in `{n}` ({}); expected plain tensors",
+                    l.key,
+                    v.kind()
+                )));
+            }
+            keys.push(KeyInfo::of(&l.skey, st)?);
+        }
+    }
+    Ok(PlanMsg { digest: layout_digest(op, layout)?, keys })
+}
+
+/// use_orig_params=False: rank 0's keys in rank 0's order; every rank must hold them all, and
+/// the tensor states of every flat parameter must have the same names, shapes and dtypes.
+fn agree_flat_keys<'a>(op: &str, layout: &ModelLayout, plans: &'a [PlanMsg]) -> Result<Vec<&'a KeyInfo>> {
+    let r0 = &plans[0].keys;
+    let mut missing = Vec::new();
+    let mut per_rank: Vec<HashMap<&OptimStateKey, &KeyInfo>> = Vec::new();
+    for (r, p) in plans.iter().enumerate() {
+        let have: HashMap<&OptimStateKey, &KeyInfo> = p.keys.iter().map(|k| (&k.key, k)).collect();
+        let lacks: Vec<Vec<String>> = r0.iter().filter(|k| !have.contains_key(&k.key)).map(|k| k.key.names.clone()).collect();
+        if !lacks.is_empty() {
+            missing.push((r, lacks));
+        }
+        per_rank.push(have);
+    }
+    if !missing.is_empty() {
+        return Err(Error::MissingStateOnRanks { missing });
+    }
+    for k in r0.iter().filter(|k| k.key.managed) {
+        let f = flat_of_key(layout, &k.key)?;
+        let c = f.shard_numel();
+        let tensors = |ki: &KeyInfo| -> Vec<(String, StateInfo)> {
+            ki.states.iter().filter(|(_, s)| matches!(s, StateInfo::Tensor { .. })).cloned().collect()
+        };
+        let reference = tensors(k);
+        for (name, s) in &reference {
+            if let StateInfo::Tensor { shape, .. } = s {
+                if shape != &vec![c] {
+                    return Err(Error::ShapeMismatch {
+                        context: format!(
+                            "state `{name}` of the flat parameter of unit `{}` on rank 0 (a local shard has {c} elements)",
+                            f.unit
+                        ),
+                        expected: vec![c],
+                        found: shape.clone(),
+                    });
+                }
+            }
+        }
+        let differ: Vec<usize> = (1..plans.len()).filter(|&r| tensors(per_rank[r][&k.key]) != reference).collect();
+        if !differ.is_empty() {
+            return Err(Error::PlanMismatch {
+                op: op.into(),
+                reference: 0,
+                ranks: differ.clone(),
+                detail: format!(
+                    "tensor states of the flat parameter of unit `{}` differ: rank 0 has {:?}, rank {} has {:?}",
+                    f.unit,
+                    reference,
+                    differ[0],
+                    tensors(per_rank[differ[0]][&k.key])
+                ),
+            });
+        }
+    }
+    Ok(r0.iter().collect())
+}
+
+fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a FlatParamLayout> {
+    let idx = layout.model.index_of(&key.names[0]).ok_or_else(|| Error::UnknownParameter {
+        name: key.names[0].clone(),
+        context: " (rank 0's optimizer holds it)".into(),
+    })?;
+    match layout.ownership[idx] {
+        Ownership::Flat { flat, .. } => Ok(&layout.flat_params[flat]),
+        Ownership::Unmanaged => Err(Error::InvalidStateDict(format!("`{}` is not managed by FSDP", key.names[0]))),
+    }
+}
+
+/// All-gathers `local` (this rank's `c` elements) into the `c * world_size` buffer.
+fn all_gather_shard<T: Tensor>(pg: &dyn ProcessGroup, local: &T, padded_numel: usize) -> Result<T> {
+    let host = local.to_host()?;
+    let mut buf = HostTensor::zeros(host.dtype(), &[padded_numel]);
+    pg.all_gather_into(host.as_bytes(), buf.bytes_mut())?;
+    T::from_host(buf)
+}
+
+/// use_orig_params=False: gathers one flat parameter's state and splits it per member, in
+/// PyTorch's order (sorted tensor states, sorted 0-dim states, sorted plain values).
+fn unflatten_flat_state<T: Tensor>(
+    fl: &FlatParamLayout,
+    pg: &dyn ProcessGroup,
+    st: &ParamState<T>,
+) -> Result<Vec<ParamState<T>>> {
+    let mut names: Vec<&String> = st.keys().collect();
+    names.sort();
+    let mut per_member: Vec<ParamState<T>> = vec![ParamState::new(); fl.members.len()];
+    for name in names.iter().filter(|n| st[n.as_str()].is_pos_dim_tensor()) {
+        let Value::Tensor(local) = &st[name.as_str()] else { unreachable!("checked pos-dim") };
+        let full = if fl.sharded { all_gather_shard(pg, local, fl.padded_numel())? } else { local.clone() };
+        for (m, view) in unflatten_full(fl, &full)?.into_iter().enumerate() {
+            per_member[m].insert((*name).clone(), Value::Tensor(view));
+        }
+    }
+    for pass in [true, false] {
+        for name in names.iter().filter(|n| {
+            let v = &st[n.as_str()];
+            !v.is_pos_dim_tensor() && v.is_zero_dim_tensor() == pass
+        }) {
+            for s in per_member.iter_mut() {
+                s.insert((*name).clone(), st[name.as_str()].clone());
+            }
+        }
+    }
+    Ok(per_member)
+}
+
+/// use_orig_params=True: rebuilds each original parameter's full state from every rank's
+/// views (`_gather_all_orig_param_state`), for the keys `keys` of flat parameter `fl`.
+fn gather_orig_param_states<T: Tensor>(
+    fl: &FlatParamLayout,
+    pg: &dyn ProcessGroup,
+    keys: &[&OptimStateKey],
+    local: &[Option<&ParamState<T>>],
+    infos: &[HashMap<&OptimStateKey, &KeyInfo>],
+) -> Result<Vec<ParamState<T>>> {
+    let member_of: Vec<usize> = keys
+        .iter()
+        .map(|k| fl.member_index(&k.names[0]).expect("key belongs to this flat parameter"))
+        .collect();
+    // Every trainable member must have state somewhere once its flat parameter has any.
+    for (mi, m) in fl.members.iter().enumerate() {
+        if m.requires_grad && !member_of.contains(&mi) {
+            return Err(Error::MissingParamState { param: m.fqn.clone(), unit: fl.unit.clone() });
+        }
+    }
+    if !fl.sharded {
+        return Ok(local.iter().map(|s| s.cloned().unwrap_or_default()).collect());
+    }
+    let world = pg.world_size();
+    let rank = pg.rank();
+    let mut outputs: Vec<ParamState<T>> = vec![ParamState::new(); keys.len()];
+    // Scalars (plain values first, then 0-dim tensors, each sorted), taken from the ranks that
+    // hold elements of the parameter; they must agree.
+    let mut tensor_names: Vec<String> = Vec::new();
+    let mut dtype = None;
+    for (ki, k) in keys.iter().enumerate() {
+        let rank_infos: Vec<Option<&KeyInfo>> = (0..world).map(|r| infos[r].get(k).copied()).collect();
+        let mut names: BTreeSet<&String> = BTreeSet::new();
+        for info in rank_infos.iter().flatten() {
+            for (n, s) in &info.states {
+                if let StateInfo::Tensor { dtype: d, .. } = s {
+                    names.insert(n);
+                    if dtype.is_some_and(|x| x != *d) {
+                        return Err(Error::TensorStateDtypeMismatch {
+                            state: n.clone(),
+                            params: fl.fqns(),
+                            dtypes: vec![format!("{}", dtype.expect("set")), d.to_string()],
+                        });
+                    }
+                    dtype = Some(*d);
+                }
+            }
+        }
+        let empty: BTreeSet<usize> = (0..world)
+            .filter(|&r| {
+                !names.is_empty()
+                    && names.iter().all(|n| rank_infos[r].and_then(|i| i.get(n)).map_or(0, StateInfo::numel) == 0)
+            })
+            .collect();
+        for n in names {
+            if !tensor_names.contains(n) {
+                tensor_names.push(n.clone());
+            }
+        }
+        let mut scalars: Vec<(String, Value<HostTensor>, usize)> = Vec::new();
+        for r in (0..world).filter(|r| !empty.contains(r)) {
+            let Some(info) = rank_infos[r] else { continue };
+            let mut plain: Vec<(&String, &Value<HostTensor>)> = Vec::new();
+            let mut zero: Vec<(&String, &Value<HostTensor>)> = Vec::new();
+            for (n, s) in &info.states {
+                if let StateInfo::Scalar(v) = s {
+                    if matches!(v, Value::Tensor(_)) { zero.push((n, v)) } else { plain.push((n, v)) }
+                }
+            }
+            plain.sort_by(|a, b| a.0.cmp(b.0));
+            zero.sort_by(|a, b| a.0.cmp(b.0));
+            for (n, v) in plain.into_iter().chain(zero) {
+                match scalars.iter().find(|(sn, _, _)| sn == n) {
+                    Some((_, prev, pr)) if !prev.same_scalar(v) => {
+                        return Err(Error::ScalarStateMismatch {
+                            state: n.clone(),
+                            params: vec![format!("{} on rank {pr}", k.names[0]), format!("{} on rank {r}", k.names[0])],
+                            values: vec![prev.render(), v.render()],
+                        });
+                    }
+                    Some(_) => {}
+                    None => scalars.push((n.clone(), v.clone(), r)),
+                }
+            }
+        }
+        for (n, v, _) in scalars {
+            outputs[ki].insert(n, v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?);
+        }
+    }
+    let Some(dtype) = dtype else { return Ok(outputs) };
+    let shard = fl.shard(rank);
+    let (s, e) = (shard.start, shard.start + shard.numel);
+    for name in &tensor_names {
+        // This rank's padded shard of the flat state: members' local views, zeros for padding
+        // and for frozen members without state.
+        let mut pieces: Vec<HostTensor> = Vec::new();
+        let mut off = 0;
+        let mut mi = 0;
+        for (&n, &pad) in fl.numels_with_padding.iter().zip(&fl.is_padding_mask) {
+            let (lo, hi) = (off.max(s), (off + n).min(e));
+            if lo < hi {
+                let piece = if pad {
+                    HostTensor::zeros(dtype, &[hi - lo])
+                } else {
+                    match member_of.iter().position(|&x| x == mi) {
+                        None => HostTensor::zeros(dtype, &[hi - lo]),
+                        Some(ki) => match local[ki].and_then(|st| st.get(name.as_str())) {
+                            Some(Value::Tensor(t)) if t.numel() == hi - lo => t.to_host()?.reshape(&[hi - lo])?,
+                            Some(Value::Tensor(t)) => {
+                                return Err(Error::ShapeMismatch {
+                                    context: format!(
+                                        "state `{name}` of parameter `{}` on rank {rank} (its shard holds {} elements)",
+                                        fl.members[mi].fqn,
+                                        hi - lo
+                                    ),
+                                    expected: vec![hi - lo],
+                                    found: t.shape(),
+                                })
+                            }
+                            _ => {
+                                return Err(Error::InvalidStateDict(format!(
+                                    "parameter `{}` has {} elements on rank {rank} but no tensor state `{name}` there",
+                                    fl.members[mi].fqn,
+                                    hi - lo
+                                )))
+                            }
+                        },
+                    }
+                };
+                pieces.push(piece);
+            }
+            if !pad {
+                mi += 1;
+            }
+            off += n;
+        }
+        if shard.numel_padded > 0 {
+            pieces.push(HostTensor::zeros(dtype, &[shard.numel_padded]));
+        }
+        let local_shard = if pieces.is_empty() { HostTensor::zeros(dtype, &[0]) } else { HostTensor::cat_flat(&pieces)? };
+        let full: T = all_gather_shard(pg, &T::from_host(local_shard)?, fl.padded_numel())?;
+        let views = unflatten_full(fl, &full)?;
+        for (ki, &m) in member_of.iter().enumerate() {
+            outputs[ki].insert(name.clone(), Value::Tensor(views[m].clone()));
+        }
+    }
+    Ok(outputs)
+}
+
+fn maybe_shard<T: Tensor>(s: ParamState<T>, opts: ConsolidateOptions, pg: &dyn ProcessGroup) -> Result<ParamState<T>> {
+    if !opts.shard_state {
+        return Ok(s);
+    }
+    s.into_iter()
+        .map(|(n, v)| {
+            let v = match v {
+                Value::Tensor(t) if t.dim() > 0 => Value::Sharded(chunk_dim0(&t, pg.rank(), pg.world_size())?),
+                other => other,
+            };
+            Ok((n, v))
+        })
+        .collect()
+}
+
+/// Rank `rank`'s `torch.chunk(world_size, dim=0)` piece of `t` with its global shape and offset.
+pub fn chunk_dim0<T: Tensor>(t: &T, rank: usize, world_size: usize) -> Result<ShardedTensor<T>> {
+    let shape = t.shape();
+    let rows = shape[0];
+    let row_numel: usize = shape[1..].iter().product();
+    let c = rows.div_ceil(world_size.max(1));
+    let mut offsets = vec![0; shape.len()];
+    let (start, end) = if c == 0 { (0, if rank == 0 { 0 } else { 1 }) } else { (c * rank, (c * (rank + 1)).min(rows)) };
+    let local = if start < end || (rows == 0 && rank == 0) {
+        offsets[0] = start;
+        let mut lshape = shape.clone();
+        lshape[0] = end - start;
+        Some(t.narrow_flat(start * row_numel, (end - start) * row_numel)?.reshape(&lshape)?)
+    } else {
+        offsets[0] = rows;
+        None
+    };
+    Ok(ShardedTensor { global_shape: shape, offsets, local })
+}

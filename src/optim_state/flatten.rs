@@ -1,0 +1,330 @@
+//! Flattening a full (unflattened, name-keyed) optimizer state dict into one rank's local
+//! dict for its optimizer (`_flatten_optim_state_dict` + `_rekey_sharded_optim_state_dict`).
+//!
+//! Pure: no communication. The full state is read through a [`FullStateSource`], so a
+//! dict in memory and a stream broadcast from rank 0 run the same code.
+
+use super::keys::{OptimStateKey, Resolved};
+use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+use crate::error::{Error, Result};
+use crate::flat_param::{FlatParamLayout, ModelLayout};
+use crate::tensor::Tensor;
+use indexmap::IndexMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// Supplies the full state of one parameter by name, in the deterministic order the
+/// flattening asks for (model parameter order).
+pub trait FullStateSource<T: Tensor> {
+    /// The state of parameter `fqn`, or `None` if it has none.
+    fn fetch(&mut self, fqn: &str) -> Result<Option<ParamState<T>>>;
+}
+
+/// A full dict held in memory.
+pub struct DictSource<'a, T>(pub &'a OptimStateDict<T>);
+
+impl<T: Tensor> FullStateSource<T> for DictSource<'_, T> {
+    fn fetch(&mut self, fqn: &str) -> Result<Option<ParamState<T>>> {
+        Ok(self.0.state.get(&ParamKey::Name(fqn.to_string())).cloned())
+    }
+}
+
+/// Every name that refers to a model parameter (state FQNs, primaries and aliases).
+pub(crate) fn parameter_names(layout: &ModelLayout) -> HashSet<String> {
+    layout.fqn_index().into_keys().collect()
+}
+
+/// Entries of a name-keyed dict that belong to no parameter: user-defined state, passed through.
+pub(crate) fn user_state<T: Tensor>(layout: &ModelLayout, full: &OptimStateDict<T>) -> Vec<(ParamKey, ParamState<T>)> {
+    let names = parameter_names(layout);
+    full.state
+        .iter()
+        .filter(|(k, _)| match k {
+            ParamKey::Name(n) => !names.contains(n),
+            ParamKey::Id(_) => true,
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// `shard_full_optim_state_dict` for one rank: flattens and shards `full` for the optimizer
+/// described by `params`, keyed by this optimizer's ids (or names for a named optimizer).
+pub fn flatten_optim_state_dict<T: Tensor>(
+    layout: &ModelLayout,
+    rank: usize,
+    full: &OptimStateDict<T>,
+    params: &OptimParams,
+) -> Result<OptimStateDict<T>> {
+    if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
+        return Err(Error::InvalidStateDict(format!(
+            "a full optimizer state dict is keyed by parameter names, but it has the id key {k}; rekey it with rekey_optim_state_dict(.., ParamName, ..) first"
+        )));
+    }
+    let user = user_state(layout, full);
+    flatten_from_source(layout, rank, &mut DictSource(full), full.param_groups.as_deref(), user, params)
+}
+
+/// The flattening loop over any [`FullStateSource`].
+pub fn flatten_from_source<T: Tensor>(
+    layout: &ModelLayout,
+    rank: usize,
+    source: &mut dyn FullStateSource<T>,
+    param_groups: Option<&[ParamGroup<T>]>,
+    user: Vec<(ParamKey, ParamState<T>)>,
+    params: &OptimParams,
+) -> Result<OptimStateDict<T>> {
+    let local = layout.local_params(params)?;
+    let skey_to_key: HashMap<&OptimStateKey, &ParamKey> = local.iter().map(|l| (&l.skey, &l.key)).collect();
+    let mut state: IndexMap<ParamKey, ParamState<T>> = IndexMap::new();
+    for r in layout.model_order() {
+        let skey = layout.state_key(r);
+        let flat_state = match r {
+            Resolved::Flat(f) => {
+                let fl = &layout.flat_params[f];
+                let mut member_states = Vec::with_capacity(fl.members.len());
+                for m in &fl.members {
+                    member_states.push(source.fetch(&m.fqn)?);
+                }
+                if member_states.iter().all(Option::is_none) {
+                    continue;
+                }
+                let s = flatten_flat_param(fl, rank, &member_states)?;
+                if s.is_empty() {
+                    return Err(Error::InvalidStateDict(format!(
+                        "the state of the flat parameter of unit `{}` ({:?}) is empty",
+                        fl.unit, skey.names
+                    )));
+                }
+                s
+            }
+            Resolved::Orig { param, owner } => {
+                let Some(st) = source.fetch(layout.state_fqn(param))? else { continue };
+                match owner {
+                    Some((f, m)) => {
+                        let s = shard_orig_param_state(&layout.flat_params[f], m, rank, st)?;
+                        if s.is_empty() {
+                            continue;
+                        }
+                        s
+                    }
+                    None => st,
+                }
+            }
+        };
+        // State of a parameter this rank's optimizer does not hold is dropped.
+        if let Some(key) = skey_to_key.get(&skey) {
+            state.insert((*key).clone(), flat_state);
+        }
+    }
+    for (k, v) in user {
+        state.insert(k, v);
+    }
+    let param_groups = match param_groups {
+        None => None,
+        Some(groups) => {
+            let mut name_to_key: HashMap<&str, &ParamKey> = HashMap::new();
+            for l in &local {
+                for n in &l.skey.names {
+                    name_to_key.insert(n, &l.key);
+                }
+            }
+            let mut out = Vec::with_capacity(groups.len());
+            for (gi, g) in groups.iter().enumerate() {
+                let mut keys = BTreeSet::new();
+                for p in &g.params {
+                    let ParamKey::Name(n) = p else {
+                        return Err(Error::InvalidStateDict(format!(
+                            "param_groups[{gi}] of a full optimizer state dict lists the id {p}; expected parameter names"
+                        )));
+                    };
+                    let key = name_to_key.get(n.as_str()).ok_or_else(|| Error::UnknownParameter {
+                        name: n.clone(),
+                        context: format!(" listed in param_groups[{gi}]: this rank's optimizer does not hold it"),
+                    })?;
+                    keys.insert((*key).clone());
+                }
+                out.push(ParamGroup { options: g.options.clone(), params: keys.into_iter().collect() });
+            }
+            Some(out)
+        }
+    };
+    Ok(OptimStateDict { state, param_groups })
+}
+
+fn present<T>(v: Option<&Value<T>>) -> Option<&Value<T>> {
+    v.filter(|v| !matches!(v, Value::None))
+}
+
+/// Flattens the unflattened states of one flat parameter's members and cuts rank `rank`'s
+/// shard (`_flatten_optim_state`), with PyTorch's checks.
+pub fn flatten_flat_param<T: Tensor>(
+    fl: &FlatParamLayout,
+    rank: usize,
+    member_states: &[Option<ParamState<T>>],
+) -> Result<ParamState<T>> {
+    let names: Vec<String> = fl.fqns();
+    // Same state names for every member that has state; output in the first one's order.
+    let mut order: Option<Vec<&String>> = None;
+    let mut name_sets = Vec::new();
+    for st in member_states.iter().flatten() {
+        let mut set: Vec<String> = st.keys().cloned().collect();
+        set.sort();
+        name_sets.push(set);
+        if order.is_none() {
+            order = Some(st.keys().collect());
+        }
+    }
+    if name_sets.windows(2).any(|w| w[0] != w[1]) {
+        return Err(Error::DifferingStateNames { params: names, names: name_sets });
+    }
+    let order = order.unwrap_or_default();
+    let mut out = ParamState::new();
+    for sname in order {
+        let values: Vec<Option<&Value<T>>> =
+            member_states.iter().map(|s| present(s.as_ref().and_then(|s| s.get(sname)))).collect();
+        let non_none: Vec<&Value<T>> = values.iter().flatten().copied().collect();
+        if non_none.is_empty() {
+            out.insert(sname.clone(), Value::None);
+            continue;
+        }
+        let all_pos = non_none.iter().all(|v| v.is_pos_dim_tensor());
+        let all_zero = non_none.iter().all(|v| v.is_zero_dim_tensor());
+        let all_plain = non_none.iter().all(|v| !v.is_tensor());
+        let same_type = non_none.windows(2).all(|w| std::mem::discriminant(w[0]) == std::mem::discriminant(w[1]));
+        if !(same_type && (all_pos || all_zero || all_plain)) {
+            return Err(Error::DifferingStateTypes {
+                state: sname.clone(),
+                params: names,
+                kinds: values.iter().map(|v| v.map_or("missing".into(), |v| v.kind())).collect(),
+            });
+        }
+        let value = if all_pos {
+            Value::Tensor(flatten_tensor_state(fl, rank, sname, &values)?)
+        } else {
+            if non_none.len() != values.len() || non_none.windows(2).any(|w| !w[0].same_scalar(w[1])) {
+                return Err(Error::ScalarStateMismatch {
+                    state: sname.clone(),
+                    params: names,
+                    values: values.iter().map(|v| v.map_or("missing".into(), |v| v.render())).collect(),
+                });
+            }
+            non_none[0].clone()
+        };
+        out.insert(sname.clone(), value);
+    }
+    Ok(out)
+}
+
+/// Concatenates positive-dim tensor states (zeros for members without the state) and cuts the
+/// rank's padded shard without materializing the whole flat tensor.
+fn flatten_tensor_state<T: Tensor>(
+    fl: &FlatParamLayout,
+    rank: usize,
+    sname: &str,
+    values: &[Option<&Value<T>>],
+) -> Result<T> {
+    let mut tensors: Vec<Option<&T>> = Vec::with_capacity(values.len());
+    let mut dtypes = BTreeSet::new();
+    for v in values {
+        match v {
+            None => tensors.push(None),
+            Some(Value::Tensor(t)) => {
+                dtypes.insert(t.dtype());
+                tensors.push(Some(t));
+            }
+            Some(other) => {
+                return Err(Error::InvalidStateDict(format!(
+                    "state `{sname}` of unit `{}` holds a {}; gather sharded tensors before flattening",
+                    fl.unit,
+                    other.kind()
+                )))
+            }
+        }
+    }
+    if dtypes.len() != 1 {
+        return Err(Error::TensorStateDtypeMismatch {
+            state: sname.into(),
+            params: fl.fqns(),
+            dtypes: dtypes.iter().map(|d| d.to_string()).collect(),
+        });
+    }
+    let dtype = *dtypes.iter().next().expect("one dtype");
+    for (m, t) in fl.members.iter().zip(&tensors) {
+        match t {
+            None if m.shape.is_empty() => {
+                return Err(Error::ZeroDimParamWithoutState { param: m.fqn.clone(), state: sname.into() })
+            }
+            Some(t) if t.shape() != m.shape => {
+                return Err(Error::ShapeMismatch {
+                    context: format!("state `{sname}` of parameter `{}`", m.fqn),
+                    expected: m.shape.clone(),
+                    found: t.shape(),
+                })
+            }
+            _ => {}
+        }
+    }
+    let shard = fl.shard(rank);
+    let (s, e) = (shard.start, shard.start + shard.numel);
+    let mut pieces: Vec<T> = Vec::new();
+    let mut off = 0;
+    let mut m = 0;
+    for (&n, &pad) in fl.numels_with_padding.iter().zip(&fl.is_padding_mask) {
+        let (lo, hi) = (off.max(s), (off + n).min(e));
+        if lo < hi {
+            let piece = match (pad, tensors.get(m).copied().flatten()) {
+                (false, Some(t)) => t.narrow_flat(lo - off, hi - lo)?,
+                _ => T::zeros(dtype, &[hi - lo])?,
+            };
+            pieces.push(piece);
+        }
+        if !pad {
+            m += 1;
+        }
+        off += n;
+    }
+    if shard.numel_padded > 0 {
+        pieces.push(T::zeros(dtype, &[shard.numel_padded])?);
+    }
+    match pieces.len() {
+        0 => T::zeros(dtype, &[0]),
+        1 => Ok(pieces.pop().expect("one piece")),
+        _ => T::cat_flat(&pieces),
+    }
+}
+
+/// Cuts rank `rank`'s part of one original parameter's full state (`_shard_orig_param_state`):
+/// positive-dim tensors become the 1-D slice the rank's parameter view covers; an empty map
+/// when the rank holds none of the parameter.
+pub fn shard_orig_param_state<T: Tensor>(
+    fl: &FlatParamLayout,
+    member: usize,
+    rank: usize,
+    state: ParamState<T>,
+) -> Result<ParamState<T>> {
+    if state.is_empty() {
+        return Ok(state);
+    }
+    let info = fl.shard(rank).params[member];
+    if !info.in_shard {
+        return Ok(ParamState::new());
+    }
+    let m = &fl.members[member];
+    let mut out = ParamState::new();
+    for (name, v) in state {
+        let v = match v {
+            Value::Tensor(t) if t.dim() > 0 && fl.sharded => {
+                if t.numel() != m.numel {
+                    return Err(Error::ShapeMismatch {
+                        context: format!("state `{name}` of parameter `{}`", m.fqn),
+                        expected: m.shape.clone(),
+                        found: t.shape(),
+                    });
+                }
+                Value::Tensor(t.narrow_flat(info.intra_param_start_idx, info.numel_in_shard)?)
+            }
+            other => other,
+        };
+        out.insert(name, v);
+    }
+    Ok(out)
+}
