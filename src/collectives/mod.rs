@@ -59,11 +59,14 @@ pub trait ProcessGroupExt: ProcessGroup {
         let bytes = match value {
             Some(v) if self.rank() == root => Some(encode(v)?),
             None if self.rank() == root => {
+                // Join the broadcast without bytes so that the backend fails every rank at
+                // once instead of leaving the peers waiting for the timeout.
+                self.broadcast_bytes(None, root)?;
                 return Err(Error::InvalidCollective {
                     op: "broadcast_object".into(),
                     rank: self.rank(),
                     reason: "the root rank must pass the object".into(),
-                })
+                });
             }
             _ => None,
         };

@@ -1,6 +1,897 @@
-//! In-process thread backend.
+//! In-process thread backend: one rank per thread, ranks meet in shared memory (see
+//! [`ThreadGroup`] for the protocol).
 
-/// Placeholder.
+use super::ProcessGroup;
+use crate::error::{Error, Result};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// An in-process group whose ranks are threads: constructors and a runner.
+///
+/// [`ThreadGroup::new`] hands out one [`ThreadProcessGroup`] per rank; move each into the thread
+/// that plays that rank, or let [`ThreadGroup::run`] spawn the threads.
+///
+/// ```
+/// use fsdp::collectives::{ProcessGroup, ThreadGroup};
+///
+/// let gathered = ThreadGroup::run(3, |pg| {
+///     let mut recv = vec![0u8; 3];
+///     pg.all_gather_into(&[pg.rank() as u8], &mut recv)?;
+///     Ok::<_, fsdp::Error>(recv)
+/// });
+/// for recv in gathered {
+///     assert_eq!(recv?, [0, 1, 2]);
+/// }
+/// # Ok::<(), fsdp::Error>(())
+/// ```
+///
+/// # Protocol
+///
+/// Every collective call is one *round* of a rendezvous guarded by a mutex and a condition
+/// variable. Rounds are numbered (the generation); a rank's n-th call belongs to round n.
+///
+/// 1. **Arrive.** The rank publishes an op descriptor (name, sizes, root, sub-group ranks) and a
+///    raw pointer + length to the bytes it sends, then waits until every rank has arrived. The
+///    last rank to arrive compares all descriptors: if they agree the round moves to the copy
+///    phase, otherwise the group fails with [`Error::CollectiveMismatch`].
+/// 2. **Copy.** Outside the lock, each rank copies what it receives straight from the peers'
+///    send buffers into its own output (one `memcpy` per received byte, no staging buffer).
+/// 3. **Depart.** Each rank waits until every rank has finished copying; the last one clears
+///    the round and opens the next generation. So no rank returns — and frees or reuses its send
+///    buffer — while a peer may still read it. This wait has no timeout and cannot hang: once
+///    all ranks have arrived, each of them is inside the call and finishes its copy (a panic
+///    during the copy still registers the rank as finished before unwinding continues).
+///
+/// # Failures
+///
+/// The timeout of the group bounds the wait for peers to *arrive*
+/// ([`Error::CollectiveTimeout`], naming the ranks that never came). A dropped handle —
+/// including one dropped while its thread unwinds from a panic — marks its rank as gone and
+/// wakes every waiter, which fails with [`Error::PeerDied`] at once. Invalid arguments on one
+/// rank ([`Error::InvalidCollective`]) also fail its peers in that round. After any failure the
+/// group is *poisoned*: every later call on any rank fails immediately with an error of the
+/// same kind instead of waiting. Sub-groups are separate rendezvous domains with their own
+/// failure state.
+#[derive(Debug, Clone, Copy, Default)]
 pub struct ThreadGroup;
-/// Placeholder.
-pub struct ThreadProcessGroup;
+
+impl ThreadGroup {
+    /// Timeout used by [`ThreadGroup::new`] and [`ThreadGroup::run`].
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+    /// Creates a group of `world_size` ranks with [`ThreadGroup::DEFAULT_TIMEOUT`]; the handle
+    /// of rank `i` is at index `i`. World size 0 gives no handles.
+    // `ThreadGroup` only names the group; what `new` creates is the ranks' handles.
+    #[allow(clippy::new_ret_no_self)]
+    pub fn new(world_size: usize) -> Vec<ThreadProcessGroup> {
+        Self::with_timeout(world_size, Self::DEFAULT_TIMEOUT)
+    }
+
+    /// Creates a group of `world_size` ranks in which a collective fails with
+    /// [`Error::CollectiveTimeout`] when peers have not arrived within `timeout`.
+    pub fn with_timeout(world_size: usize, timeout: Duration) -> Vec<ThreadProcessGroup> {
+        let domain = Domain::new(world_size, timeout);
+        (0..world_size)
+            .map(|rank| ThreadProcessGroup::from_domain(Arc::clone(&domain), rank))
+            .collect()
+    }
+
+    /// Runs `f` once per rank, each on its own scoped thread named `rank-<i>` with that rank's
+    /// handle, and returns the results in rank order. World size 1 runs `f` on the calling
+    /// thread; world size 0 returns an empty vector.
+    ///
+    /// # Panics
+    ///
+    /// If `f` panics on some rank, that rank's handle is dropped while unwinding (its peers get
+    /// [`Error::PeerDied`]); after every thread has finished, the panic of the lowest panicking
+    /// rank is resumed on the caller. Also panics if a thread cannot be spawned.
+    pub fn run<F, R>(world_size: usize, f: F) -> Vec<R>
+    where
+        F: Fn(ThreadProcessGroup) -> R + Send + Sync,
+        R: Send,
+    {
+        Self::run_with_timeout(world_size, Self::DEFAULT_TIMEOUT, f)
+    }
+
+    /// [`ThreadGroup::run`] on a group created with [`ThreadGroup::with_timeout`].
+    ///
+    /// # Panics
+    ///
+    /// As [`ThreadGroup::run`].
+    pub fn run_with_timeout<F, R>(world_size: usize, timeout: Duration, f: F) -> Vec<R>
+    where
+        F: Fn(ThreadProcessGroup) -> R + Send + Sync,
+        R: Send,
+    {
+        let handles = Self::with_timeout(world_size, timeout);
+        if world_size <= 1 {
+            return handles.into_iter().map(&f).collect();
+        }
+        let f = &f;
+        let joined: Vec<thread::Result<R>> = thread::scope(|scope| {
+            let threads: Vec<_> = handles
+                .into_iter()
+                .map(|pg| {
+                    thread::Builder::new()
+                        .name(format!("rank-{}", pg.rank))
+                        .spawn_scoped(scope, move || f(pg))
+                        .expect("failed to spawn a rank thread")
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join()).collect()
+        });
+        let mut results = Vec::with_capacity(world_size);
+        let mut first_panic = None;
+        for outcome in joined {
+            match outcome {
+                Ok(r) => results.push(r),
+                Err(payload) => {
+                    first_panic.get_or_insert(payload);
+                }
+            }
+        }
+        if let Some(payload) = first_panic {
+            std::panic::resume_unwind(payload);
+        }
+        results
+    }
+}
+
+/// One rank's handle on an in-process group (see [`ThreadGroup`]).
+///
+/// Dropping the handle makes the rank leave the group: peers waiting for it, or calling a
+/// collective later, fail with [`Error::PeerDied`]. A handle must be used by one thread at a
+/// time; a collective started while another is in flight on the same handle fails with
+/// [`Error::InvalidCollective`].
+pub struct ThreadProcessGroup {
+    domain: Arc<Domain>,
+    rank: usize,
+    /// Number of collectives this rank has entered: the generation of its next round.
+    calls: AtomicU64,
+    /// Set while a collective runs on this handle.
+    busy: AtomicBool,
+}
+
+impl ThreadProcessGroup {
+    fn from_domain(domain: Arc<Domain>, rank: usize) -> Self {
+        Self {
+            domain,
+            rank,
+            calls: AtomicU64::new(0),
+            busy: AtomicBool::new(false),
+        }
+    }
+
+    /// How long a collective waits for peers to arrive before failing.
+    pub fn timeout(&self) -> Duration {
+        self.domain.timeout
+    }
+
+    /// Runs one collective round (protocol in [`ThreadGroup`]'s docs): checks the local
+    /// argument check `valid` and the group's health, publishes `op` and `send`, waits for every
+    /// rank, runs `copy` with the published buffers of all ranks, and waits until all ranks
+    /// have copied.
+    fn collective<T>(
+        &self,
+        op: OpDesc,
+        send: &[u8],
+        valid: std::result::Result<(), String>,
+        copy: impl FnOnce(&Round) -> T,
+    ) -> Result<T> {
+        let name = op.name();
+        let rank = self.rank;
+        let _busy = BusyGuard::acquire(&self.busy).ok_or_else(|| Error::InvalidCollective {
+            op: name.into(),
+            rank,
+            reason: "another collective is in flight on this handle; use it from one thread".into(),
+        })?;
+        let seq = self.calls.fetch_add(1, Ordering::Relaxed);
+        let domain = &*self.domain;
+        let mut st = domain.lock();
+
+        if let Err(reason) = valid {
+            // The peers cannot complete this round without us: fail them too.
+            let kind = FailureKind::Invalid {
+                op: name,
+                rank,
+                reason: reason.clone(),
+            };
+            domain.poison(&mut st, seq, kind);
+            return Err(Error::InvalidCollective {
+                op: name.into(),
+                rank,
+                reason,
+            });
+        }
+        if let Some(failure) = &st.failure {
+            return Err(failure.error(name, rank, seq == failure.gen));
+        }
+        if let Some(peer) = st.dead_peer() {
+            return Err(domain
+                .poison(&mut st, seq, FailureKind::PeerDied { peer })
+                .error(name, rank, true));
+        }
+        debug_assert!(seq == st.gen && !st.copying && st.slots[rank].is_none());
+
+        // Phase 1: arrive, and wait for every peer to arrive.
+        st.slots[rank] = Some(Slot {
+            op,
+            send: RawBytes::new(send),
+        });
+        st.arrived += 1;
+        if st.arrived == domain.world_size {
+            match st.agreement() {
+                Ok(op) => {
+                    if let OpDesc::NewSubgroup { ranks } = op {
+                        st.subgroup = Some(Domain::new(ranks.len(), domain.timeout));
+                    }
+                    st.copying = true;
+                    domain.changed.notify_all();
+                }
+                Err(detail) => {
+                    domain.poison(&mut st, seq, FailureKind::Mismatch { detail });
+                }
+            }
+        }
+        let start = Instant::now();
+        let deadline = start.checked_add(domain.timeout);
+        while !st.copying {
+            let error = if let Some(failure) = &st.failure {
+                failure.error(name, rank, true)
+            } else if let Some(peer) = st.dead_peer() {
+                domain
+                    .poison(&mut st, seq, FailureKind::PeerDied { peer })
+                    .error(name, rank, true)
+            } else {
+                let now = Instant::now();
+                match deadline {
+                    Some(deadline) if now >= deadline => {
+                        let missing = (0..domain.world_size)
+                            .filter(|&p| st.slots[p].is_none())
+                            .collect();
+                        let kind = FailureKind::Timeout {
+                            op: name,
+                            waited: now - start,
+                            missing,
+                        };
+                        domain.poison(&mut st, seq, kind).error(name, rank, true)
+                    }
+                    Some(deadline) => {
+                        st = domain
+                            .changed
+                            .wait_timeout(st, deadline - now)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                        continue;
+                    }
+                    None => {
+                        st = domain.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                        continue;
+                    }
+                }
+            };
+            // Withdraw: the round can never complete, and our send buffer is about to go away.
+            st.slots[rank] = None;
+            st.arrived -= 1;
+            return Err(error);
+        }
+
+        // Phase 2: copy from the peers' buffers outside the lock.
+        let round = Round {
+            sends: st
+                .slots
+                .iter()
+                .map(|s| s.as_ref().map_or(RawBytes::EMPTY, |s| s.send))
+                .collect(),
+            subgroup: st.subgroup.clone(),
+        };
+        drop(st);
+        // Created before copying, so that even a panic in `copy` waits for the peers' copies.
+        let depart = DepartGuard { domain, gen: seq };
+        let out = copy(&round);
+        // Phase 3: wait until every rank has copied (in the guard's `drop`).
+        drop(depart);
+        Ok(out)
+    }
+}
+
+impl fmt::Debug for ThreadProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ThreadProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.domain.world_size)
+            .field("timeout", &self.domain.timeout)
+            .finish()
+    }
+}
+
+impl Drop for ThreadProcessGroup {
+    fn drop(&mut self) {
+        let mut st = self.domain.lock();
+        st.alive[self.rank] = false;
+        self.domain.changed.notify_all();
+    }
+}
+
+impl ProcessGroup for ThreadProcessGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.domain.world_size
+    }
+
+    fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
+        let (n, ws) = (send.len(), self.world_size());
+        let valid = match n.checked_mul(ws) {
+            Some(total) if total == recv.len() => Ok(()),
+            _ => Err(format!(
+                "recv has {} bytes, expected send length {n} x world size {ws}",
+                recv.len()
+            )),
+        };
+        self.collective(OpDesc::AllGatherInto { len: n }, send, valid, |round| {
+            if n > 0 {
+                for (peer, chunk) in recv.chunks_exact_mut(n).enumerate() {
+                    chunk.copy_from_slice(round.send_of(peer));
+                }
+            }
+        })
+    }
+
+    fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
+        let op = OpDesc::Broadcast {
+            root,
+            len: buf.len(),
+        };
+        let valid = self.check_root(root);
+        if self.rank == root {
+            self.collective(op, buf, valid, |_| ())
+        } else {
+            // All lengths agree (checked at arrival), so the copy cannot fail.
+            self.collective(op, &[], valid, |round| {
+                buf.copy_from_slice(round.send_of(root))
+            })
+        }
+    }
+
+    fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.collective(OpDesc::AllGatherBytes, send, Ok(()), |round| {
+            (0..self.world_size())
+                .map(|peer| round.send_of(peer).to_vec())
+                .collect()
+        })
+    }
+
+    /// Non-root ranks should pass `None`; bytes they pass anyway are ignored.
+    fn broadcast_bytes(&self, send: Option<&[u8]>, root: usize) -> Result<Vec<u8>> {
+        let op = OpDesc::BroadcastBytes { root };
+        let mut valid = self.check_root(root);
+        if self.rank == root && send.is_none() {
+            valid = Err("the root rank must pass the bytes to send".into());
+        }
+        let send = if self.rank == root {
+            send.unwrap_or_default()
+        } else {
+            &[]
+        };
+        self.collective(op, send, valid, |round| round.send_of(root).to_vec())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.collective(OpDesc::Barrier, &[], Ok(()), |_| ())
+    }
+
+    fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
+        let valid = check_subgroup(ranks, self.world_size());
+        let position = ranks.iter().position(|&r| r == self.rank);
+        self.collective(
+            OpDesc::NewSubgroup {
+                ranks: ranks.to_vec(),
+            },
+            &[],
+            valid,
+            |round| {
+                let domain = round.subgroup.clone()?;
+                let group: Arc<dyn ProcessGroup> =
+                    Arc::new(ThreadProcessGroup::from_domain(domain, position?));
+                Some(group)
+            },
+        )
+    }
+
+    fn backend(&self) -> &'static str {
+        "threads"
+    }
+}
+
+impl ThreadProcessGroup {
+    fn check_root(&self, root: usize) -> std::result::Result<(), String> {
+        if root < self.world_size() {
+            Ok(())
+        } else {
+            Err(format!(
+                "root {root} is out of range for world size {}",
+                self.world_size()
+            ))
+        }
+    }
+}
+
+fn check_subgroup(ranks: &[usize], world_size: usize) -> std::result::Result<(), String> {
+    if ranks.is_empty() {
+        return Err("the sub-group has no ranks".into());
+    }
+    if let Some(r) = ranks.iter().find(|&&r| r >= world_size) {
+        return Err(format!(
+            "rank {r} of sub-group {ranks:?} is out of range for world size {world_size}"
+        ));
+    }
+    for (i, r) in ranks.iter().enumerate() {
+        if ranks[..i].contains(r) {
+            return Err(format!("rank {r} appears twice in sub-group {ranks:?}"));
+        }
+    }
+    Ok(())
+}
+
+/// What a rank called, as compared across ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum OpDesc {
+    AllGatherInto { len: usize },
+    Broadcast { root: usize, len: usize },
+    AllGatherBytes,
+    BroadcastBytes { root: usize },
+    Barrier,
+    NewSubgroup { ranks: Vec<usize> },
+}
+
+impl OpDesc {
+    fn name(&self) -> &'static str {
+        match self {
+            OpDesc::AllGatherInto { .. } => "all_gather_into",
+            OpDesc::Broadcast { .. } => "broadcast",
+            OpDesc::AllGatherBytes => "all_gather_bytes",
+            OpDesc::BroadcastBytes { .. } => "broadcast_bytes",
+            OpDesc::Barrier => "barrier",
+            OpDesc::NewSubgroup { .. } => "new_subgroup",
+        }
+    }
+}
+
+impl fmt::Display for OpDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = self.name();
+        match self {
+            OpDesc::AllGatherInto { len } => write!(f, "{name}({len} bytes)"),
+            OpDesc::Broadcast { root, len } => write!(f, "{name}(root={root}, {len} bytes)"),
+            OpDesc::BroadcastBytes { root } => write!(f, "{name}(root={root})"),
+            OpDesc::NewSubgroup { ranks } => write!(f, "{name}(ranks={ranks:?})"),
+            OpDesc::AllGatherBytes | OpDesc::Barrier => write!(f, "{name}"),
+        }
+    }
+}
+
+/// A send buffer published by a rank for the current round.
+#[derive(Clone, Copy)]
+struct RawBytes {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: `RawBytes` is a plain address that moves between threads inside the rendezvous
+// state; it is only dereferenced by `Round::send_of`, whose safety argument is given there.
+unsafe impl Send for RawBytes {}
+
+impl RawBytes {
+    const EMPTY: RawBytes = RawBytes {
+        ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+        len: 0,
+    };
+
+    fn new(bytes: &[u8]) -> Self {
+        Self {
+            ptr: bytes.as_ptr(),
+            len: bytes.len(),
+        }
+    }
+}
+
+/// Every rank's published buffers, as seen by one rank during the copy phase of a round.
+struct Round {
+    sends: Vec<RawBytes>,
+    subgroup: Option<Arc<Domain>>,
+}
+
+impl Round {
+    /// The bytes `peer` sends in this round. The slice cannot outlive `self`, and a `Round`
+    /// exists only between the arrival of all ranks and this rank's departure.
+    fn send_of(&self, peer: usize) -> &[u8] {
+        let RawBytes { ptr, len } = self.sends[peer];
+        // SAFETY: `ptr`/`len` come from a `&[u8]` that `peer` passed to the collective it is
+        // still blocked in: the round reached its copy phase, so every rank arrived, and no rank
+        // departs (returns, ending that borrow) before all ranks — this one included, see
+        // `DepartGuard` — have finished copying. A shared borrow cannot be written meanwhile, and
+        // Rust's aliasing rules keep it disjoint from the `&mut` output this rank writes into.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+}
+
+/// The shared rendezvous state of one group (or sub-group).
+struct Domain {
+    world_size: usize,
+    timeout: Duration,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Domain {
+    fn new(world_size: usize, timeout: Duration) -> Arc<Self> {
+        Arc::new(Domain {
+            world_size,
+            timeout,
+            state: Mutex::new(State {
+                gen: 0,
+                copying: false,
+                slots: (0..world_size).map(|_| None).collect(),
+                arrived: 0,
+                departed: 0,
+                alive: vec![true; world_size],
+                failure: None,
+                subgroup: None,
+            }),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// Locks the state. No code panics while holding the lock, so a poisoned mutex (which
+    /// would only come from a bug) is entered anyway rather than turned into a panic.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the group's first failure (later ones keep it), wakes all waiters, and returns
+    /// the recorded failure.
+    fn poison<'s>(&self, st: &'s mut State, gen: u64, kind: FailureKind) -> &'s Failure {
+        self.changed.notify_all();
+        st.failure.get_or_insert(Failure { gen, kind })
+    }
+}
+
+struct State {
+    /// Number of the round being assembled or copied.
+    gen: u64,
+    /// All ranks arrived and agreed; they are copying.
+    copying: bool,
+    /// What each rank published for the current round (`None`: not arrived).
+    slots: Vec<Option<Slot>>,
+    arrived: usize,
+    departed: usize,
+    /// `false` once a rank's handle is dropped.
+    alive: Vec<bool>,
+    /// The first failure; once set, every call fails.
+    failure: Option<Failure>,
+    /// The sub-group created by the current `new_subgroup` round.
+    subgroup: Option<Arc<Domain>>,
+}
+
+impl State {
+    fn dead_peer(&self) -> Option<usize> {
+        self.alive.iter().position(|alive| !alive)
+    }
+
+    /// With every rank arrived: the op they agree on, or what differs from rank 0.
+    fn agreement(&self) -> std::result::Result<&OpDesc, String> {
+        let ops: Vec<&OpDesc> = self.slots.iter().flatten().map(|slot| &slot.op).collect();
+        let first = ops[0];
+        let differences: Vec<String> = ops
+            .iter()
+            .enumerate()
+            .filter(|(_, op)| **op != first)
+            .map(|(rank, op)| format!("rank {rank} called {op} while rank 0 called {first}"))
+            .collect();
+        if differences.is_empty() {
+            Ok(first)
+        } else {
+            Err(differences.join("; "))
+        }
+    }
+}
+
+struct Slot {
+    op: OpDesc,
+    send: RawBytes,
+}
+
+/// Why a group stopped working, and in which round.
+struct Failure {
+    gen: u64,
+    kind: FailureKind,
+}
+
+enum FailureKind {
+    Timeout {
+        op: &'static str,
+        waited: Duration,
+        missing: Vec<usize>,
+    },
+    PeerDied {
+        peer: usize,
+    },
+    Mismatch {
+        detail: String,
+    },
+    Invalid {
+        op: &'static str,
+        rank: usize,
+        reason: String,
+    },
+}
+
+impl Failure {
+    /// The error `rank` gets for calling `op`; `same_round` when that call is the one that
+    /// failed, otherwise it is refused because of the earlier failure.
+    fn error(&self, op: &str, rank: usize, same_round: bool) -> Error {
+        match &self.kind {
+            FailureKind::Timeout {
+                op: failed,
+                waited,
+                missing,
+            } => Error::CollectiveTimeout {
+                op: if same_round {
+                    op.into()
+                } else {
+                    format!("{op} (refused: the group failed earlier when {failed} timed out)")
+                },
+                rank,
+                waited: *waited,
+                missing: missing.clone(),
+            },
+            FailureKind::PeerDied { peer } => Error::PeerDied {
+                op: op.into(),
+                rank,
+                peer: *peer,
+            },
+            FailureKind::Mismatch { detail } => Error::CollectiveMismatch {
+                rank,
+                detail: if same_round {
+                    detail.clone()
+                } else {
+                    format!("{op} refused: the group failed earlier: {detail}")
+                },
+            },
+            FailureKind::Invalid {
+                op: failed,
+                rank: culprit,
+                reason,
+            } => Error::InvalidCollective {
+                op: op.into(),
+                rank,
+                reason: format!(
+                    "{}rank {culprit} passed invalid arguments to {failed}: {reason}",
+                    if same_round {
+                        ""
+                    } else {
+                        "the group failed earlier: "
+                    }
+                ),
+            },
+        }
+    }
+}
+
+/// Marks a handle busy for the duration of one collective.
+struct BusyGuard<'a>(&'a AtomicBool);
+
+impl<'a> BusyGuard<'a> {
+    fn acquire(flag: &'a AtomicBool) -> Option<Self> {
+        (!flag.swap(true, Ordering::Acquire)).then_some(BusyGuard(flag))
+    }
+}
+
+impl Drop for BusyGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// Departure from a round in its copy phase: on drop (normal or unwinding), registers this
+/// rank as done copying and waits until all ranks are; the last one opens the next round.
+struct DepartGuard<'a> {
+    domain: &'a Domain,
+    gen: u64,
+}
+
+impl Drop for DepartGuard<'_> {
+    fn drop(&mut self) {
+        let domain = self.domain;
+        let mut st = domain.lock();
+        st.departed += 1;
+        if st.departed == domain.world_size {
+            st.gen += 1;
+            st.copying = false;
+            st.arrived = 0;
+            st.departed = 0;
+            st.slots.iter_mut().for_each(|slot| *slot = None);
+            st.subgroup = None;
+            domain.changed.notify_all();
+        } else {
+            // No timeout: every rank is past arrival and inside this call, so each one departs.
+            while st.gen == self.gen {
+                st = domain.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collectives::ProcessGroupExt;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn handles_are_send_and_sync() {
+        assert_send_sync::<ThreadProcessGroup>();
+    }
+
+    #[test]
+    fn world_size_one_runs_every_collective_on_the_calling_thread() {
+        let pg = ThreadGroup::new(1).pop().unwrap();
+        assert_eq!(
+            (pg.rank(), pg.world_size(), pg.backend()),
+            (0, 1, "threads")
+        );
+
+        let mut recv = [0u8; 3];
+        pg.all_gather_into(&[7, 8, 9], &mut recv).unwrap();
+        assert_eq!(recv, [7, 8, 9]);
+
+        let mut buf = [1u8, 2];
+        pg.broadcast(&mut buf, 0).unwrap();
+        assert_eq!(buf, [1, 2]);
+
+        assert_eq!(pg.all_gather_bytes(b"abc").unwrap(), vec![b"abc".to_vec()]);
+        assert_eq!(pg.broadcast_bytes(Some(b"xy"), 0).unwrap(), b"xy");
+        pg.barrier().unwrap();
+        assert_eq!(
+            pg.all_gather_object(&("a".to_string(), 1u32)).unwrap(),
+            vec![("a".to_string(), 1u32)]
+        );
+
+        let sub = pg.new_subgroup(&[0]).unwrap().expect("rank 0 is a member");
+        assert_eq!((sub.rank(), sub.world_size()), (0, 1));
+        sub.barrier().unwrap();
+    }
+
+    #[test]
+    fn world_size_zero_has_no_ranks() {
+        assert!(ThreadGroup::new(0).is_empty());
+        assert!(ThreadGroup::run(0, |pg| pg.rank()).is_empty());
+    }
+
+    #[test]
+    fn run_returns_results_in_rank_order() {
+        assert_eq!(ThreadGroup::run(4, |pg| pg.rank() * 10), [0, 10, 20, 30]);
+    }
+
+    #[test]
+    fn wrong_recv_length_is_invalid_not_a_panic() {
+        let pg = ThreadGroup::new(1).pop().unwrap();
+        let err = pg.all_gather_into(&[1, 2], &mut [0u8; 3]).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidCollective { op, rank: 0, .. } if op == "all_gather_into"),
+            "{err}"
+        );
+        assert!(err.to_string().contains("recv has 3 bytes"), "{err}");
+    }
+
+    #[test]
+    fn root_out_of_range_is_invalid_not_a_panic() {
+        let pg = ThreadGroup::new(1).pop().unwrap();
+        let err = pg.broadcast(&mut [0u8; 2], 1).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidCollective { op, .. } if op == "broadcast"),
+            "{err}"
+        );
+        assert!(
+            err.to_string()
+                .contains("root 1 is out of range for world size 1"),
+            "{err}"
+        );
+
+        let pg = ThreadGroup::new(1).pop().unwrap();
+        let err = pg.broadcast_bytes(None, 5).unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidCollective { op, .. } if op == "broadcast_bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn root_without_bytes_is_invalid() {
+        let pg = ThreadGroup::new(1).pop().unwrap();
+        let err = pg.broadcast_bytes(None, 0).unwrap_err();
+        assert!(
+            err.to_string().contains("root rank must pass the bytes"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn subgroup_ranks_must_be_non_empty_in_range_and_unique() {
+        for (ranks, expected) in [
+            (&[][..], "no ranks"),
+            (
+                &[0, 3][..],
+                "rank 3 of sub-group [0, 3] is out of range for world size 2",
+            ),
+            (&[1, 1][..], "rank 1 appears twice"),
+        ] {
+            let errors = ThreadGroup::run(2, |pg| pg.new_subgroup(ranks).map(|g| g.is_some()));
+            for (rank, result) in errors.into_iter().enumerate() {
+                let err = result.unwrap_err();
+                assert!(
+                    matches!(&err, Error::InvalidCollective { op, .. } if op == "new_subgroup"),
+                    "{err}"
+                );
+                assert!(err.to_string().contains(expected), "rank {rank}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn op_descriptors_print_name_sizes_and_root() {
+        assert_eq!(
+            OpDesc::AllGatherInto { len: 8 }.to_string(),
+            "all_gather_into(8 bytes)"
+        );
+        assert_eq!(
+            OpDesc::Broadcast { root: 0, len: 16 }.to_string(),
+            "broadcast(root=0, 16 bytes)"
+        );
+        assert_eq!(
+            OpDesc::BroadcastBytes { root: 2 }.to_string(),
+            "broadcast_bytes(root=2)"
+        );
+        assert_eq!(
+            OpDesc::NewSubgroup { ranks: vec![0, 2] }.to_string(),
+            "new_subgroup(ranks=[0, 2])"
+        );
+        assert_eq!(OpDesc::Barrier.to_string(), "barrier");
+    }
+
+    #[test]
+    fn a_handle_in_use_refuses_a_second_collective() {
+        let pg = ThreadGroup::new(1).pop().unwrap();
+        let _busy = BusyGuard::acquire(&pg.busy).unwrap();
+        let err = pg.barrier().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("another collective is in flight on this handle"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn debug_shows_rank_world_size_and_timeout() {
+        let pg = ThreadGroup::with_timeout(2, Duration::from_millis(200)).swap_remove(1);
+        let shown = format!("{pg:?}");
+        assert!(
+            shown.contains("rank: 1") && shown.contains("world_size: 2") && shown.contains("200ms"),
+            "{shown}"
+        );
+        assert_eq!(pg.timeout(), Duration::from_millis(200));
+    }
+
+    #[test]
+    fn an_unbounded_timeout_does_not_overflow() {
+        let pg = ThreadGroup::with_timeout(1, Duration::MAX).pop().unwrap();
+        pg.barrier().unwrap();
+    }
+}
