@@ -77,7 +77,9 @@ pub enum Error {
     InvalidStateDict(String),
 
     /// Parameters of one flat parameter have different sets of state names.
-    #[error("differing optimizer state names for the unflattened parameters {params:?}: {names:?}")]
+    #[error(
+        "differing optimizer state names for the unflattened parameters {params:?}: {names:?}"
+    )]
     DifferingStateNames {
         /// The parameters of the flat parameter.
         params: Vec<String>,
@@ -230,7 +232,9 @@ pub enum Error {
 fn format_missing(missing: &[(usize, Vec<Vec<String>>)]) -> String {
     let mut s = String::new();
     for (rank, keys) in missing {
-        s.push_str(&format!("\nRank {rank} is missing states for the parameters: {keys:?}"));
+        s.push_str(&format!(
+            "\nRank {rank} is missing states for the parameters: {keys:?}"
+        ));
     }
     s
 }

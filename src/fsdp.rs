@@ -7,7 +7,10 @@ use crate::flat_param::ModelLayout;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::consolidate::{consolidate, ConsolidateOptions};
 use crate::optim_state::scatter::{gather_sharded, scatter_full};
-use crate::optim_state::{flatten_optim_state_dict, rekey_optim_state_dict, OptimParams, OptimStateDict, OptimStateKeyType};
+use crate::optim_state::{
+    flatten_optim_state_dict, rekey_optim_state_dict, OptimParams, OptimStateDict,
+    OptimStateKeyType,
+};
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -66,9 +69,16 @@ impl OptimStateDictConfig {
     /// PyTorch's default config for a state-dict type.
     pub fn default_for(t: StateDictType) -> Self {
         match t {
-            StateDictType::Full => OptimStateDictConfig::Full { offload_to_cpu: true, rank0_only: false },
-            StateDictType::Sharded => OptimStateDictConfig::Sharded { offload_to_cpu: true },
-            StateDictType::Local => OptimStateDictConfig::Local { offload_to_cpu: false },
+            StateDictType::Full => OptimStateDictConfig::Full {
+                offload_to_cpu: true,
+                rank0_only: false,
+            },
+            StateDictType::Sharded => OptimStateDictConfig::Sharded {
+                offload_to_cpu: true,
+            },
+            StateDictType::Local => OptimStateDictConfig::Local {
+                offload_to_cpu: false,
+            },
         }
     }
 }
@@ -130,7 +140,12 @@ impl Fsdp {
             ));
         }
         let layout = ModelLayout::new(model, policy, pg.world_size())?;
-        Ok(Fsdp { layout, shard_pg: pg.clone(), world_pg: pg, settings: StateDictSettings::default() })
+        Ok(Fsdp {
+            layout,
+            shard_pg: pg.clone(),
+            world_pg: pg,
+            settings: StateDictSettings::default(),
+        })
     }
 
     /// `HYBRID_SHARD`: shards within consecutive groups of `shard_group_size` ranks of `world`
@@ -156,7 +171,12 @@ impl Fsdp {
         }
         let shard_pg = mine.expect("every rank belongs to one shard group");
         let layout = ModelLayout::new(model, policy, shard_group_size)?;
-        Ok(Fsdp { layout, shard_pg, world_pg: world, settings: StateDictSettings::default() })
+        Ok(Fsdp {
+            layout,
+            shard_pg,
+            world_pg: world,
+            settings: StateDictSettings::default(),
+        })
     }
 
     /// The layout (flat parameters, padding, shards).
@@ -187,7 +207,11 @@ impl Fsdp {
 
     /// `FSDP.set_state_dict_type`: selects what [`Fsdp::optim_state_dict`] returns and what
     /// [`Fsdp::optim_state_dict_to_load`] expects. `None` takes PyTorch's default config.
-    pub fn set_state_dict_type(&mut self, t: StateDictType, config: Option<OptimStateDictConfig>) -> Result<StateDictSettings> {
+    pub fn set_state_dict_type(
+        &mut self,
+        t: StateDictType,
+        config: Option<OptimStateDictConfig>,
+    ) -> Result<StateDictSettings> {
         let config = config.unwrap_or_else(|| OptimStateDictConfig::default_for(t));
         let matches = matches!(
             (t, config),
@@ -196,10 +220,15 @@ impl Fsdp {
                 | (StateDictType::Local, OptimStateDictConfig::Local { .. })
         );
         if !matches {
-            return Err(Error::InvalidModel(format!("{config:?} is not a config for {t:?}")));
+            return Err(Error::InvalidModel(format!(
+                "{config:?} is not a config for {t:?}"
+            )));
         }
         let prev = self.settings;
-        self.settings = StateDictSettings { state_dict_type: t, optim_state_dict_config: config };
+        self.settings = StateDictSettings {
+            state_dict_type: t,
+            optim_state_dict_config: config,
+        };
         Ok(prev)
     }
 
@@ -209,7 +238,13 @@ impl Fsdp {
     }
 
     fn rank0_only(&self) -> bool {
-        matches!(self.settings.optim_state_dict_config, OptimStateDictConfig::Full { rank0_only: true, .. })
+        matches!(
+            self.settings.optim_state_dict_config,
+            OptimStateDictConfig::Full {
+                rank0_only: true,
+                ..
+            }
+        )
     }
 
     /// `FSDP.full_optim_state_dict`: consolidates every rank's local optimizer state into the
@@ -228,27 +263,41 @@ impl Fsdp {
             self.shard_pg.as_ref(),
             osd,
             params,
-            ConsolidateOptions { shard_state: false, to_save },
+            ConsolidateOptions {
+                shard_state: false,
+                to_save,
+            },
         )
     }
 
     /// `FSDP.sharded_optim_state_dict`: like the full dict, but each tensor state keeps only
     /// this rank's dim-0 chunk ([`crate::optim_state::ShardedTensor`]). Collective.
-    pub fn sharded_optim_state_dict<T: Tensor>(&self, osd: &OptimStateDict<T>, params: &OptimParams) -> Result<OptimStateDict<T>> {
+    pub fn sharded_optim_state_dict<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
         let out = consolidate(
             "sharded_optim_state_dict",
             &self.layout,
             self.shard_pg.as_ref(),
             osd,
             params,
-            ConsolidateOptions { shard_state: true, to_save: true },
+            ConsolidateOptions {
+                shard_state: true,
+                to_save: true,
+            },
         )?;
         Ok(out.expect("to_save"))
     }
 
     /// `FSDP.shard_full_optim_state_dict`: this rank's flattened, sharded dict for its
     /// optimizer, from a full dict every rank holds. Local: no communication.
-    pub fn shard_full_optim_state_dict<T: Tensor>(&self, full: &OptimStateDict<T>, params: &OptimParams) -> Result<OptimStateDict<T>> {
+    pub fn shard_full_optim_state_dict<T: Tensor>(
+        &self,
+        full: &OptimStateDict<T>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
         flatten_optim_state_dict(&self.layout, self.rank(), full, params)
     }
 
@@ -259,7 +308,15 @@ impl Fsdp {
         full: Option<&OptimStateDict<T>>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        scatter_full("scatter_full_optim_state_dict", &self.layout, self.rank(), self.world_pg.as_ref(), 0, full, params)
+        scatter_full(
+            "scatter_full_optim_state_dict",
+            &self.layout,
+            self.rank(),
+            self.world_pg.as_ref(),
+            0,
+            full,
+            params,
+        )
     }
 
     /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
@@ -269,7 +326,12 @@ impl Fsdp {
         sharded: &OptimStateDict<T>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        let full = gather_sharded("flatten_sharded_optim_state_dict", &self.layout, self.shard_pg.as_ref(), sharded)?;
+        let full = gather_sharded(
+            "flatten_sharded_optim_state_dict",
+            &self.layout,
+            self.shard_pg.as_ref(),
+            sharded,
+        )?;
         flatten_optim_state_dict(&self.layout, self.rank(), &full, params)
     }
 
@@ -286,11 +348,25 @@ impl Fsdp {
     /// `FSDP.optim_state_dict`: transforms the local optimizer state dict per the state-dict
     /// type: full (rank-0-only returns `None` elsewhere), sharded, or local (unchanged).
     /// Collective for full and sharded.
-    pub fn optim_state_dict<T: Tensor>(&self, osd: &OptimStateDict<T>, params: &OptimParams) -> Result<Option<OptimStateDict<T>>> {
+    pub fn optim_state_dict<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+    ) -> Result<Option<OptimStateDict<T>>> {
         match self.settings.state_dict_type {
             StateDictType::Full => {
                 let to_save = !self.rank0_only() || self.world_pg.rank() == 0;
-                consolidate(OPT, &self.layout, self.shard_pg.as_ref(), osd, params, ConsolidateOptions { shard_state: false, to_save })
+                consolidate(
+                    OPT,
+                    &self.layout,
+                    self.shard_pg.as_ref(),
+                    osd,
+                    params,
+                    ConsolidateOptions {
+                        shard_state: false,
+                        to_save,
+                    },
+                )
             }
             StateDictType::Sharded => consolidate(
                 OPT,
@@ -298,7 +374,10 @@ impl Fsdp {
                 self.shard_pg.as_ref(),
                 osd,
                 params,
-                ConsolidateOptions { shard_state: true, to_save: true },
+                ConsolidateOptions {
+                    shard_state: true,
+                    to_save: true,
+                },
             ),
             StateDictType::Local => Ok(Some(osd.clone())),
         }
@@ -320,15 +399,31 @@ impl Fsdp {
             ))
         };
         match self.settings.state_dict_type {
-            StateDictType::Full if self.rank0_only() => {
-                scatter_full("optim_state_dict_to_load", &self.layout, self.rank(), self.world_pg.as_ref(), 0, osd, params)
-            }
-            StateDictType::Full => flatten_optim_state_dict(&self.layout, self.rank(), osd.ok_or_else(|| need("full"))?, params),
+            StateDictType::Full if self.rank0_only() => scatter_full(
+                "optim_state_dict_to_load",
+                &self.layout,
+                self.rank(),
+                self.world_pg.as_ref(),
+                0,
+                osd,
+                params,
+            ),
+            StateDictType::Full => flatten_optim_state_dict(
+                &self.layout,
+                self.rank(),
+                osd.ok_or_else(|| need("full"))?,
+                params,
+            ),
             StateDictType::Sharded => {
                 // Every rank joins the gather even when its own input is missing, so peers fail
                 // with the same error instead of waiting.
                 let empty = OptimStateDict::default();
-                let full = gather_sharded("optim_state_dict_to_load", &self.layout, self.shard_pg.as_ref(), osd.unwrap_or(&empty))?;
+                let full = gather_sharded(
+                    "optim_state_dict_to_load",
+                    &self.layout,
+                    self.shard_pg.as_ref(),
+                    osd.unwrap_or(&empty),
+                )?;
                 let osd = osd.ok_or_else(|| need("sharded"))?;
                 let _ = osd;
                 flatten_optim_state_dict(&self.layout, self.rank(), &full, params)

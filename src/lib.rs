@@ -17,5 +17,7 @@ pub use optim_state::OptimStateKeyType;
 pub use error::{Error, Result};
 pub use fsdp::*;
 pub use model::{ModelDesc, ParamSpec, ShardingStrategy, WrapPolicy};
-pub use optim_state::{OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+pub use optim_state::{
+    OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
+};
 pub use tensor::{DType, HostTensor, Tensor};

@@ -48,7 +48,9 @@ pub struct ModelDesc {
 /// Whether the module `prefix` (`""` is the root) contains the parameter `name`.
 pub fn prefix_contains(prefix: &str, name: &str) -> bool {
     prefix.is_empty()
-        || (name.len() > prefix.len() && name.starts_with(prefix) && name.as_bytes()[prefix.len()] == b'.')
+        || (name.len() > prefix.len()
+            && name.starts_with(prefix)
+            && name.as_bytes()[prefix.len()] == b'.')
 }
 
 /// The module that directly owns parameter `name` (`""` for the root).
@@ -98,10 +100,12 @@ impl ModelDesc {
 
     /// The parameter with this primary name or alias.
     pub fn get(&self, name: &str) -> Result<&ParamSpec> {
-        self.index_of(name).map(|i| &self.params[i]).ok_or_else(|| Error::UnknownParameter {
-            name: name.to_string(),
-            context: " in the model description".into(),
-        })
+        self.index_of(name)
+            .map(|i| &self.params[i])
+            .ok_or_else(|| Error::UnknownParameter {
+                name: name.to_string(),
+                context: " in the model description".into(),
+            })
     }
 
     /// Total number of elements over unique parameters.
@@ -114,10 +118,16 @@ impl ModelDesc {
         let mut seen = HashMap::new();
         for (i, p) in self.params.iter().enumerate() {
             if p.name.is_empty() || p.name.starts_with('.') || p.name.ends_with('.') {
-                return Err(Error::InvalidModel(format!("parameter {i} has an invalid name `{}`", p.name)));
+                return Err(Error::InvalidModel(format!(
+                    "parameter {i} has an invalid name `{}`",
+                    p.name
+                )));
             }
             if seen.insert(p.name.as_str(), i).is_some() {
-                return Err(Error::InvalidModel(format!("parameter `{}` is listed twice", p.name)));
+                return Err(Error::InvalidModel(format!(
+                    "parameter `{}` is listed twice",
+                    p.name
+                )));
             }
         }
         for (alias, primary) in &self.tied {
@@ -142,10 +152,16 @@ impl ModelDesc {
     /// owns directly; if it owns none, after the last primary in that module's subtree; failing
     /// that, the same rule is applied to the parent module (the root places it last).
     pub fn names_with_aliases(&self) -> Vec<(String, usize)> {
-        let mut out: Vec<(String, usize)> =
-            self.params.iter().enumerate().map(|(i, p)| (p.name.clone(), i)).collect();
+        let mut out: Vec<(String, usize)> = self
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
         for (alias, primary) in &self.tied {
-            let Some(pidx) = self.index_of(primary) else { continue };
+            let Some(pidx) = self.index_of(primary) else {
+                continue;
+            };
             let mut module = module_of(alias).to_string();
             let pos = loop {
                 let direct = out.iter().rposition(|(n, _)| module_of(n) == module);
@@ -190,7 +206,10 @@ impl ShardingStrategy {
 
     /// Whether the strategy shards within a sub-group and replicates across sub-groups.
     pub fn is_hybrid(self) -> bool {
-        matches!(self, ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2)
+        matches!(
+            self,
+            ShardingStrategy::HybridShard | ShardingStrategy::HybridShardZero2
+        )
     }
 }
 
@@ -245,7 +264,9 @@ impl WrapPolicy {
         let mut seen = std::collections::HashSet::new();
         for u in &self.units {
             if !seen.insert(u) {
-                return Err(Error::InvalidModel(format!("FSDP unit `{u}` is listed twice")));
+                return Err(Error::InvalidModel(format!(
+                    "FSDP unit `{u}` is listed twice"
+                )));
             }
             if !names.iter().any(|(n, _)| prefix_contains(u, n)) {
                 return Err(Error::InvalidModel(format!(
@@ -284,13 +305,17 @@ mod tests {
             .param("embed.weight", &[4, 2], DType::F32)
             .param("layer.weight", &[2, 2], DType::F32)
             .tie("head.weight", "embed.weight");
-        let names: Vec<_> = m.names_with_aliases().into_iter().map(|(n, i)| (n, i)).collect();
+        let names: Vec<_> = m
+            .names_with_aliases()
+            .into_iter().collect();
         assert_eq!(names.last().unwrap(), &("head.weight".to_string(), 0));
     }
 
     #[test]
     fn validation_names_the_culprit() {
-        let m = ModelDesc::new().param("a", &[1], DType::F32).tie("b", "zzz");
+        let m = ModelDesc::new()
+            .param("a", &[1], DType::F32)
+            .tie("b", "zzz");
         let e = m.validate().unwrap_err();
         assert!(e.to_string().contains("zzz"), "{e}");
         let m = ModelDesc::new().param("a.w", &[1], DType::F32);

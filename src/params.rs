@@ -22,7 +22,12 @@ fn check_full(layout: &ModelLayout, full: &[Option<HostTensor>]) -> Result<()> {
         if let Some(t) = t {
             if t.shape() != p.shape.as_slice() || t.dtype() != p.dtype {
                 return Err(Error::ShapeMismatch {
-                    context: format!("full tensor of parameter `{}` ({} expected, {} given)", p.name, p.dtype, t.dtype()),
+                    context: format!(
+                        "full tensor of parameter `{}` ({} expected, {} given)",
+                        p.name,
+                        p.dtype,
+                        t.dtype()
+                    ),
                     expected: p.shape.clone(),
                     found: t.shape().to_vec(),
                 });
@@ -57,19 +62,26 @@ pub fn shard_tensors(
                 let parts: Vec<HostTensor> = fl
                     .members
                     .iter()
-                    .map(|m| full[m.param_index].clone().unwrap_or_else(|| HostTensor::zeros(fl.dtype, &m.shape)))
+                    .map(|m| {
+                        full[m.param_index]
+                            .clone()
+                            .unwrap_or_else(|| HostTensor::zeros(fl.dtype, &m.shape))
+                    })
                     .collect();
                 let flat = flatten_full(fl, &parts)?;
                 shard_of_full(fl, &flat, rank).map(Some)
             }
             Resolved::Orig { param, owner: None } => Ok(full[param].clone()),
-            Resolved::Orig { param, owner: Some((f, m)) } => {
+            Resolved::Orig {
+                param,
+                owner: Some((f, m)),
+            } => {
                 let fl = &layout.flat_params[f];
                 let info = fl.shard(rank).params[m];
                 match &full[param] {
-                    Some(t) if info.in_shard && fl.sharded => {
-                        t.narrow_flat(info.intra_param_start_idx, info.numel_in_shard).map(Some)
-                    }
+                    Some(t) if info.in_shard && fl.sharded => t
+                        .narrow_flat(info.intra_param_start_idx, info.numel_in_shard)
+                        .map(Some),
                     Some(t) if info.in_shard => Ok(Some(t.clone())),
                     _ => Ok(None),
                 }
@@ -81,26 +93,55 @@ pub fn shard_tensors(
 /// Deterministic pseudo-random values for `spec` at `step`: the same for a parameter whatever
 /// the wrapping or world size, so wrapped and unwrapped runs see identical gradients.
 pub fn synthetic_values(spec: &ParamSpec, step: usize) -> HostTensor {
-    let salt = spec.name.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64)) % 1000;
+    let salt = spec
+        .name
+        .bytes()
+        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64))
+        % 1000;
     let n = spec.numel();
     let vals: Vec<f64> = (0..n)
         .map(|i| ((i as f64) * 0.37 + (step as f64) * 1.3 + (salt as f64) * 0.11).sin())
         .collect();
     match spec.dtype {
         DType::F64 => HostTensor::from_slice(&vals, &spec.shape),
-        DType::F16 => HostTensor::from_slice(&vals.iter().map(|&v| half::f16::from_f64(v)).collect::<Vec<_>>(), &spec.shape),
-        DType::BF16 => HostTensor::from_slice(&vals.iter().map(|&v| half::bf16::from_f64(v)).collect::<Vec<_>>(), &spec.shape),
-        _ => HostTensor::from_slice(&vals.iter().map(|&v| v as f32).collect::<Vec<_>>(), &spec.shape),
+        DType::F16 => HostTensor::from_slice(
+            &vals
+                .iter()
+                .map(|&v| half::f16::from_f64(v))
+                .collect::<Vec<_>>(),
+            &spec.shape,
+        ),
+        DType::BF16 => HostTensor::from_slice(
+            &vals
+                .iter()
+                .map(|&v| half::bf16::from_f64(v))
+                .collect::<Vec<_>>(),
+            &spec.shape,
+        ),
+        _ => HostTensor::from_slice(
+            &vals.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+            &spec.shape,
+        ),
     }
     .expect("shape matches by construction")
 }
 
 /// Synthetic gradients of every model parameter at `step` (`None` for frozen parameters).
 pub fn synthetic_grads(layout: &ModelLayout, step: usize) -> Vec<Option<HostTensor>> {
-    layout.model.params.iter().map(|p| p.requires_grad.then(|| synthetic_values(p, step + 1000))).collect()
+    layout
+        .model
+        .params
+        .iter()
+        .map(|p| p.requires_grad.then(|| synthetic_values(p, step + 1000)))
+        .collect()
 }
 
 /// Synthetic initial values of every model parameter.
 pub fn synthetic_params(layout: &ModelLayout) -> Vec<Option<HostTensor>> {
-    layout.model.params.iter().map(|p| Some(synthetic_values(p, 0))).collect()
+    layout
+        .model
+        .params
+        .iter()
+        .map(|p| Some(synthetic_values(p, 0)))
+        .collect()
 }

@@ -5,7 +5,9 @@ mod common;
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
-use fsdp::{DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy};
+use fsdp::{
+    DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy,
+};
 use proptest::prelude::*;
 use std::sync::Arc;
 
@@ -46,10 +48,19 @@ fn build(c: &Case) -> (ModelDesc, WrapPolicy) {
     for (i, (module, shape)) in c.shapes.iter().enumerate() {
         // A flat parameter cannot round-trip 0-dim members in PyTorch either: their
         // `exp_avg` is 0-dim and so indistinguishable from scalar state such as `step`.
-        let shape = if shape.is_empty() && !c.orig { vec![1] } else { shape.clone() };
+        let shape = if shape.is_empty() && !c.orig {
+            vec![1]
+        } else {
+            shape.clone()
+        };
         m = m.param(&format!("m{module}.p{i}"), &shape, DType::F32);
     }
-    let present: Vec<usize> = c.units.iter().copied().filter(|u| c.shapes.iter().any(|(m, _)| m == u)).collect();
+    let present: Vec<usize> = c
+        .units
+        .iter()
+        .copied()
+        .filter(|u| c.shapes.iter().any(|(m, _)| m == u))
+        .collect();
     let mut units: Vec<String> = present.iter().map(|u| format!("m{u}")).collect();
     if c.root_unit {
         units.push(String::new());
@@ -62,7 +73,10 @@ fn full_state(model: &ModelDesc) -> OptimStateDict {
     for (i, p) in model.params.iter().enumerate() {
         let vals: Vec<f32> = (0..p.numel()).map(|k| (i * 100 + k) as f32 + 0.5).collect();
         let mut st = ParamState::new();
-        st.insert("exp_avg".into(), Value::Tensor(HostTensor::from_slice(&vals, &p.shape).unwrap()));
+        st.insert(
+            "exp_avg".into(),
+            Value::Tensor(HostTensor::from_slice(&vals, &p.shape).unwrap()),
+        );
         st.insert("step".into(), Value::Tensor(HostTensor::scalar(3.0f32)));
         sd.state.insert(ParamKey::Name(p.name.clone()), st);
     }
@@ -73,17 +87,30 @@ fn full_state(model: &ModelDesc) -> OptimStateDict {
 fn check_layout(layout: &ModelLayout) {
     let ws = layout.world_size;
     for f in &layout.flat_params {
-        assert_eq!(f.numels_with_padding.iter().sum::<usize>(), f.unpadded_numel);
+        assert_eq!(
+            f.numels_with_padding.iter().sum::<usize>(),
+            f.unpadded_numel
+        );
         assert_eq!(f.numels_with_padding.len(), f.is_padding_mask.len());
-        assert_eq!(f.is_padding_mask.iter().filter(|p| !**p).count(), f.members.len());
+        assert_eq!(
+            f.is_padding_mask.iter().filter(|p| !**p).count(),
+            f.members.len()
+        );
         if layout.use_orig_params() {
             let a = fsdp::flat_param::aligned_numel(f.dtype);
             for m in &f.members {
                 assert_eq!(m.offset % a, 0, "member `{}` not aligned", m.fqn);
             }
-            assert_eq!(f.unpadded_numel % ws, 0, "orig-params flat parameter is padded to the world size");
+            assert_eq!(
+                f.unpadded_numel % ws,
+                0,
+                "orig-params flat parameter is padded to the world size"
+            );
         } else {
-            assert!(f.is_padding_mask.iter().all(|p| !p), "no padding without use_orig_params");
+            assert!(
+                f.is_padding_mask.iter().all(|p| !p),
+                "no padding without use_orig_params"
+            );
         }
         // Shards tile [0, N) in rank order; every member's elements are covered once.
         let mut next = 0;
@@ -98,7 +125,10 @@ fn check_layout(layout: &ModelLayout) {
             for (i, info) in s.params.iter().enumerate() {
                 if info.in_shard {
                     assert!(info.offset_in_shard + info.numel_in_shard <= s.numel);
-                    assert_eq!(info.intra_param_end_idx + 1 - info.intra_param_start_idx, info.numel_in_shard);
+                    assert_eq!(
+                        info.intra_param_end_idx + 1 - info.intra_param_start_idx,
+                        info.numel_in_shard
+                    );
                 }
                 covered[i] += info.numel_in_shard;
             }
@@ -108,7 +138,11 @@ fn check_layout(layout: &ModelLayout) {
         }
         assert_eq!(next, f.unpadded_numel);
         for (m, c) in f.members.iter().zip(covered) {
-            assert_eq!(c, m.numel, "member `{}` covered {c} times its elements", m.fqn);
+            assert_eq!(
+                c, m.numel,
+                "member `{}` covered {c} times its elements",
+                m.fqn
+            );
         }
     }
 }

@@ -51,11 +51,18 @@ pub trait ProcessGroupExt: ProcessGroup {
     /// `all_gather_object`: every rank's value, in rank order.
     fn all_gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
         let bytes = encode(value)?;
-        self.all_gather_bytes(&bytes)?.iter().map(|b| decode(b)).collect()
+        self.all_gather_bytes(&bytes)?
+            .iter()
+            .map(|b| decode(b))
+            .collect()
     }
 
     /// `broadcast_object_list` of one object: root passes `Some`, the others `None`.
-    fn broadcast_object<T: Serialize + DeserializeOwned>(&self, value: Option<&T>, root: usize) -> Result<T> {
+    fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: Option<&T>,
+        root: usize,
+    ) -> Result<T> {
         let bytes = match value {
             Some(v) if self.rank() == root => Some(encode(v)?),
             None if self.rank() == root => {
@@ -90,10 +97,11 @@ pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>> {
 
 /// Deserializes a value exchanged by the collectives.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
-    let (v, used) = bincode::serde::decode_from_slice(bytes, codec()).map_err(|e| Error::Serialization {
-        what: std::any::type_name::<T>().into(),
-        reason: e.to_string(),
-    })?;
+    let (v, used) =
+        bincode::serde::decode_from_slice(bytes, codec()).map_err(|e| Error::Serialization {
+            what: std::any::type_name::<T>().into(),
+            reason: e.to_string(),
+        })?;
     if used != bytes.len() {
         return Err(Error::Serialization {
             what: std::any::type_name::<T>().into(),

@@ -69,7 +69,10 @@ impl FlatParamLayout {
         sharded: bool,
     ) -> Result<Self> {
         let Some(&(_, first)) = members.first() else {
-            return Err(Error::Flatten { unit: unit.into(), reason: "no parameters to flatten".into() });
+            return Err(Error::Flatten {
+                unit: unit.into(),
+                reason: "no parameters to flatten".into(),
+            });
         };
         let dtype = model.params[first].dtype;
         let aligned = if align { aligned_numel(dtype) } else { 0 };
@@ -90,7 +93,10 @@ impl FlatParamLayout {
             if !p.dtype.is_floating_point() {
                 return Err(Error::Flatten {
                     unit: unit.into(),
-                    reason: format!("parameter `{fqn}` has dtype {}, FSDP flattens only floating point", p.dtype),
+                    reason: format!(
+                        "parameter `{fqn}` has dtype {}, FSDP flattens only floating point",
+                        p.dtype
+                    ),
                 });
             }
             if p.dtype != dtype {
@@ -163,7 +169,13 @@ impl FlatParamLayout {
         // expressing it as (offset + 1, offset) which `shard_param_infos` treats as empty.
         self.members
             .iter()
-            .map(|m| if m.numel == 0 { (m.offset + 1, m.offset) } else { (m.offset, m.offset + m.numel - 1) })
+            .map(|m| {
+                if m.numel == 0 {
+                    (m.offset + 1, m.offset)
+                } else {
+                    (m.offset, m.offset + m.numel - 1)
+                }
+            })
             .collect()
     }
 
@@ -192,7 +204,13 @@ impl FlatParamLayout {
         } else {
             (0, self.unpadded_numel, 0)
         };
-        Shard { rank, start, numel, numel_padded, params: shard_param_infos(&self.member_offsets(), start, numel) }
+        Shard {
+            rank,
+            start,
+            numel,
+            numel_padded,
+            params: shard_param_infos(&self.member_offsets(), start, numel),
+        }
     }
 
     /// Index of the member with this FQN.
@@ -255,7 +273,9 @@ impl ModelLayout {
                 .find(|&i| {
                     !placed[i]
                         && !(0..policy.units.len()).any(|j| {
-                            !placed[j] && j != i && prefix_contains(&policy.units[i], &policy.units[j])
+                            !placed[j]
+                                && j != i
+                                && prefix_contains(&policy.units[i], &policy.units[j])
                         })
                 })
                 .expect("prefix containment is acyclic");
@@ -340,24 +360,33 @@ impl ModelLayout {
     pub fn default_optim_params(&self) -> Vec<crate::optim_state::OptimParam> {
         use crate::optim_state::OptimParam;
         if self.use_orig_params() {
-            return self.model.params.iter().map(|p| OptimParam::Param(p.name.clone())).collect();
+            return self
+                .model
+                .params
+                .iter()
+                .map(|p| OptimParam::Param(p.name.clone()))
+                .collect();
         }
         // Module tree in first-appearance order.
         let mut modules: Vec<String> = vec![String::new()];
         let mut children: HashMap<String, Vec<String>> = HashMap::new();
         let mut own: HashMap<String, Vec<usize>> = HashMap::new();
-        let add_module = |m: &str, modules: &mut Vec<String>, children: &mut HashMap<String, Vec<String>>| {
-            let mut chain = vec![];
-            let mut cur = m.to_string();
-            while !cur.is_empty() && !modules.contains(&cur) {
-                chain.push(cur.clone());
-                cur = module_of(&cur).to_string();
-            }
-            for c in chain.into_iter().rev() {
-                children.entry(module_of(&c).to_string()).or_default().push(c.clone());
-                modules.push(c);
-            }
-        };
+        let add_module =
+            |m: &str, modules: &mut Vec<String>, children: &mut HashMap<String, Vec<String>>| {
+                let mut chain = vec![];
+                let mut cur = m.to_string();
+                while !cur.is_empty() && !modules.contains(&cur) {
+                    chain.push(cur.clone());
+                    cur = module_of(&cur).to_string();
+                }
+                for c in chain.into_iter().rev() {
+                    children
+                        .entry(module_of(&c).to_string())
+                        .or_default()
+                        .push(c.clone());
+                    modules.push(c);
+                }
+            };
         for (i, p) in self.model.params.iter().enumerate() {
             let m = module_of(&p.name);
             add_module(m, &mut modules, &mut children);

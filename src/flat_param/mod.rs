@@ -6,6 +6,8 @@ mod layout;
 mod shard;
 mod views;
 
-pub use layout::{aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, FLAT_PARAM};
+pub use layout::{
+    aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, FLAT_PARAM,
+};
 pub use shard::{chunk_bounds, chunk_size, shard_param_infos, Shard, ShardParamInfo};
 pub use views::{flatten_full, shard_of_full, unflatten_full};

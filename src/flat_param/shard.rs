@@ -77,7 +77,11 @@ pub fn chunk_bounds(n: usize, rank: usize, world_size: usize) -> (usize, usize, 
 
 /// Shard info of every parameter for the unsharded interval `[start, start + numel)`, given the
 /// parameters' `[begin, end]` (inclusive) offsets in the unsharded flat parameter.
-pub fn shard_param_infos(offsets: &[(usize, usize)], start: usize, numel: usize) -> Vec<ShardParamInfo> {
+pub fn shard_param_infos(
+    offsets: &[(usize, usize)],
+    start: usize,
+    numel: usize,
+) -> Vec<ShardParamInfo> {
     offsets
         .iter()
         .map(|&(pb, pe)| {
@@ -89,7 +93,11 @@ pub fn shard_param_infos(offsets: &[(usize, usize)], start: usize, numel: usize)
             if !(start <= pe && end >= pb) {
                 return ShardParamInfo::NOT_IN_SHARD;
             }
-            let (intra_start, offset) = if start <= pb { (0, pb - start) } else { (start - pb, 0) };
+            let (intra_start, offset) = if start <= pb {
+                (0, pb - start)
+            } else {
+                (start - pb, 0)
+            };
             let intra_end = pe.min(end) - pb;
             ShardParamInfo {
                 in_shard: true,

@@ -11,13 +11,21 @@ pub fn flatten_full<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Re
     if per_member.len() != layout.members.len() {
         return Err(Error::Flatten {
             unit: layout.unit.clone(),
-            reason: format!("expected {} member tensors, got {}", layout.members.len(), per_member.len()),
+            reason: format!(
+                "expected {} member tensors, got {}",
+                layout.members.len(),
+                per_member.len()
+            ),
         });
     }
     let dtype = per_member.first().map_or(layout.dtype, Tensor::dtype);
     let mut parts = Vec::with_capacity(layout.numels_with_padding.len());
     let mut m = 0;
-    for (&n, &pad) in layout.numels_with_padding.iter().zip(&layout.is_padding_mask) {
+    for (&n, &pad) in layout
+        .numels_with_padding
+        .iter()
+        .zip(&layout.is_padding_mask)
+    {
         if pad {
             parts.push(T::zeros(dtype, &[n])?);
             continue;

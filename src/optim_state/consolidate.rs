@@ -33,24 +33,33 @@ pub fn consolidate<T: Tensor>(
     // Local map and plan; errors here are this rank's own, but the exchange below must still
     // happen so that peers do not hang: a failed rank sends an empty plan with digest 0.
     let local = layout.local_params(params);
-    let local_plan = local.as_ref().map_err(Clone::clone).and_then(|l| local_plan(op, layout, osd, l));
+    let local_plan = local
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|l| local_plan(op, layout, osd, l));
     let msg = match &local_plan {
         Ok(p) => p.clone(),
-        Err(_) => PlanMsg { digest: 0, keys: vec![] },
+        Err(_) => PlanMsg {
+            digest: 0,
+            keys: vec![],
+        },
     };
     let plans: Vec<PlanMsg> = pg.all_gather_object(&msg)?;
     let local = local?;
     local_plan?;
     check_digests(op, &plans.iter().map(|p| p.digest).collect::<Vec<_>>())?;
 
-    let by_skey: HashMap<&OptimStateKey, &LocalParam> = local.iter().map(|l| (&l.skey, l)).collect();
+    let by_skey: HashMap<&OptimStateKey, &LocalParam> =
+        local.iter().map(|l| (&l.skey, l)).collect();
     let mut out: IndexMap<ParamKey, ParamState<T>> = IndexMap::new();
 
     if !layout.use_orig_params() {
         let keys = agree_flat_keys(op, layout, &plans)?;
         for k in &keys {
             // agree_flat_keys checked that every rank holds state for rank 0's keys.
-            let missing = || Error::MissingStateOnRanks { missing: vec![(pg.rank(), vec![k.key.names.clone()])] };
+            let missing = || Error::MissingStateOnRanks {
+                missing: vec![(pg.rank(), vec![k.key.names.clone()])],
+            };
             let l = by_skey.get(&k.key).ok_or_else(missing)?;
             let st = osd.state.get(&l.key).ok_or_else(missing)?;
             match l.resolved {
@@ -71,35 +80,55 @@ pub fn consolidate<T: Tensor>(
             }
         }
     } else {
-        let keys: BTreeSet<&OptimStateKey> = plans.iter().flat_map(|p| p.keys.iter().map(|k| &k.key)).collect();
-        let infos: Vec<HashMap<&OptimStateKey, &KeyInfo>> =
-            plans.iter().map(|p| p.keys.iter().map(|k| (&k.key, k)).collect()).collect();
+        let keys: BTreeSet<&OptimStateKey> = plans
+            .iter()
+            .flat_map(|p| p.keys.iter().map(|k| &k.key))
+            .collect();
+        let infos: Vec<HashMap<&OptimStateKey, &KeyInfo>> = plans
+            .iter()
+            .map(|p| p.keys.iter().map(|k| (&k.key, k)).collect())
+            .collect();
         // Unmanaged keys in sorted order; managed ones grouped per flat parameter.
         let mut groups: IndexMap<usize, Vec<&OptimStateKey>> = IndexMap::new();
         for k in keys {
             if !k.managed {
-                if let (true, Some(st)) = (opts.to_save, by_skey.get(k).and_then(|l| osd.state.get(&l.key))) {
+                if let (true, Some(st)) = (
+                    opts.to_save,
+                    by_skey.get(k).and_then(|l| osd.state.get(&l.key)),
+                ) {
                     out.insert(ParamKey::Name(k.names[0].clone()), st.clone());
                 }
                 continue;
             }
-            let idx = layout.model.index_of(&k.names[0]).ok_or_else(|| Error::UnknownParameter {
-                name: k.names[0].clone(),
-                context: " (a peer rank's optimizer holds it)".into(),
-            })?;
+            let idx =
+                layout
+                    .model
+                    .index_of(&k.names[0])
+                    .ok_or_else(|| Error::UnknownParameter {
+                        name: k.names[0].clone(),
+                        context: " (a peer rank's optimizer holds it)".into(),
+                    })?;
             let Ownership::Flat { flat, .. } = layout.ownership[idx] else {
-                return Err(Error::InvalidStateDict(format!("`{}` is not managed by FSDP", k.names[0])));
+                return Err(Error::InvalidStateDict(format!(
+                    "`{}` is not managed by FSDP",
+                    k.names[0]
+                )));
             };
             groups.entry(flat).or_default().push(k);
         }
         for (f, ks) in groups {
             let fl = &layout.flat_params[f];
-            let local_states: Vec<Option<&ParamState<T>>> =
-                ks.iter().map(|k| by_skey.get(k).and_then(|l| osd.state.get(&l.key))).collect();
+            let local_states: Vec<Option<&ParamState<T>>> = ks
+                .iter()
+                .map(|k| by_skey.get(k).and_then(|l| osd.state.get(&l.key)))
+                .collect();
             let gathered = gather_orig_param_states(fl, pg, &ks, &local_states, &infos)?;
             if opts.to_save {
                 for (k, s) in ks.iter().zip(gathered) {
-                    out.insert(ParamKey::Name(k.names[0].clone()), maybe_shard(s, opts, pg)?);
+                    out.insert(
+                        ParamKey::Name(k.names[0].clone()),
+                        maybe_shard(s, opts, pg)?,
+                    );
                 }
             }
         }
@@ -108,10 +137,16 @@ pub fn consolidate<T: Tensor>(
         return Ok(None);
     }
     // User-defined state: keys that no optimizer parameter owns pass through.
-    let flat_fqns: BTreeSet<String> = layout.flat_params.iter().map(FlatParamLayout::fqn).collect();
+    let flat_fqns: BTreeSet<String> = layout
+        .flat_params
+        .iter()
+        .map(FlatParamLayout::fqn)
+        .collect();
     let owned: BTreeSet<&ParamKey> = local.iter().map(|l| &l.key).collect();
     for (k, v) in &osd.state {
-        let skip = out.contains_key(k) || owned.contains(k) || k.as_name().is_some_and(|n| flat_fqns.contains(n));
+        let skip = out.contains_key(k)
+            || owned.contains(k)
+            || k.as_name().is_some_and(|n| flat_fqns.contains(n));
         if !skip {
             out.insert(k.clone(), v.clone());
         }
@@ -119,7 +154,8 @@ pub fn consolidate<T: Tensor>(
     let param_groups = match &osd.param_groups {
         None => None,
         Some(groups) => {
-            let by_key: HashMap<&ParamKey, &LocalParam> = local.iter().map(|l| (&l.key, l)).collect();
+            let by_key: HashMap<&ParamKey, &LocalParam> =
+                local.iter().map(|l| (&l.key, l)).collect();
             let mut res = Vec::with_capacity(groups.len());
             for (gi, g) in groups.iter().enumerate() {
                 let mut names = Vec::new();
@@ -129,12 +165,18 @@ pub fn consolidate<T: Tensor>(
                     )))?;
                     names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
                 }
-                res.push(ParamGroup { options: g.options.clone(), params: names });
+                res.push(ParamGroup {
+                    options: g.options.clone(),
+                    params: names,
+                });
             }
             Some(res)
         }
     };
-    Ok(Some(OptimStateDict { state: out, param_groups }))
+    Ok(Some(OptimStateDict {
+        state: out,
+        param_groups,
+    }))
 }
 
 fn local_plan<T: Tensor>(
@@ -156,18 +198,29 @@ fn local_plan<T: Tensor>(
             keys.push(KeyInfo::of(&l.skey, st)?);
         }
     }
-    Ok(PlanMsg { digest: layout_digest(op, layout)?, keys })
+    Ok(PlanMsg {
+        digest: layout_digest(op, layout)?,
+        keys,
+    })
 }
 
 /// use_orig_params=False: rank 0's keys in rank 0's order; every rank must hold them all, and
 /// the tensor states of every flat parameter must have the same names, shapes and dtypes.
-fn agree_flat_keys<'a>(op: &str, layout: &ModelLayout, plans: &'a [PlanMsg]) -> Result<Vec<&'a KeyInfo>> {
+fn agree_flat_keys<'a>(
+    op: &str,
+    layout: &ModelLayout,
+    plans: &'a [PlanMsg],
+) -> Result<Vec<&'a KeyInfo>> {
     let r0 = &plans[0].keys;
     let mut missing = Vec::new();
     let mut per_rank: Vec<HashMap<&OptimStateKey, &KeyInfo>> = Vec::new();
     for (r, p) in plans.iter().enumerate() {
         let have: HashMap<&OptimStateKey, &KeyInfo> = p.keys.iter().map(|k| (&k.key, k)).collect();
-        let lacks: Vec<Vec<String>> = r0.iter().filter(|k| !have.contains_key(&k.key)).map(|k| k.key.names.clone()).collect();
+        let lacks: Vec<Vec<String>> = r0
+            .iter()
+            .filter(|k| !have.contains_key(&k.key))
+            .map(|k| k.key.names.clone())
+            .collect();
         if !lacks.is_empty() {
             missing.push((r, lacks));
         }
@@ -180,7 +233,11 @@ fn agree_flat_keys<'a>(op: &str, layout: &ModelLayout, plans: &'a [PlanMsg]) -> 
         let f = flat_of_key(layout, &k.key)?;
         let c = f.shard_numel();
         let tensors = |ki: &KeyInfo| -> Vec<(String, StateInfo)> {
-            ki.states.iter().filter(|(_, s)| matches!(s, StateInfo::Tensor { .. })).cloned().collect()
+            ki.states
+                .iter()
+                .filter(|(_, s)| matches!(s, StateInfo::Tensor { .. }))
+                .cloned()
+                .collect()
         };
         let reference = tensors(k);
         for (name, s) in &reference {
@@ -197,7 +254,9 @@ fn agree_flat_keys<'a>(op: &str, layout: &ModelLayout, plans: &'a [PlanMsg]) -> 
                 }
             }
         }
-        let differ: Vec<usize> = (1..plans.len()).filter(|&r| tensors(per_rank[r][&k.key]) != reference).collect();
+        let differ: Vec<usize> = (1..plans.len())
+            .filter(|&r| tensors(per_rank[r][&k.key]) != reference)
+            .collect();
         if !differ.is_empty() {
             return Err(Error::PlanMismatch {
                 op: op.into(),
@@ -217,13 +276,19 @@ fn agree_flat_keys<'a>(op: &str, layout: &ModelLayout, plans: &'a [PlanMsg]) -> 
 }
 
 fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a FlatParamLayout> {
-    let idx = layout.model.index_of(&key.names[0]).ok_or_else(|| Error::UnknownParameter {
-        name: key.names[0].clone(),
-        context: " (rank 0's optimizer holds it)".into(),
-    })?;
+    let idx = layout
+        .model
+        .index_of(&key.names[0])
+        .ok_or_else(|| Error::UnknownParameter {
+            name: key.names[0].clone(),
+            context: " (rank 0's optimizer holds it)".into(),
+        })?;
     match layout.ownership[idx] {
         Ownership::Flat { flat, .. } => Ok(&layout.flat_params[flat]),
-        Ownership::Unmanaged => Err(Error::InvalidStateDict(format!("`{}` is not managed by FSDP", key.names[0]))),
+        Ownership::Unmanaged => Err(Error::InvalidStateDict(format!(
+            "`{}` is not managed by FSDP",
+            key.names[0]
+        ))),
     }
 }
 
@@ -246,8 +311,14 @@ fn unflatten_flat_state<T: Tensor>(
     names.sort();
     let mut per_member: Vec<ParamState<T>> = vec![ParamState::new(); fl.members.len()];
     for name in names.iter().filter(|n| st[n.as_str()].is_pos_dim_tensor()) {
-        let Value::Tensor(local) = &st[name.as_str()] else { unreachable!("checked pos-dim") };
-        let full = if fl.sharded { all_gather_shard(pg, local, fl.padded_numel())? } else { local.clone() };
+        let Value::Tensor(local) = &st[name.as_str()] else {
+            unreachable!("checked pos-dim")
+        };
+        let full = if fl.sharded {
+            all_gather_shard(pg, local, fl.padded_numel())?
+        } else {
+            local.clone()
+        };
         for (m, view) in unflatten_full(fl, &full)?.into_iter().enumerate() {
             per_member[m].insert((*name).clone(), Value::Tensor(view));
         }
@@ -276,16 +347,25 @@ fn gather_orig_param_states<T: Tensor>(
 ) -> Result<Vec<ParamState<T>>> {
     let member_of: Vec<usize> = keys
         .iter()
-        .map(|k| fl.member_index(&k.names[0]).expect("key belongs to this flat parameter"))
+        .map(|k| {
+            fl.member_index(&k.names[0])
+                .expect("key belongs to this flat parameter")
+        })
         .collect();
     // Every trainable member must have state somewhere once its flat parameter has any.
     for (mi, m) in fl.members.iter().enumerate() {
         if m.requires_grad && !member_of.contains(&mi) {
-            return Err(Error::MissingParamState { param: m.fqn.clone(), unit: fl.unit.clone() });
+            return Err(Error::MissingParamState {
+                param: m.fqn.clone(),
+                unit: fl.unit.clone(),
+            });
         }
     }
     if !fl.sharded {
-        return Ok(local.iter().map(|s| s.cloned().unwrap_or_default()).collect());
+        return Ok(local
+            .iter()
+            .map(|s| s.cloned().unwrap_or_default())
+            .collect());
     }
     let world = pg.world_size();
     let rank = pg.rank();
@@ -295,7 +375,8 @@ fn gather_orig_param_states<T: Tensor>(
     let mut tensor_names: Vec<String> = Vec::new();
     let mut dtype = None;
     for (ki, k) in keys.iter().enumerate() {
-        let rank_infos: Vec<Option<&KeyInfo>> = (0..world).map(|r| infos[r].get(k).copied()).collect();
+        let rank_infos: Vec<Option<&KeyInfo>> =
+            (0..world).map(|r| infos[r].get(k).copied()).collect();
         let mut names: BTreeSet<&String> = BTreeSet::new();
         for info in rank_infos.iter().flatten() {
             for (n, s) in &info.states {
@@ -315,7 +396,12 @@ fn gather_orig_param_states<T: Tensor>(
         let empty: BTreeSet<usize> = (0..world)
             .filter(|&r| {
                 !names.is_empty()
-                    && names.iter().all(|n| rank_infos[r].and_then(|i| i.get(n)).map_or(0, StateInfo::numel) == 0)
+                    && names.iter().all(|n| {
+                        rank_infos[r]
+                            .and_then(|i| i.get(n))
+                            .map_or(0, StateInfo::numel)
+                            == 0
+                    })
             })
             .collect();
         for n in names {
@@ -330,7 +416,11 @@ fn gather_orig_param_states<T: Tensor>(
             let mut zero: Vec<(&String, &Value<HostTensor>)> = Vec::new();
             for (n, s) in &info.states {
                 if let StateInfo::Scalar(v) = s {
-                    if matches!(v, Value::Tensor(_)) { zero.push((n, v)) } else { plain.push((n, v)) }
+                    if matches!(v, Value::Tensor(_)) {
+                        zero.push((n, v))
+                    } else {
+                        plain.push((n, v))
+                    }
                 }
             }
             plain.sort_by(|a, b| a.0.cmp(b.0));
@@ -340,7 +430,10 @@ fn gather_orig_param_states<T: Tensor>(
                     Some((_, prev, pr)) if !prev.same_scalar(v) => {
                         return Err(Error::ScalarStateMismatch {
                             state: n.clone(),
-                            params: vec![format!("{} on rank {pr}", k.names[0]), format!("{} on rank {r}", k.names[0])],
+                            params: vec![
+                                format!("{} on rank {pr}", k.names[0]),
+                                format!("{} on rank {r}", k.names[0]),
+                            ],
                             values: vec![prev.render(), v.render()],
                         });
                     }
@@ -353,7 +446,9 @@ fn gather_orig_param_states<T: Tensor>(
             outputs[ki].insert(n, v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?);
         }
     }
-    let Some(dtype) = dtype else { return Ok(outputs) };
+    let Some(dtype) = dtype else {
+        return Ok(outputs);
+    };
     let shard = fl.shard(rank);
     let (s, e) = (shard.start, shard.start + shard.numel);
     for name in &tensor_names {
@@ -403,7 +498,11 @@ fn gather_orig_param_states<T: Tensor>(
         if shard.numel_padded > 0 {
             pieces.push(HostTensor::zeros(dtype, &[shard.numel_padded]));
         }
-        let local_shard = if pieces.is_empty() { HostTensor::zeros(dtype, &[0]) } else { HostTensor::cat_flat(&pieces)? };
+        let local_shard = if pieces.is_empty() {
+            HostTensor::zeros(dtype, &[0])
+        } else {
+            HostTensor::cat_flat(&pieces)?
+        };
         let full: T = all_gather_shard(pg, &T::from_host(local_shard)?, fl.padded_numel())?;
         let views = unflatten_full(fl, &full)?;
         for (ki, &m) in member_of.iter().enumerate() {
@@ -413,14 +512,20 @@ fn gather_orig_param_states<T: Tensor>(
     Ok(outputs)
 }
 
-fn maybe_shard<T: Tensor>(s: ParamState<T>, opts: ConsolidateOptions, pg: &dyn ProcessGroup) -> Result<ParamState<T>> {
+fn maybe_shard<T: Tensor>(
+    s: ParamState<T>,
+    opts: ConsolidateOptions,
+    pg: &dyn ProcessGroup,
+) -> Result<ParamState<T>> {
     if !opts.shard_state {
         return Ok(s);
     }
     s.into_iter()
         .map(|(n, v)| {
             let v = match v {
-                Value::Tensor(t) if t.dim() > 0 => Value::Sharded(chunk_dim0(&t, pg.rank(), pg.world_size())?),
+                Value::Tensor(t) if t.dim() > 0 => {
+                    Value::Sharded(chunk_dim0(&t, pg.rank(), pg.world_size())?)
+                }
                 other => other,
             };
             Ok((n, v))
@@ -435,15 +540,26 @@ pub fn chunk_dim0<T: Tensor>(t: &T, rank: usize, world_size: usize) -> Result<Sh
     let row_numel: usize = shape[1..].iter().product();
     let c = rows.div_ceil(world_size.max(1));
     let mut offsets = vec![0; shape.len()];
-    let (start, end) = if c == 0 { (0, if rank == 0 { 0 } else { 1 }) } else { (c * rank, (c * (rank + 1)).min(rows)) };
+    let (start, end) = if c == 0 {
+        (0, if rank == 0 { 0 } else { 1 })
+    } else {
+        (c * rank, (c * (rank + 1)).min(rows))
+    };
     let local = if start < end || (rows == 0 && rank == 0) {
         offsets[0] = start;
         let mut lshape = shape.clone();
         lshape[0] = end - start;
-        Some(t.narrow_flat(start * row_numel, (end - start) * row_numel)?.reshape(&lshape)?)
+        Some(
+            t.narrow_flat(start * row_numel, (end - start) * row_numel)?
+                .reshape(&lshape)?,
+        )
     } else {
         offsets[0] = rows;
         None
     };
-    Ok(ShardedTensor { global_shape: shape, offsets, local })
+    Ok(ShardedTensor {
+        global_shape: shape,
+        offsets,
+        local,
+    })
 }

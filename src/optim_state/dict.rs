@@ -137,8 +137,14 @@ impl<T: Tensor> Value<T> {
                 _ => self.kind(),
             },
             Value::Sharded(_) => self.kind(),
-            Value::Tuple(v) => format!("({})", v.iter().map(Value::render).collect::<Vec<_>>().join(", ")),
-            Value::List(v) => format!("[{}]", v.iter().map(Value::render).collect::<Vec<_>>().join(", ")),
+            Value::Tuple(v) => format!(
+                "({})",
+                v.iter().map(Value::render).collect::<Vec<_>>().join(", ")
+            ),
+            Value::List(v) => format!(
+                "[{}]",
+                v.iter().map(Value::render).collect::<Vec<_>>().join(", ")
+            ),
         }
     }
 
@@ -173,8 +179,12 @@ impl<T: Tensor> Value<T> {
                 offsets: s.offsets.clone(),
                 local: s.local.as_ref().map(&mut *f).transpose()?,
             }),
-            Value::Tuple(v) => Value::Tuple(v.iter().map(|x| x.try_map(f)).collect::<Result<_, E>>()?),
-            Value::List(v) => Value::List(v.iter().map(|x| x.try_map(f)).collect::<Result<_, E>>()?),
+            Value::Tuple(v) => {
+                Value::Tuple(v.iter().map(|x| x.try_map(f)).collect::<Result<_, E>>()?)
+            }
+            Value::List(v) => {
+                Value::List(v.iter().map(|x| x.try_map(f)).collect::<Result<_, E>>()?)
+            }
         })
     }
 }
@@ -203,7 +213,10 @@ pub struct OptimStateDict<T = HostTensor> {
 
 impl<T> Default for OptimStateDict<T> {
     fn default() -> Self {
-        OptimStateDict { state: IndexMap::new(), param_groups: Some(Vec::new()) }
+        OptimStateDict {
+            state: IndexMap::new(),
+            param_groups: Some(Vec::new()),
+        }
     }
 }
 
@@ -214,9 +227,16 @@ impl<T: Tensor> OptimStateDict<T> {
     }
 
     /// Converts every tensor with `f`.
-    pub fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> Result<U, E>) -> Result<OptimStateDict<U>, E> {
-        let map_state = |s: &ParamState<T>, f: &mut dyn FnMut(&T) -> Result<U, E>| -> Result<ParamState<U>, E> {
-            s.iter().map(|(k, v)| Ok((k.clone(), v.try_map(&mut |t| f(t))?))).collect()
+    pub fn try_map<U, E>(
+        &self,
+        mut f: impl FnMut(&T) -> Result<U, E>,
+    ) -> Result<OptimStateDict<U>, E> {
+        let map_state = |s: &ParamState<T>,
+                         f: &mut dyn FnMut(&T) -> Result<U, E>|
+         -> Result<ParamState<U>, E> {
+            s.iter()
+                .map(|(k, v)| Ok((k.clone(), v.try_map(&mut |t| f(t))?)))
+                .collect()
         };
         let state = self
             .state
@@ -236,7 +256,10 @@ impl<T: Tensor> OptimStateDict<T> {
                     .collect::<Result<_, E>>()?,
             ),
         };
-        Ok(OptimStateDict { state, param_groups })
+        Ok(OptimStateDict {
+            state,
+            param_groups,
+        })
     }
 
     /// Total bytes of tensor state (local chunks for sharded tensors).
@@ -286,7 +309,10 @@ pub struct OptimParams {
 impl OptimParams {
     /// One group holding `params`.
     pub fn single(params: Vec<OptimParam>) -> Self {
-        OptimParams { groups: vec![params], named: false }
+        OptimParams {
+            groups: vec![params],
+            named: false,
+        }
     }
 
     /// Every parameter with its id, in id order.

@@ -34,7 +34,10 @@ pub(crate) fn parameter_names(layout: &ModelLayout) -> HashSet<String> {
 }
 
 /// Entries of a name-keyed dict that belong to no parameter: user-defined state, passed through.
-pub(crate) fn user_state<T: Tensor>(layout: &ModelLayout, full: &OptimStateDict<T>) -> Vec<(ParamKey, ParamState<T>)> {
+pub(crate) fn user_state<T: Tensor>(
+    layout: &ModelLayout,
+    full: &OptimStateDict<T>,
+) -> Vec<(ParamKey, ParamState<T>)> {
     let names = parameter_names(layout);
     full.state
         .iter()
@@ -60,7 +63,14 @@ pub fn flatten_optim_state_dict<T: Tensor>(
         )));
     }
     let user = user_state(layout, full);
-    flatten_from_source(layout, rank, &mut DictSource(full), full.param_groups.as_deref(), user, params)
+    flatten_from_source(
+        layout,
+        rank,
+        &mut DictSource(full),
+        full.param_groups.as_deref(),
+        user,
+        params,
+    )
 }
 
 /// The flattening loop over any [`FullStateSource`].
@@ -73,7 +83,8 @@ pub fn flatten_from_source<T: Tensor>(
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
     let local = layout.local_params(params)?;
-    let skey_to_key: HashMap<&OptimStateKey, &ParamKey> = local.iter().map(|l| (&l.skey, &l.key)).collect();
+    let skey_to_key: HashMap<&OptimStateKey, &ParamKey> =
+        local.iter().map(|l| (&l.skey, &l.key)).collect();
     let mut state: IndexMap<ParamKey, ParamState<T>> = IndexMap::new();
     for r in layout.model_order() {
         let skey = layout.state_key(r);
@@ -97,7 +108,9 @@ pub fn flatten_from_source<T: Tensor>(
                 s
             }
             Resolved::Orig { param, owner } => {
-                let Some(st) = source.fetch(layout.state_fqn(param))? else { continue };
+                let Some(st) = source.fetch(layout.state_fqn(param))? else {
+                    continue;
+                };
                 match owner {
                     Some((f, m)) => {
                         let s = shard_orig_param_state(&layout.flat_params[f], m, rank, st)?;
@@ -142,12 +155,18 @@ pub fn flatten_from_source<T: Tensor>(
                     })?;
                     keys.insert((*key).clone());
                 }
-                out.push(ParamGroup { options: g.options.clone(), params: keys.into_iter().collect() });
+                out.push(ParamGroup {
+                    options: g.options.clone(),
+                    params: keys.into_iter().collect(),
+                });
             }
             Some(out)
         }
     };
-    Ok(OptimStateDict { state, param_groups })
+    Ok(OptimStateDict {
+        state,
+        param_groups,
+    })
 }
 
 fn present<T>(v: Option<&Value<T>>) -> Option<&Value<T>> {
@@ -174,13 +193,18 @@ pub fn flatten_flat_param<T: Tensor>(
         }
     }
     if name_sets.windows(2).any(|w| w[0] != w[1]) {
-        return Err(Error::DifferingStateNames { params: names, names: name_sets });
+        return Err(Error::DifferingStateNames {
+            params: names,
+            names: name_sets,
+        });
     }
     let order = order.unwrap_or_default();
     let mut out = ParamState::new();
     for sname in order {
-        let values: Vec<Option<&Value<T>>> =
-            member_states.iter().map(|s| present(s.as_ref().and_then(|s| s.get(sname)))).collect();
+        let values: Vec<Option<&Value<T>>> = member_states
+            .iter()
+            .map(|s| present(s.as_ref().and_then(|s| s.get(sname))))
+            .collect();
         let non_none: Vec<&Value<T>> = values.iter().flatten().copied().collect();
         if non_none.is_empty() {
             out.insert(sname.clone(), Value::None);
@@ -189,22 +213,32 @@ pub fn flatten_flat_param<T: Tensor>(
         let all_pos = non_none.iter().all(|v| v.is_pos_dim_tensor());
         let all_zero = non_none.iter().all(|v| v.is_zero_dim_tensor());
         let all_plain = non_none.iter().all(|v| !v.is_tensor());
-        let same_type = non_none.windows(2).all(|w| std::mem::discriminant(w[0]) == std::mem::discriminant(w[1]));
+        let same_type = non_none
+            .windows(2)
+            .all(|w| std::mem::discriminant(w[0]) == std::mem::discriminant(w[1]));
         if !(same_type && (all_pos || all_zero || all_plain)) {
             return Err(Error::DifferingStateTypes {
                 state: sname.clone(),
                 params: names,
-                kinds: values.iter().map(|v| v.map_or("missing".into(), |v| v.kind())).collect(),
+                kinds: values
+                    .iter()
+                    .map(|v| v.map_or("missing".into(), |v| v.kind()))
+                    .collect(),
             });
         }
         let value = if all_pos {
             Value::Tensor(flatten_tensor_state(fl, rank, sname, &values)?)
         } else {
-            if non_none.len() != values.len() || non_none.windows(2).any(|w| !w[0].same_scalar(w[1])) {
+            if non_none.len() != values.len()
+                || non_none.windows(2).any(|w| !w[0].same_scalar(w[1]))
+            {
                 return Err(Error::ScalarStateMismatch {
                     state: sname.clone(),
                     params: names,
-                    values: values.iter().map(|v| v.map_or("missing".into(), |v| v.render())).collect(),
+                    values: values
+                        .iter()
+                        .map(|v| v.map_or("missing".into(), |v| v.render()))
+                        .collect(),
                 });
             }
             non_none[0].clone()
@@ -231,13 +265,11 @@ fn flatten_tensor_state<T: Tensor>(
                 dtypes.insert(t.dtype());
                 tensors.push(Some(t));
             }
-            Some(other) => {
-                return Err(Error::InvalidStateDict(format!(
-                    "state `{sname}` of unit `{}` holds a {}; gather sharded tensors before flattening",
-                    fl.unit,
-                    other.kind()
-                )))
-            }
+            Some(other) => return Err(Error::InvalidStateDict(format!(
+                "state `{sname}` of unit `{}` holds a {}; gather sharded tensors before flattening",
+                fl.unit,
+                other.kind()
+            ))),
         }
     }
     if dtypes.len() != 1 {
@@ -251,7 +283,10 @@ fn flatten_tensor_state<T: Tensor>(
     for (m, t) in fl.members.iter().zip(&tensors) {
         match t {
             None if m.shape.is_empty() => {
-                return Err(Error::ZeroDimParamWithoutState { param: m.fqn.clone(), state: sname.into() })
+                return Err(Error::ZeroDimParamWithoutState {
+                    param: m.fqn.clone(),
+                    state: sname.into(),
+                })
             }
             Some(t) if t.shape() != m.shape => {
                 return Err(Error::ShapeMismatch {

@@ -47,10 +47,12 @@ pub struct LocalParam {
 pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
     match p {
         OptimParam::Flat(unit) => {
-            let f = layout.flat_of_unit(unit).ok_or_else(|| Error::UnknownParameter {
-                name: unit.clone(),
-                context: " (no FSDP unit with a flat parameter has this module prefix)".into(),
-            })?;
+            let f = layout
+                .flat_of_unit(unit)
+                .ok_or_else(|| Error::UnknownParameter {
+                    name: unit.clone(),
+                    context: " (no FSDP unit with a flat parameter has this module prefix)".into(),
+                })?;
             if layout.use_orig_params() {
                 return Err(Error::InvalidStateDict(format!(
                     "the optimizer holds the flat parameter of unit `{unit}`, but with use_orig_params=True it must hold the original parameters"
@@ -59,12 +61,18 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
             Ok(Resolved::Flat(f.index))
         }
         OptimParam::Param(name) => {
-            let idx = layout.model.index_of(name).ok_or_else(|| Error::UnknownParameter {
-                name: name.clone(),
-                context: " held by the optimizer".into(),
-            })?;
+            let idx = layout
+                .model
+                .index_of(name)
+                .ok_or_else(|| Error::UnknownParameter {
+                    name: name.clone(),
+                    context: " held by the optimizer".into(),
+                })?;
             match layout.ownership[idx] {
-                Ownership::Unmanaged => Ok(Resolved::Orig { param: idx, owner: None }),
+                Ownership::Unmanaged => Ok(Resolved::Orig {
+                    param: idx,
+                    owner: None,
+                }),
                 Ownership::Flat { flat, member } => {
                     if !layout.use_orig_params() {
                         return Err(Error::InvalidStateDict(format!(
@@ -72,7 +80,10 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
                             layout.flat_params[flat].unit
                         )));
                     }
-                    Ok(Resolved::Orig { param: idx, owner: Some((flat, member)) })
+                    Ok(Resolved::Orig {
+                        param: idx,
+                        owner: Some((flat, member)),
+                    })
                 }
             }
         }
@@ -83,10 +94,14 @@ impl ModelLayout {
     /// Rank-independent key of a resolved parameter.
     pub fn state_key(&self, r: Resolved) -> OptimStateKey {
         match r {
-            Resolved::Flat(f) => OptimStateKey { names: self.flat_params[f].fqns(), managed: true },
-            Resolved::Orig { param, owner } => {
-                OptimStateKey { names: vec![self.state_fqn(param).to_string()], managed: owner.is_some() }
-            }
+            Resolved::Flat(f) => OptimStateKey {
+                names: self.flat_params[f].fqns(),
+                managed: true,
+            },
+            Resolved::Orig { param, owner } => OptimStateKey {
+                names: vec![self.state_fqn(param).to_string()],
+                managed: owner.is_some(),
+            },
         }
     }
 
@@ -111,8 +126,16 @@ impl ModelLayout {
                     "{p} appears twice in the optimizer's param groups (ids {prev} and {id})"
                 )));
             }
-            let key = if params.named { ParamKey::Name(self.named_key(resolved)) } else { ParamKey::Id(id) };
-            out.push(LocalParam { key, resolved, skey });
+            let key = if params.named {
+                ParamKey::Name(self.named_key(resolved))
+            } else {
+                ParamKey::Id(id)
+            };
+            out.push(LocalParam {
+                key,
+                resolved,
+                skey,
+            });
         }
         Ok(out)
     }

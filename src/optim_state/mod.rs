@@ -4,15 +4,17 @@
 //! `keys`, `flatten`, `unflatten` and `rekey` are pure; `consolidate` and `scatter` move
 //! bytes through a [`ProcessGroup`](crate::collectives::ProcessGroup).
 
+pub mod consolidate;
 mod dict;
 pub mod flatten;
 pub mod keys;
-pub mod consolidate;
 pub mod plan;
 pub mod rekey;
 pub mod scatter;
 
-pub use dict::{OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value};
+pub use dict::{
+    OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value,
+};
 pub use flatten::{flatten_optim_state_dict, FullStateSource};
 pub use keys::OptimStateKey;
 pub use rekey::{rekey_optim_state_dict, OptimStateKeyType};

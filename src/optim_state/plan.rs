@@ -28,7 +28,10 @@ impl StateInfo {
     /// Describes a value.
     pub fn of<T: Tensor>(v: &Value<T>) -> Result<Self> {
         Ok(match v {
-            Value::Tensor(t) if t.dim() > 0 => StateInfo::Tensor { shape: t.shape(), dtype: t.dtype() },
+            Value::Tensor(t) if t.dim() > 0 => StateInfo::Tensor {
+                shape: t.shape(),
+                dtype: t.dtype(),
+            },
             Value::Sharded(s) => StateInfo::Tensor {
                 shape: s.global_shape.clone(),
                 dtype: s.local.as_ref().map_or(DType::F32, |t| t.dtype()),
@@ -60,7 +63,10 @@ impl KeyInfo {
     pub fn of<T: Tensor>(key: &OptimStateKey, st: &ParamState<T>) -> Result<Self> {
         Ok(KeyInfo {
             key: key.clone(),
-            states: st.iter().map(|(n, v)| Ok((n.clone(), StateInfo::of(v)?))).collect::<Result<_>>()?,
+            states: st
+                .iter()
+                .map(|(n, v)| Ok((n.clone(), StateInfo::of(v)?)))
+                .collect::<Result<_>>()?,
         })
     }
 
@@ -91,13 +97,16 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Digest of what must be identical on every rank for `op` to be valid.
 pub fn layout_digest(op: &str, layout: &ModelLayout) -> Result<u64> {
-    let bytes = crate::collectives::encode(&(op, &layout.model, &layout.policy, layout.world_size))?;
+    let bytes =
+        crate::collectives::encode(&(op, &layout.model, &layout.policy, layout.world_size))?;
     Ok(fnv1a(&bytes))
 }
 
 /// Fails on every rank alike when some rank's digest differs from rank 0's.
 pub fn check_digests(op: &str, digests: &[u64]) -> Result<()> {
-    let ranks: Vec<usize> = (0..digests.len()).filter(|&r| digests[r] != digests[0]).collect();
+    let ranks: Vec<usize> = (0..digests.len())
+        .filter(|&r| digests[r] != digests[0])
+        .collect();
     if ranks.is_empty() {
         return Ok(());
     }

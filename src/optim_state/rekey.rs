@@ -29,19 +29,31 @@ pub fn rekey_optim_state_dict<T: Tensor>(
     layout: &ModelLayout,
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
-    let names = osd.state.keys().filter(|k| matches!(k, ParamKey::Name(_))).count();
+    let names = osd
+        .state
+        .keys()
+        .filter(|k| matches!(k, ParamKey::Name(_)))
+        .count();
     if names != 0 && names != osd.state.len() {
         return Err(Error::InvalidStateDict(format!(
             "invalid parameter keys: the state mixes ids and names ({:?})",
-            osd.state.keys().map(ToString::to_string).collect::<Vec<_>>()
+            osd.state
+                .keys()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
         )));
     }
     let is_names = names > 0;
     let is_ids = !osd.state.is_empty() && names == 0;
-    if (key_type == OptimStateKeyType::ParamName && is_names) || (key_type == OptimStateKeyType::ParamId && is_ids) {
+    if (key_type == OptimStateKeyType::ParamName && is_names)
+        || (key_type == OptimStateKeyType::ParamId && is_ids)
+    {
         return Ok(osd.clone());
     }
-    let ids = OptimParams { groups: params.groups.clone(), named: false };
+    let ids = OptimParams {
+        groups: params.groups.clone(),
+        named: false,
+    };
     let local = layout.local_params(&ids)?;
     let mut map: HashMap<ParamKey, ParamKey> = HashMap::new();
     for l in &local {
@@ -85,10 +97,16 @@ pub fn rekey_optim_state_dict<T: Tensor>(
                         .map(|k| lookup(k, &format!("param_groups[{gi}]")))
                         .collect::<Result<Vec<_>>>()?;
                     params.sort();
-                    Ok(ParamGroup { options: g.options.clone(), params })
+                    Ok(ParamGroup {
+                        options: g.options.clone(),
+                        params,
+                    })
                 })
                 .collect::<Result<Vec<_>>>()?,
         ),
     };
-    Ok(OptimStateDict { state, param_groups })
+    Ok(OptimStateDict {
+        state,
+        param_groups,
+    })
 }

@@ -36,7 +36,10 @@ fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
         let mut entries = Vec::with_capacity(st.len());
         for (n, v) in st {
             let s = match v {
-                Value::Tensor(t) if t.dim() > 0 => Skel::Tensor { shape: t.shape(), dtype: t.dtype() },
+                Value::Tensor(t) if t.dim() > 0 => Skel::Tensor {
+                    shape: t.shape(),
+                    dtype: t.dtype(),
+                },
                 Value::Sharded(_) => {
                     return Err(Error::InvalidStateDict(format!(
                         "state `{n}` of {k} is a sharded tensor; scatter takes a full dict"
@@ -65,7 +68,10 @@ fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
                 .collect::<Result<Vec<_>>>()?,
         ),
     };
-    Ok(Skeleton { state, param_groups })
+    Ok(Skeleton {
+        state,
+        param_groups,
+    })
 }
 
 /// Receives each parameter's tensors from the root when the flattening asks for them.
@@ -85,9 +91,12 @@ impl<T: Tensor> BroadcastSource<'_, T> {
                 Skel::Tensor { shape, dtype } => {
                     let mut buf = match self.full {
                         Some(full) if self.pg.rank() == self.root => {
-                            let t = full.state[key][n.as_str()].as_tensor().expect("skeleton says tensor").to_host()?;
+                            let t = full.state[key][n.as_str()]
+                                .as_tensor()
+                                .expect("skeleton says tensor")
+                                .to_host()?;
                             // Copy into a private buffer: broadcast writes into its argument.
-                            HostTensor::from_bytes(t.dtype(), &t.shape().to_vec(), t.as_bytes())?
+                            HostTensor::from_bytes(t.dtype(), t.shape(), t.as_bytes())?
                         }
                         _ => HostTensor::zeros(*dtype, shape),
                     };
@@ -103,8 +112,11 @@ impl<T: Tensor> BroadcastSource<'_, T> {
 
 impl<T: Tensor> FullStateSource<T> for BroadcastSource<'_, T> {
     fn fetch(&mut self, fqn: &str) -> Result<Option<ParamState<T>>> {
-        let Some(entries) = self.skeleton.get(fqn) else { return Ok(None) };
-        self.receive(&ParamKey::Name(fqn.to_string()), entries).map(Some)
+        let Some(entries) = self.skeleton.get(fqn) else {
+            return Ok(None);
+        };
+        self.receive(&ParamKey::Name(fqn.to_string()), entries)
+            .map(Some)
     }
 }
 
@@ -125,15 +137,26 @@ pub fn scatter_full<T: Tensor>(
     let skeleton: std::result::Result<Skeleton, Error> = if pg.rank() == root {
         match full {
             Some(f) => skeleton_of(f),
-            None => Err(Error::InvalidStateDict(format!("{op}: the root rank {root} must pass the full dict"))),
+            None => Err(Error::InvalidStateDict(format!(
+                "{op}: the root rank {root} must pass the full dict"
+            ))),
         }
     } else {
-        Ok(Skeleton { state: vec![], param_groups: None })
+        Ok(Skeleton {
+            state: vec![],
+            param_groups: None,
+        })
     };
-    let skeleton: std::result::Result<Skeleton, Error> = pg.broadcast_object(Some(&skeleton), root)?;
+    let skeleton: std::result::Result<Skeleton, Error> =
+        pg.broadcast_object(Some(&skeleton), root)?;
     let skeleton = skeleton?;
     let names = parameter_names(layout);
-    let mut src = BroadcastSource { pg, root, skeleton: HashMap::new(), full };
+    let mut src = BroadcastSource {
+        pg,
+        root,
+        skeleton: HashMap::new(),
+        full,
+    };
     let mut user = Vec::new();
     for (k, entries) in skeleton.state {
         match &k {
@@ -152,7 +175,12 @@ pub fn scatter_full<T: Tensor>(
                         options: g
                             .options
                             .iter()
-                            .map(|(n, v)| Ok((n.clone(), v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?)))
+                            .map(|(n, v)| {
+                                Ok((
+                                    n.clone(),
+                                    v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
+                                ))
+                            })
                             .collect::<Result<_>>()?,
                         params: g.params,
                     })
@@ -162,8 +190,18 @@ pub fn scatter_full<T: Tensor>(
     };
     // Parameters the layout never asks for still have their tensors broadcast by nobody: the
     // skeleton only holds parameter names of this model, all of which the loop fetches.
-    flatten_from_source(layout, layout_rank, &mut src, groups.as_deref(), user, params)
+    flatten_from_source(
+        layout,
+        layout_rank,
+        &mut src,
+        groups.as_deref(),
+        user,
+        params,
+    )
 }
+
+/// Digest and (key, state, global shape) of every sharded tensor, as exchanged.
+type ShardedPlan = (u64, Vec<(ParamKey, String, Vec<usize>)>);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ShardedEntry {
@@ -194,8 +232,14 @@ pub fn gather_sharded<T: Tensor>(
             }
         }
     }
-    let mine = (layout_digest(op, layout)?, entries.iter().map(|e| (e.key.clone(), e.state.clone(), e.global_shape.clone())).collect::<Vec<_>>());
-    let all: Vec<(u64, Vec<(ParamKey, String, Vec<usize>)>)> = pg.all_gather_object(&mine)?;
+    let mine = (
+        layout_digest(op, layout)?,
+        entries
+            .iter()
+            .map(|e| (e.key.clone(), e.state.clone(), e.global_shape.clone()))
+            .collect::<Vec<_>>(),
+    );
+    let all: Vec<ShardedPlan> = pg.all_gather_object(&mine)?;
     check_digests(op, &all.iter().map(|a| a.0).collect::<Vec<_>>())?;
     let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r].1 != all[0].1).collect();
     if !differ.is_empty() {
@@ -203,24 +247,34 @@ pub fn gather_sharded<T: Tensor>(
             op: op.into(),
             reference: 0,
             ranks: differ,
-            detail: "the sharded dicts hold different parameters, state names or global shapes".into(),
+            detail: "the sharded dicts hold different parameters, state names or global shapes"
+                .into(),
         });
     }
     let mut out = sharded.clone();
     for e in &entries {
-        let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else { unreachable!("listed above") };
+        let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
+            unreachable!("listed above")
+        };
         let bytes = match &s.local {
             Some(t) => t.to_host()?.as_bytes().to_vec(),
             None => Vec::new(),
         };
         let dtypes: Vec<Option<DType>> = pg.all_gather_object(&e.dtype)?;
-        let dtype = dtypes.iter().flatten().next().copied().unwrap_or(DType::F32);
+        let dtype = dtypes
+            .iter()
+            .flatten()
+            .next()
+            .copied()
+            .unwrap_or(DType::F32);
         let parts = pg.all_gather_bytes(&bytes)?;
         let joined: Vec<u8> = parts.concat();
-        let full = HostTensor::from_bytes(dtype, &e.global_shape, &joined).map_err(|_| Error::ShapeMismatch {
-            context: format!("gathering sharded state `{}` of {}", e.state, e.key),
-            expected: e.global_shape.clone(),
-            found: vec![joined.len() / dtype.size()],
+        let full = HostTensor::from_bytes(dtype, &e.global_shape, &joined).map_err(|_| {
+            Error::ShapeMismatch {
+                context: format!("gathering sharded state `{}` of {}", e.state, e.key),
+                expected: e.global_shape.clone(),
+                found: vec![joined.len() / dtype.size()],
+            }
         })?;
         out.state[&e.key].insert(e.state.clone(), Value::Tensor(T::from_host(full)?));
     }

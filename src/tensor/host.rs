@@ -243,7 +243,9 @@ impl HostTensor {
 
     /// Same dtype, same shape and the same bytes (NaNs with equal bits compare equal).
     pub fn bit_eq(&self, other: &HostTensor) -> bool {
-        self.dtype == other.dtype && self.shape == other.shape && self.as_bytes() == other.as_bytes()
+        self.dtype == other.dtype
+            && self.shape == other.shape
+            && self.as_bytes() == other.as_bytes()
     }
 
     /// Whether two tensors share storage (one is a view of the other's buffer).
@@ -326,8 +328,14 @@ mod tests {
     #[test]
     fn out_of_range_narrow_is_an_error() {
         let t = HostTensor::zeros(DType::BF16, &[3]);
-        assert!(matches!(t.narrow_flat(2, 2), Err(Error::OutOfBounds { numel: 3, .. })));
-        assert!(matches!(t.as_slice::<f32>(), Err(Error::DtypeMismatch { .. })));
+        assert!(matches!(
+            t.narrow_flat(2, 2),
+            Err(Error::OutOfBounds { numel: 3, .. })
+        ));
+        assert!(matches!(
+            t.as_slice::<f32>(),
+            Err(Error::DtypeMismatch { .. })
+        ));
     }
 
     #[test]
@@ -340,7 +348,8 @@ mod tests {
 
     #[test]
     fn serde_round_trip_keeps_bits() {
-        let t = HostTensor::from_slice(&[half::bf16::from_f32(1.5), half::bf16::NAN], &[2]).unwrap();
+        let t =
+            HostTensor::from_slice(&[half::bf16::from_f32(1.5), half::bf16::NAN], &[2]).unwrap();
         let bytes = bincode::serde::encode_to_vec(&t, bincode::config::standard()).unwrap();
         let (back, _): (HostTensor, usize) =
             bincode::serde::decode_from_slice(&bytes, bincode::config::standard()).unwrap();

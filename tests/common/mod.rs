@@ -4,7 +4,10 @@
 
 use fsdp::flat_param::ModelLayout;
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
-use fsdp::{DType, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, ParamKey, Value, WrapPolicy};
+use fsdp::{
+    DType, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, ParamKey, Value,
+    WrapPolicy,
+};
 
 /// `NestedModel` of the PyTorch test: blocks of `BlockA`/`BlockB` with biases, in
 /// `named_parameters()` order (the root's own `bias` first).
@@ -69,7 +72,12 @@ pub fn module_params(layout: &ModelLayout, prefix: &str) -> Vec<OptimParam> {
 /// The optimizer input of `_init_nested_model`: `model.parameters()` or the two groups
 /// (`block1`; `block2` then `block0`, the second with weight_decay 0.9), reversed on odd ranks
 /// when `diff_inputs`.
-pub fn nested_optim_input(layout: &ModelLayout, multiple_groups: bool, diff_inputs: bool, rank: usize) -> OptimParams {
+pub fn nested_optim_input(
+    layout: &ModelLayout,
+    multiple_groups: bool,
+    diff_inputs: bool,
+    rank: usize,
+) -> OptimParams {
     let mut groups = if multiple_groups {
         let g0 = module_params(layout, "block1");
         let mut g1 = module_params(layout, "block2");
@@ -83,7 +91,10 @@ pub fn nested_optim_input(layout: &ModelLayout, multiple_groups: bool, diff_inpu
             g.reverse();
         }
     }
-    OptimParams { groups, named: false }
+    OptimParams {
+        groups,
+        named: false,
+    }
 }
 
 /// A transformer-like model with a tied embedding / output projection, wrapped per layer and
@@ -107,9 +118,12 @@ pub fn transformer_model() -> ModelDesc {
                 .param(&format!("{p}.norm1.weight"), &[d], f)
                 .param(&format!("{p}.norm1.bias"), &[d], f);
         }
-        m = m.param(&format!("transformer.{stack}.norm.weight"), &[d], f).param(&format!("transformer.{stack}.norm.bias"), &[d], f);
+        m = m
+            .param(&format!("transformer.{stack}.norm.weight"), &[d], f)
+            .param(&format!("transformer.{stack}.norm.bias"), &[d], f);
     }
-    m.param("output_proj.bias", &[20], f).tie("output_proj.weight", "embed_tokens.weight")
+    m.param("output_proj.bias", &[20], f)
+        .tie("output_proj.weight", "embed_tokens.weight")
 }
 
 /// Every encoder/decoder layer is a unit, plus the root.
@@ -129,9 +143,11 @@ pub fn dummy_model(frozen_first: bool) -> ModelDesc {
     let f = DType::F32;
     let m = ModelDesc::new();
     let m = if frozen_first {
-        m.frozen_param("net1.0.weight", &[16, 8], f).frozen_param("net1.0.bias", &[16], f)
+        m.frozen_param("net1.0.weight", &[16, 8], f)
+            .frozen_param("net1.0.bias", &[16], f)
     } else {
-        m.param("net1.0.weight", &[16, 8], f).param("net1.0.bias", &[16], f)
+        m.param("net1.0.weight", &[16, 8], f)
+            .param("net1.0.bias", &[16], f)
     };
     m.param("net2.0.weight", &[32, 16], f)
         .param("net2.0.bias", &[32], f)
@@ -155,15 +171,22 @@ pub fn unwrapped_input(layout: &ModelLayout, params: &OptimParams) -> OptimParam
         .map(|g| {
             g.iter()
                 .flat_map(|p| match p {
-                    OptimParam::Flat(u) => {
-                        layout.flat_of_unit(u).unwrap().fqns().into_iter().map(OptimParam::Param).collect::<Vec<_>>()
-                    }
+                    OptimParam::Flat(u) => layout
+                        .flat_of_unit(u)
+                        .unwrap()
+                        .fqns()
+                        .into_iter()
+                        .map(OptimParam::Param)
+                        .collect::<Vec<_>>(),
                     other => vec![other.clone()],
                 })
                 .collect()
         })
         .collect();
-    OptimParams { groups, named: params.named }
+    OptimParams {
+        groups,
+        named: params.named,
+    }
 }
 
 /// The tensors an optimizer steps on and their synthetic gradients for `steps` steps.
@@ -174,10 +197,20 @@ pub struct Slots {
 impl Slots {
     pub fn new(layout: &ModelLayout, rank: usize, input: &OptimParams) -> Self {
         let p = shard_tensors(layout, rank, input, &synthetic_params(layout)).unwrap();
-        Slots { params: p.into_iter().map(|t| t.unwrap_or_else(|| HostTensor::zeros(DType::F32, &[0]))).collect() }
+        Slots {
+            params: p
+                .into_iter()
+                .map(|t| t.unwrap_or_else(|| HostTensor::zeros(DType::F32, &[0])))
+                .collect(),
+        }
     }
 
-    pub fn grads(layout: &ModelLayout, rank: usize, input: &OptimParams, step: usize) -> Vec<Option<HostTensor>> {
+    pub fn grads(
+        layout: &ModelLayout,
+        rank: usize,
+        input: &OptimParams,
+        step: usize,
+    ) -> Vec<Option<HostTensor>> {
         shard_tensors(layout, rank, input, &synthetic_grads(layout, step)).unwrap()
     }
 }
@@ -196,7 +229,10 @@ pub fn assert_same_state(a: &OptimStateDict, b: &OptimStateDict, what: &str) {
         for (n, va) in sa {
             let vb = &sb[n.as_str()];
             match (va, vb) {
-                (Value::Tensor(x), Value::Tensor(y)) => assert!(x.bit_eq(y), "{what}: state `{n}` of {k} differs:\n{x:?}\n{y:?}"),
+                (Value::Tensor(x), Value::Tensor(y)) => assert!(
+                    x.bit_eq(y),
+                    "{what}: state `{n}` of {k} differs:\n{x:?}\n{y:?}"
+                ),
                 _ => assert_eq!(va, vb, "{what}: state `{n}` of {k} differs"),
             }
         }
@@ -205,7 +241,10 @@ pub fn assert_same_state(a: &OptimStateDict, b: &OptimStateDict, what: &str) {
 
 /// Asserts param groups agree in hyper-parameters and, when `keys`, in `params`.
 pub fn assert_same_groups(a: &OptimStateDict, b: &OptimStateDict, keys: bool, what: &str) {
-    let (ga, gb) = (a.param_groups.as_ref().unwrap(), b.param_groups.as_ref().unwrap());
+    let (ga, gb) = (
+        a.param_groups.as_ref().unwrap(),
+        b.param_groups.as_ref().unwrap(),
+    );
     assert_eq!(ga.len(), gb.len(), "{what}: number of param groups");
     for (x, y) in ga.iter().zip(gb) {
         assert_eq!(x.options, y.options, "{what}: hyper-parameters");
