@@ -305,9 +305,7 @@ mod tests {
             .param("embed.weight", &[4, 2], DType::F32)
             .param("layer.weight", &[2, 2], DType::F32)
             .tie("head.weight", "embed.weight");
-        let names: Vec<_> = m
-            .names_with_aliases()
-            .into_iter().collect();
+        let names: Vec<_> = m.names_with_aliases().into_iter().collect();
         assert_eq!(names.last().unwrap(), &("head.weight".to_string(), 0));
     }
 

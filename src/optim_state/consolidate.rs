@@ -36,17 +36,21 @@ pub fn consolidate<T: Tensor>(
     let local_plan = local
         .as_ref()
         .map_err(Clone::clone)
-        .and_then(|l| local_plan(op, layout, osd, l));
+        .and_then(|l| local_plan(op, layout, osd, l, pg.rank()));
     let msg = match &local_plan {
         Ok(p) => p.clone(),
-        Err(_) => PlanMsg {
+        Err(e) => PlanMsg {
             digest: 0,
             keys: vec![],
+            error: Some(e.clone()),
         },
     };
     let plans: Vec<PlanMsg> = pg.all_gather_object(&msg)?;
+    // A rank whose own input is invalid makes every rank fail with its error.
+    if let Some(e) = plans.iter().find_map(|p| p.error.clone()) {
+        return Err(e);
+    }
     let local = local?;
-    local_plan?;
     check_digests(op, &plans.iter().map(|p| p.digest).collect::<Vec<_>>())?;
 
     let by_skey: HashMap<&OptimStateKey, &LocalParam> =
@@ -184,13 +188,14 @@ fn local_plan<T: Tensor>(
     layout: &ModelLayout,
     osd: &OptimStateDict<T>,
     local: &[LocalParam],
+    rank: usize,
 ) -> Result<PlanMsg> {
     let mut keys = Vec::new();
     for l in local {
         if let Some(st) = osd.state.get(&l.key) {
             if let Some((n, v)) = st.iter().find(|(_, v)| matches!(v, Value::Sharded(_))) {
                 return Err(Error::InvalidStateDict(format!(
-                    "local optimizer state of {} holds a sharded tensor in `{n}` ({}); expected plain tensors",
+                    "rank {rank}: local optimizer state of {} holds a sharded tensor in `{n}` ({}); expected plain tensors",
                     l.key,
                     v.kind()
                 )));
@@ -201,6 +206,7 @@ fn local_plan<T: Tensor>(
     Ok(PlanMsg {
         digest: layout_digest(op, layout)?,
         keys,
+        error: None,
     })
 }
 
@@ -373,23 +379,31 @@ fn gather_orig_param_states<T: Tensor>(
     // Scalars (plain values first, then 0-dim tensors, each sorted), taken from the ranks that
     // hold elements of the parameter; they must agree.
     let mut tensor_names: Vec<String> = Vec::new();
-    let mut dtype = None;
+    let mut dtype: Option<(crate::tensor::DType, String)> = None;
     for (ki, k) in keys.iter().enumerate() {
         let rank_infos: Vec<Option<&KeyInfo>> =
             (0..world).map(|r| infos[r].get(k).copied()).collect();
         let mut names: BTreeSet<&String> = BTreeSet::new();
-        for info in rank_infos.iter().flatten() {
+        for (r, info) in rank_infos
+            .iter()
+            .enumerate()
+            .filter_map(|(r, i)| i.map(|i| (r, i)))
+        {
             for (n, s) in &info.states {
                 if let StateInfo::Tensor { dtype: d, .. } = s {
                     names.insert(n);
-                    if dtype.is_some_and(|x| x != *d) {
-                        return Err(Error::TensorStateDtypeMismatch {
-                            state: n.clone(),
-                            params: fl.fqns(),
-                            dtypes: vec![format!("{}", dtype.expect("set")), d.to_string()],
-                        });
+                    let label = format!("{d} (`{n}` of {} on rank {r})", k.names[0]);
+                    match &dtype {
+                        Some((x, first)) if x != d => {
+                            return Err(Error::TensorStateDtypeMismatch {
+                                state: n.clone(),
+                                params: fl.fqns(),
+                                dtypes: vec![first.clone(), label],
+                            });
+                        }
+                        Some(_) => {}
+                        None => dtype = Some((*d, label)),
                     }
-                    dtype = Some(*d);
                 }
             }
         }
@@ -446,9 +460,10 @@ fn gather_orig_param_states<T: Tensor>(
             outputs[ki].insert(n, v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?);
         }
     }
-    let Some(dtype) = dtype else {
+    let Some((dtype, _)) = dtype else {
         return Ok(outputs);
     };
+    precheck_orig_views(fl, keys, &member_of, &tensor_names, infos)?;
     let shard = fl.shard(rank);
     let (s, e) = (shard.start, shard.start + shard.numel);
     for name in &tensor_names {
@@ -510,6 +525,47 @@ fn gather_orig_param_states<T: Tensor>(
         }
     }
     Ok(outputs)
+}
+
+/// Checks, from the exchanged plans and identically on every rank, that each rank's view of
+/// each parameter has exactly its shard's elements for every tensor state, before any
+/// tensor moves.
+fn precheck_orig_views(
+    fl: &FlatParamLayout,
+    keys: &[&OptimStateKey],
+    member_of: &[usize],
+    tensor_names: &[String],
+    infos: &[HashMap<&OptimStateKey, &KeyInfo>],
+) -> Result<()> {
+    for (r, rank_info) in infos.iter().enumerate() {
+        let shard = fl.shard(r);
+        for (ki, k) in keys.iter().enumerate() {
+            let want = shard.params[member_of[ki]].numel_in_shard;
+            let info = rank_info.get(k);
+            for name in tensor_names {
+                match info.and_then(|i| i.get(name)) {
+                    Some(StateInfo::Tensor { shape, .. }) if shape.iter().product::<usize>() != want => {
+                        return Err(Error::ShapeMismatch {
+                            context: format!(
+                                "state `{name}` of parameter `{}` on rank {r} (its shard holds {want} elements)",
+                                k.names[0]
+                            ),
+                            expected: vec![want],
+                            found: shape.clone(),
+                        })
+                    }
+                    None if want > 0 && info.is_some() => {
+                        return Err(Error::InvalidStateDict(format!(
+                            "parameter `{}` has {want} elements on rank {r} but no tensor state `{name}` there",
+                            k.names[0]
+                        )))
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 fn maybe_shard<T: Tensor>(

@@ -265,11 +265,13 @@ fn flatten_tensor_state<T: Tensor>(
                 dtypes.insert(t.dtype());
                 tensors.push(Some(t));
             }
-            Some(other) => return Err(Error::InvalidStateDict(format!(
+            Some(other) => {
+                return Err(Error::InvalidStateDict(format!(
                 "state `{sname}` of unit `{}` holds a {}; gather sharded tensors before flattening",
                 fl.unit,
                 other.kind()
-            ))),
+            )))
+            }
         }
     }
     if dtypes.len() != 1 {
@@ -339,22 +341,34 @@ pub fn shard_orig_param_state<T: Tensor>(
     if state.is_empty() {
         return Ok(state);
     }
+    let m = &fl.members[member];
+    // Validate on every rank, holding elements or not, so that all ranks fail alike.
+    for (name, v) in &state {
+        match v {
+            Value::Tensor(t) if t.dim() > 0 && t.shape() != m.shape => {
+                return Err(Error::ShapeMismatch {
+                    context: format!("state `{name}` of parameter `{}`", m.fqn),
+                    expected: m.shape.clone(),
+                    found: t.shape(),
+                })
+            }
+            Value::Sharded(_) => {
+                return Err(Error::InvalidStateDict(format!(
+                    "state `{name}` of parameter `{}` is a sharded tensor; gather sharded tensors before flattening",
+                    m.fqn
+                )))
+            }
+            _ => {}
+        }
+    }
     let info = fl.shard(rank).params[member];
     if !info.in_shard {
         return Ok(ParamState::new());
     }
-    let m = &fl.members[member];
     let mut out = ParamState::new();
     for (name, v) in state {
         let v = match v {
             Value::Tensor(t) if t.dim() > 0 && fl.sharded => {
-                if t.numel() != m.numel {
-                    return Err(Error::ShapeMismatch {
-                        context: format!("state `{name}` of parameter `{}`", m.fqn),
-                        expected: m.shape.clone(),
-                        found: t.shape(),
-                    });
-                }
                 Value::Tensor(t.narrow_flat(info.intra_param_start_idx, info.numel_in_shard)?)
             }
             other => other,

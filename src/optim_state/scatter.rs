@@ -132,8 +132,17 @@ pub fn scatter_full<T: Tensor>(
     full: Option<&OptimStateDict<T>>,
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
-    let digests: Vec<u64> = pg.all_gather_object(&layout_digest(op, layout)?)?;
-    check_digests(op, &digests)?;
+    // Every rank checks its optimizer's parameters before the first tensor moves, and all
+    // ranks fail with the first failing rank's error.
+    let mine: (u64, Option<Error>) = (
+        layout_digest(op, layout)?,
+        layout.local_params(params).err(),
+    );
+    let all: Vec<(u64, Option<Error>)> = pg.all_gather_object(&mine)?;
+    if let Some(e) = all.iter().find_map(|(_, e)| e.clone()) {
+        return Err(e);
+    }
+    check_digests(op, &all.iter().map(|(d, _)| *d).collect::<Vec<_>>())?;
     let skeleton: std::result::Result<Skeleton, Error> = if pg.rank() == root {
         match full {
             Some(f) => skeleton_of(f),
@@ -188,8 +197,6 @@ pub fn scatter_full<T: Tensor>(
                 .collect::<Result<_>>()?,
         ),
     };
-    // Parameters the layout never asks for still have their tensors broadcast by nobody: the
-    // skeleton only holds parameter names of this model, all of which the loop fetches.
     flatten_from_source(
         layout,
         layout_rank,
@@ -242,13 +249,25 @@ pub fn gather_sharded<T: Tensor>(
     let all: Vec<ShardedPlan> = pg.all_gather_object(&mine)?;
     check_digests(op, &all.iter().map(|a| a.0).collect::<Vec<_>>())?;
     let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r].1 != all[0].1).collect();
-    if !differ.is_empty() {
+    if let Some(&r) = differ.first() {
+        let (a, b) = (&all[0].1, &all[r].1);
+        let first = (0..a.len().max(b.len()))
+            .find(|&i| a.get(i) != b.get(i))
+            .unwrap_or(0);
+        let show = |e: Option<&(ParamKey, String, Vec<usize>)>| {
+            e.map_or("nothing".to_string(), |(k, n, s)| {
+                format!("state `{n}` of {k} with global shape {s:?}")
+            })
+        };
         return Err(Error::PlanMismatch {
             op: op.into(),
             reference: 0,
             ranks: differ,
-            detail: "the sharded dicts hold different parameters, state names or global shapes"
-                .into(),
+            detail: format!(
+                "the sharded dicts differ: at entry {first} rank 0 has {} but rank {r} has {}",
+                show(a.get(first)),
+                show(b.get(first))
+            ),
         });
     }
     let mut out = sharded.clone();

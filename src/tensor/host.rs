@@ -60,8 +60,10 @@ impl HostTensor {
 
     /// A tensor from raw little-endian bytes; `bytes.len()` must match shape and dtype.
     pub fn from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
-        let expected = numel_of(shape) * dtype.size();
-        if bytes.len() != expected {
+        let expected = shape
+            .iter()
+            .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
+        if expected != Some(bytes.len()) {
             return Err(Error::ShapeMismatch {
                 context: format!("HostTensor::from_bytes ({dtype}, {} bytes)", bytes.len()),
                 expected: shape.to_vec(),
@@ -201,7 +203,8 @@ impl HostTensor {
 
     /// The same elements with another shape (no copy).
     pub fn reshape(&self, shape: &[usize]) -> Result<Self> {
-        if numel_of(shape) != self.numel() {
+        let numel = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        if numel != Some(self.numel()) {
             return Err(Error::ShapeMismatch {
                 context: "reshape".into(),
                 expected: shape.to_vec(),
