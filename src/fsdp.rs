@@ -127,6 +127,7 @@ impl std::fmt::Debug for Fsdp {
 }
 
 const OPT: &str = "optim_state_dict";
+const LOAD: &str = "optim_state_dict_to_load";
 
 impl Fsdp {
     /// Wraps `model` with `policy`, sharding over every rank of `pg`.
@@ -237,6 +238,42 @@ impl Fsdp {
         self.settings
     }
 
+    /// Consolidation over the shard group; with `rank0_only` only global rank 0 returns a
+    /// dict (a sharded dict is returned everywhere).
+    fn consolidate<T: Tensor>(
+        &self,
+        op: &str,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        shard_state: bool,
+        rank0_only: bool,
+    ) -> Result<Option<OptimStateDict<T>>> {
+        let to_save = shard_state || !rank0_only || self.world_pg.rank() == 0;
+        let opts = ConsolidateOptions {
+            shard_state,
+            to_save,
+        };
+        consolidate(op, &self.layout, self.shard_pg.as_ref(), osd, params, opts)
+    }
+
+    /// Scatter of the dict global rank 0 holds over the whole job.
+    fn scatter<T: Tensor>(
+        &self,
+        op: &str,
+        full: Option<&OptimStateDict<T>>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        scatter_full(
+            op,
+            &self.layout,
+            self.rank(),
+            self.world_pg.as_ref(),
+            0,
+            full,
+            params,
+        )
+    }
+
     fn rank0_only(&self) -> bool {
         matches!(
             self.settings.optim_state_dict_config,
@@ -256,18 +293,7 @@ impl Fsdp {
         params: &OptimParams,
         rank0_only: bool,
     ) -> Result<Option<OptimStateDict<T>>> {
-        let to_save = !rank0_only || self.world_pg.rank() == 0;
-        consolidate(
-            "full_optim_state_dict",
-            &self.layout,
-            self.shard_pg.as_ref(),
-            osd,
-            params,
-            ConsolidateOptions {
-                shard_state: false,
-                to_save,
-            },
-        )
+        self.consolidate("full_optim_state_dict", osd, params, false, rank0_only)
     }
 
     /// `FSDP.sharded_optim_state_dict`: like the full dict, but each tensor state keeps only
@@ -277,18 +303,8 @@ impl Fsdp {
         osd: &OptimStateDict<T>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        let out = consolidate(
-            "sharded_optim_state_dict",
-            &self.layout,
-            self.shard_pg.as_ref(),
-            osd,
-            params,
-            ConsolidateOptions {
-                shard_state: true,
-                to_save: true,
-            },
-        )?;
-        Ok(out.expect("to_save"))
+        let out = self.consolidate("sharded_optim_state_dict", osd, params, true, false)?;
+        Ok(out.expect("a sharded dict is returned on every rank"))
     }
 
     /// `FSDP.shard_full_optim_state_dict`: this rank's flattened, sharded dict for its
@@ -308,15 +324,7 @@ impl Fsdp {
         full: Option<&OptimStateDict<T>>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        scatter_full(
-            "scatter_full_optim_state_dict",
-            &self.layout,
-            self.rank(),
-            self.world_pg.as_ref(),
-            0,
-            full,
-            params,
-        )
+        self.scatter("scatter_full_optim_state_dict", full, params)
     }
 
     /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
@@ -354,31 +362,8 @@ impl Fsdp {
         params: &OptimParams,
     ) -> Result<Option<OptimStateDict<T>>> {
         match self.settings.state_dict_type {
-            StateDictType::Full => {
-                let to_save = !self.rank0_only() || self.world_pg.rank() == 0;
-                consolidate(
-                    OPT,
-                    &self.layout,
-                    self.shard_pg.as_ref(),
-                    osd,
-                    params,
-                    ConsolidateOptions {
-                        shard_state: false,
-                        to_save,
-                    },
-                )
-            }
-            StateDictType::Sharded => consolidate(
-                OPT,
-                &self.layout,
-                self.shard_pg.as_ref(),
-                osd,
-                params,
-                ConsolidateOptions {
-                    shard_state: true,
-                    to_save: true,
-                },
-            ),
+            StateDictType::Full => self.consolidate(OPT, osd, params, false, self.rank0_only()),
+            StateDictType::Sharded => self.consolidate(OPT, osd, params, true, false),
             StateDictType::Local => Ok(Some(osd.clone())),
         }
     }
@@ -399,15 +384,7 @@ impl Fsdp {
             ))
         };
         match self.settings.state_dict_type {
-            StateDictType::Full if self.rank0_only() => scatter_full(
-                "optim_state_dict_to_load",
-                &self.layout,
-                self.rank(),
-                self.world_pg.as_ref(),
-                0,
-                osd,
-                params,
-            ),
+            StateDictType::Full if self.rank0_only() => self.scatter(LOAD, osd, params),
             StateDictType::Full => flatten_optim_state_dict(
                 &self.layout,
                 self.rank(),
@@ -419,13 +396,14 @@ impl Fsdp {
                 // with the same error instead of waiting.
                 let empty = OptimStateDict::default();
                 let full = gather_sharded(
-                    "optim_state_dict_to_load",
+                    LOAD,
                     &self.layout,
                     self.shard_pg.as_ref(),
                     osd.unwrap_or(&empty),
                 )?;
-                let osd = osd.ok_or_else(|| need("sharded"))?;
-                let _ = osd;
+                if osd.is_none() {
+                    return Err(need("sharded"));
+                }
                 flatten_optim_state_dict(&self.layout, self.rank(), &full, params)
             }
             StateDictType::Local => osd.cloned().ok_or_else(|| need("local")),

@@ -4,7 +4,7 @@
 //! whole tensor per unmanaged parameter. Gradients are cut the same way.
 
 use crate::error::{Error, Result};
-use crate::flat_param::{flatten_full, shard_of_full, ModelLayout};
+use crate::flat_param::{shard_from_members, ModelLayout};
 use crate::model::ParamSpec;
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::OptimParams;
@@ -59,17 +59,10 @@ pub fn shard_tensors(
                 if fl.members.iter().all(|m| full[m.param_index].is_none()) {
                     return Ok(None);
                 }
-                let parts: Vec<HostTensor> = fl
-                    .members
-                    .iter()
-                    .map(|m| {
-                        full[m.param_index]
-                            .clone()
-                            .unwrap_or_else(|| HostTensor::zeros(fl.dtype, &m.shape))
-                    })
-                    .collect();
-                let flat = flatten_full(fl, &parts)?;
-                shard_of_full(fl, &flat, rank).map(Some)
+                shard_from_members(fl, rank, fl.dtype, |m| {
+                    full[fl.members[m].param_index].as_ref().map(|t| (t, 0))
+                })
+                .map(Some)
             }
             Resolved::Orig { param, owner: None } => Ok(full[param].clone()),
             Resolved::Orig {

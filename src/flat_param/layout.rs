@@ -213,10 +213,55 @@ impl FlatParamLayout {
         }
     }
 
+    /// The contiguous pieces of rank `rank`'s padded shard, in order: ranges of members'
+    /// elements and runs of padding (alignment, world-size and right padding alike).
+    pub fn shard_pieces(&self, rank: usize) -> Vec<ShardPiece> {
+        let shard = self.shard(rank);
+        let (s, e) = (shard.start, shard.start + shard.numel);
+        let mut pieces = Vec::new();
+        let (mut off, mut member) = (0, 0);
+        for (&n, &pad) in self.numels_with_padding.iter().zip(&self.is_padding_mask) {
+            let (lo, hi) = (off.max(s), (off + n).min(e));
+            if lo < hi {
+                pieces.push(if pad {
+                    ShardPiece::Padding(hi - lo)
+                } else {
+                    ShardPiece::Member {
+                        member,
+                        start: lo - off,
+                        len: hi - lo,
+                    }
+                });
+            }
+            member += usize::from(!pad);
+            off += n;
+        }
+        if shard.numel_padded > 0 {
+            pieces.push(ShardPiece::Padding(shard.numel_padded));
+        }
+        pieces
+    }
+
     /// Index of the member with this FQN.
     pub fn member_index(&self, fqn: &str) -> Option<usize> {
         self.members.iter().position(|m| m.fqn == fqn)
     }
+}
+
+/// One contiguous piece of a rank's padded shard of a flat parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ShardPiece {
+    /// Elements `[start, start + len)` of member `member` (flattened).
+    Member {
+        /// Member index.
+        member: usize,
+        /// First element within the member.
+        start: usize,
+        /// Number of elements.
+        len: usize,
+    },
+    /// `len` padding elements (zeros).
+    Padding(usize),
 }
 
 /// What manages a model parameter.

@@ -7,7 +7,7 @@ mod shard;
 mod views;
 
 pub use layout::{
-    aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, FLAT_PARAM,
+    aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, ShardPiece, FLAT_PARAM,
 };
 pub use shard::{chunk_bounds, chunk_size, shard_param_infos, Shard, ShardParamInfo};
-pub use views::{flatten_full, shard_of_full, unflatten_full};
+pub use views::{flatten_full, shard_from_members, shard_of_full, unflatten_full};

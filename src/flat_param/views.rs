@@ -1,9 +1,9 @@
 //! Flatten and unflatten any tensor with a flat parameter's layout (`flatten_tensors`,
 //! `_get_unflat_views`), generic over the tensor backend.
 
-use super::FlatParamLayout;
+use super::{FlatParamLayout, ShardPiece};
 use crate::error::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// Concatenates one tensor per member (any shape with the member's element count) into the
 /// unsharded flat tensor, inserting zeros where the layout has padding.
@@ -77,4 +77,45 @@ pub fn shard_of_full<T: Tensor>(layout: &FlatParamLayout, flat: &T, rank: usize)
     }
     let pad = T::zeros(flat.dtype(), &[shard.numel_padded])?;
     T::cat_flat(&[owned, pad])
+}
+
+/// Rank `rank`'s padded shard of a flat tensor, assembled from per-member tensors without
+/// materializing the unsharded flat tensor (one copy, none when the shard is one piece).
+///
+/// `member(m)` gives member `m`'s flattened values and the member element its first value
+/// stands for (0 for a whole member, `intra_param_start_idx` for a rank's view); `None` is
+/// zeros. Padding is zeros of `dtype`.
+pub fn shard_from_members<'a, T: Tensor>(
+    layout: &FlatParamLayout,
+    rank: usize,
+    dtype: DType,
+    member: impl Fn(usize) -> Option<(&'a T, usize)>,
+) -> Result<T> {
+    let mut parts = Vec::new();
+    for piece in layout.shard_pieces(rank) {
+        parts.push(match piece {
+            ShardPiece::Padding(len) => T::zeros(dtype, &[len])?,
+            ShardPiece::Member {
+                member: m,
+                start,
+                len,
+            } => match member(m) {
+                None => T::zeros(dtype, &[len])?,
+                Some((t, first)) => {
+                    let at = start.checked_sub(first).ok_or_else(|| Error::OutOfBounds {
+                        context: format!("shard of `{}`", layout.members[m].fqn),
+                        start,
+                        end: start + len,
+                        numel: t.numel(),
+                    })?;
+                    t.narrow_flat(at, len)?
+                }
+            },
+        });
+    }
+    match parts.len() {
+        0 => T::zeros(dtype, &[0]),
+        1 => Ok(parts.pop().expect("one part")),
+        _ => T::cat_flat(&parts),
+    }
 }

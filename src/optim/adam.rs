@@ -5,7 +5,8 @@
 //! `decoupled_weight_decay` to `True` (`AdamW.__setstate__`).
 
 use super::core::{
-    check_opt_bool, check_param_shaped, get_bool, get_f64, get_pair, setdefault, Core, Rules,
+    changed_options, check_opt_bool, check_param_shaped, get_bool, get_f64, get_pair, setdefault,
+    Core, Rules,
 };
 use super::kernels::{self, AdamScalars, Store};
 use super::{GroupOptions, Number, Optimizer, SlotSpec};
@@ -378,12 +379,7 @@ impl Adam {
         let mut c = self.defaults.clone();
         f(&mut c);
         c.validate(self.rules.name())?;
-        let base = self.defaults.options();
-        let changed: Vec<(String, Value)> = c
-            .options()
-            .into_iter()
-            .filter(|(k, v)| base.get(k) != Some(v))
-            .collect();
+        let changed = changed_options(&self.defaults.options(), c.options());
         self.with_group_options(group, changed)
     }
 
@@ -400,16 +396,9 @@ impl Optimizer for Adam {
 
     fn step(&mut self, params: &mut [HostTensor], grads: &[Option<HostTensor>]) -> Result<()> {
         let rules = self.rules;
-        self.core.check_inputs(&rules, params, grads)?;
-        let hypers: Vec<AdamHyper> = self
+        let hypers = self
             .core
-            .groups
-            .iter()
-            .enumerate()
-            .map(|(g, o)| rules.parse(g, o))
-            .collect::<Result<_>>()?;
-        let with_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        self.core.bind(&rules, params, Some(&with_grad))?;
+            .begin_step(&rules, params, grads, |g, o| rules.parse(g, o))?;
         for (g, h) in hypers.iter().enumerate() {
             for id in self.core.group_ids(g) {
                 let Some(grad) = &grads[id] else { continue };

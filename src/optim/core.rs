@@ -30,6 +30,15 @@ pub(crate) trait Rules {
     ) -> Result<()>;
 }
 
+/// The options of `config` that differ from `base`, in `config`'s order: the overrides a
+/// `with_group_config` call makes.
+pub(crate) fn changed_options(base: &GroupOptions, config: GroupOptions) -> Vec<(String, Value)> {
+    config
+        .into_iter()
+        .filter(|(k, v)| base.get(k) != Some(v))
+        .collect()
+}
+
 /// Param groups, state and slots of one optimizer.
 #[derive(Debug, Clone)]
 pub(crate) struct Core {
@@ -255,6 +264,27 @@ impl Core {
     }
 
     /// Validates step inputs: lengths, floating dtypes, gradient dtype and shape.
+    /// The start of every step: validates the inputs, parses each group's hyper-parameters
+    /// with `parse`, and records the slots that get a gradient.
+    pub fn begin_step<H>(
+        &mut self,
+        rules: &dyn Rules,
+        params: &[HostTensor],
+        grads: &[Option<HostTensor>],
+        parse: impl Fn(usize, &GroupOptions) -> Result<H>,
+    ) -> Result<Vec<H>> {
+        self.check_inputs(rules, params, grads)?;
+        let hypers = self
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, o)| parse(g, o))
+            .collect::<Result<_>>()?;
+        let with_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
+        self.bind(rules, params, Some(&with_grad))?;
+        Ok(hypers)
+    }
+
     pub fn check_inputs(
         &self,
         rules: &dyn Rules,

@@ -4,7 +4,9 @@
 //! `momentum != 0`; with `momentum == 0` no state is stored at all (older PyTorch stored
 //! `momentum_buffer: None`; such dicts load, and the buffer starts from the next gradient).
 
-use super::core::{check_opt_bool, check_param_shaped, get_bool, get_f64, setdefault, Core, Rules};
+use super::core::{
+    changed_options, check_opt_bool, check_param_shaped, get_bool, get_f64, setdefault, Core, Rules,
+};
 use super::kernels::{self, SgdScalars, Store};
 use super::{GroupOptions, Number, Optimizer, SlotSpec};
 use crate::error::{Error, Result};
@@ -196,12 +198,7 @@ impl Sgd {
         let mut c = self.defaults.clone();
         f(&mut c);
         c.validate()?;
-        let base = self.defaults.options();
-        let changed: Vec<(String, Value)> = c
-            .options()
-            .into_iter()
-            .filter(|(k, v)| base.get(k) != Some(v))
-            .collect();
+        let changed = changed_options(&self.defaults.options(), c.options());
         self.with_group_options(group, changed)
     }
 
@@ -217,16 +214,9 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self, params: &mut [HostTensor], grads: &[Option<HostTensor>]) -> Result<()> {
-        self.core.check_inputs(&SgdRules, params, grads)?;
-        let hypers: Vec<SgdScalars> = self
+        let hypers = self
             .core
-            .groups
-            .iter()
-            .enumerate()
-            .map(|(g, o)| SgdRules.parse(g, o))
-            .collect::<Result<_>>()?;
-        let with_grad: Vec<bool> = grads.iter().map(Option::is_some).collect();
-        self.core.bind(&SgdRules, params, Some(&with_grad))?;
+            .begin_step(&SgdRules, params, grads, |g, o| SgdRules.parse(g, o))?;
         for (g, h) in hypers.iter().enumerate() {
             for id in self.core.group_ids(g) {
                 let Some(grad) = &grads[id] else { continue };

@@ -6,7 +6,9 @@ use super::plan::{check_digests, layout_digest, KeyInfo, PlanMsg, StateInfo};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
-use crate::flat_param::{unflatten_full, FlatParamLayout, ModelLayout, Ownership};
+use crate::flat_param::{
+    shard_from_members, unflatten_full, FlatParamLayout, ModelLayout, Ownership,
+};
 use crate::tensor::{HostTensor, Tensor};
 use indexmap::IndexMap;
 use std::collections::{BTreeSet, HashMap};
@@ -104,21 +106,10 @@ pub fn consolidate<T: Tensor>(
                 }
                 continue;
             }
-            let idx =
-                layout
-                    .model
-                    .index_of(&k.names[0])
-                    .ok_or_else(|| Error::UnknownParameter {
-                        name: k.names[0].clone(),
-                        context: " (a peer rank's optimizer holds it)".into(),
-                    })?;
-            let Ownership::Flat { flat, .. } = layout.ownership[idx] else {
-                return Err(Error::InvalidStateDict(format!(
-                    "`{}` is not managed by FSDP",
-                    k.names[0]
-                )));
-            };
-            groups.entry(flat).or_default().push(k);
+            groups
+                .entry(flat_of_key(layout, k)?.index)
+                .or_default()
+                .push(k);
         }
         for (f, ks) in groups {
             let fl = &layout.flat_params[f];
@@ -287,7 +278,7 @@ fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a F
         .index_of(&key.names[0])
         .ok_or_else(|| Error::UnknownParameter {
             name: key.names[0].clone(),
-            context: " (rank 0's optimizer holds it)".into(),
+            context: " (another rank's optimizer holds it)".into(),
         })?;
     match layout.ownership[idx] {
         Ownership::Flat { flat, .. } => Ok(&layout.flat_params[flat]),
@@ -465,60 +456,21 @@ fn gather_orig_param_states<T: Tensor>(
     };
     precheck_orig_views(fl, keys, &member_of, &tensor_names, infos)?;
     let shard = fl.shard(rank);
-    let (s, e) = (shard.start, shard.start + shard.numel);
     for name in &tensor_names {
-        // This rank's padded shard of the flat state: members' local views, zeros for padding
-        // and for frozen members without state.
-        let mut pieces: Vec<HostTensor> = Vec::new();
-        let mut off = 0;
-        let mut mi = 0;
-        for (&n, &pad) in fl.numels_with_padding.iter().zip(&fl.is_padding_mask) {
-            let (lo, hi) = (off.max(s), (off + n).min(e));
-            if lo < hi {
-                let piece = if pad {
-                    HostTensor::zeros(dtype, &[hi - lo])
-                } else {
-                    match member_of.iter().position(|&x| x == mi) {
-                        None => HostTensor::zeros(dtype, &[hi - lo]),
-                        Some(ki) => match local[ki].and_then(|st| st.get(name.as_str())) {
-                            Some(Value::Tensor(t)) if t.numel() == hi - lo => t.to_host()?.reshape(&[hi - lo])?,
-                            Some(Value::Tensor(t)) => {
-                                return Err(Error::ShapeMismatch {
-                                    context: format!(
-                                        "state `{name}` of parameter `{}` on rank {rank} (its shard holds {} elements)",
-                                        fl.members[mi].fqn,
-                                        hi - lo
-                                    ),
-                                    expected: vec![hi - lo],
-                                    found: t.shape(),
-                                })
-                            }
-                            _ => {
-                                return Err(Error::InvalidStateDict(format!(
-                                    "parameter `{}` has {} elements on rank {rank} but no tensor state `{name}` there",
-                                    fl.members[mi].fqn,
-                                    hi - lo
-                                )))
-                            }
-                        },
-                    }
-                };
-                pieces.push(piece);
-            }
-            if !pad {
-                mi += 1;
-            }
-            off += n;
-        }
-        if shard.numel_padded > 0 {
-            pieces.push(HostTensor::zeros(dtype, &[shard.numel_padded]));
-        }
-        let local_shard = if pieces.is_empty() {
-            HostTensor::zeros(dtype, &[0])
-        } else {
-            HostTensor::cat_flat(&pieces)?
-        };
-        let full: T = all_gather_shard(pg, &T::from_host(local_shard)?, fl.padded_numel())?;
+        // This rank's padded shard of the flat state: members' local views (their sizes were
+        // checked by `precheck_orig_views`), zeros for padding and frozen members without state.
+        let views: Vec<Option<&T>> = local
+            .iter()
+            .map(|st| {
+                st.and_then(|st| st.get(name.as_str()))
+                    .and_then(Value::as_tensor)
+            })
+            .collect();
+        let local_shard = shard_from_members(fl, rank, dtype, |m| {
+            let ki = member_of.iter().position(|&x| x == m)?;
+            views[ki].map(|t| (t, shard.params[m].intra_param_start_idx))
+        })?;
+        let full: T = all_gather_shard(pg, &local_shard, fl.padded_numel())?;
         let views = unflatten_full(fl, &full)?;
         for (ki, &m) in member_of.iter().enumerate() {
             outputs[ki].insert(name.clone(), Value::Tensor(views[m].clone()));

@@ -201,6 +201,29 @@ pub struct ParamGroup<T = HostTensor> {
     pub params: Vec<ParamKey>,
 }
 
+/// Converts every tensor of one parameter's state (or of a group's options) with `f`.
+pub fn map_state<T: Tensor, U, E>(
+    s: &ParamState<T>,
+    f: &mut impl FnMut(&T) -> Result<U, E>,
+) -> Result<ParamState<U>, E> {
+    s.iter()
+        .map(|(k, v)| Ok((k.clone(), v.try_map(f)?)))
+        .collect()
+}
+
+impl<T: Tensor> ParamGroup<T> {
+    /// Converts every tensor among the hyper-parameters with `f`.
+    pub fn try_map<U, E>(
+        &self,
+        f: &mut impl FnMut(&T) -> Result<U, E>,
+    ) -> Result<ParamGroup<U>, E> {
+        Ok(ParamGroup {
+            options: map_state(&self.options, f)?,
+            params: self.params.clone(),
+        })
+    }
+}
+
 /// An optimizer state dict: `{"state": {...}, "param_groups": [...]}`; `param_groups` may be
 /// absent, as PyTorch allows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -231,13 +254,6 @@ impl<T: Tensor> OptimStateDict<T> {
         &self,
         mut f: impl FnMut(&T) -> Result<U, E>,
     ) -> Result<OptimStateDict<U>, E> {
-        let map_state = |s: &ParamState<T>,
-                         f: &mut dyn FnMut(&T) -> Result<U, E>|
-         -> Result<ParamState<U>, E> {
-            s.iter()
-                .map(|(k, v)| Ok((k.clone(), v.try_map(&mut |t| f(t))?)))
-                .collect()
-        };
         let state = self
             .state
             .iter()
@@ -247,12 +263,7 @@ impl<T: Tensor> OptimStateDict<T> {
             None => None,
             Some(gs) => Some(
                 gs.iter()
-                    .map(|g| {
-                        Ok(ParamGroup {
-                            options: map_state(&g.options, &mut f)?,
-                            params: g.params.clone(),
-                        })
-                    })
+                    .map(|g| g.try_map(&mut f))
                     .collect::<Result<_, E>>()?,
             ),
         };

@@ -7,7 +7,7 @@
 use super::keys::{OptimStateKey, Resolved};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::error::{Error, Result};
-use crate::flat_param::{FlatParamLayout, ModelLayout};
+use crate::flat_param::{shard_from_members, FlatParamLayout, ModelLayout};
 use crate::tensor::Tensor;
 use indexmap::IndexMap;
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -300,33 +300,7 @@ fn flatten_tensor_state<T: Tensor>(
             _ => {}
         }
     }
-    let shard = fl.shard(rank);
-    let (s, e) = (shard.start, shard.start + shard.numel);
-    let mut pieces: Vec<T> = Vec::new();
-    let mut off = 0;
-    let mut m = 0;
-    for (&n, &pad) in fl.numels_with_padding.iter().zip(&fl.is_padding_mask) {
-        let (lo, hi) = (off.max(s), (off + n).min(e));
-        if lo < hi {
-            let piece = match (pad, tensors.get(m).copied().flatten()) {
-                (false, Some(t)) => t.narrow_flat(lo - off, hi - lo)?,
-                _ => T::zeros(dtype, &[hi - lo])?,
-            };
-            pieces.push(piece);
-        }
-        if !pad {
-            m += 1;
-        }
-        off += n;
-    }
-    if shard.numel_padded > 0 {
-        pieces.push(T::zeros(dtype, &[shard.numel_padded])?);
-    }
-    match pieces.len() {
-        0 => T::zeros(dtype, &[0]),
-        1 => Ok(pieces.pop().expect("one piece")),
-        _ => T::cat_flat(&pieces),
-    }
+    shard_from_members(fl, rank, dtype, |m| tensors[m].map(|t| (t, 0)))
 }
 
 /// Cuts rank `rank`'s part of one original parameter's full state (`_shard_orig_param_state`):

@@ -13,7 +13,8 @@ pub mod rekey;
 pub mod scatter;
 
 pub use dict::{
-    OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value,
+    map_state, OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState,
+    ShardedTensor, Value,
 };
 pub use flatten::{flatten_optim_state_dict, FullStateSource};
 pub use keys::OptimStateKey;

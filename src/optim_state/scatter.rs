@@ -51,23 +51,15 @@ fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
         }
         state.push((k.clone(), entries));
     }
-    let param_groups = match &full.param_groups {
-        None => None,
-        Some(gs) => Some(
+    let param_groups = full
+        .param_groups
+        .as_ref()
+        .map(|gs| {
             gs.iter()
-                .map(|g| {
-                    Ok(ParamGroup {
-                        options: g
-                            .options
-                            .iter()
-                            .map(|(n, v)| Ok((n.clone(), v.try_map(&mut |t: &T| t.to_host())?)))
-                            .collect::<Result<_>>()?,
-                        params: g.params.clone(),
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?,
-        ),
-    };
+                .map(|g| g.try_map(&mut |t: &T| t.to_host()))
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
     Ok(Skeleton {
         state,
         param_groups,
@@ -175,28 +167,14 @@ pub fn scatter_full<T: Tensor>(
             _ => user.push((k.clone(), src.receive(&k, &entries)?)),
         }
     }
-    let groups: Option<Vec<ParamGroup<T>>> = match skeleton.param_groups {
-        None => None,
-        Some(gs) => Some(
-            gs.into_iter()
-                .map(|g| {
-                    Ok(ParamGroup {
-                        options: g
-                            .options
-                            .iter()
-                            .map(|(n, v)| {
-                                Ok((
-                                    n.clone(),
-                                    v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
-                                ))
-                            })
-                            .collect::<Result<_>>()?,
-                        params: g.params,
-                    })
-                })
-                .collect::<Result<_>>()?,
-        ),
-    };
+    let groups: Option<Vec<ParamGroup<T>>> = skeleton
+        .param_groups
+        .map(|gs| {
+            gs.iter()
+                .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
+                .collect()
+        })
+        .transpose()?;
     flatten_from_source(
         layout,
         layout_rank,
