@@ -252,6 +252,7 @@ impl Fsdp {
         let opts = ConsolidateOptions {
             shard_state,
             to_save,
+            rank0_only,
         };
         consolidate(op, &self.layout, self.shard_pg.as_ref(), osd, params, opts)
     }

@@ -95,6 +95,103 @@ fn broadcast_copies_the_roots_buffer_to_every_rank_for_each_root() {
 }
 
 #[test]
+fn gather_into_fills_only_the_roots_buffer_for_each_root_and_world_sizes_1_to_5() {
+    for world_size in 1..=5 {
+        for root in 0..world_size {
+            let len = 11;
+            let gathered = ThreadGroup::run(world_size, |pg| {
+                let mut recv = vec![0u8; len * world_size];
+                let mine = (pg.rank() == root).then_some(&mut recv[..]);
+                pg.gather_into(&payload(pg.rank(), len), mine, root)
+                    .map(|()| recv)
+            });
+            let expected: Vec<u8> = (0..world_size).flat_map(|r| payload(r, len)).collect();
+            for (rank, recv) in gathered.into_iter().enumerate() {
+                let recv = recv.unwrap();
+                if rank == root {
+                    assert_eq!(recv, expected, "world size {world_size}, root {root}");
+                } else {
+                    assert!(recv.iter().all(|&b| b == 0), "rank {rank} was written");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn scatter_into_sends_each_rank_its_own_length_and_parts_may_alias() {
+    for world_size in 1..=5 {
+        let root = world_size / 2;
+        // Rank r receives r + 3 bytes; with `alias` every rank gets the same 7 bytes.
+        for alias in [false, true] {
+            let len_of = |r: usize| if alias { 7 } else { r + 3 };
+            let parts: Vec<Vec<u8>> = (0..world_size).map(|r| payload(r, len_of(r))).collect();
+            let received = ThreadGroup::run(world_size, |pg| {
+                let mut recv = vec![0u8; len_of(pg.rank())];
+                let views: Vec<&[u8]> = if alias {
+                    vec![&parts[0][..]; world_size]
+                } else {
+                    parts.iter().map(Vec::as_slice).collect()
+                };
+                let send = (pg.rank() == root).then_some(&views[..]);
+                pg.scatter_into(send, &mut recv, root).map(|()| recv)
+            });
+            for (rank, recv) in received.into_iter().enumerate() {
+                let want = if alias { &parts[0] } else { &parts[rank] };
+                assert_eq!(&recv.unwrap(), want, "world size {world_size}, rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_scatter_part_that_does_not_fit_its_receiver_fails_every_rank_naming_it() {
+    let results = ThreadGroup::run_with_timeout(3, LONG, |pg| {
+        let parts: Vec<&[u8]> = vec![&[1, 2], &[3, 4, 5], &[6, 7]];
+        let mut recv = vec![0u8; 2]; // rank 1 should receive 3 bytes
+        let send = (pg.rank() == 0).then_some(&parts[..]);
+        pg.scatter_into(send, &mut recv, 0)
+    });
+    for (rank, result) in results.into_iter().enumerate() {
+        assert_mismatch(
+            &result.unwrap_err(),
+            rank,
+            &[
+                "scatter_into(root=0)",
+                "rank 1 receives 2 bytes but root 0 sends it 3",
+            ],
+        );
+    }
+}
+
+#[test]
+fn gather_and_scatter_roots_must_pass_their_buffers() {
+    // One group each: the first failure poisons a group.
+    let gathers =
+        ThreadGroup::run_with_timeout(2, LONG, |pg| pg.gather_into(&[1, 2], None, 1).unwrap_err());
+    let scatters = ThreadGroup::run_with_timeout(2, LONG, |pg| {
+        pg.scatter_into(None, &mut [0u8; 1], 0).unwrap_err()
+    });
+    for (rank, (gather, scatter)) in gathers.into_iter().zip(scatters).enumerate() {
+        for (err, op, reason) in [
+            (gather, "gather_into", "must pass a receive buffer"),
+            (scatter, "scatter_into", "must pass the parts"),
+        ] {
+            let Error::InvalidCollective {
+                op: o, reason: r, ..
+            } = &err
+            else {
+                panic!("rank {rank}: expected InvalidCollective, got {err:?}");
+            };
+            assert!(
+                o.starts_with(op) && r.contains(reason),
+                "rank {rank}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
 fn all_gather_bytes_returns_variable_length_messages_in_rank_order() {
     let gathered = ThreadGroup::run(3, |pg| {
         pg.all_gather_bytes(&payload(pg.rank(), pg.rank() * 5))

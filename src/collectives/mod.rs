@@ -35,6 +35,17 @@ pub trait ProcessGroup: Send + Sync {
     /// Sends root's bytes (length decided by root) to every rank; non-root ranks pass `None`.
     fn broadcast_bytes(&self, send: Option<&[u8]>, root: usize) -> Result<Vec<u8>>;
 
+    /// Gathers every rank's `send` (all the same length) into the root's `recv`, rank `r`'s
+    /// bytes at `recv[r * send.len()..]` (`gather`, the rank-0-only half of an all-gather).
+    /// The root passes `Some` buffer of `send.len() * world_size()` bytes, the others `None`.
+    fn gather_into(&self, send: &[u8], recv: Option<&mut [u8]>, root: usize) -> Result<()>;
+
+    /// Sends part `r` of the root's `send` to rank `r`, which receives it into `recv`
+    /// (`scatter` with per-rank lengths: `recv.len()` on rank `r` must equal the length of the
+    /// root's part `r`). The root passes `Some` slice of `world_size()` parts, the others
+    /// `None`. Parts may alias one another, so a root can send one buffer to every rank.
+    fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()>;
+
     /// Blocks until every rank has arrived.
     fn barrier(&self) -> Result<()>;
 

@@ -177,7 +177,7 @@ impl ThreadProcessGroup {
     fn collective<T>(
         &self,
         op: OpDesc,
-        send: &[u8],
+        publish: Publish,
         valid: std::result::Result<(), String>,
         copy: impl FnOnce(&Round) -> T,
     ) -> Result<T> {
@@ -217,10 +217,7 @@ impl ThreadProcessGroup {
         debug_assert!(seq == st.gen && !st.copying && st.slots[rank].is_none());
 
         // Phase 1: arrive, and wait for every peer to arrive.
-        st.slots[rank] = Some(Slot {
-            op,
-            send: RawBytes::new(send),
-        });
+        st.slots[rank] = Some(Slot { op, publish });
         st.arrived += 1;
         if st.arrived == domain.world_size {
             match st.agreement() {
@@ -281,10 +278,10 @@ impl ThreadProcessGroup {
 
         // Phase 2: copy from the peers' buffers outside the lock.
         let round = Round {
-            sends: st
+            published: st
                 .slots
                 .iter()
-                .map(|s| s.as_ref().map_or(RawBytes::EMPTY, |s| s.send))
+                .map(|s| s.as_ref().map(|s| s.publish.clone()).unwrap_or_default())
                 .collect(),
             subgroup: st.subgroup.clone(),
         };
@@ -334,13 +331,18 @@ impl ProcessGroup for ThreadProcessGroup {
                 recv.len()
             )),
         };
-        self.collective(OpDesc::AllGatherInto { len: n }, send, valid, |round| {
-            if n > 0 {
-                for (peer, chunk) in recv.chunks_exact_mut(n).enumerate() {
-                    chunk.copy_from_slice(round.send_of(peer));
+        self.collective(
+            OpDesc::AllGatherInto { len: n },
+            Publish::send(send),
+            valid,
+            |round| {
+                if n > 0 {
+                    for (peer, chunk) in recv.chunks_exact_mut(n).enumerate() {
+                        chunk.copy_from_slice(round.send_of(peer));
+                    }
                 }
-            }
-        })
+            },
+        )
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
@@ -350,21 +352,26 @@ impl ProcessGroup for ThreadProcessGroup {
         };
         let valid = self.check_root(root);
         if self.rank == root {
-            self.collective(op, buf, valid, |_| ())
+            self.collective(op, Publish::send(buf), valid, |_| ())
         } else {
             // All lengths agree (checked at arrival), so the copy cannot fail.
-            self.collective(op, &[], valid, |round| {
+            self.collective(op, Publish::default(), valid, |round| {
                 buf.copy_from_slice(round.send_of(root))
             })
         }
     }
 
     fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.collective(OpDesc::AllGatherBytes, send, Ok(()), |round| {
-            (0..self.world_size())
-                .map(|peer| round.send_of(peer).to_vec())
-                .collect()
-        })
+        self.collective(
+            OpDesc::AllGatherBytes,
+            Publish::send(send),
+            Ok(()),
+            |round| {
+                (0..self.world_size())
+                    .map(|peer| round.send_of(peer).to_vec())
+                    .collect()
+            },
+        )
     }
 
     /// Non-root ranks should pass `None`; bytes they pass anyway are ignored.
@@ -379,11 +386,71 @@ impl ProcessGroup for ThreadProcessGroup {
         } else {
             &[]
         };
-        self.collective(op, send, valid, |round| round.send_of(root).to_vec())
+        self.collective(op, Publish::send(send), valid, |round| {
+            round.send_of(root).to_vec()
+        })
+    }
+
+    /// Every rank writes its own bytes into the root's buffer, so the copies run in parallel.
+    fn gather_into(&self, send: &[u8], recv: Option<&mut [u8]>, root: usize) -> Result<()> {
+        let (n, ws) = (send.len(), self.world_size());
+        let op = OpDesc::GatherInto { root, len: n };
+        let mut valid = self.check_root(root);
+        let mut publish = Publish::send(send);
+        if self.rank == root {
+            match recv {
+                Some(recv) if Some(recv.len()) == n.checked_mul(ws) => {
+                    publish.recv = RawMut::new(recv);
+                }
+                Some(recv) => {
+                    valid = Err(format!(
+                        "root recv has {} bytes, expected send length {n} x world size {ws}",
+                        recv.len()
+                    ))
+                }
+                None => valid = Err("the root rank must pass a receive buffer".into()),
+            }
+        }
+        let rank = self.rank;
+        self.collective(op, publish, valid, |round| {
+            // Each rank takes only its own range of the root's buffer, so the ranges are disjoint.
+            round.recv_range_of(root, rank * n, n).copy_from_slice(send);
+        })
+    }
+
+    /// Every rank copies its own part out of the root's buffers, so the copies run in
+    /// parallel.
+    fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()> {
+        let ws = self.world_size();
+        let op = OpDesc::ScatterInto { root };
+        let mut valid = self.check_root(root);
+        let mut publish = Publish {
+            recv_len: recv.len(),
+            ..Publish::default()
+        };
+        if self.rank == root {
+            match send {
+                Some(parts) if parts.len() == ws => {
+                    publish.parts = parts.iter().map(|p| RawBytes::new(p)).collect();
+                }
+                Some(parts) => {
+                    valid = Err(format!(
+                        "root passed {} parts, expected one per rank ({ws})",
+                        parts.len()
+                    ))
+                }
+                None => valid = Err("the root rank must pass the parts to send".into()),
+            }
+        }
+        let rank = self.rank;
+        // Part lengths were matched against every receive buffer at arrival.
+        self.collective(op, publish, valid, |round| {
+            recv.copy_from_slice(round.part_of(root, rank))
+        })
     }
 
     fn barrier(&self) -> Result<()> {
-        self.collective(OpDesc::Barrier, &[], Ok(()), |_| ())
+        self.collective(OpDesc::Barrier, Publish::default(), Ok(()), |_| ())
     }
 
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
@@ -393,7 +460,7 @@ impl ProcessGroup for ThreadProcessGroup {
             OpDesc::NewSubgroup {
                 ranks: ranks.to_vec(),
             },
-            &[],
+            Publish::default(),
             valid,
             |round| {
                 let domain = round.subgroup.clone()?;
@@ -446,6 +513,8 @@ enum OpDesc {
     Broadcast { root: usize, len: usize },
     AllGatherBytes,
     BroadcastBytes { root: usize },
+    GatherInto { root: usize, len: usize },
+    ScatterInto { root: usize },
     Barrier,
     NewSubgroup { ranks: Vec<usize> },
 }
@@ -457,6 +526,8 @@ impl OpDesc {
             OpDesc::Broadcast { .. } => "broadcast",
             OpDesc::AllGatherBytes => "all_gather_bytes",
             OpDesc::BroadcastBytes { .. } => "broadcast_bytes",
+            OpDesc::GatherInto { .. } => "gather_into",
+            OpDesc::ScatterInto { .. } => "scatter_into",
             OpDesc::Barrier => "barrier",
             OpDesc::NewSubgroup { .. } => "new_subgroup",
         }
@@ -469,7 +540,10 @@ impl fmt::Display for OpDesc {
         match self {
             OpDesc::AllGatherInto { len } => write!(f, "{name}({len} bytes)"),
             OpDesc::Broadcast { root, len } => write!(f, "{name}(root={root}, {len} bytes)"),
-            OpDesc::BroadcastBytes { root } => write!(f, "{name}(root={root})"),
+            OpDesc::BroadcastBytes { root } | OpDesc::ScatterInto { root } => {
+                write!(f, "{name}(root={root})")
+            }
+            OpDesc::GatherInto { root, len } => write!(f, "{name}(root={root}, {len} bytes)"),
             OpDesc::NewSubgroup { ranks } => write!(f, "{name}(ranks={ranks:?})"),
             OpDesc::AllGatherBytes | OpDesc::Barrier => write!(f, "{name}"),
         }
@@ -501,17 +575,96 @@ impl RawBytes {
     }
 }
 
+impl Default for RawBytes {
+    fn default() -> Self {
+        RawBytes::EMPTY
+    }
+}
+
+/// A receive buffer that peers write into (the root's buffer of `gather_into`).
+#[derive(Clone, Copy)]
+struct RawMut {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: as for `RawBytes`; dereferenced only by `Round::recv_of`.
+unsafe impl Send for RawMut {}
+
+impl Default for RawMut {
+    fn default() -> Self {
+        RawMut {
+            ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+            len: 0,
+        }
+    }
+}
+
+impl RawMut {
+    fn new(bytes: &mut [u8]) -> Self {
+        Self {
+            ptr: bytes.as_mut_ptr(),
+            len: bytes.len(),
+        }
+    }
+}
+
+/// What a rank publishes for a round: the bytes it sends, a buffer peers write into, the
+/// per-rank parts it scatters, and the length of the buffer it receives into.
+#[derive(Clone, Default)]
+struct Publish {
+    send: RawBytes,
+    recv: RawMut,
+    parts: Vec<RawBytes>,
+    recv_len: usize,
+}
+
+impl Publish {
+    fn send(bytes: &[u8]) -> Self {
+        Publish {
+            send: RawBytes::new(bytes),
+            ..Publish::default()
+        }
+    }
+}
+
 /// Every rank's published buffers, as seen by one rank during the copy phase of a round.
 struct Round {
-    sends: Vec<RawBytes>,
+    published: Vec<Publish>,
     subgroup: Option<Arc<Domain>>,
 }
 
 impl Round {
+    /// Part `rank` of what `root` scatters in this round; lifetime argument as for
+    /// [`Round::send_of`].
+    fn part_of(&self, root: usize, rank: usize) -> &[u8] {
+        let RawBytes { ptr, len } = self.published[root].parts[rank];
+        // SAFETY: as in `send_of`: the root's `&[&[u8]]` parts stay borrowed until it departs.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+
+    /// Bytes `[start, start + len)` of the buffer `root` receives into in this round
+    /// (`gather_into`). Each rank of the round must ask for a range no other rank asks for.
+    ///
+    /// # Panics
+    ///
+    /// If the range is outside the buffer (the arrival checks make that impossible).
+    #[allow(clippy::mut_from_ref)]
+    fn recv_range_of(&self, root: usize, start: usize, len: usize) -> &mut [u8] {
+        let RawMut { ptr, len: total } = self.published[root].recv;
+        assert!(start.checked_add(len).is_some_and(|end| end <= total));
+        // SAFETY: `ptr`/`total` come from the `&mut [u8]` the root passed to the collective it
+        // is still blocked in (it departs only after every rank has copied), and the root does
+        // not touch that borrow until then except through this pointer. The range is inside the
+        // buffer (asserted) and each rank takes a range disjoint from every other rank's (the
+        // caller's contract), so no two live `&mut` slices overlap.
+        unsafe { std::slice::from_raw_parts_mut(ptr.add(start), len) }
+    }
+
     /// The bytes `peer` sends in this round. The slice cannot outlive `self`, and a `Round`
     /// exists only between the arrival of all ranks and this rank's departure.
     fn send_of(&self, peer: usize) -> &[u8] {
-        let RawBytes { ptr, len } = self.sends[peer];
+        let RawBytes { ptr, len } = self.published[peer].send;
         // SAFETY: `ptr`/`len` come from a `&[u8]` that `peer` passed to the collective it is
         // still blocked in: the round reached its copy phase, so every rank arrived, and no rank
         // departs (returns, ending that borrow) before all ranks — this one included, see
@@ -594,17 +747,40 @@ impl State {
             .filter(|(_, op)| **op != first)
             .map(|(rank, op)| format!("rank {rank} called {op} while rank 0 called {first}"))
             .collect();
-        if differences.is_empty() {
-            Ok(first)
-        } else {
-            Err(differences.join("; "))
+        if !differences.is_empty() {
+            return Err(differences.join("; "));
         }
+        if let OpDesc::ScatterInto { root } = first {
+            let parts = &self.slots[*root]
+                .as_ref()
+                .expect("every rank arrived")
+                .publish
+                .parts;
+            let wrong: Vec<String> = self
+                .slots
+                .iter()
+                .flatten()
+                .zip(parts)
+                .enumerate()
+                .filter(|(_, (slot, part))| slot.publish.recv_len != part.len)
+                .map(|(rank, (slot, part))| {
+                    format!(
+                        "rank {rank} receives {} bytes but root {root} sends it {}",
+                        slot.publish.recv_len, part.len
+                    )
+                })
+                .collect();
+            if !wrong.is_empty() {
+                return Err(format!("{first}: {}", wrong.join("; ")));
+            }
+        }
+        Ok(first)
     }
 }
 
 struct Slot {
     op: OpDesc,
-    send: RawBytes,
+    publish: Publish,
 }
 
 /// Why a group stopped working, and in which round.

@@ -20,6 +20,16 @@ pub struct ConsolidateOptions {
     pub shard_state: bool,
     /// Whether this rank returns the dict (others still take part and return `None`).
     pub to_save: bool,
+    /// Only rank 0 of the group can return the dict (`rank0_only`), so tensors are gathered
+    /// to it alone instead of all-gathered. The same on every rank.
+    pub rank0_only: bool,
+}
+
+impl ConsolidateOptions {
+    /// The rank tensors are gathered to, or `None` for an all-gather.
+    fn gather_root(&self) -> Option<usize> {
+        (self.rank0_only && !self.shard_state).then_some(0)
+    }
 }
 
 /// Converts this rank's local optimizer state dict into the full (or sharded) dict keyed by
@@ -35,10 +45,19 @@ pub fn consolidate<T: Tensor>(
     // Local map and plan; errors here are this rank's own, but the exchange below must still
     // happen so that peers do not hang: a failed rank sends an empty plan with digest 0.
     let local = layout.local_params(params);
-    let local_plan = local
-        .as_ref()
-        .map_err(Clone::clone)
-        .and_then(|l| local_plan(op, layout, osd, l, pg.rank()));
+    let local_plan = local.as_ref().map_err(Clone::clone).and_then(|l| {
+        if opts
+            .gather_root()
+            .is_some_and(|root| opts.to_save && root != pg.rank())
+        {
+            return Err(Error::InvalidCollective {
+                op: op.into(),
+                rank: pg.rank(),
+                reason: "with rank0_only only rank 0 of the group can return the dict".into(),
+            });
+        }
+        local_plan(op, layout, osd, l, pg.rank())
+    });
     let msg = match &local_plan {
         Ok(p) => p.clone(),
         Err(e) => PlanMsg {
@@ -71,7 +90,7 @@ pub fn consolidate<T: Tensor>(
             match l.resolved {
                 Resolved::Flat(f) => {
                     let fl = &layout.flat_params[f];
-                    let per_member = unflatten_flat_state(fl, pg, st)?;
+                    let per_member = unflatten_flat_state(fl, pg, st, opts.gather_root())?;
                     if opts.to_save {
                         for (m, s) in fl.members.iter().zip(per_member) {
                             out.insert(ParamKey::Name(m.fqn.clone()), maybe_shard(s, opts, pg)?);
@@ -117,7 +136,8 @@ pub fn consolidate<T: Tensor>(
                 .iter()
                 .map(|k| by_skey.get(k).and_then(|l| osd.state.get(&l.key)))
                 .collect();
-            let gathered = gather_orig_param_states(fl, pg, &ks, &local_states, &infos)?;
+            let gathered =
+                gather_orig_param_states(fl, pg, &ks, &local_states, &infos, opts.gather_root())?;
             if opts.to_save {
                 for (k, s) in ks.iter().zip(gathered) {
                     out.insert(
@@ -289,12 +309,32 @@ fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a F
     }
 }
 
-/// All-gathers `local` (this rank's `c` elements) into the `c * world_size` buffer.
-fn all_gather_shard<T: Tensor>(pg: &dyn ProcessGroup, local: &T, padded_numel: usize) -> Result<T> {
+/// Gathers `local` (this rank's `c` elements) into the `c * world_size` buffer: on every
+/// rank (`root` `None`, an all-gather) or on `root` alone (the others get `None`).
+fn gather_shard<T: Tensor>(
+    pg: &dyn ProcessGroup,
+    local: &T,
+    padded_numel: usize,
+    root: Option<usize>,
+) -> Result<Option<T>> {
     let host = local.to_host()?;
-    let mut buf = HostTensor::zeros(host.dtype(), &[padded_numel]);
-    pg.all_gather_into(host.as_bytes(), buf.bytes_mut())?;
-    T::from_host(buf)
+    let send = host.as_bytes();
+    // The collective writes every byte of the receive buffer (or fails, dropping it).
+    let full = match root {
+        None => HostTensor::filled_by(host.dtype(), &[padded_numel], |recv| {
+            pg.all_gather_into(send, recv)
+        })?,
+        Some(root) if root == pg.rank() => {
+            HostTensor::filled_by(host.dtype(), &[padded_numel], |recv| {
+                pg.gather_into(send, Some(recv), root)
+            })?
+        }
+        Some(root) => {
+            pg.gather_into(send, None, root)?;
+            return Ok(None);
+        }
+    };
+    T::from_host(full).map(Some)
 }
 
 /// use_orig_params=False: gathers one flat parameter's state and splits it per member, in
@@ -303,6 +343,7 @@ fn unflatten_flat_state<T: Tensor>(
     fl: &FlatParamLayout,
     pg: &dyn ProcessGroup,
     st: &ParamState<T>,
+    root: Option<usize>,
 ) -> Result<Vec<ParamState<T>>> {
     let mut names: Vec<&String> = st.keys().collect();
     names.sort();
@@ -312,10 +353,12 @@ fn unflatten_flat_state<T: Tensor>(
             unreachable!("checked pos-dim")
         };
         let full = if fl.sharded {
-            all_gather_shard(pg, local, fl.padded_numel())?
+            gather_shard(pg, local, fl.padded_numel(), root)?
         } else {
-            local.clone()
+            Some(local.clone())
         };
+        // Ranks that gather nothing return nothing either.
+        let Some(full) = full else { continue };
         for (m, view) in unflatten_full(fl, &full)?.into_iter().enumerate() {
             per_member[m].insert((*name).clone(), Value::Tensor(view));
         }
@@ -341,6 +384,7 @@ fn gather_orig_param_states<T: Tensor>(
     keys: &[&OptimStateKey],
     local: &[Option<&ParamState<T>>],
     infos: &[HashMap<&OptimStateKey, &KeyInfo>],
+    root: Option<usize>,
 ) -> Result<Vec<ParamState<T>>> {
     let member_of: Vec<usize> = keys
         .iter()
@@ -470,7 +514,9 @@ fn gather_orig_param_states<T: Tensor>(
             let ki = member_of.iter().position(|&x| x == m)?;
             views[ki].map(|t| (t, shard.params[m].intra_param_start_idx))
         })?;
-        let full: T = all_gather_shard(pg, &local_shard, fl.padded_numel())?;
+        let Some(full) = gather_shard(pg, &local_shard, fl.padded_numel(), root)? else {
+            continue;
+        };
         let views = unflatten_full(fl, &full)?;
         for (ki, &m) in member_of.iter().enumerate() {
             outputs[ki].insert(name.clone(), Value::Tensor(views[m].clone()));

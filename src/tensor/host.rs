@@ -3,34 +3,12 @@
 //! Views (`narrow_flat`, `reshape`) share storage like PyTorch views do, so splitting a gathered
 //! flat buffer into per-parameter tensors copies nothing. Mutation is copy-on-write.
 
+use super::storage::Storage;
 use super::{DType, Element};
 use crate::error::{Error, Result};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 use std::sync::Arc;
-
-/// 8-byte aligned byte storage, so every supported element type can be viewed in place.
-#[derive(Clone)]
-struct Storage {
-    words: Vec<u64>,
-    nbytes: usize,
-}
-
-impl Storage {
-    fn zeroed(nbytes: usize) -> Self {
-        Storage {
-            words: vec![0u64; nbytes.div_ceil(8)],
-            nbytes,
-        }
-    }
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.nbytes]
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        let n = self.nbytes;
-        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..n]
-    }
-}
 
 /// A contiguous CPU tensor with a PyTorch dtype, a shape (empty for 0-dim) and shared storage.
 #[derive(Clone)]
@@ -58,6 +36,25 @@ impl HostTensor {
         }
     }
 
+    /// A tensor whose bytes `fill` writes, all of them: the buffer it gets may be a recycled
+    /// one still holding an earlier tensor's bytes (see [`super::set_buffer_cache_limit`]), so
+    /// creating it costs no pass of zeros.
+    pub(crate) fn filled_by<E>(
+        dtype: DType,
+        shape: &[usize],
+        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
+        let nbytes = numel_of(shape) * dtype.size();
+        let mut storage = Storage::for_overwrite(nbytes);
+        fill(storage.bytes_mut())?;
+        Ok(HostTensor {
+            dtype,
+            shape: shape.to_vec(),
+            storage: Arc::new(storage),
+            offset: 0,
+        })
+    }
+
     /// A tensor from raw little-endian bytes; `bytes.len()` must match shape and dtype.
     pub fn from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
         let expected = shape
@@ -70,9 +67,12 @@ impl HostTensor {
                 found: vec![bytes.len() / dtype.size().max(1)],
             });
         }
-        let mut t = Self::zeros(dtype, shape);
-        t.bytes_mut().copy_from_slice(bytes);
-        Ok(t)
+        Ok(HostTensor {
+            dtype,
+            shape: shape.to_vec(),
+            storage: Arc::new(Storage::copy_of(bytes)),
+            offset: 0,
+        })
     }
 
     /// A tensor from typed values; `values.len()` must equal the shape's element count.
@@ -129,11 +129,9 @@ impl HostTensor {
     /// Mutable bytes; copies the storage first if it is shared or larger than this view.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.nbytes();
-        let whole = self.offset == 0 && self.storage.nbytes == n;
+        let whole = self.offset == 0 && self.storage.len() == n;
         if !whole || Arc::strong_count(&self.storage) > 1 {
-            let mut fresh = Storage::zeroed(n);
-            fresh.bytes_mut().copy_from_slice(self.as_bytes());
-            self.storage = Arc::new(fresh);
+            self.storage = Arc::new(Storage::copy_of(self.as_bytes()));
             self.offset = 0;
         }
         let storage = Arc::get_mut(&mut self.storage).expect("unique after copy-on-write");
@@ -233,15 +231,16 @@ impl HostTensor {
             }
             total += p.numel();
         }
-        let mut out = HostTensor::zeros(dtype, &[total]);
-        let dst = out.bytes_mut();
-        let mut at = 0;
-        for p in parts {
-            let b = p.as_bytes();
-            dst[at..at + b.len()].copy_from_slice(b);
-            at += b.len();
-        }
-        Ok(out)
+        // The parts cover every byte of the result.
+        HostTensor::filled_by(dtype, &[total], |dst| {
+            let mut at = 0;
+            for p in parts {
+                let b = p.as_bytes();
+                dst[at..at + b.len()].copy_from_slice(b);
+                at += b.len();
+            }
+            Ok(())
+        })
     }
 
     /// Same dtype, same shape and the same bytes (NaNs with equal bits compare equal).

@@ -3,9 +3,13 @@
 
 mod dtype;
 mod host;
+mod storage;
 
 pub use dtype::DType;
 pub use host::HostTensor;
+pub use storage::{
+    buffer_cache_limit, cached_buffer_bytes, release_cached_buffers, set_buffer_cache_limit,
+};
 
 use crate::error::Result;
 use std::fmt::Debug;
