@@ -12,19 +12,98 @@ use crate::tensor::Tensor;
 use indexmap::IndexMap;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
-/// Supplies the full state of one parameter by name, in the deterministic order the
-/// flattening asks for (model parameter order).
-pub trait FullStateSource<T: Tensor> {
-    /// The state of parameter `fqn`, or `None` if it has none.
-    fn fetch(&mut self, fqn: &str) -> Result<Option<ParamState<T>>>;
+/// Supplies one rank's flattened state of each flat parameter and original parameter, as
+/// [`flatten_from_source`] asks for them (model order, every rank the same sequence).
+///
+/// [`DictSource`] cuts it from a full dict in memory; the scatter source receives it from the
+/// rank holding the full dict, which cuts every rank's part with the same functions
+/// ([`flat_param_state_for_rank`], [`orig_param_state_for_rank`]).
+pub trait ShardSource<T: Tensor> {
+    /// This rank's shard state of flat parameter `f`; `None` when no member has state.
+    fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>>;
+
+    /// This rank's part of the state of original parameter `param` (`owner`: its flat
+    /// parameter and member, `None` when unmanaged); `None` when this rank gets none.
+    fn orig_param(
+        &mut self,
+        layout: &ModelLayout,
+        param: usize,
+        owner: Option<(usize, usize)>,
+    ) -> Result<Option<ParamState<T>>>;
 }
 
-/// A full dict held in memory.
-pub struct DictSource<'a, T>(pub &'a OptimStateDict<T>);
+/// A full dict held in memory, cut for `rank`.
+pub struct DictSource<'a, T> {
+    /// The full (name-keyed) dict.
+    pub full: &'a OptimStateDict<T>,
+    /// The rank within the layout's shard group.
+    pub rank: usize,
+}
 
-impl<T: Tensor> FullStateSource<T> for DictSource<'_, T> {
-    fn fetch(&mut self, fqn: &str) -> Result<Option<ParamState<T>>> {
-        Ok(self.0.state.get(&ParamKey::Name(fqn.to_string())).cloned())
+impl<T: Tensor> ShardSource<T> for DictSource<'_, T> {
+    fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
+        flat_param_state_for_rank(&layout.flat_params[f], self.rank, self.full)
+    }
+
+    fn orig_param(
+        &mut self,
+        layout: &ModelLayout,
+        param: usize,
+        owner: Option<(usize, usize)>,
+    ) -> Result<Option<ParamState<T>>> {
+        orig_param_state_for_rank(layout, param, owner, self.rank, self.full)
+    }
+}
+
+fn state_of<'a, T>(full: &'a OptimStateDict<T>, fqn: &str) -> Option<&'a ParamState<T>> {
+    full.state.get(&ParamKey::Name(fqn.to_string()))
+}
+
+/// Rank `rank`'s shard state of flat parameter `fl` from the full dict `full`
+/// (`_flatten_optim_state`); `None` when no member has state. Pure.
+pub fn flat_param_state_for_rank<T: Tensor>(
+    fl: &FlatParamLayout,
+    rank: usize,
+    full: &OptimStateDict<T>,
+) -> Result<Option<ParamState<T>>> {
+    let member_states: Vec<Option<ParamState<T>>> = fl
+        .members
+        .iter()
+        .map(|m| state_of(full, &m.fqn).cloned())
+        .collect();
+    if member_states.iter().all(Option::is_none) {
+        return Ok(None);
+    }
+    let s = flatten_flat_param(fl, rank, &member_states)?;
+    if s.is_empty() {
+        return Err(Error::InvalidStateDict(format!(
+            "the state of the flat parameter of unit `{}` ({:?}) is empty",
+            fl.unit,
+            fl.fqns()
+        )));
+    }
+    Ok(Some(s))
+}
+
+/// Rank `rank`'s part of original parameter `param`'s state from the full dict `full`
+/// (`_shard_orig_param_state` when managed, the whole state when not); `None` when there is
+/// no state or the rank holds none of the parameter. Pure.
+pub fn orig_param_state_for_rank<T: Tensor>(
+    layout: &ModelLayout,
+    param: usize,
+    owner: Option<(usize, usize)>,
+    rank: usize,
+    full: &OptimStateDict<T>,
+) -> Result<Option<ParamState<T>>> {
+    let Some(st) = state_of(full, layout.state_fqn(param)) else {
+        return Ok(None);
+    };
+    match owner {
+        Some((f, m)) => {
+            let s = shard_orig_param_state(&layout.flat_params[f], m, rank, st.clone())?;
+            Ok((!s.is_empty()).then_some(s))
+        }
+        None => Ok(Some(st.clone())),
     }
 }
 
@@ -65,19 +144,18 @@ pub fn flatten_optim_state_dict<T: Tensor>(
     let user = user_state(layout, full);
     flatten_from_source(
         layout,
-        rank,
-        &mut DictSource(full),
+        &mut DictSource { full, rank },
         full.param_groups.as_deref(),
         user,
         params,
     )
 }
 
-/// The flattening loop over any [`FullStateSource`].
+/// The flattening loop over any [`ShardSource`]: keys each parameter's state for this rank's
+/// optimizer, appends the user-defined state and maps the param groups.
 pub fn flatten_from_source<T: Tensor>(
     layout: &ModelLayout,
-    rank: usize,
-    source: &mut dyn FullStateSource<T>,
+    source: &mut dyn ShardSource<T>,
     param_groups: Option<&[ParamGroup<T>]>,
     user: Vec<(ParamKey, ParamState<T>)>,
     params: &OptimParams,
@@ -89,39 +167,11 @@ pub fn flatten_from_source<T: Tensor>(
     for r in layout.model_order() {
         let skey = layout.state_key(r);
         let flat_state = match r {
-            Resolved::Flat(f) => {
-                let fl = &layout.flat_params[f];
-                let mut member_states = Vec::with_capacity(fl.members.len());
-                for m in &fl.members {
-                    member_states.push(source.fetch(&m.fqn)?);
-                }
-                if member_states.iter().all(Option::is_none) {
-                    continue;
-                }
-                let s = flatten_flat_param(fl, rank, &member_states)?;
-                if s.is_empty() {
-                    return Err(Error::InvalidStateDict(format!(
-                        "the state of the flat parameter of unit `{}` ({:?}) is empty",
-                        fl.unit, skey.names
-                    )));
-                }
-                s
-            }
-            Resolved::Orig { param, owner } => {
-                let Some(st) = source.fetch(layout.state_fqn(param))? else {
-                    continue;
-                };
-                match owner {
-                    Some((f, m)) => {
-                        let s = shard_orig_param_state(&layout.flat_params[f], m, rank, st)?;
-                        if s.is_empty() {
-                            continue;
-                        }
-                        s
-                    }
-                    None => st,
-                }
-            }
+            Resolved::Flat(f) => source.flat_param(layout, f)?,
+            Resolved::Orig { param, owner } => source.orig_param(layout, param, owner)?,
+        };
+        let Some(flat_state) = flat_state else {
+            continue;
         };
         // State of a parameter this rank's optimizer does not hold is dropped.
         if let Some(key) = skey_to_key.get(&skey) {

@@ -16,6 +16,6 @@ pub use dict::{
     map_state, OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState,
     ShardedTensor, Value,
 };
-pub use flatten::{flatten_optim_state_dict, FullStateSource};
+pub use flatten::{flatten_optim_state_dict, ShardSource};
 pub use keys::OptimStateKey;
 pub use rekey::{rekey_optim_state_dict, OptimStateKeyType};

@@ -2,7 +2,10 @@
 //! (`scatter_full_optim_state_dict`, rank-0-only `optim_state_dict_to_load`) and gathering the
 //! row chunks of a sharded dict (`flatten_sharded_optim_state_dict`).
 
-use super::flatten::{flatten_from_source, parameter_names, FullStateSource};
+use super::flatten::{
+    flat_param_state_for_rank, flatten_from_source, orig_param_state_for_rank, parameter_names,
+    ShardSource,
+};
 use super::plan::{check_digests, layout_digest};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
@@ -66,35 +69,171 @@ fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
     })
 }
 
-/// Receives each parameter's tensors from the root when the flattening asks for them.
-struct BroadcastSource<'a, T: Tensor> {
-    pg: &'a dyn ProcessGroup,
-    root: usize,
-    skeleton: HashMap<String, Vec<(String, Skel)>>,
-    full: Option<&'a OptimStateDict<T>>,
+/// What one rank gets of one parameter's state, described ahead of the bytes.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum Entry {
+    /// A positive-dim tensor, scattered after the header.
+    Tensor { shape: Vec<usize>, dtype: DType },
+    /// Anything else (0-dim tensors included), carried in the header.
+    Value(Value<HostTensor>),
 }
 
-impl<T: Tensor> BroadcastSource<'_, T> {
-    fn receive(&self, key: &ParamKey, entries: &[(String, Skel)]) -> Result<ParamState<T>> {
+/// One parameter's state for every rank, in rank order: `None` where a rank gets none.
+type Header = Vec<Option<Vec<(String, Entry)>>>;
+
+fn header_of<T: Tensor>(parts: &[Option<ParamState<T>>]) -> Result<Header> {
+    parts
+        .iter()
+        .map(|p| {
+            p.as_ref()
+                .map(|st| {
+                    st.iter()
+                        .map(|(n, v)| {
+                            let e = match v {
+                                Value::Tensor(t) if t.dim() > 0 => Entry::Tensor {
+                                    shape: t.shape(),
+                                    dtype: t.dtype(),
+                                },
+                                other => Entry::Value(other.try_map(&mut |t: &T| t.to_host())?),
+                            };
+                            Ok((n.clone(), e))
+                        })
+                        .collect()
+                })
+                .transpose()
+        })
+        .collect()
+}
+
+/// The root cuts every rank's part of each parameter's state with the pure functions of
+/// `flatten`; a header (structure and small values) is broadcast, then each tensor state is
+/// scattered so that every rank receives only its own part.
+struct ScatterSource<'a, T: Tensor> {
+    pg: &'a dyn ProcessGroup,
+    root: usize,
+    full: Option<&'a OptimStateDict<T>>,
+    /// Each rank's rank within the layout's shard group (they differ with hybrid sharding).
+    layout_ranks: Vec<usize>,
+}
+
+impl<T: Tensor> ScatterSource<'_, T> {
+    /// Runs one parameter's exchange; `cut(full, r)` is the part of layout rank `r`, computed
+    /// on the root once per layout rank.
+    fn exchange(
+        &self,
+        cut: impl Fn(&OptimStateDict<T>, usize) -> Result<Option<ParamState<T>>>,
+    ) -> Result<Option<ParamState<T>>> {
+        let (rank, world) = (self.pg.rank(), self.pg.world_size());
+        let mut parts: Vec<Option<ParamState<T>>> = Vec::new();
+        let header: Option<std::result::Result<Header, Error>> = match self.full {
+            Some(full) if rank == self.root => {
+                let mut by_layout_rank: HashMap<usize, Option<ParamState<T>>> = HashMap::new();
+                let cut_all = (0..world)
+                    .map(|r| {
+                        let lr = self.layout_ranks[r];
+                        if !by_layout_rank.contains_key(&lr) {
+                            by_layout_rank.insert(lr, cut(full, lr)?);
+                        }
+                        Ok(by_layout_rank[&lr].clone())
+                    })
+                    .collect::<Result<Vec<_>>>();
+                Some(cut_all.and_then(|p| {
+                    parts = p;
+                    header_of(&parts)
+                }))
+            }
+            _ => None,
+        };
+        let header: std::result::Result<Header, Error> =
+            self.pg.broadcast_object(header.as_ref(), self.root)?;
+        let header = header?;
+        let mut names: Vec<&String> = Vec::new();
+        for (n, e) in header.iter().flatten().flatten() {
+            if matches!(e, Entry::Tensor { .. }) && !names.contains(&n) {
+                names.push(n);
+            }
+        }
+        let mut received: HashMap<&str, T> = HashMap::new();
+        for name in names {
+            let mine = header[rank]
+                .iter()
+                .flatten()
+                .find(|(n, _)| n == name)
+                .map(|(_, e)| e);
+            if rank == self.root {
+                // The root keeps its own part as it is (a view of the full dict when it can be).
+                let hosts: Vec<Option<HostTensor>> = parts
+                    .iter()
+                    .enumerate()
+                    .map(|(r, p)| match p.as_ref().and_then(|p| p.get(name.as_str())) {
+                        Some(Value::Tensor(t)) if r != rank && t.dim() > 0 => {
+                            t.to_host().map(Some)
+                        }
+                        _ => Ok(None),
+                    })
+                    .collect::<Result<_>>()?;
+                let sends: Vec<&[u8]> = hosts
+                    .iter()
+                    .map(|h| h.as_ref().map_or(&[][..], HostTensor::as_bytes))
+                    .collect();
+                self.pg.scatter_into(Some(&sends), &mut [], self.root)?;
+            } else if let Some(Entry::Tensor { shape, dtype }) = mine {
+                // The scatter writes every byte of the buffer (or fails, dropping it).
+                let t = HostTensor::filled_by(*dtype, shape, |recv| {
+                    self.pg.scatter_into(None, recv, self.root)
+                })?;
+                received.insert(name, T::from_host(t)?);
+            } else {
+                self.pg.scatter_into(None, &mut [], self.root)?;
+            }
+        }
+        if rank == self.root {
+            return Ok(parts.swap_remove(rank));
+        }
+        let Some(entries) = &header[rank] else {
+            return Ok(None);
+        };
+        let mut out = ParamState::new();
+        for (n, e) in entries {
+            let v = match e {
+                Entry::Value(v) => v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
+                Entry::Tensor { .. } => Value::Tensor(
+                    received
+                        .remove(n.as_str())
+                        .expect("every tensor entry was received"),
+                ),
+            };
+            out.insert(n.clone(), v);
+        }
+        Ok(Some(out))
+    }
+
+    /// User-defined state: every rank receives the root's whole entry.
+    fn receive_whole(&self, key: &ParamKey, entries: &[(String, Skel)]) -> Result<ParamState<T>> {
+        let world = self.pg.world_size();
         let mut out = ParamState::new();
         for (n, s) in entries {
             let v = match s {
                 Skel::Value(v) => v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
-                Skel::Tensor { shape, dtype } => {
-                    let mut buf = match self.full {
-                        Some(full) if self.pg.rank() == self.root => {
-                            let t = full.state[key][n.as_str()]
-                                .as_tensor()
-                                .expect("skeleton says tensor")
-                                .to_host()?;
-                            // Copy into a private buffer: broadcast writes into its argument.
-                            HostTensor::from_bytes(t.dtype(), t.shape(), t.as_bytes())?
-                        }
-                        _ => HostTensor::zeros(*dtype, shape),
-                    };
-                    self.pg.broadcast(buf.bytes_mut(), self.root)?;
-                    Value::Tensor(T::from_host(buf)?)
-                }
+                Skel::Tensor { shape, dtype } => match self.full {
+                    Some(full) if self.pg.rank() == self.root => {
+                        let t = full.state[key][n.as_str()]
+                            .as_tensor()
+                            .expect("skeleton says tensor")
+                            .clone();
+                        let host = t.to_host()?;
+                        let mut sends = vec![host.as_bytes(); world];
+                        sends[self.root] = &[];
+                        self.pg.scatter_into(Some(&sends), &mut [], self.root)?;
+                        Value::Tensor(t)
+                    }
+                    _ => {
+                        let t = HostTensor::filled_by(*dtype, shape, |recv| {
+                            self.pg.scatter_into(None, recv, self.root)
+                        })?;
+                        Value::Tensor(T::from_host(t)?)
+                    }
+                },
             };
             out.insert(n.clone(), v);
         }
@@ -102,13 +241,19 @@ impl<T: Tensor> BroadcastSource<'_, T> {
     }
 }
 
-impl<T: Tensor> FullStateSource<T> for BroadcastSource<'_, T> {
-    fn fetch(&mut self, fqn: &str) -> Result<Option<ParamState<T>>> {
-        let Some(entries) = self.skeleton.get(fqn) else {
-            return Ok(None);
-        };
-        self.receive(&ParamKey::Name(fqn.to_string()), entries)
-            .map(Some)
+impl<T: Tensor> ShardSource<T> for ScatterSource<'_, T> {
+    fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
+        let fl = &layout.flat_params[f];
+        self.exchange(|full, r| flat_param_state_for_rank(fl, r, full))
+    }
+
+    fn orig_param(
+        &mut self,
+        layout: &ModelLayout,
+        param: usize,
+        owner: Option<(usize, usize)>,
+    ) -> Result<Option<ParamState<T>>> {
+        self.exchange(|full, r| orig_param_state_for_rank(layout, param, owner, r, full))
     }
 }
 
@@ -126,15 +271,27 @@ pub fn scatter_full<T: Tensor>(
 ) -> Result<OptimStateDict<T>> {
     // Every rank checks its optimizer's parameters before the first tensor moves, and all
     // ranks fail with the first failing rank's error.
-    let mine: (u64, Option<Error>) = (
+    let mine: (u64, usize, Option<Error>) = (
         layout_digest(op, layout)?,
+        layout_rank,
         layout.local_params(params).err(),
     );
-    let all: Vec<(u64, Option<Error>)> = pg.all_gather_object(&mine)?;
-    if let Some(e) = all.iter().find_map(|(_, e)| e.clone()) {
+    let all: Vec<(u64, usize, Option<Error>)> = pg.all_gather_object(&mine)?;
+    if let Some(e) = all.iter().find_map(|(_, _, e)| e.clone()) {
         return Err(e);
     }
-    check_digests(op, &all.iter().map(|(d, _)| *d).collect::<Vec<_>>())?;
+    check_digests(op, &all.iter().map(|(d, _, _)| *d).collect::<Vec<_>>())?;
+    let layout_ranks: Vec<usize> = all.iter().map(|(_, r, _)| *r).collect();
+    if let Some(r) = layout_ranks.iter().find(|&&r| r >= layout.world_size) {
+        return Err(Error::InvalidCollective {
+            op: op.into(),
+            rank: pg.rank(),
+            reason: format!(
+                "a rank reports layout rank {r}, outside the layout's world size {}",
+                layout.world_size
+            ),
+        });
+    }
     let skeleton: std::result::Result<Skeleton, Error> = if pg.rank() == root {
         match full {
             Some(f) => skeleton_of(f),
@@ -152,19 +309,16 @@ pub fn scatter_full<T: Tensor>(
         pg.broadcast_object(Some(&skeleton), root)?;
     let skeleton = skeleton?;
     let names = parameter_names(layout);
-    let mut src = BroadcastSource {
+    let mut src = ScatterSource {
         pg,
         root,
-        skeleton: HashMap::new(),
         full,
+        layout_ranks,
     };
     let mut user = Vec::new();
-    for (k, entries) in skeleton.state {
-        match &k {
-            ParamKey::Name(n) if names.contains(n) => {
-                src.skeleton.insert(n.clone(), entries);
-            }
-            _ => user.push((k.clone(), src.receive(&k, &entries)?)),
+    for (k, entries) in &skeleton.state {
+        if !matches!(k, ParamKey::Name(n) if names.contains(n)) {
+            user.push((k.clone(), src.receive_whole(k, entries)?));
         }
     }
     let groups: Option<Vec<ParamGroup<T>>> = skeleton
@@ -175,14 +329,7 @@ pub fn scatter_full<T: Tensor>(
                 .collect()
         })
         .transpose()?;
-    flatten_from_source(
-        layout,
-        layout_rank,
-        &mut src,
-        groups.as_deref(),
-        user,
-        params,
-    )
+    flatten_from_source(layout, &mut src, groups.as_deref(), user, params)
 }
 
 /// Digest and (key, state, global shape) of every sharded tensor, as exchanged.

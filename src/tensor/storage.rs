@@ -13,8 +13,9 @@
 //!   allocators). A buffer about to be overwritten whole is handed out as it is; one asked
 //!   for zeroed is cleared first.
 
-/// Buffers at least this large are mapped (on Linux); smaller ones live on the heap.
-pub(crate) const MAPPED_THRESHOLD: usize = 4 << 20;
+/// Buffers at least this large are mapped (on Linux) and cached; smaller ones live on the
+/// heap. Buffers of 2 MiB and more also start on a huge-page boundary.
+pub(crate) const MAPPED_THRESHOLD: usize = 256 << 10;
 
 /// 8-byte aligned, zero-initialised byte storage of a fixed length.
 pub(crate) struct Storage {
@@ -137,23 +138,29 @@ pub fn release_cached_buffers() {
 
 #[cfg(target_os = "linux")]
 mod mapped {
+    use std::collections::BTreeMap;
     use std::ptr::NonNull;
     use std::sync::{Mutex, MutexGuard};
 
     const HUGE_PAGE: usize = 2 << 20;
 
-    /// Dropped mappings kept for reuse, oldest first.
+    /// Dropped mappings kept for reuse: by size for best fit, and by age for eviction.
     struct Cache {
         /// `None` until first used: then the default limit is computed.
         limit: Option<usize>,
         held: usize,
-        maps: Vec<Mapping>,
+        /// Next age stamp.
+        seq: u64,
+        by_size: BTreeMap<(usize, u64), Mapping>,
+        by_age: BTreeMap<u64, usize>,
     }
 
     static CACHE: Mutex<Cache> = Mutex::new(Cache {
         limit: None,
         held: 0,
-        maps: Vec::new(),
+        seq: 0,
+        by_size: BTreeMap::new(),
+        by_age: BTreeMap::new(),
     });
 
     fn cache() -> MutexGuard<'static, Cache> {
@@ -184,9 +191,30 @@ mod mapped {
         /// Unmaps the oldest buffers until at most `keep` bytes are held.
         fn shrink_to(&mut self, keep: usize) {
             while self.held > keep {
-                let m = self.maps.remove(0);
-                self.held -= m.mapped;
+                let Some((seq, size)) = self.by_age.pop_first() else {
+                    break;
+                };
+                if let Some(m) = self.by_size.remove(&(size, seq)) {
+                    self.held -= m.mapped;
+                }
             }
+        }
+
+        /// The smallest cached mapping of `need..=max` bytes, removed from the cache.
+        fn take_fit(&mut self, need: usize, max: usize) -> Option<Mapping> {
+            let (&(size, seq), _) = self.by_size.range((need, 0)..=(max, u64::MAX)).next()?;
+            self.by_age.remove(&seq);
+            let m = self.by_size.remove(&(size, seq))?;
+            self.held -= m.mapped;
+            Some(m)
+        }
+
+        fn put(&mut self, m: Mapping) {
+            let seq = self.seq;
+            self.seq += 1;
+            self.held += m.mapped;
+            self.by_age.insert(seq, m.mapped);
+            self.by_size.insert((m.mapped, seq), m);
         }
     }
 
@@ -194,23 +222,8 @@ mod mapped {
     /// fresh one. `None` when the kernel refuses a fresh mapping.
     pub(super) fn take(len: usize, zero: bool) -> Option<Mapping> {
         let need = len.checked_next_multiple_of(page_size())?;
-        // Reuse a mapping at most an eighth (or one huge page) larger than needed.
-        let slack = (need / 8).max(HUGE_PAGE);
-        let reused = {
-            let mut c = cache();
-            let best = c
-                .maps
-                .iter()
-                .enumerate()
-                .filter(|(_, m)| m.mapped >= need && m.mapped - need <= slack)
-                .min_by_key(|(_, m)| m.mapped)
-                .map(|(i, _)| i);
-            best.map(|i| {
-                let m = c.maps.remove(i);
-                c.held -= m.mapped;
-                m
-            })
-        };
+        // Reuse a mapping at most an eighth larger than needed.
+        let reused = cache().take_fit(need, need.saturating_add(need / 8));
         match reused {
             Some(mut m) => {
                 m.len = len;
@@ -231,8 +244,7 @@ mod mapped {
             return; // dropped: unmapped
         }
         c.shrink_to(limit - m.mapped);
-        c.held += m.mapped;
-        c.maps.push(m);
+        c.put(m);
     }
 
     pub(super) fn set_limit(bytes: usize) {
@@ -278,7 +290,9 @@ mod mapped {
         /// to the heap, which then reports a failure the usual way).
         fn new(len: usize) -> Option<Self> {
             let mapped = len.checked_next_multiple_of(page_size())?;
-            let reserve = mapped.checked_add(HUGE_PAGE)?;
+            // Only a buffer that can hold a huge page is worth aligning to one.
+            let huge = mapped >= HUGE_PAGE;
+            let reserve = mapped.checked_add(if huge { HUGE_PAGE } else { 0 })?;
             // SAFETY: a fresh anonymous mapping; no existing memory is affected.
             let base = unsafe {
                 libc::mmap(
@@ -294,7 +308,11 @@ mod mapped {
                 return None;
             }
             let base = base as usize;
-            let start = base.next_multiple_of(HUGE_PAGE);
+            let start = if huge {
+                base.next_multiple_of(HUGE_PAGE)
+            } else {
+                base
+            };
             let (head, tail) = (start - base, reserve - (start - base) - mapped);
             // SAFETY: both ranges are page-aligned parts of the mapping made above that
             // `Mapping` will not use; unmapping them cannot fail for valid ranges, and a
@@ -307,7 +325,9 @@ mod mapped {
                     libc::munmap((start + mapped) as *mut libc::c_void, tail);
                 }
                 // Advice only: a kernel without transparent huge pages ignores it.
-                libc::madvise(start as *mut libc::c_void, mapped, libc::MADV_HUGEPAGE);
+                if huge {
+                    libc::madvise(start as *mut libc::c_void, mapped, libc::MADV_HUGEPAGE);
+                }
             }
             Some(Mapping {
                 ptr: NonNull::new(start as *mut u8)?,
