@@ -53,6 +53,22 @@ pub fn prefix_contains(prefix: &str, name: &str) -> bool {
             && name.as_bytes()[prefix.len()] == b'.')
 }
 
+/// The proper ancestors of a dotted name, innermost first, ending with the root `""`
+/// (`"a.b.c"` → `"a.b"`, `"a"`, `""`): exactly the prefixes `p` with `prefix_contains(p, name)`.
+pub fn ancestors(name: &str) -> impl Iterator<Item = &str> {
+    let mut cur = Some(name);
+    std::iter::from_fn(move || {
+        let n = cur?;
+        if n.is_empty() {
+            cur = None;
+            return None;
+        }
+        let parent = module_of(n);
+        cur = Some(parent);
+        Some(parent)
+    })
+}
+
 /// The module that directly owns parameter `name` (`""` for the root).
 pub fn module_of(name: &str) -> &str {
     name.rfind('.').map_or("", |i| &name[..i])
@@ -261,6 +277,9 @@ impl WrapPolicy {
     /// Checks that units are unique and that every unit and ignored module holds a parameter.
     pub fn validate(&self, model: &ModelDesc) -> Result<()> {
         let names = model.names_with_aliases();
+        // Every module that contains some parameter name.
+        let modules: std::collections::HashSet<&str> =
+            names.iter().flat_map(|(n, _)| ancestors(n)).collect();
         let mut seen = std::collections::HashSet::new();
         for u in &self.units {
             if !seen.insert(u) {
@@ -268,14 +287,14 @@ impl WrapPolicy {
                     "FSDP unit `{u}` is listed twice"
                 )));
             }
-            if !names.iter().any(|(n, _)| prefix_contains(u, n)) {
+            if !modules.contains(u.as_str()) {
                 return Err(Error::InvalidModel(format!(
                     "FSDP unit `{u}` contains no parameter of the model"
                 )));
             }
         }
         for m in &self.ignored_modules {
-            if !names.iter().any(|(n, _)| prefix_contains(m, n)) {
+            if !modules.contains(m.as_str()) {
                 return Err(Error::InvalidModel(format!(
                     "ignored module `{m}` contains no parameter of the model"
                 )));

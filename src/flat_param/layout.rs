@@ -3,10 +3,11 @@
 
 use super::shard::{chunk_bounds, chunk_size, shard_param_infos, Shard};
 use crate::error::{Error, Result};
-use crate::model::{module_of, prefix_contains, ModelDesc, WrapPolicy};
+use crate::model::{ancestors, module_of, ModelDesc, WrapPolicy};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
 /// Name under which FSDP registers a flat parameter on its unit.
 pub const FLAT_PARAM: &str = "_flat_param";
@@ -293,6 +294,27 @@ pub struct ModelLayout {
     pub ownership: Vec<Ownership>,
     /// Per model parameter, whether an ignored module holds it.
     pub ignored: Vec<bool>,
+    /// Name lookups, built on first use (derived data: not serialized, not compared).
+    #[serde(skip)]
+    index: LayoutIndex,
+}
+
+/// Hash maps from names to positions, so lookups cost O(1) instead of a scan of the model.
+#[derive(Debug, Clone, Default)]
+struct LayoutIndex(std::sync::OnceLock<Lookups>);
+
+#[derive(Debug, Clone)]
+struct Lookups {
+    /// Every parameter name and tied alias → parameter index.
+    param: HashMap<String, usize>,
+    /// Unit prefix → flat parameter index.
+    flat: HashMap<String, usize>,
+}
+
+impl PartialEq for LayoutIndex {
+    fn eq(&self, _: &Self) -> bool {
+        true // derived from the compared fields
+    }
 }
 
 impl ModelLayout {
@@ -304,46 +326,62 @@ impl ModelLayout {
         model.validate()?;
         policy.validate(model)?;
         let names = model.names_with_aliases();
+        let ignored_modules: HashSet<&str> =
+            policy.ignored_modules.iter().map(String::as_str).collect();
         let mut ignored = vec![false; model.params.len()];
         for (n, p) in &names {
-            if policy.ignored_modules.iter().any(|m| prefix_contains(m, n)) {
+            if ancestors(n).any(|m| ignored_modules.contains(m)) {
                 ignored[*p] = true;
             }
         }
-        // Claim order: a unit claims before every unit that contains it; otherwise list order.
-        let mut order: Vec<usize> = Vec::with_capacity(policy.units.len());
-        let mut placed = vec![false; policy.units.len()];
-        while order.len() < policy.units.len() {
-            let next = (0..policy.units.len())
-                .find(|&i| {
-                    !placed[i]
-                        && !(0..policy.units.len()).any(|j| {
-                            !placed[j]
-                                && j != i
-                                && prefix_contains(&policy.units[i], &policy.units[j])
-                        })
-                })
-                .expect("prefix containment is acyclic");
-            placed[next] = true;
-            order.push(next);
-        }
+        let order = claim_order(&policy.units);
         let sharded = policy.sharding_strategy.shards();
-        let mut ownership = vec![Ownership::Unmanaged; model.params.len()];
-        let mut flat_params = Vec::new();
-        for &u in &order {
-            let unit = &policy.units[u];
-            let mut members: Vec<(String, usize)> = Vec::new();
-            for (n, p) in &names {
-                if !prefix_contains(unit, n) || ignored[*p] {
-                    continue;
+        // A name belongs to the innermost unit containing it, the first of those units to
+        // claim; a parameter goes to the first unit in claim order that any of its names
+        // belongs to, under its first name in model order within that unit.
+        let claim_pos: HashMap<&str, usize> = order
+            .iter()
+            .enumerate()
+            .map(|(pos, &u)| (policy.units[u].as_str(), pos))
+            .collect();
+        let innermost = |name: &str| -> Option<usize> {
+            let mut module = name;
+            loop {
+                module = module_of(module);
+                if let Some(&pos) = claim_pos.get(module) {
+                    return Some(pos);
                 }
-                if ownership[*p] == Ownership::Unmanaged && !members.iter().any(|(_, q)| q == p) {
-                    members.push((n.clone(), *p));
+                if module.is_empty() {
+                    return None;
                 }
             }
+        };
+        let mut owner_pos: Vec<Option<usize>> = vec![None; model.params.len()];
+        let mut name_pos: Vec<Option<usize>> = Vec::with_capacity(names.len());
+        for (n, p) in &names {
+            let pos = if ignored[*p] { None } else { innermost(n) };
+            name_pos.push(pos);
+            if let Some(pos) = pos {
+                owner_pos[*p] = Some(owner_pos[*p].map_or(pos, |q| q.min(pos)));
+            }
+        }
+        let mut members_of: Vec<Vec<(String, usize)>> = vec![Vec::new(); order.len()];
+        let mut taken = vec![false; model.params.len()];
+        for ((n, p), pos) in names.iter().zip(&name_pos) {
+            if let Some(pos) = *pos {
+                if owner_pos[*p] == Some(pos) && !taken[*p] {
+                    taken[*p] = true;
+                    members_of[pos].push((n.clone(), *p));
+                }
+            }
+        }
+        let mut ownership = vec![Ownership::Unmanaged; model.params.len()];
+        let mut flat_params = Vec::new();
+        for (&u, members) in order.iter().zip(&members_of) {
             if members.is_empty() {
                 continue;
             }
+            let unit = &policy.units[u];
             let flat = flat_params.len();
             for (m, (_, p)) in members.iter().enumerate() {
                 ownership[*p] = Ownership::Flat { flat, member: m };
@@ -352,7 +390,7 @@ impl ModelLayout {
                 flat,
                 unit,
                 model,
-                &members,
+                members,
                 policy.use_orig_params,
                 world_size,
                 sharded,
@@ -365,7 +403,24 @@ impl ModelLayout {
             flat_params,
             ownership,
             ignored,
+            index: LayoutIndex::default(),
         })
+    }
+
+    fn lookups(&self) -> &Lookups {
+        self.index.0.get_or_init(|| Lookups {
+            param: self.model.names_with_aliases().into_iter().collect(),
+            flat: self
+                .flat_params
+                .iter()
+                .map(|f| (f.unit.clone(), f.index))
+                .collect(),
+        })
+    }
+
+    /// Index of the parameter with this name or tied alias.
+    pub fn param_index(&self, name: &str) -> Option<usize> {
+        self.lookups().param.get(name).copied()
     }
 
     /// Whether the optimizer sees original parameters (`use_orig_params=True`).
@@ -375,7 +430,8 @@ impl ModelLayout {
 
     /// The flat parameter of a unit, if the unit has one.
     pub fn flat_of_unit(&self, unit: &str) -> Option<&FlatParamLayout> {
-        self.flat_params.iter().find(|f| f.unit == unit)
+        let f = *self.lookups().flat.get(unit)?;
+        self.flat_params.get(f)
     }
 
     /// The name that keys parameter `index`'s optimizer state (its FQN inside its unit, or its
@@ -413,25 +469,26 @@ impl ModelLayout {
                 .collect();
         }
         // Module tree in first-appearance order.
-        let mut modules: Vec<String> = vec![String::new()];
+        let mut modules: HashSet<String> = HashSet::from([String::new()]);
         let mut children: HashMap<String, Vec<String>> = HashMap::new();
         let mut own: HashMap<String, Vec<usize>> = HashMap::new();
-        let add_module =
-            |m: &str, modules: &mut Vec<String>, children: &mut HashMap<String, Vec<String>>| {
-                let mut chain = vec![];
-                let mut cur = m.to_string();
-                while !cur.is_empty() && !modules.contains(&cur) {
-                    chain.push(cur.clone());
-                    cur = module_of(&cur).to_string();
-                }
-                for c in chain.into_iter().rev() {
-                    children
-                        .entry(module_of(&c).to_string())
-                        .or_default()
-                        .push(c.clone());
-                    modules.push(c);
-                }
-            };
+        let add_module = |m: &str,
+                          modules: &mut HashSet<String>,
+                          children: &mut HashMap<String, Vec<String>>| {
+            let mut chain = vec![];
+            let mut cur = m.to_string();
+            while !cur.is_empty() && !modules.contains(&cur) {
+                chain.push(cur.clone());
+                cur = module_of(&cur).to_string();
+            }
+            for c in chain.into_iter().rev() {
+                children
+                    .entry(module_of(&c).to_string())
+                    .or_default()
+                    .push(c.clone());
+                modules.insert(c);
+            }
+        };
         for (i, p) in self.model.params.iter().enumerate() {
             let m = module_of(&p.name);
             add_module(m, &mut modules, &mut children);
@@ -458,5 +515,96 @@ impl ModelLayout {
             }
         }
         out
+    }
+}
+
+/// Claim order of the units (indices into `units`): a unit claims before every unit that
+/// contains it, otherwise in list order — the smallest ready index first (Kahn's algorithm).
+fn claim_order(units: &[String]) -> Vec<usize> {
+    let pos: HashMap<&str, usize> = units
+        .iter()
+        .enumerate()
+        .map(|(i, u)| (u.as_str(), i))
+        .collect();
+    // containers[i]: the units that contain unit i; waiting[j]: units inside j not yet placed.
+    let mut containers: Vec<Vec<usize>> = vec![Vec::new(); units.len()];
+    let mut waiting = vec![0usize; units.len()];
+    for (i, u) in units.iter().enumerate() {
+        if u.is_empty() {
+            continue;
+        }
+        for m in ancestors(u) {
+            if let Some(&j) = pos.get(m) {
+                containers[i].push(j);
+                waiting[j] += 1;
+            }
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<usize>> = (0..units.len())
+        .filter(|&i| waiting[i] == 0)
+        .map(Reverse)
+        .collect();
+    let mut order = Vec::with_capacity(units.len());
+    while let Some(Reverse(i)) = ready.pop() {
+        order.push(i);
+        for &j in &containers[i] {
+            waiting[j] -= 1;
+            if waiting[j] == 0 {
+                ready.push(Reverse(j));
+            }
+        }
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::prefix_contains;
+
+    /// The definition, by repeated search: the smallest unplaced unit that contains no
+    /// unplaced unit.
+    fn claim_order_by_search(units: &[String]) -> Vec<usize> {
+        let mut placed = vec![false; units.len()];
+        let mut order = Vec::new();
+        while order.len() < units.len() {
+            let next = (0..units.len())
+                .find(|&i| {
+                    !placed[i]
+                        && !(0..units.len())
+                            .any(|j| !placed[j] && j != i && prefix_contains(&units[i], &units[j]))
+                })
+                .unwrap();
+            placed[next] = true;
+            order.push(next);
+        }
+        order
+    }
+
+    #[test]
+    fn claim_order_puts_inner_units_first_and_otherwise_keeps_list_order() {
+        let cases: &[&[&str]] = &[
+            &["", "a", "a.b", "c", "a.b.c", "ab", "c.d"],
+            &["a.b.c", "a", "", "a.b", "x.y", "x"],
+            &["z", "y", "x"],
+            &[
+                "",
+                "layers.0",
+                "layers.1",
+                "layers",
+                "layers.10",
+                "layers.1.attn",
+            ],
+        ];
+        for units in cases {
+            let units: Vec<String> = units.iter().map(|u| u.to_string()).collect();
+            assert_eq!(
+                claim_order(&units),
+                claim_order_by_search(&units),
+                "{units:?}"
+            );
+        }
+        let units: Vec<String> = ["", "a", "a.b", "c", "a.b.c"].map(String::from).to_vec();
+        assert_eq!(claim_order(&units), vec![3, 4, 2, 1, 0]);
     }
 }

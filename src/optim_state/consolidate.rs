@@ -294,8 +294,7 @@ fn agree_flat_keys<'a>(
 
 fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a FlatParamLayout> {
     let idx = layout
-        .model
-        .index_of(&key.names[0])
+        .param_index(&key.names[0])
         .ok_or_else(|| Error::UnknownParameter {
             name: key.names[0].clone(),
             context: " (another rank's optimizer holds it)".into(),

@@ -62,8 +62,7 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
         }
         OptimParam::Param(name) => {
             let idx = layout
-                .model
-                .index_of(name)
+                .param_index(name)
                 .ok_or_else(|| Error::UnknownParameter {
                     name: name.clone(),
                     context: " held by the optimizer".into(),

@@ -165,12 +165,14 @@ impl<T: Tensor> ScatterSource<'_, T> {
                 let hosts: Vec<Option<HostTensor>> = parts
                     .iter()
                     .enumerate()
-                    .map(|(r, p)| match p.as_ref().and_then(|p| p.get(name.as_str())) {
-                        Some(Value::Tensor(t)) if r != rank && t.dim() > 0 => {
-                            t.to_host().map(Some)
-                        }
-                        _ => Ok(None),
-                    })
+                    .map(
+                        |(r, p)| match p.as_ref().and_then(|p| p.get(name.as_str())) {
+                            Some(Value::Tensor(t)) if r != rank && t.dim() > 0 => {
+                                t.to_host().map(Some)
+                            }
+                            _ => Ok(None),
+                        },
+                    )
                     .collect::<Result<_>>()?;
                 let sends: Vec<&[u8]> = hosts
                     .iter()
