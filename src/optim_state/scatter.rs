@@ -131,10 +131,12 @@ impl<T: Tensor> ScatterSource<'_, T> {
                 let cut_all = (0..world)
                     .map(|r| {
                         let lr = self.layout_ranks[r];
-                        if !by_layout_rank.contains_key(&lr) {
-                            by_layout_rank.insert(lr, cut(full, lr)?);
+                        if let Some(part) = by_layout_rank.get(&lr) {
+                            return Ok(part.clone());
                         }
-                        Ok(by_layout_rank[&lr].clone())
+                        let part = cut(full, lr)?;
+                        by_layout_rank.insert(lr, part.clone());
+                        Ok(part)
                     })
                     .collect::<Result<Vec<_>>>();
                 Some(cut_all.and_then(|p| {
