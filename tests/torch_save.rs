@@ -681,6 +681,22 @@ fn written_layout_matches_pytorch() {
 }
 
 #[test]
+fn zip64_end_records_are_followed() {
+    // PyTorch (and this crate) always write zip64 end records; a reader must use them when the
+    // classic end record says 0xffff / 0xffffffff, as it does in files over 4 GiB.
+    let obj = torch_save::load(fixture("views")).unwrap();
+    let mut bytes = torch_save::save_to_bytes(&obj).unwrap();
+    let eocd = bytes.len() - 22;
+    assert_eq!(bytes[eocd..eocd + 4], [0x50, 0x4b, 0x05, 0x06]);
+    bytes[eocd + 8..eocd + 20].fill(0xff);
+    assert_bit_eq(&torch_save::load_from_bytes(&bytes).unwrap(), &obj, "zip64");
+    // Without the zip64 locator the same file is refused.
+    bytes[eocd - 20] ^= 0xff;
+    let e = torch_save::load_from_bytes(&bytes).unwrap_err();
+    assert!(matches!(e, Error::TorchSaveArchive { .. }), "{e}");
+}
+
+#[test]
 fn only_referenced_bytes_of_a_shared_buffer_are_written() {
     let big = HostTensor::from_vec1(&(0..1000).map(|i| i as f32).collect::<Vec<_>>());
     let a = big.narrow_flat(100, 10).unwrap();

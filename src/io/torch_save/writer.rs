@@ -49,6 +49,8 @@ struct StoragePlan<'a> {
     by_buffer: HashMap<usize, usize>,
     /// Buffers whose tensors get one storage each.
     split: std::collections::HashSet<usize>,
+    /// Keys handed out so far.
+    next_key: usize,
 }
 
 impl<'a> StoragePlan<'a> {
@@ -94,6 +96,7 @@ impl<'a> StoragePlan<'a> {
             storages: Vec::new(),
             by_buffer: HashMap::new(),
             split: Default::default(),
+            next_key: 0,
         };
         for t in tensors {
             let id = t.storage_id();
@@ -127,8 +130,9 @@ impl<'a> StoragePlan<'a> {
     fn place(&mut self, t: &'a HostTensor) -> (usize, usize, usize) {
         let id = t.storage_id();
         let esize = t.dtype().size();
-        let mut next_key = self.storages.iter().filter(|s| s.key.is_some()).count();
         if self.split.contains(&id) {
+            let key = self.next_key;
+            self.next_key += 1;
             // One storage per tensor, appended after the planned ones.
             let start = t.storage_byte_offset();
             self.storages.push(StorageOut {
@@ -136,17 +140,21 @@ impl<'a> StoragePlan<'a> {
                 dtype: t.dtype(),
                 start,
                 end: start + t.nbytes(),
-                key: Some(next_key),
+                key: Some(key),
             });
-            return (next_key, t.numel(), 0);
+            return (key, t.numel(), 0);
         }
         let i = self.by_buffer[&id];
         let s = &mut self.storages[i];
-        let key = *s.key.get_or_insert_with(|| {
-            let k = next_key;
-            next_key += 1;
-            k
-        });
+        let key = match s.key {
+            Some(k) => k,
+            None => {
+                let k = self.next_key;
+                self.next_key += 1;
+                s.key = Some(k);
+                k
+            }
+        };
         let offset = (t.storage_byte_offset() - s.start) / esize;
         (key, (s.end - s.start) / esize, offset)
     }
