@@ -224,9 +224,131 @@ pub enum Error {
         reason: String,
     },
 
+    // ----- files (torch.save) -----
+    /// Reading or writing a file failed at the operating-system level.
+    #[error("I/O error while {op} `{path}`: {reason}")]
+    Io {
+        /// What was being done (`reading`, `writing`, `renaming`, …).
+        op: String,
+        /// The file involved.
+        path: String,
+        /// The operating system's message.
+        reason: String,
+    },
+
+    /// The file is a legacy (pre-1.6, `_use_new_zipfile_serialization=False`) `torch.save` file.
+    #[error("`{file}` is a legacy torch.save file (saved with _use_new_zipfile_serialization=False); re-save it with a current PyTorch: torch.save(torch.load(path), path)")]
+    LegacyTorchSave {
+        /// The file (or `<memory>`).
+        file: String,
+    },
+
+    /// The zip container of a `torch.save` file is malformed, truncated, or uses a feature
+    /// PyTorch never writes (compression, multi-disk archives).
+    #[error("malformed torch.save archive `{file}`{}: {reason} (at byte {offset})", entry_suffix(.entry))]
+    TorchSaveArchive {
+        /// The file (or `<memory>`).
+        file: String,
+        /// The zip entry involved, if any.
+        entry: Option<String>,
+        /// Byte offset in the file where the problem was found.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A zip entry that a `torch.save` file needs is absent.
+    #[error("torch.save archive `{file}` has no entry `{entry}`")]
+    MissingArchiveEntry {
+        /// The file (or `<memory>`).
+        file: String,
+        /// The missing entry's name.
+        entry: String,
+    },
+
+    /// The file stores tensors in an unsupported byte order (only `little` is read).
+    #[error("torch.save archive `{file}` has byte order `{byteorder}`; only little-endian files are supported")]
+    UnsupportedByteOrder {
+        /// The file (or `<memory>`).
+        file: String,
+        /// The content of the `byteorder` entry.
+        byteorder: String,
+    },
+
+    /// The pickle stream (`data.pkl`) is malformed: truncated, stack underflow, bad memo
+    /// index, wrong argument types for a known callable.
+    #[error("malformed pickle in `{file}` at byte {offset} (opcode {opcode}): {reason}")]
+    Pickle {
+        /// The file (or `<memory>`).
+        file: String,
+        /// Offset of the opcode in `data.pkl`.
+        offset: usize,
+        /// The opcode being executed, by pickle name.
+        opcode: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The pickle stream uses an opcode this reader does not implement.
+    #[error("unsupported pickle opcode {name} (0x{opcode:02x}) in `{file}` at byte {offset}")]
+    UnsupportedPickleOpcode {
+        /// The file (or `<memory>`).
+        file: String,
+        /// The opcode byte.
+        opcode: u8,
+        /// Its pickle name (`UNKNOWN` if it is not a pickle opcode at all).
+        name: String,
+        /// Offset of the opcode in `data.pkl`.
+        offset: usize,
+    },
+
+    /// The pickle stream refers to a Python global (class or function) outside the small set
+    /// that `torch.save` writes for state dicts.
+    #[error("unsupported Python global `{module}.{name}` in `{file}` at byte {offset}")]
+    UnsupportedPickleGlobal {
+        /// The file (or `<memory>`).
+        file: String,
+        /// Module, e.g. `torch`.
+        module: String,
+        /// Name, e.g. `ShortStorage`.
+        name: String,
+        /// Offset of the opcode in `data.pkl`.
+        offset: usize,
+    },
+
+    /// A tensor in the file does not fit its storage, or a storage entry has the wrong size.
+    #[error("invalid tensor storage `{storage}` in `{file}`: {reason}")]
+    TensorStorage {
+        /// The file (or `<memory>`).
+        file: String,
+        /// The storage key (the `data/<key>` entry).
+        storage: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A Python object read from (or to be written to) a file does not have the structure
+    /// that a state dict needs.
+    #[error("unexpected object at {path}: expected {expected}, found {found}")]
+    UnexpectedObject {
+        /// Where in the object (e.g. `state[3]['exp_avg']`).
+        path: String,
+        /// What was needed.
+        expected: String,
+        /// What was there.
+        found: String,
+    },
+
     /// A feature exists in PyTorch but is not supported here.
     #[error("unsupported: {0}")]
     Unsupported(String),
+}
+
+fn entry_suffix(entry: &Option<String>) -> String {
+    entry
+        .as_ref()
+        .map(|e| format!(", entry `{e}`"))
+        .unwrap_or_default()
 }
 
 fn format_missing(missing: &[(usize, Vec<Vec<String>>)]) -> String {

@@ -4,6 +4,7 @@
 pub mod collectives;
 pub mod error;
 pub mod flat_param;
+pub mod io;
 pub mod model;
 pub mod optim;
 pub mod optim_state;

@@ -250,6 +250,21 @@ impl HostTensor {
             && self.as_bytes() == other.as_bytes()
     }
 
+    /// Identity of the buffer this tensor views: equal for tensors that share storage.
+    pub(crate) fn storage_id(&self) -> usize {
+        Arc::as_ptr(&self.storage) as usize
+    }
+
+    /// Every byte of the buffer this tensor views (the whole storage, not just the view).
+    pub(crate) fn storage_bytes(&self) -> &[u8] {
+        self.storage.bytes()
+    }
+
+    /// Offset of this view's first element in its storage, in bytes.
+    pub(crate) fn storage_byte_offset(&self) -> usize {
+        self.offset
+    }
+
     /// Whether two tensors share storage (one is a view of the other's buffer).
     pub fn shares_storage_with(&self, other: &HostTensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage)

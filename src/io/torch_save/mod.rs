@@ -1,0 +1,257 @@
+//! PyTorch's `torch.save` format, read and written without libtorch.
+//!
+//! A `torch.save` file is a zip archive `<name>/data.pkl` (a pickle stream) plus one entry
+//! `<name>/data/<key>` per tensor storage, and a few small records (`version`, `byteorder`,
+//! `.format_version`, `.storage_alignment`, `.data/serialization_id`). This module reads such
+//! files into a [`PyObj`] tree and writes [`PyObj`] trees so that PyTorch 2.13 loads them with
+//! `torch.load(path, weights_only=True)`; on top of that it converts optimizer and model state
+//! dicts.
+//!
+//! What is read: the containers and scalars of state dicts (`dict`, `OrderedDict`, `list`,
+//! `tuple`, `str`, `int` of any size, `float`, `bool`, `None`, `bytes`, `torch.Size`) and
+//! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool, whatever device they were
+//! saved from. Like `weights_only=True`, nothing is executed and any other Python global is
+//! refused with [`Error::UnsupportedPickleGlobal`]. Contiguous tensors are zero-copy views of
+//! their storage, so tensors that shared a storage when saved share one buffer when loaded;
+//! non-contiguous ones (a transposed tensor) are copied into contiguous memory. Malformed
+//! input of any kind gives an error, never a panic.
+//!
+//! What is written: the same records, in PyTorch's order, uncompressed, each entry's data
+//! aligned to 64 bytes; tensors viewing one buffer share one storage. [`save`] writes to a
+//! temporary file beside the target, syncs it and renames it over the target, so a crash never
+//! leaves a partial file under the target's name.
+//!
+//! ```
+//! use fsdp::io::torch_save::{self, PyObj};
+//! use fsdp::HostTensor;
+//!
+//! let obj = PyObj::Dict(vec![
+//!     (PyObj::Str("step".into()), PyObj::Tensor(HostTensor::scalar(3.0f32))),
+//!     (PyObj::Str("betas".into()), PyObj::Tuple(vec![PyObj::Float(0.9), PyObj::Float(0.999)])),
+//! ]);
+//! let bytes = torch_save::save_to_bytes(&obj).unwrap();
+//! assert_eq!(torch_save::load_from_bytes(&bytes).unwrap(), obj);
+//! ```
+
+mod convert;
+mod pickle;
+mod pyobj;
+mod writer;
+mod zip;
+
+pub use convert::{
+    model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, ModelStateDict,
+};
+pub use pyobj::PyObj;
+
+use crate::error::{Error, Result};
+use crate::optim_state::OptimStateDict;
+use crate::tensor::{DType, HostTensor};
+use std::fs::{File, OpenOptions};
+use std::io::BufWriter;
+use std::path::Path;
+use zip::{FileSource, Source, ZipReader};
+
+/// Name used for in-memory archives in error messages.
+const MEMORY: &str = "<memory>";
+
+/// Reads the object saved in the `torch.save` file at `path`.
+///
+/// Tensor data is read straight from the file into its buffers; the file is not held in
+/// memory as a whole.
+pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
+    let path = path.as_ref();
+    let name = path.display().to_string();
+    let io = |e: std::io::Error| Error::Io {
+        op: "reading".into(),
+        path: name.clone(),
+        reason: e.to_string(),
+    };
+    let file = File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    read_archive(&name, FileSource { file, len })
+}
+
+/// Reads the object saved in a `torch.save` archive held in memory.
+pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
+    read_archive(MEMORY, zip::SliceSource(bytes))
+}
+
+/// Writes `obj` to `path` as `torch.save(obj, path)` would, atomically.
+///
+/// The archive folder inside the zip is the file's stem (`model` for `model.pt`), as PyTorch
+/// names it.
+pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let archive = path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .filter(|s| !s.is_empty())
+        .unwrap_or("archive")
+        .to_string();
+    let name = path.display().to_string();
+    write_atomic(path, |w| writer::write(obj, &archive, &name, w))
+}
+
+/// Serializes `obj` as a `torch.save` archive in memory (archive folder `archive`).
+pub fn save_to_bytes(obj: &PyObj) -> Result<Vec<u8>> {
+    writer::write(obj, "archive", MEMORY, Vec::new())
+}
+
+/// Reads an optimizer state dict (`torch.save(optimizer.state_dict(), path)`); see
+/// [`optim_from_pyobj`] for what is accepted.
+pub fn load_optim_state_dict(path: impl AsRef<Path>) -> Result<OptimStateDict> {
+    optim_from_pyobj(load(path)?)
+}
+
+/// Writes an optimizer state dict so that `torch.load(path, weights_only=True)` returns what
+/// `optimizer.state_dict()` would; see [`optim_to_pyobj`].
+pub fn save_optim_state_dict(osd: &OptimStateDict, path: impl AsRef<Path>) -> Result<()> {
+    save(&optim_to_pyobj(osd)?, path)
+}
+
+/// Reads a model state dict (`torch.save(module.state_dict(), path)`); see
+/// [`model_from_pyobj`].
+pub fn load_model_state_dict(path: impl AsRef<Path>) -> Result<ModelStateDict> {
+    model_from_pyobj(load(path)?)
+}
+
+/// Writes a model state dict as the `OrderedDict` `module.state_dict()` returns.
+pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Result<()> {
+    save(&model_to_pyobj(msd), path)
+}
+
+fn read_archive<S: Source>(file: &str, src: S) -> Result<PyObj> {
+    let mut zip = ZipReader::new(file, src)?;
+    // PyTorch names the archive folder after the first entry's.
+    let prefix = match zip.entries().first() {
+        Some(e) => match e.name.find('/') {
+            Some(i) => e.name[..=i].to_string(),
+            None => {
+                return Err(Error::TorchSaveArchive {
+                    file: file.to_string(),
+                    entry: Some(e.name.clone()),
+                    offset: 0,
+                    reason: "entries are not inside an archive folder".into(),
+                })
+            }
+        },
+        None => {
+            return Err(Error::MissingArchiveEntry {
+                file: file.to_string(),
+                entry: "<archive>/data.pkl".into(),
+            })
+        }
+    };
+    if let Some(order) = zip.read_entry(&format!("{prefix}byteorder"))? {
+        if order != b"little" {
+            return Err(Error::UnsupportedByteOrder {
+                file: file.to_string(),
+                byteorder: String::from_utf8_lossy(&order).into_owned(),
+            });
+        }
+    }
+    let pkl_name = format!("{prefix}data.pkl");
+    let pkl = zip
+        .read_entry(&pkl_name)?
+        .ok_or_else(|| Error::MissingArchiveEntry {
+            file: file.to_string(),
+            entry: pkl_name.clone(),
+        })?;
+    let mut load_storage = |key: &str, dtype: DType, numel: usize| -> Result<HostTensor> {
+        let name = format!("{prefix}data/{key}");
+        let entry = zip
+            .entry(&name)
+            .cloned()
+            .ok_or_else(|| Error::MissingArchiveEntry {
+                file: zip.file().to_string(),
+                entry: name.clone(),
+            })?;
+        let storage_err = |reason: String| Error::TensorStorage {
+            file: file.to_string(),
+            storage: key.to_string(),
+            reason,
+        };
+        let nbytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| storage_err(format!("{numel} elements of {dtype} overflow")))?;
+        if entry.size != nbytes as u64 {
+            return Err(storage_err(format!(
+                "declared as {numel} elements of {dtype} ({nbytes} bytes) but entry `{name}` holds {} bytes",
+                entry.size
+            )));
+        }
+        if entry.size > zip.source_len() {
+            return Err(storage_err(format!(
+                "entry `{name}` is larger than the file"
+            )));
+        }
+        let mut t = HostTensor::zeros(dtype, &[numel]);
+        zip.read_entry_into(&entry, t.bytes_mut())?;
+        Ok(t)
+    };
+    pickle::unpickle(file, &pkl, &mut load_storage)
+}
+
+/// Writes a file through `write` into a temporary file beside `path`, syncs it, and renames it
+/// to `path`; the temporary file is removed on failure.
+fn write_atomic(
+    path: &Path,
+    write: impl FnOnce(BufWriter<File>) -> Result<BufWriter<File>>,
+) -> Result<()> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let target = path.display().to_string();
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| Error::Io {
+            op: "writing".into(),
+            path: target.clone(),
+            reason: "the path has no file name".into(),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let tmp = dir.join(format!(
+        ".{file_name}.{}.{}.tmp",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let io = |op: &str, p: &Path| {
+        let p = p.display().to_string();
+        let op = op.to_string();
+        move |e: std::io::Error| Error::Io {
+            op,
+            path: p,
+            reason: e.to_string(),
+        }
+    };
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(io("creating", &tmp))?;
+    let result = (|| {
+        let w = write(BufWriter::with_capacity(1 << 20, file))?;
+        let file = w
+            .into_inner()
+            .map_err(|e| io("writing", &tmp)(e.into_error()))?;
+        file.sync_all().map_err(io("syncing", &tmp))?;
+        drop(file);
+        std::fs::rename(&tmp, path).map_err(io("renaming into place", path))?;
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        return result;
+    }
+    // Make the rename itself durable (directories cannot be opened for syncing everywhere).
+    #[cfg(unix)]
+    if let Ok(d) = File::open(&dir) {
+        d.sync_all().map_err(io("syncing directory", &dir))?;
+    }
+    Ok(())
+}

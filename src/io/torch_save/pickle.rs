@@ -1,0 +1,1018 @@
+//! A pickle virtual machine for the streams `torch.save` writes (protocol 2, plus the
+//! protocol 3–5 opcodes Python's pickler emits for the same values).
+//!
+//! It resolves only a fixed set of globals (`collections.OrderedDict`,
+//! `torch._utils._rebuild_tensor_v2`, `torch.*Storage`, …) and never executes anything, like
+//! `torch.load(weights_only=True)`. Containers live in an arena and are referenced by index,
+//! so shared references and even cycles are represented faithfully, nothing is dropped
+//! recursively, and the final conversion to [`PyObj`] bounds depth and size. Every read,
+//! index and size is checked: malformed input gives an [`Error`], never a panic.
+
+use super::pyobj::PyObj;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, HostTensor};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// Deepest nesting of containers accepted in the result.
+pub(crate) const MAX_DEPTH: usize = 200;
+
+/// Materializing a non-contiguous tensor may produce at most this many bytes more than its
+/// storage holds (overlapping strides, e.g. an expanded tensor).
+const MAX_EXPANSION_BYTES: usize = 64 << 20;
+
+/// Loads the storage `key` of `numel` elements of `dtype` (the `data/<key>` entry).
+pub(crate) type StorageLoader<'a> = dyn FnMut(&str, DType, usize) -> Result<HostTensor> + 'a;
+
+/// The callables and classes a stream may name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Global {
+    OrderedDict,
+    RebuildTensorV2,
+    RebuildParameter,
+    Storage(DType),
+    CodecsEncode,
+    Bytes,
+    TorchSize,
+}
+
+/// A value on the VM's stack or in its memo.
+#[derive(Debug, Clone)]
+enum V {
+    None,
+    Bool(bool),
+    Int(i64),
+    BigInt(Rc<[u8]>),
+    Float(f64),
+    Str(Rc<str>),
+    Bytes(Rc<[u8]>),
+    Tensor(HostTensor),
+    /// A container in the arena.
+    Obj(usize),
+    Global(Global),
+    Storage(Rc<str>, HostTensor),
+}
+
+/// Hashable identity of a dict key, for Python's replace-on-equal-key semantics.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    None,
+    Int(i64),
+    Float(u64),
+    Str(Rc<str>),
+    Bytes(Rc<[u8]>),
+}
+
+#[derive(Debug, Default)]
+struct DictObj {
+    items: Vec<(V, V)>,
+    index: HashMap<Key, usize>,
+}
+
+impl DictObj {
+    fn insert(&mut self, k: V, v: V) {
+        let key = match &k {
+            V::None => Some(Key::None),
+            V::Bool(b) => Some(Key::Int(i64::from(*b))),
+            V::Int(i) => Some(Key::Int(*i)),
+            V::Float(x) => Some(Key::Float(x.to_bits())),
+            V::Str(s) => Some(Key::Str(s.clone())),
+            V::Bytes(b) => Some(Key::Bytes(b.clone())),
+            _ => None,
+        };
+        match key {
+            Some(key) => match self.index.get(&key) {
+                Some(&i) => self.items[i].1 = v,
+                None => {
+                    self.index.insert(key, self.items.len());
+                    self.items.push((k, v));
+                }
+            },
+            None => self.items.push((k, v)),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Obj {
+    Tuple(Vec<V>),
+    List(Vec<V>),
+    Dict(DictObj),
+    OrderedDict(DictObj, Vec<(String, V)>),
+}
+
+fn opcode_name(op: u8) -> &'static str {
+    match op {
+        b'(' => "MARK",
+        b'.' => "STOP",
+        b'0' => "POP",
+        b'1' => "POP_MARK",
+        b'2' => "DUP",
+        b'F' => "FLOAT",
+        b'I' => "INT",
+        b'J' => "BININT",
+        b'K' => "BININT1",
+        b'L' => "LONG",
+        b'M' => "BININT2",
+        b'N' => "NONE",
+        b'P' => "PERSID",
+        b'Q' => "BINPERSID",
+        b'R' => "REDUCE",
+        b'S' => "STRING",
+        b'T' => "BINSTRING",
+        b'U' => "SHORT_BINSTRING",
+        b'V' => "UNICODE",
+        b'X' => "BINUNICODE",
+        b'a' => "APPEND",
+        b'b' => "BUILD",
+        b'c' => "GLOBAL",
+        b'd' => "DICT",
+        b'}' => "EMPTY_DICT",
+        b'e' => "APPENDS",
+        b'g' => "GET",
+        b'h' => "BINGET",
+        b'i' => "INST",
+        b'j' => "LONG_BINGET",
+        b'l' => "LIST",
+        b']' => "EMPTY_LIST",
+        b'o' => "OBJ",
+        b'p' => "PUT",
+        b'q' => "BINPUT",
+        b'r' => "LONG_BINPUT",
+        b's' => "SETITEM",
+        b't' => "TUPLE",
+        b')' => "EMPTY_TUPLE",
+        b'u' => "SETITEMS",
+        b'G' => "BINFLOAT",
+        0x80 => "PROTO",
+        0x81 => "NEWOBJ",
+        0x82 => "EXT1",
+        0x83 => "EXT2",
+        0x84 => "EXT4",
+        0x85 => "TUPLE1",
+        0x86 => "TUPLE2",
+        0x87 => "TUPLE3",
+        0x88 => "NEWTRUE",
+        0x89 => "NEWFALSE",
+        0x8a => "LONG1",
+        0x8b => "LONG4",
+        b'B' => "BINBYTES",
+        b'C' => "SHORT_BINBYTES",
+        0x8c => "SHORT_BINUNICODE",
+        0x8d => "BINUNICODE8",
+        0x8e => "BINBYTES8",
+        0x8f => "EMPTY_SET",
+        0x90 => "ADDITEMS",
+        0x91 => "FROZENSET",
+        0x92 => "NEWOBJ_EX",
+        0x93 => "STACK_GLOBAL",
+        0x94 => "MEMOIZE",
+        0x95 => "FRAME",
+        0x96 => "BYTEARRAY8",
+        0x97 => "NEXT_BUFFER",
+        0x98 => "READONLY_BUFFER",
+        _ => "UNKNOWN",
+    }
+}
+
+/// Contiguous (row-major) strides of `shape`.
+pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1usize; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
+    }
+    strides
+}
+
+/// Runs the stream `data` and returns the object it builds.
+pub(crate) fn unpickle(file: &str, data: &[u8], load: &mut StorageLoader<'_>) -> Result<PyObj> {
+    let mut vm = Vm {
+        file,
+        data,
+        pos: 0,
+        op_pos: 0,
+        op: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: HashMap::new(),
+        arena: Vec::new(),
+        storages: HashMap::new(),
+        load,
+    };
+    let result = vm.run()?;
+    // A legitimate stream has at most one node per opcode, so a result that expands shared
+    // references to far more nodes than that is an attack (or a cycle).
+    let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
+    vm.to_pyobj(&result, 0, &mut budget)
+}
+
+struct Vm<'a, 'l> {
+    file: &'a str,
+    data: &'a [u8],
+    pos: usize,
+    op_pos: usize,
+    op: u8,
+    stack: Vec<V>,
+    marks: Vec<usize>,
+    memo: HashMap<u32, V>,
+    arena: Vec<Obj>,
+    storages: HashMap<Rc<str>, HostTensor>,
+    load: &'l mut StorageLoader<'a>,
+}
+
+impl Vm<'_, '_> {
+    fn err(&self, reason: impl Into<String>) -> Error {
+        Error::Pickle {
+            file: self.file.to_string(),
+            offset: self.op_pos,
+            opcode: opcode_name(self.op).to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn storage_err(&self, key: &str, reason: impl Into<String>) -> Error {
+        Error::TensorStorage {
+            file: self.file.to_string(),
+            storage: key.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let left = self.data.len() - self.pos;
+        if n > left {
+            return Err(self.err(format!(
+                "truncated: needs {n} bytes, {left} left in data.pkl"
+            )));
+        }
+        let s = &self.data[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn take_arr<const N: usize>(&mut self) -> Result<[u8; N]> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn take_len(&mut self, width: usize) -> Result<usize> {
+        let n = match width {
+            1 => u64::from(self.take_arr::<1>()?[0]),
+            4 => u64::from(u32::from_le_bytes(self.take_arr()?)),
+            _ => u64::from_le_bytes(self.take_arr()?),
+        };
+        usize::try_from(n).map_err(|_| self.err(format!("length {n} too large")))
+    }
+
+    fn line(&mut self) -> Result<String> {
+        let rest = &self.data[self.pos..];
+        let Some(n) = rest.iter().position(|&b| b == b'\n') else {
+            return Err(self.err("truncated: unterminated line"));
+        };
+        let s = std::str::from_utf8(&rest[..n])
+            .map_err(|_| self.err("global name is not UTF-8"))?
+            .to_string();
+        self.pos += n + 1;
+        Ok(s)
+    }
+
+    fn utf8(&mut self, n: usize) -> Result<V> {
+        let b = self.take(n)?;
+        match std::str::from_utf8(b) {
+            Ok(s) => Ok(V::Str(Rc::from(s))),
+            Err(e) => Err(self.err(format!("string is not valid UTF-8: {e}"))),
+        }
+    }
+
+    fn bytes(&mut self, n: usize) -> Result<V> {
+        Ok(V::Bytes(Rc::from(self.take(n)?)))
+    }
+
+    fn mark_base(&self) -> usize {
+        self.marks.last().copied().unwrap_or(0)
+    }
+
+    fn push(&mut self, v: V) {
+        self.stack.push(v);
+    }
+
+    fn pop(&mut self) -> Result<V> {
+        if self.stack.len() <= self.mark_base() {
+            return Err(self.err("stack underflow"));
+        }
+        Ok(self.stack.pop().expect("checked non-empty"))
+    }
+
+    fn pop_n(&mut self, n: usize) -> Result<Vec<V>> {
+        if self.stack.len() < self.mark_base() + n {
+            return Err(self.err("stack underflow"));
+        }
+        Ok(self.stack.split_off(self.stack.len() - n))
+    }
+
+    fn pop_mark(&mut self) -> Result<Vec<V>> {
+        let Some(m) = self.marks.pop() else {
+            return Err(self.err("no MARK on the stack"));
+        };
+        Ok(self.stack.split_off(m.min(self.stack.len())))
+    }
+
+    fn top(&self) -> Result<&V> {
+        if self.stack.len() <= self.mark_base() {
+            return Err(self.err("stack underflow"));
+        }
+        Ok(self.stack.last().expect("checked non-empty"))
+    }
+
+    fn alloc(&mut self, o: Obj) -> V {
+        self.arena.push(o);
+        V::Obj(self.arena.len() - 1)
+    }
+
+    fn put(&mut self, idx: u32) -> Result<()> {
+        let v = self.top()?.clone();
+        self.memo.insert(idx, v);
+        Ok(())
+    }
+
+    fn get(&mut self, idx: u32) -> Result<()> {
+        match self.memo.get(&idx) {
+            Some(v) => {
+                let v = v.clone();
+                self.push(v);
+                Ok(())
+            }
+            None => Err(self.err(format!("memo index {idx} was never stored"))),
+        }
+    }
+
+    /// The arena index of the container on top of the stack.
+    fn top_obj(&self) -> Result<usize> {
+        match self.top()? {
+            V::Obj(i) => Ok(*i),
+            other => Err(self.err(format!(
+                "expected a container on the stack, found {}",
+                self.kind(other)
+            ))),
+        }
+    }
+
+    fn kind(&self, v: &V) -> String {
+        match v {
+            V::None => "None".into(),
+            V::Bool(_) => "bool".into(),
+            V::Int(_) | V::BigInt(_) => "int".into(),
+            V::Float(_) => "float".into(),
+            V::Str(_) => "str".into(),
+            V::Bytes(_) => "bytes".into(),
+            V::Tensor(_) => "Tensor".into(),
+            V::Obj(i) => match self.arena.get(*i) {
+                Some(Obj::Tuple(_)) => "tuple".into(),
+                Some(Obj::List(_)) => "list".into(),
+                Some(Obj::Dict(_)) => "dict".into(),
+                Some(Obj::OrderedDict(..)) => "collections.OrderedDict".into(),
+                None => "?".into(),
+            },
+            V::Global(g) => format!("global {g:?}"),
+            V::Storage(k, _) => format!("storage {k:?}"),
+        }
+    }
+
+    fn append(&mut self, items: Vec<V>) -> Result<()> {
+        let i = self.top_obj()?;
+        match &mut self.arena[i] {
+            Obj::List(l) => {
+                l.extend(items);
+                Ok(())
+            }
+            _ => Err(self.err(format!("APPEND(S) to a {}", self.kind(&V::Obj(i))))),
+        }
+    }
+
+    fn set_items(&mut self, items: Vec<V>) -> Result<()> {
+        if items.len() % 2 != 0 {
+            return Err(self.err("odd number of items for SETITEMS"));
+        }
+        let i = self.top_obj()?;
+        match &mut self.arena[i] {
+            Obj::Dict(d) | Obj::OrderedDict(d, _) => {
+                let mut it = items.into_iter();
+                while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                    d.insert(k, v);
+                }
+                Ok(())
+            }
+            _ => Err(self.err(format!("SETITEM(S) on a {}", self.kind(&V::Obj(i))))),
+        }
+    }
+
+    fn run(&mut self) -> Result<V> {
+        loop {
+            self.op_pos = self.pos;
+            let Some(&op) = self.data.get(self.pos) else {
+                self.op = 0;
+                return Err(self.err("truncated: the stream ends without STOP"));
+            };
+            self.op = op;
+            self.pos += 1;
+            match op {
+                0x80 => {
+                    let p = self.take_arr::<1>()?[0];
+                    if p > 5 {
+                        return Err(self.err(format!("unsupported pickle protocol {p}")));
+                    }
+                }
+                0x95 => {
+                    self.take_arr::<8>()?;
+                }
+                b'.' => {
+                    let v = self.pop()?;
+                    return Ok(v);
+                }
+                b'(' => self.marks.push(self.stack.len()),
+                b'0' => {
+                    if self.stack.len() > self.mark_base() {
+                        self.stack.pop();
+                    } else if self.marks.pop().is_none() {
+                        return Err(self.err("stack underflow"));
+                    }
+                }
+                b'1' => {
+                    self.pop_mark()?;
+                }
+                b'2' => {
+                    let v = self.top()?.clone();
+                    self.push(v);
+                }
+                b'N' => self.push(V::None),
+                0x88 => self.push(V::Bool(true)),
+                0x89 => self.push(V::Bool(false)),
+                b'J' => {
+                    let v = i32::from_le_bytes(self.take_arr()?);
+                    self.push(V::Int(i64::from(v)));
+                }
+                b'K' => {
+                    let v = self.take_arr::<1>()?[0];
+                    self.push(V::Int(i64::from(v)));
+                }
+                b'M' => {
+                    let v = u16::from_le_bytes(self.take_arr()?);
+                    self.push(V::Int(i64::from(v)));
+                }
+                0x8a | 0x8b => {
+                    let n = if op == 0x8a {
+                        self.take_len(1)?
+                    } else {
+                        let n = i32::from_le_bytes(self.take_arr()?);
+                        usize::try_from(n).map_err(|_| self.err("negative LONG4 length"))?
+                    };
+                    let b = self.take(n)?;
+                    let v = decode_long(b);
+                    self.push(v);
+                }
+                b'G' => {
+                    let v = f64::from_be_bytes(self.take_arr()?);
+                    self.push(V::Float(v));
+                }
+                b'X' => {
+                    let n = self.take_len(4)?;
+                    let v = self.utf8(n)?;
+                    self.push(v);
+                }
+                0x8c => {
+                    let n = self.take_len(1)?;
+                    let v = self.utf8(n)?;
+                    self.push(v);
+                }
+                0x8d => {
+                    let n = self.take_len(8)?;
+                    let v = self.utf8(n)?;
+                    self.push(v);
+                }
+                b'B' | b'C' | 0x8e => {
+                    let n = match op {
+                        b'B' => self.take_len(4)?,
+                        b'C' => self.take_len(1)?,
+                        _ => self.take_len(8)?,
+                    };
+                    let v = self.bytes(n)?;
+                    self.push(v);
+                }
+                b')' => {
+                    let v = self.alloc(Obj::Tuple(Vec::new()));
+                    self.push(v);
+                }
+                b't' => {
+                    let items = self.pop_mark()?;
+                    let v = self.alloc(Obj::Tuple(items));
+                    self.push(v);
+                }
+                0x85..=0x87 => {
+                    let items = self.pop_n(usize::from(op - 0x84))?;
+                    let v = self.alloc(Obj::Tuple(items));
+                    self.push(v);
+                }
+                b']' => {
+                    let v = self.alloc(Obj::List(Vec::new()));
+                    self.push(v);
+                }
+                b'l' => {
+                    let items = self.pop_mark()?;
+                    let v = self.alloc(Obj::List(items));
+                    self.push(v);
+                }
+                b'}' => {
+                    let v = self.alloc(Obj::Dict(DictObj::default()));
+                    self.push(v);
+                }
+                b'd' => {
+                    let items = self.pop_mark()?;
+                    let v = self.alloc(Obj::Dict(DictObj::default()));
+                    self.push(v);
+                    self.set_items(items)?;
+                }
+                b'a' => {
+                    let v = self.pop()?;
+                    self.append(vec![v])?;
+                }
+                b'e' => {
+                    let items = self.pop_mark()?;
+                    self.append(items)?;
+                }
+                b's' => {
+                    let kv = self.pop_n(2)?;
+                    self.set_items(kv)?;
+                }
+                b'u' => {
+                    let items = self.pop_mark()?;
+                    self.set_items(items)?;
+                }
+                b'q' => {
+                    let i = self.take_arr::<1>()?[0];
+                    self.put(u32::from(i))?;
+                }
+                b'r' => {
+                    let i = u32::from_le_bytes(self.take_arr()?);
+                    self.put(i)?;
+                }
+                0x94 => {
+                    let i =
+                        u32::try_from(self.memo.len()).map_err(|_| self.err("memo too large"))?;
+                    self.put(i)?;
+                }
+                b'h' => {
+                    let i = self.take_arr::<1>()?[0];
+                    self.get(u32::from(i))?;
+                }
+                b'j' => {
+                    let i = u32::from_le_bytes(self.take_arr()?);
+                    self.get(i)?;
+                }
+                b'c' => {
+                    let module = self.line()?;
+                    let name = self.line()?;
+                    let g = self.resolve(&module, &name)?;
+                    self.push(V::Global(g));
+                }
+                0x93 => {
+                    let name = self.pop()?;
+                    let module = self.pop()?;
+                    let (V::Str(module), V::Str(name)) = (module, name) else {
+                        return Err(self.err("STACK_GLOBAL needs two strings"));
+                    };
+                    let g = self.resolve(&module, &name)?;
+                    self.push(V::Global(g));
+                }
+                b'R' => {
+                    let args = self.pop()?;
+                    let f = self.pop()?;
+                    let v = self.reduce(f, args)?;
+                    self.push(v);
+                }
+                0x81 => {
+                    let args = self.pop()?;
+                    let cls = self.pop()?;
+                    let v = match (&cls, self.tuple_items(&args)) {
+                        (V::Global(Global::OrderedDict), Some([])) => {
+                            self.alloc(Obj::OrderedDict(DictObj::default(), Vec::new()))
+                        }
+                        _ => {
+                            return Err(
+                                self.err(format!("NEWOBJ of {} is not supported", self.kind(&cls)))
+                            )
+                        }
+                    };
+                    self.push(v);
+                }
+                b'b' => {
+                    let state = self.pop()?;
+                    self.build(state)?;
+                }
+                b'Q' => {
+                    let pid = self.pop()?;
+                    let v = self.persistent_load(pid)?;
+                    self.push(v);
+                }
+                _ => {
+                    return Err(Error::UnsupportedPickleOpcode {
+                        file: self.file.to_string(),
+                        opcode: op,
+                        name: opcode_name(op).to_string(),
+                        offset: self.op_pos,
+                    })
+                }
+            }
+        }
+    }
+
+    fn resolve(&self, module: &str, name: &str) -> Result<Global> {
+        let g = match (module, name) {
+            ("collections", "OrderedDict") => Global::OrderedDict,
+            ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
+            ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
+            ("torch", "Size") => Global::TorchSize,
+            ("_codecs", "encode") => Global::CodecsEncode,
+            ("builtins" | "__builtin__", "bytes") => Global::Bytes,
+            ("torch", "FloatStorage") => Global::Storage(DType::F32),
+            ("torch", "DoubleStorage") => Global::Storage(DType::F64),
+            ("torch", "HalfStorage") => Global::Storage(DType::F16),
+            ("torch", "BFloat16Storage") => Global::Storage(DType::BF16),
+            ("torch", "LongStorage") => Global::Storage(DType::I64),
+            ("torch", "IntStorage") => Global::Storage(DType::I32),
+            ("torch", "ByteStorage") => Global::Storage(DType::U8),
+            ("torch", "BoolStorage") => Global::Storage(DType::Bool),
+            _ => {
+                return Err(Error::UnsupportedPickleGlobal {
+                    file: self.file.to_string(),
+                    module: module.to_string(),
+                    name: name.to_string(),
+                    offset: self.op_pos,
+                })
+            }
+        };
+        Ok(g)
+    }
+
+    fn tuple_items(&self, v: &V) -> Option<&[V]> {
+        match v {
+            V::Obj(i) => match self.arena.get(*i) {
+                Some(Obj::Tuple(items)) => Some(items),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    fn int_arg(&self, v: &V, what: &str) -> Result<usize> {
+        match v {
+            V::Int(i) => usize::try_from(*i)
+                .map_err(|_| self.err(format!("{what} must be a non-negative int, found {i}"))),
+            other => Err(self.err(format!("{what} must be an int, found {}", self.kind(other)))),
+        }
+    }
+
+    fn int_tuple(&self, v: &V, what: &str) -> Result<Vec<usize>> {
+        let Some(items) = self.tuple_items(v) else {
+            return Err(self.err(format!("{what} must be a tuple, found {}", self.kind(v))));
+        };
+        items.iter().map(|x| self.int_arg(x, what)).collect()
+    }
+
+    fn reduce(&mut self, f: V, args: V) -> Result<V> {
+        let Some(a) = self.tuple_items(&args) else {
+            return Err(self.err(format!(
+                "REDUCE arguments must be a tuple, found {}",
+                self.kind(&args)
+            )));
+        };
+        let a = a.to_vec();
+        let g = match f {
+            V::Global(g) => g,
+            other => return Err(self.err(format!("REDUCE of a {}", self.kind(&other)))),
+        };
+        match g {
+            Global::OrderedDict if a.is_empty() => {
+                Ok(self.alloc(Obj::OrderedDict(DictObj::default(), Vec::new())))
+            }
+            Global::OrderedDict => Err(self.err("collections.OrderedDict with arguments")),
+            Global::TorchSize => match a.as_slice() {
+                [t] if self.tuple_items(t).is_some() => {
+                    let items = self.int_tuple(t, "torch.Size")?;
+                    let items = items.into_iter().map(|x| V::Int(x as i64)).collect();
+                    Ok(self.alloc(Obj::Tuple(items)))
+                }
+                _ => Err(self.err("torch.Size needs one tuple argument")),
+            },
+            Global::Bytes if a.is_empty() => Ok(V::Bytes(Rc::from(&[][..]))),
+            Global::Bytes => Err(self.err("bytes() with arguments")),
+            Global::CodecsEncode => match a.as_slice() {
+                [V::Str(s), V::Str(enc)] if &**enc == "latin1" || &**enc == "latin-1" => {
+                    let mut out = Vec::with_capacity(s.len());
+                    for c in s.chars() {
+                        let b = u8::try_from(u32::from(c))
+                            .map_err(|_| self.err("_codecs.encode: character outside latin1"))?;
+                        out.push(b);
+                    }
+                    Ok(V::Bytes(Rc::from(out)))
+                }
+                _ => Err(self.err("_codecs.encode needs (str, 'latin1')")),
+            },
+            Global::RebuildParameter => match a.as_slice() {
+                [t @ V::Tensor(_), V::Bool(_), _] => Ok(t.clone()),
+                _ => Err(self
+                    .err("torch._utils._rebuild_parameter needs (tensor, requires_grad, hooks)")),
+            },
+            Global::RebuildTensorV2 => self.rebuild_tensor(&a),
+            Global::Storage(d) => Err(self.err(format!("calling torch storage class ({d})"))),
+        }
+    }
+
+    fn rebuild_tensor(&mut self, a: &[V]) -> Result<V> {
+        if a.len() != 6 && a.len() != 7 {
+            return Err(self.err(format!(
+                "torch._utils._rebuild_tensor_v2 takes 6 or 7 arguments, got {}",
+                a.len()
+            )));
+        }
+        let V::Storage(key, storage) = &a[0] else {
+            return Err(self.err(format!(
+                "_rebuild_tensor_v2: first argument must be a storage, found {}",
+                self.kind(&a[0])
+            )));
+        };
+        let offset = self.int_arg(&a[1], "storage_offset")?;
+        let size = self.int_tuple(&a[2], "size")?;
+        let stride = self.int_tuple(&a[3], "stride")?;
+        if !matches!(a[4], V::Bool(_)) {
+            return Err(self.err("_rebuild_tensor_v2: requires_grad must be a bool"));
+        }
+        match &a[5] {
+            V::Obj(i)
+                if matches!(
+                    self.arena.get(*i),
+                    Some(Obj::OrderedDict(..) | Obj::Dict(_))
+                ) => {}
+            other => {
+                return Err(self.err(format!(
+                    "_rebuild_tensor_v2: backward_hooks must be an OrderedDict, found {}",
+                    self.kind(other)
+                )))
+            }
+        }
+        if let Some(meta) = a.get(6) {
+            let empty = match meta {
+                V::None => true,
+                V::Obj(i) => {
+                    matches!(self.arena.get(*i), Some(Obj::Dict(d)) | Some(Obj::OrderedDict(d, _)) if d.items.is_empty())
+                }
+                _ => false,
+            };
+            if !empty {
+                return Err(self.err("_rebuild_tensor_v2: tensor metadata is not supported"));
+            }
+        }
+        if size.len() != stride.len() {
+            return Err(self.err(format!(
+                "_rebuild_tensor_v2: size {size:?} and stride {stride:?} differ in length"
+            )));
+        }
+        let t = self.view(key, storage, offset, &size, &stride)?;
+        Ok(V::Tensor(t))
+    }
+
+    /// The tensor `storage[offset]` with `size` and `stride`: a zero-copy view when
+    /// contiguous, else a contiguous copy.
+    fn view(
+        &self,
+        key: &str,
+        storage: &HostTensor,
+        offset: usize,
+        size: &[usize],
+        stride: &[usize],
+    ) -> Result<HostTensor> {
+        let dtype = storage.dtype();
+        let snumel = storage.numel();
+        if offset > snumel {
+            return Err(self.storage_err(
+                key,
+                format!("storage offset {offset} beyond its {snumel} elements"),
+            ));
+        }
+        if size.contains(&0) {
+            return Ok(HostTensor::zeros(dtype, size));
+        }
+        let too_big = || self.storage_err(key, format!("tensor size {size:?} overflows"));
+        let numel = size
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(too_big)?;
+        // Largest element index the view touches.
+        let mut last = offset;
+        for (&d, &s) in size.iter().zip(stride) {
+            last = (d - 1)
+                .checked_mul(s)
+                .and_then(|x| x.checked_add(last))
+                .ok_or_else(too_big)?;
+        }
+        if last >= snumel {
+            return Err(self.storage_err(
+                key,
+                format!(
+                    "tensor of size {size:?}, stride {stride:?} at offset {offset} reaches element {last}, but the storage has {snumel}"
+                ),
+            ));
+        }
+        let contiguous = size
+            .iter()
+            .zip(stride)
+            .zip(contiguous_strides(size))
+            .all(|((&d, &s), c)| d == 1 || s == c);
+        if contiguous {
+            return storage.narrow_flat(offset, numel)?.reshape(size);
+        }
+        let esize = dtype.size();
+        let nbytes = numel.checked_mul(esize).ok_or_else(too_big)?;
+        if nbytes > storage.nbytes().saturating_add(MAX_EXPANSION_BYTES) {
+            return Err(self.storage_err(
+                key,
+                format!("a tensor of size {size:?} with stride {stride:?} would expand its storage to {nbytes} bytes"),
+            ));
+        }
+        let src = storage.as_bytes();
+        let mut out = vec![0u8; nbytes];
+        let mut idx = vec![0usize; size.len()];
+        let mut at = offset;
+        for chunk in out.chunks_exact_mut(esize) {
+            chunk.copy_from_slice(&src[at * esize..(at + 1) * esize]);
+            // Odometer increment; `at` stays within `offset..=last`.
+            for d in (0..size.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < size[d] {
+                    at += stride[d];
+                    break;
+                }
+                at -= (size[d] - 1) * stride[d];
+                idx[d] = 0;
+            }
+        }
+        HostTensor::from_bytes(dtype, size, &out)
+    }
+
+    fn build(&mut self, state: V) -> Result<()> {
+        let i = self.top_obj()?;
+        if matches!(state, V::None) {
+            return Ok(());
+        }
+        let attrs: Vec<(String, V)> = match &state {
+            V::Obj(j) => match self.arena.get(*j) {
+                Some(Obj::Dict(d)) => {
+                    let mut out = Vec::new();
+                    for (k, v) in &d.items {
+                        let V::Str(k) = k else {
+                            return Err(self.err("BUILD state keys must be strings"));
+                        };
+                        out.push((k.to_string(), v.clone()));
+                    }
+                    out
+                }
+                _ => return Err(self.err(format!("BUILD with a {} state", self.kind(&state)))),
+            },
+            _ => return Err(self.err(format!("BUILD with a {} state", self.kind(&state)))),
+        };
+        let kind = self.kind(&V::Obj(i));
+        match &mut self.arena[i] {
+            Obj::OrderedDict(_, existing) => {
+                for (k, v) in attrs {
+                    match existing.iter_mut().find(|(n, _)| *n == k) {
+                        Some(slot) => slot.1 = v,
+                        None => existing.push((k, v)),
+                    }
+                }
+                Ok(())
+            }
+            _ => Err(self.err(format!("BUILD on a {kind}"))),
+        }
+    }
+
+    fn persistent_load(&mut self, pid: V) -> Result<V> {
+        let items = match self.tuple_items(&pid) {
+            Some(items) => items.to_vec(),
+            None => {
+                return Err(self.err(format!(
+                    "persistent id must be a tuple, found {}",
+                    self.kind(&pid)
+                )))
+            }
+        };
+        let [V::Str(tag), V::Global(Global::Storage(dtype)), V::Str(key), V::Str(_location), numel] =
+            items.as_slice()
+        else {
+            return Err(self
+                .err("persistent id must be ('storage', torch.<T>Storage, key, location, numel)"));
+        };
+        if &**tag != "storage" {
+            return Err(self.err(format!("persistent id tag {tag:?} is not 'storage'")));
+        }
+        let numel = self.int_arg(numel, "storage numel")?;
+        if let Some(t) = self.storages.get(key) {
+            if t.dtype() != *dtype {
+                return Err(
+                    self.storage_err(key, format!("viewed as both {} and {dtype}", t.dtype()))
+                );
+            }
+            if t.numel() != numel {
+                return Err(self.storage_err(
+                    key,
+                    format!("declared with {} and {numel} elements", t.numel()),
+                ));
+            }
+            return Ok(V::Storage(key.clone(), t.clone()));
+        }
+        let t = (self.load)(key, *dtype, numel)?;
+        self.storages.insert(key.clone(), t.clone());
+        Ok(V::Storage(key.clone(), t))
+    }
+
+    fn to_pyobj(&self, v: &V, depth: usize, budget: &mut usize) -> Result<PyObj> {
+        if depth > MAX_DEPTH {
+            return Err(self.err(format!(
+                "containers nested deeper than {MAX_DEPTH} levels (or a cyclic reference)"
+            )));
+        }
+        if *budget == 0 {
+            return Err(
+                self.err("the object graph expands to too many objects (shared references)")
+            );
+        }
+        *budget -= 1;
+        Ok(match v {
+            V::None => PyObj::None,
+            V::Bool(b) => PyObj::Bool(*b),
+            V::Int(i) => PyObj::Int(*i),
+            V::BigInt(b) => PyObj::BigInt(b.to_vec()),
+            V::Float(x) => PyObj::Float(*x),
+            V::Str(s) => PyObj::Str(s.to_string()),
+            V::Bytes(b) => PyObj::Bytes(b.to_vec()),
+            V::Tensor(t) => PyObj::Tensor(t.clone()),
+            V::Global(_) | V::Storage(..) => {
+                return Err(self.err(format!(
+                    "a bare {} in the result is not supported",
+                    self.kind(v)
+                )))
+            }
+            V::Obj(i) => {
+                let seq = |items: &[V], budget: &mut usize| -> Result<Vec<PyObj>> {
+                    items
+                        .iter()
+                        .map(|x| self.to_pyobj(x, depth + 1, budget))
+                        .collect()
+                };
+                let pairs = |d: &DictObj, budget: &mut usize| -> Result<Vec<(PyObj, PyObj)>> {
+                    d.items
+                        .iter()
+                        .map(|(k, v)| {
+                            Ok((
+                                self.to_pyobj(k, depth + 1, budget)?,
+                                self.to_pyobj(v, depth + 1, budget)?,
+                            ))
+                        })
+                        .collect()
+                };
+                match &self.arena[*i] {
+                    Obj::Tuple(items) => PyObj::Tuple(seq(items, budget)?),
+                    Obj::List(items) => PyObj::List(seq(items, budget)?),
+                    Obj::Dict(d) => PyObj::Dict(pairs(d, budget)?),
+                    Obj::OrderedDict(d, attrs) => PyObj::OrderedDict {
+                        items: pairs(d, budget)?,
+                        attrs: attrs
+                            .iter()
+                            .map(|(k, v)| Ok((k.clone(), self.to_pyobj(v, depth + 1, budget)?)))
+                            .collect::<Result<_>>()?,
+                    },
+                }
+            }
+        })
+    }
+}
+
+/// Decodes a little-endian two's-complement integer (pickle `LONG1`/`LONG4` payload).
+fn decode_long(b: &[u8]) -> V {
+    if b.is_empty() {
+        return V::Int(0);
+    }
+    let neg = b[b.len() - 1] & 0x80 != 0;
+    let fill = if neg { 0xff } else { 0 };
+    // Drop redundant sign bytes, then fit into i64 if possible.
+    let mut n = b.len();
+    while n > 1 && b[n - 1] == fill && (b[n - 2] & 0x80 != 0) == neg {
+        n -= 1;
+    }
+    if n <= 8 {
+        let mut a = [fill; 8];
+        a[..n].copy_from_slice(&b[..n]);
+        V::Int(i64::from_le_bytes(a))
+    } else {
+        V::BigInt(Rc::from(&b[..n]))
+    }
+}

@@ -1,0 +1,480 @@
+//! Writing [`PyObj`]s as `torch.save` archives: a protocol-2 pickler that emits what Python's
+//! pickler emits for the same values, and the archive records PyTorch 2.13 writes.
+
+use super::pickle::{contiguous_strides, MAX_DEPTH};
+use super::pyobj::{encode_long, PyObj};
+use super::zip::ZipWriter;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, HostTensor};
+use std::collections::HashMap;
+use std::io::Write;
+
+/// Python's pickler splits `APPENDS` and `SETITEMS` into batches of this many items.
+const BATCH: usize = 1000;
+
+fn storage_class(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "FloatStorage",
+        DType::F64 => "DoubleStorage",
+        DType::F16 => "HalfStorage",
+        DType::BF16 => "BFloat16Storage",
+        DType::I64 => "LongStorage",
+        DType::I32 => "IntStorage",
+        DType::U8 => "ByteStorage",
+        DType::Bool => "BoolStorage",
+    }
+}
+
+/// The bytes of one storage to write, as a range of a tensor's buffer.
+struct StorageOut<'a> {
+    /// A tensor whose buffer holds the bytes.
+    owner: &'a HostTensor,
+    dtype: DType,
+    /// Byte range of the buffer that is written.
+    start: usize,
+    end: usize,
+    /// Key (`data/<key>`) once the pickler has met the storage.
+    key: Option<usize>,
+}
+
+/// Which storage each tensor goes to.
+///
+/// Tensors that view one buffer share one storage, which covers the smallest byte range
+/// holding all of them, so bytes no tensor in the object references are not written. A buffer
+/// viewed with more than one dtype (which [`HostTensor`] never produces) is written once per
+/// tensor instead.
+struct StoragePlan<'a> {
+    storages: Vec<StorageOut<'a>>,
+    /// Buffer identity → storage index (shared buffers).
+    by_buffer: HashMap<usize, usize>,
+    /// Buffers whose tensors get one storage each.
+    split: std::collections::HashSet<usize>,
+    /// Keys handed out so far.
+    next_key: usize,
+}
+
+impl<'a> StoragePlan<'a> {
+    fn collect(obj: &'a PyObj, tensors: &mut Vec<&'a HostTensor>, depth: usize) -> Result<()> {
+        if depth > MAX_DEPTH {
+            return Err(Error::UnexpectedObject {
+                path: "<object>".into(),
+                expected: format!("containers nested at most {MAX_DEPTH} deep"),
+                found: "deeper nesting".into(),
+            });
+        }
+        match obj {
+            PyObj::Tensor(t) => tensors.push(t),
+            PyObj::Tuple(v) | PyObj::List(v) => {
+                for x in v {
+                    Self::collect(x, tensors, depth + 1)?;
+                }
+            }
+            PyObj::Dict(items) => {
+                for (k, v) in items {
+                    Self::collect(k, tensors, depth + 1)?;
+                    Self::collect(v, tensors, depth + 1)?;
+                }
+            }
+            PyObj::OrderedDict { items, attrs } => {
+                for (k, v) in items {
+                    Self::collect(k, tensors, depth + 1)?;
+                    Self::collect(v, tensors, depth + 1)?;
+                }
+                for (_, v) in attrs {
+                    Self::collect(v, tensors, depth + 1)?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn new(obj: &'a PyObj) -> Result<Self> {
+        let mut tensors = Vec::new();
+        Self::collect(obj, &mut tensors, 0)?;
+        let mut plan = StoragePlan {
+            storages: Vec::new(),
+            by_buffer: HashMap::new(),
+            split: Default::default(),
+            next_key: 0,
+        };
+        for t in tensors {
+            let id = t.storage_id();
+            let start = t.storage_byte_offset();
+            let end = start + t.nbytes();
+            match plan.by_buffer.get(&id) {
+                Some(&i) => {
+                    let s = &mut plan.storages[i];
+                    if s.dtype != t.dtype() || (start.abs_diff(s.start)) % t.dtype().size() != 0 {
+                        plan.split.insert(id);
+                    }
+                    s.start = s.start.min(start);
+                    s.end = s.end.max(end);
+                }
+                None => {
+                    plan.by_buffer.insert(id, plan.storages.len());
+                    plan.storages.push(StorageOut {
+                        owner: t,
+                        dtype: t.dtype(),
+                        start,
+                        end,
+                        key: None,
+                    });
+                }
+            }
+        }
+        Ok(plan)
+    }
+
+    /// The storage for `t`: (key, storage numel, element offset of `t` in it).
+    fn place(&mut self, t: &'a HostTensor) -> (usize, usize, usize) {
+        let id = t.storage_id();
+        let esize = t.dtype().size();
+        if self.split.contains(&id) {
+            let key = self.next_key;
+            self.next_key += 1;
+            // One storage per tensor, appended after the planned ones.
+            let start = t.storage_byte_offset();
+            self.storages.push(StorageOut {
+                owner: t,
+                dtype: t.dtype(),
+                start,
+                end: start + t.nbytes(),
+                key: Some(key),
+            });
+            return (key, t.numel(), 0);
+        }
+        let i = self.by_buffer[&id];
+        let s = &mut self.storages[i];
+        let key = match s.key {
+            Some(k) => k,
+            None => {
+                let k = self.next_key;
+                self.next_key += 1;
+                s.key = Some(k);
+                k
+            }
+        };
+        let offset = (t.storage_byte_offset() - s.start) / esize;
+        (key, (s.end - s.start) / esize, offset)
+    }
+
+    /// Storages to write, in key order.
+    fn in_key_order(&self) -> Vec<(usize, &[u8])> {
+        let mut out: Vec<(usize, &[u8])> = self
+            .storages
+            .iter()
+            .filter_map(|s| s.key.map(|k| (k, &s.owner.storage_bytes()[s.start..s.end])))
+            .collect();
+        out.sort_by_key(|(k, _)| *k);
+        out
+    }
+}
+
+/// A protocol-2 pickler.
+struct Pickler<'a> {
+    out: Vec<u8>,
+    next_memo: u32,
+    strings: HashMap<&'a str, u32>,
+    globals: HashMap<&'static str, u32>,
+    plan: StoragePlan<'a>,
+}
+
+impl<'a> Pickler<'a> {
+    fn memoize(&mut self) -> Option<u32> {
+        let i = self.next_memo;
+        if i < 256 {
+            self.out.extend_from_slice(&[b'q', i as u8]);
+        } else {
+            self.out.push(b'r');
+            self.out.extend_from_slice(&i.to_le_bytes());
+        }
+        self.next_memo = self.next_memo.checked_add(1)?;
+        Some(i)
+    }
+
+    fn get(&mut self, i: u32) {
+        if i < 256 {
+            self.out.extend_from_slice(&[b'h', i as u8]);
+        } else {
+            self.out.push(b'j');
+            self.out.extend_from_slice(&i.to_le_bytes());
+        }
+    }
+
+    fn global(&mut self, module: &'static str, name: &'static str, id: &'static str) {
+        if let Some(&i) = self.globals.get(id) {
+            self.get(i);
+            return;
+        }
+        self.out.push(b'c');
+        self.out.extend_from_slice(module.as_bytes());
+        self.out.push(b'\n');
+        self.out.extend_from_slice(name.as_bytes());
+        self.out.push(b'\n');
+        if let Some(i) = self.memoize() {
+            self.globals.insert(id, i);
+        }
+    }
+
+    fn str(&mut self, s: &'a str) {
+        if let Some(&i) = self.strings.get(s) {
+            self.get(i);
+            return;
+        }
+        self.out.push(b'X');
+        self.out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        self.out.extend_from_slice(s.as_bytes());
+        if let Some(i) = self.memoize() {
+            self.strings.insert(s, i);
+        }
+    }
+
+    fn int(&mut self, v: i64) {
+        if (0..256).contains(&v) {
+            self.out.extend_from_slice(&[b'K', v as u8]);
+        } else if (0..65536).contains(&v) {
+            self.out.push(b'M');
+            self.out.extend_from_slice(&(v as u16).to_le_bytes());
+        } else if let Ok(v) = i32::try_from(v) {
+            self.out.push(b'J');
+            self.out.extend_from_slice(&v.to_le_bytes());
+        } else {
+            self.long(&encode_long(i128::from(v)));
+        }
+    }
+
+    fn long(&mut self, b: &[u8]) {
+        if b.len() < 256 {
+            self.out.extend_from_slice(&[0x8a, b.len() as u8]);
+        } else {
+            self.out.push(0x8b);
+            self.out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+        }
+        self.out.extend_from_slice(b);
+    }
+
+    fn tuple_of<T>(
+        &mut self,
+        items: &'a [T],
+        mut f: impl FnMut(&mut Self, &'a T) -> Result<()>,
+    ) -> Result<()> {
+        match items.len() {
+            0 => self.out.push(b')'),
+            n @ 1..=3 => {
+                for x in items {
+                    f(self, x)?;
+                }
+                self.out.push(0x84 + n as u8);
+            }
+            _ => {
+                self.out.push(b'(');
+                for x in items {
+                    f(self, x)?;
+                }
+                self.out.push(b't');
+            }
+        }
+        self.memoize();
+        Ok(())
+    }
+
+    fn set_items<K, V>(
+        &mut self,
+        items: &'a [(K, V)],
+        mut f: impl FnMut(&mut Self, &'a K, &'a V) -> Result<()>,
+    ) -> Result<()> {
+        for batch in items.chunks(BATCH) {
+            if batch.len() > 1 {
+                self.out.push(b'(');
+            }
+            for (k, v) in batch {
+                f(self, k, v)?;
+            }
+            self.out.push(if batch.len() > 1 { b'u' } else { b's' });
+        }
+        Ok(())
+    }
+
+    fn tensor(&mut self, t: &'a HostTensor) -> Result<()> {
+        let (key, numel, offset) = self.plan.place(t);
+        self.global("torch._utils", "_rebuild_tensor_v2", "rebuild");
+        self.out.push(b'(');
+        // Persistent id: ('storage', torch.<T>Storage, key, 'cpu', numel).
+        self.out.push(b'(');
+        self.str("storage");
+        let class = storage_class(t.dtype());
+        self.global("torch", class, class);
+        let key_s = key.to_string();
+        self.out.push(b'X');
+        self.out
+            .extend_from_slice(&(key_s.len() as u32).to_le_bytes());
+        self.out.extend_from_slice(key_s.as_bytes());
+        self.memoize();
+        self.str("cpu");
+        self.int(numel as i64);
+        self.out.push(b't');
+        self.memoize();
+        self.out.push(b'Q');
+        self.int(offset as i64);
+        let shape = t.shape();
+        let strides = contiguous_strides(shape);
+        for dims in [shape, &strides[..]] {
+            match dims.len() {
+                0 => self.out.push(b')'),
+                n @ 1..=3 => {
+                    for &d in dims {
+                        self.int(d as i64);
+                    }
+                    self.out.push(0x84 + n as u8);
+                    self.memoize();
+                }
+                _ => {
+                    self.out.push(b'(');
+                    for &d in dims {
+                        self.int(d as i64);
+                    }
+                    self.out.push(b't');
+                    self.memoize();
+                }
+            }
+        }
+        self.out.push(0x89); // requires_grad=False
+        self.global("collections", "OrderedDict", "OrderedDict");
+        self.out.extend_from_slice(b")R");
+        self.memoize();
+        self.out.push(b't');
+        self.memoize();
+        self.out.push(b'R');
+        self.memoize();
+        Ok(())
+    }
+
+    fn obj(&mut self, o: &'a PyObj) -> Result<()> {
+        match o {
+            PyObj::None => self.out.push(b'N'),
+            PyObj::Bool(b) => self.out.push(if *b { 0x88 } else { 0x89 }),
+            PyObj::Int(i) => self.int(*i),
+            PyObj::BigInt(b) => self.long(b),
+            PyObj::Float(x) => {
+                self.out.push(b'G');
+                self.out.extend_from_slice(&x.to_be_bytes());
+            }
+            PyObj::Str(s) => self.str(s),
+            PyObj::Bytes(b) => {
+                // Protocol 2 has no bytes opcode: Python writes _codecs.encode(latin1, 'latin1').
+                self.global("_codecs", "encode", "encode");
+                let latin1: String = b.iter().map(|&c| char::from(c)).collect();
+                self.out.push(b'X');
+                self.out
+                    .extend_from_slice(&(latin1.len() as u32).to_le_bytes());
+                self.out.extend_from_slice(latin1.as_bytes());
+                self.memoize();
+                self.str("latin1");
+                self.out.extend_from_slice(&[0x86]);
+                self.memoize();
+                self.out.push(b'R');
+                self.memoize();
+            }
+            PyObj::Tuple(items) => self.tuple_of(items, |p, x| p.obj(x))?,
+            PyObj::List(items) => {
+                self.out.push(b']');
+                self.memoize();
+                for batch in items.chunks(BATCH) {
+                    if batch.len() > 1 {
+                        self.out.push(b'(');
+                    }
+                    for x in batch {
+                        self.obj(x)?;
+                    }
+                    self.out.push(if batch.len() > 1 { b'e' } else { b'a' });
+                }
+            }
+            PyObj::Dict(items) => {
+                self.out.push(b'}');
+                self.memoize();
+                self.set_items(items, |p, k, v| {
+                    p.obj(k)?;
+                    p.obj(v)
+                })?;
+            }
+            PyObj::OrderedDict { items, attrs } => {
+                self.global("collections", "OrderedDict", "OrderedDict");
+                self.out.extend_from_slice(b")R");
+                self.memoize();
+                self.set_items(items, |p, k, v| {
+                    p.obj(k)?;
+                    p.obj(v)
+                })?;
+                if !attrs.is_empty() {
+                    self.out.push(b'}');
+                    self.memoize();
+                    self.set_items(attrs, |p, k, v| {
+                        p.str(k);
+                        p.obj(v)
+                    })?;
+                    self.out.push(b'b');
+                }
+            }
+            PyObj::Tensor(t) => self.tensor(t)?,
+        }
+        Ok(())
+    }
+}
+
+/// Digits of the `.data/serialization_id` record: derived from the content, so that equal
+/// objects give byte-identical files.
+fn serialization_id(pickle: &[u8], storages: &[(usize, &[u8])]) -> String {
+    let mut h = 0xcbf2_9ce4_8422_2325u64; // FNV-1a over the pickle
+    for &b in pickle {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    let mut c = crc32fast::Hasher::new();
+    for (_, s) in storages {
+        c.update(s);
+    }
+    format!("{h:020}{:020}", u64::from(c.finalize()))
+}
+
+/// Writes `obj` as a `torch.save` archive named `archive` (the folder inside the zip) to `out`;
+/// `file` names the destination in error messages.
+pub(crate) fn write<W: Write>(obj: &PyObj, archive: &str, file: &str, out: W) -> Result<W> {
+    let plan = StoragePlan::new(obj)?;
+    let mut p = Pickler {
+        out: vec![0x80, 2],
+        next_memo: 0,
+        strings: HashMap::new(),
+        globals: HashMap::new(),
+        plan,
+    };
+    p.obj(obj)?;
+    p.out.push(b'.');
+    let storages = p.plan.in_key_order();
+    let io = |e: std::io::Error| Error::Io {
+        op: "writing".into(),
+        path: file.to_string(),
+        reason: e.to_string(),
+    };
+    let mut z = ZipWriter::new(out);
+    z.entry(&format!("{archive}/data.pkl"), &[&p.out])
+        .map_err(io)?;
+    z.entry(&format!("{archive}/.format_version"), &[b"1"])
+        .map_err(io)?;
+    z.entry(&format!("{archive}/.storage_alignment"), &[b"64"])
+        .map_err(io)?;
+    z.entry(&format!("{archive}/byteorder"), &[b"little"])
+        .map_err(io)?;
+    for (key, bytes) in &storages {
+        z.entry(&format!("{archive}/data/{key}"), &[bytes])
+            .map_err(io)?;
+    }
+    z.entry(&format!("{archive}/version"), &[b"3\n"])
+        .map_err(io)?;
+    let id = serialization_id(&p.out, &storages);
+    z.entry(
+        &format!("{archive}/.data/serialization_id"),
+        &[id.as_bytes()],
+    )
+    .map_err(io)?;
+    z.finish().map_err(io)
+}

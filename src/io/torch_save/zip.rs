@@ -1,0 +1,504 @@
+//! The stored-only zip container that `torch.save` writes, read and written by hand so that
+//! alignment, zip64 records and every bounds check stay under our control.
+//!
+//! Layout written (as PyTorch's `PyTorchStreamWriter` does): each entry is a local header with
+//! flags `0x0808` (data descriptor follows, UTF-8 name), zero sizes and CRC, an extra field
+//! `FB` padded with `Z` so that the data starts at a multiple of [`ALIGNMENT`], the data, and a
+//! data descriptor; then the central directory, a zip64 end-of-central-directory record and
+//! locator, and the classic end record.
+
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom, Write};
+
+/// Data entries start at multiples of this many bytes (PyTorch's default storage alignment).
+pub(crate) const ALIGNMENT: u64 = 64;
+
+const LOCAL_SIG: u32 = 0x0403_4b50;
+const CENTRAL_SIG: u32 = 0x0201_4b50;
+const DESCRIPTOR_SIG: u32 = 0x0807_4b50;
+const EOCD_SIG: u32 = 0x0605_4b50;
+const ZIP64_EOCD_SIG: u32 = 0x0606_4b50;
+const ZIP64_LOCATOR_SIG: u32 = 0x0706_4b50;
+const LOCAL_HEADER_LEN: u64 = 30;
+const CENTRAL_HEADER_LEN: usize = 46;
+const EOCD_LEN: usize = 22;
+const FLAGS: u16 = 0x0808;
+
+/// Random access to the bytes of an archive (a file or a buffer).
+pub(crate) trait Source {
+    /// Total length in bytes.
+    fn len(&self) -> u64;
+    /// Fills `buf` with the bytes at `offset`; the range has been checked against `len`.
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
+}
+
+/// An archive held in memory.
+pub(crate) struct SliceSource<'a>(pub(crate) &'a [u8]);
+
+impl Source for SliceSource<'_> {
+    fn len(&self) -> u64 {
+        self.0.len() as u64
+    }
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let start = usize::try_from(offset).map_err(std::io::Error::other)?;
+        let src = start
+            .checked_add(buf.len())
+            .and_then(|end| self.0.get(start..end))
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// An archive on disk.
+pub(crate) struct FileSource {
+    pub(crate) file: std::fs::File,
+    pub(crate) len: u64,
+}
+
+impl Source for FileSource {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.file.seek(SeekFrom::Start(offset))?;
+        self.file.read_exact(buf)
+    }
+}
+
+/// One stored entry: where its data lies and its checksum.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub(crate) name: String,
+    /// Offset of the local header.
+    header: u64,
+    /// Size of the data (stored, so compressed and uncompressed sizes agree).
+    pub(crate) size: u64,
+    crc: u32,
+}
+
+/// The central directory of an archive, and access to its entries' data.
+pub(crate) struct ZipReader<S> {
+    file: String,
+    src: S,
+    entries: Vec<Entry>,
+    by_name: HashMap<String, usize>,
+}
+
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+impl<S: Source> ZipReader<S> {
+    /// Parses the end records and the central directory.
+    pub(crate) fn new(file: &str, src: S) -> Result<Self> {
+        let len = src.len();
+        let mut r = ZipReader {
+            file: file.to_string(),
+            src,
+            entries: Vec::new(),
+            by_name: HashMap::new(),
+        };
+        // Legacy torch.save files are a pickle stream (protocol 2 starts with 0x80 0x02).
+        let mut magic = [0u8; 4];
+        let head = len.min(4) as usize;
+        r.read(0, &mut magic[..head], None)?;
+        if head >= 2 && magic[0] == 0x80 && magic[1] <= 5 {
+            return Err(Error::LegacyTorchSave { file: r.file });
+        }
+        if head < 4 || u32::from_le_bytes(magic) != LOCAL_SIG {
+            return Err(r.err(
+                None,
+                0,
+                format!("not a zip archive (starts with {magic:02x?})"),
+            ));
+        }
+        // The end record is in the last 22 + 65535 bytes.
+        let tail_len = len.min(EOCD_LEN as u64 + 0xffff);
+        let tail_start = len - tail_len;
+        let mut tail = vec![0u8; tail_len as usize];
+        r.read(tail_start, &mut tail, None)?;
+        let eocd = (0..=tail.len().saturating_sub(EOCD_LEN))
+            .rev()
+            .find(|&i| tail.len() >= EOCD_LEN && le32(&tail, i) == EOCD_SIG)
+            .ok_or_else(|| r.err(None, len, "no end-of-central-directory record".into()))?;
+        let eocd_pos = tail_start + eocd as u64;
+        let e = &tail[eocd..eocd + EOCD_LEN];
+        if le16(e, 4) != 0 || le16(e, 6) != 0 {
+            return Err(r.err(
+                None,
+                eocd_pos,
+                "multi-disk archives are not supported".into(),
+            ));
+        }
+        let mut count = u64::from(le16(e, 10));
+        let mut cd_size = u64::from(le32(e, 12));
+        let mut cd_offset = u64::from(le32(e, 16));
+        if count == 0xffff || cd_size == 0xffff_ffff || cd_offset == 0xffff_ffff {
+            // zip64: the locator sits just before the end record.
+            let loc_pos = eocd_pos
+                .checked_sub(20)
+                .ok_or_else(|| r.err(None, eocd_pos, "zip64 locator missing".into()))?;
+            let mut loc = [0u8; 20];
+            r.read(loc_pos, &mut loc, None)?;
+            if le32(&loc, 0) != ZIP64_LOCATOR_SIG {
+                return Err(r.err(None, loc_pos, "zip64 locator missing".into()));
+            }
+            let rec_pos = le64(&loc, 8);
+            let mut rec = [0u8; 56];
+            r.read(rec_pos, &mut rec, None)?;
+            if le32(&rec, 0) != ZIP64_EOCD_SIG {
+                return Err(r.err(
+                    None,
+                    rec_pos,
+                    "bad zip64 end-of-central-directory record".into(),
+                ));
+            }
+            count = le64(&rec, 32);
+            cd_size = le64(&rec, 40);
+            cd_offset = le64(&rec, 48);
+        }
+        let cd_end = cd_offset
+            .checked_add(cd_size)
+            .filter(|&end| end <= len)
+            .ok_or_else(|| {
+                r.err(None, cd_offset, format!("central directory ({cd_size} bytes) extends past the end of the file ({len} bytes)"))
+            })?;
+        let _ = cd_end;
+        // Every central entry takes at least 46 bytes, which bounds `count` by the file size.
+        if count > cd_size / CENTRAL_HEADER_LEN as u64 {
+            return Err(r.err(
+                None,
+                cd_offset,
+                format!("{count} entries cannot fit in a central directory of {cd_size} bytes"),
+            ));
+        }
+        let mut cd = vec![0u8; cd_size as usize];
+        r.read(cd_offset, &mut cd, None)?;
+        let mut at = 0usize;
+        for _ in 0..count {
+            let pos = cd_offset + at as u64;
+            let h = cd
+                .get(at..at + CENTRAL_HEADER_LEN)
+                .ok_or_else(|| r.err(None, pos, "truncated central directory".into()))?;
+            if le32(h, 0) != CENTRAL_SIG {
+                return Err(r.err(None, pos, "bad central directory signature".into()));
+            }
+            let method = le16(h, 10);
+            let crc = le32(h, 16);
+            let mut csize = u64::from(le32(h, 20));
+            let mut usize_ = u64::from(le32(h, 24));
+            let nlen = usize::from(le16(h, 28));
+            let elen = usize::from(le16(h, 30));
+            let clen = usize::from(le16(h, 32));
+            let mut header = u64::from(le32(h, 42));
+            let var = cd
+                .get(at + CENTRAL_HEADER_LEN..at + CENTRAL_HEADER_LEN + nlen + elen + clen)
+                .ok_or_else(|| r.err(None, pos, "truncated central directory".into()))?;
+            let name = std::str::from_utf8(&var[..nlen])
+                .map_err(|_| r.err(None, pos, "entry name is not UTF-8".into()))?
+                .to_string();
+            // zip64 extra field: the fields that are 0xffffffff, in this order.
+            let mut extra = &var[nlen..nlen + elen];
+            while extra.len() >= 4 {
+                let id = le16(extra, 0);
+                let n = usize::from(le16(extra, 2));
+                let body = extra
+                    .get(4..4 + n)
+                    .ok_or_else(|| r.err(Some(&name), pos, "truncated extra field".into()))?;
+                if id == 1 {
+                    let mut fields = body.chunks_exact(8).map(|c| le64(c, 0));
+                    let mut take = |v: &mut u64| -> Result<()> {
+                        if *v == 0xffff_ffff {
+                            *v = fields.next().ok_or_else(|| {
+                                r.err(Some(&name), pos, "short zip64 extra field".into())
+                            })?;
+                        }
+                        Ok(())
+                    };
+                    take(&mut usize_)?;
+                    take(&mut csize)?;
+                    take(&mut header)?;
+                }
+                extra = &extra[4 + n..];
+            }
+            if method != 0 {
+                return Err(r.err(
+                    Some(&name),
+                    pos,
+                    format!("compression method {method} (torch.save stores entries uncompressed)"),
+                ));
+            }
+            if csize != usize_ {
+                return Err(r.err(
+                    Some(&name),
+                    pos,
+                    format!("stored entry with compressed size {csize} != size {usize_}"),
+                ));
+            }
+            if r.by_name.contains_key(&name) {
+                return Err(r.err(Some(&name), pos, "duplicate entry".into()));
+            }
+            r.by_name.insert(name.clone(), r.entries.len());
+            r.entries.push(Entry {
+                name,
+                header,
+                size: usize_,
+                crc,
+            });
+            at += CENTRAL_HEADER_LEN + nlen + elen + clen;
+        }
+        Ok(r)
+    }
+
+    fn err(&self, entry: Option<&str>, offset: u64, reason: String) -> Error {
+        Error::TorchSaveArchive {
+            file: self.file.clone(),
+            entry: entry.map(str::to_string),
+            offset,
+            reason,
+        }
+    }
+
+    fn read(&mut self, offset: u64, buf: &mut [u8], entry: Option<&str>) -> Result<()> {
+        let len = self.src.len();
+        if offset
+            .checked_add(buf.len() as u64)
+            .is_none_or(|end| end > len)
+        {
+            return Err(self.err(
+                entry,
+                offset,
+                format!(
+                    "needs {} bytes but the file has {len} (truncated?)",
+                    buf.len()
+                ),
+            ));
+        }
+        self.src.read_at(offset, buf).map_err(|e| Error::Io {
+            op: "reading".into(),
+            path: self.file.clone(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// The entries in directory order.
+    pub(crate) fn entries(&self) -> &[Entry] {
+        &self.entries
+    }
+
+    /// The entry called `name`.
+    pub(crate) fn entry(&self, name: &str) -> Option<&Entry> {
+        self.by_name.get(name).map(|&i| &self.entries[i])
+    }
+
+    /// Reads an entry's data into `buf` (whose length must be the entry's size) and checks
+    /// its CRC-32.
+    pub(crate) fn read_entry_into(&mut self, entry: &Entry, buf: &mut [u8]) -> Result<()> {
+        let name = entry.name.as_str();
+        if buf.len() as u64 != entry.size {
+            return Err(self.err(Some(name), entry.header, "internal: buffer size".into()));
+        }
+        let mut h = [0u8; LOCAL_HEADER_LEN as usize];
+        self.read(entry.header, &mut h, Some(name))?;
+        if le32(&h, 0) != LOCAL_SIG {
+            return Err(self.err(
+                Some(name),
+                entry.header,
+                "bad local header signature".into(),
+            ));
+        }
+        let start =
+            entry.header + LOCAL_HEADER_LEN + u64::from(le16(&h, 26)) + u64::from(le16(&h, 28));
+        self.read(start, buf, Some(name))?;
+        let crc = crc32fast::hash(buf);
+        if crc != entry.crc {
+            return Err(self.err(
+                Some(name),
+                start,
+                format!(
+                    "CRC-32 mismatch: stored {:08x}, computed {crc:08x}",
+                    entry.crc
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads an entry's data.
+    pub(crate) fn read_entry(&mut self, name: &str) -> Result<Option<Vec<u8>>> {
+        let Some(entry) = self.entry(name).cloned() else {
+            return Ok(None);
+        };
+        if entry.size > self.src.len() {
+            return Err(self.err(
+                Some(name),
+                entry.header,
+                format!(
+                    "entry size {} exceeds the file size {}",
+                    entry.size,
+                    self.src.len()
+                ),
+            ));
+        }
+        let mut buf = vec![0u8; entry.size as usize];
+        self.read_entry_into(&entry, &mut buf)?;
+        Ok(Some(buf))
+    }
+
+    /// The file name used in error messages.
+    pub(crate) fn file(&self) -> &str {
+        &self.file
+    }
+
+    /// Total length of the archive in bytes.
+    pub(crate) fn source_len(&self) -> u64 {
+        self.src.len()
+    }
+}
+
+/// Writes a stored-only, aligned zip archive entry by entry.
+pub(crate) struct ZipWriter<W: Write> {
+    out: W,
+    pos: u64,
+    central: Vec<(String, u32, u64, u64)>,
+}
+
+impl<W: Write> ZipWriter<W> {
+    pub(crate) fn new(out: W) -> Self {
+        ZipWriter {
+            out,
+            pos: 0,
+            central: Vec::new(),
+        }
+    }
+
+    fn put(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.out.write_all(b)?;
+        self.pos += b.len() as u64;
+        Ok(())
+    }
+
+    /// Writes one entry whose data is the concatenation of `parts`.
+    pub(crate) fn entry(&mut self, name: &str, parts: &[&[u8]]) -> std::io::Result<()> {
+        let header = self.pos;
+        let nlen = name.len() as u64;
+        let unpadded = header + LOCAL_HEADER_LEN + nlen + 4;
+        let pad = (ALIGNMENT - unpadded % ALIGNMENT) % ALIGNMENT;
+        let mut h = Vec::with_capacity(64 + name.len());
+        h.extend_from_slice(&LOCAL_SIG.to_le_bytes());
+        h.extend_from_slice(&0u16.to_le_bytes()); // version needed
+        h.extend_from_slice(&FLAGS.to_le_bytes());
+        h.extend_from_slice(&[0u8; 18]); // method, time, date, crc, sizes (in the descriptor)
+        h.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        h.extend_from_slice(&((4 + pad) as u16).to_le_bytes());
+        h.extend_from_slice(name.as_bytes());
+        h.extend_from_slice(b"FB");
+        h.extend_from_slice(&(pad as u16).to_le_bytes());
+        h.resize(h.len() + pad as usize, b'Z');
+        self.put(&h)?;
+        let mut hasher = crc32fast::Hasher::new();
+        let mut size = 0u64;
+        for p in parts {
+            hasher.update(p);
+            self.put(p)?;
+            size += p.len() as u64;
+        }
+        let crc = hasher.finalize();
+        let mut d = Vec::with_capacity(24);
+        d.extend_from_slice(&DESCRIPTOR_SIG.to_le_bytes());
+        d.extend_from_slice(&crc.to_le_bytes());
+        if size >= 0xffff_ffff {
+            d.extend_from_slice(&size.to_le_bytes());
+            d.extend_from_slice(&size.to_le_bytes());
+        } else {
+            d.extend_from_slice(&(size as u32).to_le_bytes());
+            d.extend_from_slice(&(size as u32).to_le_bytes());
+        }
+        self.put(&d)?;
+        self.central.push((name.to_string(), crc, size, header));
+        Ok(())
+    }
+
+    /// Writes the central directory and end records; returns the writer.
+    pub(crate) fn finish(mut self) -> std::io::Result<W> {
+        let cd_offset = self.pos;
+        let central = std::mem::take(&mut self.central);
+        for (name, crc, size, header) in &central {
+            let mut zip64 = Vec::new();
+            let size32 = if *size >= 0xffff_ffff {
+                zip64.extend_from_slice(&size.to_le_bytes());
+                zip64.extend_from_slice(&size.to_le_bytes());
+                0xffff_ffff
+            } else {
+                *size as u32
+            };
+            let header32 = if *header >= 0xffff_ffff {
+                zip64.extend_from_slice(&header.to_le_bytes());
+                0xffff_ffff
+            } else {
+                *header as u32
+            };
+            let mut extra = Vec::new();
+            if !zip64.is_empty() {
+                extra.extend_from_slice(&1u16.to_le_bytes());
+                extra.extend_from_slice(&(zip64.len() as u16).to_le_bytes());
+                extra.extend_from_slice(&zip64);
+            }
+            let mut h = Vec::with_capacity(CENTRAL_HEADER_LEN + name.len() + extra.len());
+            h.extend_from_slice(&CENTRAL_SIG.to_le_bytes());
+            h.extend_from_slice(&0u16.to_le_bytes()); // made by
+            let needed: u16 = if extra.is_empty() { 0 } else { 45 };
+            h.extend_from_slice(&needed.to_le_bytes());
+            h.extend_from_slice(&FLAGS.to_le_bytes());
+            h.extend_from_slice(&[0u8; 6]); // method, time, date
+            h.extend_from_slice(&crc.to_le_bytes());
+            h.extend_from_slice(&size32.to_le_bytes());
+            h.extend_from_slice(&size32.to_le_bytes());
+            h.extend_from_slice(&(name.len() as u16).to_le_bytes());
+            h.extend_from_slice(&(extra.len() as u16).to_le_bytes());
+            h.extend_from_slice(&[0u8; 10]); // comment len, disk, attributes
+            h.extend_from_slice(&header32.to_le_bytes());
+            h.extend_from_slice(name.as_bytes());
+            h.extend_from_slice(&extra);
+            self.put(&h)?;
+        }
+        let cd_size = self.pos - cd_offset;
+        let n = central.len() as u64;
+        let rec_pos = self.pos;
+        let mut e = Vec::with_capacity(56 + 20 + 22);
+        e.extend_from_slice(&ZIP64_EOCD_SIG.to_le_bytes());
+        e.extend_from_slice(&44u64.to_le_bytes());
+        e.extend_from_slice(&0x031eu16.to_le_bytes());
+        e.extend_from_slice(&45u16.to_le_bytes());
+        e.extend_from_slice(&[0u8; 8]); // disk numbers
+        e.extend_from_slice(&n.to_le_bytes());
+        e.extend_from_slice(&n.to_le_bytes());
+        e.extend_from_slice(&cd_size.to_le_bytes());
+        e.extend_from_slice(&cd_offset.to_le_bytes());
+        e.extend_from_slice(&ZIP64_LOCATOR_SIG.to_le_bytes());
+        e.extend_from_slice(&0u32.to_le_bytes());
+        e.extend_from_slice(&rec_pos.to_le_bytes());
+        e.extend_from_slice(&1u32.to_le_bytes());
+        e.extend_from_slice(&EOCD_SIG.to_le_bytes());
+        e.extend_from_slice(&[0u8; 4]);
+        let n16 = n.min(0xffff) as u16;
+        e.extend_from_slice(&n16.to_le_bytes());
+        e.extend_from_slice(&n16.to_le_bytes());
+        e.extend_from_slice(&(cd_size.min(0xffff_ffff) as u32).to_le_bytes());
+        e.extend_from_slice(&(cd_offset.min(0xffff_ffff) as u32).to_le_bytes());
+        e.extend_from_slice(&0u16.to_le_bytes());
+        self.put(&e)?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+}
