@@ -18,6 +18,10 @@
 //! touched buffers with `copy_from_slice` on one thread; `memcpy_fresh` copies into a new
 //! allocation each time (first-touch page faults included), as a collective's output buffer is.
 //!
+//! Outputs are dropped at the end of each iteration, so from the second iteration on their
+//! buffers come from the crate's buffer cache (`fsdp::tensor::set_buffer_cache_limit`), as in a
+//! job that checkpoints repeatedly; `memcpy_fresh` shows what the first iteration pays.
+//!
 //! Ranks are threads that live across iterations (one [`Cluster`] per world size, commands
 //! over channels), so thread start-up is not timed; a timed iteration runs from sending the
 //! command to the last rank reporting done, and includes dropping each rank's result.

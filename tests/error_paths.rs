@@ -861,6 +861,33 @@ fn tensor_state_of_an_original_parameter_with_the_wrong_size_on_one_rank() {
     }
 }
 
+/// `consolidate` called directly with rank-0-only gathering but a non-zero rank asking to
+/// return the dict: that rank would get no tensors, so every rank refuses before any moves.
+#[test]
+fn rank0_only_consolidation_that_asks_rank_1_to_save() {
+    use fsdp::optim_state::consolidate::{consolidate, ConsolidateOptions};
+    let model = small_model();
+    let full = full_adam(&model, 3.0);
+    let errs = ThreadGroup::run_with_timeout(2, TIMEOUT, |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        let fsdp = Fsdp::new(&model, &small_policy(), pg.clone()).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        let opts = ConsolidateOptions {
+            shard_state: false,
+            to_save: true, // on every rank, but only rank 0 receives with rank0_only
+            rank0_only: true,
+        };
+        consolidate("test", fsdp.layout(), pg.as_ref(), &local, &params, opts).unwrap_err()
+    });
+    let err = same_on_every_rank(errs);
+    assert!(
+        matches!(err, Error::InvalidCollective { rank: 1, .. }),
+        "{err:?}"
+    );
+    assert_names(&err, &["rank0_only", "rank 0"]);
+}
+
 // ===== 3. the optimizer's parameters =====
 
 /// `shard_full_optim_state_dict` with the optimizer `params` (world size 1).
