@@ -1,8 +1,10 @@
 //! Flattening a full (unflattened, name-keyed) optimizer state dict into one rank's local
 //! dict for its optimizer (`_flatten_optim_state_dict` + `_rekey_sharded_optim_state_dict`).
 //!
-//! Pure: no communication. The full state is read through a [`FullStateSource`], so a
-//! dict in memory and a stream broadcast from rank 0 run the same code.
+//! Pure: no communication. Each parameter's part for a rank is cut by
+//! [`flat_param_state_for_rank`] / [`orig_param_state_for_rank`] and handed to the keying loop
+//! through a [`ShardSource`], so a dict in memory and a scatter from rank 0 (whose root cuts
+//! every rank's part with the same functions) run the same code.
 
 use super::keys::{OptimStateKey, Resolved};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
