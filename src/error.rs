@@ -339,6 +339,39 @@ pub enum Error {
         found: String,
     },
 
+    // ----- sharded checkpoints -----
+    /// A path is not a complete checkpoint of this crate's format: no commit marker, a
+    /// manifest that fails its checksum or does not parse, another format or version.
+    #[error("checkpoint `{dir}` is not usable: {reason}")]
+    CheckpointInvalid {
+        /// The checkpoint directory.
+        dir: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Stored bytes do not match the manifest: a truncated or replaced file, a failed checksum.
+    #[error("checkpoint file `{file}` (rank {rank}) is corrupt in `{tensor}`: {reason}")]
+    CheckpointCorrupt {
+        /// The data file.
+        file: String,
+        /// The rank that wrote it.
+        rank: usize,
+        /// The tensor state being read (`param/state`), or `(header)`.
+        tensor: String,
+        /// What failed.
+        reason: String,
+    },
+
+    /// A checkpoint does not fit the model it is loaded into.
+    #[error("checkpoint `{dir}` does not fit the model: {reason}")]
+    CheckpointMismatch {
+        /// The checkpoint directory.
+        dir: String,
+        /// What differs.
+        reason: String,
+    },
+
     /// A feature exists in PyTorch but is not supported here.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -328,6 +328,44 @@ impl Fsdp {
         self.scatter("scatter_full_optim_state_dict", full, params)
     }
 
+    /// Saves this rank's local optimizer state into the sharded checkpoint directory `dir`
+    /// ([`crate::io::checkpoint`]): each rank of the first shard group writes its own data
+    /// file, rank 0 writes the manifest and commits. Collective over the whole job. The
+    /// checkpoint loads at any world size and wrapping with [`Fsdp::load_optim_checkpoint`].
+    pub fn save_optim_checkpoint<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        dir: impl AsRef<std::path::Path>,
+        opts: &crate::io::checkpoint::SaveOptions,
+    ) -> Result<()> {
+        // Shard groups are contiguous blocks of world ranks: the first one writes.
+        let writer = self.world_pg.rank() < self.shard_pg.world_size();
+        crate::io::checkpoint::save(
+            &self.layout,
+            self.rank(),
+            writer,
+            self.world_pg.as_ref(),
+            osd,
+            params,
+            dir.as_ref(),
+            opts,
+        )
+    }
+
+    /// This rank's optimizer state dict from the checkpoint in `dir`, saved at any world size
+    /// and wrapping of the same model: what [`Fsdp::shard_full_optim_state_dict`] gives for the
+    /// checkpoint's full dict. Reads only the byte ranges of this rank's shards; no
+    /// communication.
+    pub fn load_optim_checkpoint<T: Tensor>(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        params: &OptimParams,
+        opts: &crate::io::checkpoint::LoadOptions,
+    ) -> Result<OptimStateDict<T>> {
+        crate::io::checkpoint::load(dir.as_ref(), &self.layout, self.rank(), params, opts)
+    }
+
     /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
     /// at this world size), this rank's flattened dict for its optimizer. Collective.
     pub fn flatten_sharded_optim_state_dict<T: Tensor>(

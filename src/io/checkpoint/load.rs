@@ -1,0 +1,604 @@
+//! Loading a sharded checkpoint into any layout: each rank reads only the byte ranges that
+//! overlap its shards, verifying the checksum blocks it touches.
+
+use super::manifest::{read_manifest, Manifest, ParamRecord, Piece, StoredValue, CHECKSUM_BLOCK};
+use crate::error::{Error, Result};
+use crate::flat_param::{FlatParamLayout, ModelLayout, Ownership, ShardPiece};
+use crate::optim_state::flatten::{flatten_from_source, ShardSource};
+use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+use crate::tensor::{DType, HostTensor, Tensor};
+use indexmap::IndexMap;
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// Options of [`load`].
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Check the CRC-32C of every block read (default `true`).
+    pub verify: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { verify: true }
+    }
+}
+
+/// Reads byte ranges of a checkpoint's data files.
+struct Reader<'m> {
+    dir: PathBuf,
+    manifest: &'m Manifest,
+    files: Vec<Option<File>>,
+    verify: bool,
+    scratch: Vec<u8>,
+}
+
+impl<'m> Reader<'m> {
+    fn new(dir: &Path, manifest: &'m Manifest, verify: bool) -> Self {
+        Reader {
+            dir: dir.to_path_buf(),
+            manifest,
+            files: (0..manifest.files.len()).map(|_| None).collect(),
+            verify,
+            scratch: Vec::new(),
+        }
+    }
+
+    fn corrupt(&self, file: usize, tensor: &str, reason: String) -> Error {
+        Error::CheckpointCorrupt {
+            file: self
+                .dir
+                .join(&self.manifest.files[file].name)
+                .display()
+                .to_string(),
+            rank: file,
+            tensor: tensor.to_string(),
+            reason,
+        }
+    }
+
+    /// Opens data file `i`, checking its length and header checksum once.
+    fn file(&mut self, i: usize, tensor: &str) -> Result<&File> {
+        if self.files[i].is_none() {
+            let rec = &self.manifest.files[i];
+            let path = self.dir.join(&rec.name);
+            let f = File::open(&path)
+                .map_err(|e| self.corrupt(i, tensor, format!("cannot open: {e}")))?;
+            let len = f
+                .metadata()
+                .map_err(|e| self.corrupt(i, tensor, format!("cannot stat: {e}")))?
+                .len();
+            if len != rec.len {
+                return Err(self.corrupt(
+                    i,
+                    tensor,
+                    format!(
+                        "the file has {len} bytes, the manifest says {} (truncated or replaced)",
+                        rec.len
+                    ),
+                ));
+            }
+            if self.verify {
+                let mut header = vec![0u8; usize::try_from(rec.header_len).unwrap_or(0)];
+                f.read_exact_at(&mut header, 0)
+                    .map_err(|e| self.corrupt(i, tensor, format!("cannot read the header: {e}")))?;
+                if crc32c::crc32c(&header) != rec.header_crc32c {
+                    return Err(self.corrupt(
+                        i,
+                        tensor,
+                        "the safetensors header fails its checksum".into(),
+                    ));
+                }
+            }
+            self.files[i] = Some(f);
+        }
+        Ok(self.files[i].as_ref().expect("opened above"))
+    }
+
+    /// Reads elements `[start, start + dst.len() / size)` of a tensor state stored as
+    /// `pieces` (of `size`-byte elements) into `dst`.
+    fn read_range(
+        &mut self,
+        tensor: &str,
+        pieces: &[Piece],
+        size: usize,
+        start: usize,
+        dst: &mut [u8],
+    ) -> Result<()> {
+        let end = start + dst.len() / size;
+        let first = pieces.partition_point(|p| p.start + p.len <= start);
+        let mut at = start;
+        for p in &pieces[first..] {
+            if at >= end {
+                break;
+            }
+            let (lo, hi) = (at.max(p.start), end.min(p.start + p.len));
+            if lo >= hi {
+                continue;
+            }
+            let out = &mut dst[(lo - start) * size..(hi - start) * size];
+            self.read_piece(tensor, p, p.len * size, (lo - p.start) * size, out)?;
+            at = hi;
+        }
+        if at != end {
+            return Err(self.corrupt(
+                pieces.first().map_or(0, |p| p.file),
+                tensor,
+                format!("elements {at}..{end} are in no piece"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads `out.len()` bytes of piece `p` (`piece_bytes` long) from its byte `byte_lo`; with
+    /// verification, whole checksum blocks are read and checked, and the wanted part copied.
+    fn read_piece(
+        &mut self,
+        tensor: &str,
+        p: &Piece,
+        piece_bytes: usize,
+        byte_lo: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let fi = p.file;
+        self.file(fi, tensor)?;
+        let f = self.files[fi].as_ref().expect("opened above");
+        let read_err = |what: String, e: std::io::Error| format!("cannot read {what}: {e}");
+        let result: std::result::Result<(), String> = if !self.verify {
+            let at = p.offset + byte_lo as u64;
+            f.read_exact_at(out, at)
+                .map_err(|e| read_err(format!("{} bytes at {at}", out.len()), e))
+        } else {
+            let byte_hi = byte_lo + out.len();
+            let mut b = byte_lo / CHECKSUM_BLOCK;
+            let mut result = Ok(());
+            while b * CHECKSUM_BLOCK < byte_hi {
+                let blo = b * CHECKSUM_BLOCK;
+                let bhi = (blo + CHECKSUM_BLOCK).min(piece_bytes);
+                self.scratch.resize(bhi - blo, 0);
+                let at = p.offset + blo as u64;
+                if let Err(e) = f.read_exact_at(&mut self.scratch, at) {
+                    result = Err(read_err(
+                        format!("block {b} ({} bytes at {at})", bhi - blo),
+                        e,
+                    ));
+                    break;
+                }
+                if p.crc32c.get(b).copied() != Some(crc32c::crc32c(&self.scratch)) {
+                    result = Err(format!(
+                        "block {b} of the piece at byte {} fails its checksum (bit rot or a partial write)",
+                        p.offset
+                    ));
+                    break;
+                }
+                let (lo, hi) = (blo.max(byte_lo), bhi.min(byte_hi));
+                out[lo - byte_lo..hi - byte_lo].copy_from_slice(&self.scratch[lo - blo..hi - blo]);
+                b += 1;
+            }
+            result
+        };
+        result.map_err(|reason| self.corrupt(fi, tensor, reason))
+    }
+
+    /// A whole tensor state as a tensor of `shape` (a 1-D range when `range` is given).
+    fn tensor(
+        &mut self,
+        tensor: &str,
+        dtype: DType,
+        shape: &[usize],
+        pieces: &[Piece],
+        start: usize,
+    ) -> Result<HostTensor> {
+        let size = dtype.size();
+        HostTensor::filled_by(dtype, shape, |dst| {
+            self.read_range(tensor, pieces, size, start, dst)
+        })
+    }
+}
+
+/// What the loading source needs of the manifest, indexed by the target layout.
+struct CheckpointSource<'m> {
+    reader: Reader<'m>,
+    /// Target parameter index → the record of its state.
+    records: HashMap<usize, &'m ParamRecord>,
+    rank: usize,
+}
+
+fn present(v: &StoredValue) -> bool {
+    !matches!(v, StoredValue::Value(Value::None))
+}
+
+impl<'m> CheckpointSource<'m> {
+    fn record(&self, param: usize) -> Option<&'m ParamRecord> {
+        self.records.get(&param).copied()
+    }
+}
+
+impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
+    fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
+        let fl = &layout.flat_params[f];
+        let records: Vec<Option<&ParamRecord>> = fl
+            .members
+            .iter()
+            .map(|m| self.record(m.param_index))
+            .collect();
+        if records.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let names = fl.fqns();
+        // The same state names for every member with state (flatten_flat_param's check).
+        let sets: Vec<Vec<String>> = records
+            .iter()
+            .flatten()
+            .map(|r| {
+                let mut v: Vec<String> = r.states.iter().map(|(n, _)| n.clone()).collect();
+                v.sort();
+                v
+            })
+            .collect();
+        if sets.windows(2).any(|w| w[0] != w[1]) {
+            return Err(Error::DifferingStateNames {
+                params: names,
+                names: sets,
+            });
+        }
+        let order: Vec<String> = records
+            .iter()
+            .flatten()
+            .next()
+            .map(|r| r.states.iter().map(|(n, _)| n.clone()).collect())
+            .unwrap_or_default();
+        let mut out = ParamState::new();
+        for sname in order {
+            let values: Vec<Option<&StoredValue>> = records
+                .iter()
+                .map(|r| {
+                    r.and_then(|r| r.states.iter().find(|(n, _)| *n == sname))
+                        .map(|(_, v)| v)
+                        .filter(|v| present(v))
+                })
+                .collect();
+            let non_none: Vec<&StoredValue> = values.iter().flatten().copied().collect();
+            if non_none.is_empty() {
+                out.insert(sname, Value::None);
+                continue;
+            }
+            let kinds = || {
+                values
+                    .iter()
+                    .map(|v| match v {
+                        None => "missing".to_string(),
+                        Some(StoredValue::Tensor { shape, dtype, .. }) => {
+                            format!("tensor {shape:?} ({dtype})")
+                        }
+                        Some(StoredValue::Value(v)) => v.kind(),
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let tensors = non_none
+                .iter()
+                .filter(|v| matches!(v, StoredValue::Tensor { .. }))
+                .count();
+            if tensors == non_none.len() {
+                let dtypes: std::collections::BTreeSet<DType> = non_none
+                    .iter()
+                    .filter_map(|v| match v {
+                        StoredValue::Tensor { dtype, .. } => Some(*dtype),
+                        StoredValue::Value(_) => None,
+                    })
+                    .collect();
+                if dtypes.len() != 1 {
+                    return Err(Error::TensorStateDtypeMismatch {
+                        state: sname,
+                        params: names,
+                        dtypes: dtypes.iter().map(|d| d.to_string()).collect(),
+                    });
+                }
+                let dtype = *dtypes.iter().next().expect("one dtype");
+                for (m, v) in fl.members.iter().zip(&values) {
+                    if v.is_none() && m.shape.is_empty() {
+                        return Err(Error::ZeroDimParamWithoutState {
+                            param: m.fqn.clone(),
+                            state: sname,
+                        });
+                    }
+                }
+                let t = self.flat_shard(fl, &sname, dtype, &values)?;
+                out.insert(sname, Value::Tensor(T::from_host(t)?));
+            } else if tensors == 0 {
+                let first = match non_none[0] {
+                    StoredValue::Value(v) => v,
+                    StoredValue::Tensor { .. } => unreachable!("no tensors"),
+                };
+                let same = non_none.len() == values.len()
+                    && non_none
+                        .iter()
+                        .all(|v| matches!(v, StoredValue::Value(x) if x.same_scalar(first)));
+                if !same {
+                    return Err(Error::ScalarStateMismatch {
+                        state: sname,
+                        params: names,
+                        values: values
+                            .iter()
+                            .map(|v| match v {
+                                Some(StoredValue::Value(v)) => v.render(),
+                                _ => "missing".into(),
+                            })
+                            .collect(),
+                    });
+                }
+                out.insert(
+                    sname,
+                    first.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
+                );
+            } else {
+                return Err(Error::DifferingStateTypes {
+                    state: sname,
+                    params: names,
+                    kinds: kinds(),
+                });
+            }
+        }
+        Ok(Some(out))
+    }
+
+    fn orig_param(
+        &mut self,
+        layout: &ModelLayout,
+        param: usize,
+        owner: Option<(usize, usize)>,
+    ) -> Result<Option<ParamState<T>>> {
+        let Some(rec) = self.record(param) else {
+            return Ok(None);
+        };
+        let range = match owner {
+            Some((f, m)) if layout.flat_params[f].sharded => {
+                let info = layout.flat_params[f].shard(self.rank).params[m];
+                if !info.in_shard {
+                    return Ok(None);
+                }
+                Some((info.intra_param_start_idx, info.numel_in_shard))
+            }
+            _ => None,
+        };
+        let mut out = ParamState::new();
+        for (n, v) in &rec.states {
+            let value = match v {
+                StoredValue::Value(v) => {
+                    v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?
+                }
+                StoredValue::Tensor {
+                    dtype,
+                    shape,
+                    pieces,
+                } => {
+                    let what = format!("{}/{n}", rec.name);
+                    let t = match range {
+                        Some((start, len)) => {
+                            self.reader.tensor(&what, *dtype, &[len], pieces, start)?
+                        }
+                        None => self.reader.tensor(&what, *dtype, shape, pieces, 0)?,
+                    };
+                    Value::Tensor(T::from_host(t)?)
+                }
+            };
+            out.insert(n.clone(), value);
+        }
+        Ok(Some(out))
+    }
+}
+
+impl CheckpointSource<'_> {
+    /// This rank's padded shard of tensor state `sname` of flat parameter `fl`: member ranges
+    /// read from the files, zeros for padding and members without the state.
+    fn flat_shard(
+        &mut self,
+        fl: &FlatParamLayout,
+        sname: &str,
+        dtype: DType,
+        values: &[Option<&StoredValue>],
+    ) -> Result<HostTensor> {
+        let size = dtype.size();
+        let pieces = fl.shard_pieces(self.rank);
+        let reader = &mut self.reader;
+        HostTensor::filled_by(dtype, &[fl.shard_numel()], |dst| {
+            let mut pos = 0;
+            for piece in &pieces {
+                let (len, member) = match *piece {
+                    ShardPiece::Padding(len) => (len, None),
+                    ShardPiece::Member { member, start, len } => (len, Some((member, start))),
+                };
+                let out = &mut dst[pos * size..(pos + len) * size];
+                pos += len;
+                match member.and_then(|(m, start)| Some((m, start, values[m]?))) {
+                    Some((m, start, StoredValue::Tensor { pieces, .. })) => {
+                        let what = format!("{}/{sname}", fl.members[m].fqn);
+                        reader.read_range(&what, pieces, size, start, out)?;
+                    }
+                    _ => out.fill(0),
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Checks that the checkpoint's parameters exist in `layout`'s model with the same shapes, and
+/// maps each record to the target parameter index.
+fn index_records<'m>(
+    dir: &Path,
+    manifest: &'m Manifest,
+    layout: &ModelLayout,
+) -> Result<HashMap<usize, &'m ParamRecord>> {
+    let mut out = HashMap::with_capacity(manifest.params.len());
+    for rec in &manifest.params {
+        let idx = layout
+            .param_index(&rec.name)
+            .ok_or_else(|| Error::CheckpointMismatch {
+                dir: dir.display().to_string(),
+                reason: format!(
+                    "the checkpoint holds state for `{}`, which the model does not have",
+                    rec.name
+                ),
+            })?;
+        let want = &layout.model.params[idx].shape;
+        for (n, v) in &rec.states {
+            if let StoredValue::Tensor { shape, .. } = v {
+                if shape != want {
+                    return Err(Error::ShapeMismatch {
+                        context: format!(
+                            "state `{n}` of `{}` in checkpoint `{}`",
+                            rec.name,
+                            dir.display()
+                        ),
+                        expected: want.clone(),
+                        found: shape.clone(),
+                    });
+                }
+            }
+        }
+        out.insert(idx, rec);
+    }
+    Ok(out)
+}
+
+/// Loads the state for rank `rank` of `layout` (any world size, any wrapping of the same
+/// model) and the optimizer described by `params` from the checkpoint in `dir`: the dict that
+/// `shard_full_optim_state_dict` would give for the checkpoint's full dict. Reads only the byte
+/// ranges of this rank's shards. No communication.
+pub fn load<T: Tensor>(
+    dir: &Path,
+    layout: &ModelLayout,
+    rank: usize,
+    params: &OptimParams,
+    opts: &LoadOptions,
+) -> Result<OptimStateDict<T>> {
+    let manifest = read_manifest(dir)?;
+    let records = index_records(dir, &manifest, layout)?;
+    let mut src = CheckpointSource {
+        reader: Reader::new(dir, &manifest, opts.verify),
+        records,
+        rank,
+    };
+    let groups: Option<Vec<ParamGroup<T>>> = manifest
+        .param_groups
+        .as_ref()
+        .map(|gs| {
+            gs.iter()
+                .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
+                .collect()
+        })
+        .transpose()?;
+    let user = manifest
+        .user_state
+        .iter()
+        .map(|(k, st)| {
+            let st = st
+                .iter()
+                .map(|(n, v)| {
+                    Ok((
+                        n.clone(),
+                        v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
+                    ))
+                })
+                .collect::<Result<ParamState<T>>>()?;
+            Ok((k.clone(), st))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    flatten_from_source(layout, &mut src, groups.as_deref(), user, params)
+}
+
+/// The full (unflattened, name-keyed) dict of the checkpoint in `dir`, as
+/// `full_optim_state_dict` returned it when saving. Holds every tensor in memory.
+pub fn load_full(dir: &Path, opts: &LoadOptions) -> Result<OptimStateDict> {
+    let manifest = read_manifest(dir)?;
+    let mut reader = Reader::new(dir, &manifest, opts.verify);
+    let mut state: IndexMap<ParamKey, ParamState> = IndexMap::new();
+    let layout = ModelLayout::new(&manifest.model, &manifest.policy, manifest.world_size)?;
+    for rec in &manifest.params {
+        let mut st = ParamState::new();
+        for (n, v) in &rec.states {
+            let value = match v {
+                StoredValue::Value(v) => v.clone(),
+                StoredValue::Tensor {
+                    dtype,
+                    shape,
+                    pieces,
+                } => Value::Tensor(reader.tensor(
+                    &format!("{}/{n}", rec.name),
+                    *dtype,
+                    shape,
+                    pieces,
+                    0,
+                )?),
+            };
+            st.insert(n.clone(), value);
+        }
+        let managed = layout
+            .param_index(&rec.name)
+            .is_some_and(|i| layout.ownership[i] != Ownership::Unmanaged);
+        if managed {
+            st = consolidated_order(st, layout.use_orig_params());
+        }
+        state.insert(ParamKey::Name(rec.name.clone()), st);
+    }
+    for (k, st) in &manifest.user_state {
+        state.insert(k.clone(), st.clone());
+    }
+    Ok(OptimStateDict {
+        state,
+        param_groups: manifest.param_groups.clone(),
+    })
+}
+
+/// The key order consolidation gives a managed parameter's state (PyTorch's): sorted
+/// positive-dim tensor states, then sorted 0-dim states, then sorted plain values; with
+/// `use_orig_params`, plain values, 0-dim states, then tensor states, each sorted.
+fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
+    let mut entries: Vec<(String, Value)> = st.into_iter().collect();
+    let class = |v: &Value| match (v.is_pos_dim_tensor(), v.is_zero_dim_tensor(), orig) {
+        (true, _, false) => 0,
+        (false, true, false) => 1,
+        (false, false, false) => 2,
+        (false, false, true) => 0,
+        (false, true, true) => 1,
+        (true, _, true) => 2,
+    };
+    entries.sort_by(|(a, va), (b, vb)| class(va).cmp(&class(vb)).then_with(|| a.cmp(b)));
+    entries.into_iter().collect()
+}
+
+/// Verifies the checkpoint in `dir` completely: commit marker, manifest, every file's length
+/// and header, and every checksum block of every piece. Returns the bytes of tensor state
+/// checked.
+pub fn verify(dir: &Path) -> Result<u64> {
+    let manifest = read_manifest(dir)?;
+    let mut reader = Reader::new(dir, &manifest, true);
+    for (i, _) in manifest.files.iter().enumerate() {
+        reader.file(i, "(header)")?;
+    }
+    let mut checked = 0u64;
+    let mut buf = Vec::new();
+    for rec in &manifest.params {
+        for (n, v) in &rec.states {
+            if let StoredValue::Tensor { dtype, pieces, .. } = v {
+                let what = format!("{}/{n}", rec.name);
+                for p in pieces {
+                    // Block by block, so memory stays at one block.
+                    let bytes = p.len * dtype.size();
+                    let mut lo = 0;
+                    while lo < bytes {
+                        let hi = (lo + CHECKSUM_BLOCK).min(bytes);
+                        buf.resize(hi - lo, 0);
+                        reader.read_piece(&what, p, bytes, lo, &mut buf)?;
+                        lo = hi;
+                    }
+                    checked += bytes as u64;
+                }
+            }
+        }
+    }
+    Ok(checked)
+}

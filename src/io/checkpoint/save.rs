@@ -1,0 +1,622 @@
+//! Writing a sharded checkpoint collectively: every saving rank writes its own data file into
+//! a temporary directory, rank 0 merges the ranks' reports into the manifest, commits, and
+//! swaps the directory into place.
+
+use super::container::{self, Entry};
+use super::manifest::{
+    block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
+    MANIFEST, VERSION,
+};
+use super::{fs_err, sync_dir, COMMIT};
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use crate::error::{Error, Result};
+use crate::flat_param::{ModelLayout, ShardPiece};
+use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
+use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+use crate::tensor::{DType, HostTensor, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Where [`SaveOptions::crash_at`] stops a save, as if the process died there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CrashPoint {
+    /// After the temporary directory exists, before any data is written.
+    BeforeData,
+    /// Halfway through rank 0's data file.
+    MidFile,
+    /// After every data file is written and synced, before the manifest.
+    BeforeManifest,
+    /// After the manifest, before the commit marker and the rename.
+    BeforeCommit,
+}
+
+/// Options of [`save`].
+#[derive(Debug, Clone, Default)]
+pub struct SaveOptions {
+    /// Fault injection for crash-safety tests: stop at this point as a crashed process would,
+    /// leaving the temporary directory behind, and return [`Error::Io`] on every rank.
+    pub crash_at: Option<CrashPoint>,
+}
+
+/// What one rank contributes to the manifest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct RankReport {
+    file: FileRecord,
+    /// (state key, state name, value) of every parameter this rank saved, in its order.
+    params: Vec<(OptimStateKey, Vec<(String, LocalValue)>)>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+enum LocalValue {
+    Value(Value<HostTensor>),
+    Tensor {
+        dtype: DType,
+        shape: Vec<usize>,
+        pieces: Vec<Piece>,
+    },
+}
+
+/// Rank 0's extra contribution: the dict-level parts that do not depend on shards.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct DictParts {
+    named: bool,
+    param_groups: Option<Vec<ParamGroup<HostTensor>>>,
+    user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
+}
+
+fn crash(point: CrashPoint) -> Error {
+    Error::Io {
+        op: format!("saving (injected crash at {point:?})"),
+        path: String::new(),
+        reason: "fault injection".into(),
+    }
+}
+
+/// Saves this rank's local optimizer state `osd` (for the optimizer described by `params`)
+/// into the checkpoint directory `dir`. Collective over `pg`, whose rank 0 commits;
+/// `layout_rank` is this rank's rank in the layout's shard group and `writer` says whether it
+/// writes a data file (with hybrid sharding only the first replica group does).
+///
+/// The previous checkpoint at `dir`, if any, stays complete and loadable until the new one
+/// replaces it in one atomic exchange.
+#[allow(clippy::too_many_arguments)]
+pub fn save<T: Tensor>(
+    layout: &ModelLayout,
+    layout_rank: usize,
+    writer: bool,
+    pg: &dyn ProcessGroup,
+    osd: &OptimStateDict<T>,
+    params: &OptimParams,
+    dir: &Path,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let rank = pg.rank();
+    // 1. Rank 0 creates the temporary directory beside `dir`.
+    let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
+        make_tmp_dir(dir)
+    } else {
+        Ok(PathBuf::new())
+    };
+    let tmp: std::result::Result<PathBuf, Error> =
+        pg.broadcast_object((rank == 0).then_some(&tmp), 0)?;
+    let tmp = tmp?;
+    // 2. Each writer writes its file.
+    let report: std::result::Result<Option<(RankReport, Option<DictParts>)>, Error> = if writer {
+        write_rank(layout, layout_rank, osd, params, &tmp, opts).map(Some)
+    } else {
+        Ok(None)
+    };
+    let reports = pg.all_gather_object(&report)?;
+    // 3. Rank 0 merges, writes the manifest and commits.
+    let outcome: std::result::Result<(), Error> = if rank == 0 {
+        let result = commit(layout, reports, &tmp, dir, opts);
+        if result.is_err() && opts.crash_at.is_none() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        result
+    } else {
+        Ok(())
+    };
+    pg.broadcast_object((rank == 0).then_some(&outcome), 0)?
+}
+
+fn make_tmp_dir(dir: &Path) -> Result<PathBuf> {
+    let name = dir
+        .file_name()
+        .ok_or_else(|| Error::Io {
+            op: "saving a checkpoint to".into(),
+            path: dir.display().to_string(),
+            reason: "the path has no directory name".into(),
+        })?
+        .to_string_lossy()
+        .into_owned();
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(fs_err("creating", &parent))?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = parent.join(format!(".{name}.tmp-{}-{nanos}", std::process::id()));
+    std::fs::create_dir(&tmp).map_err(fs_err("creating", &tmp))?;
+    Ok(tmp)
+}
+
+/// One rank's pieces: which bytes of which local tensor go where.
+struct Plan<'a> {
+    entries: Vec<Entry>,
+    data: Vec<&'a [u8]>,
+    /// Per entry: (state key, state name, element start, element len).
+    at: Vec<(usize, usize, usize, usize)>,
+}
+
+fn write_rank<T: Tensor>(
+    layout: &ModelLayout,
+    layout_rank: usize,
+    osd: &OptimStateDict<T>,
+    params: &OptimParams,
+    tmp: &Path,
+    opts: &SaveOptions,
+) -> Result<(RankReport, Option<DictParts>)> {
+    if opts.crash_at == Some(CrashPoint::BeforeData) {
+        return Err(crash(CrashPoint::BeforeData));
+    }
+    let local = layout.local_params(params)?;
+    // Host copies of the local tensors (views for HostTensor), kept alive while writing.
+    let mut hosts: Vec<Vec<(String, Value<HostTensor>)>> = Vec::new();
+    let mut saved: Vec<&LocalParam> = Vec::new();
+    for l in &local {
+        let Some(st) = osd.state.get(&l.key) else {
+            continue;
+        };
+        if matches!(l.resolved, Resolved::Orig { owner: None, .. }) && layout_rank != 0 {
+            continue; // unmanaged state is the same everywhere: rank 0 saves it
+        }
+        let mut vals = Vec::with_capacity(st.len());
+        for (n, v) in st {
+            if let Value::Sharded(_) = v {
+                return Err(Error::InvalidStateDict(format!(
+                    "rank {layout_rank}: local state `{n}` of {} is a sharded tensor; save takes the optimizer's own state dict",
+                    l.key
+                )));
+            }
+            vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
+        }
+        hosts.push(vals);
+        saved.push(l);
+    }
+    // Per saved key: its member keys (flat) or itself, with the element ranges this rank holds.
+    let mut report_params: Vec<(OptimStateKey, Vec<(String, LocalValue)>)> = Vec::new();
+    let mut plan = Plan {
+        entries: Vec::new(),
+        data: Vec::new(),
+        at: Vec::new(),
+    };
+    for (l, vals) in saved.iter().zip(&hosts) {
+        match l.resolved {
+            Resolved::Flat(f) => {
+                let fl = &layout.flat_params[f];
+                let c = fl.shard_numel();
+                let first = report_params.len();
+                for m in &fl.members {
+                    let key = OptimStateKey {
+                        names: vec![m.fqn.clone()],
+                        managed: true,
+                    };
+                    report_params.push((key, Vec::new()));
+                }
+                let pieces = fl.shard_pieces(layout_rank);
+                for (n, v) in vals {
+                    let t = match v {
+                        Value::Tensor(t) if t.dim() > 0 => t,
+                        // Scalars are shared by every member of the flat parameter.
+                        _ => {
+                            for (_, list) in &mut report_params[first..] {
+                                list.push((n.clone(), LocalValue::Value(v.clone())));
+                            }
+                            continue;
+                        }
+                    };
+                    if t.shape() != [c] {
+                        return Err(Error::ShapeMismatch {
+                            context: format!(
+                                "state `{n}` of the flat parameter of unit `{}` on rank {layout_rank} (a local shard has {c} elements)",
+                                fl.unit
+                            ),
+                            expected: vec![c],
+                            found: t.shape().to_vec(),
+                        });
+                    }
+                    // Every member gets the state's name, holding elements here or not.
+                    for (mi, m) in fl.members.iter().enumerate() {
+                        tensor_slot(&mut report_params[first + mi].1, n, t.dtype(), &m.shape);
+                    }
+                    let size = t.dtype().size();
+                    let mut pos = 0;
+                    for piece in &pieces {
+                        match *piece {
+                            ShardPiece::Padding(len) => pos += len,
+                            ShardPiece::Member { member, start, len } => {
+                                let bytes = &t.as_bytes()[pos * size..(pos + len) * size];
+                                pos += len;
+                                let k = first + member;
+                                let si = tensor_slot(
+                                    &mut report_params[k].1,
+                                    n,
+                                    t.dtype(),
+                                    &fl.members[member].shape,
+                                );
+                                push_entry(&mut plan, (k, si, start, len), t.dtype(), bytes);
+                            }
+                        }
+                    }
+                }
+            }
+            Resolved::Orig { param, owner } => {
+                let k = report_params.len();
+                report_params.push((l.skey.clone(), Vec::new()));
+                let shape = layout.model.params[param].shape.clone();
+                let numel: usize = shape.iter().product();
+                let (start, want) = match owner {
+                    Some((f, m)) if layout.flat_params[f].sharded => {
+                        let info = layout.flat_params[f].shard(layout_rank).params[m];
+                        (info.intra_param_start_idx, info.numel_in_shard)
+                    }
+                    _ => (0, numel),
+                };
+                for (n, v) in vals {
+                    match v {
+                        Value::Tensor(t) if t.dim() > 0 => {
+                            if t.numel() != want {
+                                return Err(Error::ShapeMismatch {
+                                    context: format!(
+                                        "state `{n}` of parameter `{}` on rank {layout_rank} (its shard holds {want} elements)",
+                                        l.skey.names[0]
+                                    ),
+                                    expected: vec![want],
+                                    found: t.shape().to_vec(),
+                                });
+                            }
+                            let si = tensor_slot(&mut report_params[k].1, n, t.dtype(), &shape);
+                            if want > 0 {
+                                push_entry(
+                                    &mut plan,
+                                    (k, si, start, want),
+                                    t.dtype(),
+                                    t.as_bytes(),
+                                );
+                            }
+                        }
+                        other => report_params[k]
+                            .1
+                            .push((n.clone(), LocalValue::Value(other.clone()))),
+                    }
+                }
+            }
+        }
+    }
+    // Write the file: header, then every piece back to back.
+    for (e, &(k, si, start, _)) in plan.entries.iter_mut().zip(&plan.at) {
+        let (state, _) = &report_params[k].1[si];
+        e.name = format!("{}/{state}/{start}", report_params[k].0.names[0]);
+    }
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), FORMAT.to_string());
+    meta.insert("rank".to_string(), layout_rank.to_string());
+    let (header, offsets) = container::header(&plan.entries, &meta)?;
+    let name = format!("rank{layout_rank}.safetensors");
+    let path = tmp.join(&name);
+    let mut file = File::create(&path).map_err(fs_err("creating", &path))?;
+    file.write_all(&header).map_err(fs_err("writing", &path))?;
+    let total: u64 = plan.entries.iter().map(|e| e.nbytes).sum();
+    let mut written = 0u64;
+    for (i, bytes) in plan.data.iter().enumerate() {
+        if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
+            file.sync_all().map_err(fs_err("syncing", &path))?;
+            return Err(crash(CrashPoint::MidFile));
+        }
+        file.write_all(bytes).map_err(fs_err("writing", &path))?;
+        written += bytes.len() as u64;
+        let (k, state, start, len) = plan.at[i];
+        let piece = Piece {
+            file: layout_rank,
+            start,
+            len,
+            offset: offsets[i],
+            crc32c: block_checksums(bytes),
+        };
+        let (_, v) = &mut report_params[k].1[state];
+        if let LocalValue::Tensor { pieces, .. } = v {
+            pieces.push(piece);
+        }
+    }
+    if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 {
+        return Err(crash(CrashPoint::MidFile));
+    }
+    file.sync_all().map_err(fs_err("syncing", &path))?;
+    let len = header.len() as u64 + total;
+    let parts = (layout_rank == 0)
+        .then(|| dict_parts(layout, &local, osd))
+        .transpose()?;
+    Ok((
+        RankReport {
+            file: FileRecord {
+                name,
+                len,
+                header_len: header.len() as u64,
+                header_crc32c: crc32c::crc32c(&header),
+            },
+            params: report_params
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .collect(),
+        },
+        parts,
+    ))
+}
+
+/// The position of tensor state `name` in a parameter's list, added (without pieces) if
+/// absent.
+fn tensor_slot(
+    list: &mut Vec<(String, LocalValue)>,
+    name: &str,
+    dtype: DType,
+    shape: &[usize],
+) -> usize {
+    if let Some(i) = list.iter().position(|(n, _)| n == name) {
+        return i;
+    }
+    list.push((
+        name.to_string(),
+        LocalValue::Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            pieces: Vec::new(),
+        },
+    ));
+    list.len() - 1
+}
+
+/// Queues `bytes` (elements `at.2..at.2 + at.3` of state `at.1` of parameter `at.0`).
+fn push_entry<'a>(
+    plan: &mut Plan<'a>,
+    at: (usize, usize, usize, usize),
+    dtype: DType,
+    bytes: &'a [u8],
+) {
+    plan.entries.push(Entry {
+        name: String::new(),
+        dtype,
+        shape: vec![at.3],
+        nbytes: bytes.len() as u64,
+    });
+    plan.data.push(bytes);
+    plan.at.push(at);
+}
+
+/// Rank 0's param groups (by names) and user state, as `full_optim_state_dict` returns them.
+fn dict_parts<T: Tensor>(
+    layout: &ModelLayout,
+    local: &[LocalParam],
+    osd: &OptimStateDict<T>,
+) -> Result<DictParts> {
+    let by_key: HashMap<&ParamKey, &LocalParam> = local.iter().map(|l| (&l.key, l)).collect();
+    let param_groups = osd
+        .param_groups
+        .as_ref()
+        .map(|groups| {
+            groups
+                .iter()
+                .enumerate()
+                .map(|(gi, g)| {
+                    let mut names = Vec::new();
+                    for p in &g.params {
+                        let l = by_key.get(p).ok_or_else(|| Error::InvalidStateDict(format!(
+                            "param_groups[{gi}] lists the key {p}, which the optimizer's param groups do not hold"
+                        )))?;
+                        names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
+                    }
+                    Ok(ParamGroup {
+                        options: g
+                            .options
+                            .iter()
+                            .map(|(k, v)| Ok((k.clone(), v.try_map(&mut |t: &T| t.to_host())?)))
+                            .collect::<Result<_>>()?,
+                        params: names,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
+    let flat_fqns: BTreeSet<String> = layout.flat_params.iter().map(|f| f.fqn()).collect();
+    let mut user_state = Vec::new();
+    for (k, st) in &osd.state {
+        let owned = by_key.contains_key(k) || k.as_name().is_some_and(|n| flat_fqns.contains(n));
+        if !owned {
+            let st: ParamState<HostTensor> = st
+                .iter()
+                .map(|(n, v)| Ok((n.clone(), v.try_map(&mut |t: &T| t.to_host())?)))
+                .collect::<Result<_>>()?;
+            user_state.push((k.clone(), st));
+        }
+    }
+    let named = local.iter().any(|l| matches!(l.key, ParamKey::Name(_)));
+    Ok(DictParts {
+        named,
+        param_groups,
+        user_state,
+    })
+}
+
+type Reports = Vec<std::result::Result<Option<(RankReport, Option<DictParts>)>, Error>>;
+
+fn commit(
+    layout: &ModelLayout,
+    reports: Reports,
+    tmp: &Path,
+    dir: &Path,
+    opts: &SaveOptions,
+) -> Result<()> {
+    let mut ranks: Vec<RankReport> = Vec::new();
+    let mut parts = None;
+    for r in reports {
+        if let Some((report, p)) = r? {
+            if p.is_some() {
+                parts = p;
+            }
+            ranks.push(report);
+        }
+    }
+    let parts = parts.ok_or_else(|| Error::InvalidCollective {
+        op: "save".into(),
+        rank: 0,
+        reason: "no rank with layout rank 0 wrote a data file".into(),
+    })?;
+    if opts.crash_at == Some(CrashPoint::BeforeManifest) {
+        return Err(crash(CrashPoint::BeforeManifest));
+    }
+    let manifest = merge(layout, ranks, parts)?;
+    let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Serialization {
+        what: "checkpoint manifest".into(),
+        reason: e.to_string(),
+    })?;
+    write_synced(&tmp.join(MANIFEST), &bytes)?;
+    if opts.crash_at == Some(CrashPoint::BeforeCommit) {
+        return Err(crash(CrashPoint::BeforeCommit));
+    }
+    write_synced(&tmp.join(COMMIT), commit_text(&bytes).as_bytes())?;
+    sync_dir(tmp)?;
+    super::install(tmp, dir)
+}
+
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(fs_err("creating", path))?;
+    f.write_all(bytes).map_err(fs_err("writing", path))?;
+    f.sync_all().map_err(fs_err("syncing", path))
+}
+
+/// Merges the ranks' reports into the manifest: per parameter, the same state names and
+/// scalar values on every rank, tensor pieces that tile the parameter, in the key order of
+/// `full_optim_state_dict`.
+fn merge(layout: &ModelLayout, ranks: Vec<RankReport>, parts: DictParts) -> Result<Manifest> {
+    let files: Vec<FileRecord> = ranks.iter().map(|r| r.file.clone()).collect();
+    // Key order: rank 0's order with use_orig_params=False; sorted keys otherwise (unmanaged
+    // first, then flat parameters in first-appearance order, as consolidation does).
+    let mut order: Vec<OptimStateKey> = Vec::new();
+    let mut merged: HashMap<OptimStateKey, Vec<(String, StoredValue, usize)>> = HashMap::new();
+    for (r, report) in ranks.into_iter().enumerate() {
+        for (key, vals) in report.params {
+            let entry = match merged.get_mut(&key) {
+                Some(e) => e,
+                None => {
+                    order.push(key.clone());
+                    merged.entry(key.clone()).or_default()
+                }
+            };
+            let first_rank = entry.is_empty();
+            for (n, v) in vals {
+                match entry.iter_mut().find(|(en, _, _)| *en == n) {
+                    None if first_rank => entry.push((n, to_stored(v), r)),
+                    None => {
+                        return Err(Error::InvalidStateDict(format!(
+                            "state `{n}` of `{}` exists on rank {r} but not on rank {}",
+                            key.names[0], entry[0].2
+                        )))
+                    }
+                    Some((_, stored, r0)) => match (stored, v) {
+                        (
+                            StoredValue::Tensor { pieces, .. },
+                            LocalValue::Tensor { pieces: p, .. },
+                        ) => pieces.extend(p),
+                        (StoredValue::Value(a), LocalValue::Value(b)) if a.same_scalar(&b) => {}
+                        (StoredValue::Value(a), LocalValue::Value(b)) => {
+                            return Err(Error::ScalarStateMismatch {
+                                state: n,
+                                params: vec![
+                                    format!("{} on rank {r0}", key.names[0]),
+                                    format!("{} on rank {r}", key.names[0]),
+                                ],
+                                values: vec![a.render(), b.render()],
+                            })
+                        }
+                        _ => {
+                            return Err(Error::DifferingStateTypes {
+                                state: n,
+                                params: vec![key.names[0].clone()],
+                                kinds: vec![format!("rank {r0}"), format!("rank {r}")],
+                            })
+                        }
+                    },
+                }
+            }
+        }
+    }
+    if layout.use_orig_params() {
+        order.sort();
+        let mut unmanaged: Vec<OptimStateKey> = Vec::new();
+        let mut groups: Vec<(usize, Vec<OptimStateKey>)> = Vec::new();
+        for k in order {
+            let flat = layout
+                .param_index(&k.names[0])
+                .and_then(|i| match layout.ownership[i] {
+                    crate::flat_param::Ownership::Flat { flat, .. } => Some(flat),
+                    crate::flat_param::Ownership::Unmanaged => None,
+                });
+            match flat {
+                Some(f) if k.managed => match groups.iter_mut().find(|(g, _)| *g == f) {
+                    Some((_, ks)) => ks.push(k),
+                    None => groups.push((f, vec![k])),
+                },
+                _ => unmanaged.push(k),
+            }
+        }
+        order = unmanaged;
+        order.extend(groups.into_iter().flat_map(|(_, ks)| ks));
+    }
+    let mut params = Vec::with_capacity(order.len());
+    for key in order {
+        let vals = merged.remove(&key).unwrap_or_default();
+        let mut states = Vec::with_capacity(vals.len());
+        for (n, mut v, _) in vals {
+            if let StoredValue::Tensor { pieces, .. } = &mut v {
+                pieces.sort_by_key(|p| p.start);
+            }
+            states.push((n, v));
+        }
+        params.push(ParamRecord {
+            name: key.names[0].clone(),
+            states,
+        });
+    }
+    Ok(Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: layout.model.clone(),
+        policy: layout.policy.clone(),
+        world_size: layout.world_size,
+        named: parts.named,
+        files,
+        params,
+        param_groups: parts.param_groups,
+        user_state: parts.user_state,
+    })
+}
+
+fn to_stored(v: LocalValue) -> StoredValue {
+    match v {
+        LocalValue::Value(v) => StoredValue::Value(v),
+        LocalValue::Tensor {
+            dtype,
+            shape,
+            pieces,
+        } => StoredValue::Tensor {
+            dtype,
+            shape,
+            pieces,
+        },
+    }
+}

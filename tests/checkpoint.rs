@@ -1,0 +1,445 @@
+//! Sharded checkpoints on disk: save at one world size and wrapping, load at another; crash
+//! safety; corruption and truncation detected with the right error.
+
+mod common;
+
+use fsdp::collectives::ThreadGroup;
+use fsdp::io::checkpoint::{
+    self, load_full, read_manifest, verify, CrashPoint, LoadOptions, SaveOptions, COMMIT, MANIFEST,
+};
+use fsdp::{
+    DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
+    Value, WrapPolicy,
+};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// A deterministic, parameter-shaped tensor.
+fn tensor(shape: &[usize], seed: f32) -> HostTensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| seed + i as f32 * 0.25).collect();
+    HostTensor::from_slice(&v, shape).unwrap()
+}
+
+/// The full Adam dict of `model` after `steps` steps, with two param groups and user state.
+fn full_adam(model: &ModelDesc, steps: f32) -> OptimStateDict {
+    let mut sd = OptimStateDict::default();
+    for (i, p) in model.params.iter().enumerate() {
+        let mut st = ParamState::new();
+        st.insert("exp_avg".into(), Value::Tensor(tensor(&p.shape, i as f32)));
+        st.insert(
+            "exp_avg_sq".into(),
+            Value::Tensor(tensor(&p.shape, 100.0 + i as f32)),
+        );
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(steps)));
+        sd.state.insert(ParamKey::Name(p.name.clone()), st);
+    }
+    let names: Vec<ParamKey> = model
+        .params
+        .iter()
+        .map(|p| ParamKey::Name(p.name.clone()))
+        .collect();
+    let group = |params: &[ParamKey], wd: f64| ParamGroup {
+        options: [
+            ("lr".to_string(), Value::Float(1e-3)),
+            ("weight_decay".to_string(), Value::Float(wd)),
+        ]
+        .into_iter()
+        .collect(),
+        params: params.to_vec(),
+    };
+    let half = names.len() / 2;
+    sd.param_groups = Some(vec![group(&names[..half], 0.0), group(&names[half..], 0.9)]);
+    sd
+}
+
+/// Every rank of a `world_size` group shards `full` under `policy` and saves it to `dir`.
+fn save_at(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    world_size: usize,
+    full: &OptimStateDict,
+    dir: &Path,
+    opts: &SaveOptions,
+) -> Vec<fsdp::Result<()>> {
+    ThreadGroup::run(world_size, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(full, &params)?;
+        fsdp.save_optim_checkpoint(&local, &params, dir, opts)
+    })
+}
+
+/// Each rank's dict loaded from `dir`, and what `shard_full_optim_state_dict(full)` gives it.
+fn load_at(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    world_size: usize,
+    full: &OptimStateDict,
+    dir: &Path,
+) -> Vec<(OptimStateDict, OptimStateDict)> {
+    ThreadGroup::run(world_size, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let loaded = fsdp
+            .load_optim_checkpoint(dir, &params, &LoadOptions::default())
+            .unwrap_or_else(|e| panic!("rank {}: {e}", fsdp.rank()));
+        let expected = fsdp.shard_full_optim_state_dict(full, &params).unwrap();
+        (loaded, expected)
+    })
+}
+
+/// Same keys in the same order, same state names in the same order, bit-equal tensors,
+/// equal values and param groups.
+#[track_caller]
+fn assert_identical(a: &OptimStateDict, b: &OptimStateDict, what: &str) {
+    let ka: Vec<&ParamKey> = a.state.keys().collect();
+    let kb: Vec<&ParamKey> = b.state.keys().collect();
+    assert_eq!(ka, kb, "{what}: keys");
+    for (k, sa) in &a.state {
+        let sb = &b.state[k];
+        let na: Vec<&String> = sa.keys().collect();
+        let nb: Vec<&String> = sb.keys().collect();
+        assert_eq!(na, nb, "{what}: state names of {k}");
+        for (n, va) in sa {
+            match (va, &sb[n.as_str()]) {
+                (Value::Tensor(x), Value::Tensor(y)) => {
+                    assert!(x.bit_eq(y), "{what}: `{n}` of {k}: {x:?} vs {y:?}")
+                }
+                (x, y) => assert_eq!(x, y, "{what}: `{n}` of {k}"),
+            }
+        }
+    }
+    assert_eq!(a.param_groups, b.param_groups, "{what}: param groups");
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+#[test]
+fn nested_model_saved_at_each_world_size_loads_at_every_other_with_either_wrapping() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 3.0);
+    let policies = [common::wrap(false), common::wrap_alt()];
+    for save_ws in [1, 2, 3, 5, 8] {
+        for (pi, save_policy) in policies.iter().enumerate() {
+            let root = tmp();
+            let dir = root.path().join("ckpt");
+            for r in save_at(
+                &model,
+                save_policy,
+                save_ws,
+                &full,
+                &dir,
+                &SaveOptions::default(),
+            ) {
+                r.unwrap();
+            }
+            // Consolidating from disk gives the full dict back.
+            let back = load_full(&dir, &LoadOptions::default()).unwrap();
+            common::assert_same_state(&back, &full, "load_full");
+            // Group params follow the saving optimizer's order (as in full_optim_state_dict).
+            common::assert_same_groups(&back, &full, false, "load_full");
+            let sets = |d: &OptimStateDict| -> Vec<std::collections::BTreeSet<ParamKey>> {
+                let groups = d.param_groups.as_ref().unwrap();
+                groups
+                    .iter()
+                    .map(|g| g.params.iter().cloned().collect())
+                    .collect()
+            };
+            assert_eq!(sets(&back), sets(&full));
+            for load_ws in [1, 2, 3, 4, 7, 8] {
+                let load_policy = &policies[(pi + load_ws) % 2];
+                for (rank, (loaded, expected)) in load_at(&model, load_policy, load_ws, &full, &dir)
+                    .iter()
+                    .enumerate()
+                {
+                    assert_identical(
+                        loaded,
+                        expected,
+                        &format!("saved at {save_ws}, loaded at {load_ws}, rank {rank}"),
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn load_full_equals_full_optim_state_dict_in_key_order_too() {
+    for (model, policy) in [
+        (common::nested_model(), common::wrap(true)),
+        (common::transformer_model(), common::transformer_policy()),
+        (
+            common::nested_model(),
+            common::wrap(false).with_orig_params(true),
+        ),
+    ] {
+        let full = full_adam(&model, 2.0);
+        let root = tmp();
+        let dir = root.path().join("ckpt");
+        let results = ThreadGroup::run(3, |pg| {
+            let fsdp = Fsdp::new(&model, &policy, Arc::new(pg)).unwrap();
+            let params = fsdp.optim_params();
+            let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+            let consolidated = fsdp.full_optim_state_dict(&local, &params, true).unwrap();
+            fsdp.save_optim_checkpoint(&local, &params, &dir, &SaveOptions::default())
+                .unwrap();
+            consolidated
+        });
+        let consolidated = results.into_iter().next().unwrap().unwrap();
+        let back = load_full(&dir, &LoadOptions::default()).unwrap();
+        assert_identical(&back, &consolidated, &format!("{:?}", policy.units));
+    }
+}
+
+#[test]
+fn use_orig_params_checkpoint_loads_into_flat_wrapping_at_another_world_size() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 5.0);
+    let orig = common::wrap(false).with_orig_params(true);
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    for r in save_at(&model, &orig, 4, &full, &dir, &SaveOptions::default()) {
+        r.unwrap();
+    }
+    for (policy, ws) in [(common::wrap_alt(), 3), (orig.clone(), 2), (orig, 5)] {
+        for (rank, (loaded, expected)) in
+            load_at(&model, &policy, ws, &full, &dir).iter().enumerate()
+        {
+            assert_identical(loaded, expected, &format!("ws {ws}, rank {rank}"));
+        }
+    }
+}
+
+/// Saves `full_adam(steps)` of the nested model at 2 ranks into `dir`.
+fn save_steps(dir: &Path, steps: f32, opts: &SaveOptions) -> Vec<fsdp::Result<()>> {
+    let model = common::nested_model();
+    save_at(
+        &model,
+        &common::wrap(false),
+        2,
+        &full_adam(&model, steps),
+        dir,
+        opts,
+    )
+}
+
+fn leftovers(parent: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(parent)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().contains(".tmp-"))
+        .collect()
+}
+
+#[test]
+fn a_crash_at_any_stage_leaves_the_previous_checkpoint_loadable_bit_exact() {
+    let model = common::nested_model();
+    for point in [
+        CrashPoint::BeforeData,
+        CrashPoint::MidFile,
+        CrashPoint::BeforeManifest,
+        CrashPoint::BeforeCommit,
+    ] {
+        let root = tmp();
+        let dir = root.path().join("ckpt");
+        for r in save_steps(&dir, 1.0, &SaveOptions::default()) {
+            r.unwrap();
+        }
+        let crashed = save_steps(
+            &dir,
+            2.0,
+            &SaveOptions {
+                crash_at: Some(point),
+            },
+        );
+        for (rank, r) in crashed.into_iter().enumerate() {
+            let err = r.expect_err("the injected crash fails the save");
+            assert!(
+                matches!(&err, Error::Io { op, .. } if op.contains("injected crash")),
+                "{point:?}, rank {rank}: {err:?}"
+            );
+        }
+        // The old checkpoint is intact and complete.
+        verify(&dir).unwrap();
+        let back = load_full(&dir, &LoadOptions::default()).unwrap();
+        common::assert_same_state(&back, &full_adam(&model, 1.0), &format!("{point:?}"));
+        // The partial one is left behind as a crashed process would, and is not a checkpoint.
+        let partial = leftovers(root.path());
+        assert_eq!(partial.len(), 1, "{point:?}: {partial:?}");
+        let err = read_manifest(&partial[0]).unwrap_err();
+        assert!(
+            matches!(err, Error::CheckpointInvalid { .. }),
+            "{point:?}: {err:?}"
+        );
+        // The next save succeeds and replaces the old one.
+        for r in save_steps(&dir, 3.0, &SaveOptions::default()) {
+            r.unwrap();
+        }
+        let back = load_full(&dir, &LoadOptions::default()).unwrap();
+        common::assert_same_state(&back, &full_adam(&model, 3.0), "after recovery");
+    }
+}
+
+#[test]
+fn overwriting_a_checkpoint_leaves_no_temporary_directory() {
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    for steps in [1.0, 2.0, 3.0] {
+        for r in save_steps(&dir, steps, &SaveOptions::default()) {
+            r.unwrap();
+        }
+        assert!(leftovers(root.path()).is_empty());
+    }
+    let model = common::nested_model();
+    let back = load_full(&dir, &LoadOptions::default()).unwrap();
+    common::assert_same_state(&back, &full_adam(&model, 3.0), "last save wins");
+}
+
+/// A fresh 2-rank checkpoint and the path of rank 1's data file.
+fn saved() -> (tempfile::TempDir, PathBuf) {
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    for r in save_steps(&dir, 1.0, &SaveOptions::default()) {
+        r.unwrap();
+    }
+    (root, dir)
+}
+
+fn load_rank0(dir: &Path) -> fsdp::Result<OptimStateDict> {
+    let model = common::nested_model();
+    let mut out = ThreadGroup::run(1, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        fsdp.load_optim_checkpoint(dir, &fsdp.optim_params(), &LoadOptions::default())
+    });
+    out.pop().unwrap()
+}
+
+#[test]
+fn a_flipped_bit_in_any_data_byte_is_caught_naming_file_rank_and_tensor() {
+    let (_root, dir) = saved();
+    let file = dir.join("rank1.safetensors");
+    let original = std::fs::read(&file).unwrap();
+    let manifest = read_manifest(&dir).unwrap();
+    let header = manifest.files[1].header_len as usize;
+    // Every data byte of a small file: a flip anywhere is caught by load and by verify.
+    for at in (0..original.len()).step_by(7) {
+        let mut bytes = original.clone();
+        bytes[at] ^= 0x10;
+        std::fs::write(&file, &bytes).unwrap();
+        let err = load_rank0(&dir).unwrap_err();
+        let Error::CheckpointCorrupt {
+            file: f,
+            rank,
+            tensor,
+            reason,
+        } = &err
+        else {
+            panic!("byte {at}: expected CheckpointCorrupt, got {err:?}");
+        };
+        assert!(f.ends_with("rank1.safetensors") && *rank == 1, "{err}");
+        if at < header {
+            assert!(reason.contains("header"), "byte {at}: {err}");
+        } else {
+            assert!(
+                reason.contains("checksum") && tensor.contains('/'),
+                "byte {at}: {err}"
+            );
+        }
+        assert!(matches!(
+            verify(&dir),
+            Err(Error::CheckpointCorrupt { rank: 1, .. })
+        ));
+    }
+    std::fs::write(&file, &original).unwrap();
+    assert!(verify(&dir).unwrap() > 0);
+}
+
+#[test]
+fn truncated_or_missing_files_and_a_damaged_manifest_are_rejected() {
+    let (_root, dir) = saved();
+    let file = dir.join("rank0.safetensors");
+    let original = std::fs::read(&file).unwrap();
+    for len in [0, 8, original.len() / 2, original.len() - 1] {
+        std::fs::write(&file, &original[..len]).unwrap();
+        let err = load_rank0(&dir).unwrap_err();
+        assert!(
+            matches!(&err, Error::CheckpointCorrupt { rank: 0, reason, .. } if reason.contains("truncated")),
+            "length {len}: {err:?}"
+        );
+    }
+    std::fs::remove_file(&file).unwrap();
+    let err = load_rank0(&dir).unwrap_err();
+    assert!(
+        matches!(&err, Error::CheckpointCorrupt { rank: 0, reason, .. } if reason.contains("cannot open")),
+        "{err:?}"
+    );
+    std::fs::write(&file, &original).unwrap();
+    load_rank0(&dir).unwrap();
+
+    let manifest = std::fs::read(dir.join(MANIFEST)).unwrap();
+    for at in [0, manifest.len() / 3, manifest.len() - 2] {
+        let mut m = manifest.clone();
+        m[at] ^= 0x01;
+        std::fs::write(dir.join(MANIFEST), &m).unwrap();
+        let err = load_rank0(&dir).unwrap_err();
+        assert!(
+            matches!(&err, Error::CheckpointInvalid { reason, .. } if reason.contains("commit marker")),
+            "{err:?}"
+        );
+    }
+    std::fs::write(dir.join(MANIFEST), &manifest).unwrap();
+    std::fs::remove_file(dir.join(COMMIT)).unwrap();
+    let err = load_rank0(&dir).unwrap_err();
+    assert!(
+        matches!(&err, Error::CheckpointInvalid { reason, .. } if reason.contains("never completed")),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
+    let (_root, dir) = saved();
+    // Missing a parameter the checkpoint has state for.
+    let smaller = ModelDesc::new().param("bias", &[5], DType::F32).param(
+        "block0.weight",
+        &[5, 3],
+        DType::F32,
+    );
+    let out = ThreadGroup::run(1, |pg| {
+        let fsdp = Fsdp::new(&smaller, &WrapPolicy::units(&["block0"]), Arc::new(pg)).unwrap();
+        fsdp.load_optim_checkpoint::<HostTensor>(
+            &dir,
+            &fsdp.optim_params(),
+            &LoadOptions::default(),
+        )
+        .unwrap_err()
+    });
+    let err = &out[0];
+    assert!(
+        matches!(err, Error::CheckpointMismatch { reason, .. } if reason.contains("block0.bias_module0.bias")),
+        "{err:?}"
+    );
+    // A parameter with another shape.
+    let mut model = common::nested_model();
+    model.params[0].shape = vec![6];
+    let out = ThreadGroup::run(1, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        fsdp.load_optim_checkpoint::<HostTensor>(
+            &dir,
+            &fsdp.optim_params(),
+            &LoadOptions::default(),
+        )
+        .unwrap_err()
+    });
+    assert!(
+        matches!(&out[0], Error::ShapeMismatch { context, .. } if context.contains("`bias`")),
+        "{:?}",
+        out[0]
+    );
+    // The manifest records what was saved.
+    let m = checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!((m.world_size, m.files.len()), (2, 2));
+}
