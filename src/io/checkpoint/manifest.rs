@@ -164,6 +164,32 @@ impl Manifest {
         }
         crate::flat_param::ModelLayout::new(&self.model, &self.policy, self.world_size.max(1))
             .map_err(|e| invalid(format!("the saved model and policy are invalid: {e}")))?;
+        for (rank, f) in self.files.iter().enumerate() {
+            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
+                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
+            }
+            // The real length bounds every allocation a load makes from this manifest.
+            let path = dir.join(&f.name);
+            let len = std::fs::metadata(&path).map(|m| m.len()).map_err(|e| {
+                Error::CheckpointCorrupt {
+                    file: path.display().to_string(),
+                    rank,
+                    tensor: "(file)".into(),
+                    reason: format!("cannot open: {e}"),
+                }
+            })?;
+            if len != f.len || f.header_len > f.len {
+                return Err(Error::CheckpointCorrupt {
+                    file: path.display().to_string(),
+                    rank,
+                    tensor: "(file)".into(),
+                    reason: format!(
+                        "the file has {len} bytes, the manifest says {} (truncated or replaced)",
+                        f.len
+                    ),
+                });
+            }
+        }
         for p in &self.params {
             for (state, v) in &p.states {
                 let StoredValue::Tensor {
@@ -228,11 +254,6 @@ impl Manifest {
                         what()
                     )));
                 }
-            }
-        }
-        for f in &self.files {
-            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
-                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
             }
         }
         Ok(())
