@@ -443,3 +443,57 @@ fn a_checkpoint_of_another_model_is_refused_naming_the_parameter() {
     let m = checkpoint::read_manifest(&dir).unwrap();
     assert_eq!((m.world_size, m.files.len()), (2, 2));
 }
+
+#[test]
+fn offline_reshard_to_another_world_size_and_wrapping_loads_like_shard_full() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 4.0);
+    let root = tmp();
+    let (src, dst) = (root.path().join("ws8"), root.path().join("ws3"));
+    for r in save_at(
+        &model,
+        &common::wrap(false),
+        8,
+        &full,
+        &src,
+        &SaveOptions::default(),
+    ) {
+        r.unwrap();
+    }
+    let mut reported = 0;
+    let copied =
+        checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), |b| reported = b).unwrap();
+    // Every positive-dim tensor state byte (0-dim `step`s live in the manifest).
+    let tensor_bytes: usize = full
+        .state
+        .values()
+        .flat_map(|st| st.values())
+        .filter_map(|v| v.as_tensor().filter(|t| t.dim() > 0))
+        .map(HostTensor::nbytes)
+        .sum();
+    assert_eq!(copied, tensor_bytes as u64);
+    assert_eq!(reported, copied);
+    let m = read_manifest(&dst).unwrap();
+    assert_eq!((m.world_size, m.files.len()), (3, 3));
+    assert_eq!(m.policy, common::wrap_alt());
+    assert_eq!(verify(&dst).unwrap(), copied);
+    for (rank, (loaded, expected)) in load_at(&model, &common::wrap_alt(), 3, &full, &dst)
+        .iter()
+        .enumerate()
+    {
+        assert_identical(loaded, expected, &format!("resharded, rank {rank}"));
+    }
+    // Each new rank's file holds about a third of the state (padding is never stored).
+    let sizes: Vec<u64> = m.files.iter().map(|f| f.len - f.header_len).collect();
+    assert_eq!(sizes.iter().sum::<u64>(), copied);
+    // The source is untouched and still loads.
+    common::assert_same_state(
+        &load_full(&src, &LoadOptions::default()).unwrap(),
+        &full,
+        "src",
+    );
+    // Resharding into an existing checkpoint replaces it atomically.
+    checkpoint::reshard(&src, &dst, 2, None, |_| {}).unwrap();
+    assert_eq!(read_manifest(&dst).unwrap().world_size, 2);
+    assert!(leftovers(root.path()).is_empty());
+}

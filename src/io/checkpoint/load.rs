@@ -27,7 +27,7 @@ impl Default for LoadOptions {
 }
 
 /// Reads byte ranges of a checkpoint's data files.
-struct Reader<'m> {
+pub(super) struct Reader<'m> {
     dir: PathBuf,
     manifest: &'m Manifest,
     files: Vec<Option<File>>,
@@ -36,7 +36,7 @@ struct Reader<'m> {
 }
 
 impl<'m> Reader<'m> {
-    fn new(dir: &Path, manifest: &'m Manifest, verify: bool) -> Self {
+    pub(super) fn new(dir: &Path, manifest: &'m Manifest, verify: bool) -> Self {
         Reader {
             dir: dir.to_path_buf(),
             manifest,
@@ -99,7 +99,7 @@ impl<'m> Reader<'m> {
 
     /// Reads elements `[start, start + dst.len() / size)` of a tensor state stored as
     /// `pieces` (of `size`-byte elements) into `dst`.
-    fn read_range(
+    pub(super) fn read_range(
         &mut self,
         tensor: &str,
         pieces: &[Piece],

@@ -22,6 +22,7 @@
 mod container;
 mod load;
 mod manifest;
+mod reshard;
 mod save;
 
 pub use load::{load, load_full, verify, LoadOptions};
@@ -29,6 +30,7 @@ pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, VERSION,
 };
+pub use reshard::reshard;
 pub use save::{save, CrashPoint, SaveOptions};
 
 use crate::error::{Error, Result};

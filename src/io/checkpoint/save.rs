@@ -123,7 +123,7 @@ pub fn save<T: Tensor>(
     pg.broadcast_object((rank == 0).then_some(&outcome), 0)?
 }
 
-fn make_tmp_dir(dir: &Path) -> Result<PathBuf> {
+pub(super) fn make_tmp_dir(dir: &Path) -> Result<PathBuf> {
     let name = dir
         .file_name()
         .ok_or_else(|| Error::Io {
@@ -493,7 +493,7 @@ fn commit(
     super::install(tmp, dir)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(super) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(path).map_err(fs_err("creating", path))?;
     f.write_all(bytes).map_err(fs_err("writing", path))?;
     f.sync_all().map_err(fs_err("syncing", path))

@@ -1,0 +1,205 @@
+//! Offline resharding: a checkpoint saved at one world size and wrapping rewritten for
+//! another, streaming block by block, without a process group and with memory bounded by two
+//! checksum blocks whatever the model size.
+
+use super::container::{self, Entry};
+use super::load::Reader;
+use super::manifest::{
+    commit_text, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
+    CHECKSUM_BLOCK, MANIFEST,
+};
+use super::{fs_err, install, sync_dir, COMMIT};
+use crate::error::{Error, Result};
+use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
+use crate::model::WrapPolicy;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::Path;
+
+/// The element range of parameter `param` that rank `rank` of `layout` holds, if any.
+fn range_of(layout: &ModelLayout, param: usize, rank: usize) -> Option<(usize, usize)> {
+    match layout.ownership[param] {
+        Ownership::Unmanaged => {
+            let numel = layout.model.params[param].numel();
+            (rank == 0).then_some((0, numel))
+        }
+        Ownership::Flat { flat, member } => {
+            let fl = &layout.flat_params[flat];
+            fl.shard_pieces(rank).into_iter().find_map(|p| match p {
+                ShardPiece::Member {
+                    member: m,
+                    start,
+                    len,
+                } if m == member && len > 0 => Some((start, len)),
+                _ => None,
+            })
+        }
+    }
+}
+
+/// Rewrites the checkpoint `src` for `world_size` ranks under `policy` (the saved policy when
+/// `None`) into `dst`, committed atomically like a save. Every block read is verified.
+/// Returns the tensor bytes copied.
+///
+/// The resharded checkpoint loads into the new layout reading one file per rank; it keeps the
+/// saved key order, param groups and key type.
+pub fn reshard(
+    src: &Path,
+    dst: &Path,
+    world_size: usize,
+    policy: Option<&WrapPolicy>,
+    mut progress: impl FnMut(u64),
+) -> Result<u64> {
+    let old = read_manifest(src)?;
+    let policy = policy.unwrap_or(&old.policy).clone();
+    let layout = ModelLayout::new(&old.model, &policy, world_size)?;
+    let tmp = super::save::make_tmp_dir(dst)?;
+    let result = (|| {
+        let mut reader = Reader::new(src, &old, true);
+        // Target parameter index of each record, checked once.
+        let params: Vec<usize> = old
+            .params
+            .iter()
+            .map(|r| {
+                layout
+                    .param_index(&r.name)
+                    .ok_or_else(|| Error::CheckpointInvalid {
+                        dir: src.display().to_string(),
+                        reason: format!("state for `{}`, which the saved model lacks", r.name),
+                    })
+            })
+            .collect::<Result<_>>()?;
+        let mut new_params: Vec<ParamRecord> = old
+            .params
+            .iter()
+            .map(|r| ParamRecord {
+                name: r.name.clone(),
+                states: r
+                    .states
+                    .iter()
+                    .map(|(n, v)| {
+                        let v = match v {
+                            StoredValue::Tensor { dtype, shape, .. } => StoredValue::Tensor {
+                                dtype: *dtype,
+                                shape: shape.clone(),
+                                pieces: Vec::new(),
+                            },
+                            other => other.clone(),
+                        };
+                        (n.clone(), v)
+                    })
+                    .collect(),
+            })
+            .collect();
+        let mut files = Vec::with_capacity(world_size);
+        let mut copied = 0u64;
+        let mut block = Vec::new();
+        for rank in 0..world_size {
+            // (record, state, start, len) of every piece this rank's file holds, in file order.
+            let mut wanted = Vec::new();
+            let mut entries = Vec::new();
+            for (ri, rec) in old.params.iter().enumerate() {
+                let Some((start, len)) = range_of(&layout, params[ri], rank) else {
+                    continue;
+                };
+                for (si, (n, v)) in rec.states.iter().enumerate() {
+                    if let StoredValue::Tensor { dtype, .. } = v {
+                        entries.push(Entry {
+                            name: format!("{}/{n}/{start}", rec.name),
+                            dtype: *dtype,
+                            shape: vec![len],
+                            nbytes: (len * dtype.size()) as u64,
+                        });
+                        wanted.push((ri, si, start, len));
+                    }
+                }
+            }
+            let mut meta = BTreeMap::new();
+            meta.insert("format".to_string(), super::FORMAT.to_string());
+            meta.insert("rank".to_string(), rank.to_string());
+            let (header, offsets) = container::header(&entries, &meta)?;
+            let name = format!("rank{rank}.safetensors");
+            let path = tmp.join(&name);
+            let file = File::create(&path).map_err(fs_err("creating", &path))?;
+            let mut out = BufWriter::with_capacity(1 << 20, file);
+            out.write_all(&header).map_err(fs_err("writing", &path))?;
+            for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
+                let rec = &old.params[ri];
+                let (n, v) = &rec.states[si];
+                let StoredValue::Tensor { dtype, pieces, .. } = v else {
+                    unreachable!("only tensor states are wanted")
+                };
+                let size = dtype.size();
+                let what = format!("{}/{n}", rec.name);
+                // One checksum block at a time.
+                let elems_per_block = CHECKSUM_BLOCK / size;
+                let mut crcs = Vec::new();
+                let mut at = start;
+                while at < start + len {
+                    let take = elems_per_block.min(start + len - at);
+                    block.resize(take * size, 0);
+                    reader.read_range(&what, pieces, size, at, &mut block)?;
+                    crcs.push(crc32c::crc32c(&block));
+                    out.write_all(&block).map_err(fs_err("writing", &path))?;
+                    at += take;
+                    copied += block.len() as u64;
+                    progress(copied);
+                }
+                if let StoredValue::Tensor { pieces, .. } = &mut new_params[ri].states[si].1 {
+                    pieces.push(Piece {
+                        file: rank,
+                        start,
+                        len,
+                        offset,
+                        crc32c: crcs,
+                    });
+                }
+            }
+            let file = out
+                .into_inner()
+                .map_err(|e| fs_err("writing", &path)(e.into_error()))?;
+            file.sync_all().map_err(fs_err("syncing", &path))?;
+            let len = file.metadata().map_err(fs_err("reading", &path))?.len();
+            files.push(FileRecord {
+                name,
+                len,
+                header_len: header.len() as u64,
+                header_crc32c: crc32c::crc32c(&header),
+            });
+        }
+        for rec in &mut new_params {
+            for (_, v) in &mut rec.states {
+                if let StoredValue::Tensor { pieces, .. } = v {
+                    pieces.sort_by_key(|p| p.start);
+                }
+            }
+        }
+        let manifest = Manifest {
+            policy,
+            world_size,
+            files,
+            params: new_params,
+            ..old.clone()
+        };
+        let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Serialization {
+            what: "checkpoint manifest".into(),
+            reason: e.to_string(),
+        })?;
+        super::save::write_synced(&tmp.join(MANIFEST), &bytes)?;
+        super::save::write_synced(&tmp.join(COMMIT), commit_text(&bytes).as_bytes())?;
+        sync_dir(&tmp)?;
+        manifest.check(&tmp)?;
+        Ok(copied)
+    })();
+    match result {
+        Ok(copied) => {
+            install(&tmp, dst)?;
+            Ok(copied)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            Err(e)
+        }
+    }
+}
