@@ -536,3 +536,19 @@ fn errors_are_typed_messages_with_exit_code_1() {
     );
     assert!(!out.exists(), "no output is written on failure");
 }
+
+#[test]
+fn readme_desc_json_example_is_a_valid_model_spec() {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("```json\n{\n  \"model\"")
+        .expect("README has the DESC.json example")
+        + "```json\n".len();
+    let len = readme[start..].find("```").unwrap();
+    let spec = ModelSpec::from_json(&readme[start..start + len], "README.md").unwrap();
+    let layout = spec.layout(2).unwrap();
+    assert_eq!(
+        spec.optim_params_for(&layout, 0).unwrap(),
+        fsdp::OptimParams::single(layout.default_optim_params())
+    );
+}
