@@ -372,6 +372,35 @@ pub enum Error {
         reason: String,
     },
 
+    /// A safetensors file is malformed, holds a dtype the crate does not support, or its
+    /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
+    /// tensors.
+    #[error("invalid safetensors file `{file}`: {reason}")]
+    Safetensors {
+        /// The file (or `<memory>`).
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A checkpoint path whose extension names no supported format.
+    #[error("cannot tell the format of `{path}` from its extension: use .pt or .pth (torch.save) or .safetensors")]
+    UnknownFileFormat {
+        /// The path.
+        path: String,
+    },
+
+    /// Per-rank optimizer state files do not fit the layout at the world size given by their
+    /// number (too few or too many files, or files saved with another model or wrapping).
+    #[error("{files} per-rank files were given, but {detail}")]
+    WorldSizeMismatch {
+        /// Number of rank files given (the world size the layout was computed for).
+        files: usize,
+        /// What does not fit: which rank, parameter and sizes, and the world sizes that would
+        /// fit if any.
+        detail: String,
+    },
+
     /// A feature exists in PyTorch but is not supported here.
     #[error("unsupported: {0}")]
     Unsupported(String),

@@ -6,6 +6,7 @@ pub mod error;
 pub mod flat_param;
 pub mod io;
 pub mod model;
+pub mod offline;
 pub mod optim;
 pub mod optim_state;
 pub mod params;
@@ -17,7 +18,7 @@ pub use optim_state::OptimStateKeyType;
 
 pub use error::{Error, Result};
 pub use fsdp::*;
-pub use model::{ModelDesc, ParamSpec, ShardingStrategy, WrapPolicy};
+pub use model::{ModelDesc, ModelSpec, ParamSpec, ShardingStrategy, WrapPolicy};
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };

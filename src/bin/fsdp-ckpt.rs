@@ -1,0 +1,284 @@
+//! `fsdp-ckpt`: inspect, convert, consolidate and shard PyTorch FSDP checkpoints offline.
+//!
+//! A thin shell over the library: [`fsdp::io`] reads and writes the files (format by
+//! extension), [`fsdp::io::inspect`] summarizes them and [`fsdp::offline`] consolidates and
+//! shards optimizer state. Errors are printed as `error: ...` with exit code 1 (2 for usage
+//! errors, as clap reports them).
+
+use clap::{Parser, Subcommand};
+use fsdp::io::inspect::Summary;
+use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
+use fsdp::io::{self, FileFormat};
+use fsdp::model::ModelSpec;
+use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
+use fsdp::{Error, OptimStateDict, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Inspect, convert, consolidate and shard PyTorch (FSDP) checkpoint files.
+///
+/// Formats follow the file extension: `.pt`/`.pth` (also `.bin`, `.ckpt`) are torch.save
+/// files, `.safetensors` are single safetensors files.
+#[derive(Parser, Debug)]
+#[command(name = "fsdp-ckpt", version)]
+struct Cli {
+    /// No progress bars.
+    #[arg(short, long, global = true)]
+    quiet: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show what an optimizer or model state dict file holds: keys and key types, state
+    /// names, dtypes, shapes, steps, param groups, total tensor bytes.
+    Inspect {
+        /// The file (.pt, .pth or .safetensors).
+        file: PathBuf,
+        /// Machine-readable JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Convert between torch.save and safetensors (formats chosen by extension); the dict
+    /// comes back equal after a round trip.
+    Convert {
+        /// Input file.
+        input: PathBuf,
+        /// Output file.
+        output: PathBuf,
+    },
+    /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
+    /// the dict `FSDP.full_optim_state_dict` returns.
+    ConsolidateTorch {
+        /// The model description and wrapping policy (JSON; see README).
+        #[arg(long = "model", value_name = "DESC.json")]
+        model: PathBuf,
+        /// One file per rank, in rank order.
+        #[arg(required = true, value_name = "RANK.pt")]
+        ranks: Vec<PathBuf>,
+        /// Output file.
+        #[arg(short, long, value_name = "FULL.pt")]
+        output: PathBuf,
+        /// The optimizer is a named optimizer (state keyed by parameter names, not ids).
+        #[arg(long)]
+        named_optimizer: bool,
+    },
+    /// Shard a full optimizer state dict into the local dict each rank's optimizer loads
+    /// (`FSDP.shard_full_optim_state_dict`), written as DIR/rank{r}.pt.
+    ShardTorch {
+        /// The model description and wrapping policy (JSON; see README).
+        #[arg(long = "model", value_name = "DESC.json")]
+        model: PathBuf,
+        /// The full optimizer state dict.
+        #[arg(value_name = "FULL.pt")]
+        full: PathBuf,
+        /// Number of ranks.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        world_size: u32,
+        /// Output directory (created if missing).
+        #[arg(short, long, value_name = "DIR")]
+        output: PathBuf,
+        /// The optimizer is a named optimizer (state keyed by parameter names, not ids).
+        #[arg(long)]
+        named_optimizer: bool,
+        /// Extension of the rank files.
+        #[arg(long, default_value = "pt", value_parser = ["pt", "pth", "safetensors"])]
+        ext: String,
+    },
+}
+
+/// Progress reporting on stderr (hidden when quiet or not a terminal).
+struct Progress {
+    quiet: bool,
+}
+
+impl Progress {
+    fn target(&self) -> ProgressDrawTarget {
+        if self.quiet {
+            ProgressDrawTarget::hidden()
+        } else {
+            ProgressDrawTarget::stderr()
+        }
+    }
+
+    fn bar(&self, len: usize, what: &str) -> ProgressBar {
+        let pb = ProgressBar::with_draw_target(Some(len as u64), self.target());
+        pb.set_style(
+            ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} ({elapsed})")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        pb.set_message(what.to_string());
+        pb
+    }
+
+    fn spinner(&self, what: &str) -> ProgressBar {
+        let pb = ProgressBar::with_draw_target(None, self.target());
+        pb.set_style(
+            ProgressStyle::with_template("{spinner} {msg} ({elapsed})").expect("valid template"),
+        );
+        pb.set_message(what.to_string());
+        pb.enable_steady_tick(Duration::from_millis(120));
+        pb
+    }
+
+    /// Runs `f` under a spinner.
+    fn step<T>(&self, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let pb = self.spinner(what);
+        let out = f();
+        pb.finish_and_clear();
+        out
+    }
+}
+
+fn load_spec(path: &Path, named: bool) -> Result<ModelSpec> {
+    let mut spec = ModelSpec::from_json_file(path)?;
+    if named {
+        if let Some(p) = &mut spec.optim_params {
+            p.named = true;
+        }
+        if let Some(per) = &mut spec.optim_params_per_rank {
+            per.iter_mut().for_each(|p| p.named = true);
+        }
+        if spec.optim_params.is_none() && spec.optim_params_per_rank.is_none() {
+            let layout = spec.layout(1)?;
+            let mut p = fsdp::OptimParams::single(layout.default_optim_params());
+            p.named = true;
+            spec.optim_params = Some(p);
+        }
+    }
+    Ok(spec)
+}
+
+fn load_optim(path: &Path) -> Result<OptimStateDict> {
+    optim_from_pyobj(io::load(path)?)
+}
+
+fn save_optim(osd: &OptimStateDict, path: &Path) -> Result<()> {
+    io::save(&optim_to_pyobj(osd)?, path)
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let progress = Progress { quiet: cli.quiet };
+    match cli.command {
+        Command::Inspect { file, json } => {
+            let format = FileFormat::from_path(&file)?;
+            let obj = progress.step(&format!("reading {}", file.display()), || io::load(&file))?;
+            let summary = Summary::of(&obj);
+            if json {
+                let mut v = serde_json::to_value(&summary).map_err(|e| Error::Serialization {
+                    what: "inspect summary".into(),
+                    reason: e.to_string(),
+                })?;
+                if let Some(m) = v.as_object_mut() {
+                    m.insert("file".into(), file.display().to_string().into());
+                    m.insert("format".into(), format.name().into());
+                }
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&v).expect("JSON values print")
+                );
+            } else {
+                println!("file: {} ({})", file.display(), format.name());
+                println!("{summary}");
+            }
+        }
+        Command::Convert { input, output } => {
+            FileFormat::from_path(&output)?;
+            let obj =
+                progress.step(&format!("reading {}", input.display()), || io::load(&input))?;
+            progress.step(&format!("writing {}", output.display()), || {
+                io::save(&obj, &output)
+            })?;
+            let s = Summary::of(&obj);
+            eprintln!(
+                "converted {} -> {}: {} tensors, {} bytes of tensor data",
+                input.display(),
+                output.display(),
+                s.tensor_count,
+                s.total_tensor_bytes
+            );
+        }
+        Command::ConsolidateTorch {
+            model,
+            ranks,
+            output,
+            named_optimizer,
+        } => {
+            FileFormat::from_path(&output)?;
+            let spec = load_spec(&model, named_optimizer)?;
+            // Fail on a model description that does not fit this world size before reading.
+            spec.layout(ranks.len())?;
+            let pb = progress.bar(ranks.len(), "reading rank files");
+            let mut locals = Vec::with_capacity(ranks.len());
+            for r in &ranks {
+                pb.set_message(format!("reading {}", r.display()));
+                locals.push(load_optim(r)?);
+                pb.inc(1);
+            }
+            pb.finish_and_clear();
+            let full = progress.step(&format!("consolidating {} ranks", ranks.len()), || {
+                consolidate_local_dicts(&spec, &locals)
+            })?;
+            drop(locals);
+            progress.step(&format!("writing {}", output.display()), || {
+                save_optim(&full, &output)
+            })?;
+            eprintln!(
+                "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
+                ranks.len(),
+                output.display(),
+                full.state.len(),
+                full.tensor_bytes()
+            );
+        }
+        Command::ShardTorch {
+            model,
+            full,
+            world_size,
+            output,
+            named_optimizer,
+            ext,
+        } => {
+            let spec = load_spec(&model, named_optimizer)?;
+            let ws = world_size as usize;
+            spec.layout(ws)?;
+            let full_osd =
+                progress.step(&format!("reading {}", full.display()), || load_optim(&full))?;
+            let locals = progress.step(&format!("sharding for {ws} ranks"), || {
+                shard_full_dict(&spec, &full_osd, ws)
+            })?;
+            std::fs::create_dir_all(&output).map_err(|e| Error::Io {
+                op: "creating directory".into(),
+                path: output.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            let pb = progress.bar(ws, "writing rank files");
+            for (r, osd) in locals.iter().enumerate() {
+                save_optim(osd, &output.join(format!("rank{r}.{ext}")))?;
+                pb.inc(1);
+            }
+            pb.finish_and_clear();
+            eprintln!(
+                "wrote {ws} rank files to {}/rank{{0..{}}}.{ext}",
+                output.display(),
+                ws - 1
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

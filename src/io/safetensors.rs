@@ -1,0 +1,605 @@
+//! State dicts as single `.safetensors` files that Python's `safetensors` reads directly, and
+//! that come back as the same [`PyObj`] (same keys, key types, order and non-tensor values,
+//! bit-equal tensors).
+//!
+//! # Mapping
+//!
+//! Every tensor anywhere in the object becomes one safetensors tensor (0-dim tensors
+//! included, with shape `[]`), named by its path from the root: the keys of dicts and indices
+//! of lists and tuples joined with `/`. An `int` key is written in decimal, a `str` key as it
+//! is, any other key as its [`PyObj::describe`] text. So:
+//!
+//! | object | tensor names |
+//! | --- | --- |
+//! | optimizer state dict (`optim.state_dict()`) | `state/<key>/<state name>` (`state/0/exp_avg`, `state/layer.weight/step`); a tensor hyper-parameter `param_groups/<i>/<option>` |
+//! | model state dict (`module.state_dict()`) | the parameter or buffer name itself (`layer.weight`) |
+//! | nested values | one more segment per level (`state/0/betas/1`) |
+//!
+//! If two paths give the same name (a key containing `/`), or a name would be the reserved
+//! `__metadata__` or empty, the later tensor gets the first free name of `<name>#2`,
+//! `<name>#3`, …; the metadata below records which name each tensor got, so the mapping back
+//! never depends on parsing names.
+//!
+//! The header's `__metadata__` holds two entries: `format: "pt"` (the convention of
+//! `safetensors.torch`) and [`OBJECT_KEY`], the object's structure as JSON with every tensor
+//! replaced by a reference to its name:
+//!
+//! | Python value | JSON |
+//! | --- | --- |
+//! | `None`, `bool`, `str` | `null`, `true`/`false`, a string |
+//! | `int` (64-bit) | a JSON integer |
+//! | `int` (beyond 64 bits) | `{"bigint": "<hex of the little-endian two's-complement bytes>"}` |
+//! | `float` | `{"float": "<Rust's shortest round-trip text>"}` (`"0.9"`, `"1e-8"`, `"inf"`); NaN as `"nan:<hex bits>"` so its payload survives |
+//! | `bytes` | `{"bytes": "<hex>"}` |
+//! | `list` | a JSON array |
+//! | `tuple` | `{"tuple": [...]}` |
+//! | `dict` | `{"dict": [[key, value], ...]}` in order (keys keep their type) |
+//! | `collections.OrderedDict` | `{"odict": [[key, value], ...], "attrs": [["name", value], ...]}` (a model state dict's `_metadata` goes in `attrs`) |
+//! | tensor | `{"tensor": "<name in the file>"}` |
+//!
+//! A safetensors file without [`OBJECT_KEY`] (written by another tool) reads as an
+//! `OrderedDict` of its tensors, sorted by name (the order `safetensors.torch.load_file`
+//! gives).
+//!
+//! Tensors that share storage in a `torch.save` file are written as separate tensors
+//! (safetensors has no aliasing), so they come back equal but no longer shared.
+//!
+//! ```
+//! use fsdp::io::{safetensors, torch_save::PyObj};
+//! use fsdp::HostTensor;
+//!
+//! let sd = PyObj::Dict(vec![
+//!     (PyObj::Str("state".into()), PyObj::Dict(vec![(
+//!         PyObj::Int(0),
+//!         PyObj::Dict(vec![(PyObj::Str("step".into()), PyObj::Tensor(HostTensor::scalar(3.0f32)))]),
+//!     )])),
+//!     (PyObj::Str("param_groups".into()), PyObj::List(vec![])),
+//! ]);
+//! let bytes = safetensors::save_to_bytes(&sd).unwrap();
+//! assert_eq!(safetensors::tensor_names(&sd), ["state/0/step"]);
+//! assert!(safetensors::load_from_bytes(&bytes).unwrap().bit_eq(&sd));
+//! ```
+
+use super::torch_save::{ModelStateDict, PyObj};
+use crate::error::{Error, Result};
+use crate::optim_state::OptimStateDict;
+use crate::tensor::{DType, HostTensor};
+use ::safetensors::tensor::{Dtype, SafeTensors, View};
+use serde_json::{json, Value as Json};
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+/// The `__metadata__` entry holding the object's structure (see the module docs).
+pub const OBJECT_KEY: &str = "fsdp.pyobj.v1";
+
+/// Name used for in-memory files in error messages.
+const MEMORY: &str = "<memory>";
+
+fn to_st_dtype(d: DType) -> Dtype {
+    match d {
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::I64 => Dtype::I64,
+        DType::I32 => Dtype::I32,
+        DType::U8 => Dtype::U8,
+        DType::Bool => Dtype::BOOL,
+    }
+}
+
+fn from_st_dtype(d: Dtype) -> Option<DType> {
+    Some(match d {
+        Dtype::F32 => DType::F32,
+        Dtype::F64 => DType::F64,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::I64 => DType::I64,
+        Dtype::I32 => DType::I32,
+        Dtype::U8 => DType::U8,
+        Dtype::BOOL => DType::Bool,
+        _ => return None,
+    })
+}
+
+/// A [`HostTensor`] as the `safetensors` crate's [`View`].
+struct TensorRef<'a>(&'a HostTensor);
+
+impl View for TensorRef<'_> {
+    fn dtype(&self) -> Dtype {
+        to_st_dtype(self.0.dtype())
+    }
+    fn shape(&self) -> &[usize] {
+        self.0.shape()
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(self.0.as_bytes())
+    }
+    fn data_len(&self) -> usize {
+        self.0.nbytes()
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn key_segment(key: &PyObj) -> String {
+    match key {
+        PyObj::Str(s) => s.clone(),
+        PyObj::Int(i) => i.to_string(),
+        other => other.describe(),
+    }
+}
+
+/// Walks an object, naming tensors and building the JSON skeleton.
+struct Encoder<'a> {
+    used: HashSet<String>,
+    tensors: Vec<(String, &'a HostTensor)>,
+}
+
+impl<'a> Encoder<'a> {
+    fn name(&mut self, path: &str) -> String {
+        let base = if path.is_empty() { "tensor" } else { path };
+        let mut name = base.to_string();
+        let mut n = 1;
+        while name == "__metadata__" || self.used.contains(&name) {
+            n += 1;
+            name = format!("{base}#{n}");
+        }
+        self.used.insert(name.clone());
+        name
+    }
+
+    fn child(path: &str, seg: &str) -> String {
+        if path.is_empty() {
+            seg.to_string()
+        } else {
+            format!("{path}/{seg}")
+        }
+    }
+
+    fn pairs(&mut self, items: &'a [(PyObj, PyObj)], path: &str) -> Json {
+        Json::Array(
+            items
+                .iter()
+                .map(|(k, v)| {
+                    let seg = key_segment(k);
+                    // Keys are never tensors in a state dict; a tensor key is still stored.
+                    let kj = self.encode(k, &Self::child(path, &format!("{seg}#key")));
+                    json!([kj, self.encode(v, &Self::child(path, &seg))])
+                })
+                .collect(),
+        )
+    }
+
+    fn encode(&mut self, obj: &'a PyObj, path: &str) -> Json {
+        match obj {
+            PyObj::None => Json::Null,
+            PyObj::Bool(b) => Json::Bool(*b),
+            PyObj::Int(i) => json!(i),
+            PyObj::BigInt(b) => json!({ "bigint": hex(b) }),
+            PyObj::Float(x) => json!({ "float": float_text(*x) }),
+            PyObj::Str(s) => Json::String(s.clone()),
+            PyObj::Bytes(b) => json!({ "bytes": hex(b) }),
+            PyObj::List(xs) => Json::Array(
+                xs.iter()
+                    .enumerate()
+                    .map(|(i, x)| self.encode(x, &Self::child(path, &i.to_string())))
+                    .collect(),
+            ),
+            PyObj::Tuple(xs) => json!({ "tuple": xs
+                .iter()
+                .enumerate()
+                .map(|(i, x)| self.encode(x, &Self::child(path, &i.to_string())))
+                .collect::<Vec<_>>() }),
+            PyObj::Dict(items) => json!({ "dict": self.pairs(items, path) }),
+            PyObj::OrderedDict { items, attrs } => {
+                let items = self.pairs(items, path);
+                let attrs: Vec<Json> = attrs
+                    .iter()
+                    .map(|(k, v)| json!([k, self.encode(v, &Self::child(path, &format!("@{k}")))]))
+                    .collect();
+                json!({ "odict": items, "attrs": attrs })
+            }
+            PyObj::Tensor(t) => {
+                let name = self.name(path);
+                self.tensors.push((name.clone(), t));
+                json!({ "tensor": name })
+            }
+        }
+    }
+}
+
+fn float_text(x: f64) -> String {
+    if x.is_nan() {
+        format!("nan:{:016x}", x.to_bits())
+    } else {
+        format!("{x:?}")
+    }
+}
+
+fn parse_float(s: &str) -> Option<f64> {
+    match s.strip_prefix("nan:") {
+        Some(bits) => u64::from_str_radix(bits, 16).ok().map(f64::from_bits),
+        None => s.parse().ok(),
+    }
+}
+
+/// Every tensor of `obj` with the name it gets in a safetensors file, in the order they are
+/// met (depth first, in dict order).
+pub fn named_tensors(obj: &PyObj) -> Vec<(String, &HostTensor)> {
+    let mut enc = Encoder {
+        used: HashSet::new(),
+        tensors: Vec::new(),
+    };
+    enc.encode(obj, "");
+    enc.tensors
+}
+
+/// The names the tensors of `obj` get in a safetensors file, in the order they are met.
+pub fn tensor_names(obj: &PyObj) -> Vec<String> {
+    named_tensors(obj).into_iter().map(|(n, _)| n).collect()
+}
+
+fn st_err(file: &str, reason: impl std::fmt::Display) -> Error {
+    Error::Safetensors {
+        file: file.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+fn prepare(obj: &PyObj) -> (Vec<(String, TensorRef<'_>)>, HashMap<String, String>) {
+    let mut enc = Encoder {
+        used: HashSet::new(),
+        tensors: Vec::new(),
+    };
+    let skeleton = enc.encode(obj, "");
+    let mut meta = HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    meta.insert(OBJECT_KEY.to_string(), skeleton.to_string());
+    let tensors = enc
+        .tensors
+        .into_iter()
+        .map(|(n, t)| (n, TensorRef(t)))
+        .collect();
+    (tensors, meta)
+}
+
+/// Writes `obj` to `path` as one safetensors file (see the module docs for the mapping),
+/// atomically (a temporary file beside `path` is renamed over it).
+pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
+    let path = path.as_ref();
+    let (tensors, meta) = prepare(obj);
+    ::safetensors::tensor::serialize_to_file(tensors, Some(meta), path)
+        .map_err(|e| st_err(&path.display().to_string(), e))
+}
+
+/// Serializes `obj` as a safetensors file in memory.
+pub fn save_to_bytes(obj: &PyObj) -> Result<Vec<u8>> {
+    let (tensors, meta) = prepare(obj);
+    ::safetensors::tensor::serialize(tensors, Some(meta)).map_err(|e| st_err(MEMORY, e))
+}
+
+/// Reads the object stored in the safetensors file at `path`.
+pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
+    let path = path.as_ref();
+    let name = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| Error::Io {
+        op: "reading".into(),
+        path: name.clone(),
+        reason: e.to_string(),
+    })?;
+    read(&name, &bytes)
+}
+
+/// Reads the object stored in a safetensors file held in memory.
+pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
+    read(MEMORY, bytes)
+}
+
+fn read(file: &str, bytes: &[u8]) -> Result<PyObj> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| st_err(file, e))?;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| st_err(file, e))?;
+    let mut tensors: HashMap<String, HostTensor> = HashMap::new();
+    for (name, view) in st.iter() {
+        let dtype = from_st_dtype(view.dtype()).ok_or_else(|| {
+            st_err(
+                file,
+                format!(
+                    "tensor `{name}` has dtype {:?}, which is not supported",
+                    view.dtype()
+                ),
+            )
+        })?;
+        let t = HostTensor::from_bytes(dtype, view.shape(), view.data())
+            .map_err(|e| st_err(file, format!("tensor `{name}`: {e}")))?;
+        tensors.insert(name.to_string(), t);
+    }
+    let skeleton = header.metadata().as_ref().and_then(|m| m.get(OBJECT_KEY));
+    let Some(skeleton) = skeleton else {
+        let mut items: Vec<(String, HostTensor)> = tensors.into_iter().collect();
+        items.sort_by(|a, b| a.0.cmp(&b.0));
+        return Ok(PyObj::OrderedDict {
+            items: items
+                .into_iter()
+                .map(|(k, t)| (PyObj::Str(k), PyObj::Tensor(t)))
+                .collect(),
+            attrs: Vec::new(),
+        });
+    };
+    let json: Json = serde_json::from_str(skeleton)
+        .map_err(|e| st_err(file, format!("`{OBJECT_KEY}` metadata is not JSON: {e}")))?;
+    let mut dec = Decoder {
+        file,
+        tensors,
+        taken: HashSet::new(),
+    };
+    let obj = dec.decode(&json, "<root>")?;
+    if let Some(extra) = dec.tensors.keys().find(|k| !dec.taken.contains(*k)) {
+        return Err(st_err(
+            file,
+            format!("tensor `{extra}` is not referenced by the `{OBJECT_KEY}` metadata"),
+        ));
+    }
+    Ok(obj)
+}
+
+struct Decoder<'f> {
+    file: &'f str,
+    tensors: HashMap<String, HostTensor>,
+    taken: HashSet<String>,
+}
+
+impl Decoder<'_> {
+    fn bad(&self, path: &str, what: &Json) -> Error {
+        let mut text = what.to_string();
+        if text.len() > 80 {
+            text.truncate(77);
+            text.push_str("...");
+        }
+        st_err(
+            self.file,
+            format!("malformed `{OBJECT_KEY}` metadata at {path}: unexpected {text}"),
+        )
+    }
+
+    fn pairs(&mut self, j: &Json, path: &str) -> Result<Vec<(PyObj, PyObj)>> {
+        let arr = j.as_array().ok_or_else(|| self.bad(path, j))?;
+        arr.iter()
+            .enumerate()
+            .map(|(i, p)| match p.as_array().map(Vec::as_slice) {
+                Some([k, v]) => {
+                    let p = format!("{path}[{i}]");
+                    Ok((self.decode(k, &p)?, self.decode(v, &p)?))
+                }
+                _ => Err(self.bad(path, p)),
+            })
+            .collect()
+    }
+
+    fn decode(&mut self, j: &Json, path: &str) -> Result<PyObj> {
+        Ok(match j {
+            Json::Null => PyObj::None,
+            Json::Bool(b) => PyObj::Bool(*b),
+            Json::Number(n) => PyObj::Int(n.as_i64().ok_or_else(|| self.bad(path, j))?),
+            Json::String(s) => PyObj::Str(s.clone()),
+            Json::Array(xs) => PyObj::List(
+                xs.iter()
+                    .enumerate()
+                    .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
+                    .collect::<Result<_>>()?,
+            ),
+            Json::Object(m) => {
+                let tag = |k: &str| m.get(k);
+                if m.len() == 1 {
+                    if let Some(Json::String(s)) = tag("float") {
+                        return parse_float(s)
+                            .map(PyObj::Float)
+                            .ok_or_else(|| self.bad(path, j));
+                    }
+                    if let Some(Json::String(s)) = tag("bigint") {
+                        return unhex(s).map(PyObj::BigInt).ok_or_else(|| self.bad(path, j));
+                    }
+                    if let Some(Json::String(s)) = tag("bytes") {
+                        return unhex(s).map(PyObj::Bytes).ok_or_else(|| self.bad(path, j));
+                    }
+                    if let Some(Json::Array(xs)) = tag("tuple") {
+                        return Ok(PyObj::Tuple(
+                            xs.iter()
+                                .enumerate()
+                                .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
+                                .collect::<Result<_>>()?,
+                        ));
+                    }
+                    if let Some(d) = tag("dict") {
+                        return Ok(PyObj::Dict(self.pairs(d, path)?));
+                    }
+                    if let Some(Json::String(name)) = tag("tensor") {
+                        if !self.taken.insert(name.clone()) {
+                            return Err(st_err(
+                                self.file,
+                                format!("tensor `{name}` is referenced twice by the metadata"),
+                            ));
+                        }
+                        return self.tensors.get(name).cloned().map(PyObj::Tensor).ok_or_else(
+                            || {
+                                st_err(
+                                    self.file,
+                                    format!(
+                                        "the metadata refers to tensor `{name}` (at {path}), which is not in the file"
+                                    ),
+                                )
+                            },
+                        );
+                    }
+                }
+                if let (2, Some(items), Some(Json::Array(attrs))) =
+                    (m.len(), tag("odict"), tag("attrs"))
+                {
+                    let items = self.pairs(items, path)?;
+                    let attrs = attrs
+                        .iter()
+                        .map(|a| match a.as_array().map(Vec::as_slice) {
+                            Some([Json::String(k), v]) => {
+                                Ok((k.clone(), self.decode(v, &format!("{path}.{k}"))?))
+                            }
+                            _ => Err(self.bad(path, a)),
+                        })
+                        .collect::<Result<_>>()?;
+                    return Ok(PyObj::OrderedDict { items, attrs });
+                }
+                return Err(self.bad(path, j));
+            }
+        })
+    }
+}
+
+/// Reads an optimizer state dict from a safetensors file written by [`save_optim_state_dict`]
+/// (or by [`save`] of an optimizer state dict's object).
+pub fn load_optim_state_dict(path: impl AsRef<Path>) -> Result<OptimStateDict> {
+    super::torch_save::optim_from_pyobj(load(path)?)
+}
+
+/// Writes an optimizer state dict as one safetensors file (`state/<key>/<state name>`).
+pub fn save_optim_state_dict(osd: &OptimStateDict, path: impl AsRef<Path>) -> Result<()> {
+    save(&super::torch_save::optim_to_pyobj(osd)?, path)
+}
+
+/// Reads a model state dict from a safetensors file (ours, or any other: then in name order).
+pub fn load_model_state_dict(path: impl AsRef<Path>) -> Result<ModelStateDict> {
+    super::torch_save::model_from_pyobj(load(path)?)
+}
+
+/// Writes a model state dict as one safetensors file whose tensor names are the state dict's
+/// keys.
+pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Result<()> {
+    save(&super::torch_save::model_to_pyobj(msd), path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(v: f32) -> PyObj {
+        PyObj::Tensor(HostTensor::from_vec1(&[v, v + 1.0]))
+    }
+
+    #[test]
+    fn every_kind_of_value_round_trips() {
+        let obj = PyObj::Dict(vec![
+            (
+                PyObj::Str("state".into()),
+                PyObj::Dict(vec![
+                    (
+                        PyObj::Int(0),
+                        PyObj::Dict(vec![
+                            (PyObj::Str("exp_avg".into()), t(1.0)),
+                            (
+                                PyObj::Str("step".into()),
+                                PyObj::Tensor(HostTensor::scalar(2.0f32)),
+                            ),
+                        ]),
+                    ),
+                    (
+                        PyObj::Str("0".into()),
+                        PyObj::Dict(vec![(PyObj::Str("x".into()), t(5.0))]),
+                    ),
+                    (PyObj::Str("a/b".into()), t(7.0)),
+                    (
+                        PyObj::Str("a".into()),
+                        PyObj::Dict(vec![(PyObj::Str("b".into()), t(9.0))]),
+                    ),
+                ]),
+            ),
+            (
+                PyObj::Str("misc".into()),
+                PyObj::List(vec![
+                    PyObj::None,
+                    PyObj::Bool(true),
+                    PyObj::Int(-3),
+                    PyObj::BigInt(vec![0, 0, 0, 0, 0, 0, 0, 0, 1]),
+                    PyObj::Float(f64::from_bits(0x7ff8_0000_0000_0001)),
+                    PyObj::Float(-0.0),
+                    PyObj::Float(0.1 + 0.2),
+                    PyObj::Float(f64::INFINITY),
+                    PyObj::Float(1e-300),
+                    PyObj::Bytes(vec![0, 255]),
+                    PyObj::Tuple(vec![PyObj::Float(0.9), PyObj::Float(0.999)]),
+                    PyObj::Tensor(HostTensor::from_bools(&[true, false], &[2]).unwrap()),
+                    PyObj::Tensor(HostTensor::zeros(DType::BF16, &[0, 3])),
+                ]),
+            ),
+            (
+                PyObj::Str("__metadata__".into()),
+                PyObj::OrderedDict {
+                    items: vec![(PyObj::Str("w".into()), t(3.0))],
+                    attrs: vec![(
+                        "_metadata".into(),
+                        PyObj::Dict(vec![(PyObj::Str("".into()), PyObj::Int(1))]),
+                    )],
+                },
+            ),
+        ]);
+        let bytes = save_to_bytes(&obj).unwrap();
+        let back = load_from_bytes(&bytes).unwrap();
+        assert!(back.bit_eq(&obj), "{back:?}");
+        let names = tensor_names(&obj);
+        assert_eq!(
+            names,
+            [
+                "state/0/exp_avg",
+                "state/0/step",
+                "state/0/x",
+                "state/a/b",
+                "state/a/b#2",
+                "misc/11",
+                "misc/12",
+                "__metadata__/w"
+            ]
+        );
+    }
+
+    #[test]
+    fn foreign_files_read_as_ordered_dicts_and_bad_metadata_is_an_error() {
+        let a = HostTensor::from_vec1(&[1.0f32]);
+        let b = HostTensor::from_vec1(&[2i64]);
+        let bytes = ::safetensors::tensor::serialize(
+            vec![("z", TensorRef(&a)), ("b", TensorRef(&b))],
+            None,
+        )
+        .unwrap();
+        let obj = load_from_bytes(&bytes).unwrap();
+        let keys: Vec<_> = obj
+            .dict_items()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.clone())
+            .collect();
+        assert_eq!(keys, [PyObj::Str("b".into()), PyObj::Str("z".into())]);
+
+        let mut meta = HashMap::new();
+        meta.insert(
+            OBJECT_KEY.to_string(),
+            r#"{"tensor": "missing"}"#.to_string(),
+        );
+        let bytes =
+            ::safetensors::tensor::serialize(vec![("z", TensorRef(&a))], Some(meta)).unwrap();
+        let e = load_from_bytes(&bytes).unwrap_err();
+        assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+        assert!(e.to_string().contains("missing"), "{e}");
+        let e = load_from_bytes(b"garbage").unwrap_err();
+        assert!(matches!(e, Error::Safetensors { .. }), "{e}");
+    }
+}

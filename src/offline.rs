@@ -1,0 +1,222 @@
+//! Offline conversion of saved per-rank optimizer state: consolidation of every rank's local
+//! dict into the full dict, and sharding of a full dict into every rank's local dict, in one
+//! process, without a distributed job. What `fsdp-ckpt consolidate-torch` and `shard-torch`
+//! run.
+//!
+//! * [`consolidate_local_dicts`] runs the crate's own [`Fsdp::full_optim_state_dict`] over
+//!   in-process thread ranks ([`ThreadGroup`]), one thread per rank file, so the result is
+//!   what rank 0 of a live job gets (rank-0-only gathering).
+//! * [`shard_full_dict`] needs no communication: each rank's dict is the pure
+//!   [`flatten_optim_state_dict`] for that rank, as [`Fsdp::shard_full_optim_state_dict`]
+//!   computes it.
+//!
+//! Both check the input against the layout first, so that per-rank files saved at another
+//! world size give [`Error::WorldSizeMismatch`] naming the world sizes that would fit.
+//!
+//! ```
+//! use fsdp::model::ModelSpec;
+//! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
+//! use fsdp::{DType, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy};
+//!
+//! let model = ModelDesc::new()
+//!     .param("a.weight", &[3, 2], DType::F32)
+//!     .param("b.weight", &[5], DType::F32);
+//! let spec = ModelSpec::new(model.clone(), WrapPolicy::units(&["a", ""]));
+//! let mut full = OptimStateDict::default();
+//! for p in &model.params {
+//!     let mut st = ParamState::new();
+//!     st.insert("exp_avg".into(), Value::Tensor(HostTensor::zeros(DType::F32, &p.shape)));
+//!     st.insert("step".into(), Value::Tensor(HostTensor::scalar(1.0f32)));
+//!     full.state.insert(ParamKey::Name(p.name.clone()), st);
+//! }
+//! full.param_groups = None;
+//! let ranks = shard_full_dict(&spec, &full, 3).unwrap();
+//! assert_eq!(ranks.len(), 3);
+//! let back = consolidate_local_dicts(&spec, &ranks).unwrap();
+//! assert_eq!(back, full);
+//! ```
+
+use crate::collectives::{ProcessGroup, ThreadGroup};
+use crate::error::{Error, Result};
+use crate::flat_param::ModelLayout;
+use crate::fsdp::Fsdp;
+use crate::model::ModelSpec;
+use crate::optim_state::keys::Resolved;
+use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Largest world size [`Error::WorldSizeMismatch`] messages search for a fitting one.
+const MAX_SUGGESTED_WORLD_SIZE: usize = 1024;
+
+/// How long a thread rank waits for its peers in [`consolidate_local_dicts`]: all ranks are in
+/// this process, so only a bug could make one wait; large states take long to copy.
+const RANK_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
+impl ModelSpec {
+    /// The layout at `world_size` (hybrid strategies are not supported offline).
+    pub fn layout(&self, world_size: usize) -> Result<ModelLayout> {
+        if self.policy.sharding_strategy.is_hybrid() {
+            return Err(Error::Unsupported(
+                "offline conversion of HYBRID_SHARD checkpoints (consolidate each shard group's files separately with FULL_SHARD)".into(),
+            ));
+        }
+        ModelLayout::new(&self.model, &self.policy, world_size)
+    }
+
+    /// What rank `rank`'s optimizer holds: `optim_params_per_rank[rank]`, else
+    /// `optim_params`, else `model.parameters()` of the wrapped model ([`Fsdp::optim_params`]).
+    pub fn optim_params_for(&self, layout: &ModelLayout, rank: usize) -> Result<OptimParams> {
+        if let Some(per) = &self.optim_params_per_rank {
+            return per
+                .get(rank)
+                .cloned()
+                .ok_or_else(|| Error::WorldSizeMismatch {
+                    files: layout.world_size,
+                    detail: format!(
+                        "`optim_params_per_rank` of the model spec has {} entries",
+                        per.len()
+                    ),
+                });
+        }
+        Ok(self
+            .optim_params
+            .clone()
+            .unwrap_or_else(|| OptimParams::single(layout.default_optim_params())))
+    }
+}
+
+/// The first positive-dim tensor state of `osd` whose element count does not fit rank
+/// `rank`'s part of `layout`, described; `None` if all fit (or `params` does not resolve,
+/// which consolidation then reports precisely).
+fn shape_misfit(
+    layout: &ModelLayout,
+    rank: usize,
+    osd: &OptimStateDict,
+    params: &OptimParams,
+) -> Option<String> {
+    let local = layout.local_params(params).ok()?;
+    for l in &local {
+        let Some(state) = osd.state.get(&l.key) else {
+            continue;
+        };
+        let (expected, what) = match l.resolved {
+            Resolved::Flat(f) => {
+                let fp = &layout.flat_params[f];
+                let unit = if fp.unit.is_empty() {
+                    "the root unit".to_string()
+                } else {
+                    format!("unit `{}`", fp.unit)
+                };
+                (fp.shard_numel(), format!("the flat parameter of {unit}"))
+            }
+            Resolved::Orig {
+                param,
+                owner: Some((f, m)),
+            } => (
+                layout.flat_params[f].shard(rank).params[m].numel_in_shard,
+                format!("parameter `{}`", layout.state_fqn(param)),
+            ),
+            Resolved::Orig { owner: None, .. } => continue,
+        };
+        for (name, v) in state {
+            if let Value::Tensor(t) = v {
+                if t.dim() > 0 && t.numel() != expected {
+                    return Some(format!(
+                        "rank {rank}'s state `{name}` of {what} (key {}) has {} elements where world size {} gives {expected}",
+                        l.key,
+                        t.numel(),
+                        layout.world_size
+                    ));
+                }
+            }
+        }
+    }
+    None
+}
+
+/// Checks every rank's local dict against the layout at `locals.len()` ranks.
+fn check_world_size(
+    spec: &ModelSpec,
+    layout: &ModelLayout,
+    locals: &[OptimStateDict],
+) -> Result<()> {
+    let misfit = |layout: &ModelLayout| -> Result<Option<String>> {
+        for (rank, osd) in locals.iter().enumerate() {
+            let params = spec.optim_params_for(layout, rank)?;
+            if let Some(m) = shape_misfit(layout, rank, osd, &params) {
+                return Ok(Some(m));
+            }
+        }
+        Ok(None)
+    };
+    let Some(detail) = misfit(layout)? else {
+        return Ok(());
+    };
+    // Which world sizes would every rank-0 tensor fit? (rank 0 only: the files given are not
+    // all the ranks of another world size.)
+    let fits: Vec<usize> = (1..=MAX_SUGGESTED_WORLD_SIZE)
+        .filter(|&ws| ws != layout.world_size)
+        .filter(|&ws| {
+            spec.layout(ws).is_ok_and(|l| {
+                spec.optim_params_for(&l, 0)
+                    .is_ok_and(|p| shape_misfit(&l, 0, &locals[0], &p).is_none())
+            })
+        })
+        .take(8)
+        .collect();
+    let hint = if fits.is_empty() {
+        format!(
+            "; no world size up to {MAX_SUGGESTED_WORLD_SIZE} fits rank 0's file: were the files saved with another model description or wrapping policy?"
+        )
+    } else {
+        format!("; rank 0's file fits world size(s) {fits:?}: pass one file per rank of that run")
+    };
+    Err(Error::WorldSizeMismatch {
+        files: locals.len(),
+        detail: format!("{detail}{hint}"),
+    })
+}
+
+/// `FSDP.full_optim_state_dict` of a job whose ranks saved `locals` (index = rank): the full,
+/// name-keyed dict rank 0 would get. Runs one thread rank per dict.
+pub fn consolidate_local_dicts(
+    spec: &ModelSpec,
+    locals: &[OptimStateDict],
+) -> Result<OptimStateDict> {
+    if locals.is_empty() {
+        return Err(Error::WorldSizeMismatch {
+            files: 0,
+            detail: "at least one rank's optimizer state dict is needed".into(),
+        });
+    }
+    let ws = locals.len();
+    let layout = spec.layout(ws)?;
+    check_world_size(spec, &layout, locals)?;
+    let params: Vec<OptimParams> = (0..ws)
+        .map(|r| spec.optim_params_for(&layout, r))
+        .collect::<Result<_>>()?;
+    let mut results = ThreadGroup::run_with_timeout(ws, RANK_TIMEOUT, |pg| {
+        let rank = pg.rank();
+        let fsdp = Fsdp::new(&spec.model, &spec.policy, Arc::new(pg))?;
+        fsdp.full_optim_state_dict(&locals[rank], &params[rank], true)
+    });
+    let rank0 = results.swap_remove(0)?;
+    Ok(rank0.expect("rank 0 returns the full dict with rank0_only"))
+}
+
+/// `FSDP.shard_full_optim_state_dict` on every rank of a `world_size`-rank job: each rank's
+/// flattened, sharded dict for its optimizer (index = rank). Pure: no communication.
+pub fn shard_full_dict(
+    spec: &ModelSpec,
+    full: &OptimStateDict,
+    world_size: usize,
+) -> Result<Vec<OptimStateDict>> {
+    let layout = spec.layout(world_size)?;
+    (0..world_size)
+        .map(|rank| {
+            let params = spec.optim_params_for(&layout, rank)?;
+            flatten_optim_state_dict(&layout, rank, full, &params)
+        })
+        .collect()
+}
