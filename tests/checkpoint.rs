@@ -497,3 +497,29 @@ fn offline_reshard_to_another_world_size_and_wrapping_loads_like_shard_full() {
     assert_eq!(read_manifest(&dst).unwrap().world_size, 2);
     assert!(leftovers(root.path()).is_empty());
 }
+
+#[test]
+fn streaming_consolidation_writes_the_full_dict_as_safetensors() {
+    for (model, policy) in [
+        (common::nested_model(), common::wrap(true)),
+        (
+            common::nested_model(),
+            common::wrap(false).with_orig_params(true),
+        ),
+        (common::transformer_model(), common::transformer_policy()),
+    ] {
+        let full = full_adam(&model, 6.0);
+        let root = tmp();
+        let dir = root.path().join("ckpt");
+        for r in save_at(&model, &policy, 3, &full, &dir, &SaveOptions::default()) {
+            r.unwrap();
+        }
+        let out = root.path().join("full.safetensors");
+        let written = checkpoint::consolidate_to_safetensors(&dir, &out, |_| {}).unwrap();
+        assert!(written > 0);
+        let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
+        let in_memory = load_full(&dir, &LoadOptions::default()).unwrap();
+        assert_identical(&streamed, &in_memory, "streamed vs in memory");
+        common::assert_same_state(&streamed, &full, "streamed vs saved");
+    }
+}

@@ -260,6 +260,12 @@ fn st_err(file: &str, reason: impl std::fmt::Display) -> Error {
     }
 }
 
+/// The tensors of `obj` with their names, and the `__metadata__` entries describing it.
+pub(crate) fn parts(obj: &PyObj) -> (Vec<(String, &HostTensor)>, HashMap<String, String>) {
+    let (tensors, meta) = prepare(obj);
+    (tensors.into_iter().map(|(n, t)| (n, t.0)).collect(), meta)
+}
+
 fn prepare(obj: &PyObj) -> (Vec<(String, TensorRef<'_>)>, HashMap<String, String>) {
     let mut enc = Encoder {
         used: HashSet::new(),

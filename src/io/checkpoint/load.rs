@@ -556,7 +556,7 @@ pub fn load_full(dir: &Path, opts: &LoadOptions) -> Result<OptimStateDict> {
 /// The key order consolidation gives a managed parameter's state (PyTorch's): sorted
 /// positive-dim tensor states, then sorted 0-dim states, then sorted plain values; with
 /// `use_orig_params`, plain values, 0-dim states, then tensor states, each sorted.
-fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
+pub(super) fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
     let mut entries: Vec<(String, Value)> = st.into_iter().collect();
     let class = |v: &Value| match (v.is_pos_dim_tensor(), v.is_zero_dim_tensor(), orig) {
         (true, _, false) => 0,

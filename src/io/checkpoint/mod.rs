@@ -24,6 +24,7 @@ mod load;
 mod manifest;
 mod reshard;
 mod save;
+mod stream;
 
 pub use load::{load, load_full, verify, LoadOptions};
 pub use manifest::{
@@ -32,6 +33,7 @@ pub use manifest::{
 };
 pub use reshard::reshard;
 pub use save::{save, CrashPoint, SaveOptions};
+pub use stream::consolidate_to_safetensors;
 
 use crate::error::{Error, Result};
 use std::path::Path;
