@@ -552,3 +552,83 @@ fn readme_desc_json_example_is_a_valid_model_spec() {
         fsdp::OptimParams::single(layout.default_optim_params())
     );
 }
+
+// ----- sharded checkpoint directories -----
+
+#[test]
+fn checkpoint_commands_reshard_consolidate_verify_and_inspect() {
+    let model = nested_model();
+    let full = full_adam(&model);
+    let root = tempfile::tempdir().unwrap();
+    let ckpt = root.path().join("ckpt8");
+    let consolidated = ThreadGroup::run(8, |pg| {
+        let fsdp = Fsdp::new(&model, &wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        fsdp.save_optim_checkpoint(&local, &params, &ckpt, &Default::default())
+            .unwrap();
+        fsdp.full_optim_state_dict(&local, &params, true).unwrap()
+    })
+    .swap_remove(0)
+    .unwrap();
+
+    let text = ok(&run(&[&"inspect", &ckpt]));
+    assert!(
+        text.contains("world size 8") && text.contains("16 parameters with state"),
+        "{text}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(&run(&[&"inspect", &"--json", &ckpt]))).unwrap();
+    assert_eq!(json["world_size"], 8);
+    assert!(ok(&run(&[&"verify", &ckpt])).contains("OK"));
+
+    // Reshard to 3 ranks with the other wrapping, then consolidate both ways.
+    let policy = root.path().join("alt.json");
+    std::fs::write(&policy, serde_json::to_string(&common::wrap_alt()).unwrap()).unwrap();
+    let ckpt3 = root.path().join("ckpt3");
+    ok(&run(&[
+        &"reshard",
+        &ckpt,
+        &ckpt3,
+        &"--world-size",
+        &"3",
+        &"--policy",
+        &policy,
+    ]));
+    assert_eq!(
+        fsdp::io::checkpoint::read_manifest(&ckpt3)
+            .unwrap()
+            .world_size,
+        3
+    );
+    for out in ["full.safetensors", "full.pt"] {
+        let path = root.path().join(out);
+        ok(&run(&[&"consolidate", &ckpt3, &path]));
+        let back = fsdp::io::torch_save::optim_from_pyobj(fsdp::io::load(&path).unwrap()).unwrap();
+        same(&back, &consolidated, out);
+    }
+
+    // A flipped data byte: verify and consolidate fail with the file and rank named.
+    let file = ckpt3.join("rank2.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    fails(
+        &run(&[&"verify", &ckpt3]),
+        "rank2.safetensors` (rank 2) is corrupt",
+    );
+    fails(
+        &run(&[
+            &"consolidate",
+            &ckpt3,
+            &root.path().join("again.safetensors"),
+        ]),
+        "fails its checksum",
+    );
+    assert!(!root.path().join("again.safetensors").exists());
+    fails(
+        &run(&[&"verify", &root.path().join("missing")]),
+        "never completed",
+    );
+}

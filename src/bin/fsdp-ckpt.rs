@@ -8,7 +8,7 @@
 use clap::{Parser, Subcommand};
 use fsdp::io::inspect::Summary;
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
-use fsdp::io::{self, FileFormat};
+use fsdp::io::{self, checkpoint, FileFormat};
 use fsdp::model::ModelSpec;
 use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
 use fsdp::{Error, OptimStateDict, Result};
@@ -88,6 +88,36 @@ enum Command {
         #[arg(long, default_value = "pt", value_parser = ["pt", "pth", "safetensors"])]
         ext: String,
     },
+    /// Rewrite a sharded checkpoint directory (this crate's format) for another world size
+    /// and optionally another wrapping policy, streaming with bounded memory.
+    Reshard {
+        /// The checkpoint directory.
+        input: PathBuf,
+        /// The new checkpoint directory (replaced atomically if it exists).
+        output: PathBuf,
+        /// New number of ranks.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        world_size: u32,
+        /// New wrapping policy: a JSON `WrapPolicy`, or a DESC.json whose `policy` is used
+        /// (default: the saved policy).
+        #[arg(long, value_name = "POLICY.json")]
+        policy: Option<PathBuf>,
+    },
+    /// Write the full (unflattened, name-keyed) optimizer state dict of a sharded checkpoint
+    /// directory: streaming with bounded memory to `.safetensors`; `.pt` holds the dict in
+    /// memory.
+    Consolidate {
+        /// The checkpoint directory.
+        input: PathBuf,
+        /// Output file (.safetensors, .pt or .pth).
+        output: PathBuf,
+    },
+    /// Check a sharded checkpoint directory completely: commit marker, manifest, file
+    /// lengths and headers, every checksum block.
+    Verify {
+        /// The checkpoint directory.
+        input: PathBuf,
+    },
 }
 
 /// Progress reporting on stderr (hidden when quiet or not a terminal).
@@ -110,6 +140,19 @@ impl Progress {
             ProgressStyle::with_template("{spinner} {msg} [{bar:30}] {pos}/{len} ({elapsed})")
                 .expect("valid template")
                 .progress_chars("=> "),
+        );
+        pb.set_message(what.to_string());
+        pb
+    }
+
+    fn bytes(&self, len: u64, what: &str) -> ProgressBar {
+        let pb = ProgressBar::with_draw_target(Some(len), self.target());
+        pb.set_style(
+            ProgressStyle::with_template(
+                "{spinner} {msg} [{bar:30}] {bytes}/{total_bytes} ({binary_bytes_per_sec})",
+            )
+            .expect("valid template")
+            .progress_chars("=> "),
         );
         pb.set_message(what.to_string());
         pb
@@ -153,6 +196,25 @@ fn load_spec(path: &Path, named: bool) -> Result<ModelSpec> {
     Ok(spec)
 }
 
+/// A `WrapPolicy` from JSON: the policy itself, or a DESC.json's `policy`.
+fn read_policy(path: &Path) -> Result<fsdp::WrapPolicy> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        op: "reading".into(),
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Error::Serialization {
+            what: format!("policy file `{}`", path.display()),
+            reason: e.to_string(),
+        })?;
+    let policy = json.get("policy").cloned().unwrap_or(json);
+    serde_json::from_value(policy).map_err(|e| Error::Serialization {
+        what: format!("wrapping policy in `{}`", path.display()),
+        reason: e.to_string(),
+    })
+}
+
 fn load_optim(path: &Path) -> Result<OptimStateDict> {
     optim_from_pyobj(io::load(path)?)
 }
@@ -164,6 +226,92 @@ fn save_optim(osd: &OptimStateDict, path: &Path) -> Result<()> {
 fn run(cli: Cli) -> Result<()> {
     let progress = Progress { quiet: cli.quiet };
     match cli.command {
+        Command::Inspect { file, json } if file.is_dir() => {
+            let m = checkpoint::read_manifest(&file)?;
+            let summary = serde_json::json!({
+                "checkpoint": file.display().to_string(),
+                "format": m.format,
+                "version": m.version,
+                "world_size": m.world_size,
+                "units": m.policy.units,
+                "use_orig_params": m.policy.use_orig_params,
+                "key_type": if m.named { "name" } else { "id" },
+                "files": m.files.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.len})).collect::<Vec<_>>(),
+                "params_with_state": m.params.len(),
+                "tensor_bytes": m.tensor_bytes(),
+                "param_groups": m.param_groups.as_ref().map_or(0, Vec::len),
+                "user_state_keys": m.user_state.len(),
+            });
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&summary).expect("JSON values print")
+                );
+            } else {
+                println!(
+                    "checkpoint: {} ({} v{})\nworld size {}, units {:?}, use_orig_params {}, keys by {}\n{} parameters with state, {} bytes of tensor state in {} files, {} param groups, {} user state keys",
+                    file.display(), m.format, m.version, m.world_size, m.policy.units,
+                    m.policy.use_orig_params, if m.named { "name" } else { "id" },
+                    m.params.len(), m.tensor_bytes(), m.files.len(),
+                    m.param_groups.as_ref().map_or(0, Vec::len), m.user_state.len()
+                );
+            }
+        }
+        Command::Reshard {
+            input,
+            output,
+            world_size,
+            policy,
+        } => {
+            let policy = match policy {
+                None => None,
+                Some(p) => Some(read_policy(&p)?),
+            };
+            let total = checkpoint::read_manifest(&input)?.tensor_bytes();
+            let pb = progress.bytes(total, "resharding");
+            let copied =
+                checkpoint::reshard(&input, &output, world_size as usize, policy.as_ref(), |b| {
+                    pb.set_position(b)
+                })?;
+            pb.finish_and_clear();
+            eprintln!(
+                "resharded {} -> {} for {world_size} ranks: {copied} bytes of tensor state",
+                input.display(),
+                output.display()
+            );
+        }
+        Command::Consolidate { input, output } => {
+            let format = FileFormat::from_path(&output)?;
+            let written = if format == FileFormat::Safetensors {
+                let total = checkpoint::read_manifest(&input)?.tensor_bytes();
+                let pb = progress.bytes(total, "consolidating");
+                let n = checkpoint::consolidate_to_safetensors(&input, &output, |b| {
+                    pb.set_position(b)
+                })?;
+                pb.finish_and_clear();
+                n
+            } else {
+                let full = progress.step("reading the checkpoint", || {
+                    checkpoint::load_full(&input, &checkpoint::LoadOptions::default())
+                })?;
+                progress.step(&format!("writing {}", output.display()), || {
+                    save_optim(&full, &output)
+                })?;
+                full.tensor_bytes() as u64
+            };
+            eprintln!(
+                "consolidated {} -> {}: {written} bytes of tensor state",
+                input.display(),
+                output.display()
+            );
+        }
+        Command::Verify { input } => {
+            let checked = progress.step("verifying", || checkpoint::verify(&input))?;
+            println!(
+                "{}: OK ({checked} bytes of tensor state verified)",
+                input.display()
+            );
+        }
         Command::Inspect { file, json } => {
             let format = FileFormat::from_path(&file)?;
             let obj = progress.step(&format!("reading {}", file.display()), || io::load(&file))?;
