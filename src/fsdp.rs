@@ -200,6 +200,17 @@ impl Fsdp {
         &self.shard_pg
     }
 
+    /// The process group of the whole job (the shard group unless hybrid sharding).
+    pub fn world_process_group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.world_pg
+    }
+
+    /// Whether this rank writes a data file when saving a sharded checkpoint: ranks of the
+    /// first shard group do (shard groups are contiguous blocks of world ranks).
+    pub fn writes_checkpoint_files(&self) -> bool {
+        self.world_pg.rank() < self.shard_pg.world_size()
+    }
+
     /// The parameters of `model.parameters()` of the wrapped model, in that order, as one
     /// param group: what `torch.optim.Adam(model.parameters())` would hold.
     pub fn optim_params(&self) -> OptimParams {
@@ -339,12 +350,10 @@ impl Fsdp {
         dir: impl AsRef<std::path::Path>,
         opts: &crate::io::checkpoint::SaveOptions,
     ) -> Result<()> {
-        // Shard groups are contiguous blocks of world ranks: the first one writes.
-        let writer = self.world_pg.rank() < self.shard_pg.world_size();
         crate::io::checkpoint::save(
             &self.layout,
             self.rank(),
-            writer,
+            self.writes_checkpoint_files(),
             self.world_pg.as_ref(),
             osd,
             params,

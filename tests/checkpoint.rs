@@ -523,3 +523,114 @@ fn streaming_consolidation_writes_the_full_dict_as_safetensors() {
         common::assert_same_state(&streamed, &full, "streamed vs saved");
     }
 }
+
+// ----- background saves -----
+
+use fsdp::io::checkpoint::{BackgroundSaver, SaveMode};
+
+/// The data files and manifest of a checkpoint, for byte comparison.
+fn contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let p = e.unwrap().path();
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn a_background_save_writes_the_same_bytes_as_a_foreground_save_while_training_goes_on() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 2.0);
+    let root = tmp();
+    let (fg, bg) = (root.path().join("fg"), root.path().join("bg"));
+    ThreadGroup::run(3, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let mut local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        fsdp.save_optim_checkpoint(&local, &params, &fg, &SaveOptions::default())
+            .unwrap();
+        let mut saver = BackgroundSaver::new(1 << 30);
+        assert_eq!(
+            saver.save(&fsdp, &local, &params, &bg).unwrap(),
+            SaveMode::Background
+        );
+        // Training goes on: the local state changes while the save is written.
+        for st in local.state.values_mut() {
+            for v in st.values_mut() {
+                if let Value::Tensor(t) = v {
+                    for b in t.bytes_mut() {
+                        *b = 0xAB;
+                    }
+                }
+            }
+        }
+        saver.wait().unwrap();
+    });
+    assert_eq!(contents(&fg), contents(&bg));
+    common::assert_same_state(
+        &load_full(&bg, &LoadOptions::default()).unwrap(),
+        &full,
+        "bg",
+    );
+    assert!(leftovers(root.path()).is_empty());
+}
+
+#[test]
+fn consecutive_background_saves_wait_for_each_other_and_the_last_one_wins() {
+    let model = common::nested_model();
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap_alt(), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let mut saver = BackgroundSaver::new(1 << 30);
+        for steps in 1..=4 {
+            let local = fsdp
+                .shard_full_optim_state_dict(&full_adam(&model, steps as f32), &params)
+                .unwrap();
+            assert_eq!(
+                saver.save(&fsdp, &local, &params, &dir).unwrap(),
+                SaveMode::Background
+            );
+        }
+        saver.wait().unwrap();
+    });
+    common::assert_same_state(
+        &load_full(&dir, &LoadOptions::default()).unwrap(),
+        &full_adam(&model, 4.0),
+        "last save",
+    );
+    assert!(leftovers(root.path()).is_empty());
+}
+
+#[test]
+fn state_over_the_staging_cap_is_saved_in_the_foreground_on_every_rank() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 9.0);
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    let modes = ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        // A cap below rank 0's state but above rank 1's: both ranks fall back together.
+        let mut saver = BackgroundSaver::new(if fsdp.rank() == 0 { 16 } else { 1 << 30 });
+        let mode = saver.save(&fsdp, &local, &params, &dir).unwrap();
+        // Committed when a foreground save returns.
+        assert!(read_manifest(&dir).is_ok());
+        mode
+    });
+    assert_eq!(modes, vec![SaveMode::Foreground; 2]);
+    common::assert_same_state(
+        &load_full(&dir, &LoadOptions::default()).unwrap(),
+        &full,
+        "fg",
+    );
+}

@@ -19,6 +19,7 @@
 //! checkpoint at the path, never a mixture. Loading reads only the byte ranges that overlap the
 //! loading rank's shards and verifies each block it reads.
 
+mod background;
 mod container;
 mod load;
 mod manifest;
@@ -26,6 +27,7 @@ mod reshard;
 mod save;
 mod stream;
 
+pub use background::{BackgroundSaver, SaveMode};
 pub use load::{load, load_full, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,

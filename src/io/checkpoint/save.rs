@@ -43,7 +43,7 @@ pub struct SaveOptions {
 
 /// What one rank contributes to the manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct RankReport {
+pub(super) struct RankReport {
     file: FileRecord,
     /// (state key, state name, value) of every parameter this rank saved, in its order.
     params: Vec<(OptimStateKey, Vec<(String, LocalValue)>)>,
@@ -61,7 +61,7 @@ enum LocalValue {
 
 /// Rank 0's extra contribution: the dict-level parts that do not depend on shards.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct DictParts {
+pub(super) struct DictParts {
     named: bool,
     param_groups: Option<Vec<ParamGroup<HostTensor>>>,
     user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
@@ -154,7 +154,7 @@ struct Plan<'a> {
     at: Vec<(usize, usize, usize, usize)>,
 }
 
-fn write_rank<T: Tensor>(
+pub(super) fn write_rank<T: Tensor>(
     layout: &ModelLayout,
     layout_rank: usize,
     osd: &OptimStateDict<T>,
@@ -452,9 +452,9 @@ fn dict_parts<T: Tensor>(
     })
 }
 
-type Reports = Vec<std::result::Result<Option<(RankReport, Option<DictParts>)>, Error>>;
+pub(super) type Reports = Vec<std::result::Result<Option<(RankReport, Option<DictParts>)>, Error>>;
 
-fn commit(
+pub(super) fn commit(
     layout: &ModelLayout,
     reports: Reports,
     tmp: &Path,
