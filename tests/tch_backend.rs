@@ -13,8 +13,8 @@ use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::tensor::tch::{
-    dtype_to_kind, model_desc_from_var_store, state_dict_to_host, state_dict_to_tch, step_tch,
-    var_store_params,
+    dtype_to_kind, model_desc_from_var_store, model_desc_from_var_store_in_order,
+    state_dict_to_host, state_dict_to_tch, step_tch, var_store_params, var_store_params_in_order,
 };
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimParams, OptimStateDict, ParamKey, TchTensor,
@@ -358,6 +358,49 @@ fn var_store_gives_parameters_in_creation_order() {
     let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
     let expected: Vec<String> = nested_model().params.into_iter().map(|p| p.name).collect();
     assert_eq!(names, expected);
+}
+
+#[test]
+fn tch_layers_create_bias_first_and_an_explicit_order_restores_pytorchs() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _l0 = nn::linear(vs.root() / "net" / 0, 3, 4, Default::default());
+    let _l1 = nn::linear(vs.root() / "net" / 2, 4, 2, Default::default());
+    let names = |m: &ModelDesc| m.params.iter().map(|p| p.name.clone()).collect::<Vec<_>>();
+    // Creation order: tch's nn::linear makes `bias` before `weight`.
+    assert_eq!(
+        names(&model_desc_from_var_store(&vs).unwrap()),
+        ["net.0.bias", "net.0.weight", "net.2.bias", "net.2.weight"]
+    );
+    // `named_parameters()` of `nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))`
+    // under a `net` attribute.
+    let torch_order = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"];
+    let model = model_desc_from_var_store_in_order(&vs, &torch_order).unwrap();
+    assert_eq!(names(&model), torch_order);
+    assert_eq!(model.params[0].shape, [4, 3]);
+    let (params, _) = var_store_params_in_order(&vs, &torch_order).unwrap();
+    assert_eq!(params[0].1.size(), [4, 3]);
+
+    // Every parameter exactly once.
+    let e = model_desc_from_var_store_in_order(&vs, &torch_order[..3]).unwrap_err();
+    assert!(e.to_string().contains("missing [\"net.2.bias\"]"), "{e}");
+    let e = model_desc_from_var_store_in_order(
+        &vs,
+        &[
+            "net.0.weight",
+            "net.0.weight",
+            "net.2.weight",
+            "net.2.bias",
+            "x",
+        ],
+    )
+    .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        msg.contains("\"net.0.bias\"")
+            && msg.contains("\"x\"")
+            && msg.contains("repeated [\"net.0.weight\"]"),
+        "{msg}"
+    );
 }
 
 #[test]

@@ -414,9 +414,13 @@ pub fn step_tch(
 /// `variables_.trainable_variables`, the variables created trainable, in creation order. This
 /// function takes that order and finds each tensor's name in `named_variables` by identity
 /// (same storage, offset, sizes and strides: `is_set_to`). Consequences:
-/// * Parameters are in **creation order**, which equals PyTorch's `named_parameters()` order
-///   when the Rust model creates its variables in the order the Python model registers them
-///   (tch's `nn::linear` creates `weight` then `bias`, like `torch.nn.Linear`).
+/// * Parameters are in **creation order**. That is PyTorch's `named_parameters()` order only
+///   when the Rust model creates its variables in the order the Python model registers them.
+///   tch's own layers do not: `nn::linear` and `nn::conv*` create `bias` before `weight`,
+///   where `torch.nn.Linear`/`Conv*d` register `weight` first. Since the order decides flat
+///   parameter layout, optimizer ids and key order, use [`var_store_params_in_order`] /
+///   [`model_desc_from_var_store_in_order`] with the Python model's order when checkpoints are
+///   exchanged with PyTorch.
 /// * Variables created non-trainable (`zeros_no_train`, `add(.., false)`: tch's buffers, e.g.
 ///   batch-norm running statistics) are not parameters and are left out, like PyTorch buffers.
 ///   Variables frozen after creation (`VarStore::freeze`, `set_requires_grad(false)`) stay
@@ -486,13 +490,73 @@ pub fn var_store_params(
 /// let _l1 = nn::linear(vs.root() / "layers" / 0, 4, 8, Default::default());
 /// let _l2 = nn::linear(vs.root() / "layers" / 1, 8, 2, Default::default());
 /// let model = fsdp::tensor::tch::model_desc_from_var_store(&vs)?;
-/// assert_eq!(model.params[0].name, "layers.0.weight");
+/// // tch's `nn::linear` creates its bias first.
+/// assert_eq!(model.params[0].name, "layers.0.bias");
 /// # Ok::<(), fsdp::Error>(())
 /// ```
 pub fn model_desc_from_var_store(vs: &::tch::nn::VarStore) -> Result<ModelDesc> {
     let (params, tied) = var_store_params(vs)?;
+    model_desc_of(&params, &tied)
+}
+
+/// [`var_store_params`] reordered to `order`: the parameters' names in PyTorch's
+/// `named_parameters()` order (e.g. `[n for n, _ in model.named_parameters()]` of the Python
+/// model, or the parameter keys of a PyTorch checkpoint).
+///
+/// `order` must name every parameter of the store exactly once, by its primary name or a tied
+/// alias; anything else is an [`Error::InvalidModel`] listing the names that are missing,
+/// unknown or repeated.
+pub fn var_store_params_in_order<S: AsRef<str>>(
+    vs: &::tch::nn::VarStore,
+    order: &[S],
+) -> Result<(Vec<(String, ::tch::Tensor)>, Vec<(String, String)>)> {
+    let (params, tied) = var_store_params(vs)?;
+    let alias_of: std::collections::HashMap<&str, &str> =
+        tied.iter().map(|(a, p)| (a.as_str(), p.as_str())).collect();
+    let mut slots: Vec<Option<(String, ::tch::Tensor)>> = params.into_iter().map(Some).collect();
+    let index: std::collections::HashMap<String, usize> = slots
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (p.as_ref().expect("all present").0.clone(), i))
+        .collect();
+    let (mut out, mut unknown, mut repeated) = (Vec::new(), Vec::new(), Vec::new());
+    for name in order {
+        let name = name.as_ref();
+        let primary = alias_of.get(name).copied().unwrap_or(name);
+        match index.get(primary) {
+            None => unknown.push(name.to_string()),
+            Some(&i) => match slots[i].take() {
+                Some(p) => out.push(p),
+                None => repeated.push(name.to_string()),
+            },
+        }
+    }
+    let missing: Vec<String> = slots.into_iter().flatten().map(|(n, _)| n).collect();
+    if !(missing.is_empty() && unknown.is_empty() && repeated.is_empty()) {
+        return Err(Error::InvalidModel(format!(
+            "the parameter order does not match the VarStore: missing {missing:?}, \
+             not in the store {unknown:?}, repeated {repeated:?}"
+        )));
+    }
+    Ok((out, tied))
+}
+
+/// [`model_desc_from_var_store`] with the parameters in `order` (see
+/// [`var_store_params_in_order`]): the way to match a PyTorch model's `named_parameters()`.
+pub fn model_desc_from_var_store_in_order<S: AsRef<str>>(
+    vs: &::tch::nn::VarStore,
+    order: &[S],
+) -> Result<ModelDesc> {
+    let (params, tied) = var_store_params_in_order(vs, order)?;
+    model_desc_of(&params, &tied)
+}
+
+fn model_desc_of(
+    params: &[(String, ::tch::Tensor)],
+    tied: &[(String, String)],
+) -> Result<ModelDesc> {
     let mut model = ModelDesc::new();
-    for (name, t) in &params {
+    for (name, t) in params {
         let kind = t
             .f_kind()
             .map_err(|e| backend_err(format!("model_desc_from_var_store: kind of `{name}`"), e))?;
@@ -507,7 +571,7 @@ pub fn model_desc_from_var_store(vs: &::tch::nn::VarStore) -> Result<ModelDesc> 
             model.frozen_param(name, &shape, dtype)
         };
     }
-    for (alias, primary) in &tied {
+    for (alias, primary) in tied {
         model = model.tie(alias, primary);
     }
     model.validate()?;
