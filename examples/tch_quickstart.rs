@@ -54,7 +54,7 @@ fn main() -> fsdp::Result<()> {
     let x = tch::Tensor::randn([32, 8], (Kind::Float, Device::Cpu));
     let loss = net.forward(&x).square().mean(Kind::Float);
     loss.backward();
-    let (vars, _) = var_store_params_in_order(&vs, &torch_order)?;
+    let vars = var_store_params_in_order(&vs, &torch_order)?.params;
     let host = |t: &tch::Tensor| TchTensor::new(t.shallow_clone())?.to_host();
     let values = vars
         .iter()

@@ -353,9 +353,9 @@ fn var_store_gives_parameters_in_creation_order() {
     assert_eq!(model, nested_model());
     // The order is not the HashMap's: `bias` (created first) stays first.
     assert_eq!(model.params[0].name, "bias");
-    let (params, tied) = var_store_params(&vs).unwrap();
-    assert!(tied.is_empty());
-    let names: Vec<&str> = params.iter().map(|(n, _)| n.as_str()).collect();
+    let found = var_store_params(&vs).unwrap();
+    assert!(found.tied.is_empty());
+    let names: Vec<&str> = found.params.iter().map(|(n, _)| n.as_str()).collect();
     let expected: Vec<String> = nested_model().params.into_iter().map(|p| p.name).collect();
     assert_eq!(names, expected);
 }
@@ -377,8 +377,8 @@ fn tch_layers_create_bias_first_and_an_explicit_order_restores_pytorchs() {
     let model = model_desc_from_var_store_in_order(&vs, &torch_order).unwrap();
     assert_eq!(names(&model), torch_order);
     assert_eq!(model.params[0].shape, [4, 3]);
-    let (params, _) = var_store_params_in_order(&vs, &torch_order).unwrap();
-    assert_eq!(params[0].1.size(), [4, 3]);
+    let found = var_store_params_in_order(&vs, &torch_order).unwrap();
+    assert_eq!(found.params[0].1.size(), [4, 3]);
 
     // Every parameter exactly once.
     let e = model_desc_from_var_store_in_order(&vs, &torch_order[..3]).unwrap_err();
@@ -473,7 +473,7 @@ fn adam_steps_var_store_parameters_like_host_tensors() {
         weight_decay: 0.1.into(),
         ..AdamConfig::default()
     };
-    let (vars, _) = var_store_params(&vs).unwrap();
+    let vars = var_store_params(&vs).unwrap().params;
     let mut tch_params: Vec<tch::Tensor> = vars.iter().map(|(_, t)| t.shallow_clone()).collect();
     let mut host_params: Vec<HostTensor> = tch_params
         .iter()
@@ -535,7 +535,7 @@ fn fsdp_shards_of_tch_parameters_train_like_host_shards() {
     // trains them as tch tensors, and the consolidated state equals the host-only run.
     let vs = nested_var_store();
     let model = model_desc_from_var_store(&vs).unwrap();
-    let (vars, _) = var_store_params(&vs).unwrap();
+    let vars = var_store_params(&vs).unwrap().params;
     let full_values: Vec<Option<HostTensor>> = vars
         .iter()
         .map(|(_, t)| {

@@ -406,6 +406,16 @@ pub fn step_tch(
     Ok(())
 }
 
+/// The parameters of a [`VarStore`](::tch::nn::VarStore), as [`var_store_params`] finds them.
+#[derive(Debug)]
+pub struct VarStoreParams {
+    /// `(primary name, tensor)` per parameter, in order; the tensors are shallow clones of the
+    /// store's variables (writing into them updates the store).
+    pub params: Vec<(String, ::tch::Tensor)>,
+    /// Tied aliases as `(alias, primary)`: further names of a tensor listed in `params`.
+    pub tied: Vec<(String, String)>,
+}
+
 /// The parameters of a [`VarStore`](::tch::nn::VarStore) in creation order, as
 /// `(name, tensor)` (shallow clones), and the tied aliases (`alias → primary`).
 ///
@@ -428,9 +438,7 @@ pub fn step_tch(
 /// * A tensor registered under several names (one trainable entry each) is one parameter; its
 ///   lexicographically first name is the primary, the others become tied aliases — tch keeps
 ///   no record of which name came first.
-pub fn var_store_params(
-    vs: &::tch::nn::VarStore,
-) -> Result<(Vec<(String, ::tch::Tensor)>, Vec<(String, String)>)> {
+pub fn var_store_params(vs: &::tch::nn::VarStore) -> Result<VarStoreParams> {
     let vars = vs.variables_.lock().map_err(|_| Error::TensorBackend {
         backend: BACKEND.into(),
         op: "var_store_params".into(),
@@ -477,7 +485,7 @@ pub fn var_store_params(
         }
         params.push((primary, t.shallow_clone()));
     }
-    Ok((params, tied))
+    Ok(VarStoreParams { params, tied })
 }
 
 /// A [`ModelDesc`] of a [`VarStore`](::tch::nn::VarStore)'s parameters: names, shapes,
@@ -495,7 +503,7 @@ pub fn var_store_params(
 /// # Ok::<(), fsdp::Error>(())
 /// ```
 pub fn model_desc_from_var_store(vs: &::tch::nn::VarStore) -> Result<ModelDesc> {
-    let (params, tied) = var_store_params(vs)?;
+    let VarStoreParams { params, tied } = var_store_params(vs)?;
     model_desc_of(&params, &tied)
 }
 
@@ -509,8 +517,8 @@ pub fn model_desc_from_var_store(vs: &::tch::nn::VarStore) -> Result<ModelDesc> 
 pub fn var_store_params_in_order<S: AsRef<str>>(
     vs: &::tch::nn::VarStore,
     order: &[S],
-) -> Result<(Vec<(String, ::tch::Tensor)>, Vec<(String, String)>)> {
-    let (params, tied) = var_store_params(vs)?;
+) -> Result<VarStoreParams> {
+    let VarStoreParams { params, tied } = var_store_params(vs)?;
     let alias_of: std::collections::HashMap<&str, &str> =
         tied.iter().map(|(a, p)| (a.as_str(), p.as_str())).collect();
     let mut slots: Vec<Option<(String, ::tch::Tensor)>> = params.into_iter().map(Some).collect();
@@ -538,7 +546,7 @@ pub fn var_store_params_in_order<S: AsRef<str>>(
              not in the store {unknown:?}, repeated {repeated:?}"
         )));
     }
-    Ok((out, tied))
+    Ok(VarStoreParams { params: out, tied })
 }
 
 /// [`model_desc_from_var_store`] with the parameters in `order` (see
@@ -547,7 +555,7 @@ pub fn model_desc_from_var_store_in_order<S: AsRef<str>>(
     vs: &::tch::nn::VarStore,
     order: &[S],
 ) -> Result<ModelDesc> {
-    let (params, tied) = var_store_params_in_order(vs, order)?;
+    let VarStoreParams { params, tied } = var_store_params_in_order(vs, order)?;
     model_desc_of(&params, &tied)
 }
 
