@@ -71,6 +71,17 @@ pub enum Error {
         numel: usize,
     },
 
+    /// A tensor backend other than the host one (libtorch through `tch`) reported an error.
+    #[error("tensor backend `{backend}` failed in {op}: {reason}")]
+    TensorBackend {
+        /// The backend (`tch`).
+        backend: String,
+        /// The operation, with the tensors' dtypes and shapes when known.
+        op: String,
+        /// The backend's message.
+        reason: String,
+    },
+
     // ----- optimizer state validation (PyTorch's own checks) -----
     /// The optimizer state dict is malformed (missing key, id out of range, wrong value kind).
     #[error("invalid optimizer state dict: {0}")]

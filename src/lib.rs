@@ -22,4 +22,6 @@ pub use model::{ModelDesc, ModelSpec, ParamSpec, ShardingStrategy, WrapPolicy};
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };
+#[cfg(feature = "tch")]
+pub use tensor::TchTensor;
 pub use tensor::{DType, HostTensor, Tensor};

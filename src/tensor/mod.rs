@@ -1,10 +1,15 @@
 //! Tensors: dtypes, the always-available [`HostTensor`], and the [`Tensor`] backend trait the
-//! algorithms are written against (a `tch::Tensor` backend can implement it behind a feature).
+//! algorithms are written against; with the `tch` feature, [`TchTensor`] implements it over
+//! libtorch tensors (module [`tch`](self::tch)).
 
 mod dtype;
 mod host;
 mod storage;
+#[cfg(feature = "tch")]
+pub mod tch;
 
+#[cfg(feature = "tch")]
+pub use self::tch::TchTensor;
 pub use dtype::DType;
 pub use host::HostTensor;
 pub use storage::{
