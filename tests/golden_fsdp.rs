@@ -1,0 +1,801 @@
+//! Golden parity with real PyTorch 2.13 FSDP (CPU, gloo).
+//!
+//! Fixtures: `tests/golden/fsdp/<scenario>/`, written by `tests/golden/gen.py` (run manually;
+//! its header documents every file). Each scenario records the model and wrapping
+//! (`desc.json`), the initial parameters and gradients, and per rank PyTorch's inputs and
+//! outputs. From the same inputs the crate must reproduce every output:
+//!
+//! * **Transforms** (consolidate, shard, scatter, flatten, rekey) are fed PyTorch's own local
+//!   optimizer state dicts, so they are compared exactly: tensor bits, keys and key types
+//!   (int vs str), state names, values with their Python kinds, `param_groups`, and the order
+//!   of keys, of state names and of each group's `params`, except where PyTorch's order is not
+//!   deterministic (see [`Order`]).
+//! * **Layout**: the crate cuts the initial parameters and every gradient into exactly the
+//!   local tensors FSDP's optimizer held (bit-exact), and `Fsdp::optim_params` is PyTorch's
+//!   `model.parameters()` order.
+//! * **Optimizers** stepped with PyTorch's local gradients reproduce PyTorch's local state
+//!   dicts: structure exactly, `step`, SGD and AdamW state bit-exact, Adam state within
+//!   [`MAX_ULP`] (see there). Gradients are set explicitly by the generator (no reduce-scatter),
+//!   so the world size does not enter the arithmetic: PyTorch's two-step gradient division at
+//!   world size 3 plays no part here.
+//!
+//! Known PyTorch CPU bug this corrects for: with `use_orig_params=True` and
+//! `offload_to_cpu=True` every gathered tensor state aliases one reused buffer on CPU, so
+//! PyTorch's full dicts come out with `exp_avg == exp_avg_sq` (on GPU the `.cpu()` copy hides
+//! this). Where a fixture shows the bug, the test asserts that it does, and requires the crate's
+//! GPU-correct result instead: the concatenation of every rank's local 1-D state in rank order,
+//! built from PyTorch's own local dicts ([`orig_params_reference`]).
+
+use fsdp::collectives::ThreadGroup;
+use fsdp::flat_param::ModelLayout;
+use fsdp::io::torch_save::{self, optim_from_pyobj, PyObj};
+use fsdp::optim::{Adam, AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
+use fsdp::optim_state::ShardedTensor;
+use fsdp::{
+    Fsdp, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, OptimStateDictConfig,
+    OptimStateKeyType, ParamKey, StateDictType, Value, WrapPolicy,
+};
+use serde_json::Value as J;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// Largest ulp distance allowed between the crate's Adam/AdamW parameters after 3 steps and
+/// PyTorch's.
+///
+/// PyTorch's CPU `sqrt` (MKL `VML_HA`) is not correctly rounded, the crate's is (see
+/// `src/optim/mod.rs` and `tests/optim_parity.rs`), so Adam parameters differ by rare 1-ulp
+/// steps that can compound over steps (measured here: at most 2 ulp, in `nested_alt_ws3` and
+/// `tied_ws2`; 0 for SGD and for `orig_params_ws3`). The optimizer *state* (`step`, `exp_avg`,
+/// `exp_avg_sq`, `momentum_buffer`) is required bit-exact at every world size: it depends on the
+/// parameters only through L2 weight decay (`weight_decay=0.9` on the second group of
+/// `nested_ws2`), and there the parameter differences happen not to reach it (measured).
+const MAX_ULP: u64 = 2;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/fsdp")
+}
+
+const SCENARIOS: [&str; 5] = [
+    "nested_ws2",
+    "nested_alt_ws3",
+    "tied_ws2",
+    "orig_params_ws3",
+    "no_shard_ws2",
+];
+
+/// One rank's record (`rank<r>.pt`).
+struct Rec(PyObj);
+
+impl Rec {
+    fn load(path: &Path) -> Rec {
+        Rec(torch_save::load(path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+    }
+
+    fn get(&self, key: &str) -> &PyObj {
+        self.0
+            .get(key)
+            .unwrap_or_else(|| panic!("no `{key}` in record"))
+    }
+
+    /// An optimizer state dict; `None` for PyTorch's empty dict (rank-0-only elsewhere).
+    fn osd(&self, key: &str) -> Option<OptimStateDict> {
+        osd_of(self.get(key))
+    }
+
+    fn tensors(&self, key: &str) -> Vec<Option<HostTensor>> {
+        tensor_list(self.get(key))
+    }
+
+    fn optim_params(&self, key: &str) -> OptimParams {
+        match self.get(key) {
+            PyObj::Str(s) => serde_json::from_str(s).unwrap(),
+            other => panic!("`{key}` is {}", other.describe()),
+        }
+    }
+}
+
+fn osd_of(obj: &PyObj) -> Option<OptimStateDict> {
+    if obj.dict_items().is_some_and(|i| i.is_empty()) {
+        return None;
+    }
+    let mut osd = optim_from_pyobj(obj.clone()).unwrap();
+    for st in osd.state.values_mut() {
+        for v in st.values_mut() {
+            if let Some(s) = sharded_of(v) {
+                *v = Value::Sharded(s);
+            }
+        }
+    }
+    Some(osd)
+}
+
+/// `("ShardedTensor", global_shape, offsets, local)` (see `plain_sharded` in `gen.py`).
+fn sharded_of(v: &Value) -> Option<ShardedTensor> {
+    let Value::Tuple(items) = v else { return None };
+    let [Value::Str(tag), Value::Tuple(shape), offsets, local] = items.as_slice() else {
+        return None;
+    };
+    if tag != "ShardedTensor" {
+        return None;
+    }
+    let ints = |xs: &[Value]| -> Vec<usize> {
+        xs.iter()
+            .map(|x| match x {
+                Value::Int(i) => *i as usize,
+                other => panic!("not an int: {other:?}"),
+            })
+            .collect()
+    };
+    let global_shape = ints(shape);
+    let (offsets, local) = match (offsets, local) {
+        (Value::Tuple(o), Value::Tensor(t)) => (ints(o), Some(t.clone())),
+        // PyTorch has no offsets for a rank without a chunk; the crate puts that (empty) chunk
+        // at the end of dim 0.
+        (Value::None, Value::None) => {
+            let mut o = vec![0; global_shape.len()];
+            o[0] = global_shape[0];
+            (o, None)
+        }
+        other => panic!("unexpected sharded tensor parts {other:?}"),
+    };
+    Some(ShardedTensor {
+        global_shape,
+        offsets,
+        local,
+    })
+}
+
+fn tensor_list(obj: &PyObj) -> Vec<Option<HostTensor>> {
+    let PyObj::List(items) = obj else {
+        panic!("not a list: {}", obj.describe())
+    };
+    items
+        .iter()
+        .map(|x| match x {
+            PyObj::Tensor(t) => Some(t.clone()),
+            PyObj::None => None,
+            other => panic!("not a tensor: {}", other.describe()),
+        })
+        .collect()
+}
+
+/// A scenario: `desc.json` plus the full parameters and gradients.
+struct Scenario {
+    name: String,
+    dir: PathBuf,
+    j: J,
+    model: ModelDesc,
+    policy: WrapPolicy,
+    ws: usize,
+    steps: usize,
+    /// Full initial parameters in `model.params` order.
+    params: Vec<Option<HostTensor>>,
+    /// Full gradients per step in `model.params` order.
+    grads: Vec<Vec<Option<HostTensor>>>,
+}
+
+/// The tensors of a `{name: tensor}` dict in `model.params` order; frozen parameters may be
+/// absent (they get no gradient).
+fn by_name(model: &ModelDesc, obj: &PyObj) -> Vec<Option<HostTensor>> {
+    model
+        .params
+        .iter()
+        .map(|p| match obj.get(&p.name) {
+            Some(PyObj::Tensor(t)) => Some(t.clone()),
+            None if !p.requires_grad => None,
+            other => panic!("no tensor for `{}`: {other:?}", p.name),
+        })
+        .collect()
+}
+
+impl Scenario {
+    fn load(name: &str) -> Scenario {
+        let dir = fixtures().join(name);
+        let text = std::fs::read_to_string(dir.join("desc.json")).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (run .venv/bin/python tests/golden/gen.py)",
+                dir.display()
+            )
+        });
+        let j: J = serde_json::from_str(&text).unwrap();
+        let model: ModelDesc = serde_json::from_value(j["model"].clone()).unwrap();
+        let policy: WrapPolicy = serde_json::from_value(j["policy"].clone()).unwrap();
+        let params = by_name(&model, &torch_save::load(dir.join("params.pt")).unwrap());
+        let PyObj::List(steps) = torch_save::load(dir.join("grads.pt")).unwrap() else {
+            panic!("grads.pt is not a list")
+        };
+        let grads = steps.iter().map(|s| by_name(&model, s)).collect();
+        Scenario {
+            name: name.to_string(),
+            ws: j["world_size"].as_u64().unwrap() as usize,
+            steps: j["steps"].as_u64().unwrap() as usize,
+            dir,
+            j,
+            model,
+            policy,
+            params,
+            grads,
+        }
+    }
+
+    fn rank(&self, r: usize) -> Rec {
+        Rec::load(&self.dir.join(format!("rank{r}.pt")))
+    }
+
+    fn ranks(&self) -> Vec<Rec> {
+        (0..self.ws).map(|r| self.rank(r)).collect()
+    }
+
+    fn optimizer(&self, params: &OptimParams) -> Box<dyn Optimizer> {
+        let kind = self.j["optimizer"].as_str().unwrap();
+        let kwargs = &self.j["optimizer_kwargs"];
+        let lr = kwargs["lr"].as_f64().unwrap();
+        let overrides: Vec<Vec<(String, Value)>> = self.j["group_overrides"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| {
+                g.as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), Value::Float(v.as_f64().unwrap())))
+                    .collect()
+            })
+            .collect();
+        assert_eq!(overrides.len(), params.groups.len(), "{}", self.name);
+        let opt: Box<dyn Optimizer> = match kind {
+            "Adam" => {
+                let mut o = Adam::new(
+                    params.clone(),
+                    AdamConfig {
+                        lr,
+                        ..AdamConfig::default()
+                    },
+                )
+                .unwrap();
+                for (g, ov) in overrides.iter().enumerate() {
+                    o = o.with_group_options(g, ov.clone()).unwrap();
+                }
+                Box::new(o)
+            }
+            "AdamW" => {
+                let mut o = AdamW::new(
+                    params.clone(),
+                    AdamConfig {
+                        lr,
+                        ..AdamConfig::adamw()
+                    },
+                )
+                .unwrap();
+                for (g, ov) in overrides.iter().enumerate() {
+                    o = o.with_group_options(g, ov.clone()).unwrap();
+                }
+                Box::new(o)
+            }
+            "SGD" => {
+                let mut o = Sgd::new(
+                    params.clone(),
+                    SgdConfig {
+                        lr,
+                        momentum: kwargs["momentum"].as_f64().unwrap().into(),
+                        ..SgdConfig::default()
+                    },
+                )
+                .unwrap();
+                for (g, ov) in overrides.iter().enumerate() {
+                    o = o.with_group_options(g, ov.clone()).unwrap();
+                }
+                Box::new(o)
+            }
+            other => panic!("unknown optimizer {other}"),
+        };
+        opt
+    }
+
+    /// The load targets: (name, policy, world size, directory).
+    fn loads(&self) -> Vec<(String, WrapPolicy, usize, PathBuf)> {
+        self.j["loads"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(n, l)| {
+                (
+                    n.clone(),
+                    serde_json::from_value(l["policy"].clone()).unwrap(),
+                    l["world_size"].as_u64().unwrap() as usize,
+                    self.dir.join(format!("load_{n}")),
+                )
+            })
+            .collect()
+    }
+
+    /// The rank's final local state dict, as PyTorch's optimizer saved it.
+    fn final_local(&self, rec: &Rec) -> OptimStateDict {
+        let PyObj::List(steps) = rec.get("local") else {
+            panic!("`local` is not a list")
+        };
+        osd_of(steps.last().unwrap()).unwrap()
+    }
+}
+
+// ------------------------------------------------------------------------------- comparison
+
+/// Which orders a comparison checks.
+#[derive(Clone, Copy)]
+struct Order<'a> {
+    /// The order of `state` keys.
+    keys: bool,
+    /// Keys whose state-name order is not deterministic in PyTorch (compared as sets).
+    unordered_names: &'a dyn Fn(&ParamKey) -> bool,
+}
+
+const EXACT: Order<'static> = Order {
+    keys: true,
+    unordered_names: &|_| false,
+};
+
+fn value_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Tensor(x), Value::Tensor(y)) => x.bit_eq(y),
+        (Value::Float(x), Value::Float(y)) => x.to_bits() == y.to_bits(),
+        (Value::Sharded(x), Value::Sharded(y)) => {
+            x.global_shape == y.global_shape
+                && match (&x.local, &y.local) {
+                    (Some(p), Some(q)) => x.offsets == y.offsets && p.bit_eq(q),
+                    (None, None) => true,
+                    _ => false,
+                }
+        }
+        (Value::Tuple(x), Value::Tuple(y)) | (Value::List(x), Value::List(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| value_eq(p, q))
+        }
+        _ => a == b,
+    }
+}
+
+/// Asserts `ours` equals PyTorch's `theirs` (see the module docs for what "equal" covers).
+fn assert_osd_eq(ours: &OptimStateDict, theirs: &OptimStateDict, order: Order, what: &str) {
+    let ko: Vec<&ParamKey> = ours.state.keys().collect();
+    let kt: Vec<&ParamKey> = theirs.state.keys().collect();
+    if order.keys {
+        assert_eq!(ko, kt, "{what}: state keys (in order)");
+    } else {
+        let so: BTreeSet<_> = ko.iter().collect();
+        let st: BTreeSet<_> = kt.iter().collect();
+        assert_eq!(so, st, "{what}: state keys");
+    }
+    for (k, st) in &theirs.state {
+        let so = &ours.state[k];
+        let no: Vec<&String> = so.keys().collect();
+        let nt: Vec<&String> = st.keys().collect();
+        if (order.unordered_names)(k) {
+            let a: BTreeSet<_> = no.iter().collect();
+            let b: BTreeSet<_> = nt.iter().collect();
+            assert_eq!(a, b, "{what}: state names of {k}");
+        } else {
+            assert_eq!(no, nt, "{what}: state names of {k} (in order)");
+        }
+        for (n, vt) in st {
+            let vo = &so[n.as_str()];
+            assert!(
+                value_eq(vo, vt),
+                "{what}: `{n}` of {k} differs:\n ours  {vo:?}\n torch {vt:?}"
+            );
+        }
+    }
+    match (&ours.param_groups, &theirs.param_groups) {
+        (Some(go), Some(gt)) => {
+            assert_eq!(go.len(), gt.len(), "{what}: number of param groups");
+            for (i, (a, b)) in go.iter().zip(gt).enumerate() {
+                let ka: Vec<&String> = a.options.keys().collect();
+                let kb: Vec<&String> = b.options.keys().collect();
+                assert_eq!(ka, kb, "{what}: options of group {i} (in order)");
+                for (n, v) in &b.options {
+                    assert!(
+                        value_eq(&a.options[n.as_str()], v),
+                        "{what}: option `{n}` of group {i}: ours {:?}, torch {v:?}",
+                        a.options[n.as_str()]
+                    );
+                }
+                assert_eq!(a.params, b.params, "{what}: params of group {i}");
+            }
+        }
+        (a, b) => assert_eq!(a.is_some(), b.is_some(), "{what}: param_groups presence"),
+    }
+}
+
+fn opt_eq(
+    ours: Option<&OptimStateDict>,
+    theirs: Option<&OptimStateDict>,
+    order: Order,
+    what: &str,
+) {
+    match (ours, theirs) {
+        (Some(a), Some(b)) => assert_osd_eq(a, b, order, what),
+        (None, None) => {}
+        (a, b) => panic!(
+            "{what}: ours {}, torch {}",
+            if a.is_some() { "a dict" } else { "nothing" },
+            if b.is_some() {
+                "a dict"
+            } else {
+                "an empty dict"
+            }
+        ),
+    }
+}
+
+/// Ulp distance of two f32 values (sign-magnitude aware).
+fn ulps(a: f32, b: f32) -> u64 {
+    let key = |x: f32| {
+        let i = x.to_bits() as i32;
+        if i < 0 {
+            i64::from(i32::MIN) - i64::from(i)
+        } else {
+            i64::from(i)
+        }
+    };
+    (key(a) - key(b)).unsigned_abs()
+}
+
+fn max_ulps(a: &HostTensor, b: &HostTensor) -> u64 {
+    assert_eq!(a.shape(), b.shape());
+    let (x, y) = (a.as_slice::<f32>().unwrap(), b.as_slice::<f32>().unwrap());
+    x.iter()
+        .zip(y)
+        .map(|(&p, &q)| ulps(p, q))
+        .max()
+        .unwrap_or(0)
+}
+
+// ------------------------------------------------------------------------------- tests
+
+fn each_scenario(f: impl Fn(&Scenario)) {
+    for name in SCENARIOS {
+        f(&Scenario::load(name));
+    }
+}
+
+#[test]
+fn local_tensors_and_optimizer_inputs_match_pytorch() {
+    each_scenario(|sc| {
+        let layout = ModelLayout::new(&sc.model, &sc.policy, sc.ws).unwrap();
+        for (r, rec) in sc.ranks().iter().enumerate() {
+            let what = format!("{} rank {r}", sc.name);
+            let params = rec.optim_params("optim_params");
+            if !sc.j["diff_inputs"].as_bool().unwrap_or(false)
+                && sc.j["group_overrides"].as_array().map_or(1, Vec::len) == 1
+            {
+                assert_eq!(
+                    OptimParams::single(layout.default_optim_params()),
+                    params,
+                    "{what}: model.parameters() order"
+                );
+            }
+            let cut = |full: &[Option<HostTensor>]| {
+                fsdp::params::shard_tensors(&layout, r, &params, full).unwrap()
+            };
+            let want = rec.tensors("params0");
+            let got = cut(&sc.params);
+            assert_eq!(got.len(), want.len(), "{what}");
+            for (id, (g, w)) in got.iter().zip(&want).enumerate() {
+                let w = w.as_ref().unwrap();
+                match g {
+                    Some(g) => assert!(g.bit_eq(w), "{what}: parameter slot {id}"),
+                    // A managed parameter with no element here: PyTorch's view is empty.
+                    None => assert_eq!(w.numel(), 0, "{what}: parameter slot {id}"),
+                }
+            }
+            let PyObj::List(steps) = rec.get("grads") else {
+                panic!()
+            };
+            for (s, step) in steps.iter().enumerate() {
+                let want = tensor_list(step);
+                let got = cut(&sc.grads[s]);
+                for (id, (g, w)) in got.iter().zip(&want).enumerate() {
+                    match (g, w) {
+                        (Some(g), Some(w)) => {
+                            assert!(g.bit_eq(w), "{what}: gradient {id} at step {s}")
+                        }
+                        (None, None) => {}
+                        _ => panic!("{what}: gradient {id} at step {s}: ours {g:?}, torch {w:?}"),
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn optimizers_stepped_with_pytorch_gradients_match_its_local_state() {
+    each_scenario(|sc| {
+        for (r, rec) in sc.ranks().iter().enumerate() {
+            let params = rec.optim_params("optim_params");
+            let mut opt = sc.optimizer(&params);
+            let mut slots: Vec<HostTensor> = rec
+                .tensors("params0")
+                .into_iter()
+                .map(Option::unwrap)
+                .collect();
+            let PyObj::List(grads) = rec.get("grads") else {
+                panic!()
+            };
+            let PyObj::List(locals) = rec.get("local") else {
+                panic!()
+            };
+            let mut worst_param = 0;
+            for s in 0..sc.steps {
+                let what = format!("{} rank {r} step {s}", sc.name);
+                opt.step(&mut slots, &tensor_list(&grads[s])).unwrap();
+                let theirs = osd_of(&locals[s]).unwrap();
+                assert_osd_eq(&opt.state_dict(), &theirs, EXACT, &what);
+            }
+            for (id, (a, b)) in slots.iter().zip(rec.tensors("params_final")).enumerate() {
+                let d = max_ulps(a, b.as_ref().unwrap());
+                worst_param = worst_param.max(d);
+                assert!(
+                    d <= MAX_ULP,
+                    "{} rank {r}: parameter {id} is {d} ulp off",
+                    sc.name
+                );
+            }
+            eprintln!(
+                "{} rank {r}: state bit-exact, parameters at most {worst_param} ulp off",
+                sc.name
+            );
+        }
+    });
+}
+
+/// The GPU-correct full state of a `use_orig_params=True` model: each managed parameter's
+/// tensor states are the concatenation over ranks of their local 1-D states (ranks without
+/// elements hold none), reshaped; other state is rank 0's.
+fn orig_params_reference(
+    sc: &Scenario,
+    recs: &[Rec],
+    torch_full: &OptimStateDict,
+) -> OptimStateDict {
+    let locals: Vec<(OptimParams, OptimStateDict)> = recs
+        .iter()
+        .map(|r| (r.optim_params("optim_params"), sc.final_local(r)))
+        .collect();
+    let mut out = torch_full.clone();
+    for (key, st) in out.state.iter_mut() {
+        let name = key.as_name().unwrap();
+        let spec = sc.model.get(name).unwrap();
+        for (n, v) in st.iter_mut() {
+            let Value::Tensor(t) = v else { continue };
+            if t.dim() == 0 {
+                continue;
+            }
+            let mut bytes = Vec::new();
+            for (params, local) in &locals {
+                let id = params
+                    .iter()
+                    .position(|(_, p)| *p == OptimParam::Param(name.to_string()))
+                    .unwrap();
+                if let Some(Value::Tensor(x)) = local
+                    .state
+                    .get(&ParamKey::Id(id))
+                    .and_then(|s| s.get(n.as_str()))
+                {
+                    bytes.extend_from_slice(x.as_bytes());
+                }
+            }
+            *v = Value::Tensor(HostTensor::from_bytes(spec.dtype, &spec.shape, &bytes).unwrap());
+        }
+    }
+    out
+}
+
+/// Whether PyTorch's dict shows the CPU aliasing bug: some parameter whose `exp_avg` and
+/// `exp_avg_sq` are bit-identical although its local states differ.
+fn shows_alias_bug(osd: &OptimStateDict) -> bool {
+    osd.state
+        .values()
+        .any(|st| match (st.get("exp_avg"), st.get("exp_avg_sq")) {
+            (Some(Value::Tensor(a)), Some(Value::Tensor(b))) => a.bit_eq(b),
+            _ => false,
+        })
+}
+
+#[test]
+fn consolidated_dicts_match_pytorch() {
+    each_scenario(|sc| {
+        let recs = sc.ranks();
+        let orig = sc.policy.use_orig_params;
+        let results = ThreadGroup::run(sc.ws, |pg| {
+            let fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
+            let rec = &recs[fsdp.rank()];
+            let params = rec.optim_params("optim_params");
+            let local = sc.final_local(rec);
+            let full = fsdp.full_optim_state_dict(&local, &params, false).unwrap();
+            let full_rank0 = fsdp.full_optim_state_dict(&local, &params, true).unwrap();
+            let sharded = fsdp.sharded_optim_state_dict(&local, &params).unwrap();
+            let mut f = Fsdp::new(&sc.model, &sc.policy, fsdp.process_group().clone()).unwrap();
+            f.set_state_dict_type(StateDictType::Full, None).unwrap();
+            let osd_full = f.optim_state_dict(&local, &params).unwrap();
+            f.set_state_dict_type(
+                StateDictType::Full,
+                Some(OptimStateDictConfig::Full {
+                    offload_to_cpu: true,
+                    rank0_only: true,
+                }),
+            )
+            .unwrap();
+            let osd_full_rank0 = f.optim_state_dict(&local, &params).unwrap();
+            (full, full_rank0, sharded, osd_full, osd_full_rank0)
+        });
+        let torch_full0 = recs[0].osd("full").unwrap();
+        let reference = if orig {
+            Some(orig_params_reference(sc, &recs, &torch_full0))
+        } else {
+            None
+        };
+        for (r, (full, full_rank0, sharded, osd_full, osd_full_rank0)) in results.iter().enumerate()
+        {
+            let rec = &recs[r];
+            let what = |k: &str| format!("{} rank {r} {k}", sc.name);
+            for (key, ours) in [
+                ("full", full.as_ref()),
+                ("full_rank0", full_rank0.as_ref()),
+                ("osd_full", osd_full.as_ref()),
+                ("osd_full_rank0", osd_full_rank0.as_ref()),
+            ] {
+                let theirs = rec.osd(key);
+                match (&reference, theirs) {
+                    (Some(reference), Some(theirs)) if shows_alias_bug(&theirs) => {
+                        // PyTorch's CPU aliasing bug: the crate gives the GPU result.
+                        assert!(!shows_alias_bug(reference), "{}", what(key));
+                        assert_osd_eq(ours.unwrap(), reference, EXACT, &what(key));
+                    }
+                    (_, theirs) => opt_eq(ours, theirs.as_ref(), EXACT, &what(key)),
+                }
+            }
+            let theirs = rec.osd("sharded").unwrap();
+            assert_osd_eq(sharded, &theirs, EXACT, &what("sharded"));
+        }
+        // The fixtures of 2.13 do show the bug, so the GPU-correct branch above is exercised;
+        // if a regenerated fixture no longer does, the plain comparison applies by itself.
+        assert_eq!(orig, shows_alias_bug(&torch_full0), "{}", sc.name);
+    });
+}
+
+#[test]
+fn rekeyed_dicts_match_pytorch() {
+    each_scenario(|sc| {
+        let plain = ModelLayout::new(&sc.model, &WrapPolicy::default(), 1).unwrap();
+        for (r, rec) in sc.ranks().iter().enumerate() {
+            let what = |k: &str| format!("{} rank {r} {k}", sc.name);
+            let params = rec.optim_params("plain_optim_params");
+            let full = rec.osd("full").unwrap();
+            let to_ids = fsdp::optim_state::rekey_optim_state_dict(
+                &full,
+                OptimStateKeyType::ParamId,
+                &plain,
+                &params,
+            )
+            .unwrap();
+            assert_osd_eq(
+                &to_ids,
+                &rec.osd("rekey_full_to_ids").unwrap(),
+                EXACT,
+                &what("to ids"),
+            );
+            let to_names = fsdp::optim_state::rekey_optim_state_dict(
+                &to_ids,
+                OptimStateKeyType::ParamName,
+                &plain,
+                &params,
+            )
+            .unwrap();
+            assert_osd_eq(
+                &to_names,
+                &rec.osd("rekey_ids_to_names").unwrap(),
+                EXACT,
+                &what("to names"),
+            );
+        }
+    });
+}
+
+/// Keys of flat parameters in a loaded dict: PyTorch builds their state by iterating a Python
+/// `set` of state names, so the name order depends on the hash seed.
+fn flat_ids(params: &OptimParams) -> BTreeMap<ParamKey, bool> {
+    params
+        .iter()
+        .map(|(id, p)| (ParamKey::Id(id), matches!(p, OptimParam::Flat(_))))
+        .collect()
+}
+
+#[test]
+fn loaded_dicts_match_pytorch() {
+    each_scenario(|sc| {
+        let recs = sc.ranks();
+        let full = recs[0].osd("full").unwrap();
+        // Same world size and wrapping: from the full dict and from the sharded dict.
+        ThreadGroup::run(sc.ws, |pg| {
+            let fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
+            let r = fsdp.rank();
+            let rec = &recs[r];
+            let params = rec.optim_params("optim_params");
+            let flat = flat_ids(&params);
+            let order = Order {
+                keys: true,
+                unordered_names: &|k| flat[k],
+            };
+            let what = |k: &str| format!("{} rank {r} {k}", sc.name);
+            let ours = fsdp.optim_state_dict_to_load(Some(&full), &params).unwrap();
+            assert_osd_eq(
+                &ours,
+                &rec.osd("to_load_same").unwrap(),
+                order,
+                &what("to_load_same"),
+            );
+            let sharded = rec.osd("sharded").unwrap();
+            let ours = fsdp
+                .flatten_sharded_optim_state_dict(&sharded, &params)
+                .unwrap();
+            assert_osd_eq(
+                &ours,
+                &rec.osd("flatten_sharded").unwrap(),
+                order,
+                &what("flatten_sharded"),
+            );
+        });
+        for (lname, policy, ws, dir) in sc.loads() {
+            let lrecs: Vec<Rec> = (0..ws)
+                .map(|r| Rec::load(&dir.join(format!("rank{r}.pt"))))
+                .collect();
+            ThreadGroup::run(ws, |pg| {
+                let mut fsdp = Fsdp::new(&sc.model, &policy, Arc::new(pg)).unwrap();
+                let r = fsdp.rank();
+                let rec = &lrecs[r];
+                let params = rec.optim_params("optim_params");
+                let flat = flat_ids(&params);
+                let order = Order {
+                    keys: true,
+                    unordered_names: &|k| flat.get(k).copied().unwrap_or(false),
+                };
+                let what = |k: &str| format!("{} load {lname} rank {r} {k}", sc.name);
+                let ours = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+                assert_osd_eq(
+                    &ours,
+                    &rec.osd("shard_full").unwrap(),
+                    order,
+                    &what("shard_full"),
+                );
+                let ours = fsdp
+                    .scatter_full_optim_state_dict((r == 0).then_some(&full), &params)
+                    .unwrap();
+                assert_osd_eq(
+                    &ours,
+                    &rec.osd("scatter_full").unwrap(),
+                    order,
+                    &what("scatter_full"),
+                );
+                fsdp.set_state_dict_type(StateDictType::Full, None).unwrap();
+                let ours = fsdp.optim_state_dict_to_load(Some(&full), &params).unwrap();
+                assert_osd_eq(&ours, &rec.osd("to_load").unwrap(), order, &what("to_load"));
+                fsdp.set_state_dict_type(
+                    StateDictType::Full,
+                    Some(OptimStateDictConfig::Full {
+                        offload_to_cpu: true,
+                        rank0_only: true,
+                    }),
+                )
+                .unwrap();
+                let ours = fsdp
+                    .optim_state_dict_to_load((r == 0).then_some(&full), &params)
+                    .unwrap();
+                assert_osd_eq(
+                    &ours,
+                    &rec.osd("to_load_rank0").unwrap(),
+                    order,
+                    &what("to_load_rank0"),
+                );
+            });
+        }
+    });
+}
