@@ -14,17 +14,25 @@
 //!   local tensors FSDP's optimizer held (bit-exact), and `Fsdp::optim_params` is PyTorch's
 //!   `model.parameters()` order.
 //! * **Optimizers** stepped with PyTorch's local gradients reproduce PyTorch's local state
-//!   dicts: structure exactly, `step`, SGD and AdamW state bit-exact, Adam state within
-//!   [`MAX_ULP`] (see there). Gradients are set explicitly by the generator (no reduce-scatter),
-//!   so the world size does not enter the arithmetic: PyTorch's two-step gradient division at
-//!   world size 3 plays no part here.
+//!   dicts after every step: structure and every state tensor bit-exact (Adam, AdamW, SGD, at
+//!   world sizes 2 and 3), parameters within [`MAX_ULP`] (see there). Gradients are set
+//!   explicitly by the generator (no reduce-scatter), so the world size does not enter the
+//!   arithmetic: PyTorch's two-step gradient division at world size 3 plays no part here.
 //!
-//! Known PyTorch CPU bug this corrects for: with `use_orig_params=True` and
-//! `offload_to_cpu=True` every gathered tensor state aliases one reused buffer on CPU, so
-//! PyTorch's full dicts come out with `exp_avg == exp_avg_sq` (on GPU the `.cpu()` copy hides
-//! this). Where a fixture shows the bug, the test asserts that it does, and requires the crate's
-//! GPU-correct result instead: the concatenation of every rank's local 1-D state in rank order,
-//! built from PyTorch's own local dicts ([`orig_params_reference`]).
+//! The only order compared as a set: the state names of a flat parameter in a dict PyTorch
+//! loads (`shard_full`, `scatter_full`, `to_load*`, `flatten_sharded`), which PyTorch builds by
+//! iterating a Python `set` (hash-seed dependent; the generator pins `PYTHONHASHSEED=0`, the
+//! crate uses its own documented order). Keys, groups and everything else keep their order.
+//!
+//! PyTorch CPU bugs the tests correct for instead of copying:
+//! * with `use_orig_params=True` and `offload_to_cpu=True` every gathered tensor state aliases
+//!   one reused buffer on CPU, so PyTorch's full dicts come out with `exp_avg == exp_avg_sq`
+//!   (on GPU the `.cpu()` copy hides this). The tests assert that the fixture shows the bug and
+//!   require the crate's GPU-correct result: the concatenation of every rank's local 1-D state
+//!   in rank order, built from PyTorch's own local dicts ([`orig_params_reference`]);
+//! * rank-0-only loading of a dict with non-tensor state crashes PyTorch on rank 0 and hangs
+//!   the other ranks, so there is no fixture; the crate must load what PyTorch loads without
+//!   `rank0_only`.
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
@@ -244,53 +252,45 @@ impl Scenario {
             })
             .collect();
         assert_eq!(overrides.len(), params.groups.len(), "{}", self.name);
-        let opt: Box<dyn Optimizer> = match kind {
-            "Adam" => {
-                let mut o = Adam::new(
-                    params.clone(),
-                    AdamConfig {
-                        lr,
-                        ..AdamConfig::default()
-                    },
-                )
-                .unwrap();
+        // `optim_class([{"params": ..., **overrides}, ...], **kwargs)`.
+        macro_rules! build {
+            ($opt:expr) => {{
+                let mut o = $opt.unwrap();
                 for (g, ov) in overrides.iter().enumerate() {
                     o = o.with_group_options(g, ov.clone()).unwrap();
                 }
                 Box::new(o)
-            }
-            "AdamW" => {
-                let mut o = AdamW::new(
-                    params.clone(),
-                    AdamConfig {
-                        lr,
-                        ..AdamConfig::adamw()
-                    },
-                )
-                .unwrap();
-                for (g, ov) in overrides.iter().enumerate() {
-                    o = o.with_group_options(g, ov.clone()).unwrap();
+            }};
+        }
+        let p = params.clone();
+        match kind {
+            "Adam" => build!(Adam::new(
+                p,
+                AdamConfig {
+                    lr,
+                    ..AdamConfig::default()
                 }
-                Box::new(o)
-            }
+            )),
+            "AdamW" => build!(AdamW::new(
+                p,
+                AdamConfig {
+                    lr,
+                    ..AdamConfig::adamw()
+                }
+            )),
             "SGD" => {
-                let mut o = Sgd::new(
-                    params.clone(),
+                let momentum = kwargs["momentum"].as_f64().unwrap().into();
+                build!(Sgd::new(
+                    p,
                     SgdConfig {
                         lr,
-                        momentum: kwargs["momentum"].as_f64().unwrap().into(),
+                        momentum,
                         ..SgdConfig::default()
-                    },
-                )
-                .unwrap();
-                for (g, ov) in overrides.iter().enumerate() {
-                    o = o.with_group_options(g, ov.clone()).unwrap();
-                }
-                Box::new(o)
+                    }
+                ))
             }
             other => panic!("unknown optimizer {other}"),
-        };
-        opt
+        }
     }
 
     /// The load targets: (name, policy, world size, directory).
@@ -321,17 +321,15 @@ impl Scenario {
 
 // ------------------------------------------------------------------------------- comparison
 
-/// Which orders a comparison checks.
+/// Which orders a comparison relaxes: everything is compared in order except the state names
+/// of the keys `unordered_names` selects, whose order is not deterministic in PyTorch.
 #[derive(Clone, Copy)]
 struct Order<'a> {
-    /// The order of `state` keys.
-    keys: bool,
-    /// Keys whose state-name order is not deterministic in PyTorch (compared as sets).
+    /// Keys whose state names are compared as a set.
     unordered_names: &'a dyn Fn(&ParamKey) -> bool,
 }
 
 const EXACT: Order<'static> = Order {
-    keys: true,
     unordered_names: &|_| false,
 };
 
@@ -358,13 +356,7 @@ fn value_eq(a: &Value, b: &Value) -> bool {
 fn assert_osd_eq(ours: &OptimStateDict, theirs: &OptimStateDict, order: Order, what: &str) {
     let ko: Vec<&ParamKey> = ours.state.keys().collect();
     let kt: Vec<&ParamKey> = theirs.state.keys().collect();
-    if order.keys {
-        assert_eq!(ko, kt, "{what}: state keys (in order)");
-    } else {
-        let so: BTreeSet<_> = ko.iter().collect();
-        let st: BTreeSet<_> = kt.iter().collect();
-        assert_eq!(so, st, "{what}: state keys");
-    }
+    assert_eq!(ko, kt, "{what}: state keys (in order)");
     for (k, st) in &theirs.state {
         let so = &ours.state[k];
         let no: Vec<&String> = so.keys().collect();
@@ -663,6 +655,73 @@ fn consolidated_dicts_match_pytorch() {
 }
 
 #[test]
+fn custom_non_tensor_state_and_sharded_state_dict_type_match_pytorch() {
+    each_scenario(|sc| {
+        let recs = sc.ranks();
+        ThreadGroup::run(sc.ws, |pg| {
+            let mut fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
+            let r = fsdp.rank();
+            let rec = &recs[r];
+            let what = |k: &str| format!("{} rank {r} {k}", sc.name);
+            let params = rec.optim_params("optim_params");
+            let flat = flat_ids(&params);
+            let loaded = Order {
+                unordered_names: &|k| flat[k],
+            };
+            // FULL_STATE_DICT, default config, with plain values in every parameter's state.
+            let custom = rec.osd("custom_local").unwrap();
+            fsdp.set_state_dict_type(StateDictType::Full, None).unwrap();
+            let osd = fsdp.optim_state_dict(&custom, &params).unwrap().unwrap();
+            let theirs = rec.osd("osd_custom").unwrap();
+            if sc.policy.use_orig_params {
+                // PyTorch's CPU aliasing bug again: compare tensors with the GPU result.
+                assert!(shows_alias_bug(&theirs), "{}", what("osd_custom"));
+                let reference = orig_params_reference(sc, &recs, &theirs);
+                assert_osd_eq(&osd, &reference, EXACT, &what("osd_custom"));
+            } else {
+                assert_osd_eq(&osd, &theirs, EXACT, &what("osd_custom"));
+            }
+            // Loading PyTorch's dict (as PyTorch made it, bug included for use_orig_params).
+            let want = rec.osd("to_load_custom").unwrap();
+            let ours = fsdp
+                .optim_state_dict_to_load(Some(&theirs), &params)
+                .unwrap();
+            assert_osd_eq(&ours, &want, loaded, &what("to_load_custom"));
+            // Rank-0-only loading of non-tensor state: PyTorch crashes on rank 0 and hangs the
+            // other ranks; the crate loads the same dict as without rank0_only.
+            fsdp.set_state_dict_type(
+                StateDictType::Full,
+                Some(OptimStateDictConfig::Full {
+                    offload_to_cpu: true,
+                    rank0_only: true,
+                }),
+            )
+            .unwrap();
+            let ours = fsdp
+                .optim_state_dict_to_load((r == 0).then_some(&theirs), &params)
+                .unwrap();
+            assert_osd_eq(&ours, &want, loaded, &what("rank-0-only to_load_custom"));
+            // SHARDED_STATE_DICT through the state-dict-type API, and loading it back.
+            fsdp.set_state_dict_type(StateDictType::Sharded, None)
+                .unwrap();
+            let local = sc.final_local(rec);
+            let ours = fsdp.optim_state_dict(&local, &params).unwrap().unwrap();
+            let theirs = rec.osd("osd_sharded").unwrap();
+            assert_osd_eq(&ours, &theirs, EXACT, &what("osd_sharded"));
+            let ours = fsdp
+                .optim_state_dict_to_load(Some(&theirs), &params)
+                .unwrap();
+            assert_osd_eq(
+                &ours,
+                &rec.osd("to_load_sharded").unwrap(),
+                loaded,
+                &what("to_load_sharded"),
+            );
+        });
+    });
+}
+
+#[test]
 fn rekeyed_dicts_match_pytorch() {
     each_scenario(|sc| {
         let plain = ModelLayout::new(&sc.model, &WrapPolicy::default(), 1).unwrap();
@@ -722,7 +781,6 @@ fn loaded_dicts_match_pytorch() {
             let params = rec.optim_params("optim_params");
             let flat = flat_ids(&params);
             let order = Order {
-                keys: true,
                 unordered_names: &|k| flat[k],
             };
             let what = |k: &str| format!("{} rank {r} {k}", sc.name);
@@ -755,7 +813,6 @@ fn loaded_dicts_match_pytorch() {
                 let params = rec.optim_params("optim_params");
                 let flat = flat_ids(&params);
                 let order = Order {
-                    keys: true,
                     unordered_names: &|k| flat.get(k).copied().unwrap_or(false),
                 };
                 let what = |k: &str| format!("{} load {lname} rank {r} {k}", sc.name);

@@ -41,7 +41,16 @@ It spawns the ranks of each scenario with `torch.multiprocessing` on 127.0.0.1 (
     parameters; `plain_optim_params` records that input),
   - `rekey_ids_to_names`: that dict rekeyed back with `PARAM_NAME`,
   - `to_load_same`: `FSDP.optim_state_dict_to_load(model, fresh optim, full)` (same config),
-  - `flatten_sharded`: `FSDP.flatten_sharded_optim_state_dict(sharded, model, fresh optim)`.
+  - `flatten_sharded`: `FSDP.flatten_sharded_optim_state_dict(sharded, model, fresh optim)`,
+  - `custom_local`: the last `local` dict with `value1=2.74` and `value2=None` added to every
+    parameter's state (PyTorch's `test_state_dict_with_none_tensor_state`), `osd_custom`:
+    `FSDP.optim_state_dict(model, optim, optim_state_dict=custom_local)` (FULL, default
+    config), `to_load_custom`: `FSDP.optim_state_dict_to_load(model, fresh optim, osd_custom)`
+    (rank-0-only loading of such a dict crashes PyTorch on rank 0 and hangs the others, so it
+    is not generated),
+  - `osd_sharded`: `FSDP.optim_state_dict(model, optim)` under `SHARDED_STATE_DICT` (same
+    tuple form as `sharded`), `to_load_sharded`: `FSDP.optim_state_dict_to_load(model, fresh
+    optim, that sharded dict)`.
 * `load_<name>/rank<r>.pt` — for a load target (another world size / wrapping, fresh model and
   optimizer built by the target's input), from this scenario's `full` dict of rank 0:
   `shard_full` (`FSDP.shard_full_optim_state_dict(full, model, optim=optim)`), `scatter_full`
@@ -51,7 +60,9 @@ It spawns the ranks of each scenario with `torch.multiprocessing` on 127.0.0.1 (
 
 Deterministic: parameters come from `torch.manual_seed` at model construction, gradients
 from a seeded `torch.Generator`; everything runs single-threaded (`torch.set_num_threads(1)`).
-Re-running rewrites identical tensors (the zip's random `serialization_id` record differs).
+The ranks run with `PYTHONHASHSEED=0`, which fixes the order PyTorch gives a loaded flat
+parameter's state names (it iterates a `set`). Re-running rewrites identical contents (the
+zip's random `serialization_id` record differs).
 """
 
 import json
@@ -479,6 +490,19 @@ def run_rank(rank, ws, port, name, cfg, out_dir):
         FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
         rec["to_load_same"] = snapshot(FSDP.optim_state_dict_to_load(model, fresh, rec["full"]))
         rec["flatten_sharded"] = snapshot(FSDP.flatten_sharded_optim_state_dict(sharded, model, fresh))
+        # Custom non-tensor state (`test_state_dict_with_none_tensor_state`).
+        custom = snapshot(rec["local"][-1])
+        for st in custom["state"].values():
+            st["value1"] = 2.74
+            st["value2"] = None
+        rec["custom_local"] = custom
+        rec["osd_custom"] = snapshot(FSDP.optim_state_dict(model, optim, optim_state_dict=snapshot(custom)))
+        rec["to_load_custom"] = snapshot(FSDP.optim_state_dict_to_load(model, fresh, rec["osd_custom"]))
+        # SHARDED_STATE_DICT through the state-dict-type API.
+        FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        osd_sharded = FSDP.optim_state_dict(model, optim)
+        rec["osd_sharded"] = plain_sharded(osd_sharded)
+        rec["to_load_sharded"] = snapshot(FSDP.optim_state_dict_to_load(model, fresh, osd_sharded))
         rec["optim_params"] = json.dumps(optim_params_json(model, optim, cfg["groups"]))
         torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
@@ -569,6 +593,9 @@ def generate(name, cfg):
 
 
 def main():
+    # Spawned ranks are fresh interpreters that inherit the environment: a fixed hash seed makes
+    # PyTorch's set-ordered state names (loading a flat parameter) the same on every run.
+    os.environ["PYTHONHASHSEED"] = "0"
     names = sys.argv[1:] or list(SCENARIOS)
     for n in names:
         generate(n, SCENARIOS[n])
