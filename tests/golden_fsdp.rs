@@ -64,11 +64,12 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/fsdp")
 }
 
-const SCENARIOS: [&str; 5] = [
+const SCENARIOS: [&str; 6] = [
     "nested_ws2",
     "nested_alt_ws3",
     "tied_ws2",
     "orig_params_ws3",
+    "orig_params_bf16_ws2",
     "no_shard_ws2",
 ];
 
@@ -418,25 +419,30 @@ fn opt_eq(
     }
 }
 
-/// Ulp distance of two f32 values (sign-magnitude aware).
-fn ulps(a: f32, b: f32) -> u64 {
-    let key = |x: f32| {
-        let i = x.to_bits() as i32;
-        if i < 0 {
-            i64::from(i32::MIN) - i64::from(i)
+/// Largest ulp distance between two float tensors of the same dtype (f32, bf16 or f16):
+/// the distance of their bit patterns mapped to a monotonic integer line.
+fn max_ulps(a: &HostTensor, b: &HostTensor) -> u64 {
+    assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()));
+    let width = a.dtype().size();
+    assert!(width == 2 || width == 4, "{}", a.dtype());
+    let line = |chunk: &[u8]| -> i64 {
+        let (bits, sign) = if width == 4 {
+            let v = u32::from_le_bytes(chunk.try_into().unwrap());
+            (i64::from(v & 0x7fff_ffff), v >> 31)
         } else {
-            i64::from(i)
+            let v = u16::from_le_bytes(chunk.try_into().unwrap());
+            (i64::from(v & 0x7fff), u32::from(v >> 15))
+        };
+        if sign == 1 {
+            -bits
+        } else {
+            bits
         }
     };
-    (key(a) - key(b)).unsigned_abs()
-}
-
-fn max_ulps(a: &HostTensor, b: &HostTensor) -> u64 {
-    assert_eq!(a.shape(), b.shape());
-    let (x, y) = (a.as_slice::<f32>().unwrap(), b.as_slice::<f32>().unwrap());
-    x.iter()
-        .zip(y)
-        .map(|(&p, &q)| ulps(p, q))
+    a.as_bytes()
+        .chunks(width)
+        .zip(b.as_bytes().chunks(width))
+        .map(|(x, y)| (line(x) - line(y)).unsigned_abs())
         .max()
         .unwrap_or(0)
 }

@@ -168,6 +168,8 @@ def build_model(kind):
         return TiedTransformer()
     if kind == "dummy_frozen":
         return DummyModel(frozen_first=True)
+    if kind == "dummy_bf16":
+        return DummyModel(frozen_first=False).to(torch.bfloat16)
     raise ValueError(kind)
 
 
@@ -237,6 +239,18 @@ SCENARIOS = {
         "diff_inputs": False,
         "loads": {"ws2_root": {"policy": "dummy_root", "ws": 2, "groups": False, "diff_inputs": False}},
     },
+    # bf16 parameters with use_orig_params=True (alignment padding of 8 elements); loaded into
+    # NO_SHARD at world size 3.
+    "orig_params_bf16_ws2": {
+        "model": "dummy_bf16",
+        "policy": "dummy_net1_net3_root",
+        "ws": 2,
+        "optim": "Adam",
+        "use_orig_params": True,
+        "groups": False,
+        "diff_inputs": False,
+        "loads": {"ws3_no_shard": {"policy": "dummy_net1_net3_root", "ws": 3, "strategy": "NO_SHARD", "groups": False, "diff_inputs": False}},
+    },
     # NO_SHARD with SGD momentum; loaded into FULL_SHARD at world size 3.
     "no_shard_ws2": {
         "model": "nested",
@@ -252,6 +266,9 @@ SCENARIOS = {
 
 
 # ---------------------------------------------------------------- helpers
+DTYPES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
+DTYPE_OF = {v: k for k, v in DTYPES.items()}
+
 def model_desc(model):
     params, tied, seen = [], {}, {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -259,7 +276,7 @@ def model_desc(model):
             tied[name] = seen[id(p)]
             continue
         seen[id(p)] = name
-        dtype = {torch.float32: "f32", torch.float64: "f64"}[p.dtype]
+        dtype = DTYPES[p.dtype]
         params.append({"name": name, "shape": list(p.shape), "dtype": dtype, "requires_grad": p.requires_grad})
     return {"params": params, "tied": tied}
 
@@ -361,14 +378,14 @@ def set_grads(model, full_grads, tied, use_orig_params):
         pieces = []
         for numel, is_pad in zip(fp._numels_with_padding, fp._is_padding_mask):
             if is_pad:
-                pieces.append(torch.zeros(numel))
+                pieces.append(torch.zeros(numel, dtype=fp.dtype))
                 continue
             fqn = next(members)
             name = f"{prefix}.{fqn}" if prefix else fqn
             name = tied.get(name, name)
             managed.add(name)
             g = full_grads.get(name)
-            pieces.append(g.reshape(-1) if g is not None else torch.zeros(numel))
+            pieces.append(g.reshape(-1) if g is not None else torch.zeros(numel, dtype=fp.dtype))
         flat = torch.cat(pieces)
         if h.uses_sharded_strategy:
             shard, _ = h._get_shard(flat, h.rank, h.world_size)
@@ -559,7 +576,13 @@ def generate(name, cfg):
     grads = []
     for _ in range(STEPS):
         # Frozen parameters get no gradient, as in training.
-        grads.append({p["name"]: torch.randn(p["shape"], generator=gen) for p in desc["params"] if p["requires_grad"]})
+        grads.append(
+            {
+                p["name"]: torch.randn(p["shape"], generator=gen).to(DTYPE_OF[p["dtype"]])
+                for p in desc["params"]
+                if p["requires_grad"]
+            }
+        )
     torch.save(grads, os.path.join(out_dir, "grads.pt"))
     spawn(run_rank, cfg["ws"], name, cfg, out_dir)
     loads = {}
