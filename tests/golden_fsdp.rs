@@ -44,7 +44,7 @@ use fsdp::{
     OptimStateKeyType, ParamKey, StateDictType, Value, WrapPolicy,
 };
 use serde_json::Value as J;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -59,6 +59,12 @@ use std::sync::Arc;
 /// parameters only through L2 weight decay (`weight_decay=0.9` on the second group of
 /// `nested_ws2`), and there the parameter differences happen not to reach it (measured).
 const MAX_ULP: u64 = 2;
+
+/// `FullOptimStateDictConfig(rank0_only=True)` (offloading to CPU, the default).
+const RANK0_ONLY: OptimStateDictConfig = OptimStateDictConfig::Full {
+    offload_to_cpu: true,
+    rank0_only: true,
+};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/fsdp")
@@ -604,25 +610,18 @@ fn consolidated_dicts_match_pytorch() {
         let recs = sc.ranks();
         let orig = sc.policy.use_orig_params;
         let results = ThreadGroup::run(sc.ws, |pg| {
-            let fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
+            let mut fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
             let rec = &recs[fsdp.rank()];
             let params = rec.optim_params("optim_params");
             let local = sc.final_local(rec);
             let full = fsdp.full_optim_state_dict(&local, &params, false).unwrap();
             let full_rank0 = fsdp.full_optim_state_dict(&local, &params, true).unwrap();
             let sharded = fsdp.sharded_optim_state_dict(&local, &params).unwrap();
-            let mut f = Fsdp::new(&sc.model, &sc.policy, fsdp.process_group().clone()).unwrap();
-            f.set_state_dict_type(StateDictType::Full, None).unwrap();
-            let osd_full = f.optim_state_dict(&local, &params).unwrap();
-            f.set_state_dict_type(
-                StateDictType::Full,
-                Some(OptimStateDictConfig::Full {
-                    offload_to_cpu: true,
-                    rank0_only: true,
-                }),
-            )
-            .unwrap();
-            let osd_full_rank0 = f.optim_state_dict(&local, &params).unwrap();
+            fsdp.set_state_dict_type(StateDictType::Full, None).unwrap();
+            let osd_full = fsdp.optim_state_dict(&local, &params).unwrap();
+            fsdp.set_state_dict_type(StateDictType::Full, Some(RANK0_ONLY))
+                .unwrap();
+            let osd_full_rank0 = fsdp.optim_state_dict(&local, &params).unwrap();
             (full, full_rank0, sharded, osd_full, osd_full_rank0)
         });
         let torch_full0 = recs[0].osd("full").unwrap();
@@ -670,9 +669,9 @@ fn custom_non_tensor_state_and_sharded_state_dict_type_match_pytorch() {
             let rec = &recs[r];
             let what = |k: &str| format!("{} rank {r} {k}", sc.name);
             let params = rec.optim_params("optim_params");
-            let flat = flat_ids(&params);
+            let flat = flat_keys(&params);
             let loaded = Order {
-                unordered_names: &|k| flat[k],
+                unordered_names: &|k| flat.contains(k),
             };
             // FULL_STATE_DICT, default config, with plain values in every parameter's state.
             let custom = rec.osd("custom_local").unwrap();
@@ -695,14 +694,8 @@ fn custom_non_tensor_state_and_sharded_state_dict_type_match_pytorch() {
             assert_osd_eq(&ours, &want, loaded, &what("to_load_custom"));
             // Rank-0-only loading of non-tensor state: PyTorch crashes on rank 0 and hangs the
             // other ranks; the crate loads the same dict as without rank0_only.
-            fsdp.set_state_dict_type(
-                StateDictType::Full,
-                Some(OptimStateDictConfig::Full {
-                    offload_to_cpu: true,
-                    rank0_only: true,
-                }),
-            )
-            .unwrap();
+            fsdp.set_state_dict_type(StateDictType::Full, Some(RANK0_ONLY))
+                .unwrap();
             let ours = fsdp
                 .optim_state_dict_to_load((r == 0).then_some(&theirs), &params)
                 .unwrap();
@@ -767,10 +760,11 @@ fn rekeyed_dicts_match_pytorch() {
 
 /// Keys of flat parameters in a loaded dict: PyTorch builds their state by iterating a Python
 /// `set` of state names, so the name order depends on the hash seed.
-fn flat_ids(params: &OptimParams) -> BTreeMap<ParamKey, bool> {
+fn flat_keys(params: &OptimParams) -> BTreeSet<ParamKey> {
     params
         .iter()
-        .map(|(id, p)| (ParamKey::Id(id), matches!(p, OptimParam::Flat(_))))
+        .filter(|(_, p)| matches!(p, OptimParam::Flat(_)))
+        .map(|(id, _)| ParamKey::Id(id))
         .collect()
 }
 
@@ -785,9 +779,9 @@ fn loaded_dicts_match_pytorch() {
             let r = fsdp.rank();
             let rec = &recs[r];
             let params = rec.optim_params("optim_params");
-            let flat = flat_ids(&params);
+            let flat = flat_keys(&params);
             let order = Order {
-                unordered_names: &|k| flat[k],
+                unordered_names: &|k| flat.contains(k),
             };
             let what = |k: &str| format!("{} rank {r} {k}", sc.name);
             let ours = fsdp.optim_state_dict_to_load(Some(&full), &params).unwrap();
@@ -817,9 +811,9 @@ fn loaded_dicts_match_pytorch() {
                 let r = fsdp.rank();
                 let rec = &lrecs[r];
                 let params = rec.optim_params("optim_params");
-                let flat = flat_ids(&params);
+                let flat = flat_keys(&params);
                 let order = Order {
-                    unordered_names: &|k| flat.get(k).copied().unwrap_or(false),
+                    unordered_names: &|k| flat.contains(k),
                 };
                 let what = |k: &str| format!("{} load {lname} rank {r} {k}", sc.name);
                 let ours = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
@@ -841,14 +835,8 @@ fn loaded_dicts_match_pytorch() {
                 fsdp.set_state_dict_type(StateDictType::Full, None).unwrap();
                 let ours = fsdp.optim_state_dict_to_load(Some(&full), &params).unwrap();
                 assert_osd_eq(&ours, &rec.osd("to_load").unwrap(), order, &what("to_load"));
-                fsdp.set_state_dict_type(
-                    StateDictType::Full,
-                    Some(OptimStateDictConfig::Full {
-                        offload_to_cpu: true,
-                        rank0_only: true,
-                    }),
-                )
-                .unwrap();
+                fsdp.set_state_dict_type(StateDictType::Full, Some(RANK0_ONLY))
+                    .unwrap();
                 let ours = fsdp
                     .optim_state_dict_to_load((r == 0).then_some(&full), &params)
                     .unwrap();

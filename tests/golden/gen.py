@@ -319,7 +319,7 @@ def policy_json(policy_name, use_orig_params, strategy):
     }
 
 
-def optim_input(model, kind, groups, diff_inputs, rank):
+def optim_input(model, groups, diff_inputs, rank):
     if groups:
         inp = [{"params": g} for g in model.param_groups()]
         inp[1]["weight_decay"] = 0.9
@@ -355,7 +355,7 @@ def param_names(model):
     return out
 
 
-def optim_params_json(model, optim, groups):
+def optim_params_json(model, optim):
     names = param_names(model)
     return {"groups": [[names[id(p)] for p in g["params"]] for g in optim.param_groups], "named": False}
 
@@ -395,7 +395,7 @@ def set_grads(model, full_grads, tied, use_orig_params):
         if not use_orig_params:
             fp.grad = shard.clone()
             continue
-        for p, info, in_fp in zip(fp._params, fp._shard_param_infos, fp._fqns):
+        for p, info in zip(fp._params, fp._shard_param_infos):
             if p.requires_grad and info.in_shard:
                 p.grad = shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].clone()
             else:
@@ -457,22 +457,15 @@ def init_pg(rank, ws, port):
     dist.init_process_group("gloo", rank=rank, world_size=ws)
 
 
-def build(cfg, policy, ws_rank):
-    model = build_model(cfg["model"])
-    tied = model_desc(model)["tied"]
-    model = wrap_model(model, policy, cfg.get("use_orig_params", False), cfg.get("strategy", "FULL_SHARD"))
-    return model, tied
-
-
 # ---------------------------------------------------------------- one scenario, one rank
-def run_rank(rank, ws, port, name, cfg, out_dir):
+def run_rank(rank, ws, port, cfg, out_dir):
     init_pg(rank, ws, port)
     try:
         unwrapped = build_model(cfg["model"])
         desc = model_desc(unwrapped)
         tied = desc["tied"]
         model = wrap_model(unwrapped, cfg["policy"], cfg.get("use_orig_params", False), cfg.get("strategy", "FULL_SHARD"))
-        inp = optim_input(model, cfg["optim"], cfg["groups"], cfg["diff_inputs"], rank)
+        inp = optim_input(model, cfg["groups"], cfg["diff_inputs"], rank)
         optim = make_optim(cfg["optim"], inp)
         grads_all = torch.load(os.path.join(out_dir, "grads.pt"))
         rec = {"params0": local_tensors(optim), "grads": [], "local": []}
@@ -497,13 +490,13 @@ def run_rank(rank, ws, port, name, cfg, out_dir):
         rec["osd_full_rank0"] = snapshot(FSDP.optim_state_dict(model, optim))
         # Rekeying takes a model without FSDP and its optimizer (same input structure).
         plain = build_model(cfg["model"])
-        plain_optim = make_optim(cfg["optim"], optim_input(plain, cfg["optim"], cfg["groups"], cfg["diff_inputs"], rank))
-        rec["plain_optim_params"] = json.dumps(optim_params_json(plain, plain_optim, cfg["groups"]))
+        plain_optim = make_optim(cfg["optim"], optim_input(plain, cfg["groups"], cfg["diff_inputs"], rank))
+        rec["plain_optim_params"] = json.dumps(optim_params_json(plain, plain_optim))
         to_ids = FSDP.rekey_optim_state_dict(rec["full"], OptimStateKeyType.PARAM_ID, plain, optim=plain_optim)
         rec["rekey_full_to_ids"] = snapshot(to_ids)
         rec["rekey_ids_to_names"] = snapshot(FSDP.rekey_optim_state_dict(to_ids, OptimStateKeyType.PARAM_NAME, plain, optim=plain_optim))
         # Loading into the same configuration (fresh optimizer over the same input).
-        fresh = make_optim(cfg["optim"], optim_input(model, cfg["optim"], cfg["groups"], cfg["diff_inputs"], rank))
+        fresh = make_optim(cfg["optim"], optim_input(model, cfg["groups"], cfg["diff_inputs"], rank))
         FSDP.set_state_dict_type(model, StateDictType.FULL_STATE_DICT)
         rec["to_load_same"] = snapshot(FSDP.optim_state_dict_to_load(model, fresh, rec["full"]))
         rec["flatten_sharded"] = snapshot(FSDP.flatten_sharded_optim_state_dict(sharded, model, fresh))
@@ -520,21 +513,21 @@ def run_rank(rank, ws, port, name, cfg, out_dir):
         osd_sharded = FSDP.optim_state_dict(model, optim)
         rec["osd_sharded"] = plain_sharded(osd_sharded)
         rec["to_load_sharded"] = snapshot(FSDP.optim_state_dict_to_load(model, fresh, osd_sharded))
-        rec["optim_params"] = json.dumps(optim_params_json(model, optim, cfg["groups"]))
+        rec["optim_params"] = json.dumps(optim_params_json(model, optim))
         torch.save(rec, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def load_rank(rank, ws, port, name, cfg, lcfg, out_dir, load_dir):
+def load_rank(rank, ws, port, cfg, lcfg, out_dir, load_dir):
     init_pg(rank, ws, port)
     try:
         full = torch.load(os.path.join(out_dir, "rank0.pt"))["full"]
         c = dict(cfg)
         c.update(lcfg)
         model = wrap_model(build_model(cfg["model"]), lcfg["policy"], c.get("use_orig_params", False), c.get("strategy", "FULL_SHARD"))
-        optim = make_optim(cfg["optim"], optim_input(model, cfg["optim"], lcfg["groups"], lcfg["diff_inputs"], rank))
+        optim = make_optim(cfg["optim"], optim_input(model, lcfg["groups"], lcfg["diff_inputs"], rank))
         rec = {
             "shard_full": snapshot(FSDP.shard_full_optim_state_dict(full, model, optim=optim)),
             "scatter_full": snapshot(FSDP.scatter_full_optim_state_dict(full if rank == 0 else None, model, optim=optim)),
@@ -548,7 +541,7 @@ def load_rank(rank, ws, port, name, cfg, lcfg, out_dir, load_dir):
             FullOptimStateDictConfig(rank0_only=True),
         )
         rec["to_load_rank0"] = snapshot(FSDP.optim_state_dict_to_load(model, optim, full if rank == 0 else None))
-        rec["optim_params"] = json.dumps(optim_params_json(model, optim, lcfg["groups"]))
+        rec["optim_params"] = json.dumps(optim_params_json(model, optim))
         torch.save(rec, os.path.join(load_dir, f"rank{rank}.pt"))
         dist.barrier()
     finally:
@@ -584,12 +577,12 @@ def generate(name, cfg):
             }
         )
     torch.save(grads, os.path.join(out_dir, "grads.pt"))
-    spawn(run_rank, cfg["ws"], name, cfg, out_dir)
+    spawn(run_rank, cfg["ws"], cfg, out_dir)
     loads = {}
     for lname, lcfg in cfg.get("loads", {}).items():
         load_dir = os.path.join(out_dir, f"load_{lname}")
         os.makedirs(load_dir)
-        spawn(load_rank, lcfg["ws"], name, cfg, lcfg, out_dir, load_dir)
+        spawn(load_rank, lcfg["ws"], cfg, lcfg, out_dir, load_dir)
         c = dict(cfg)
         c.update(lcfg)
         loads[lname] = {
