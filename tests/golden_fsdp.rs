@@ -34,7 +34,7 @@
 //!   the other ranks, so there is no fixture; the crate must load what PyTorch loads without
 //!   `rank0_only`.
 
-use fsdp::collectives::ThreadGroup;
+use fsdp::collectives::{ProcessGroup, ThreadGroup, ThreadProcessGroup};
 use fsdp::flat_param::ModelLayout;
 use fsdp::io::torch_save::{self, optim_from_pyobj, PyObj};
 use fsdp::optim::{Adam, AdamConfig, AdamW, Optimizer, Sgd, SgdConfig};
@@ -70,12 +70,13 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/fsdp")
 }
 
-const SCENARIOS: [&str; 6] = [
+const SCENARIOS: [&str; 7] = [
     "nested_ws2",
     "nested_alt_ws3",
     "tied_ws2",
     "orig_params_ws3",
     "orig_params_bf16_ws2",
+    "hybrid_ws4",
     "no_shard_ws2",
 ];
 
@@ -232,6 +233,27 @@ impl Scenario {
             params,
             grads,
         }
+    }
+
+    /// The size of the groups flat parameters are sharded over (smaller than the world size
+    /// with `HYBRID_SHARD`, whose shard groups are consecutive ranks).
+    fn shard_group_size(&self) -> usize {
+        self.j["shard_group_size"].as_u64().unwrap() as usize
+    }
+
+    /// This rank's façade.
+    fn fsdp(&self, pg: ThreadProcessGroup) -> Fsdp {
+        if self.policy.sharding_strategy.is_hybrid() {
+            Fsdp::new_hybrid(
+                &self.model,
+                &self.policy,
+                Arc::new(pg),
+                self.shard_group_size(),
+            )
+        } else {
+            Fsdp::new(&self.model, &self.policy, Arc::new(pg))
+        }
+        .unwrap()
     }
 
     fn rank(&self, r: usize) -> Rec {
@@ -464,7 +486,8 @@ fn each_scenario(f: impl Fn(&Scenario)) {
 #[test]
 fn local_tensors_and_optimizer_inputs_match_pytorch() {
     each_scenario(|sc| {
-        let layout = ModelLayout::new(&sc.model, &sc.policy, sc.ws).unwrap();
+        let shard = sc.shard_group_size();
+        let layout = ModelLayout::new(&sc.model, &sc.policy, shard).unwrap();
         for (r, rec) in sc.ranks().iter().enumerate() {
             let what = format!("{} rank {r}", sc.name);
             let params = rec.optim_params("optim_params");
@@ -478,7 +501,7 @@ fn local_tensors_and_optimizer_inputs_match_pytorch() {
                 );
             }
             let cut = |full: &[Option<HostTensor>]| {
-                fsdp::params::shard_tensors(&layout, r, &params, full).unwrap()
+                fsdp::params::shard_tensors(&layout, r % shard, &params, full).unwrap()
             };
             let want = rec.tensors("params0");
             let got = cut(&sc.params);
@@ -610,8 +633,8 @@ fn consolidated_dicts_match_pytorch() {
         let recs = sc.ranks();
         let orig = sc.policy.use_orig_params;
         let results = ThreadGroup::run(sc.ws, |pg| {
-            let mut fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
-            let rec = &recs[fsdp.rank()];
+            let rec = &recs[pg.rank()];
+            let mut fsdp = sc.fsdp(pg);
             let params = rec.optim_params("optim_params");
             let local = sc.final_local(rec);
             let full = fsdp.full_optim_state_dict(&local, &params, false).unwrap();
@@ -664,8 +687,8 @@ fn custom_non_tensor_state_and_sharded_state_dict_type_match_pytorch() {
     each_scenario(|sc| {
         let recs = sc.ranks();
         ThreadGroup::run(sc.ws, |pg| {
-            let mut fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
-            let r = fsdp.rank();
+            let r = pg.rank();
+            let mut fsdp = sc.fsdp(pg);
             let rec = &recs[r];
             let what = |k: &str| format!("{} rank {r} {k}", sc.name);
             let params = rec.optim_params("optim_params");
@@ -775,8 +798,8 @@ fn loaded_dicts_match_pytorch() {
         let full = recs[0].osd("full").unwrap();
         // Same world size and wrapping: from the full dict and from the sharded dict.
         ThreadGroup::run(sc.ws, |pg| {
-            let fsdp = Fsdp::new(&sc.model, &sc.policy, Arc::new(pg)).unwrap();
-            let r = fsdp.rank();
+            let r = pg.rank();
+            let fsdp = sc.fsdp(pg);
             let rec = &recs[r];
             let params = rec.optim_params("optim_params");
             let flat = flat_keys(&params);

@@ -251,6 +251,18 @@ SCENARIOS = {
         "diff_inputs": False,
         "loads": {"ws3_no_shard": {"policy": "dummy_net1_net3_root", "ws": 3, "strategy": "NO_SHARD", "groups": False, "diff_inputs": False}},
     },
+    # HYBRID_SHARD over 4 ranks (shard groups {0,1} and {2,3}); loaded into FULL_SHARD at
+    # world size 2.
+    "hybrid_ws4": {
+        "model": "nested",
+        "policy": "wrap",
+        "ws": 4,
+        "optim": "Adam",
+        "strategy": "HYBRID_SHARD",
+        "groups": False,
+        "diff_inputs": False,
+        "loads": {"ws2_full_shard": {"policy": "wrap", "ws": 2, "strategy": "FULL_SHARD", "groups": False, "diff_inputs": False}},
+    },
     # NO_SHARD with SGD momentum; loaded into FULL_SHARD at world size 3.
     "no_shard_ws2": {
         "model": "nested",
@@ -290,8 +302,28 @@ def set_module(model, prefix, new):
     setattr(get_module(model, parent), leaf, new)
 
 
+HYBRID_SHARD_GROUP = 2
+
+
+def hybrid_groups():
+    """(shard group, replicate group) of this rank: consecutive pairs shard, strided ranks
+    replicate. Every rank creates every group, in the same order, as `new_group` requires."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    mine = [None, None]
+    for g in range(ws // HYBRID_SHARD_GROUP):
+        pg = dist.new_group(list(range(g * HYBRID_SHARD_GROUP, (g + 1) * HYBRID_SHARD_GROUP)))
+        if rank // HYBRID_SHARD_GROUP == g:
+            mine[0] = pg
+    for i in range(HYBRID_SHARD_GROUP):
+        pg = dist.new_group(list(range(i, ws, HYBRID_SHARD_GROUP)))
+        if rank % HYBRID_SHARD_GROUP == i:
+            mine[1] = pg
+    return tuple(mine)
+
+
 def wrap_model(model, policy_name, use_orig_params, strategy):
     pol = POLICIES[policy_name]
+    extra = {"process_group": hybrid_groups()} if strategy == "HYBRID_SHARD" else {}
     for unit in pol["units"]:
         module = get_module(model, unit)
         ignored = [get_module(model, m) for m in pol["ignored"].get(unit, [])] or None
@@ -301,6 +333,7 @@ def wrap_model(model, policy_name, use_orig_params, strategy):
             use_orig_params=use_orig_params,
             sharding_strategy=ShardingStrategy[strategy],
             ignored_modules=ignored,
+            **extra,
         )
         if unit:
             set_module(model, unit, wrapped)
@@ -594,6 +627,7 @@ def generate(name, cfg):
         "model": desc,
         "policy": policy_json(cfg["policy"], cfg.get("use_orig_params", False), cfg.get("strategy", "FULL_SHARD")),
         "world_size": cfg["ws"],
+        "shard_group_size": HYBRID_SHARD_GROUP if cfg.get("strategy") == "HYBRID_SHARD" else cfg["ws"],
         "optimizer": cfg["optim"],
         "optimizer_kwargs": {"Adam": {"lr": 0.01}, "AdamW": {"lr": 0.01}, "SGD": {"lr": 0.01, "momentum": 0.9}}[cfg["optim"]],
         # Per param group, the options given beside `params` (the rest are the kwargs).
