@@ -17,7 +17,8 @@ It spawns the ranks of each scenario with `torch.multiprocessing` on 127.0.0.1 (
   as the crate's `OptimParams` (`{"Flat": unit}` for a flat parameter, `{"Param": name}` for an
   original one); the same for each `load` target (another world size and/or wrapping).
 * `params.pt` — `{name: initial full tensor}` (primary names).
-* `grads.pt` — `[{name: full gradient}]` per step (trained parameters only). Gradients are set explicitly, not computed
+* `grads.pt` — `[{name: full gradient}]` per step (trained parameters only, minus a
+  scenario's `no_grad` list: unused parameters). Gradients are set explicitly, not computed
   by autograd: every rank cuts the same full gradient into its local shard exactly as FSDP
   lays out the flat parameter (`_numels_with_padding`, `FlatParamHandle._get_shard`), so no
   reduce-scatter (and no world-size dependent division) is involved.
@@ -263,6 +264,33 @@ SCENARIOS = {
         "diff_inputs": False,
         "loads": {"ws2_full_shard": {"policy": "wrap", "ws": 2, "strategy": "FULL_SHARD", "groups": False, "diff_inputs": False}},
     },
+    # Unused parameters (no gradient ever): an unmanaged one, one alone in its flat parameter
+    # (no state at all) and one sharing a flat parameter (state from zero gradients); loaded
+    # into world size 3 with `wrap_alt`.
+    "unused_params_ws2": {
+        "model": "nested",
+        "policy": "wrap",
+        "ws": 2,
+        "optim": "Adam",
+        "groups": False,
+        "diff_inputs": False,
+        "no_grad": ["block0.weight", "block1.bias_module0.bias", "block2.2.weight"],
+        "loads": {"ws3_wrap_alt": {"policy": "wrap_alt", "ws": 3, "groups": False, "diff_inputs": False}},
+    },
+    # use_orig_params=True with a whole unit unused (`net3`: its flat parameter has no state on
+    # any rank). A trained parameter without state beside members with state is an error in
+    # PyTorch ("... is not in the optimizer state"), so it has no fixture.
+    "orig_unused_ws2": {
+        "model": "dummy_frozen",
+        "policy": "dummy_net1_net3_root",
+        "ws": 2,
+        "optim": "Adam",
+        "use_orig_params": True,
+        "groups": False,
+        "diff_inputs": False,
+        "no_grad": ["net3.weight", "net3.bias"],
+        "loads": {"ws3_root": {"policy": "dummy_root", "ws": 3, "groups": False, "diff_inputs": False}},
+    },
     # NO_SHARD with SGD momentum; loaded into FULL_SHARD at world size 3.
     "no_shard_ws2": {
         "model": "nested",
@@ -403,33 +431,35 @@ def handles(model):
 
 
 def set_grads(model, full_grads, tied, use_orig_params):
-    """Cuts the full gradients into every local optimizer tensor, as FSDP lays them out."""
+    """Cuts the full gradients into every local optimizer tensor, as FSDP lays them out.
+
+    A parameter missing from `full_grads` (frozen or unused) gets no gradient: with
+    `use_orig_params` its view's `.grad` stays `None`; a flat parameter none of whose members
+    has a gradient gets none either, otherwise the missing members are zeros in its gradient.
+    """
     managed = set()
     for prefix, h in handles(model):
         fp = h.flat_param
-        members = iter(fp._fqns)
+        names = [tied.get(n, n) for n in (f"{prefix}.{q}" if prefix else q for q in fp._fqns)]
+        managed.update(names)
+        grads = [full_grads.get(n) for n in names]
+        if all(g is None for g in grads):
+            for p in fp._params if use_orig_params else [fp]:
+                p.grad = None
+            continue
+        members = iter(grads)
         pieces = []
         for numel, is_pad in zip(fp._numels_with_padding, fp._is_padding_mask):
-            if is_pad:
-                pieces.append(torch.zeros(numel, dtype=fp.dtype))
-                continue
-            fqn = next(members)
-            name = f"{prefix}.{fqn}" if prefix else fqn
-            name = tied.get(name, name)
-            managed.add(name)
-            g = full_grads.get(name)
-            pieces.append(g.reshape(-1) if g is not None else torch.zeros(numel, dtype=fp.dtype))
+            g = None if is_pad else next(members)
+            pieces.append(torch.zeros(numel, dtype=fp.dtype) if g is None else g.reshape(-1))
         flat = torch.cat(pieces)
-        if h.uses_sharded_strategy:
-            shard, _ = h._get_shard(flat, h.rank, h.world_size)
-        else:
-            shard = flat
+        shard = h._get_shard(flat, h.rank, h.world_size)[0] if h.uses_sharded_strategy else flat
         assert shard.shape == fp.shape, (prefix, shard.shape, fp.shape)
         if not use_orig_params:
             fp.grad = shard.clone()
             continue
-        for p, info in zip(fp._params, fp._shard_param_infos):
-            if p.requires_grad and info.in_shard:
+        for p, info, g in zip(fp._params, fp._shard_param_infos, grads):
+            if g is not None and info.in_shard:
                 p.grad = shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].clone()
             else:
                 p.grad = None
@@ -437,7 +467,8 @@ def set_grads(model, full_grads, tied, use_orig_params):
         name = clean_tensor_name(name)
         if name.endswith("_flat_param") or name in managed:
             continue
-        p.grad = full_grads[name].clone() if p.requires_grad else None
+        g = full_grads.get(name)
+        p.grad = None if g is None else g.clone()
 
 
 def local_tensors(optim):
@@ -470,7 +501,14 @@ def plain_sharded(osd):
 
 
 def snapshot(obj):
-    """Deep copy (tensors cloned) so later steps cannot alias saved state."""
+    """Deep copy (tensors cloned) so later steps cannot alias saved state.
+
+    A `torch.dtype` (PyTorch leaves `(shape, dtype)` placeholders in some loaded dicts, see
+    `unused_params_ws2`) becomes its name, e.g. `"torch.float32"`: the crate's reader, like
+    `weights_only`, takes no dtype objects.
+    """
+    if isinstance(obj, torch.dtype):
+        return str(obj)
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     if isinstance(obj, dict):
@@ -606,7 +644,7 @@ def generate(name, cfg):
             {
                 p["name"]: torch.randn(p["shape"], generator=gen).to(DTYPE_OF[p["dtype"]])
                 for p in desc["params"]
-                if p["requires_grad"]
+                if p["requires_grad"] and p["name"] not in cfg.get("no_grad", ())
             }
         )
     torch.save(grads, os.path.join(out_dir, "grads.pt"))
