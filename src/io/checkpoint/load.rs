@@ -138,6 +138,19 @@ impl<'m> Reader<'m> {
         Ok(())
     }
 
+    /// The end (exclusive, in elements) of the stored checksum block holding element `at` of a
+    /// tensor state stored as `pieces` (of `size`-byte elements), capped at `end`: streaming
+    /// chunks cut there are whole stored blocks, read in place.
+    pub(super) fn block_end(pieces: &[Piece], size: usize, at: usize, end: usize) -> usize {
+        let i = pieces.partition_point(|p| p.start + p.len <= at);
+        let Some(p) = pieces.get(i).filter(|p| p.start <= at) else {
+            return end;
+        };
+        let per_block = (CHECKSUM_BLOCK / size).max(1);
+        let next = p.start + ((at - p.start) / per_block + 1) * per_block;
+        next.min(p.start + p.len).min(end)
+    }
+
     /// Reads `out.len()` bytes of piece `p` (`piece_bytes` long) from its byte `byte_lo`; with
     /// verification, whole checksum blocks are read and checked: a block inside the wanted
     /// range straight into `out`, one that is only partly wanted into the scratch block (kept
