@@ -32,7 +32,12 @@ pub(super) struct Reader<'m> {
     manifest: &'m Manifest,
     files: Vec<Option<File>>,
     verify: bool,
+    /// The last checksum block read and verified, whole.
     scratch: Vec<u8>,
+    /// Which block `scratch` holds: (file, byte offset of its piece, block index). Ranges that
+    /// straddle block boundaries (a consolidation chunk, a shard boundary) then read and check
+    /// each block once, not once per range that touches it.
+    cached: Option<(usize, u64, usize)>,
 }
 
 impl<'m> Reader<'m> {
@@ -43,6 +48,7 @@ impl<'m> Reader<'m> {
             files: (0..manifest.files.len()).map(|_| None).collect(),
             verify,
             scratch: Vec::new(),
+            cached: None,
         }
     }
 
@@ -132,8 +138,23 @@ impl<'m> Reader<'m> {
         Ok(())
     }
 
+    /// The end (exclusive, in elements) of the stored checksum block holding element `at` of a
+    /// tensor state stored as `pieces` (of `size`-byte elements), capped at `end`: streaming
+    /// chunks cut there are whole stored blocks, read in place.
+    pub(super) fn block_end(pieces: &[Piece], size: usize, at: usize, end: usize) -> usize {
+        let i = pieces.partition_point(|p| p.start + p.len <= at);
+        let Some(p) = pieces.get(i).filter(|p| p.start <= at) else {
+            return end;
+        };
+        let per_block = (CHECKSUM_BLOCK / size).max(1);
+        let next = p.start + ((at - p.start) / per_block + 1) * per_block;
+        next.min(p.start + p.len).min(end)
+    }
+
     /// Reads `out.len()` bytes of piece `p` (`piece_bytes` long) from its byte `byte_lo`; with
-    /// verification, whole checksum blocks are read and checked, and the wanted part copied.
+    /// verification, whole checksum blocks are read and checked: a block inside the wanted
+    /// range straight into `out`, one that is only partly wanted into the scratch block (kept
+    /// for the next read, which often wants the rest of it) and the wanted part copied.
     fn read_piece(
         &mut self,
         tensor: &str,
@@ -157,21 +178,45 @@ impl<'m> Reader<'m> {
             while b * CHECKSUM_BLOCK < byte_hi {
                 let blo = b * CHECKSUM_BLOCK;
                 let bhi = (blo + CHECKSUM_BLOCK).min(piece_bytes);
-                self.scratch.resize(bhi - blo, 0);
                 let at = p.offset + blo as u64;
-                if let Err(e) = f.read_exact_at(&mut self.scratch, at) {
-                    result = Err(read_err(
-                        format!("block {b} ({} bytes at {at})", bhi - blo),
-                        e,
-                    ));
-                    break;
+                if blo >= byte_lo && bhi <= byte_hi && self.cached != Some((fi, p.offset, b)) {
+                    // A whole block wanted: read and check it in place, no copy.
+                    let dst = &mut out[blo - byte_lo..bhi - byte_lo];
+                    if let Err(e) = f.read_exact_at(dst, at) {
+                        result = Err(read_err(
+                            format!("block {b} ({} bytes at {at})", bhi - blo),
+                            e,
+                        ));
+                        break;
+                    }
+                    if p.crc32c.get(b).copied() != Some(crc32c::crc32c(dst)) {
+                        result = Err(format!(
+                            "block {b} of the piece at byte {} fails its checksum (bit rot or a partial write)",
+                            p.offset
+                        ));
+                        break;
+                    }
+                    b += 1;
+                    continue;
                 }
-                if p.crc32c.get(b).copied() != Some(crc32c::crc32c(&self.scratch)) {
-                    result = Err(format!(
-                        "block {b} of the piece at byte {} fails its checksum (bit rot or a partial write)",
-                        p.offset
-                    ));
-                    break;
+                if self.cached != Some((fi, p.offset, b)) {
+                    self.cached = None;
+                    self.scratch.resize(bhi - blo, 0);
+                    if let Err(e) = f.read_exact_at(&mut self.scratch, at) {
+                        result = Err(read_err(
+                            format!("block {b} ({} bytes at {at})", bhi - blo),
+                            e,
+                        ));
+                        break;
+                    }
+                    if p.crc32c.get(b).copied() != Some(crc32c::crc32c(&self.scratch)) {
+                        result = Err(format!(
+                            "block {b} of the piece at byte {} fails its checksum (bit rot or a partial write)",
+                            p.offset
+                        ));
+                        break;
+                    }
+                    self.cached = Some((fi, p.offset, b));
                 }
                 let (lo, hi) = (blo.max(byte_lo), bhi.min(byte_hi));
                 out[lo - byte_lo..hi - byte_lo].copy_from_slice(&self.scratch[lo - blo..hi - blo]);

@@ -132,17 +132,27 @@ pub fn reshard(
                 };
                 let size = dtype.size();
                 let what = format!("{}/{n}", rec.name);
-                // One checksum block at a time.
+                // Chunks end where a stored block or a new block ends, so each is read (in
+                // place when it is a whole stored block) and checked once; the new blocks'
+                // checksums accumulate over their chunks.
                 let elems_per_block = CHECKSUM_BLOCK / size;
                 let mut crcs = Vec::new();
+                let mut crc = 0u32;
                 let mut at = start;
                 while at < start + len {
-                    let take = elems_per_block.min(start + len - at);
+                    let new_block_end = (start
+                        + ((at - start) / elems_per_block + 1) * elems_per_block)
+                        .min(start + len);
+                    let take = Reader::block_end(pieces, size, at, new_block_end) - at;
                     block.resize(take * size, 0);
                     reader.read_range(&what, pieces, size, at, &mut block)?;
-                    crcs.push(crc32c::crc32c(&block));
+                    crc = crc32c::crc32c_append(crc, &block);
                     out.write_all(&block).map_err(fs_err("writing", &path))?;
                     at += take;
+                    if at == new_block_end {
+                        crcs.push(crc);
+                        crc = 0;
+                    }
                     copied += block.len() as u64;
                     progress(copied);
                 }

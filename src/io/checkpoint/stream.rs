@@ -127,7 +127,10 @@ pub fn consolidate_to_safetensors(
             let what = format!("{}/{n}", manifest.params[ri].name);
             let mut at = 0;
             while at < numel {
-                let take = (CHECKSUM_BLOCK / size).min(numel - at);
+                // Up to the end of the stored block holding `at` (at most one block): whole
+                // blocks are read in place.
+                let cap = numel.min(at + CHECKSUM_BLOCK / size);
+                let take = Reader::block_end(pieces, size, at, cap) - at;
                 block.resize(take * size, 0);
                 reader.read_range(&what, pieces, size, at, &mut block)?;
                 w.write_all(&block).map_err(fs_err("writing", &tmp))?;
