@@ -14,7 +14,8 @@ backward; no RNG) and `step()` runs once, so the state is `step` (0-dim f32), `e
 Each process runs with `torch.set_num_threads(--threads)` (default 1: one core per rank on
 the 2-core host, as the crate runs one thread per rank).
 
-Timed operations (each `--reps` times; the JSON holds every repetition in seconds):
+Timed operations (each `--reps` times, `save` `--save-reps` times: writes vary most; the JSON
+holds every repetition in seconds):
 
 * `consolidate`: `FSDP.full_optim_state_dict(model, optim, rank0_only=True)`
 * `sharded_load`: `FSDP.optim_state_dict_to_load(model, optim, sharded)` under
@@ -182,7 +183,7 @@ def worker(rank, args, port, out_path):
                 if torch.is_tensor(v)
             )
         times, peaks, deltas = [], [], []
-        for _ in range(args.reps):
+        for _ in range(args.save_reps if name == "save" else args.reps):
             if rank == 0 and os.path.exists(path):
                 os.remove(path)  # every save makes a new file (untimed)
             gc.collect()
@@ -223,6 +224,7 @@ def worker(rank, args, port, out_path):
             "full_tensor_bytes": tensor_bytes,
             "save_file_bytes": file_size,
             "reps": args.reps,
+            "save_reps": args.save_reps,
             "setup_seconds": setup_s,
             "clear_refs_ok": all(g["hwm_ok"] for g in gathered),
             "ops": {},
@@ -246,6 +248,7 @@ def main():
     ap.add_argument("--out", type=int, default=1024)
     ap.add_argument("--inp", type=int, default=1526)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--save-reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dir", default=".")
     args = ap.parse_args()
