@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::consolidate::{consolidate, ConsolidateOptions};
-use crate::optim_state::scatter::{gather_sharded, scatter_full};
+use crate::optim_state::scatter::{gather_sharded, load_sharded, scatter_full};
 use crate::optim_state::{
     flatten_optim_state_dict, rekey_optim_state_dict, OptimParams, OptimStateDict,
     OptimStateKeyType,
@@ -382,13 +382,13 @@ impl Fsdp {
         sharded: &OptimStateDict<T>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        let full = gather_sharded(
+        load_sharded(
             "flatten_sharded_optim_state_dict",
             &self.layout,
             self.shard_pg.as_ref(),
             sharded,
-        )?;
-        flatten_optim_state_dict(&self.layout, self.rank(), &full, params)
+            params,
+        )
     }
 
     /// `FSDP.rekey_optim_state_dict` against this model: ids of `params` ↔ parameter names.
@@ -442,17 +442,16 @@ impl Fsdp {
             StateDictType::Sharded => {
                 // Every rank joins the gather even when its own input is missing, so peers fail
                 // with the same error instead of waiting.
-                let empty = OptimStateDict::default();
-                let full = gather_sharded(
-                    LOAD,
-                    &self.layout,
-                    self.shard_pg.as_ref(),
-                    osd.unwrap_or(&empty),
-                )?;
-                if osd.is_none() {
-                    return Err(need("sharded"));
+                match osd {
+                    Some(osd) => {
+                        load_sharded(LOAD, &self.layout, self.shard_pg.as_ref(), osd, params)
+                    }
+                    None => {
+                        let empty: OptimStateDict<T> = OptimStateDict::default();
+                        gather_sharded(LOAD, &self.layout, self.shard_pg.as_ref(), &empty)?;
+                        Err(need("sharded"))
+                    }
                 }
-                flatten_optim_state_dict(&self.layout, self.rank(), &full, params)
             }
             StateDictType::Local => osd.cloned().ok_or_else(|| need("local")),
         }

@@ -57,6 +57,10 @@ impl<T: Tensor> ShardSource<T> for DictSource<'_, T> {
     }
 }
 
+/// Cuts one positive-dim tensor state of a flat parameter for a rank, from the state name and
+/// each member's value (see [`flatten_flat_param_with`]).
+pub(crate) type TensorStateFn<'a, T> = dyn FnMut(&str, &[Option<&Value<T>>]) -> Result<T> + 'a;
+
 fn state_of<'a, T>(full: &'a OptimStateDict<T>, fqn: &str) -> Option<&'a ParamState<T>> {
     full.state.get(&ParamKey::Name(fqn.to_string()))
 }
@@ -68,6 +72,18 @@ pub fn flat_param_state_for_rank<T: Tensor>(
     rank: usize,
     full: &OptimStateDict<T>,
 ) -> Result<Option<ParamState<T>>> {
+    flat_param_state_with(fl, full, &mut |sname, values| {
+        flatten_tensor_state(fl, rank, sname, values)
+    })
+}
+
+/// [`flat_param_state_for_rank`] with the positive-dim tensor states cut by `tensor_state`
+/// (see [`flatten_flat_param_with`]).
+pub(crate) fn flat_param_state_with<T: Tensor>(
+    fl: &FlatParamLayout,
+    full: &OptimStateDict<T>,
+    tensor_state: &mut TensorStateFn<'_, T>,
+) -> Result<Option<ParamState<T>>> {
     let member_states: Vec<Option<ParamState<T>>> = fl
         .members
         .iter()
@@ -76,7 +92,7 @@ pub fn flat_param_state_for_rank<T: Tensor>(
     if member_states.iter().all(Option::is_none) {
         return Ok(None);
     }
-    let s = flatten_flat_param(fl, rank, &member_states)?;
+    let s = flatten_flat_param_with(fl, &member_states, tensor_state)?;
     if s.is_empty() {
         return Err(Error::InvalidStateDict(format!(
             "the state of the flat parameter of unit `{}` ({:?}) is empty",
@@ -232,6 +248,18 @@ pub fn flatten_flat_param<T: Tensor>(
     rank: usize,
     member_states: &[Option<ParamState<T>>],
 ) -> Result<ParamState<T>> {
+    flatten_flat_param_with(fl, member_states, &mut |sname, values| {
+        flatten_tensor_state(fl, rank, sname, values)
+    })
+}
+
+/// [`flatten_flat_param`] with the positive-dim tensor states cut by `tensor_state` (state
+/// name, each member's value), after the checks every state gets.
+pub(crate) fn flatten_flat_param_with<T: Tensor>(
+    fl: &FlatParamLayout,
+    member_states: &[Option<ParamState<T>>],
+    tensor_state: &mut TensorStateFn<'_, T>,
+) -> Result<ParamState<T>> {
     let names: Vec<String> = fl.fqns();
     // Same state names for every member that has state; output in the first one's order.
     let mut order: Option<Vec<&String>> = None;
@@ -279,7 +307,7 @@ pub fn flatten_flat_param<T: Tensor>(
             });
         }
         let value = if all_pos {
-            Value::Tensor(flatten_tensor_state(fl, rank, sname, &values)?)
+            Value::Tensor(tensor_state(sname, &values)?)
         } else {
             if non_none.len() != values.len()
                 || non_none.windows(2).any(|w| !w[0].same_scalar(w[1]))
@@ -302,7 +330,7 @@ pub fn flatten_flat_param<T: Tensor>(
 
 /// Concatenates positive-dim tensor states (zeros for members without the state) and cuts the
 /// rank's padded shard without materializing the whole flat tensor.
-fn flatten_tensor_state<T: Tensor>(
+pub(crate) fn flatten_tensor_state<T: Tensor>(
     fl: &FlatParamLayout,
     rank: usize,
     sname: &str,

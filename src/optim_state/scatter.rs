@@ -3,17 +3,17 @@
 //! row chunks of a sharded dict (`flatten_sharded_optim_state_dict`).
 
 use super::flatten::{
-    flat_param_state_for_rank, flatten_from_source, orig_param_state_for_rank, parameter_names,
-    ShardSource,
+    flat_param_state_for_rank, flat_param_state_with, flatten_from_source, flatten_tensor_state,
+    orig_param_state_for_rank, parameter_names, user_state, ShardSource,
 };
 use super::plan::{check_digests, layout_digest};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
-use crate::flat_param::ModelLayout;
+use crate::flat_param::{ModelLayout, ShardPiece};
 use crate::tensor::{DType, HostTensor, Tensor};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// A state value as broadcast ahead of the tensors: tensors by shape and dtype only.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -336,26 +336,31 @@ pub fn scatter_full<T: Tensor>(
     flatten_from_source(layout, &mut src, groups.as_deref(), user, params)
 }
 
-/// Digest and (key, state, global shape) of every sharded tensor, as exchanged.
-type ShardedPlan = (u64, Vec<(ParamKey, String, Vec<usize>)>);
+/// Per sharded tensor, as each rank exchanges it: the dtype, first element (in the flattened
+/// tensor) and element count of its chunk.
+type ChunkDesc = (Option<DType>, usize, usize);
+
+/// Digest, (key, state, global shape) of every sharded tensor (equal on every rank), and this
+/// rank's chunk of each.
+type ShardedPlan = (u64, Vec<(ParamKey, String, Vec<usize>)>, Vec<ChunkDesc>);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ShardedEntry {
     key: ParamKey,
     state: String,
     global_shape: Vec<usize>,
-    dtype: Option<DType>,
 }
 
-/// Replaces every sharded tensor of a `SHARDED_STATE_DICT` with the whole tensor, gathered
-/// from the row chunks of every rank of `pg`.
-pub fn gather_sharded<T: Tensor>(
+/// The sharded tensors of `sharded`, checked to be the same on every rank of `pg`, and every
+/// rank's chunk of each (`chunks[rank][entry]`). One object all-gather.
+fn exchange_sharded_plan<T: Tensor>(
     op: &str,
     layout: &ModelLayout,
     pg: &dyn ProcessGroup,
     sharded: &OptimStateDict<T>,
-) -> Result<OptimStateDict<T>> {
+) -> Result<(Vec<ShardedEntry>, Vec<Vec<ChunkDesc>>)> {
     let mut entries = Vec::new();
+    let mut chunks = Vec::new();
     for (k, st) in &sharded.state {
         for (n, v) in st {
             if let Value::Sharded(s) = v {
@@ -363,17 +368,23 @@ pub fn gather_sharded<T: Tensor>(
                     key: k.clone(),
                     state: n.clone(),
                     global_shape: s.global_shape.clone(),
-                    dtype: s.local.as_ref().map(|t| t.dtype()),
+                });
+                let row: usize = s.global_shape.iter().skip(1).product();
+                let first = s.offsets.first().copied().unwrap_or(0).saturating_mul(row);
+                chunks.push(match &s.local {
+                    Some(t) => (Some(t.dtype()), first, t.numel()),
+                    None => (None, first, 0),
                 });
             }
         }
     }
-    let mine = (
+    let mine: ShardedPlan = (
         layout_digest(op, layout)?,
         entries
             .iter()
             .map(|e| (e.key.clone(), e.state.clone(), e.global_shape.clone()))
-            .collect::<Vec<_>>(),
+            .collect(),
+        chunks,
     );
     let all: Vec<ShardedPlan> = pg.all_gather_object(&mine)?;
     check_digests(op, &all.iter().map(|a| a.0).collect::<Vec<_>>())?;
@@ -399,32 +410,265 @@ pub fn gather_sharded<T: Tensor>(
             ),
         });
     }
+    Ok((entries, all.into_iter().map(|a| a.2).collect()))
+}
+
+/// Gathers the whole tensor of entry `i` from every rank's chunk (every rank gets all of it).
+fn gather_whole<T: Tensor>(
+    pg: &dyn ProcessGroup,
+    sharded: &OptimStateDict<T>,
+    e: &ShardedEntry,
+    i: usize,
+    chunks: &[Vec<ChunkDesc>],
+) -> Result<T> {
+    let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
+        unreachable!("listed by exchange_sharded_plan")
+    };
+    let local = s.local.as_ref().map(|t| t.to_host()).transpose()?;
+    let bytes = local.as_ref().map_or(&[][..], |t| t.as_bytes());
+    let dtype = chunks.iter().find_map(|c| c[i].0).unwrap_or(DType::F32);
+    let parts = pg.all_gather_bytes(bytes)?;
+    let total: usize = parts.iter().map(Vec::len).sum();
+    let numel: usize = e.global_shape.iter().product();
+    if total != numel * dtype.size() {
+        return Err(Error::ShapeMismatch {
+            context: format!("gathering sharded state `{}` of {}", e.state, e.key),
+            expected: e.global_shape.clone(),
+            found: vec![total / dtype.size()],
+        });
+    }
+    let full = HostTensor::filled_by(dtype, &e.global_shape, |dst| {
+        let mut at = 0;
+        for p in &parts {
+            dst[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        Ok::<(), Error>(())
+    })?;
+    T::from_host(full)
+}
+
+/// Replaces every sharded tensor of a `SHARDED_STATE_DICT` with the whole tensor, gathered
+/// from the row chunks of every rank of `pg`.
+pub fn gather_sharded<T: Tensor>(
+    op: &str,
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    sharded: &OptimStateDict<T>,
+) -> Result<OptimStateDict<T>> {
+    let (entries, chunks) = exchange_sharded_plan(op, layout, pg, sharded)?;
     let mut out = sharded.clone();
-    for e in &entries {
-        let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
-            unreachable!("listed above")
-        };
-        let bytes = match &s.local {
-            Some(t) => t.to_host()?.as_bytes().to_vec(),
-            None => Vec::new(),
-        };
-        let dtypes: Vec<Option<DType>> = pg.all_gather_object(&e.dtype)?;
-        let dtype = dtypes
-            .iter()
-            .flatten()
-            .next()
-            .copied()
-            .unwrap_or(DType::F32);
-        let parts = pg.all_gather_bytes(&bytes)?;
-        let joined: Vec<u8> = parts.concat();
-        let full = HostTensor::from_bytes(dtype, &e.global_shape, &joined).map_err(|_| {
-            Error::ShapeMismatch {
-                context: format!("gathering sharded state `{}` of {}", e.state, e.key),
-                expected: e.global_shape.clone(),
-                found: vec![joined.len() / dtype.size()],
-            }
-        })?;
-        out.state[&e.key].insert(e.state.clone(), Value::Tensor(T::from_host(full)?));
+    for (i, e) in entries.iter().enumerate() {
+        let full = gather_whole(pg, sharded, e, i, &chunks)?;
+        out.state[&e.key].insert(e.state.clone(), Value::Tensor(full));
     }
     Ok(out)
+}
+
+/// Where rank `rank`'s shard of `fl` holds member `m`: (offset in the shard, first element of
+/// the member, length), all in elements.
+fn member_place(pieces: &[ShardPiece], m: usize) -> Option<(usize, usize, usize)> {
+    let mut at = 0;
+    for p in pieces {
+        match *p {
+            ShardPiece::Member { member, start, len } if member == m => {
+                return Some((at, start, len))
+            }
+            ShardPiece::Member { len, .. } | ShardPiece::Padding(len) => at += len,
+        }
+    }
+    None
+}
+
+/// `optim_state_dict_to_load` of a `SHARDED_STATE_DICT` (and
+/// `flatten_sharded_optim_state_dict`): this rank's flattened dict for its optimizer, from every
+/// rank's part of a sharded dict saved at this world size and wrapping.
+///
+/// Same result as [`gather_sharded`] followed by [`super::flatten_optim_state_dict`], without
+/// gathering whole tensors: for each flat parameter and tensor state whose members are all
+/// row-sharded (the usual case), every rank receives only the element ranges of its own flat
+/// shard, straight from the ranks holding them (one `scatter_into` per member, state and
+/// holding rank), into one buffer that becomes the state. Anything else (unmanaged parameters,
+/// `use_orig_params=True`, incomplete or inconsistent states, whose errors the flattening then
+/// reports) is gathered whole first, as before.
+pub fn load_sharded<T: Tensor>(
+    op: &str,
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    sharded: &OptimStateDict<T>,
+    params: &OptimParams,
+) -> Result<OptimStateDict<T>> {
+    let (entries, chunks) = exchange_sharded_plan(op, layout, pg, sharded)?;
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    // Everything below up to the flattening depends only on what every rank agreed on, so all
+    // ranks run the same collectives.
+    let mut member_of: HashMap<&str, (usize, usize)> = HashMap::new();
+    if !layout.use_orig_params() {
+        for (f, fl) in layout.flat_params.iter().enumerate() {
+            for (m, mem) in fl.members.iter().enumerate() {
+                member_of.insert(mem.fqn.as_str(), (f, m));
+            }
+        }
+    }
+    let mut groups: BTreeMap<(usize, &str), Vec<(usize, usize)>> = BTreeMap::new();
+    for (i, e) in entries.iter().enumerate() {
+        if let ParamKey::Name(n) = &e.key {
+            if let Some(&(f, m)) = member_of.get(n.as_str()) {
+                groups
+                    .entry((f, e.state.as_str()))
+                    .or_default()
+                    .push((i, m));
+            }
+        }
+    }
+    let mut direct = vec![false; entries.len()];
+    let mut plans = Vec::new();
+    for ((f, sname), members) in groups {
+        let fl = &layout.flat_params[f];
+        let mut seen = vec![false; fl.members.len()];
+        let mut dtype: Option<DType> = None;
+        let mut ok = members.len() == fl.members.len();
+        for &(i, m) in &members {
+            let shape = &fl.members[m].shape;
+            ok &= !std::mem::replace(&mut seen[m], true);
+            ok &= !shape.is_empty() && entries[i].global_shape == *shape;
+            // The chunks must tile the tensor in rank order, all of one dtype.
+            let mut at = 0;
+            for rc in &chunks {
+                let (dt, first, n) = rc[i];
+                if n == 0 {
+                    continue;
+                }
+                ok &= first == at && dt.is_some() && (dtype.is_none() || dtype == dt);
+                dtype = dtype.or(dt);
+                at += n;
+            }
+            ok &= at == shape.iter().product::<usize>() && at > 0;
+        }
+        if let (true, Some(dtype)) = (ok, dtype) {
+            for &(i, _) in &members {
+                direct[i] = true;
+            }
+            plans.push((f, sname, dtype, members));
+        }
+    }
+
+    let mut buffers: HashMap<(usize, String), T> = HashMap::new();
+    for (f, sname, dtype, members) in plans {
+        let fl = &layout.flat_params[f];
+        let es = dtype.size();
+        let pieces: Vec<Vec<ShardPiece>> = (0..ws).map(|r| fl.shard_pieces(r)).collect();
+        let total: usize = pieces[rank]
+            .iter()
+            .map(|p| match *p {
+                ShardPiece::Member { len, .. } | ShardPiece::Padding(len) => len,
+            })
+            .sum();
+        let buf = HostTensor::filled_by(dtype, &[total], |dst| -> Result<()> {
+            let mut at = 0;
+            for p in &pieces[rank] {
+                match *p {
+                    ShardPiece::Padding(len) => {
+                        dst[at * es..(at + len) * es].fill(0);
+                        at += len;
+                    }
+                    ShardPiece::Member { len, .. } => at += len,
+                }
+            }
+            for &(i, m) in &members {
+                let e = &entries[i];
+                let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
+                    unreachable!("listed by exchange_sharded_plan")
+                };
+                let local = s.local.as_ref().map(|t| t.to_host()).transpose()?;
+                for (q, qc) in chunks.iter().enumerate() {
+                    let (_, qfirst, qn) = qc[i];
+                    // (offset in rank r's shard, offset in q's chunk, length) r needs from q.
+                    let needs: Vec<Option<(usize, usize, usize)>> = pieces
+                        .iter()
+                        .map(|pr| {
+                            let (off, start, len) = member_place(pr, m)?;
+                            let lo = start.max(qfirst);
+                            let hi = (start + len).min(qfirst + qn);
+                            (lo < hi).then(|| (off + lo - start, lo - qfirst, hi - lo))
+                        })
+                        .collect();
+                    if needs.iter().all(Option::is_none) {
+                        continue;
+                    }
+                    let mut empty: [u8; 0] = [];
+                    let recv: &mut [u8] = match needs[rank] {
+                        Some((d, _, l)) => &mut dst[d * es..(d + l) * es],
+                        None => &mut empty,
+                    };
+                    if q == rank {
+                        let src = local.as_ref().map_or(&[][..], |t| t.as_bytes());
+                        let parts: Vec<&[u8]> = needs
+                            .iter()
+                            .map(|n| n.map_or(&[][..], |(_, o, l)| &src[o * es..(o + l) * es]))
+                            .collect();
+                        pg.scatter_into(Some(&parts), recv, q)?;
+                    } else {
+                        pg.scatter_into(None, recv, q)?;
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        buffers.insert((f, sname.to_string()), T::from_host(buf)?);
+    }
+
+    // The rest is gathered whole, as `gather_sharded` does.
+    let mut full = sharded.clone();
+    for (i, e) in entries.iter().enumerate() {
+        if !direct[i] {
+            let t = gather_whole(pg, sharded, e, i, &chunks)?;
+            full.state[&e.key].insert(e.state.clone(), Value::Tensor(t));
+        }
+    }
+    if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
+        return Err(Error::InvalidStateDict(format!(
+            "a sharded optimizer state dict is keyed by parameter names, but it has the id key {k}"
+        )));
+    }
+    let user = user_state(layout, &full);
+    let mut src = GatheredSource {
+        full: &full,
+        rank,
+        buffers,
+    };
+    flatten_from_source(layout, &mut src, full.param_groups.as_deref(), user, params)
+}
+
+/// The flattening source of [`load_sharded`]: the shards received directly, and the rest cut
+/// from the dict whose other sharded tensors were gathered whole.
+struct GatheredSource<'a, T> {
+    full: &'a OptimStateDict<T>,
+    rank: usize,
+    buffers: HashMap<(usize, String), T>,
+}
+
+impl<T: Tensor> ShardSource<T> for GatheredSource<'_, T> {
+    fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
+        let fl = &layout.flat_params[f];
+        let (rank, buffers) = (self.rank, &self.buffers);
+        flat_param_state_with(fl, self.full, &mut |sname, values| {
+            if let Some(b) = buffers.get(&(f, sname.to_string())) {
+                // Every member's value is its row chunk (checked on every rank before).
+                if values.iter().all(|v| matches!(v, Some(Value::Sharded(_)))) {
+                    return Ok(b.clone());
+                }
+            }
+            flatten_tensor_state(fl, rank, sname, values)
+        })
+    }
+
+    fn orig_param(
+        &mut self,
+        layout: &ModelLayout,
+        param: usize,
+        owner: Option<(usize, usize)>,
+    ) -> Result<Option<ParamState<T>>> {
+        orig_param_state_for_rank(layout, param, owner, self.rank, self.full)
+    }
 }

@@ -424,16 +424,15 @@ impl<'a> Pickler<'a> {
 
 /// Digits of the `.data/serialization_id` record: derived from the content, so that equal
 /// objects give byte-identical files.
-fn serialization_id(pickle: &[u8], storages: &[(usize, &[u8])]) -> String {
+///
+/// `storages` is the CRC-32 state of the storages' bytes, in key order (combined from each
+/// storage's own, which its zip entry uses, so the bytes are hashed once).
+fn serialization_id(pickle: &[u8], storages: crc32fast::Hasher) -> String {
     let mut h = 0xcbf2_9ce4_8422_2325u64; // FNV-1a over the pickle
     for &b in pickle {
         h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
     }
-    let mut c = crc32fast::Hasher::new();
-    for (_, s) in storages {
-        c.update(s);
-    }
-    format!("{h:020}{:020}", u64::from(c.finalize()))
+    format!("{h:020}{:020}", u64::from(storages.finalize()))
 }
 
 /// Writes `obj` as a `torch.save` archive named `archive` (the folder inside the zip) to `out`;
@@ -464,13 +463,17 @@ pub(crate) fn write<W: Write>(obj: &PyObj, archive: &str, file: &str, out: W) ->
         .map_err(io)?;
     z.entry(&format!("{archive}/byteorder"), &[b"little"])
         .map_err(io)?;
+    let mut all = crc32fast::Hasher::new();
     for (key, bytes) in &storages {
-        z.entry(&format!("{archive}/data/{key}"), &[bytes])
+        let mut one = crc32fast::Hasher::new();
+        one.update(bytes);
+        all.combine(&one);
+        z.entry_with_crc(&format!("{archive}/data/{key}"), &[bytes], one.finalize())
             .map_err(io)?;
     }
     z.entry(&format!("{archive}/version"), &[b"3\n"])
         .map_err(io)?;
-    let id = serialization_id(&p.out, &storages);
+    let id = serialization_id(&p.out, all);
     z.entry(
         &format!("{archive}/.data/serialization_id"),
         &[id.as_bytes()],

@@ -390,6 +390,20 @@ impl<W: Write> ZipWriter<W> {
 
     /// Writes one entry whose data is the concatenation of `parts`.
     pub(crate) fn entry(&mut self, name: &str, parts: &[&[u8]]) -> std::io::Result<()> {
+        let mut hasher = crc32fast::Hasher::new();
+        for p in parts {
+            hasher.update(p);
+        }
+        self.entry_with_crc(name, parts, hasher.finalize())
+    }
+
+    /// [`ZipWriter::entry`] for a caller that has computed the CRC-32 of the data already.
+    pub(crate) fn entry_with_crc(
+        &mut self,
+        name: &str,
+        parts: &[&[u8]],
+        crc: u32,
+    ) -> std::io::Result<()> {
         let header = self.pos;
         let nlen = name.len() as u64;
         let unpadded = header + LOCAL_HEADER_LEN + nlen + 4;
@@ -406,14 +420,11 @@ impl<W: Write> ZipWriter<W> {
         h.extend_from_slice(&(pad as u16).to_le_bytes());
         h.resize(h.len() + pad as usize, b'Z');
         self.put(&h)?;
-        let mut hasher = crc32fast::Hasher::new();
         let mut size = 0u64;
         for p in parts {
-            hasher.update(p);
             self.put(p)?;
             size += p.len() as u64;
         }
-        let crc = hasher.finalize();
         let mut d = Vec::with_capacity(24);
         d.extend_from_slice(&DESCRIPTOR_SIG.to_le_bytes());
         d.extend_from_slice(&crc.to_le_bytes());
