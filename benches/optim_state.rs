@@ -34,17 +34,16 @@
 //!
 //! Run: `cargo bench --bench optim_state`.
 
+mod common;
+use common::{deep_copy, full_adam_state};
+
 use criterion::measurement::WallTime;
 use criterion::{
     criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, SamplingMode,
     Throughput,
 };
 use fsdp::collectives::ThreadGroup;
-use fsdp::{
-    DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
-    WrapPolicy,
-};
-use indexmap::IndexMap;
+use fsdp::{DType, Fsdp, ModelDesc, OptimStateDict, WrapPolicy};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::sync::{mpsc, Arc, Mutex};
@@ -88,57 +87,6 @@ impl Synthetic {
     fn numel(self) -> usize {
         self.units * (self.out * self.inp + self.out) + 16
     }
-}
-
-/// A parameter-shaped f32 tensor with cheap deterministic values.
-fn filled(shape: &[usize], seed: f32) -> HostTensor {
-    let mut t = HostTensor::zeros(DType::F32, shape);
-    for (k, x) in t.as_mut_slice::<f32>().expect("f32").iter_mut().enumerate() {
-        *x = seed + (k % 4096) as f32 * 1e-4;
-    }
-    t
-}
-
-/// The full (unflattened, name-keyed) Adam state dict of `model`, as after one step.
-fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
-    let mut sd = OptimStateDict::default();
-    for (i, p) in model.params.iter().enumerate() {
-        let mut st = ParamState::new();
-        st.insert("step".into(), Value::Tensor(HostTensor::scalar(1.0f32)));
-        st.insert("exp_avg".into(), Value::Tensor(filled(&p.shape, i as f32)));
-        st.insert(
-            "exp_avg_sq".into(),
-            Value::Tensor(filled(&p.shape, 0.5 + i as f32)),
-        );
-        sd.state.insert(ParamKey::Name(p.name.clone()), st);
-    }
-    let options: IndexMap<String, Value> = [
-        ("lr", Value::Float(1e-3)),
-        (
-            "betas",
-            Value::Tuple(vec![Value::Float(0.9), Value::Float(0.999)]),
-        ),
-        ("eps", Value::Float(1e-8)),
-        ("weight_decay", Value::Float(0.0)),
-        ("amsgrad", Value::Bool(false)),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
-    let params = model
-        .params
-        .iter()
-        .map(|p| ParamKey::Name(p.name.clone()))
-        .collect();
-    sd.param_groups = Some(vec![ParamGroup { options, params }]);
-    sd
-}
-
-/// A copy that owns its storage, as an optimizer's own state does (shard results are views
-/// into the full dict).
-fn deep_copy(osd: &OptimStateDict) -> OptimStateDict {
-    osd.try_map(|t: &HostTensor| HostTensor::from_bytes(t.dtype(), t.shape(), t.as_bytes()))
-        .expect("copying a host tensor")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

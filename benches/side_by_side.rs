@@ -73,6 +73,9 @@
 //! Raw write+fsync in that run: 1.92 GB/s (25M), 2.11 GB/s (100M); memcpy 16.6 / 19.8 GB/s.
 //! First calls, saving under load, and Δ: see README.md, "Side-by-side with PyTorch".
 
+mod common;
+use common::{deep_copy, filled};
+
 use fsdp::collectives::{ThreadGroup, ThreadProcessGroup};
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
@@ -128,14 +131,6 @@ fn model(layers: usize) -> (ModelDesc, WrapPolicy) {
     (m, WrapPolicy::units(&units))
 }
 
-fn filled(shape: &[usize], seed: f32) -> HostTensor {
-    let mut t = HostTensor::zeros(DType::F32, shape);
-    for (k, x) in t.as_mut_slice::<f32>().expect("f32").iter_mut().enumerate() {
-        *x = seed + (k % 4096) as f32 * 1e-4;
-    }
-    t
-}
-
 /// The full Adam state dict after one step, with `torch.optim.Adam`'s param group.
 fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
     let mut sd = OptimStateDict::default();
@@ -174,11 +169,6 @@ fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
         .collect();
     sd.param_groups = Some(vec![ParamGroup { options, params }]);
     sd
-}
-
-fn deep_copy(osd: &OptimStateDict) -> OptimStateDict {
-    osd.try_map(|t: &HostTensor| HostTensor::from_bytes(t.dtype(), t.shape(), t.as_bytes()))
-        .expect("copying a host tensor")
 }
 
 /// What the ranks hold for the op being measured.
