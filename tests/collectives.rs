@@ -1,7 +1,8 @@
 //! Scenarios for the in-process thread backend of `ProcessGroup`: data movement, sub-groups,
 //! and how ranks fail together (mismatch, timeout, a peer that dies, poisoned groups).
 
-use fsdp::collectives::{ProcessGroup, ProcessGroupExt, ThreadGroup, ThreadProcessGroup};
+use fsdp::collectives::{ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup, ThreadProcessGroup};
+use fsdp::DType;
 use fsdp::Error;
 use serde::{Deserialize, Serialize};
 use std::panic::{self, AssertUnwindSafe};
@@ -629,4 +630,158 @@ fn mixed_collectives_in_a_loop_stay_in_step() {
     });
     assert_eq!(shared.load(Ordering::SeqCst), 3);
     assert!(totals.iter().all(|&t| t == totals[0]), "{totals:?}");
+}
+
+/// A group that forwards everything to a thread rank except `reduce_scatter_into` and
+/// `all_reduce`, so that those run the trait's provided (all-gather based) implementations.
+struct ProvidedReductions(ThreadProcessGroup);
+
+impl ProcessGroup for ProvidedReductions {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> fsdp::Result<()> {
+        self.0.all_gather_into(send, recv)
+    }
+    fn broadcast(&self, buf: &mut [u8], root: usize) -> fsdp::Result<()> {
+        self.0.broadcast(buf, root)
+    }
+    fn all_gather_bytes(&self, send: &[u8]) -> fsdp::Result<Vec<Vec<u8>>> {
+        self.0.all_gather_bytes(send)
+    }
+    fn broadcast_bytes(&self, send: Option<&[u8]>, root: usize) -> fsdp::Result<Vec<u8>> {
+        self.0.broadcast_bytes(send, root)
+    }
+    fn gather_into(&self, send: &[u8], recv: Option<&mut [u8]>, root: usize) -> fsdp::Result<()> {
+        self.0.gather_into(send, recv, root)
+    }
+    fn scatter_into(
+        &self,
+        send: Option<&[&[u8]]>,
+        recv: &mut [u8],
+        root: usize,
+    ) -> fsdp::Result<()> {
+        self.0.scatter_into(send, recv, root)
+    }
+    fn barrier(&self) -> fsdp::Result<()> {
+        self.0.barrier()
+    }
+    fn new_subgroup(&self, ranks: &[usize]) -> fsdp::Result<Option<Arc<dyn ProcessGroup>>> {
+        self.0.new_subgroup(ranks)
+    }
+    fn backend(&self) -> &'static str {
+        "provided"
+    }
+}
+
+/// Rank `r`'s gradient-like contribution: `chunks * per_chunk` f32 values, distinct per rank.
+fn grads(rank: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((rank * 7 + i * 13) % 29) as f32 * 0.37 - 3.1 + rank as f32 * 1e-3)
+        .collect()
+}
+
+#[test]
+fn reduce_scatter_sums_each_ranks_chunk_in_rank_order_on_threads_and_the_provided_impl() {
+    for ws in 1..=4 {
+        let n = 5; // f32 elements per rank's chunk
+        let expected: Vec<Vec<f32>> = (0..ws)
+            .map(|r| {
+                (0..n)
+                    .map(|i| {
+                        (0..ws)
+                            .map(|p| grads(p, n * ws)[r * n + i])
+                            .fold(None, |acc: Option<f32>, v| Some(acc.map_or(v, |a| a + v)))
+                            .unwrap()
+                    })
+                    .collect()
+            })
+            .collect();
+        let reduce = |pg: &dyn ProcessGroup| -> fsdp::Result<Vec<f32>> {
+            let send = grads(pg.rank(), n * ws);
+            let mut recv = vec![0u8; n * 4];
+            pg.reduce_scatter_into(
+                bytemuck::cast_slice(&send),
+                &mut recv,
+                DType::F32,
+                ReduceOp::Sum,
+            )?;
+            Ok(bytemuck::pod_collect_to_vec(&recv))
+        };
+        let direct = ThreadGroup::run(ws, |pg| reduce(&pg));
+        let provided = ThreadGroup::run(ws, |pg| reduce(&ProvidedReductions(pg)));
+        for r in 0..ws {
+            let (d, p) = (direct[r].as_ref().unwrap(), provided[r].as_ref().unwrap());
+            // Bit-exact: same rank order on both paths.
+            assert_eq!(
+                d.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                expected[r].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "ws {ws} rank {r}"
+            );
+            assert_eq!(
+                p.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                d.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+#[test]
+fn all_reduce_averages_and_takes_the_max_on_every_rank() {
+    let out = ThreadGroup::run(3, |pg| -> fsdp::Result<(Vec<f64>, Vec<i64>)> {
+        let pg = ProvidedReductions(pg);
+        let r = pg.rank() as f64;
+        let mut avg: Vec<u8> = bytemuck::cast_slice(&[r, 10.0 * r]).to_vec();
+        pg.all_reduce(&mut avg, DType::F64, ReduceOp::Avg)?;
+        let mut max: Vec<u8> = bytemuck::cast_slice(&[pg.rank() as i64 * 5 - 4]).to_vec();
+        pg.all_reduce(&mut max, DType::I64, ReduceOp::Max)?;
+        Ok((
+            bytemuck::pod_collect_to_vec(&avg),
+            bytemuck::pod_collect_to_vec(&max),
+        ))
+    });
+    for res in out {
+        let (avg, max) = res.unwrap();
+        assert_eq!(avg, [1.0, 10.0]);
+        assert_eq!(max, [6]);
+    }
+}
+
+#[test]
+fn reduce_scatter_with_a_different_dtype_on_one_rank_fails_every_rank() {
+    let out = ThreadGroup::run_with_timeout(3, LONG, |pg| {
+        let dtype = if pg.rank() == 2 {
+            DType::I32
+        } else {
+            DType::F32
+        };
+        let mut recv = [0u8; 8];
+        pg.reduce_scatter_into(&[0u8; 24], &mut recv, dtype, ReduceOp::Sum)
+    });
+    for (rank, res) in out.into_iter().enumerate() {
+        assert_mismatch(
+            &res.unwrap_err(),
+            rank,
+            &["reduce_scatter_into", "torch.int32"],
+        );
+    }
+}
+
+#[test]
+fn reduce_scatter_with_a_wrong_send_length_or_bool_sum_is_invalid_not_a_panic() {
+    for (send_len, dtype) in [(20usize, DType::F32), (24, DType::Bool)] {
+        let out = ThreadGroup::run_with_timeout(3, LONG, |pg| {
+            let mut recv = [0u8; 8];
+            pg.reduce_scatter_into(&vec![0u8; send_len], &mut recv, dtype, ReduceOp::Sum)
+        });
+        for res in out {
+            assert!(
+                matches!(res, Err(Error::InvalidCollective { ref op, .. }) if op == "reduce_scatter_into"),
+                "{res:?}"
+            );
+        }
+    }
 }

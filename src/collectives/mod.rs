@@ -1,11 +1,14 @@
 //! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host).
 
+mod reduce;
 mod threads;
 
+pub use reduce::{check_reduction, reduce_parts, ReduceOp};
 pub use threads::{ThreadGroup, ThreadProcessGroup};
 
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use serde::{de::DeserializeOwned, Serialize};
 use std::sync::Arc;
 
@@ -45,6 +48,65 @@ pub trait ProcessGroup: Send + Sync {
     /// root's part `r`). The root passes `Some` slice of `world_size()` parts, the others
     /// `None`. Parts may alias one another, so a root can send one buffer to every rank.
     fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()>;
+
+    /// Reduces chunk `r` of every rank's `send` into rank `r`'s `recv`
+    /// (`reduce_scatter_tensor`): `send.len()` must be `recv.len() * world_size()`, both whole
+    /// `dtype` elements. Values combine in rank order as [`reduce_parts`] defines, so every
+    /// backend gives the same bits.
+    ///
+    /// The provided implementation all-gathers every rank's `send` (`world_size()` times its
+    /// memory) and reduces locally; backends override it with a direct reduce-scatter.
+    fn reduce_scatter_into(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let ws = self.world_size();
+        let n = recv.len();
+        let mut gathered = vec![0u8; send.len().saturating_mul(ws)];
+        // Join the gather even with bad local arguments, so that peers never wait for us.
+        self.all_gather_into(send, &mut gathered)?;
+        let invalid = |reason: String| Error::InvalidCollective {
+            op: "reduce_scatter_into".into(),
+            rank: self.rank(),
+            reason,
+        };
+        if n.checked_mul(ws) != Some(send.len()) {
+            return Err(invalid(format!(
+                "send has {} bytes, expected recv length {n} x world size {ws}",
+                send.len()
+            )));
+        }
+        let me = self.rank();
+        let parts: Vec<&[u8]> = (0..ws)
+            .map(|r| &gathered[r * send.len() + me * n..][..n])
+            .collect();
+        reduce_parts(dtype, op, &parts, recv).map_err(invalid)
+    }
+
+    /// Reduces every rank's `buf` (all the same length, whole `dtype` elements) and leaves the
+    /// result in every rank's `buf` (`all_reduce`), combined in rank order as [`reduce_parts`]
+    /// defines.
+    ///
+    /// The provided implementation all-gathers (`world_size()` times the buffer's memory).
+    fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let ws = self.world_size();
+        let n = buf.len();
+        let mut gathered = vec![0u8; n.saturating_mul(ws)];
+        self.all_gather_into(buf, &mut gathered)?;
+        let parts: Vec<&[u8]> = if n == 0 {
+            vec![&[]; ws]
+        } else {
+            gathered.chunks_exact(n).collect()
+        };
+        reduce_parts(dtype, op, &parts, buf).map_err(|reason| Error::InvalidCollective {
+            op: "all_reduce".into(),
+            rank: self.rank(),
+            reason,
+        })
+    }
 
     /// Blocks until every rank has arrived.
     fn barrier(&self) -> Result<()>;

@@ -1,8 +1,9 @@
 //! In-process thread backend: one rank per thread, ranks meet in shared memory (see
 //! [`ThreadGroup`] for the protocol).
 
-use super::ProcessGroup;
+use super::{check_reduction, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -449,6 +450,37 @@ impl ProcessGroup for ThreadProcessGroup {
         })
     }
 
+    /// Each rank reads its chunk straight out of every peer's send buffer: no staging copy.
+    fn reduce_scatter_into(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, ws) = (recv.len(), self.world_size());
+        let valid = check_reduction(dtype, op, n).and_then(|()| match n.checked_mul(ws) {
+            Some(total) if total == send.len() => Ok(()),
+            _ => Err(format!(
+                "send has {} bytes, expected recv length {n} x world size {ws}",
+                send.len()
+            )),
+        });
+        let desc = OpDesc::ReduceScatterInto { len: n, dtype, op };
+        let rank = self.rank;
+        self.collective(desc, Publish::send(send), valid, |round| {
+            let parts: Vec<&[u8]> = (0..ws)
+                .map(|peer| &round.send_of(peer)[rank * n..][..n])
+                .collect();
+            reduce_parts(dtype, op, &parts, recv)
+        })?
+        .map_err(|reason| Error::InvalidCollective {
+            op: "reduce_scatter_into".into(),
+            rank,
+            reason,
+        })
+    }
+
     fn barrier(&self) -> Result<()> {
         self.collective(OpDesc::Barrier, Publish::default(), Ok(()), |_| ())
     }
@@ -509,14 +541,33 @@ fn check_subgroup(ranks: &[usize], world_size: usize) -> std::result::Result<(),
 /// What a rank called, as compared across ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum OpDesc {
-    AllGatherInto { len: usize },
-    Broadcast { root: usize, len: usize },
+    AllGatherInto {
+        len: usize,
+    },
+    Broadcast {
+        root: usize,
+        len: usize,
+    },
     AllGatherBytes,
-    BroadcastBytes { root: usize },
-    GatherInto { root: usize, len: usize },
-    ScatterInto { root: usize },
+    BroadcastBytes {
+        root: usize,
+    },
+    GatherInto {
+        root: usize,
+        len: usize,
+    },
+    ScatterInto {
+        root: usize,
+    },
+    ReduceScatterInto {
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    },
     Barrier,
-    NewSubgroup { ranks: Vec<usize> },
+    NewSubgroup {
+        ranks: Vec<usize>,
+    },
 }
 
 impl OpDesc {
@@ -528,6 +579,7 @@ impl OpDesc {
             OpDesc::BroadcastBytes { .. } => "broadcast_bytes",
             OpDesc::GatherInto { .. } => "gather_into",
             OpDesc::ScatterInto { .. } => "scatter_into",
+            OpDesc::ReduceScatterInto { .. } => "reduce_scatter_into",
             OpDesc::Barrier => "barrier",
             OpDesc::NewSubgroup { .. } => "new_subgroup",
         }
@@ -544,6 +596,9 @@ impl fmt::Display for OpDesc {
                 write!(f, "{name}(root={root})")
             }
             OpDesc::GatherInto { root, len } => write!(f, "{name}(root={root}, {len} bytes)"),
+            OpDesc::ReduceScatterInto { len, dtype, op } => {
+                write!(f, "{name}({len} bytes of {dtype}, {op})")
+            }
             OpDesc::NewSubgroup { ranks } => write!(f, "{name}(ranks={ranks:?})"),
             OpDesc::AllGatherBytes | OpDesc::Barrier => write!(f, "{name}"),
         }
