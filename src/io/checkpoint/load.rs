@@ -4,6 +4,7 @@
 use super::manifest::{
     read_manifest, Manifest, ParamRecord, Piece, StoredValue, CHECKSUM_BLOCK, MODEL_PARAM_STATE,
 };
+use super::prefetch;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, Ownership, ShardPiece};
 use crate::optim_state::flatten::{flatten_from_source, ShardSource};
@@ -14,6 +15,8 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Options of [`load`].
 #[derive(Debug, Clone)]
@@ -40,6 +43,8 @@ pub(super) struct Reader<'m> {
     /// straddle block boundaries (a consolidation chunk, a shard boundary) then read and check
     /// each block once, not once per range that touches it.
     cached: Option<(usize, u64, usize)>,
+    /// Bytes read from the data files so far (the read-ahead paces itself by it).
+    consumed: Arc<AtomicU64>,
 }
 
 impl<'m> Reader<'m> {
@@ -51,6 +56,7 @@ impl<'m> Reader<'m> {
             verify,
             scratch: Vec::new(),
             cached: None,
+            consumed: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -171,6 +177,7 @@ impl<'m> Reader<'m> {
         let read_err = |what: String, e: std::io::Error| format!("cannot read {what}: {e}");
         let result: std::result::Result<(), String> = if !self.verify {
             let at = p.offset + byte_lo as u64;
+            self.consumed.fetch_add(out.len() as u64, Ordering::Relaxed);
             f.read_exact_at(out, at)
                 .map_err(|e| read_err(format!("{} bytes at {at}", out.len()), e))
         } else {
@@ -184,6 +191,7 @@ impl<'m> Reader<'m> {
                 if blo >= byte_lo && bhi <= byte_hi && self.cached != Some((fi, p.offset, b)) {
                     // A whole block wanted: read and check it in place, no copy.
                     let dst = &mut out[blo - byte_lo..bhi - byte_lo];
+                    self.consumed.fetch_add(dst.len() as u64, Ordering::Relaxed);
                     if let Err(e) = f.read_exact_at(dst, at) {
                         result = Err(read_err(
                             format!("block {b} ({} bytes at {at})", bhi - blo),
@@ -204,6 +212,8 @@ impl<'m> Reader<'m> {
                 if self.cached != Some((fi, p.offset, b)) {
                     self.cached = None;
                     self.scratch.resize(bhi - blo, 0);
+                    self.consumed
+                        .fetch_add(self.scratch.len() as u64, Ordering::Relaxed);
                     if let Err(e) = f.read_exact_at(&mut self.scratch, at) {
                         result = Err(read_err(
                             format!("block {b} ({} bytes at {at})", bhi - blo),
@@ -438,6 +448,22 @@ impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
 }
 
 impl CheckpointSource<'_> {
+    /// Runs `work` on this source while a thread reads this rank's ranges ahead (see
+    /// [`super::prefetch`]).
+    fn with_read_ahead<R>(&mut self, layout: &ModelLayout, work: impl FnOnce(&mut Self) -> R) -> R {
+        let ranges = prefetch::planned_reads(layout, self.rank, &self.records);
+        let names: Vec<String> = self
+            .reader
+            .manifest
+            .files
+            .iter()
+            .map(|f| f.name.clone())
+            .collect();
+        let consumed = self.reader.consumed.clone();
+        let dir = self.reader.dir.clone();
+        prefetch::with_read_ahead(&dir, &names, ranges, &consumed, || work(self))
+    }
+
     /// This rank's padded shard of tensor state `sname` of flat parameter `fl`: member ranges
     /// read from the files, zeros for padding and members without the state.
     fn flat_shard(
@@ -554,7 +580,9 @@ pub fn load<T: Tensor>(
             Ok((k.clone(), st))
         })
         .collect::<Result<Vec<_>>>()?;
-    flatten_from_source(layout, &mut src, groups.as_deref(), user, params)
+    src.with_read_ahead(layout, |src| {
+        flatten_from_source(layout, src, groups.as_deref(), user, params)
+    })
 }
 
 /// Rank `rank`'s parameter tensors for `layout` (any world size and wrapping of the same
@@ -595,8 +623,9 @@ pub fn load_model_params<T: Tensor>(
         rank,
     };
     let params = OptimParams::single(layout.default_optim_params());
-    let mut osd: OptimStateDict<T> =
-        flatten_from_source(layout, &mut src, None, Vec::new(), &params)?;
+    let mut osd: OptimStateDict<T> = src.with_read_ahead(layout, |src| {
+        flatten_from_source(layout, src, None, Vec::new(), &params)
+    })?;
     let local = layout.local_params(&params)?;
     Ok(local
         .iter()

@@ -23,6 +23,7 @@ mod background;
 mod container;
 mod load;
 mod manifest;
+mod prefetch;
 mod reshard;
 mod save;
 mod stream;
