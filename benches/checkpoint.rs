@@ -21,6 +21,7 @@
 //!   is checked with `checkpoint::verify`.
 //! - `consolidate`: `checkpoint::consolidate_to_safetensors` of the world-size-4 checkpoint,
 //!   in a fresh child process.
+//! - `consolidate-pt`: `checkpoint::consolidate_to_torch` (a `torch.save` file), the same way.
 //!
 //! Throughput is the checkpoint's tensor bytes (`Manifest::tensor_bytes`) over the wall time.
 //! Baselines, on a file of exactly that many bytes in the same directory, std::fs only:
@@ -296,6 +297,8 @@ fn child(args: &[String]) {
         }
         "consolidate" => checkpoint::consolidate_to_safetensors(&src, Path::new(&args[2]), |_| {})
             .expect("streaming consolidation"),
+        "consolidate-pt" => checkpoint::consolidate_to_torch(&src, Path::new(&args[2]), |_| {})
+            .expect("streaming consolidation to torch.save"),
         other => panic!("unknown child mode {other}"),
     };
     let secs = start.elapsed().as_secs_f64();
@@ -566,6 +569,11 @@ fn main() {
     checkpoint::verify(&ckpt2).expect("the resharded checkpoint verifies");
     let _ = std::fs::remove_dir_all(&ckpt2);
     let (consolidate, rc_consolidate, consolidate_hwm) = offline("consolidate", &full_out);
+    let _ = std::fs::remove_file(&full_out);
+    let full_pt = root.join("full.pt");
+    let (consolidate_pt, rc_consolidate_pt, consolidate_pt_hwm) =
+        offline("consolidate-pt", &full_pt);
+    let _ = std::fs::remove_file(&full_pt);
     let _ = std::fs::remove_file(&raw);
     println!(
         "load average at end: {}",
@@ -581,7 +589,7 @@ fn main() {
         bytes as f64 / (MIB * 1024.0)
     );
     println!(
-        "{:<12} {:>13} {:>15} {:>15} {:>10} {:>11} {:>15} {:>7}",
+        "{:<14} {:>13} {:>15} {:>15} {:>10} {:>11} {:>15} {:>7}",
         "op", "bytes", "seconds", "GB/s", "raw", "raw GB/s", "ratio", "target"
     );
     let row = |op: &str, t: &Timing, raw_name: &str, r: &Timing| {
@@ -590,7 +598,7 @@ fn main() {
         let ratio = gbs(bytes, m) / gbs(bytes, rm);
         let ratio_best = gbs(bytes, b) / gbs(bytes, rb);
         println!(
-            "{op:<12} {bytes:>13} {:>6.2} ({:>5.2}) {:>6.3} ({:>5.3}) {raw_name:>10} {:>5.3} ({:.3}) {:>6.2} ({:>5.2}) {:>7}",
+            "{op:<14} {bytes:>13} {:>6.2} ({:>5.2}) {:>6.3} ({:>5.3}) {raw_name:>10} {:>5.3} ({:.3}) {:>6.2} ({:>5.2}) {:>7}",
             m,
             b,
             gbs(bytes, m),
@@ -606,14 +614,21 @@ fn main() {
     row("load", &load, "read", &rr);
     row("reshard", &reshard, "copy", &rc_reshard);
     row("consolidate", &consolidate, "copy", &rc_consolidate);
+    row(
+        "consolidate-pt",
+        &consolidate_pt,
+        "copy",
+        &rc_consolidate_pt,
+    );
     for (name, r) in [
         ("raw write", &rw),
         ("raw read", &rr),
         ("raw copy 1", &rc_reshard),
         ("raw copy 2", &rc_consolidate),
+        ("raw copy 3", &rc_consolidate_pt),
     ] {
         println!(
-            "{name:<12} {bytes:>13} {:>6.2} ({:>5.2}) {:>6.3} ({:>5.3})",
+            "{name:<14} {bytes:>13} {:>6.2} ({:>5.2}) {:>6.3} ({:>5.3})",
             r.median(),
             r.best(),
             gbs(bytes, r.median()),
@@ -628,14 +643,18 @@ fn main() {
         mem_target as f64 / MIB
     );
     println!(
-        "{:<12} {:>16} {:>16} {:>16} {:>7}",
+        "{:<14} {:>16} {:>16} {:>16} {:>7}",
         "op", "at start MiB", "peak MiB", "peak-start MiB", "target"
     );
-    for (op, hwm) in [("reshard", &reshard_hwm), ("consolidate", &consolidate_hwm)] {
+    for (op, hwm) in [
+        ("reshard", &reshard_hwm),
+        ("consolidate", &consolidate_hwm),
+        ("consolidate-pt", &consolidate_pt_hwm),
+    ] {
         let start = hwm.iter().map(|h| h.0).max().unwrap_or(0);
         let end = hwm.iter().map(|h| h.1).max().unwrap_or(0);
         println!(
-            "{op:<12} {:>16.1} {:>16.1} {:>16.1} {:>7}",
+            "{op:<14} {:>16.1} {:>16.1} {:>16.1} {:>7}",
             start as f64 / 1024.0,
             end as f64 / 1024.0,
             end.saturating_sub(start) as f64 / 1024.0,

@@ -526,6 +526,73 @@ fn streaming_consolidation_writes_the_full_dict_as_safetensors() {
     }
 }
 
+#[test]
+fn streaming_consolidation_to_torch_save_is_byte_identical_to_the_in_memory_file() {
+    for (model, policy, ws) in [
+        (common::nested_model(), common::wrap(true), 3),
+        (
+            common::nested_model(),
+            common::wrap(false).with_orig_params(true),
+            2,
+        ),
+        (common::transformer_model(), common::transformer_policy(), 4),
+    ] {
+        let full = full_adam(&model, 6.0);
+        let root = tmp();
+        let dir = root.path().join("ckpt");
+        for r in save_at(&model, &policy, ws, &full, &dir, &SaveOptions::default()) {
+            r.unwrap();
+        }
+        // Same file name (the archive folder inside is named after it), two directories.
+        let (streamed, in_memory) = (root.path().join("a"), root.path().join("b"));
+        std::fs::create_dir_all(&streamed).unwrap();
+        std::fs::create_dir_all(&in_memory).unwrap();
+        let (streamed, in_memory) = (streamed.join("full.pt"), in_memory.join("full.pt"));
+        let mut reported = 0;
+        let written = checkpoint::consolidate_to_torch(&dir, &streamed, |b| reported = b).unwrap();
+        let m = read_manifest(&dir).unwrap();
+        assert_eq!((written, reported), (m.tensor_bytes(), m.tensor_bytes()));
+        fsdp::io::torch_save::save_optim_state_dict(
+            &load_full(&dir, &LoadOptions::default()).unwrap(),
+            &in_memory,
+        )
+        .unwrap();
+        assert!(
+            std::fs::read(&streamed).unwrap() == std::fs::read(&in_memory).unwrap(),
+            "streamed and in-memory torch.save files differ"
+        );
+        common::assert_same_state(
+            &fsdp::io::torch_save::load_optim_state_dict(&streamed).unwrap(),
+            &full,
+            "streamed .pt vs saved",
+        );
+    }
+}
+
+#[test]
+fn streaming_consolidation_to_torch_save_names_a_corrupt_block_and_leaves_no_file() {
+    let (root, dir) = saved();
+    let m = read_manifest(&dir).unwrap();
+    let file = dir.join(&m.files[1].name);
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = m.files[1].header_len as usize + 5;
+    bytes[at] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let out = root.path().join("full.pt");
+    let err = checkpoint::consolidate_to_torch(&dir, &out, |_| {}).unwrap_err();
+    assert!(
+        matches!(&err, Error::CheckpointCorrupt { rank: 1, tensor, .. } if tensor.contains('/')),
+        "{err}"
+    );
+    assert!(!out.exists());
+    let left: Vec<_> = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("full.pt"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+}
+
 // ----- background saves -----
 
 use fsdp::io::checkpoint::{BackgroundSaver, SaveMode};

@@ -104,8 +104,7 @@ enum Command {
         policy: Option<PathBuf>,
     },
     /// Write the full (unflattened, name-keyed) optimizer state dict of a sharded checkpoint
-    /// directory: streaming with bounded memory to `.safetensors`; `.pt` holds the dict in
-    /// memory.
+    /// directory as `.safetensors` or `torch.save` (`.pt`), streaming with bounded memory.
     Consolidate {
         /// The checkpoint directory.
         input: PathBuf,
@@ -292,23 +291,15 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Consolidate { input, output } => {
             let format = FileFormat::from_path(&output)?;
+            let total = checkpoint::read_manifest(&input)?.tensor_bytes();
+            let pb = progress.bytes(total, "consolidating");
+            let to = |b| pb.set_position(b);
             let written = if format == FileFormat::Safetensors {
-                let total = checkpoint::read_manifest(&input)?.tensor_bytes();
-                let pb = progress.bytes(total, "consolidating");
-                let n = checkpoint::consolidate_to_safetensors(&input, &output, |b| {
-                    pb.set_position(b)
-                })?;
-                pb.finish_and_clear();
-                n
+                checkpoint::consolidate_to_safetensors(&input, &output, to)?
             } else {
-                let full = progress.step("reading the checkpoint", || {
-                    checkpoint::load_full(&input, &checkpoint::LoadOptions::default())
-                })?;
-                progress.step(&format!("writing {}", output.display()), || {
-                    save_optim(&full, &output)
-                })?;
-                full.tensor_bytes() as u64
+                checkpoint::consolidate_to_torch(&input, &output, to)?
             };
+            pb.finish_and_clear();
             eprintln!(
                 "consolidated {} -> {}: {written} bytes of tensor state",
                 input.display(),

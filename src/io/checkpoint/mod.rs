@@ -36,7 +36,7 @@ pub use manifest::{
 };
 pub use reshard::reshard;
 pub use save::{save, CrashPoint, SaveOptions};
-pub use stream::consolidate_to_safetensors;
+pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
 
 use crate::error::{Error, Result};
 use std::path::Path;

@@ -36,7 +36,7 @@
 mod convert;
 mod pickle;
 mod pyobj;
-mod writer;
+pub(crate) mod writer;
 mod zip;
 
 pub use convert::{
@@ -82,7 +82,16 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
 /// The archive folder inside the zip is the file's stem (`model` for `model.pt`), as PyTorch
 /// names it.
 pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
+    save_streaming(obj, path.as_ref(), &mut writer::Eager)
+}
+
+/// [`save`] of an object whose tensors `lazy` recognizes are placeholders, streamed by it
+/// while the file is written (see [`writer::LazyTensors`]).
+pub(crate) fn save_streaming(
+    obj: &PyObj,
+    path: &Path,
+    lazy: &mut dyn writer::LazyTensors,
+) -> Result<()> {
     let archive = path
         .file_stem()
         .and_then(|s| s.to_str())
@@ -90,7 +99,7 @@ pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
         .unwrap_or("archive")
         .to_string();
     let name = path.display().to_string();
-    write_atomic(path, |w| writer::write(obj, &archive, &name, w))
+    write_atomic(path, |w| writer::write_with(obj, &archive, &name, w, lazy))
 }
 
 /// Serializes `obj` as a `torch.save` archive in memory (archive folder `archive`).

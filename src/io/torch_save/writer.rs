@@ -25,6 +25,44 @@ fn storage_class(d: DType) -> &'static str {
     }
 }
 
+/// Tensors of an object whose bytes are produced while the archive is written instead of
+/// being held in memory: the object holds a small placeholder tensor for each, which this
+/// recognizes, gives the real shape of, and streams the bytes of.
+pub(crate) trait LazyTensors {
+    /// The real shape of `t` when it is a placeholder (its dtype is the real one).
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>>;
+    /// Writes placeholder `t`'s bytes, in order, through `sink`.
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()>;
+}
+
+/// No lazy tensors.
+pub(crate) struct Eager;
+
+impl LazyTensors for Eager {
+    fn shape_of(&self, _: &HostTensor) -> Option<Vec<usize>> {
+        None
+    }
+    fn stream(
+        &mut self,
+        _: &HostTensor,
+        _: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// What a storage's bytes are.
+enum StorageData<'a> {
+    /// Held in memory.
+    Bytes(&'a [u8]),
+    /// A lazy placeholder's, streamed when written.
+    Lazy(&'a HostTensor),
+}
+
 /// The bytes of one storage to write, as a range of a tensor's buffer.
 struct StorageOut<'a> {
     /// A tensor whose buffer holds the bytes.
@@ -35,6 +73,8 @@ struct StorageOut<'a> {
     end: usize,
     /// Key (`data/<key>`) once the pickler has met the storage.
     key: Option<usize>,
+    /// The real shape of a lazy placeholder (whose bytes `start..end` are not in memory).
+    lazy: Option<Vec<usize>>,
 }
 
 /// Which storage each tensor goes to.
@@ -89,7 +129,7 @@ impl<'a> StoragePlan<'a> {
         Ok(())
     }
 
-    fn new(obj: &'a PyObj) -> Result<Self> {
+    fn new(obj: &'a PyObj, lazy: &dyn LazyTensors) -> Result<Self> {
         let mut tensors = Vec::new();
         Self::collect(obj, &mut tensors, 0)?;
         let mut plan = StoragePlan {
@@ -99,6 +139,20 @@ impl<'a> StoragePlan<'a> {
             next_key: 0,
         };
         for t in tensors {
+            if let Some(shape) = lazy.shape_of(t) {
+                // A storage of its own, whatever buffer the placeholder lives in.
+                let numel: usize = shape.iter().product();
+                plan.by_buffer.insert(t.storage_id(), plan.storages.len());
+                plan.storages.push(StorageOut {
+                    owner: t,
+                    dtype: t.dtype(),
+                    start: 0,
+                    end: numel * t.dtype().size(),
+                    key: None,
+                    lazy: Some(shape),
+                });
+                continue;
+            }
             let id = t.storage_id();
             let start = t.storage_byte_offset();
             let end = start + t.nbytes();
@@ -119,11 +173,18 @@ impl<'a> StoragePlan<'a> {
                         start,
                         end,
                         key: None,
+                        lazy: None,
                     });
                 }
             }
         }
         Ok(plan)
+    }
+
+    /// The real shape of `t` when it is a lazy placeholder.
+    fn lazy_shape(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        let i = *self.by_buffer.get(&t.storage_id())?;
+        self.storages[i].lazy.clone()
     }
 
     /// The storage for `t`: (key, storage numel, element offset of `t` in it).
@@ -141,6 +202,7 @@ impl<'a> StoragePlan<'a> {
                 start,
                 end: start + t.nbytes(),
                 key: Some(key),
+                lazy: None,
             });
             return (key, t.numel(), 0);
         }
@@ -160,11 +222,17 @@ impl<'a> StoragePlan<'a> {
     }
 
     /// Storages to write, in key order.
-    fn in_key_order(&self) -> Vec<(usize, &[u8])> {
-        let mut out: Vec<(usize, &[u8])> = self
+    fn in_key_order(&self) -> Vec<(usize, StorageData<'a>)> {
+        let mut out: Vec<(usize, StorageData<'a>)> = self
             .storages
             .iter()
-            .filter_map(|s| s.key.map(|k| (k, &s.owner.storage_bytes()[s.start..s.end])))
+            .filter_map(|s| {
+                let data = match s.lazy {
+                    Some(_) => StorageData::Lazy(s.owner),
+                    None => StorageData::Bytes(&s.owner.storage_bytes()[s.start..s.end]),
+                };
+                s.key.map(|k| (k, data))
+            })
             .collect();
         out.sort_by_key(|(k, _)| *k);
         out
@@ -317,7 +385,8 @@ impl<'a> Pickler<'a> {
         self.memoize();
         self.out.push(b'Q');
         self.int(offset as i64);
-        let shape = t.shape();
+        let lazy_shape = self.plan.lazy_shape(t);
+        let shape = lazy_shape.as_deref().unwrap_or(t.shape());
         let strides = contiguous_strides(shape);
         for dims in [shape, &strides[..]] {
             match dims.len() {
@@ -438,7 +507,19 @@ fn serialization_id(pickle: &[u8], storages: crc32fast::Hasher) -> String {
 /// Writes `obj` as a `torch.save` archive named `archive` (the folder inside the zip) to `out`;
 /// `file` names the destination in error messages.
 pub(crate) fn write<W: Write>(obj: &PyObj, archive: &str, file: &str, out: W) -> Result<W> {
-    let plan = StoragePlan::new(obj)?;
+    write_with(obj, archive, file, out, &mut Eager)
+}
+
+/// [`write`] where the tensors `lazy` recognizes are placeholders whose bytes it streams while
+/// the archive is written: the file is the same as for an object holding the real tensors.
+pub(crate) fn write_with<W: Write>(
+    obj: &PyObj,
+    archive: &str,
+    file: &str,
+    out: W,
+    lazy: &mut dyn LazyTensors,
+) -> Result<W> {
+    let plan = StoragePlan::new(obj, lazy)?;
     let mut p = Pickler {
         out: vec![0x80, 2],
         next_memo: 0,
@@ -464,12 +545,25 @@ pub(crate) fn write<W: Write>(obj: &PyObj, archive: &str, file: &str, out: W) ->
     z.entry(&format!("{archive}/byteorder"), &[b"little"])
         .map_err(io)?;
     let mut all = crc32fast::Hasher::new();
-    for (key, bytes) in &storages {
+    for (key, data) in &storages {
+        let name = format!("{archive}/data/{key}");
         let mut one = crc32fast::Hasher::new();
-        one.update(bytes);
+        match data {
+            StorageData::Bytes(bytes) => {
+                one.update(bytes);
+                z.entry_with_crc(&name, &[bytes], one.clone().finalize())
+                    .map_err(io)?;
+            }
+            StorageData::Lazy(t) => {
+                z.begin_entry(&name).map_err(io)?;
+                lazy.stream(t, &mut |chunk| {
+                    one.update(chunk);
+                    z.data(chunk)
+                })?;
+                z.end_entry(one.clone().finalize()).map_err(io)?;
+            }
+        }
         all.combine(&one);
-        z.entry_with_crc(&format!("{archive}/data/{key}"), &[bytes], one.finalize())
-            .map_err(io)?;
     }
     z.entry(&format!("{archive}/version"), &[b"3\n"])
         .map_err(io)?;

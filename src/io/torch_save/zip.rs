@@ -371,6 +371,8 @@ pub(crate) struct ZipWriter<W: Write> {
     out: W,
     pos: u64,
     central: Vec<(String, u32, u64, u64)>,
+    /// The entry being written: (name, header offset, data offset).
+    open: Option<(String, u64, u64)>,
 }
 
 impl<W: Write> ZipWriter<W> {
@@ -379,6 +381,7 @@ impl<W: Write> ZipWriter<W> {
             out,
             pos: 0,
             central: Vec::new(),
+            open: None,
         }
     }
 
@@ -404,6 +407,17 @@ impl<W: Write> ZipWriter<W> {
         parts: &[&[u8]],
         crc: u32,
     ) -> std::io::Result<()> {
+        self.begin_entry(name)?;
+        for p in parts {
+            self.data(p)?;
+        }
+        self.end_entry(crc)
+    }
+
+    /// Starts an entry whose data follows in [`ZipWriter::data`] calls and which
+    /// [`ZipWriter::end_entry`] closes (sizes and CRC go in the data descriptor, so nothing
+    /// needs to be known up front).
+    pub(crate) fn begin_entry(&mut self, name: &str) -> std::io::Result<()> {
         let header = self.pos;
         let nlen = name.len() as u64;
         let unpadded = header + LOCAL_HEADER_LEN + nlen + 4;
@@ -420,11 +434,25 @@ impl<W: Write> ZipWriter<W> {
         h.extend_from_slice(&(pad as u16).to_le_bytes());
         h.resize(h.len() + pad as usize, b'Z');
         self.put(&h)?;
-        let mut size = 0u64;
-        for p in parts {
-            self.put(p)?;
-            size += p.len() as u64;
+        self.open = Some((name.to_string(), header, self.pos));
+        Ok(())
+    }
+
+    /// Data of the entry [`ZipWriter::begin_entry`] started.
+    pub(crate) fn data(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        if self.open.is_none() {
+            return Err(std::io::Error::other("zip entry data outside an entry"));
         }
+        self.put(bytes)
+    }
+
+    /// Closes the entry in progress, whose data has CRC-32 `crc`.
+    pub(crate) fn end_entry(&mut self, crc: u32) -> std::io::Result<()> {
+        let (name, header, data_start) = self
+            .open
+            .take()
+            .ok_or_else(|| std::io::Error::other("no zip entry to end"))?;
+        let size = self.pos - data_start;
         let mut d = Vec::with_capacity(24);
         d.extend_from_slice(&DESCRIPTOR_SIG.to_le_bytes());
         d.extend_from_slice(&crc.to_le_bytes());
@@ -436,7 +464,7 @@ impl<W: Write> ZipWriter<W> {
             d.extend_from_slice(&(size as u32).to_le_bytes());
         }
         self.put(&d)?;
-        self.central.push((name.to_string(), crc, size, header));
+        self.central.push((name, crc, size, header));
         Ok(())
     }
 
