@@ -14,7 +14,8 @@
 //! answers each with status `0` and the blob (`u64` length, bytes). A hello whose world size
 //! differs from rank 0's, whose rank is out of range, or whose rank already connected fails
 //! the whole rendezvous: rank 0 answers every connected rank with status `1` and the reason,
-//! and every rank returns [`Error::CollectiveMismatch`]. When the timeout expires first, rank
+//! goes on answering so every later hello until `world_size - 1` hellos have come (or the
+//! timeout expires), and every rank returns [`Error::CollectiveMismatch`]. When the timeout expires first, rank
 //! 0 answers the connected ranks with status `2` and the ranks that never came, and every rank
 //! returns [`Error::CollectiveTimeout`] naming them. A connection that does not start with the
 //! magic (a port scanner, a health check) is closed and ignored.
@@ -283,14 +284,17 @@ impl TcpRendezvous {
     fn serve(
         &self,
         listener: &TcpListener,
-        mut outcome: std::result::Result<Vec<u8>, String>,
+        outcome: std::result::Result<Vec<u8>, String>,
     ) -> Result<Vec<u8>> {
         let start = Instant::now();
         let deadline = start.checked_add(self.timeout);
         let mut peers: Vec<Option<TcpStream>> = (0..self.world_size).map(|_| None).collect();
-        let mut connected = 0usize;
+        // Hellos received (valid or not); the wait ends when `world_size - 1` have come, so
+        // that after a mismatch the ranks still arriving are told too.
+        let mut hellos = 0usize;
         let mut timed_out = false;
-        while connected + 1 < self.world_size && outcome.is_ok() {
+        let mut first_problem: Option<String> = None;
+        while hellos + 1 < self.world_size {
             if deadline.is_some_and(|d| Instant::now() >= d) {
                 timed_out = true;
                 break;
@@ -308,6 +312,7 @@ impl TcpRendezvous {
             let Some((world_size, rank)) = read_hello(&stream, deadline) else {
                 continue; // not one of ours: ignore it
             };
+            hellos += 1;
             let problem = if world_size != self.world_size {
                 Some(format!(
                     "rank {rank} was launched with world size {world_size}, rank 0 with {}",
@@ -323,19 +328,27 @@ impl TcpRendezvous {
             } else {
                 None
             };
-            if let Some(problem) = problem {
-                // The offending connection is told too, so that its process fails at once.
-                write_error(&stream, STATUS_MISMATCH, problem.as_bytes());
-                outcome = Err(problem);
-            } else {
-                peers[rank] = Some(stream);
-                connected += 1;
+            match (problem, &first_problem) {
+                (Some(problem), None) => {
+                    // Fail at once everyone connected so far, and the offender.
+                    write_error(&stream, STATUS_MISMATCH, problem.as_bytes());
+                    for s in peers.iter().flatten() {
+                        write_error(s, STATUS_MISMATCH, problem.as_bytes());
+                    }
+                    first_problem = Some(problem);
+                }
+                (_, Some(problem)) => write_error(&stream, STATUS_MISMATCH, problem.as_bytes()),
+                (None, None) => peers[rank] = Some(stream),
             }
+        }
+        if let Some(problem) = first_problem {
+            // Everyone connected has been told already.
+            return Err(self.mismatch(problem));
         }
         let missing: Vec<usize> = (1..self.world_size)
             .filter(|&r| peers[r].is_none())
             .collect();
-        if timed_out {
+        if timed_out && outcome.is_ok() {
             let waited = start.elapsed();
             let mut msg = (waited.as_millis().min(u64::MAX as u128) as u64)
                 .to_le_bytes()

@@ -1023,7 +1023,10 @@ mod tests {
         let bytes = d.encode(true);
         assert_eq!(Desc::decode(&bytes), d);
         assert_eq!(bytes[DESC_BYTES - 1], 1);
-        assert_eq!(d.to_string(), "reduce_scatter_into(4096 bytes, bf16 avg)");
+        assert_eq!(
+            d.to_string(),
+            "reduce_scatter_into(4096 bytes, torch.bfloat16 avg)"
+        );
         assert_eq!(Desc::new(1, 8, 2).to_string(), "broadcast(8 bytes, root 2)");
         assert_eq!(d.name(), "reduce_scatter_into");
         for (i, name) in OP_NAMES.iter().enumerate() {

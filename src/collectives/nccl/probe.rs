@@ -147,12 +147,24 @@ fn dl_error() -> String {
 pub fn driver_candidates() -> Vec<String> {
     let mut names = cudarc::get_lib_name_candidates("cuda");
     names.extend(cudarc::get_lib_name_candidates("nvcuda"));
-    names
+    dedup(names)
+}
+
+/// Drops repeated names (cudarc lists some twice), keeping the first: the search order and
+/// thus the library found are unchanged.
+fn dedup(names: Vec<String>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::with_capacity(names.len());
+    for n in names {
+        if !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    out
 }
 
 /// cudarc's candidate names for NCCL.
 pub fn nccl_candidates() -> Vec<String> {
-    cudarc::get_lib_name_candidates("nccl")
+    dedup(cudarc::get_lib_name_candidates("nccl"))
 }
 
 /// Checks that cudarc will load the CUDA driver and NCCL without panicking.
@@ -219,7 +231,7 @@ pub fn diagnose(
             last_error,
         } => {
             problems.push(format!(
-                "no CUDA driver: libcuda.so.1 cannot be loaded ({last_error}); searched {} \
+                "no CUDA driver: libcuda.so.1 cannot be loaded (last loader error: {last_error}); searched {} \
                  (cudarc's names) on the loader path, LD_LIBRARY_PATH={ld_library_path}; \
                  install the NVIDIA driver, which provides libcuda.so.1 — a machine without a \
                  GPU cannot run this backend",
@@ -262,7 +274,7 @@ pub fn diagnose(
                 _ => String::new(),
             };
             problems.push(format!(
-                "no NCCL: libnccl cannot be loaded ({last_error}{so2_error}); searched {}, \
+                "no NCCL: libnccl cannot be loaded (loader: {last_error}{so2_error}); searched {}, \
                  {NCCL_SONAME} on the loader path, LD_LIBRARY_PATH={ld_library_path}; install \
                  it with `pip install nvidia-nccl-cu12` (then `ln -s libnccl.so.2 libnccl.so` in \
                  site-packages/nvidia/nccl/lib and add that directory to LD_LIBRARY_PATH) or \
@@ -314,6 +326,9 @@ mod tests {
         assert!(driver.contains(&"libcuda.so.1".to_string()));
         let nccl = nccl_candidates();
         assert_eq!(nccl[0], "libnccl.so");
+        let mut unique = nccl.clone();
+        unique.dedup();
+        assert_eq!(unique.len(), nccl.len(), "{nccl:?}");
         // The gap this module reports: cudarc 0.19 never tries the wheel's file name.
         assert!(!nccl.contains(&NCCL_SONAME.to_string()), "{nccl:?}");
     }
@@ -402,7 +417,7 @@ mod tests {
             "<unset>",
         ));
         assert!(r.contains("no CUDA driver"), "{r}");
-        assert!(r.contains("no NCCL: libnccl cannot be loaded (libnccl.so: cannot open; libnccl.so.2: cannot open)"), "{r}");
+        assert!(r.contains("no NCCL: libnccl cannot be loaded (loader: libnccl.so: cannot open; libnccl.so.2: cannot open)"), "{r}");
         assert!(r.contains("pip install nvidia-nccl-cu12"), "{r}");
     }
 
