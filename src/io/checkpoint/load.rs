@@ -1,7 +1,9 @@
 //! Loading a sharded checkpoint into any layout: each rank reads only the byte ranges that
 //! overlap its shards, verifying the checksum blocks it touches.
 
-use super::manifest::{read_manifest, Manifest, ParamRecord, Piece, StoredValue, CHECKSUM_BLOCK};
+use super::manifest::{
+    read_manifest, Manifest, ParamRecord, Piece, StoredValue, CHECKSUM_BLOCK, MODEL_PARAM_STATE,
+};
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, Ownership, ShardPiece};
 use crate::optim_state::flatten::{flatten_from_source, ShardSource};
@@ -555,6 +557,61 @@ pub fn load<T: Tensor>(
     flatten_from_source(layout, &mut src, groups.as_deref(), user, params)
 }
 
+/// Rank `rank`'s parameter tensors for `layout` (any world size and wrapping of the same
+/// model) from the checkpoint in `dir`, aligned with the ids of
+/// `OptimParams::single(layout.default_optim_params())`: a flat shard per flat parameter
+/// (padding zero-filled), the local view per original parameter with `use_orig_params`, the
+/// whole tensor per unmanaged parameter; `None` for parameters saved without a value. Reads
+/// only this rank's byte ranges. Fails with [`Error::CheckpointMismatch`] when the checkpoint
+/// holds no parameters (it was saved by `save_optim_checkpoint`).
+pub fn load_model_params<T: Tensor>(
+    dir: &Path,
+    layout: &ModelLayout,
+    rank: usize,
+    opts: &LoadOptions,
+) -> Result<Vec<Option<T>>> {
+    let saved = read_manifest(dir)?;
+    if saved.model_params.is_empty() {
+        return Err(Error::CheckpointMismatch {
+            dir: dir.display().to_string(),
+            reason: "the checkpoint holds no model parameters (it was saved with \
+                     `save_optim_checkpoint`; save with `save_checkpoint` to include them)"
+                .into(),
+        });
+    }
+    // The parameters are stored as one state of every parameter: load them as optimizer
+    // state of an optimizer over all parameters.
+    let manifest = Manifest {
+        params: saved.model_params.clone(),
+        param_groups: None,
+        user_state: Vec::new(),
+        model_params: Vec::new(),
+        ..saved
+    };
+    let records = index_records(dir, &manifest, layout)?;
+    let mut src = CheckpointSource {
+        reader: Reader::new(dir, &manifest, opts.verify),
+        records,
+        rank,
+    };
+    let params = OptimParams::single(layout.default_optim_params());
+    let mut osd: OptimStateDict<T> =
+        flatten_from_source(layout, &mut src, None, Vec::new(), &params)?;
+    let local = layout.local_params(&params)?;
+    Ok(local
+        .iter()
+        .map(|l| {
+            osd.state
+                .get_mut(&l.key)
+                .and_then(|st| st.shift_remove(MODEL_PARAM_STATE))
+                .and_then(|v| match v {
+                    Value::Tensor(t) => Some(t),
+                    _ => None,
+                })
+        })
+        .collect())
+}
+
 /// The full (unflattened, name-keyed) dict of the checkpoint in `dir`, as
 /// `full_optim_state_dict` returned it when saving. Holds every tensor in memory.
 pub fn load_full(dir: &Path, opts: &LoadOptions) -> Result<OptimStateDict> {
@@ -616,8 +673,8 @@ pub(super) fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
 }
 
 /// Verifies the checkpoint in `dir` completely: commit marker, manifest, every file's length
-/// and header, and every checksum block of every piece. Returns the bytes of tensor state
-/// checked.
+/// and header, and every checksum block of every piece (optimizer state and model
+/// parameters). Returns the bytes of tensor data checked.
 pub fn verify(dir: &Path) -> Result<u64> {
     let manifest = read_manifest(dir)?;
     let mut reader = Reader::new(dir, &manifest, true);
@@ -626,10 +683,15 @@ pub fn verify(dir: &Path) -> Result<u64> {
     }
     let mut checked = 0u64;
     let mut buf = Vec::new();
-    for rec in &manifest.params {
+    for (rec, section) in manifest.params.iter().map(|r| (r, "")).chain(
+        manifest
+            .model_params
+            .iter()
+            .map(|r| (r, "model parameter ")),
+    ) {
         for (n, v) in &rec.states {
             if let StoredValue::Tensor { dtype, pieces, .. } = v {
-                let what = format!("{}/{n}", rec.name);
+                let what = format!("{section}{}/{n}", rec.name);
                 for p in pieces {
                     // Block by block, so memory stays at one block.
                     let bytes = p.len * dtype.size();

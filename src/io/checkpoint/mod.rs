@@ -28,10 +28,10 @@ mod save;
 mod stream;
 
 pub use background::{BackgroundSaver, SaveMode};
-pub use load::{load, load_full, verify, LoadOptions};
+pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
-    CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, VERSION,
+    CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
 pub use reshard::reshard;
 pub use save::{save, CrashPoint, SaveOptions};
