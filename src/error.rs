@@ -225,6 +225,52 @@ pub enum Error {
         reason: String,
     },
 
+    /// A launcher variable (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `LOCAL_RANK`)
+    /// is missing or does not parse.
+    #[error("environment variable `{variable}`: {reason}")]
+    Environment {
+        /// The variable.
+        variable: String,
+        /// What is wrong with it (missing, its value and why it does not parse).
+        reason: String,
+    },
+
+    /// The TCP rendezvous that hands rank 0's bytes (the NCCL unique id) to the other ranks
+    /// failed at the network level or received bytes that are not its protocol.
+    #[error("rendezvous at {addr} failed on rank {rank}: {reason}")]
+    Rendezvous {
+        /// The rank that reports.
+        rank: usize,
+        /// `MASTER_ADDR:MASTER_PORT`.
+        addr: String,
+        /// What failed.
+        reason: String,
+    },
+
+    /// An NCCL call returned an error (`nccl` feature).
+    #[error("NCCL `{op}` failed on rank {rank}: {code}: {reason}")]
+    Nccl {
+        /// The NCCL call or the process-group operation it served.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// The symbolic `ncclResult_t` name, e.g. `ncclUnhandledCudaError`.
+        code: String,
+        /// What the code means.
+        reason: String,
+    },
+
+    /// A CUDA driver call returned an error (`nccl` feature).
+    #[error("CUDA driver call `{op}` failed on rank {rank}: {code}")]
+    CudaDriver {
+        /// The driver call or the process-group operation it served.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// The symbolic `CUresult` name, e.g. `CUDA_ERROR_NO_DEVICE`.
+        code: String,
+    },
+
     // ----- encoding -----
     /// Serializing or deserializing an object for exchange failed.
     #[error("serialization failed for {what}: {reason}")]

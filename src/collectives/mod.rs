@@ -1,7 +1,12 @@
 //! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
-//! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host).
+//! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
+//! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
+//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
 
+#[cfg(all(feature = "nccl", target_os = "linux"))]
+pub mod nccl;
 mod reduce;
+pub mod rendezvous;
 mod threads;
 
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};

@@ -521,7 +521,10 @@ impl ThreadProcessGroup {
     }
 }
 
-fn check_subgroup(ranks: &[usize], world_size: usize) -> std::result::Result<(), String> {
+pub(super) fn check_subgroup(
+    ranks: &[usize],
+    world_size: usize,
+) -> std::result::Result<(), String> {
     if ranks.is_empty() {
         return Err("the sub-group has no ranks".into());
     }

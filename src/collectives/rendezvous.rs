@@ -1,0 +1,852 @@
+//! Out-of-band rendezvous over TCP: how the ranks of a job launched like `torchrun` find each
+//! other before any collective backend exists.
+//!
+//! [`LaunchEnv`] reads the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+//! `MASTER_PORT`, `LOCAL_RANK`). [`TcpRendezvous`] then hands one byte string from rank 0 to
+//! every other rank: the NCCL backend uses it for the 128-byte `ncclUniqueId`, but nothing here
+//! depends on NCCL, so it is plain `std` and always compiled.
+//!
+//! # Protocol
+//!
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`. Every other rank connects (retrying while the
+//! listener is not up yet) and sends a hello: the 8-byte magic `FSDPRDV1`, then the world size
+//! and its rank as little-endian `u32`. When every rank `1..world_size` has said hello, rank 0
+//! answers each with status `0` and the blob (`u64` length, bytes). A hello whose world size
+//! differs from rank 0's, whose rank is out of range, or whose rank already connected fails
+//! the whole rendezvous: rank 0 answers every connected rank with status `1` and the reason,
+//! goes on answering so every later hello until `world_size - 1` hellos have come (or the
+//! timeout expires), and every rank returns [`Error::CollectiveMismatch`]. When the timeout expires first, rank
+//! 0 answers the connected ranks with status `2` and the ranks that never came, and every rank
+//! returns [`Error::CollectiveTimeout`] naming them. A connection that does not start with the
+//! magic (a port scanner, a health check) is closed and ignored.
+
+use crate::error::{Error, Result};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8; 8] = b"FSDPRDV1";
+const STATUS_OK: u8 = 0;
+const STATUS_MISMATCH: u8 = 1;
+const STATUS_TIMEOUT: u8 = 2;
+/// Largest blob or message a client accepts (bytes): a guard against reading garbage lengths.
+const MAX_PAYLOAD: u64 = 1 << 20;
+/// How long a client waits beyond its timeout for rank 0's timeout answer.
+const GRACE: Duration = Duration::from_secs(2);
+/// Pause between connection attempts and between polls of the listener.
+const POLL: Duration = Duration::from_millis(20);
+
+/// The launcher variables of one rank, as `torchrun` (and `torch.distributed.launch`) set them.
+///
+/// | variable | meaning | required |
+/// | --- | --- | --- |
+/// | `RANK` | this process's global rank, `0..WORLD_SIZE` | yes |
+/// | `WORLD_SIZE` | number of processes, at least 1 | yes |
+/// | `MASTER_ADDR` | host name or address where rank 0 listens | yes |
+/// | `MASTER_PORT` | TCP port where rank 0 listens, `1..=65535` (`0` picks a free port, only useful in one process) | yes |
+/// | `LOCAL_RANK` | this process's index on its host: the CUDA device it drives | no |
+///
+/// Without `LOCAL_RANK` the device is `RANK % device_count` (see [`LaunchEnv::device_index`]),
+/// which is right when every host runs as many ranks as it has devices and ranks are numbered
+/// host by host, as `torchrun` does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// `RANK`.
+    pub rank: usize,
+    /// `WORLD_SIZE`.
+    pub world_size: usize,
+    /// `MASTER_ADDR`.
+    pub master_addr: String,
+    /// `MASTER_PORT`.
+    pub master_port: u16,
+    /// `LOCAL_RANK`, if set.
+    pub local_rank: Option<usize>,
+}
+
+impl LaunchEnv {
+    /// Reads the variables from the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+    }
+
+    /// Reads the variables through `lookup` (a variable's value, `None` when unset), so that
+    /// callers and tests can supply them without touching the process environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let get = |name: &str| {
+            lookup(name).ok_or_else(|| Error::Environment {
+                variable: name.into(),
+                reason: "not set (launch with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)".into(),
+            })
+        };
+        let rank = parse_usize("RANK", &get("RANK")?)?;
+        let world_size = parse_usize("WORLD_SIZE", &get("WORLD_SIZE")?)?;
+        if world_size == 0 {
+            return Err(Error::Environment {
+                variable: "WORLD_SIZE".into(),
+                reason: "is 0; a job has at least one rank".into(),
+            });
+        }
+        if rank >= world_size {
+            return Err(Error::Environment {
+                variable: "RANK".into(),
+                reason: format!("is {rank}, out of range for WORLD_SIZE={world_size}"),
+            });
+        }
+        let master_addr = get("MASTER_ADDR")?.trim().to_string();
+        if master_addr.is_empty() {
+            return Err(Error::Environment {
+                variable: "MASTER_ADDR".into(),
+                reason: "is empty".into(),
+            });
+        }
+        let port = get("MASTER_PORT")?;
+        let master_port = port.trim().parse::<u16>().map_err(|e| Error::Environment {
+            variable: "MASTER_PORT".into(),
+            reason: format!("`{port}` is not a TCP port (0..=65535): {e}"),
+        })?;
+        let local_rank = match lookup("LOCAL_RANK") {
+            Some(v) => Some(parse_usize("LOCAL_RANK", &v)?),
+            None => None,
+        };
+        Ok(Self {
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            local_rank,
+        })
+    }
+
+    /// `MASTER_ADDR:MASTER_PORT`, with brackets around an IPv6 address.
+    pub fn master(&self) -> String {
+        host_port(&self.master_addr, self.master_port)
+    }
+
+    /// The CUDA device this rank drives among `device_count` visible devices: `LOCAL_RANK`
+    /// when set, else `RANK % device_count`. Errors when there is no device or `LOCAL_RANK`
+    /// names a device that does not exist.
+    pub fn device_index(&self, device_count: usize) -> Result<usize> {
+        if device_count == 0 {
+            return Err(Error::BackendUnavailable {
+                backend: "nccl".into(),
+                reason: format!("rank {} sees no CUDA device", self.rank),
+            });
+        }
+        match self.local_rank {
+            Some(local) if local >= device_count => Err(Error::Environment {
+                variable: "LOCAL_RANK".into(),
+                reason: format!(
+                    "is {local}, but this host has {device_count} visible CUDA device(s) \
+                     (check CUDA_VISIBLE_DEVICES and --nproc-per-node)"
+                ),
+            }),
+            Some(local) => Ok(local),
+            None => Ok(self.rank % device_count),
+        }
+    }
+}
+
+fn parse_usize(variable: &str, value: &str) -> Result<usize> {
+    value
+        .trim()
+        .parse::<usize>()
+        .map_err(|e| Error::Environment {
+            variable: variable.into(),
+            reason: format!("`{value}` is not a non-negative integer: {e}"),
+        })
+}
+
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// One rank's side of the TCP rendezvous (protocol in the [module docs](self)).
+///
+/// Rank 0 binds its listener when the value is created, so a port of 0 picks a free port that
+/// [`TcpRendezvous::local_addr`] reports; the other ranks only connect in
+/// [`TcpRendezvous::exchange`].
+///
+/// ```
+/// use fsdp::collectives::rendezvous::TcpRendezvous;
+/// use std::time::Duration;
+///
+/// let host = TcpRendezvous::new(0, 2, "127.0.0.1", 0)?.with_timeout(Duration::from_secs(10));
+/// let port = host.local_addr().unwrap().port();
+/// let peer = std::thread::spawn(move || {
+///     TcpRendezvous::new(1, 2, "127.0.0.1", port)?.exchange(None)
+/// });
+/// assert_eq!(host.exchange(Some(b"unique id"))?, b"unique id");
+/// assert_eq!(peer.join().unwrap()?, b"unique id");
+/// # Ok::<(), fsdp::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct TcpRendezvous {
+    rank: usize,
+    world_size: usize,
+    addr: String,
+    timeout: Duration,
+    listener: Option<TcpListener>,
+}
+
+impl TcpRendezvous {
+    /// How long [`TcpRendezvous::exchange`] waits for the other ranks by default.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+    /// Prepares rank `rank` of `world_size` for a rendezvous at `master_addr:master_port`;
+    /// rank 0 binds the listening socket now.
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: &str,
+        master_port: u16,
+    ) -> Result<Self> {
+        let addr = host_port(master_addr, master_port);
+        if rank >= world_size {
+            return Err(Error::InvalidCollective {
+                op: "rendezvous".into(),
+                rank,
+                reason: format!("rank {rank} is out of range for world size {world_size}"),
+            });
+        }
+        if world_size > u32::MAX as usize {
+            return Err(Error::InvalidCollective {
+                op: "rendezvous".into(),
+                rank,
+                reason: format!("world size {world_size} does not fit the protocol's u32"),
+            });
+        }
+        let listener = if rank == 0 && world_size > 1 {
+            let listener = TcpListener::bind(&addr).map_err(|e| Error::Rendezvous {
+                rank,
+                addr: addr.clone(),
+                reason: format!("rank 0 cannot listen there: {e} (is MASTER_PORT in use, and is MASTER_ADDR an address of this host?)"),
+            })?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|e| net_error(rank, &addr, "configuring the listener", e))?;
+            Some(listener)
+        } else {
+            None
+        };
+        Ok(Self {
+            rank,
+            world_size,
+            addr,
+            timeout: Self::DEFAULT_TIMEOUT,
+            listener,
+        })
+    }
+
+    /// [`TcpRendezvous::new`] from the launcher variables.
+    pub fn from_env(env: &LaunchEnv) -> Result<Self> {
+        Self::new(env.rank, env.world_size, &env.master_addr, env.master_port)
+    }
+
+    /// Sets how long rank 0 waits for every rank to connect, and the others for rank 0.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The address rank 0 listens on (`None` on other ranks and at world size 1).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Hands rank 0's `blob` to every rank and returns it. Rank 0 must pass `Some`; the
+    /// others' argument is ignored (pass `None`). At world size 1 this returns the blob at once.
+    pub fn exchange(&self, blob: Option<&[u8]>) -> Result<Vec<u8>> {
+        if self.rank == 0 {
+            let outcome = blob.map(<[u8]>::to_vec).ok_or_else(|| {
+                "rank 0 passed no bytes to hand out (a bug in the caller)".to_string()
+            });
+            match &self.listener {
+                Some(listener) => self.serve(listener, outcome),
+                None => outcome.map_err(|reason| self.mismatch(reason)),
+            }
+        } else {
+            self.join()
+        }
+    }
+
+    fn mismatch(&self, detail: String) -> Error {
+        Error::CollectiveMismatch {
+            rank: self.rank,
+            detail: format!("rendezvous at {}: {detail}", self.addr),
+        }
+    }
+
+    /// Rank 0: accepts the hellos, then answers everyone.
+    fn serve(
+        &self,
+        listener: &TcpListener,
+        outcome: std::result::Result<Vec<u8>, String>,
+    ) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let deadline = start.checked_add(self.timeout);
+        let mut peers: Vec<Option<TcpStream>> = (0..self.world_size).map(|_| None).collect();
+        // Hellos received (valid or not); the wait ends when `world_size - 1` have come, so
+        // that after a mismatch the ranks still arriving are told too.
+        let mut hellos = 0usize;
+        let mut timed_out = false;
+        let mut first_problem: Option<String> = None;
+        while hellos + 1 < self.world_size {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                timed_out = true;
+                break;
+            }
+            let stream = match listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e)
+                    if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted =>
+                {
+                    std::thread::sleep(POLL);
+                    continue;
+                }
+                Err(e) => return Err(net_error(0, &self.addr, "accepting a connection", e)),
+            };
+            let Some((world_size, rank)) = read_hello(&stream, deadline) else {
+                continue; // not one of ours: ignore it
+            };
+            hellos += 1;
+            let problem = if world_size != self.world_size {
+                Some(format!(
+                    "rank {rank} was launched with world size {world_size}, rank 0 with {}",
+                    self.world_size
+                ))
+            } else if rank == 0 || rank >= self.world_size {
+                Some(format!(
+                    "a peer claims rank {rank}, out of range 1..{} (two jobs on one MASTER_PORT?)",
+                    self.world_size
+                ))
+            } else if peers[rank].is_some() {
+                Some(format!("rank {rank} connected twice (duplicate RANK)"))
+            } else {
+                None
+            };
+            match (problem, &first_problem) {
+                (Some(problem), None) => {
+                    // Fail at once everyone connected so far, and the offender.
+                    write_error(&stream, STATUS_MISMATCH, problem.as_bytes());
+                    for s in peers.iter().flatten() {
+                        write_error(s, STATUS_MISMATCH, problem.as_bytes());
+                    }
+                    first_problem = Some(problem);
+                }
+                (_, Some(problem)) => write_error(&stream, STATUS_MISMATCH, problem.as_bytes()),
+                (None, None) => peers[rank] = Some(stream),
+            }
+        }
+        if let Some(problem) = first_problem {
+            // Everyone connected has been told already.
+            return Err(self.mismatch(problem));
+        }
+        let missing: Vec<usize> = (1..self.world_size)
+            .filter(|&r| peers[r].is_none())
+            .collect();
+        if timed_out && outcome.is_ok() {
+            let waited = start.elapsed();
+            let mut msg = (waited.as_millis().min(u64::MAX as u128) as u64)
+                .to_le_bytes()
+                .to_vec();
+            for r in &missing {
+                msg.extend_from_slice(&(*r as u32).to_le_bytes());
+            }
+            for stream in peers.iter().flatten() {
+                write_error(stream, STATUS_TIMEOUT, &msg);
+            }
+            return Err(Error::CollectiveTimeout {
+                op: format!("rendezvous at {}", self.addr),
+                rank: 0,
+                waited,
+                missing,
+            });
+        }
+        match outcome {
+            Ok(blob) => {
+                for (rank, stream) in peers.iter().enumerate() {
+                    if let Some(stream) = stream {
+                        let mut reply = Vec::with_capacity(9 + blob.len());
+                        reply.push(STATUS_OK);
+                        reply.extend_from_slice(&(blob.len() as u64).to_le_bytes());
+                        reply.extend_from_slice(&blob);
+                        (&*stream).write_all(&reply).map_err(|e| {
+                            net_error(0, &self.addr, &format!("answering rank {rank}"), e)
+                        })?;
+                    }
+                }
+                Ok(blob)
+            }
+            Err(problem) => {
+                for stream in peers.iter().flatten() {
+                    write_error(stream, STATUS_MISMATCH, problem.as_bytes());
+                }
+                Err(self.mismatch(problem))
+            }
+        }
+    }
+
+    /// Ranks other than 0: connect, say hello, wait for the answer.
+    fn join(&self) -> Result<Vec<u8>> {
+        let start = Instant::now();
+        let deadline = start.checked_add(self.timeout);
+        let timeout_err = |waited| Error::CollectiveTimeout {
+            op: format!("rendezvous at {}", self.addr),
+            rank: self.rank,
+            waited,
+            missing: vec![0],
+        };
+        let mut stream = loop {
+            match connect_once(&self.addr) {
+                Ok(s) => break s,
+                Err(ConnectError::Resolve(reason)) => {
+                    return Err(Error::Rendezvous {
+                        rank: self.rank,
+                        addr: self.addr.clone(),
+                        reason,
+                    })
+                }
+                Err(ConnectError::Retry) => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(timeout_err(start.elapsed()));
+                    }
+                    std::thread::sleep(POLL);
+                }
+            }
+        };
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&(self.world_size as u32).to_le_bytes());
+        hello.extend_from_slice(&(self.rank as u32).to_le_bytes());
+        stream
+            .write_all(&hello)
+            .map_err(|e| net_error(self.rank, &self.addr, "sending the hello", e))?;
+        // Rank 0 answers at its own deadline at the latest: wait a little longer than that.
+        let answer_deadline = deadline.and_then(|d| d.checked_add(GRACE));
+        let read = |stream: &mut TcpStream, buf: &mut [u8]| {
+            read_until(stream, buf, answer_deadline).map_err(|e| match e {
+                ReadError::TimedOut => timeout_err(start.elapsed()),
+                ReadError::Io(e) => net_error(self.rank, &self.addr, "reading rank 0's answer", e),
+            })
+        };
+        let mut status = [0u8; 1];
+        read(&mut stream, &mut status)?;
+        let mut len = [0u8; 8];
+        read(&mut stream, &mut len)?;
+        let len = u64::from_le_bytes(len);
+        if len > MAX_PAYLOAD {
+            return Err(Error::Rendezvous {
+                rank: self.rank,
+                addr: self.addr.clone(),
+                reason: format!("rank 0 announced {len} bytes, more than the {MAX_PAYLOAD} accepted: not an fsdp rendezvous"),
+            });
+        }
+        let mut payload = vec![0u8; len as usize];
+        read(&mut stream, &mut payload)?;
+        match status[0] {
+            STATUS_OK => Ok(payload),
+            STATUS_MISMATCH => Err(self.mismatch(String::from_utf8_lossy(&payload).into_owned())),
+            STATUS_TIMEOUT if payload.len() >= 8 && payload.len() % 4 == 0 => {
+                let waited = u64::from_le_bytes(payload[..8].try_into().unwrap_or_default());
+                let missing = payload[8..]
+                    .chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
+                    .collect();
+                Err(Error::CollectiveTimeout {
+                    op: format!("rendezvous at {}", self.addr),
+                    rank: self.rank,
+                    waited: Duration::from_millis(waited),
+                    missing,
+                })
+            }
+            other => Err(Error::Rendezvous {
+                rank: self.rank,
+                addr: self.addr.clone(),
+                reason: format!("rank 0 answered with unknown status {other}"),
+            }),
+        }
+    }
+}
+
+fn net_error(rank: usize, addr: &str, what: &str, e: std::io::Error) -> Error {
+    Error::Rendezvous {
+        rank,
+        addr: addr.into(),
+        reason: format!("{what}: {e}"),
+    }
+}
+
+enum ConnectError {
+    /// The address does not resolve: retrying will not help.
+    Resolve(String),
+    /// Nobody listens yet (or the network hiccuped): try again.
+    Retry,
+}
+
+fn connect_once(addr: &str) -> std::result::Result<TcpStream, ConnectError> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| ConnectError::Resolve(format!("cannot resolve MASTER_ADDR: {e}")))?
+        .collect();
+    if addrs.is_empty() {
+        return Err(ConnectError::Resolve(
+            "MASTER_ADDR resolves to no address".into(),
+        ));
+    }
+    for a in addrs {
+        if let Ok(s) = TcpStream::connect_timeout(&a, Duration::from_secs(1)) {
+            return Ok(s);
+        }
+    }
+    Err(ConnectError::Retry)
+}
+
+enum ReadError {
+    TimedOut,
+    Io(std::io::Error),
+}
+
+/// Fills `buf` from `stream`, failing when `deadline` passes first (`None`: no deadline).
+fn read_until(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Option<Instant>,
+) -> std::result::Result<(), ReadError> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let wait = match deadline {
+            Some(d) => match d.checked_duration_since(Instant::now()) {
+                Some(left) if !left.is_zero() => Some(left),
+                _ => return Err(ReadError::TimedOut),
+            },
+            None => None,
+        };
+        stream.set_read_timeout(wait).map_err(ReadError::Io)?;
+        match stream.read(&mut buf[filled..]) {
+            Ok(0) => {
+                return Err(ReadError::Io(std::io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "connection closed by rank 0 before its answer was complete",
+                )))
+            }
+            Ok(n) => filled += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(ReadError::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Reads a peer's hello: `(world size, rank)`, or `None` when the connection is not one of
+/// ours (wrong magic, closed, silent for too long).
+fn read_hello(stream: &TcpStream, deadline: Option<Instant>) -> Option<(usize, usize)> {
+    let mut stream = stream.try_clone().ok()?;
+    stream.set_nonblocking(false).ok()?;
+    // A real peer sends its hello right after connecting; do not let a silent one stall us.
+    let hello_deadline = Instant::now() + Duration::from_secs(5);
+    let limit = deadline.map_or(hello_deadline, |d| d.min(hello_deadline));
+    let mut hello = [0u8; 16];
+    read_until(&mut stream, &mut hello, Some(limit)).ok()?;
+    if &hello[..8] != MAGIC {
+        return None;
+    }
+    let world_size = u32::from_le_bytes([hello[8], hello[9], hello[10], hello[11]]) as usize;
+    let rank = u32::from_le_bytes([hello[12], hello[13], hello[14], hello[15]]) as usize;
+    Some((world_size, rank))
+}
+
+/// Best effort: the peer may already be gone, and the caller fails anyway.
+fn write_error(stream: &TcpStream, status: u8, payload: &[u8]) {
+    let mut reply = vec![status];
+    reply.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    reply.extend_from_slice(payload);
+    let _ = (&*stream).write_all(&reply);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::thread;
+
+    fn env(vars: &[(&str, &str)]) -> Result<LaunchEnv> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        LaunchEnv::from_lookup(|k| map.get(k).cloned())
+    }
+
+    const FULL: [(&str, &str); 5] = [
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("MASTER_ADDR", "node0"),
+        ("MASTER_PORT", "29500"),
+        ("LOCAL_RANK", "1"),
+    ];
+
+    #[test]
+    fn launch_env_reads_torchrun_variables() {
+        let e = env(&FULL).unwrap();
+        assert_eq!(
+            e,
+            LaunchEnv {
+                rank: 3,
+                world_size: 8,
+                master_addr: "node0".into(),
+                master_port: 29500,
+                local_rank: Some(1),
+            }
+        );
+        assert_eq!(e.master(), "node0:29500");
+        assert_eq!(e.device_index(2).unwrap(), 1);
+    }
+
+    fn variable_of(err: Error) -> (String, String) {
+        match err {
+            Error::Environment { variable, reason } => (variable, reason),
+            other => panic!("expected Error::Environment, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_missing_required_variable_is_named() {
+        for name in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"] {
+            let vars: Vec<_> = FULL.iter().copied().filter(|(k, _)| *k != name).collect();
+            let (variable, reason) = variable_of(env(&vars).unwrap_err());
+            assert_eq!(variable, name);
+            assert!(reason.contains("not set"), "{reason}");
+        }
+        // LOCAL_RANK is optional.
+        let vars: Vec<_> = FULL
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != "LOCAL_RANK")
+            .collect();
+        assert_eq!(env(&vars).unwrap().local_rank, None);
+    }
+
+    #[test]
+    fn invalid_values_are_named_with_the_value() {
+        let cases = [
+            ("RANK", "-1", "`-1`"),
+            ("WORLD_SIZE", "two", "`two`"),
+            ("WORLD_SIZE", "0", "is 0"),
+            ("RANK", "8", "out of range for WORLD_SIZE=8"),
+            ("MASTER_PORT", "70000", "`70000`"),
+            ("MASTER_ADDR", "  ", "empty"),
+            ("LOCAL_RANK", "x", "`x`"),
+        ];
+        for (name, value, expected) in cases {
+            let vars: Vec<_> = FULL
+                .iter()
+                .map(|&(k, v)| if k == name { (k, value) } else { (k, v) })
+                .collect();
+            let (variable, reason) = variable_of(env(&vars).unwrap_err());
+            assert_eq!(variable, name, "{name}={value}");
+            assert!(reason.contains(expected), "{name}={value}: {reason}");
+        }
+    }
+
+    #[test]
+    fn device_index_falls_back_to_rank_modulo_device_count() {
+        let mut e = env(&FULL).unwrap();
+        e.local_rank = None;
+        assert_eq!(e.device_index(2).unwrap(), 1); // 3 % 2
+        assert_eq!(e.device_index(8).unwrap(), 3);
+        assert!(matches!(
+            e.device_index(0),
+            Err(Error::BackendUnavailable { .. })
+        ));
+        e.local_rank = Some(4);
+        let (variable, reason) = variable_of(e.device_index(4).unwrap_err());
+        assert_eq!(variable, "LOCAL_RANK");
+        assert!(reason.contains("4 visible CUDA device"), "{reason}");
+    }
+
+    #[test]
+    fn ipv6_master_addresses_get_brackets() {
+        assert_eq!(host_port("::1", 5), "[::1]:5");
+        assert_eq!(host_port("[::1]", 5), "[::1]:5");
+        assert_eq!(host_port("10.0.0.1", 5), "10.0.0.1:5");
+    }
+
+    const SHORT: Duration = Duration::from_secs(20);
+
+    /// Runs ranks `1..world_size` (with the given claimed ranks and world sizes) against a
+    /// rank 0 on a free port; returns rank 0's result and the others' in order.
+    fn run(
+        world_size: usize,
+        peers: &[(usize, usize)],
+        blob: Option<&[u8]>,
+        timeout: Duration,
+    ) -> (Result<Vec<u8>>, Vec<Result<Vec<u8>>>) {
+        let host = TcpRendezvous::new(0, world_size, "127.0.0.1", 0)
+            .unwrap()
+            .with_timeout(timeout);
+        let port = host.local_addr().unwrap().port();
+        thread::scope(|s| {
+            let joins: Vec<_> = peers
+                .iter()
+                .map(|&(rank, ws)| {
+                    s.spawn(move || {
+                        TcpRendezvous::new(rank, ws, "127.0.0.1", port)?
+                            .with_timeout(timeout)
+                            .exchange(None)
+                    })
+                })
+                .collect();
+            let root = host.exchange(blob);
+            (root, joins.into_iter().map(|j| j.join().unwrap()).collect())
+        })
+    }
+
+    #[test]
+    fn rank_zero_hands_its_blob_to_every_rank() {
+        let id: Vec<u8> = (0..128u8).collect();
+        let peers: Vec<_> = (1..4).map(|r| (r, 4)).collect();
+        let (root, others) = run(4, &peers, Some(&id), SHORT);
+        assert_eq!(root.unwrap(), id);
+        for o in others {
+            assert_eq!(o.unwrap(), id);
+        }
+    }
+
+    #[test]
+    fn peers_retry_until_rank_zero_listens() {
+        let port = {
+            // Find a free port, release it, and let the peer try it before rank 0 binds.
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let peer = thread::spawn(move || {
+            TcpRendezvous::new(1, 2, "127.0.0.1", port)?
+                .with_timeout(SHORT)
+                .exchange(None)
+        });
+        thread::sleep(Duration::from_millis(300));
+        let host = TcpRendezvous::new(0, 2, "127.0.0.1", port)
+            .unwrap()
+            .with_timeout(SHORT);
+        assert_eq!(host.exchange(Some(b"late")).unwrap(), b"late");
+        assert_eq!(peer.join().unwrap().unwrap(), b"late");
+    }
+
+    #[test]
+    fn world_size_one_needs_no_network() {
+        let r = TcpRendezvous::new(0, 1, "no-such-host.invalid", 1).unwrap();
+        assert_eq!(r.local_addr(), None);
+        assert_eq!(r.exchange(Some(b"x")).unwrap(), b"x");
+        assert!(matches!(
+            r.exchange(None),
+            Err(Error::CollectiveMismatch { rank: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn a_different_world_size_fails_every_rank() {
+        let (root, others) = run(3, &[(1, 3), (2, 4)], Some(b"id"), SHORT);
+        for r in std::iter::once(root).chain(others) {
+            match r {
+                Err(Error::CollectiveMismatch { detail, .. }) => {
+                    assert!(detail.contains("world size 4, rank 0 with 3"), "{detail}")
+                }
+                other => panic!("expected a mismatch, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_duplicate_rank_fails_every_rank() {
+        let (root, others) = run(3, &[(1, 3), (1, 3)], Some(b"id"), SHORT);
+        for r in std::iter::once(root).chain(others) {
+            match r {
+                Err(Error::CollectiveMismatch { detail, .. }) => {
+                    assert!(detail.contains("rank 1 connected twice"), "{detail}")
+                }
+                other => panic!("expected a mismatch, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn timeout_names_the_ranks_that_never_came() {
+        let (root, others) = run(4, &[(2, 4)], Some(b"id"), Duration::from_millis(500));
+        for (who, r) in std::iter::once(root).chain(others).enumerate() {
+            match r {
+                Err(Error::CollectiveTimeout { missing, op, .. }) => {
+                    assert_eq!(missing, [1, 3], "result {who}");
+                    assert!(op.starts_with("rendezvous at 127.0.0.1:"), "{op}");
+                }
+                other => panic!("expected a timeout, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_peer_without_rank_zero_times_out_naming_rank_zero() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let err = TcpRendezvous::new(2, 3, "127.0.0.1", port)
+            .unwrap()
+            .with_timeout(Duration::from_millis(200))
+            .exchange(None)
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::CollectiveTimeout { rank: 2, missing, .. } if missing == &[0]),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn rank_zero_without_a_blob_fails_everyone() {
+        let (root, others) = run(2, &[(1, 2)], None, SHORT);
+        for r in std::iter::once(root).chain(others) {
+            assert!(
+                matches!(&r, Err(Error::CollectiveMismatch { detail, .. }) if detail.contains("passed no bytes")),
+                "{r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn strangers_on_the_port_are_ignored() {
+        let host = TcpRendezvous::new(0, 2, "127.0.0.1", 0)
+            .unwrap()
+            .with_timeout(SHORT);
+        let port = host.local_addr().unwrap().port();
+        thread::scope(|s| {
+            s.spawn(move || {
+                let mut stranger = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                stranger.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+                thread::sleep(Duration::from_millis(100));
+                TcpRendezvous::new(1, 2, "127.0.0.1", port)
+                    .unwrap()
+                    .with_timeout(SHORT)
+                    .exchange(None)
+                    .unwrap()
+            });
+            assert_eq!(host.exchange(Some(b"ok")).unwrap(), b"ok");
+        });
+    }
+
+    #[test]
+    fn a_taken_port_is_a_typed_error() {
+        let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let err = TcpRendezvous::new(0, 2, "127.0.0.1", port).unwrap_err();
+        assert!(
+            matches!(&err, Error::Rendezvous { rank: 0, reason, .. } if reason.contains("cannot listen")),
+            "{err:?}"
+        );
+        let err = TcpRendezvous::new(2, 2, "127.0.0.1", port).unwrap_err();
+        assert!(matches!(err, Error::InvalidCollective { .. }), "{err:?}");
+    }
+}
