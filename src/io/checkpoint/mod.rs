@@ -23,15 +23,16 @@ mod background;
 mod container;
 mod load;
 mod manifest;
+mod prefetch;
 mod reshard;
 mod save;
 mod stream;
 
 pub use background::{BackgroundSaver, SaveMode};
-pub use load::{load, load_full, verify, LoadOptions};
+pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
-    CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, VERSION,
+    CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
 pub use reshard::reshard;
 pub use save::{save, CrashPoint, SaveOptions};
