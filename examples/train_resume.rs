@@ -42,8 +42,7 @@ use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::shard_tensors;
 use fsdp::tensor::tch::{model_desc_from_var_store_in_order, var_store_params_in_order};
 use fsdp::{
-    DType, Fsdp, HostTensor, OptimParam, OptimParams, OptimStateDict, ParamKey, TchTensor, Value,
-    WrapPolicy,
+    DType, Fsdp, HostTensor, OptimParam, OptimParams, OptimStateDict, TchTensor, Value, WrapPolicy,
 };
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -433,45 +432,41 @@ impl Rank {
     /// Saves the sharded checkpoint: Adam's state and this rank's parameter shards.
     /// Collective.
     fn save(&self, dir: &Path) -> BoxResult<()> {
-        // Interim until `Fsdp::save_checkpoint` stores parameters itself: each parameter shard
-        // rides along as one more tensor state (`param`) of its flat parameter, so the
-        // checkpoint stores, reshards and verifies it exactly like `exp_avg`.
-        let mut osd = self.adam.state_dict();
-        for (id, shard) in self.shards.iter().enumerate() {
-            osd.state
-                .entry(ParamKey::Id(id))
-                .or_default()
-                .insert(PARAM_STATE.into(), Value::Tensor(shard.clone()));
-        }
-        self.fsdp
-            .save_optim_checkpoint(&osd, &self.params, dir, &SaveOptions::default())?;
+        let model: Vec<Option<HostTensor>> = self.shards.iter().cloned().map(Some).collect();
+        self.fsdp.save_checkpoint(
+            &self.adam.state_dict(),
+            &self.params,
+            &model,
+            dir,
+            &SaveOptions::default(),
+        )?;
         Ok(())
     }
 
-    /// Loads Adam's state and this rank's parameter shards (for this rank's layout, whatever
+    /// Loads Adam's state, this rank's parameter shards (both for this rank's layout, whatever
     /// the world size and wrapping of the save) and the step count from the checkpoint.
     fn load(&mut self, dir: &Path) -> BoxResult<()> {
-        let mut osd: OptimStateDict<HostTensor> =
-            self.fsdp
-                .load_optim_checkpoint(dir, &self.params, &LoadOptions::default())?;
-        for id in 0..self.shards.len() {
-            let st = osd
-                .state
-                .get_mut(&ParamKey::Id(id))
-                .ok_or_else(|| format!("the checkpoint holds no state for parameter {id}"))?;
-            match st.shift_remove(PARAM_STATE) {
-                Some(Value::Tensor(t)) => self.shards[id] = t,
-                _ => return Err(format!("the checkpoint holds no value of parameter {id}").into()),
-            }
+        let opts = LoadOptions::default();
+        let osd: OptimStateDict<HostTensor> =
+            self.fsdp.load_optim_checkpoint(dir, &self.params, &opts)?;
+        let model: Vec<Option<HostTensor>> = self.fsdp.load_model_params(dir, &opts)?;
+        if model.len() != self.shards.len() {
+            return Err(format!(
+                "the checkpoint gives {} parameter tensors, the optimizer has {}",
+                model.len(),
+                self.shards.len()
+            )
+            .into());
+        }
+        for (id, t) in model.into_iter().enumerate() {
+            self.shards[id] =
+                t.ok_or_else(|| format!("the checkpoint holds no value of parameter {id}"))?;
         }
         self.step = optimizer_step(&osd)?;
         self.adam.load_state_dict(&osd)?;
         Ok(())
     }
 }
-
-/// The state name under which [`Rank::save`] stores parameter shards (interim).
-const PARAM_STATE: &str = "param";
 
 /// Adam's `step`, the same for every parameter: the number of steps taken.
 fn optimizer_step(osd: &OptimStateDict<HostTensor>) -> BoxResult<usize> {
