@@ -15,8 +15,9 @@
 //! 5. at step K, a **sharded checkpoint**: optimizer state and parameter shards.
 //!
 //! The default run, all on thread ranks in one process: 4 ranks train N steps uninterrupted
-//! (saving the checkpoint at step K on the way), then 2 ranks with a different wrapping load
-//! the checkpoint and train steps K+1..N. The resumed losses must equal the uninterrupted ones
+//! (saving the checkpoint at step K on the way), then 2 ranks with a different wrapping (a unit
+//! per sub-layer, the LM head ignored by FSDP and kept whole on every rank) load the checkpoint
+//! and train steps K+1..N. The resumed losses must equal the uninterrupted ones
 //! within a relative tolerance (see [`REL_TOL`]); the example prints both curves and exits
 //! with an error otherwise.
 //!
@@ -83,16 +84,25 @@ const DEFAULT_SAVE_AT: usize = 30;
 /// the loss by 1e-3 or more.
 const REL_TOL: f64 = 1e-4;
 
-/// The FSDP units while training (world size 4): each block, plus the root for the rest.
-const TRAIN_UNITS: &[&str] = &["blocks.0", "blocks.1", ""];
-/// The FSDP units after resuming (world size 2): another wrapping, one unit per sub-layer.
-const RESUME_UNITS: &[&str] = &[
-    "blocks.0.attn",
-    "blocks.0.mlp",
-    "blocks.1.attn",
-    "blocks.1.mlp",
-    "",
-];
+/// The wrapping while training (world size 4): each block is an FSDP unit, the root unit
+/// takes the rest.
+fn train_policy() -> WrapPolicy {
+    WrapPolicy::units(&["blocks.0", "blocks.1", ""])
+}
+
+/// The wrapping after resuming (world size 2), different on purpose: one unit per sub-layer,
+/// the root, and the LM head ignored by FSDP (an unmanaged parameter: kept whole on every rank,
+/// its gradient all-reduced).
+fn resume_policy() -> WrapPolicy {
+    WrapPolicy::units(&[
+        "blocks.0.attn",
+        "blocks.0.mlp",
+        "blocks.1.attn",
+        "blocks.1.mlp",
+        "",
+    ])
+    .with_ignored(&["head"])
+}
 
 // ---------------------------------------------------------------------------------------------
 // The model
@@ -276,8 +286,9 @@ struct Rank {
     /// This rank's `VarStore` variables in model order (`fsdp.layout().model.params`).
     vars: Vec<Tensor>,
     params: OptimParams,
-    /// Per optimizer id: what it is, and this rank's tensor of it.
+    /// Per optimizer id: what it is.
     slots: Vec<Slot>,
+    /// Per optimizer id: this rank's tensor (a flat shard, or a whole unmanaged parameter).
     shards: Vec<HostTensor>,
     adam: Adam,
     /// Optimizer steps taken (the data position).
@@ -289,9 +300,9 @@ struct Rank {
 static INIT: Mutex<()> = Mutex::new(());
 
 impl Rank {
-    /// Builds the model (identical initial values on every rank), wraps it with `units` over
+    /// Builds the model (identical initial values on every rank), wraps it with `policy` over
     /// `pg` and cuts this rank's shards of the initial values.
-    fn new(pg: Arc<dyn ProcessGroup>, units: &[&str]) -> BoxResult<Rank> {
+    fn new(pg: Arc<dyn ProcessGroup>, policy: &WrapPolicy) -> BoxResult<Rank> {
         let vs = nn::VarStore::new(Device::Cpu);
         let gpt = {
             let _seeded = INIT.lock().unwrap_or_else(|e| e.into_inner());
@@ -305,7 +316,7 @@ impl Rank {
             .into_iter()
             .map(|(_, t)| t)
             .collect();
-        let fsdp = Fsdp::new(&model, &WrapPolicy::units(units), pg)?;
+        let fsdp = Fsdp::new(&model, policy, pg)?;
         let params = fsdp.optim_params();
         let slots = params
             .iter()
@@ -358,7 +369,7 @@ impl Rank {
     }
 
     /// All-gathers every flat parameter and writes its members into the model's variables.
-    fn gather_params(&mut self) -> BoxResult<()> {
+    fn gather_params(&self) -> BoxResult<()> {
         let layout = self.fsdp.layout();
         for (slot, shard) in self.slots.iter().zip(&self.shards) {
             match *slot {
@@ -508,14 +519,14 @@ fn write_var(var: &Tensor, value: &HostTensor) -> BoxResult<()> {
 /// What one rank does.
 #[derive(Clone, Debug)]
 enum Phase {
-    /// Train `steps` steps from the initial values with [`TRAIN_UNITS`], saving a checkpoint
+    /// Train `steps` steps from the initial values wrapped by [`train_policy`], saving a checkpoint
     /// into `ckpt` after step `save_at`.
     Train {
         steps: usize,
         save_at: usize,
         ckpt: PathBuf,
     },
-    /// Load the checkpoint in `ckpt` with [`RESUME_UNITS`] and train up to step `steps`.
+    /// Load the checkpoint in `ckpt` wrapped by [`resume_policy`] and train up to step `steps`.
     Resume { steps: usize, ckpt: PathBuf },
 }
 
@@ -529,7 +540,7 @@ fn run_rank(pg: Arc<dyn ProcessGroup>, phase: &Phase) -> BoxResult<Curve> {
             save_at,
             ckpt,
         } => {
-            let mut rank = Rank::new(pg, TRAIN_UNITS)?;
+            let mut rank = Rank::new(pg, &train_policy())?;
             for _ in 0..*steps {
                 let loss = rank.train_step()?;
                 curve.push((rank.step, loss));
@@ -539,7 +550,7 @@ fn run_rank(pg: Arc<dyn ProcessGroup>, phase: &Phase) -> BoxResult<Curve> {
             }
         }
         Phase::Resume { steps, ckpt } => {
-            let mut rank = Rank::new(pg, RESUME_UNITS)?;
+            let mut rank = Rank::new(pg, &resume_policy())?;
             rank.load(ckpt)?;
             while rank.step < *steps {
                 let loss = rank.train_step()?;
@@ -748,15 +759,18 @@ fn main() -> BoxResult<()> {
         v.clone()
             .ok_or_else(|| format!("--phase needs {what}").into())
     };
-    match args.phase.as_deref() {
+    // Under a launcher only rank 0 prints.
+    let print_done = match args.phase.as_deref() {
         None => {
             // Everything in this process on thread ranks.
             let tmp = tempfile::tempdir()?;
             let ckpt = args.ckpt.clone().unwrap_or_else(|| tmp.path().join("ckpt"));
             let (train_ws, resume_ws) = (args.world_size.unwrap_or(4), 2);
             println!(
-                "training {} steps on {train_ws} thread ranks (units {TRAIN_UNITS:?}), checkpoint after step {}",
-                args.steps, args.save_at
+                "training {} steps on {train_ws} thread ranks (units {:?}), checkpoint after step {}",
+                args.steps,
+                train_policy().units,
+                args.save_at
             );
             let train = Phase::Train {
                 steps: args.steps,
@@ -764,13 +778,18 @@ fn main() -> BoxResult<()> {
                 ckpt: ckpt.clone(),
             };
             let uninterrupted = run_phase(&train, train_ws)?.curve;
-            println!("resuming on {resume_ws} thread ranks (units {RESUME_UNITS:?})");
+            let p = resume_policy();
+            println!(
+                "resuming on {resume_ws} thread ranks (units {:?}, ignored {:?})",
+                p.units, p.ignored_modules
+            );
             let resume = Phase::Resume {
                 steps: args.steps,
                 ckpt,
             };
             let resumed = run_phase(&resume, resume_ws)?.curve;
             compare(&uninterrupted, &resumed, (train_ws, resume_ws))?;
+            true
         }
         Some("train") => {
             let ckpt = need(&args.ckpt, "--ckpt DIR")?;
@@ -788,6 +807,7 @@ fn main() -> BoxResult<()> {
                     println!("step {step:>3}  loss {loss:.9}");
                 }
             }
+            done.rank0
         }
         Some("resume") => {
             let ckpt = need(&args.ckpt, "--ckpt DIR")?;
@@ -802,9 +822,12 @@ fn main() -> BoxResult<()> {
             if done.rank0 {
                 compare(&uninterrupted, &done.curve, (train_ws, done.world_size))?;
             }
+            done.rank0
         }
         Some(other) => return Err(format!("unknown phase `{other}` (train or resume)").into()),
+    };
+    if print_done {
+        println!("done in {:.1} s", start.elapsed().as_secs_f64());
     }
-    println!("done in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }
