@@ -350,17 +350,7 @@ impl Fsdp {
         dir: impl AsRef<std::path::Path>,
         opts: &crate::io::checkpoint::SaveOptions,
     ) -> Result<()> {
-        crate::io::checkpoint::save(
-            &self.layout,
-            self.rank(),
-            self.writes_checkpoint_files(),
-            self.world_pg.as_ref(),
-            osd,
-            params,
-            None,
-            dir.as_ref(),
-            opts,
-        )
+        self.save(osd, params, None, dir.as_ref(), opts)
     }
 
     /// [`Fsdp::save_optim_checkpoint`] that also saves the model's parameters: `model` is this
@@ -377,6 +367,17 @@ impl Fsdp {
         dir: impl AsRef<std::path::Path>,
         opts: &crate::io::checkpoint::SaveOptions,
     ) -> Result<()> {
+        self.save(osd, params, Some(model), dir.as_ref(), opts)
+    }
+
+    fn save<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        model: Option<&[Option<T>]>,
+        dir: &std::path::Path,
+        opts: &crate::io::checkpoint::SaveOptions,
+    ) -> Result<()> {
         crate::io::checkpoint::save(
             &self.layout,
             self.rank(),
@@ -384,8 +385,8 @@ impl Fsdp {
             self.world_pg.as_ref(),
             osd,
             params,
-            Some(model),
-            dir.as_ref(),
+            model,
+            dir,
             opts,
         )
     }

@@ -130,6 +130,7 @@ pub fn reshard(
             let file = File::create(&path).map_err(fs_err("creating", &path))?;
             let mut out = BufWriter::with_capacity(1 << 20, file);
             out.write_all(&header).map_err(fs_err("writing", &path))?;
+            let mut writeback = super::Writeback::new(0);
             for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
                 let rec = all[ri];
                 let (n, v) = &rec.states[si];
@@ -154,6 +155,7 @@ pub fn reshard(
                     reader.read_range(&what, pieces, size, at, &mut block)?;
                     crc = crc32c::crc32c_append(crc, &block);
                     out.write_all(&block).map_err(fs_err("writing", &path))?;
+                    writeback.wrote(out.get_ref(), block.len() as u64);
                     at += take;
                     if at == new_block_end {
                         crcs.push(crc);

@@ -257,12 +257,17 @@ pub(super) fn write_rank<T: Tensor>(
     file.write_all(&header).map_err(fs_err("writing", &path))?;
     let total: u64 = plan.entries.iter().map(|e| e.nbytes).sum();
     let mut written = 0u64;
+    let mut writeback = super::Writeback::new(header.len() as u64);
     for (i, bytes) in plan.data.iter().enumerate() {
         if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
             file.sync_all().map_err(fs_err("syncing", &path))?;
             return Err(crash(CrashPoint::MidFile));
         }
-        file.write_all(bytes).map_err(fs_err("writing", &path))?;
+        // In slices, so that the disk writes one slice back while the next is copied.
+        for slice in bytes.chunks(super::WRITEBACK_CHUNK) {
+            file.write_all(slice).map_err(fs_err("writing", &path))?;
+            writeback.wrote(&file, slice.len() as u64);
+        }
         written += bytes.len() as u64;
         let (k, state, start, len) = plan.at[i];
         let piece = Piece {
