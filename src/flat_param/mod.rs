@@ -10,4 +10,4 @@ pub use layout::{
     aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, ShardPiece, FLAT_PARAM,
 };
 pub use shard::{chunk_bounds, chunk_size, shard_param_infos, Shard, ShardParamInfo};
-pub use views::{flatten_full, shard_from_members, shard_of_full, unflatten_full};
+pub use views::{flatten_full, flatten_padded, shard_from_members, shard_of_full, unflatten_full};

@@ -51,6 +51,24 @@ pub fn flatten_full<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Re
     T::cat_flat(&parts)
 }
 
+/// [`flatten_full`] right-padded with zeros to [`FlatParamLayout::padded_numel`]: the
+/// unsharded buffer that all-gathering every rank's shard fills, and that a reduce-scatter
+/// (`reduce_scatter_tensor`) of per-member gradients reads, rank `r`'s shard being elements
+/// `[r * c, (r + 1) * c)` with `c = shard_numel()`.
+///
+/// Alignment padding (`use_orig_params=True`) and the right padding are zeros, so gradients
+/// reduce-scattered from this buffer are zero in every padding element. Errors as
+/// [`flatten_full`].
+pub fn flatten_padded<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Result<T> {
+    let flat = flatten_full(layout, per_member)?;
+    let pad = layout.padded_numel().saturating_sub(flat.numel());
+    if pad == 0 {
+        return Ok(flat);
+    }
+    let zeros = T::zeros(flat.dtype(), &[pad])?;
+    T::cat_flat(&[flat, zeros])
+}
+
 /// Splits an unsharded flat tensor (at least `unpadded_numel` elements; more is right padding)
 /// into one view per member with the member's shape, skipping padding.
 pub fn unflatten_full<T: Tensor>(layout: &FlatParamLayout, flat: &T) -> Result<Vec<T>> {
@@ -117,5 +135,84 @@ pub fn shard_from_members<'a, T: Tensor>(
         0 => T::zeros(dtype, &[0]),
         1 => Ok(parts.pop().expect("one part")),
         _ => T::cat_flat(&parts),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::flat_param::ModelLayout;
+    use crate::model::{ModelDesc, WrapPolicy};
+    use crate::tensor::HostTensor;
+
+    /// Per-member tensors with distinct nonzero values (member `m`, element `i`: `m*100+i+1`).
+    fn members(fl: &FlatParamLayout) -> Vec<HostTensor> {
+        fl.members
+            .iter()
+            .enumerate()
+            .map(|(m, mem)| {
+                let v: Vec<f32> = (0..mem.numel).map(|i| (m * 100 + i + 1) as f32).collect();
+                HostTensor::from_slice(&v, &mem.shape).unwrap()
+            })
+            .collect()
+    }
+
+    fn model() -> ModelDesc {
+        ModelDesc::new()
+            .param("a.w", &[3, 3], DType::F32)
+            .param("a.b", &[3], DType::F32)
+            .param("c.w", &[5], DType::F32)
+    }
+
+    #[test]
+    fn flatten_padded_chunks_are_the_shards_and_unflatten_back() {
+        for orig in [false, true] {
+            for ws in [1, 2, 3, 4, 7, 20] {
+                let policy = WrapPolicy::units(&[""]).with_orig_params(orig);
+                let layout = ModelLayout::new(&model(), &policy, ws).unwrap();
+                let fl = &layout.flat_params[0];
+                let per_member = members(fl);
+                let padded = flatten_padded(fl, &per_member).unwrap();
+                assert_eq!(padded.shape(), [fl.padded_numel()], "orig {orig} ws {ws}");
+                assert_eq!(padded.numel(), fl.shard_numel() * ws);
+                let c = fl.shard_numel();
+                for r in 0..ws {
+                    let chunk = padded.narrow_flat(r * c, c).unwrap();
+                    let shard =
+                        shard_from_members(fl, r, DType::F32, |m| Some((&per_member[m], 0)))
+                            .unwrap();
+                    assert!(chunk.bit_eq(&shard), "orig {orig} ws {ws} rank {r}");
+                }
+                // Everything outside the members is zero padding.
+                let total: f64 = padded.to_f64_vec().iter().sum();
+                let want: f64 = per_member.iter().flat_map(|t| t.to_f64_vec()).sum();
+                assert_eq!(total, want);
+                for (back, orig_t) in unflatten_full(fl, &padded).unwrap().iter().zip(&per_member) {
+                    assert!(back.bit_eq(orig_t));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn flatten_padded_rejects_wrong_members() {
+        let layout = ModelLayout::new(&model(), &WrapPolicy::units(&[""]), 4).unwrap();
+        let fl = &layout.flat_params[0];
+        let per_member = members(fl);
+        assert!(matches!(
+            flatten_padded(fl, &per_member[..2]),
+            Err(Error::Flatten { .. })
+        ));
+        let mut wrong = per_member.clone();
+        wrong[1] = HostTensor::zeros(DType::F32, &[4]);
+        assert!(matches!(
+            flatten_padded(fl, &wrong),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        wrong[1] = HostTensor::zeros(DType::F64, &[3]);
+        assert!(matches!(
+            flatten_padded(fl, &wrong),
+            Err(Error::DtypeMismatch { .. })
+        ));
     }
 }
