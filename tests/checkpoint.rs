@@ -286,6 +286,71 @@ fn a_crash_at_any_stage_leaves_the_previous_checkpoint_loadable_bit_exact() {
 }
 
 #[test]
+fn a_reshard_crashing_at_any_stage_leaves_the_previous_target_loadable_bit_exact() {
+    let model = common::nested_model();
+    let root = tmp();
+    let (src, dst) = (root.path().join("src"), root.path().join("dst"));
+    for r in save_at(
+        &model,
+        &common::wrap(false),
+        4,
+        &full_adam(&model, 5.0),
+        &src,
+        &SaveOptions::default(),
+    ) {
+        r.unwrap();
+    }
+    // The previous target: another state, at world size 2.
+    for r in save_at(
+        &model,
+        &common::wrap(false),
+        2,
+        &full_adam(&model, 1.0),
+        &dst,
+        &SaveOptions::default(),
+    ) {
+        r.unwrap();
+    }
+    for point in [
+        CrashPoint::BeforeData,
+        CrashPoint::MidFile,
+        CrashPoint::BeforeManifest,
+        CrashPoint::BeforeCommit,
+    ] {
+        let opts = SaveOptions {
+            crash_at: Some(point),
+        };
+        let err = checkpoint::reshard_with(&src, &dst, 3, Some(&common::wrap_alt()), &opts, |_| {})
+            .unwrap_err();
+        assert!(
+            matches!(&err, Error::Io { op, .. } if op.contains("injected crash")),
+            "{point:?}: {err:?}"
+        );
+        verify(&dst).unwrap();
+        common::assert_same_state(
+            &load_full(&dst, &LoadOptions::default()).unwrap(),
+            &full_adam(&model, 1.0),
+            &format!("{point:?}"),
+        );
+        assert_eq!(read_manifest(&dst).unwrap().world_size, 2);
+        let partial = leftovers(root.path());
+        assert_eq!(partial.len(), 1, "{point:?}: {partial:?}");
+        assert!(matches!(
+            read_manifest(&partial[0]),
+            Err(Error::CheckpointInvalid { .. })
+        ));
+        std::fs::remove_dir_all(&partial[0]).unwrap();
+    }
+    // Without a crash the rewrite replaces the target.
+    checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), |_| {}).unwrap();
+    common::assert_same_state(
+        &load_full(&dst, &LoadOptions::default()).unwrap(),
+        &full_adam(&model, 5.0),
+        "after the reshard",
+    );
+}
+
+#[test]
 fn overwriting_a_checkpoint_leaves_no_temporary_directory() {
     let root = tmp();
     let dir = root.path().join("ckpt");

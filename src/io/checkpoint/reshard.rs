@@ -8,6 +8,7 @@ use super::manifest::{
     commit_text, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKSUM_BLOCK, MANIFEST,
 };
+use super::save::{CrashPoint, SaveOptions};
 use super::{fs_err, install, sync_dir, COMMIT};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
@@ -49,13 +50,40 @@ pub fn reshard(
     dst: &Path,
     world_size: usize,
     policy: Option<&WrapPolicy>,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    reshard_with(
+        src,
+        dst,
+        world_size,
+        policy,
+        &SaveOptions::default(),
+        progress,
+    )
+}
+
+/// [`reshard`] with save options: [`SaveOptions::crash_at`] stops the rewrite at that point as
+/// a crashed process would (the temporary directory is left behind, `dst` is untouched).
+pub fn reshard_with(
+    src: &Path,
+    dst: &Path,
+    world_size: usize,
+    policy: Option<&WrapPolicy>,
+    opts: &SaveOptions,
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
     let old = read_manifest(src)?;
     let policy = policy.unwrap_or(&old.policy).clone();
     let layout = ModelLayout::new(&old.model, &policy, world_size)?;
     let tmp = super::save::make_tmp_dir(dst)?;
+    let crash_at = |point: CrashPoint| -> Result<()> {
+        match opts.crash_at {
+            Some(p) if p == point => Err(super::save::crash(point)),
+            _ => Ok(()),
+        }
+    };
     let result = (|| {
+        crash_at(CrashPoint::BeforeData)?;
         let mut reader = Reader::new(src, &old, true);
         // Optimizer state records, then model parameter records.
         let n_optim = old.params.len();
@@ -131,6 +159,8 @@ pub fn reshard(
             let mut out = BufWriter::with_capacity(1 << 20, file);
             out.write_all(&header).map_err(fs_err("writing", &path))?;
             let mut writeback = super::Writeback::new(0);
+            let file_total: u64 = entries.iter().map(|e| e.nbytes).sum();
+            let mut file_copied = 0u64;
             for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
                 let rec = all[ri];
                 let (n, v) = &rec.states[si];
@@ -163,6 +193,11 @@ pub fn reshard(
                     }
                     copied += block.len() as u64;
                     progress(copied);
+                    file_copied += block.len() as u64;
+                    if rank == 0 && file_copied * 2 >= file_total {
+                        out.flush().map_err(fs_err("writing", &path))?;
+                        crash_at(CrashPoint::MidFile)?;
+                    }
                 }
                 if let StoredValue::Tensor { pieces, .. } = &mut new_params[ri].states[si].1 {
                     pieces.push(Piece {
@@ -193,6 +228,7 @@ pub fn reshard(
                 }
             }
         }
+        crash_at(CrashPoint::BeforeManifest)?;
         let model_params = new_params.split_off(n_optim);
         let manifest = Manifest {
             policy,
@@ -207,6 +243,7 @@ pub fn reshard(
             reason: e.to_string(),
         })?;
         super::save::write_synced(&tmp.join(MANIFEST), &bytes)?;
+        crash_at(CrashPoint::BeforeCommit)?;
         super::save::write_synced(&tmp.join(COMMIT), commit_text(&bytes).as_bytes())?;
         sync_dir(&tmp)?;
         manifest.check(&tmp)?;
@@ -218,7 +255,9 @@ pub fn reshard(
             Ok(copied)
         }
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&tmp);
+            if opts.crash_at.is_none() {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
             Err(e)
         }
     }

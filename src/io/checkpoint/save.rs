@@ -75,7 +75,7 @@ pub(super) struct DictParts {
     user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
 }
 
-fn crash(point: CrashPoint) -> Error {
+pub(super) fn crash(point: CrashPoint) -> Error {
     Error::Io {
         op: format!("saving (injected crash at {point:?})"),
         path: String::new(),
