@@ -1,9 +1,14 @@
 //! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
-//! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host).
+//! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
+//! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
+#[cfg(feature = "mpi")]
+mod mpi;
 mod reduce;
 mod threads;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiProcessGroup;
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};
 pub use threads::{ThreadGroup, ThreadProcessGroup};
 
