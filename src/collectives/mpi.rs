@@ -1,8 +1,9 @@
 //! MPI backend (feature `mpi`): one rank per process, collectives over an MPI communicator (see
 //! [`MpiProcessGroup`]).
 
-use super::ProcessGroup;
+use super::{check_reduction, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
+use crate::tensor::DType;
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
 use mpi::topology::{Color, SimpleCommunicator};
@@ -474,6 +475,62 @@ impl ProcessGroup for MpiProcessGroup {
         })
     }
 
+    /// `MPI_Alltoall` moves block `r` of every rank's `send` to rank `r` (`send.len()` bytes
+    /// of memory, not `world_size()` times as the provided implementation), which then reduces
+    /// the blocks in rank order with [`reduce_parts`]: the same bits as every other backend
+    /// (`MPI_Reduce_scatter_block` does not promise an order). Invalid arguments on one rank
+    /// fail every rank.
+    fn reduce_scatter_into(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let (n, ws) = (recv.len(), self.world_size);
+        let valid = match n.checked_mul(ws) {
+            Some(total) if total == send.len() => check_reduction(dtype, op, n),
+            _ => Err(format!(
+                "send has {} bytes, expected recv length {n} x world size {ws}",
+                send.len()
+            )),
+        };
+        let max = self.max_message;
+        let rank = self.rank;
+        let desc = OpDesc::ReduceScatter { len: n, dtype, op };
+        self.collective(desc, valid, |comm, _| {
+            let mut blocks = try_zeroed(send.len(), "reduce_scatter_into", rank)?;
+            if n > 0 && n * ws <= max {
+                comm.all_to_all_into(send, &mut blocks[..]);
+            } else if n > 0 {
+                let piece = (max / ws).max(1);
+                let mut out = Vec::with_capacity(piece * ws);
+                let mut back = vec![0u8; piece * ws];
+                for start in (0..n).step_by(piece) {
+                    let k = piece.min(n - start);
+                    out.clear();
+                    for r in 0..ws {
+                        out.extend_from_slice(&send[r * n + start..r * n + start + k]);
+                    }
+                    comm.all_to_all_into(&out[..], &mut back[..k * ws]);
+                    for (r, part) in back[..k * ws].chunks_exact(k).enumerate() {
+                        blocks[r * n + start..r * n + start + k].copy_from_slice(part);
+                    }
+                }
+            }
+            let parts: Vec<&[u8]> = if n == 0 {
+                vec![&[]; ws]
+            } else {
+                blocks.chunks_exact(n).collect()
+            };
+            reduce_parts(dtype, op, &parts, recv).map_err(|reason| Error::InvalidCollective {
+                op: "reduce_scatter_into".into(),
+                rank,
+                reason,
+            })
+        })
+    }
+
     fn barrier(&self) -> Result<()> {
         self.collective(OpDesc::Barrier, Ok(()), |comm, _| {
             comm.barrier();
@@ -691,6 +748,9 @@ fn digest(ranks: &[usize]) -> u64 {
     h
 }
 
+/// Every [`ReduceOp`], indexed in descriptors.
+const REDUCE_OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
+
 /// What a rank called, as compared across ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum OpDesc {
@@ -719,6 +779,11 @@ enum OpDesc {
         root: usize,
         recv_len: usize,
     },
+    ReduceScatter {
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    },
     Barrier,
     NewSubgroup {
         len: usize,
@@ -735,6 +800,7 @@ impl OpDesc {
             OpDesc::BroadcastBytes { .. } => "broadcast_bytes",
             OpDesc::GatherInto { .. } => "gather_into",
             OpDesc::ScatterInto { .. } => "scatter_into",
+            OpDesc::ReduceScatter { .. } => "reduce_scatter_into",
             OpDesc::Barrier => "barrier",
             OpDesc::NewSubgroup { .. } => "new_subgroup",
         }
@@ -764,6 +830,17 @@ impl OpDesc {
             ScatterInto { root, recv_len } => [6, w(root), w(recv_len)],
             Barrier => [7, 0, 0],
             NewSubgroup { len, digest } => [8, w(len), digest],
+            ReduceScatter { len, dtype, op } => {
+                let d = DType::ALL
+                    .iter()
+                    .position(|&x| x == dtype)
+                    .unwrap_or(usize::MAX);
+                let o = REDUCE_OPS
+                    .iter()
+                    .position(|&x| x == op)
+                    .unwrap_or(usize::MAX);
+                [9, w(len), (w(d) << 8) | w(o)]
+            }
         }
     }
 
@@ -794,6 +871,11 @@ impl OpDesc {
                 len: u(w[1])?,
                 digest: w[2],
             },
+            9 => ReduceScatter {
+                len: u(w[1])?,
+                dtype: *DType::ALL.get(u(w[2] >> 8)?)?,
+                op: *REDUCE_OPS.get(u(w[2] & 0xff)?)?,
+            },
             _ => return None,
         })
     }
@@ -811,6 +893,9 @@ impl fmt::Display for OpDesc {
             OpDesc::ScatterInto { root, .. } => write!(f, "{name}(root={root})"),
             OpDesc::NewSubgroup { len, digest } => {
                 write!(f, "{name}({len} ranks, digest {digest:016x})")
+            }
+            OpDesc::ReduceScatter { len, dtype, op } => {
+                write!(f, "{name}({op} over {dtype}, {len} bytes)")
             }
             OpDesc::AllGatherBytes { .. } | OpDesc::Barrier => write!(f, "{name}"),
         }
@@ -1050,6 +1135,11 @@ mod tests {
             OpDesc::NewSubgroup {
                 len: 2,
                 digest: digest(&[0, 2]),
+            },
+            OpDesc::ReduceScatter {
+                len: 12,
+                dtype: DType::BF16,
+                op: ReduceOp::Avg,
             },
         ];
         for op in ops {

@@ -142,29 +142,50 @@ fn exercise(pg: &dyn ProcessGroup, what: &str) {
     }
     pg.barrier().unwrap();
 
-    // Reductions (the trait's provided implementations over this backend).
-    let vals =
-        |r: usize| -> Vec<f32> { (0..ws * 5).map(|i| (i * (r + 1)) as f32 * 0.37).collect() };
-    let as_bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-    let mine = as_bytes(&vals(rank));
-    let all: Vec<Vec<u8>> = (0..ws).map(|r| as_bytes(&vals(r))).collect();
-    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-        let mut buf = mine.clone();
-        pg.all_reduce(&mut buf, DType::F32, op).unwrap();
-        let mut want = vec![0u8; mine.len()];
-        let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
-        reduce_parts(DType::F32, op, &parts, &mut want).unwrap();
-        assert_eq!(buf, want, "{what}: all_reduce {op}");
+    // Reductions: all_reduce is the trait's provided one, reduce_scatter_into the backend's
+    // all-to-all; both must give the bits of a rank-order reduction.
+    let values = |r: usize| -> Vec<f64> {
+        (0..ws * 5)
+            .map(|i| (i * (r + 1)) as f64 * 0.37 - r as f64)
+            .collect()
+    };
+    type Enc = fn(&[f64]) -> Vec<u8>;
+    let dtypes: [(DType, Enc); 3] = [
+        (DType::F32, |v| {
+            v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()
+        }),
+        (DType::F64, |v| {
+            v.iter().flat_map(|x| x.to_le_bytes()).collect()
+        }),
+        (DType::I64, |v| {
+            v.iter()
+                .flat_map(|&x| ((x * 100.0) as i64).to_le_bytes())
+                .collect()
+        }),
+    ];
+    for (dtype, enc) in dtypes {
+        let mine = enc(&values(rank));
+        let all: Vec<Vec<u8>> = (0..ws).map(|r| enc(&values(r))).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+            let mut buf = mine.clone();
+            pg.all_reduce(&mut buf, dtype, op).unwrap();
+            let mut want = vec![0u8; mine.len()];
+            let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+            reduce_parts(dtype, op, &parts, &mut want).unwrap();
+            assert_eq!(buf, want, "{what}: all_reduce {op} {dtype}");
 
-        let mut recv = vec![0u8; mine.len() / ws];
-        pg.reduce_scatter_into(&mine, &mut recv, DType::F32, op)
-            .unwrap();
-        let n = recv.len();
-        let parts: Vec<&[u8]> = all.iter().map(|a| &a[rank * n..(rank + 1) * n]).collect();
-        let mut want = vec![0u8; n];
-        reduce_parts(DType::F32, op, &parts, &mut want).unwrap();
-        assert_eq!(recv, want, "{what}: reduce_scatter_into {op}");
+            let mut recv = vec![0u8; mine.len() / ws];
+            pg.reduce_scatter_into(&mine, &mut recv, dtype, op).unwrap();
+            let n = recv.len();
+            let parts: Vec<&[u8]> = all.iter().map(|a| &a[rank * n..(rank + 1) * n]).collect();
+            let mut want = vec![0u8; n];
+            reduce_parts(dtype, op, &parts, &mut want).unwrap();
+            assert_eq!(recv, want, "{what}: reduce_scatter_into {op} {dtype}");
+        }
     }
+    let mut empty = [0u8; 0];
+    pg.reduce_scatter_into(&[], &mut empty, DType::F32, ReduceOp::Sum)
+        .unwrap();
 
     // Objects.
     let got: Vec<(String, usize)> = pg
@@ -286,6 +307,19 @@ fn errors(world: &Arc<MpiProcessGroup>) {
     assert!(
         matches!(&e, Error::InvalidCollective { op, reason, .. } if op == "broadcast"
             && reason.contains(&format!("rank {bad} passed invalid arguments to broadcast: root {ws} is out of range for world size {ws}"))),
+        "rank {rank}: {e}"
+    );
+
+    // A reduce-scatter whose send length is wrong on the last rank.
+    let g = fresh();
+    let send = vec![0u8; if rank == bad { 4 * ws + 4 } else { 4 * ws }];
+    let e = expect_err(
+        g.reduce_scatter_into(&send, &mut [0u8; 4], DType::F32, ReduceOp::Sum),
+        "reduce_scatter_into",
+    );
+    assert!(
+        matches!(&e, Error::InvalidCollective { op, reason, .. } if op == "reduce_scatter_into"
+            && reason.contains(&format!("rank {bad} passed invalid arguments to reduce_scatter_into: send has"))),
         "rank {rank}: {e}"
     );
 
@@ -622,7 +656,7 @@ fn matrix(world: &Arc<MpiProcessGroup>) {
     let small: Arc<dyn ProcessGroup> = Arc::new(
         MpiProcessGroup::world()
             .unwrap()
-            .with_max_message_bytes(4099)
+            .with_max_message_bytes(61)
             .unwrap(),
     );
     for (i, case) in cases().iter().enumerate() {
