@@ -267,6 +267,12 @@ fn assert_ok(outcome: &Outcome, scenario: &str, ws: usize) {
         "{scenario} at {ws} processes failed: {}",
         outcome.describe()
     );
+    // Open MPI complains about ranks that exit without MPI_Finalize.
+    assert!(
+        !outcome.stderr.to_lowercase().contains("finalize"),
+        "{scenario} at {ws} processes: MPI finalization was not clean: {}",
+        outcome.describe()
+    );
     for rank in 0..ws {
         assert!(
             outcome.stdout.contains(&ok_line(scenario, rank, ws)),
@@ -305,7 +311,13 @@ fn harness_times_out_a_hanging_job() {
 }
 
 fn singleton() {
-    assert_ok(&launch(None, "singleton", &[], timeout()), "singleton", 1);
+    let outcome = launch(None, "singleton", &[], timeout());
+    assert_ok(&outcome, "singleton", 1);
+    assert!(
+        outcome.stdout.contains(&ok_line("after_finalize", 0, 1)),
+        "world() after the last handle was dropped must be a typed error: {}",
+        outcome.describe()
+    );
 }
 
 fn checkpoint_4_to_3() {

@@ -66,6 +66,20 @@ pub fn main(scenario: &str) -> i32 {
     }
     println!("{}", ok_line(scenario, rank, ws));
     drop(world);
+    if scenario == "singleton" {
+        // The last handle is gone: MPI is finalized and cannot come back.
+        match MpiProcessGroup::world() {
+            Err(Error::BackendUnavailable { backend, reason })
+                if backend == "mpi" && reason.contains("already finalized") =>
+            {
+                println!("{}", ok_line("after_finalize", rank, ws));
+            }
+            other => {
+                eprintln!("world() after finalization gave {other:?}");
+                return 1;
+            }
+        }
+    }
     0
 }
 
@@ -775,6 +789,12 @@ fn assert_identical(a: &OptimStateDict, b: &OptimStateDict, name_order: bool, wh
 
 fn singleton(world: &Arc<MpiProcessGroup>) {
     assert_eq!((world.rank(), world.world_size()), (0, 1));
+    let threading = format!("{:?}", world.threading());
+    assert!(
+        threading == "Multiple" || threading == "Serialized",
+        "{threading}"
+    );
+    println!("MPI thread level: {threading}");
     let again = MpiProcessGroup::world().unwrap();
     assert_eq!((again.rank(), again.world_size()), (0, 1));
     exercise(world.as_ref(), "singleton");
