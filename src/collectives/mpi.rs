@@ -78,6 +78,14 @@ const BACKEND: &str = "mpi";
 /// [`MpiProcessGroup::max_message_bytes`] bytes (default
 /// [`MpiProcessGroup::DEFAULT_MAX_MESSAGE`], 1 GiB); gathers and scatters of more than that per
 /// call run in rounds through a staging buffer of that size.
+///
+/// # Reductions
+///
+/// [`ProcessGroup::reduce_scatter_into`] and [`ProcessGroup::all_reduce`] do not use
+/// `MPI_Reduce_scatter_block` / `MPI_Allreduce`, whose summation order is up to the library:
+/// they move blocks with `MPI_Alltoall` and reduce each element on one rank in rank order with
+/// [`super::reduce_parts`], so the bits equal the thread backend's for every dtype, f16 and
+/// bf16 included.
 pub struct MpiProcessGroup {
     comm: Arc<Comm>,
     rank: usize,
@@ -265,22 +273,7 @@ impl ProcessGroup for MpiProcessGroup {
         };
         let max = self.max_message;
         self.collective(OpDesc::AllGatherInto { len: n }, valid, |comm, _| {
-            if n == 0 {
-                return Ok(());
-            }
-            if n * ws <= max {
-                comm.all_gather_into(send, recv);
-                return Ok(());
-            }
-            let piece = (max / ws).max(1);
-            let mut staging = vec![0u8; piece * ws];
-            for start in (0..n).step_by(piece) {
-                let k = piece.min(n - start);
-                comm.all_gather_into(&send[start..start + k], &mut staging[..k * ws]);
-                for (r, part) in staging[..k * ws].chunks_exact(k).enumerate() {
-                    recv[r * n + start..r * n + start + k].copy_from_slice(part);
-                }
-            }
+            all_gather_chunked(comm, send, recv, ws, max);
             Ok(())
         })
     }
@@ -499,35 +492,48 @@ impl ProcessGroup for MpiProcessGroup {
         let rank = self.rank;
         let desc = OpDesc::ReduceScatter { len: n, dtype, op };
         self.collective(desc, valid, |comm, _| {
-            let mut blocks = try_zeroed(send.len(), "reduce_scatter_into", rank)?;
-            if n > 0 && n * ws <= max {
-                comm.all_to_all_into(send, &mut blocks[..]);
-            } else if n > 0 {
-                let piece = (max / ws).max(1);
-                let mut out = Vec::with_capacity(piece * ws);
-                let mut back = vec![0u8; piece * ws];
-                for start in (0..n).step_by(piece) {
-                    let k = piece.min(n - start);
-                    out.clear();
-                    for r in 0..ws {
-                        out.extend_from_slice(&send[r * n + start..r * n + start + k]);
-                    }
-                    comm.all_to_all_into(&out[..], &mut back[..k * ws]);
-                    for (r, part) in back[..k * ws].chunks_exact(k).enumerate() {
-                        blocks[r * n + start..r * n + start + k].copy_from_slice(part);
-                    }
-                }
-            }
-            let parts: Vec<&[u8]> = if n == 0 {
-                vec![&[]; ws]
-            } else {
-                blocks.chunks_exact(n).collect()
-            };
-            reduce_parts(dtype, op, &parts, recv).map_err(|reason| Error::InvalidCollective {
-                op: "reduce_scatter_into".into(),
-                rank,
-                reason,
-            })
+            all_to_all_reduce(
+                comm,
+                send,
+                recv,
+                (ws, max, rank),
+                dtype,
+                op,
+                "reduce_scatter_into",
+            )
+        })
+    }
+
+    /// A reduce-scatter over `MPI_Alltoall` of the buffer padded to `world_size()` blocks of
+    /// whole elements (each rank reduces one block in rank order, as [`reduce_parts`] does),
+    /// then an all-gather of the reduced blocks: twice the buffer's memory instead of
+    /// `world_size()` times, and the same bits as every other backend (`MPI_Allreduce` does
+    /// not promise an order). Invalid arguments on one rank fail every rank.
+    fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let (n, ws) = (buf.len(), self.world_size);
+        let valid = check_reduction(dtype, op, n);
+        let elem = dtype.size().max(1);
+        // Bytes per rank: whole elements, enough for every rank's share.
+        let block = n.div_ceil(elem).div_ceil(ws) * elem;
+        let max = self.max_message;
+        let rank = self.rank;
+        let desc = OpDesc::AllReduce { len: n, dtype, op };
+        self.collective(desc, valid, |comm, _| {
+            let mut padded = try_zeroed(block * ws, "all_reduce", rank)?;
+            padded[..n].copy_from_slice(buf);
+            let mut mine = try_zeroed(block, "all_reduce", rank)?;
+            all_to_all_reduce(
+                comm,
+                &padded,
+                &mut mine,
+                (ws, max, rank),
+                dtype,
+                op,
+                "all_reduce",
+            )?;
+            all_gather_chunked(comm, &mine, &mut padded, ws, max);
+            buf.copy_from_slice(&padded[..n]);
+            Ok(())
         })
     }
 
@@ -580,6 +586,78 @@ impl ProcessGroup for MpiProcessGroup {
     fn backend(&self) -> &'static str {
         BACKEND
     }
+}
+
+/// `MPI_Allgather` of `send` (the same length on every rank) into `recv`, in rounds through a
+/// staging buffer when `recv` is larger than `max` bytes.
+fn all_gather_chunked(
+    comm: &SimpleCommunicator,
+    send: &[u8],
+    recv: &mut [u8],
+    ws: usize,
+    max: usize,
+) {
+    let n = send.len();
+    if n == 0 {
+        return;
+    }
+    if n * ws <= max {
+        comm.all_gather_into(send, recv);
+        return;
+    }
+    let piece = (max / ws).max(1);
+    let mut staging = vec![0u8; piece * ws];
+    for start in (0..n).step_by(piece) {
+        let k = piece.min(n - start);
+        comm.all_gather_into(&send[start..start + k], &mut staging[..k * ws]);
+        for (r, part) in staging[..k * ws].chunks_exact(k).enumerate() {
+            recv[r * n + start..r * n + start + k].copy_from_slice(part);
+        }
+    }
+}
+
+/// Moves block `r` (`recv.len()` bytes) of every rank's `send` to rank `r` (`MPI_Alltoall`, in
+/// rounds of at most `max` bytes) and reduces the blocks this rank receives, in rank order,
+/// into `recv`. `(ws, max, rank)` describe the group.
+fn all_to_all_reduce(
+    comm: &SimpleCommunicator,
+    send: &[u8],
+    recv: &mut [u8],
+    (ws, max, rank): (usize, usize, usize),
+    dtype: DType,
+    op: ReduceOp,
+    name: &str,
+) -> Result<()> {
+    let n = recv.len();
+    let mut blocks = try_zeroed(send.len(), name, rank)?;
+    if n > 0 && n * ws <= max {
+        comm.all_to_all_into(send, &mut blocks[..]);
+    } else if n > 0 {
+        let piece = (max / ws).max(1);
+        let mut out = Vec::with_capacity(piece * ws);
+        let mut back = vec![0u8; piece * ws];
+        for start in (0..n).step_by(piece) {
+            let k = piece.min(n - start);
+            out.clear();
+            for r in 0..ws {
+                out.extend_from_slice(&send[r * n + start..r * n + start + k]);
+            }
+            comm.all_to_all_into(&out[..], &mut back[..k * ws]);
+            for (r, part) in back[..k * ws].chunks_exact(k).enumerate() {
+                blocks[r * n + start..r * n + start + k].copy_from_slice(part);
+            }
+        }
+    }
+    let parts: Vec<&[u8]> = if n == 0 {
+        vec![&[]; ws]
+    } else {
+        blocks.chunks_exact(n).collect()
+    };
+    reduce_parts(dtype, op, &parts, recv).map_err(|reason| Error::InvalidCollective {
+        op: name.into(),
+        rank,
+        reason,
+    })
 }
 
 /// Counts and displacements of one round of a variable-length gather or scatter: rank `r`
@@ -751,6 +829,16 @@ fn digest(ranks: &[usize]) -> u64 {
 /// Every [`ReduceOp`], indexed in descriptors.
 const REDUCE_OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
 
+/// `dtype` and `op` as one descriptor word.
+fn reduction_code(dtype: DType, op: ReduceOp) -> u64 {
+    let d = DType::ALL
+        .iter()
+        .position(|&x| x == dtype)
+        .unwrap_or(0xff_ffff);
+    let o = REDUCE_OPS.iter().position(|&x| x == op).unwrap_or(0xff);
+    ((d as u64) << 8) | o as u64
+}
+
 /// What a rank called, as compared across ranks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum OpDesc {
@@ -784,6 +872,11 @@ enum OpDesc {
         dtype: DType,
         op: ReduceOp,
     },
+    AllReduce {
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    },
     Barrier,
     NewSubgroup {
         len: usize,
@@ -801,6 +894,7 @@ impl OpDesc {
             OpDesc::GatherInto { .. } => "gather_into",
             OpDesc::ScatterInto { .. } => "scatter_into",
             OpDesc::ReduceScatter { .. } => "reduce_scatter_into",
+            OpDesc::AllReduce { .. } => "all_reduce",
             OpDesc::Barrier => "barrier",
             OpDesc::NewSubgroup { .. } => "new_subgroup",
         }
@@ -830,17 +924,8 @@ impl OpDesc {
             ScatterInto { root, recv_len } => [6, w(root), w(recv_len)],
             Barrier => [7, 0, 0],
             NewSubgroup { len, digest } => [8, w(len), digest],
-            ReduceScatter { len, dtype, op } => {
-                let d = DType::ALL
-                    .iter()
-                    .position(|&x| x == dtype)
-                    .unwrap_or(usize::MAX);
-                let o = REDUCE_OPS
-                    .iter()
-                    .position(|&x| x == op)
-                    .unwrap_or(usize::MAX);
-                [9, w(len), (w(d) << 8) | w(o)]
-            }
+            ReduceScatter { len, dtype, op } => [9, w(len), reduction_code(dtype, op)],
+            AllReduce { len, dtype, op } => [10, w(len), reduction_code(dtype, op)],
         }
     }
 
@@ -876,6 +961,11 @@ impl OpDesc {
                 dtype: *DType::ALL.get(u(w[2] >> 8)?)?,
                 op: *REDUCE_OPS.get(u(w[2] & 0xff)?)?,
             },
+            10 => AllReduce {
+                len: u(w[1])?,
+                dtype: *DType::ALL.get(u(w[2] >> 8)?)?,
+                op: *REDUCE_OPS.get(u(w[2] & 0xff)?)?,
+            },
             _ => return None,
         })
     }
@@ -894,7 +984,7 @@ impl fmt::Display for OpDesc {
             OpDesc::NewSubgroup { len, digest } => {
                 write!(f, "{name}({len} ranks, digest {digest:016x})")
             }
-            OpDesc::ReduceScatter { len, dtype, op } => {
+            OpDesc::ReduceScatter { len, dtype, op } | OpDesc::AllReduce { len, dtype, op } => {
                 write!(f, "{name}({op} over {dtype}, {len} bytes)")
             }
             OpDesc::AllGatherBytes { .. } | OpDesc::Barrier => write!(f, "{name}"),
@@ -1140,6 +1230,11 @@ mod tests {
                 len: 12,
                 dtype: DType::BF16,
                 op: ReduceOp::Avg,
+            },
+            OpDesc::AllReduce {
+                len: 3,
+                dtype: DType::Bool,
+                op: ReduceOp::Max,
             },
         ];
         for op in ops {

@@ -197,7 +197,28 @@ fn exercise(pg: &dyn ProcessGroup, what: &str) {
             assert_eq!(recv, want, "{what}: reduce_scatter_into {op} {dtype}");
         }
     }
+    // Lengths that leave ranks with partial or empty blocks.
+    for elems in [1usize, 7, ws * 3 + 1] {
+        let v = |r: usize| -> Vec<u8> {
+            (0..elems)
+                .flat_map(|i| ((i as f32 - r as f32) * 1.1).to_le_bytes())
+                .collect()
+        };
+        let mut buf = v(rank);
+        pg.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).unwrap();
+        let all: Vec<Vec<u8>> = (0..ws).map(v).collect();
+        let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+        let mut want = vec![0u8; elems * 4];
+        reduce_parts(DType::F32, ReduceOp::Sum, &parts, &mut want).unwrap();
+        assert_eq!(buf, want, "{what}: all_reduce of {elems} f32");
+    }
+    let mut flags = [u8::from(rank == ws - 1), 0, 1];
+    pg.all_reduce(&mut flags, DType::Bool, ReduceOp::Max)
+        .unwrap();
+    assert_eq!(flags, [1, 0, 1], "{what}: all_reduce max over bool");
     let mut empty = [0u8; 0];
+    pg.all_reduce(&mut empty, DType::F64, ReduceOp::Avg)
+        .unwrap();
     pg.reduce_scatter_into(&[], &mut empty, DType::F32, ReduceOp::Sum)
         .unwrap();
 
@@ -334,6 +355,29 @@ fn errors(world: &Arc<MpiProcessGroup>) {
     assert!(
         matches!(&e, Error::InvalidCollective { op, reason, .. } if op == "reduce_scatter_into"
             && reason.contains(&format!("rank {bad} passed invalid arguments to reduce_scatter_into: send has"))),
+        "rank {rank}: {e}"
+    );
+
+    // An all-reduce of a partial element on one rank, then of differing dtypes.
+    let g = fresh();
+    let mut buf = vec![0u8; if rank == bad { 5 } else { 8 }];
+    let e = expect_err(
+        g.all_reduce(&mut buf, DType::F32, ReduceOp::Sum),
+        "all_reduce",
+    );
+    assert!(
+        matches!(&e, Error::InvalidCollective { op, reason, .. } if op == "all_reduce"
+            && reason.contains(&format!("rank {bad} passed invalid arguments to all_reduce: 5 bytes is not a whole number of"))),
+        "rank {rank}: {e}"
+    );
+    let g = fresh();
+    let dtype = if rank == bad { DType::I32 } else { DType::F32 };
+    let e = expect_err(
+        g.all_reduce(&mut [0u8; 8], dtype, ReduceOp::Sum),
+        "all_reduce",
+    );
+    assert!(
+        matches!(&e, Error::CollectiveMismatch { detail, .. } if detail.contains(&format!("rank {bad} called all_reduce(sum over"))),
         "rank {rank}: {e}"
     );
 
