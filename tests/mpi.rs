@@ -150,6 +150,9 @@ fn launch(np: Option<usize>, scenario: &str, env: &[(&str, &str)], limit: Durati
             let mut cmd = Command::new("mpirun");
             cmd.args(["--allow-run-as-root", "--oversubscribe", "-np"])
                 .arg(np.to_string())
+                // mpirun's own limit ends the job even if this harness is killed first.
+                .arg("--timeout")
+                .arg((limit.as_secs() + 30).to_string())
                 // Containers usually forbid the cross-memory-attach single copy.
                 .args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
             for (k, _) in env.iter().chain(&[(WORKER_ENV, scenario)]) {
