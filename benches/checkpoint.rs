@@ -483,10 +483,14 @@ fn main() {
     // --- Load at world size 3 under another wrapping, verification on; each after a raw read.
     let lpolicy = load_policy();
     let (mut load, mut rr) = (Timing::default(), Timing::default());
+    let mut cpu = Vec::new();
     for i in 0..reps {
         evict_checked(&raw, "raw read", i == 0);
+        let c0 = cpu_secs();
         rr.push(raw_read(&raw));
+        let c1 = cpu_secs();
         evict_checked(&ckpt4, "load", i == 0);
+        let c2 = cpu_secs();
         let out = ThreadGroup::run(LOAD_WS, |pg| {
             let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
             let fsdp = Fsdp::new(&model, &lpolicy, pg.clone()).expect("Fsdp::new");
@@ -504,8 +508,14 @@ fn main() {
         let loaded: usize = out.iter().map(|o| o.1).sum();
         assert!(loaded >= bytes as usize, "loaded {loaded} < {bytes}");
         load.push(out[0].0);
+        cpu.push((cpu_secs() - c2, c1 - c0));
     }
     println!("load (s): {}; raw read (s): {}", load.list(), rr.list());
+    // CPU time barely depends on what else the machine runs: it shows how much of a load's
+    // wall time is work rather than waiting, next to the baseline's.
+    for (l, r) in &cpu {
+        println!("  load CPU {l:.2} s (process, all threads); raw read CPU {r:.2} s");
+    }
 
     // --- Offline reshard to world size 2 and streaming consolidation, in child processes
     // (which evict the source checkpoint first); each after a raw copy.

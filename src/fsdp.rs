@@ -350,6 +350,34 @@ impl Fsdp {
         dir: impl AsRef<std::path::Path>,
         opts: &crate::io::checkpoint::SaveOptions,
     ) -> Result<()> {
+        self.save(osd, params, None, dir.as_ref(), opts)
+    }
+
+    /// [`Fsdp::save_optim_checkpoint`] that also saves the model's parameters: `model` is this
+    /// rank's parameter tensors aligned with the ids of [`Fsdp::optim_params`] — a flat shard
+    /// per flat parameter (padding included, as [`crate::params::shard_tensors`] cuts it), the
+    /// local view per original parameter with `use_orig_params`, the whole tensor per
+    /// unmanaged parameter; `None` entries are not saved. Load them at any world size and
+    /// wrapping with [`Fsdp::load_model_params`]. Collective over the whole job.
+    pub fn save_checkpoint<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        model: &[Option<T>],
+        dir: impl AsRef<std::path::Path>,
+        opts: &crate::io::checkpoint::SaveOptions,
+    ) -> Result<()> {
+        self.save(osd, params, Some(model), dir.as_ref(), opts)
+    }
+
+    fn save<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        model: Option<&[Option<T>]>,
+        dir: &std::path::Path,
+        opts: &crate::io::checkpoint::SaveOptions,
+    ) -> Result<()> {
         crate::io::checkpoint::save(
             &self.layout,
             self.rank(),
@@ -357,9 +385,22 @@ impl Fsdp {
             self.world_pg.as_ref(),
             osd,
             params,
-            dir.as_ref(),
+            model,
+            dir,
             opts,
         )
+    }
+
+    /// This rank's parameter tensors from a checkpoint written by [`Fsdp::save_checkpoint`] at
+    /// any world size and wrapping of the same model, aligned with the ids of
+    /// [`Fsdp::optim_params`] as `save_checkpoint` takes them (padding zero-filled). Reads
+    /// only the byte ranges of this rank's shards; no communication.
+    pub fn load_model_params<T: Tensor>(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        opts: &crate::io::checkpoint::LoadOptions,
+    ) -> Result<Vec<Option<T>>> {
+        crate::io::checkpoint::load_model_params(dir.as_ref(), &self.layout, self.rank(), opts)
     }
 
     /// This rank's optimizer state dict from the checkpoint in `dir`, saved at any world size

@@ -4,9 +4,11 @@
 mod common;
 
 use fsdp::collectives::ThreadGroup;
+use fsdp::flat_param::ModelLayout;
 use fsdp::io::checkpoint::{
     self, load_full, read_manifest, verify, CrashPoint, LoadOptions, SaveOptions, COMMIT, MANIFEST,
 };
+use fsdp::params::{shard_tensors, synthetic_params};
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
     Value, WrapPolicy,
@@ -667,4 +669,210 @@ fn pieces_of_several_checksum_blocks_reshard_load_and_consolidate_bit_exact() {
         let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
         common::assert_same_state(&streamed, &full, "streamed vs saved");
     }
+}
+
+// ----- model parameters in the checkpoint -----
+
+/// Every rank of a `world_size` group saves optimizer state and its parameter shards, cut
+/// from the full values `values` as training would hold them.
+fn save_with_params_at(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    world_size: usize,
+    full: &OptimStateDict,
+    values: &[Option<HostTensor>],
+    dir: &Path,
+) {
+    for r in ThreadGroup::run(world_size, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(full, &params)?;
+        let shards = shard_tensors(fsdp.layout(), fsdp.rank(), &params, values)?;
+        fsdp.save_checkpoint(&local, &params, &shards, dir, &SaveOptions::default())
+    }) {
+        r.unwrap();
+    }
+}
+
+/// Each rank's parameter tensors loaded from `dir`, and what `shard_tensors(values)` gives it.
+type Shards = Vec<Option<HostTensor>>;
+fn load_params_at(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    world_size: usize,
+    values: &[Option<HostTensor>],
+    dir: &Path,
+) -> Vec<(Shards, Shards)> {
+    ThreadGroup::run(world_size, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg)).unwrap();
+        let loaded: Shards = fsdp
+            .load_model_params(dir, &LoadOptions::default())
+            .unwrap_or_else(|e| panic!("rank {}: {e}", fsdp.rank()));
+        let expected =
+            shard_tensors(fsdp.layout(), fsdp.rank(), &fsdp.optim_params(), values).unwrap();
+        (loaded, expected)
+    })
+}
+
+#[track_caller]
+fn assert_same_shards(loaded: &Shards, expected: &Shards, what: &str) {
+    assert_eq!(loaded.len(), expected.len(), "{what}: count");
+    for (i, (a, b)) in loaded.iter().zip(expected).enumerate() {
+        match (a, b) {
+            (Some(a), Some(b)) => assert!(a.bit_eq(b), "{what}: param {i}: {a:?} vs {b:?}"),
+            (None, None) => {}
+            _ => panic!("{what}: param {i}: loaded {a:?}, expected {b:?}"),
+        }
+    }
+}
+
+#[test]
+fn parameters_saved_at_4_load_at_3_and_1_with_another_wrapping_like_shard_tensors() {
+    // Nested model, with an ignored module (unmanaged parameters are whole on every rank).
+    let model = common::nested_model();
+    let values = synthetic_params(&ModelLayout::new(&model, &common::wrap(true), 1).unwrap());
+    let full = full_adam(&model, 3.0);
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    save_with_params_at(&model, &common::wrap(true), 4, &full, &values, &dir);
+    let m = read_manifest(&dir).unwrap();
+    assert_eq!(m.model_params.len(), model.params.len());
+    let param_bytes: u64 = model.params.iter().map(|p| (p.numel() * 4) as u64).sum();
+    assert_eq!(
+        m.model_param_bytes(),
+        param_bytes,
+        "padding is never stored"
+    );
+    for (ws, policy) in [
+        (3, common::wrap_alt()),
+        (1, common::wrap(false)),
+        (5, common::wrap(true)),
+    ] {
+        for (rank, (loaded, expected)) in load_params_at(&model, &policy, ws, &values, &dir)
+            .iter()
+            .enumerate()
+        {
+            assert_same_shards(loaded, expected, &format!("ws {ws} rank {rank}"));
+        }
+    }
+    // The optimizer state beside them is unaffected: it loads and consolidates as before.
+    common::assert_same_state(
+        &load_full(&dir, &LoadOptions::default()).unwrap(),
+        &full,
+        "full",
+    );
+    for (rank, (loaded, expected)) in load_at(&model, &common::wrap_alt(), 3, &full, &dir)
+        .iter()
+        .enumerate()
+    {
+        assert_identical(loaded, expected, &format!("optimizer state, rank {rank}"));
+    }
+    // verify checks the parameter bytes too.
+    assert_eq!(verify(&dir).unwrap(), m.tensor_bytes() + param_bytes);
+}
+
+#[test]
+fn use_orig_params_parameters_load_into_a_flat_wrapping_after_an_offline_reshard() {
+    let model = common::nested_model();
+    let orig = common::wrap(false).with_orig_params(true);
+    let values = synthetic_params(&ModelLayout::new(&model, &orig, 1).unwrap());
+    let full = full_adam(&model, 2.0);
+    let root = tmp();
+    let (src, dst) = (root.path().join("ws2"), root.path().join("ws3"));
+    save_with_params_at(&model, &orig, 2, &full, &values, &src);
+    for (rank, (loaded, expected)) in load_params_at(&model, &common::wrap_alt(), 2, &values, &src)
+        .iter()
+        .enumerate()
+    {
+        assert_same_shards(loaded, expected, &format!("direct, rank {rank}"));
+    }
+    let copied = checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), |_| {}).unwrap();
+    let m = read_manifest(&dst).unwrap();
+    assert_eq!(copied, m.tensor_bytes() + m.model_param_bytes());
+    for (rank, (loaded, expected)) in load_params_at(&model, &common::wrap_alt(), 3, &values, &dst)
+        .iter()
+        .enumerate()
+    {
+        assert_same_shards(loaded, expected, &format!("resharded, rank {rank}"));
+    }
+}
+
+#[test]
+fn an_optimizer_only_checkpoint_has_no_parameters_to_load() {
+    let (_root, dir) = saved();
+    let model = common::nested_model();
+    let out = ThreadGroup::run(1, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        fsdp.load_model_params::<HostTensor>(&dir, &LoadOptions::default())
+    });
+    let err = out.into_iter().next().unwrap().unwrap_err();
+    assert!(
+        matches!(&err, Error::CheckpointMismatch { reason, .. } if reason.contains("save_checkpoint")),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_wrong_number_of_parameter_tensors_fails_every_rank_and_keeps_the_old_checkpoint() {
+    let (root, dir) = saved();
+    let before = contents(&dir);
+    let model = common::nested_model();
+    let out = ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full_adam(&model, 9.0), &params)?;
+        let shards = vec![None; 2];
+        fsdp.save_checkpoint(&local, &params, &shards, &dir, &SaveOptions::default())
+    });
+    for r in out {
+        let err = r.unwrap_err();
+        assert!(
+            matches!(&err, Error::InvalidStateDict(m) if m.contains("2 model parameter tensors given")),
+            "{err}"
+        );
+    }
+    assert_eq!(contents(&dir), before);
+    assert!(leftovers(root.path()).is_empty());
+}
+
+#[test]
+fn a_flipped_byte_in_a_parameter_piece_is_caught_naming_the_parameter() {
+    let model = common::nested_model();
+    let values = synthetic_params(&ModelLayout::new(&model, &common::wrap(false), 1).unwrap());
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    save_with_params_at(
+        &model,
+        &common::wrap(false),
+        2,
+        &full_adam(&model, 1.0),
+        &values,
+        &dir,
+    );
+    let m = read_manifest(&dir).unwrap();
+    let rec = m
+        .model_params
+        .iter()
+        .find(|r| r.name == "block1.weight")
+        .unwrap();
+    let checkpoint::StoredValue::Tensor { pieces, .. } = &rec.states[0].1 else {
+        panic!("a weight is stored as pieces");
+    };
+    let piece = &pieces[0];
+    let file = dir.join(&m.files[piece.file].name);
+    let mut bytes = std::fs::read(&file).unwrap();
+    bytes[piece.offset as usize + 3] ^= 0x01;
+    std::fs::write(&file, &bytes).unwrap();
+    let out = ThreadGroup::run(1, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        fsdp.load_model_params::<HostTensor>(&dir, &LoadOptions::default())
+    });
+    let err = out.into_iter().next().unwrap().unwrap_err();
+    assert!(
+        matches!(&err, Error::CheckpointCorrupt { tensor, rank, .. } if tensor.contains("block1.weight") && *rank == piece.file),
+        "{err}"
+    );
+    assert!(matches!(verify(&dir), Err(Error::CheckpointCorrupt { .. })));
+    // Optimizer state does not share those bytes, so it still loads.
+    load_rank0(&dir).unwrap();
 }

@@ -241,6 +241,8 @@ fn run(cli: Cli) -> Result<()> {
                 "tensor_bytes": m.tensor_bytes(),
                 "param_groups": m.param_groups.as_ref().map_or(0, Vec::len),
                 "user_state_keys": m.user_state.len(),
+                "model_params": m.model_params.len(),
+                "model_param_bytes": m.model_param_bytes(),
             });
             if json {
                 println!(
@@ -255,6 +257,13 @@ fn run(cli: Cli) -> Result<()> {
                     m.params.len(), m.tensor_bytes(), m.files.len(),
                     m.param_groups.as_ref().map_or(0, Vec::len), m.user_state.len()
                 );
+                if !m.model_params.is_empty() {
+                    println!(
+                        "model parameters: {} ({} bytes)",
+                        m.model_params.len(),
+                        m.model_param_bytes()
+                    );
+                }
             }
         }
         Command::Reshard {
@@ -267,7 +276,8 @@ fn run(cli: Cli) -> Result<()> {
                 None => None,
                 Some(p) => Some(read_policy(&p)?),
             };
-            let total = checkpoint::read_manifest(&input)?.tensor_bytes();
+            let saved = checkpoint::read_manifest(&input)?;
+            let total = saved.tensor_bytes() + saved.model_param_bytes();
             let pb = progress.bytes(total, "resharding");
             let copied =
                 checkpoint::reshard(&input, &output, world_size as usize, policy.as_ref(), |b| {

@@ -141,6 +141,7 @@ impl BackgroundSaver {
                         layout_rank,
                         &snapshot,
                         &params,
+                        None,
                         &tmp,
                         &Default::default(),
                     );

@@ -1,7 +1,10 @@
 //! Loading a sharded checkpoint into any layout: each rank reads only the byte ranges that
 //! overlap its shards, verifying the checksum blocks it touches.
 
-use super::manifest::{read_manifest, Manifest, ParamRecord, Piece, StoredValue, CHECKSUM_BLOCK};
+use super::manifest::{
+    read_manifest, Manifest, ParamRecord, Piece, StoredValue, CHECKSUM_BLOCK, MODEL_PARAM_STATE,
+};
+use super::prefetch;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, Ownership, ShardPiece};
 use crate::optim_state::flatten::{flatten_from_source, ShardSource};
@@ -12,6 +15,8 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Options of [`load`].
 #[derive(Debug, Clone)]
@@ -38,6 +43,8 @@ pub(super) struct Reader<'m> {
     /// straddle block boundaries (a consolidation chunk, a shard boundary) then read and check
     /// each block once, not once per range that touches it.
     cached: Option<(usize, u64, usize)>,
+    /// Bytes read from the data files so far (the read-ahead paces itself by it).
+    consumed: Arc<AtomicU64>,
 }
 
 impl<'m> Reader<'m> {
@@ -49,6 +56,7 @@ impl<'m> Reader<'m> {
             verify,
             scratch: Vec::new(),
             cached: None,
+            consumed: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -169,6 +177,7 @@ impl<'m> Reader<'m> {
         let read_err = |what: String, e: std::io::Error| format!("cannot read {what}: {e}");
         let result: std::result::Result<(), String> = if !self.verify {
             let at = p.offset + byte_lo as u64;
+            self.consumed.fetch_add(out.len() as u64, Ordering::Relaxed);
             f.read_exact_at(out, at)
                 .map_err(|e| read_err(format!("{} bytes at {at}", out.len()), e))
         } else {
@@ -182,6 +191,7 @@ impl<'m> Reader<'m> {
                 if blo >= byte_lo && bhi <= byte_hi && self.cached != Some((fi, p.offset, b)) {
                     // A whole block wanted: read and check it in place, no copy.
                     let dst = &mut out[blo - byte_lo..bhi - byte_lo];
+                    self.consumed.fetch_add(dst.len() as u64, Ordering::Relaxed);
                     if let Err(e) = f.read_exact_at(dst, at) {
                         result = Err(read_err(
                             format!("block {b} ({} bytes at {at})", bhi - blo),
@@ -202,6 +212,8 @@ impl<'m> Reader<'m> {
                 if self.cached != Some((fi, p.offset, b)) {
                     self.cached = None;
                     self.scratch.resize(bhi - blo, 0);
+                    self.consumed
+                        .fetch_add(self.scratch.len() as u64, Ordering::Relaxed);
                     if let Err(e) = f.read_exact_at(&mut self.scratch, at) {
                         result = Err(read_err(
                             format!("block {b} ({} bytes at {at})", bhi - blo),
@@ -436,6 +448,22 @@ impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
 }
 
 impl CheckpointSource<'_> {
+    /// Runs `work` on this source while a thread reads this rank's ranges ahead (see
+    /// [`super::prefetch`]).
+    fn with_read_ahead<R>(&mut self, layout: &ModelLayout, work: impl FnOnce(&mut Self) -> R) -> R {
+        let ranges = prefetch::planned_reads(layout, self.rank, &self.records);
+        let names: Vec<String> = self
+            .reader
+            .manifest
+            .files
+            .iter()
+            .map(|f| f.name.clone())
+            .collect();
+        let consumed = self.reader.consumed.clone();
+        let dir = self.reader.dir.clone();
+        prefetch::with_read_ahead(&dir, &names, ranges, &consumed, || work(self))
+    }
+
     /// This rank's padded shard of tensor state `sname` of flat parameter `fl`: member ranges
     /// read from the files, zeros for padding and members without the state.
     fn flat_shard(
@@ -552,7 +580,65 @@ pub fn load<T: Tensor>(
             Ok((k.clone(), st))
         })
         .collect::<Result<Vec<_>>>()?;
-    flatten_from_source(layout, &mut src, groups.as_deref(), user, params)
+    src.with_read_ahead(layout, |src| {
+        flatten_from_source(layout, src, groups.as_deref(), user, params)
+    })
+}
+
+/// Rank `rank`'s parameter tensors for `layout` (any world size and wrapping of the same
+/// model) from the checkpoint in `dir`, aligned with the ids of
+/// `OptimParams::single(layout.default_optim_params())`: a flat shard per flat parameter
+/// (padding zero-filled), the local view per original parameter with `use_orig_params`, the
+/// whole tensor per unmanaged parameter; `None` for parameters saved without a value. Reads
+/// only this rank's byte ranges. Fails with [`Error::CheckpointMismatch`] when the checkpoint
+/// holds no parameters (it was saved by `save_optim_checkpoint`).
+pub fn load_model_params<T: Tensor>(
+    dir: &Path,
+    layout: &ModelLayout,
+    rank: usize,
+    opts: &LoadOptions,
+) -> Result<Vec<Option<T>>> {
+    let saved = read_manifest(dir)?;
+    if saved.model_params.is_empty() {
+        return Err(Error::CheckpointMismatch {
+            dir: dir.display().to_string(),
+            reason: "the checkpoint holds no model parameters (it was saved with \
+                     `save_optim_checkpoint`; save with `save_checkpoint` to include them)"
+                .into(),
+        });
+    }
+    // The parameters are stored as one state of every parameter: load them as optimizer
+    // state of an optimizer over all parameters.
+    let manifest = Manifest {
+        params: saved.model_params.clone(),
+        param_groups: None,
+        user_state: Vec::new(),
+        model_params: Vec::new(),
+        ..saved
+    };
+    let records = index_records(dir, &manifest, layout)?;
+    let mut src = CheckpointSource {
+        reader: Reader::new(dir, &manifest, opts.verify),
+        records,
+        rank,
+    };
+    let params = OptimParams::single(layout.default_optim_params());
+    let mut osd: OptimStateDict<T> = src.with_read_ahead(layout, |src| {
+        flatten_from_source(layout, src, None, Vec::new(), &params)
+    })?;
+    let local = layout.local_params(&params)?;
+    Ok(local
+        .iter()
+        .map(|l| {
+            osd.state
+                .get_mut(&l.key)
+                .and_then(|st| st.shift_remove(MODEL_PARAM_STATE))
+                .and_then(|v| match v {
+                    Value::Tensor(t) => Some(t),
+                    _ => None,
+                })
+        })
+        .collect())
 }
 
 /// The full (unflattened, name-keyed) dict of the checkpoint in `dir`, as
@@ -616,8 +702,8 @@ pub(super) fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
 }
 
 /// Verifies the checkpoint in `dir` completely: commit marker, manifest, every file's length
-/// and header, and every checksum block of every piece. Returns the bytes of tensor state
-/// checked.
+/// and header, and every checksum block of every piece (optimizer state and model
+/// parameters). Returns the bytes of tensor data checked.
 pub fn verify(dir: &Path) -> Result<u64> {
     let manifest = read_manifest(dir)?;
     let mut reader = Reader::new(dir, &manifest, true);
@@ -626,10 +712,15 @@ pub fn verify(dir: &Path) -> Result<u64> {
     }
     let mut checked = 0u64;
     let mut buf = Vec::new();
-    for rec in &manifest.params {
+    for (rec, section) in manifest.params.iter().map(|r| (r, "")).chain(
+        manifest
+            .model_params
+            .iter()
+            .map(|r| (r, "model parameter ")),
+    ) {
         for (n, v) in &rec.states {
             if let StoredValue::Tensor { dtype, pieces, .. } = v {
-                let what = format!("{}/{n}", rec.name);
+                let what = format!("{section}{}/{n}", rec.name);
                 for p in pieces {
                     // Block by block, so memory stays at one block.
                     let bytes = p.len * dtype.size();

@@ -44,7 +44,16 @@ pub struct Manifest {
     pub param_groups: Option<Vec<ParamGroup<HostTensor>>>,
     /// User-defined state (keys no parameter owns), stored inline.
     pub user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
+    /// The model's parameter values, when the saver handed them over
+    /// ([`crate::Fsdp::save_checkpoint`]): one record per parameter in model order, whose one
+    /// state [`MODEL_PARAM_STATE`] holds the value, stored like optimizer state. Empty for an
+    /// optimizer-only checkpoint.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub model_params: Vec<ParamRecord>,
 }
+
+/// The state name under which [`Manifest::model_params`] records hold a parameter's value.
+pub const MODEL_PARAM_STATE: &str = "param";
 
 /// One rank's data file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -190,7 +199,7 @@ impl Manifest {
                 });
             }
         }
-        for p in &self.params {
+        for p in self.params.iter().chain(&self.model_params) {
             for (state, v) in &p.states {
                 let StoredValue::Tensor {
                     dtype,
@@ -259,17 +268,26 @@ impl Manifest {
         Ok(())
     }
 
-    /// Total bytes of tensor state.
+    /// Total bytes of optimizer tensor state.
     pub fn tensor_bytes(&self) -> u64 {
-        self.params
-            .iter()
-            .flat_map(|p| &p.states)
-            .map(|(_, v)| match v {
-                StoredValue::Tensor { dtype, pieces, .. } => {
-                    pieces.iter().map(|p| (p.len * dtype.size()) as u64).sum()
-                }
-                StoredValue::Value(_) => 0,
-            })
-            .sum()
+        record_bytes(&self.params)
     }
+
+    /// Total bytes of model parameter values ([`Manifest::model_params`]).
+    pub fn model_param_bytes(&self) -> u64 {
+        record_bytes(&self.model_params)
+    }
+}
+
+fn record_bytes(records: &[ParamRecord]) -> u64 {
+    records
+        .iter()
+        .flat_map(|p| &p.states)
+        .map(|(_, v)| match v {
+            StoredValue::Tensor { dtype, pieces, .. } => {
+                pieces.iter().map(|p| (p.len * dtype.size()) as u64).sum()
+            }
+            StoredValue::Value(_) => 0,
+        })
+        .sum()
 }

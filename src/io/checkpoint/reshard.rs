@@ -57,9 +57,11 @@ pub fn reshard(
     let tmp = super::save::make_tmp_dir(dst)?;
     let result = (|| {
         let mut reader = Reader::new(src, &old, true);
+        // Optimizer state records, then model parameter records.
+        let n_optim = old.params.len();
+        let all: Vec<&ParamRecord> = old.params.iter().chain(&old.model_params).collect();
         // Target parameter index of each record, checked once.
-        let params: Vec<usize> = old
-            .params
+        let params: Vec<usize> = all
             .iter()
             .map(|r| {
                 layout
@@ -70,8 +72,7 @@ pub fn reshard(
                     })
             })
             .collect::<Result<_>>()?;
-        let mut new_params: Vec<ParamRecord> = old
-            .params
+        let mut new_params: Vec<ParamRecord> = all
             .iter()
             .map(|r| ParamRecord {
                 name: r.name.clone(),
@@ -99,14 +100,19 @@ pub fn reshard(
             // (record, state, start, len) of every piece this rank's file holds, in file order.
             let mut wanted = Vec::new();
             let mut entries = Vec::new();
-            for (ri, rec) in old.params.iter().enumerate() {
+            for (ri, rec) in all.iter().enumerate() {
                 let Some((start, len)) = range_of(&layout, params[ri], rank) else {
                     continue;
                 };
                 for (si, (n, v)) in rec.states.iter().enumerate() {
                     if let StoredValue::Tensor { dtype, .. } = v {
+                        let section = if ri >= n_optim {
+                            super::save::MODEL_ENTRY_PREFIX
+                        } else {
+                            ""
+                        };
                         entries.push(Entry {
-                            name: format!("{}/{n}/{start}", rec.name),
+                            name: format!("{section}{}/{n}/{start}", rec.name),
                             dtype: *dtype,
                             shape: vec![len],
                             nbytes: (len * dtype.size()) as u64,
@@ -124,8 +130,9 @@ pub fn reshard(
             let file = File::create(&path).map_err(fs_err("creating", &path))?;
             let mut out = BufWriter::with_capacity(1 << 20, file);
             out.write_all(&header).map_err(fs_err("writing", &path))?;
+            let mut writeback = super::Writeback::new(0);
             for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
-                let rec = &old.params[ri];
+                let rec = all[ri];
                 let (n, v) = &rec.states[si];
                 let StoredValue::Tensor { dtype, pieces, .. } = v else {
                     unreachable!("only tensor states are wanted")
@@ -148,6 +155,7 @@ pub fn reshard(
                     reader.read_range(&what, pieces, size, at, &mut block)?;
                     crc = crc32c::crc32c_append(crc, &block);
                     out.write_all(&block).map_err(fs_err("writing", &path))?;
+                    writeback.wrote(out.get_ref(), block.len() as u64);
                     at += take;
                     if at == new_block_end {
                         crcs.push(crc);
@@ -185,11 +193,13 @@ pub fn reshard(
                 }
             }
         }
+        let model_params = new_params.split_off(n_optim);
         let manifest = Manifest {
             policy,
             world_size,
             files,
             params: new_params,
+            model_params,
             ..old.clone()
         };
         let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Serialization {

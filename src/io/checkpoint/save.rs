@@ -5,7 +5,7 @@
 use super::container::{self, Entry};
 use super::manifest::{
     block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
-    MANIFEST, VERSION,
+    MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
 use super::{fs_err, sync_dir, COMMIT};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
@@ -47,7 +47,15 @@ pub(super) struct RankReport {
     file: FileRecord,
     /// (state key, state name, value) of every parameter this rank saved, in its order.
     params: Vec<(OptimStateKey, Vec<(String, LocalValue)>)>,
+    /// The same for the model's parameter values, when the caller handed them over.
+    model: Vec<(OptimStateKey, Vec<(String, LocalValue)>)>,
 }
+
+/// A local parameter with the host copies (views for HostTensor) of the values to save.
+type Saved<'l> = Vec<(&'l LocalParam, Vec<(String, Value<HostTensor>)>)>;
+
+/// Per parameter: its state key and state values (flat, sharded, as the optimizer holds them).
+type KeyedStates = Vec<(OptimStateKey, Vec<(String, LocalValue)>)>;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 enum LocalValue {
@@ -80,6 +88,11 @@ fn crash(point: CrashPoint) -> Error {
 /// `layout_rank` is this rank's rank in the layout's shard group and `writer` says whether it
 /// writes a data file (with hybrid sharding only the first replica group does).
 ///
+/// `model`, when given, is this rank's parameter tensors aligned with the ids of
+/// `OptimParams::single(layout.default_optim_params())` (what [`crate::params::shard_tensors`]
+/// cuts for them; `None` entries are not saved); they are stored beside the optimizer state
+/// and read back by [`super::load_model_params`].
+///
 /// The previous checkpoint at `dir`, if any, stays complete and loadable until the new one
 /// replaces it in one atomic exchange.
 #[allow(clippy::too_many_arguments)]
@@ -90,6 +103,7 @@ pub fn save<T: Tensor>(
     pg: &dyn ProcessGroup,
     osd: &OptimStateDict<T>,
     params: &OptimParams,
+    model: Option<&[Option<T>]>,
     dir: &Path,
     opts: &SaveOptions,
 ) -> Result<()> {
@@ -105,7 +119,7 @@ pub fn save<T: Tensor>(
     let tmp = tmp?;
     // 2. Each writer writes its file.
     let report: std::result::Result<Option<(RankReport, Option<DictParts>)>, Error> = if writer {
-        write_rank(layout, layout_rank, osd, params, &tmp, opts).map(Some)
+        write_rank(layout, layout_rank, osd, params, model, &tmp, opts).map(Some)
     } else {
         Ok(None)
     };
@@ -159,6 +173,7 @@ pub(super) fn write_rank<T: Tensor>(
     layout_rank: usize,
     osd: &OptimStateDict<T>,
     params: &OptimParams,
+    model: Option<&[Option<T>]>,
     tmp: &Path,
     opts: &SaveOptions,
 ) -> Result<(RankReport, Option<DictParts>)> {
@@ -167,8 +182,7 @@ pub(super) fn write_rank<T: Tensor>(
     }
     let local = layout.local_params(params)?;
     // Host copies of the local tensors (views for HostTensor), kept alive while writing.
-    let mut hosts: Vec<Vec<(String, Value<HostTensor>)>> = Vec::new();
-    let mut saved: Vec<&LocalParam> = Vec::new();
+    let mut saved: Saved = Vec::new();
     for l in &local {
         let Some(st) = osd.state.get(&l.key) else {
             continue;
@@ -186,17 +200,132 @@ pub(super) fn write_rank<T: Tensor>(
             }
             vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
         }
-        hosts.push(vals);
-        saved.push(l);
+        saved.push((l, vals));
+    }
+    // The model's parameters, as one more state of every parameter of the model.
+    let model_local = match model {
+        Some(_) => layout.local_params(&OptimParams::single(layout.default_optim_params()))?,
+        None => Vec::new(),
+    };
+    let mut model_saved: Saved = Vec::new();
+    if let Some(model) = model {
+        if model.len() != model_local.len() {
+            return Err(Error::InvalidStateDict(format!(
+                "rank {layout_rank}: {} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
+                model.len(),
+                model_local.len()
+            )));
+        }
+        for (l, t) in model_local.iter().zip(model) {
+            let Some(t) = t else { continue };
+            if matches!(l.resolved, Resolved::Orig { owner: None, .. }) && layout_rank != 0 {
+                continue;
+            }
+            let v = Value::Tensor(t.to_host()?);
+            model_saved.push((l, vec![(MODEL_PARAM_STATE.to_string(), v)]));
+        }
     }
     // Per saved key: its member keys (flat) or itself, with the element ranges this rank holds.
-    let mut report_params: Vec<(OptimStateKey, Vec<(String, LocalValue)>)> = Vec::new();
+    let mut report_params: KeyedStates = Vec::new();
     let mut plan = Plan {
         entries: Vec::new(),
         data: Vec::new(),
         at: Vec::new(),
     };
-    for (l, vals) in saved.iter().zip(&hosts) {
+    plan_pieces(layout, layout_rank, &saved, &mut report_params, &mut plan)?;
+    let n_optim = report_params.len();
+    plan_pieces(
+        layout,
+        layout_rank,
+        &model_saved,
+        &mut report_params,
+        &mut plan,
+    )?;
+    // Write the file: header, then every piece back to back.
+    for (e, &(k, si, start, _)) in plan.entries.iter_mut().zip(&plan.at) {
+        let (state, _) = &report_params[k].1[si];
+        let section = if k >= n_optim { MODEL_ENTRY_PREFIX } else { "" };
+        e.name = format!("{section}{}/{state}/{start}", report_params[k].0.names[0]);
+    }
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), FORMAT.to_string());
+    meta.insert("rank".to_string(), layout_rank.to_string());
+    let (header, offsets) = container::header(&plan.entries, &meta)?;
+    let name = format!("rank{layout_rank}.safetensors");
+    let path = tmp.join(&name);
+    let mut file = File::create(&path).map_err(fs_err("creating", &path))?;
+    file.write_all(&header).map_err(fs_err("writing", &path))?;
+    let total: u64 = plan.entries.iter().map(|e| e.nbytes).sum();
+    let mut written = 0u64;
+    let mut writeback = super::Writeback::new(header.len() as u64);
+    for (i, bytes) in plan.data.iter().enumerate() {
+        if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
+            file.sync_all().map_err(fs_err("syncing", &path))?;
+            return Err(crash(CrashPoint::MidFile));
+        }
+        // In slices, so that the disk writes one slice back while the next is copied.
+        for slice in bytes.chunks(super::WRITEBACK_CHUNK) {
+            file.write_all(slice).map_err(fs_err("writing", &path))?;
+            writeback.wrote(&file, slice.len() as u64);
+        }
+        written += bytes.len() as u64;
+        let (k, state, start, len) = plan.at[i];
+        let piece = Piece {
+            file: layout_rank,
+            start,
+            len,
+            offset: offsets[i],
+            crc32c: block_checksums(bytes),
+        };
+        let (_, v) = &mut report_params[k].1[state];
+        if let LocalValue::Tensor { pieces, .. } = v {
+            pieces.push(piece);
+        }
+    }
+    if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 {
+        return Err(crash(CrashPoint::MidFile));
+    }
+    file.sync_all().map_err(fs_err("syncing", &path))?;
+    let len = header.len() as u64 + total;
+    let parts = (layout_rank == 0)
+        .then(|| dict_parts(layout, &local, osd))
+        .transpose()?;
+    Ok((
+        RankReport {
+            file: FileRecord {
+                name,
+                len,
+                header_len: header.len() as u64,
+                header_crc32c: crc32c::crc32c(&header),
+            },
+            model: report_params
+                .split_off(n_optim)
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .collect(),
+            params: report_params
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .collect(),
+        },
+        parts,
+    ))
+}
+
+/// Prefix of the data-file entry names of model parameter pieces (`@param/{name}/param/{start}`);
+/// `@` appears in no parameter name, so they never collide with optimizer state entries.
+pub(super) const MODEL_ENTRY_PREFIX: &str = "@param/";
+
+/// Queues the pieces of `saved` (local parameters with their host values) that this rank
+/// holds, adding each parameter's (member) keys and state slots to `report`.
+fn plan_pieces<'a>(
+    layout: &ModelLayout,
+    layout_rank: usize,
+    saved: &'a Saved,
+    report_params: &mut KeyedStates,
+    plan: &mut Plan<'a>,
+) -> Result<()> {
+    for (l, vals) in saved {
         match l.resolved {
             Resolved::Flat(f) => {
                 let fl = &layout.flat_params[f];
@@ -250,7 +379,7 @@ pub(super) fn write_rank<T: Tensor>(
                                     t.dtype(),
                                     &fl.members[member].shape,
                                 );
-                                push_entry(&mut plan, (k, si, start, len), t.dtype(), bytes);
+                                push_entry(plan, (k, si, start, len), t.dtype(), bytes);
                             }
                         }
                     }
@@ -283,12 +412,7 @@ pub(super) fn write_rank<T: Tensor>(
                             }
                             let si = tensor_slot(&mut report_params[k].1, n, t.dtype(), &shape);
                             if want > 0 {
-                                push_entry(
-                                    &mut plan,
-                                    (k, si, start, want),
-                                    t.dtype(),
-                                    t.as_bytes(),
-                                );
+                                push_entry(plan, (k, si, start, want), t.dtype(), t.as_bytes());
                             }
                         }
                         other => report_params[k]
@@ -299,64 +423,7 @@ pub(super) fn write_rank<T: Tensor>(
             }
         }
     }
-    // Write the file: header, then every piece back to back.
-    for (e, &(k, si, start, _)) in plan.entries.iter_mut().zip(&plan.at) {
-        let (state, _) = &report_params[k].1[si];
-        e.name = format!("{}/{state}/{start}", report_params[k].0.names[0]);
-    }
-    let mut meta = BTreeMap::new();
-    meta.insert("format".to_string(), FORMAT.to_string());
-    meta.insert("rank".to_string(), layout_rank.to_string());
-    let (header, offsets) = container::header(&plan.entries, &meta)?;
-    let name = format!("rank{layout_rank}.safetensors");
-    let path = tmp.join(&name);
-    let mut file = File::create(&path).map_err(fs_err("creating", &path))?;
-    file.write_all(&header).map_err(fs_err("writing", &path))?;
-    let total: u64 = plan.entries.iter().map(|e| e.nbytes).sum();
-    let mut written = 0u64;
-    for (i, bytes) in plan.data.iter().enumerate() {
-        if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
-            file.sync_all().map_err(fs_err("syncing", &path))?;
-            return Err(crash(CrashPoint::MidFile));
-        }
-        file.write_all(bytes).map_err(fs_err("writing", &path))?;
-        written += bytes.len() as u64;
-        let (k, state, start, len) = plan.at[i];
-        let piece = Piece {
-            file: layout_rank,
-            start,
-            len,
-            offset: offsets[i],
-            crc32c: block_checksums(bytes),
-        };
-        let (_, v) = &mut report_params[k].1[state];
-        if let LocalValue::Tensor { pieces, .. } = v {
-            pieces.push(piece);
-        }
-    }
-    if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 {
-        return Err(crash(CrashPoint::MidFile));
-    }
-    file.sync_all().map_err(fs_err("syncing", &path))?;
-    let len = header.len() as u64 + total;
-    let parts = (layout_rank == 0)
-        .then(|| dict_parts(layout, &local, osd))
-        .transpose()?;
-    Ok((
-        RankReport {
-            file: FileRecord {
-                name,
-                len,
-                header_len: header.len() as u64,
-                header_crc32c: crc32c::crc32c(&header),
-            },
-            params: report_params
-                .into_iter()
-                .filter(|(_, v)| !v.is_empty())
-                .collect(),
-        },
-        parts,
-    ))
+    Ok(())
 }
 
 /// The position of tensor state `name` in a parameter's list, added (without pieces) if
@@ -504,12 +571,66 @@ pub(super) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 /// `full_optim_state_dict`.
 fn merge(layout: &ModelLayout, ranks: Vec<RankReport>, parts: DictParts) -> Result<Manifest> {
     let files: Vec<FileRecord> = ranks.iter().map(|r| r.file.clone()).collect();
+    let (optim, model): (Vec<KeyedStates>, Vec<KeyedStates>) =
+        ranks.into_iter().map(|r| (r.params, r.model)).unzip();
+    let (mut order, merged) = merge_ranks(optim)?;
     // Key order: rank 0's order with use_orig_params=False; sorted keys otherwise (unmanaged
     // first, then flat parameters in first-appearance order, as consolidation does).
+    if layout.use_orig_params() {
+        order.sort();
+        let mut unmanaged: Vec<OptimStateKey> = Vec::new();
+        let mut groups: Vec<(usize, Vec<OptimStateKey>)> = Vec::new();
+        for k in order {
+            let flat = layout
+                .param_index(&k.names[0])
+                .and_then(|i| match layout.ownership[i] {
+                    crate::flat_param::Ownership::Flat { flat, .. } => Some(flat),
+                    crate::flat_param::Ownership::Unmanaged => None,
+                });
+            match flat {
+                Some(f) if k.managed => match groups.iter_mut().find(|(g, _)| *g == f) {
+                    Some((_, ks)) => ks.push(k),
+                    None => groups.push((f, vec![k])),
+                },
+                _ => unmanaged.push(k),
+            }
+        }
+        order = unmanaged;
+        order.extend(groups.into_iter().flat_map(|(_, ks)| ks));
+    }
+    let params = records(order, merged);
+    // Model parameters in model order.
+    let (mut model_order, model_merged) = merge_ranks(model)?;
+    model_order.sort_by_key(|k| layout.param_index(&k.names[0]));
+    let model_params = records(model_order, model_merged);
+    Ok(Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: layout.model.clone(),
+        policy: layout.policy.clone(),
+        world_size: layout.world_size,
+        named: parts.named,
+        files,
+        params,
+        param_groups: parts.param_groups,
+        user_state: parts.user_state,
+        model_params,
+    })
+}
+
+/// Per state key, the state values of every rank merged (pieces collected, scalars checked
+/// equal), with the keys in first-appearance order.
+#[allow(clippy::type_complexity)]
+fn merge_ranks(
+    lists: Vec<KeyedStates>,
+) -> Result<(
+    Vec<OptimStateKey>,
+    HashMap<OptimStateKey, Vec<(String, StoredValue, usize)>>,
+)> {
     let mut order: Vec<OptimStateKey> = Vec::new();
     let mut merged: HashMap<OptimStateKey, Vec<(String, StoredValue, usize)>> = HashMap::new();
-    for (r, report) in ranks.into_iter().enumerate() {
-        for (key, vals) in report.params {
+    for (r, list) in lists.into_iter().enumerate() {
+        for (key, vals) in list {
             let entry = match merged.get_mut(&key) {
                 Some(e) => e,
                 None => {
@@ -555,28 +676,14 @@ fn merge(layout: &ModelLayout, ranks: Vec<RankReport>, parts: DictParts) -> Resu
             }
         }
     }
-    if layout.use_orig_params() {
-        order.sort();
-        let mut unmanaged: Vec<OptimStateKey> = Vec::new();
-        let mut groups: Vec<(usize, Vec<OptimStateKey>)> = Vec::new();
-        for k in order {
-            let flat = layout
-                .param_index(&k.names[0])
-                .and_then(|i| match layout.ownership[i] {
-                    crate::flat_param::Ownership::Flat { flat, .. } => Some(flat),
-                    crate::flat_param::Ownership::Unmanaged => None,
-                });
-            match flat {
-                Some(f) if k.managed => match groups.iter_mut().find(|(g, _)| *g == f) {
-                    Some((_, ks)) => ks.push(k),
-                    None => groups.push((f, vec![k])),
-                },
-                _ => unmanaged.push(k),
-            }
-        }
-        order = unmanaged;
-        order.extend(groups.into_iter().flat_map(|(_, ks)| ks));
-    }
+    Ok((order, merged))
+}
+
+/// The manifest records of merged keys, in `order`, pieces sorted.
+fn records(
+    order: Vec<OptimStateKey>,
+    mut merged: HashMap<OptimStateKey, Vec<(String, StoredValue, usize)>>,
+) -> Vec<ParamRecord> {
     let mut params = Vec::with_capacity(order.len());
     for key in order {
         let vals = merged.remove(&key).unwrap_or_default();
@@ -592,18 +699,7 @@ fn merge(layout: &ModelLayout, ranks: Vec<RankReport>, parts: DictParts) -> Resu
             states,
         });
     }
-    Ok(Manifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        model: layout.model.clone(),
-        policy: layout.policy.clone(),
-        world_size: layout.world_size,
-        named: parts.named,
-        files,
-        params,
-        param_groups: parts.param_groups,
-        user_state: parts.user_state,
-    })
+    params
 }
 
 fn to_stored(v: LocalValue) -> StoredValue {

@@ -105,6 +105,7 @@ pub fn consolidate_to_safetensors(
             .map_err(fs_err("creating", &tmp))?;
         let mut w = BufWriter::with_capacity(1 << 20, file);
         w.write_all(&header).map_err(fs_err("writing", &tmp))?;
+        let mut writeback = super::Writeback::new(0);
         let mut reader = Reader::new(dir, &manifest, true);
         let mut block = Vec::new();
         let mut written = 0u64;
@@ -134,6 +135,7 @@ pub fn consolidate_to_safetensors(
                 block.resize(take * size, 0);
                 reader.read_range(&what, pieces, size, at, &mut block)?;
                 w.write_all(&block).map_err(fs_err("writing", &tmp))?;
+                writeback.wrote(w.get_ref(), block.len() as u64);
                 at += take;
                 written += block.len() as u64;
                 progress(written);
