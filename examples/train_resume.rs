@@ -567,9 +567,6 @@ fn run_rank(pg: Arc<dyn ProcessGroup>, phase: &Phase) -> BoxResult<Curve> {
 /// With the `mpi` feature, a process started by `mpirun` (which sets `OMPI_COMM_WORLD_SIZE`
 /// for Open MPI, `PMI_SIZE` for MPICH's Hydra) is one rank of `MPI_COMM_WORLD`. This is the one
 /// place that chooses the backend; NCCL (one process per GPU) would go here too.
-// `mpi` is declared by the branch that adds `MpiProcessGroup`; until it is merged the cfg
-// names an unknown feature, hence the allow.
-#[allow(unexpected_cfgs)]
 fn launcher_world() -> BoxResult<Option<Arc<dyn ProcessGroup>>> {
     #[cfg(feature = "mpi")]
     {

@@ -2,13 +2,18 @@
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
+//! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
+#[cfg(feature = "mpi")]
+mod mpi;
 #[cfg(all(feature = "nccl", target_os = "linux"))]
 pub mod nccl;
 mod reduce;
 pub mod rendezvous;
 mod threads;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::MpiProcessGroup;
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};
 pub use threads::{ThreadGroup, ThreadProcessGroup};
 
