@@ -717,6 +717,55 @@ fn a_background_save_writes_the_same_bytes_as_a_foreground_save_while_training_g
 }
 
 #[test]
+fn a_background_save_with_parameters_equals_the_foreground_one_while_parameters_change() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 2.0);
+    let values = synthetic_params(&ModelLayout::new(&model, &common::wrap(false), 1).unwrap());
+    let root = tmp();
+    let (fg, bg) = (root.path().join("fg"), root.path().join("bg"));
+    ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        let mut shards = shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values).unwrap();
+        fsdp.save_checkpoint(&local, &params, &shards, &fg, &SaveOptions::default())
+            .unwrap();
+        let mut saver = BackgroundSaver::new(1 << 30);
+        assert_eq!(
+            saver
+                .save_checkpoint(&fsdp, &local, &params, &shards, &bg)
+                .unwrap(),
+            SaveMode::Background
+        );
+        // The optimizer steps the parameters while the save is written.
+        for t in shards.iter_mut().flatten() {
+            for b in t.bytes_mut() {
+                *b = 0xCD;
+            }
+        }
+        saver.wait().unwrap();
+    });
+    assert_eq!(contents(&fg), contents(&bg));
+    assert_eq!(
+        read_manifest(&bg).unwrap().model_params.len(),
+        model.params.len()
+    );
+    // A cap below the state makes every rank save in the foreground, parameters included.
+    let small = root.path().join("small");
+    let modes = ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        let shards = shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values).unwrap();
+        BackgroundSaver::new(16)
+            .save_checkpoint(&fsdp, &local, &params, &shards, &small)
+            .unwrap()
+    });
+    assert_eq!(modes, [SaveMode::Foreground; 2]);
+    assert_eq!(contents(&small), contents(&fg));
+}
+
+#[test]
 fn consecutive_background_saves_wait_for_each_other_and_the_last_one_wins() {
     let model = common::nested_model();
     let root = tmp();

@@ -87,7 +87,31 @@ impl BackgroundSaver {
         params: &OptimParams,
         dir: impl AsRef<Path>,
     ) -> Result<SaveMode> {
-        let dir = dir.as_ref().to_path_buf();
+        self.start(fsdp, osd, params, None, dir.as_ref())
+    }
+
+    /// [`BackgroundSaver::save`] that also saves this rank's parameter tensors, as
+    /// [`Fsdp::save_checkpoint`] does (they count against the cap and are snapshotted too).
+    pub fn save_checkpoint<T: Tensor>(
+        &mut self,
+        fsdp: &Fsdp,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        model: &[Option<T>],
+        dir: impl AsRef<Path>,
+    ) -> Result<SaveMode> {
+        self.start(fsdp, osd, params, Some(model), dir.as_ref())
+    }
+
+    fn start<T: Tensor>(
+        &mut self,
+        fsdp: &Fsdp,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        model: Option<&[Option<T>]>,
+        dir: &Path,
+    ) -> Result<SaveMode> {
+        let dir = dir.to_path_buf();
         let pg = fsdp.world_process_group().clone();
         // The previous save finishes first, on every rank, so that two never interleave.
         let previous = self.wait();
@@ -99,14 +123,23 @@ impl BackgroundSaver {
                 Value::Tensor(t) => Some(t.numel() * t.dtype().size()),
                 _ => None,
             })
-            .sum();
+            .sum::<usize>()
+            + model
+                .unwrap_or_default()
+                .iter()
+                .flatten()
+                .map(|t| t.numel() * t.dtype().size())
+                .sum::<usize>();
         let fits: Vec<(bool, Option<Error>)> =
             pg.all_gather_object(&(need <= self.cap, previous.err()))?;
         if let Some(e) = fits.iter().find_map(|(_, e)| e.clone()) {
             return Err(e);
         }
         if fits.iter().any(|(fits, _)| !fits) {
-            fsdp.save_optim_checkpoint(osd, params, &dir, &SaveOptions::default())?;
+            match model {
+                Some(m) => fsdp.save_checkpoint(osd, params, m, &dir, &SaveOptions::default())?,
+                None => fsdp.save_optim_checkpoint(osd, params, &dir, &SaveOptions::default())?,
+            }
             return Ok(SaveMode::Foreground);
         }
         let rank = pg.rank();
@@ -126,6 +159,21 @@ impl BackgroundSaver {
                 })
             })
             .transpose()?;
+        let model_snapshot: Option<Vec<Option<HostTensor>>> = model
+            .filter(|_| writer)
+            .map(|m| {
+                m.iter()
+                    .map(|t| {
+                        t.as_ref()
+                            .map(|t| {
+                                let h = t.to_host()?;
+                                HostTensor::from_bytes(h.dtype(), h.shape(), h.as_bytes())
+                            })
+                            .transpose()
+                    })
+                    .collect()
+            })
+            .transpose()?;
         let layout = fsdp.layout().clone();
         let layout_rank = fsdp.rank();
         let writers = fsdp.world_size();
@@ -141,11 +189,12 @@ impl BackgroundSaver {
                         layout_rank,
                         &snapshot,
                         &params,
-                        None,
+                        model_snapshot.as_deref(),
                         &tmp,
                         &Default::default(),
                     );
                     drop(snapshot);
+                    drop(model_snapshot);
                     let failed = report.as_ref().err().cloned();
                     write_report(&tmp, layout_rank, &report.map(Some))?;
                     if let Some(e) = failed {
