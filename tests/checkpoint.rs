@@ -169,6 +169,40 @@ fn nested_model_saved_at_each_world_size_loads_at_every_other_with_either_wrappi
 }
 
 #[test]
+fn state_names_load_in_the_order_shard_full_gives_the_full_dict_whatever_the_saving_order() {
+    let model = common::nested_model();
+    // The optimizer's own order (torch.optim.Adam: step first), not the consolidated one.
+    let mut full = full_adam(&model, 3.0);
+    for st in full.state.values_mut() {
+        let step = st.shift_remove("step").unwrap();
+        st.shift_insert(0, "step".into(), step);
+    }
+    for policy in [
+        common::wrap(false),
+        common::wrap(false).with_orig_params(true),
+    ] {
+        let root = tmp();
+        let dir = root.path().join("ckpt");
+        for r in save_at(&model, &policy, 2, &full, &dir, &SaveOptions::default()) {
+            r.unwrap();
+        }
+        let consolidated = load_full(&dir, &LoadOptions::default()).unwrap();
+        for (rank, (loaded, _)) in load_at(&model, &common::wrap_alt(), 3, &full, &dir)
+            .iter()
+            .enumerate()
+        {
+            let expected = ThreadGroup::run(3, |pg| {
+                let fsdp = Fsdp::new(&model, &common::wrap_alt(), Arc::new(pg)).unwrap();
+                fsdp.shard_full_optim_state_dict(&consolidated, &fsdp.optim_params())
+                    .unwrap()
+            })
+            .swap_remove(rank);
+            assert_identical(loaded, &expected, &format!("rank {rank}"));
+        }
+    }
+}
+
+#[test]
 fn load_full_equals_full_optim_state_dict_in_key_order_too() {
     for (model, policy) in [
         (common::nested_model(), common::wrap(true)),

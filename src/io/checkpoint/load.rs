@@ -548,7 +548,8 @@ pub fn load<T: Tensor>(
     params: &OptimParams,
     opts: &LoadOptions,
 ) -> Result<OptimStateDict<T>> {
-    let manifest = read_manifest(dir)?;
+    let mut manifest = read_manifest(dir)?;
+    states_in_consolidated_order(&mut manifest)?;
     let records = index_records(dir, &manifest, layout)?;
     let mut src = CheckpointSource {
         reader: Reader::new(dir, &manifest, opts.verify),
@@ -684,19 +685,49 @@ pub fn load_full(dir: &Path, opts: &LoadOptions) -> Result<OptimStateDict> {
     })
 }
 
-/// The key order consolidation gives a managed parameter's state (PyTorch's): sorted
-/// positive-dim tensor states, then sorted 0-dim states, then sorted plain values; with
-/// `use_orig_params`, plain values, 0-dim states, then tensor states, each sorted.
-pub(super) fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
-    let mut entries: Vec<(String, Value)> = st.into_iter().collect();
-    let class = |v: &Value| match (v.is_pos_dim_tensor(), v.is_zero_dim_tensor(), orig) {
+/// Rank of a state kind in [`consolidated_order`]: (positive-dim tensor, 0-dim tensor,
+/// `use_orig_params`) → position class.
+fn consolidated_class(pos_dim: bool, zero_dim: bool, orig: bool) -> u8 {
+    match (pos_dim, zero_dim, orig) {
         (true, _, false) => 0,
         (false, true, false) => 1,
         (false, false, false) => 2,
         (false, false, true) => 0,
         (false, true, true) => 1,
         (true, _, true) => 2,
-    };
+    }
+}
+
+/// Puts every managed parameter's stored states in the order [`consolidated_order`] gives the
+/// full dict (the saving optimizer's order is kept in the manifest), so that a load lists state
+/// names as `shard_full_optim_state_dict` of the full dict does.
+fn states_in_consolidated_order(manifest: &mut Manifest) -> Result<()> {
+    let layout = ModelLayout::new(&manifest.model, &manifest.policy, manifest.world_size)?;
+    let orig = layout.use_orig_params();
+    for rec in &mut manifest.params {
+        let managed = layout
+            .param_index(&rec.name)
+            .is_some_and(|i| layout.ownership[i] != Ownership::Unmanaged);
+        if managed {
+            let class = |v: &StoredValue| match v {
+                StoredValue::Tensor { .. } => consolidated_class(true, false, orig),
+                StoredValue::Value(v) => {
+                    consolidated_class(v.is_pos_dim_tensor(), v.is_zero_dim_tensor(), orig)
+                }
+            };
+            rec.states
+                .sort_by(|(a, va), (b, vb)| class(va).cmp(&class(vb)).then_with(|| a.cmp(b)));
+        }
+    }
+    Ok(())
+}
+
+/// The key order consolidation gives a managed parameter's state (PyTorch's): sorted
+/// positive-dim tensor states, then sorted 0-dim states, then sorted plain values; with
+/// `use_orig_params`, plain values, 0-dim states, then tensor states, each sorted.
+pub(super) fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
+    let mut entries: Vec<(String, Value)> = st.into_iter().collect();
+    let class = |v: &Value| consolidated_class(v.is_pos_dim_tensor(), v.is_zero_dim_tensor(), orig);
     entries.sort_by(|(a, va), (b, vb)| class(va).cmp(&class(vb)).then_with(|| a.cmp(b)));
     entries.into_iter().collect()
 }
