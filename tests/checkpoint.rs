@@ -240,9 +240,14 @@ fn use_orig_params_checkpoint_loads_into_flat_wrapping_at_another_world_size() {
     for r in save_at(&model, &orig, 4, &full, &dir, &SaveOptions::default()) {
         r.unwrap();
     }
+    // The checkpoint's full dict is what full_optim_state_dict returns under use_orig_params
+    // (state names in that consolidated order); loads equal shard_full of it.
+    let consolidated = load_full(&dir, &LoadOptions::default()).unwrap();
+    common::assert_same_state(&consolidated, &full, "load_full");
     for (policy, ws) in [(common::wrap_alt(), 3), (orig.clone(), 2), (orig, 5)] {
-        for (rank, (loaded, expected)) in
-            load_at(&model, &policy, ws, &full, &dir).iter().enumerate()
+        for (rank, (loaded, expected)) in load_at(&model, &policy, ws, &consolidated, &dir)
+            .iter()
+            .enumerate()
         {
             assert_identical(loaded, expected, &format!("ws {ws}, rank {rank}"));
         }
