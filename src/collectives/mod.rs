@@ -4,6 +4,7 @@
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
 //! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
+mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(all(feature = "nccl", target_os = "linux"))]

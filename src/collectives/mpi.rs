@@ -1,6 +1,7 @@
 //! MPI backend (feature `mpi`): one rank per process, collectives over an MPI communicator (see
 //! [`MpiProcessGroup`]).
 
+use super::failure::FailureKind;
 use super::{check_reduction, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
@@ -1151,51 +1152,6 @@ impl CommState {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Why a communicator stopped working.
-enum FailureKind {
-    Mismatch {
-        detail: String,
-    },
-    Invalid {
-        op: &'static str,
-        rank: usize,
-        reason: String,
-    },
-}
-
-impl FailureKind {
-    /// The error `rank` gets for calling `op`; `same_round` when that call is the one that
-    /// failed, otherwise it is refused because of the earlier failure.
-    fn error(&self, op: &str, rank: usize, same_round: bool) -> Error {
-        match self {
-            FailureKind::Mismatch { detail } => Error::CollectiveMismatch {
-                rank,
-                detail: if same_round {
-                    detail.clone()
-                } else {
-                    format!("{op} refused: the group failed earlier: {detail}")
-                },
-            },
-            FailureKind::Invalid {
-                op: failed,
-                rank: culprit,
-                reason,
-            } => Error::InvalidCollective {
-                op: op.into(),
-                rank,
-                reason: format!(
-                    "{}rank {culprit} passed invalid arguments to {failed}: {reason}",
-                    if same_round {
-                        ""
-                    } else {
-                        "the group failed earlier: "
-                    }
-                ),
-            },
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! In-process thread backend: one rank per thread, ranks meet in shared memory (see
 //! [`ThreadGroup`] for the protocol).
 
+use super::failure::FailureKind;
 use super::{check_reduction, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
@@ -847,74 +848,10 @@ struct Failure {
     kind: FailureKind,
 }
 
-enum FailureKind {
-    Timeout {
-        op: &'static str,
-        waited: Duration,
-        missing: Vec<usize>,
-    },
-    PeerDied {
-        peer: usize,
-    },
-    Mismatch {
-        detail: String,
-    },
-    Invalid {
-        op: &'static str,
-        rank: usize,
-        reason: String,
-    },
-}
-
 impl Failure {
-    /// The error `rank` gets for calling `op`; `same_round` when that call is the one that
-    /// failed, otherwise it is refused because of the earlier failure.
+    /// The error `rank` gets for calling `op` (see [`FailureKind::error`]).
     fn error(&self, op: &str, rank: usize, same_round: bool) -> Error {
-        match &self.kind {
-            FailureKind::Timeout {
-                op: failed,
-                waited,
-                missing,
-            } => Error::CollectiveTimeout {
-                op: if same_round {
-                    op.into()
-                } else {
-                    format!("{op} (refused: the group failed earlier when {failed} timed out)")
-                },
-                rank,
-                waited: *waited,
-                missing: missing.clone(),
-            },
-            FailureKind::PeerDied { peer } => Error::PeerDied {
-                op: op.into(),
-                rank,
-                peer: *peer,
-            },
-            FailureKind::Mismatch { detail } => Error::CollectiveMismatch {
-                rank,
-                detail: if same_round {
-                    detail.clone()
-                } else {
-                    format!("{op} refused: the group failed earlier: {detail}")
-                },
-            },
-            FailureKind::Invalid {
-                op: failed,
-                rank: culprit,
-                reason,
-            } => Error::InvalidCollective {
-                op: op.into(),
-                rank,
-                reason: format!(
-                    "{}rank {culprit} passed invalid arguments to {failed}: {reason}",
-                    if same_round {
-                        ""
-                    } else {
-                        "the group failed earlier: "
-                    }
-                ),
-            },
-        }
+        self.kind.error(op, rank, same_round)
     }
 }
 
