@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::flat_param::ModelLayout;
-use fsdp::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use fsdp::optim::{Optimizer, Sgd, SgdConfig};
 use fsdp::optim_state::consolidate::chunk_dim0;
 use fsdp::{
     Fsdp, ModelDesc, OptimParams, OptimStateDict, OptimStateDictConfig, OptimStateKeyType,
@@ -18,24 +18,6 @@ use fsdp::{
 use std::sync::Arc;
 
 const STEPS: usize = 3;
-
-/// `optim_class(optim_input, lr=0.01)`, the second group `{"params": ..., "weight_decay": 0.9}`.
-fn make_adam(input: &OptimParams) -> Box<dyn Optimizer> {
-    let mut adam = Adam::new(
-        input.clone(),
-        AdamConfig {
-            lr: 0.01,
-            ..AdamConfig::default()
-        },
-    )
-    .unwrap();
-    if input.groups.len() > 1 {
-        adam = adam
-            .with_group_options(1, [("weight_decay", Value::Float(0.9))])
-            .unwrap();
-    }
-    Box::new(adam)
-}
 
 fn make_sgd(input: &OptimParams) -> Box<dyn Optimizer> {
     Box::new(

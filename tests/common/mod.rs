@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use fsdp::flat_param::ModelLayout;
+use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{
     DType, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, ParamKey, Value,
@@ -252,4 +253,23 @@ pub fn assert_same_groups(a: &OptimStateDict, b: &OptimStateDict, keys: bool, wh
             assert_eq!(x.params, y.params, "{what}: params");
         }
     }
+}
+
+/// `optim_class(optim_input, lr=0.01)`, the second group `{"params": ..., "weight_decay": 0.9}`
+/// (the Adam of PyTorch's `test_fsdp_optim_state.py`).
+pub fn make_adam(input: &OptimParams) -> Box<dyn Optimizer> {
+    let mut adam = Adam::new(
+        input.clone(),
+        AdamConfig {
+            lr: 0.01,
+            ..AdamConfig::default()
+        },
+    )
+    .unwrap();
+    if input.groups.len() > 1 {
+        adam = adam
+            .with_group_options(1, [("weight_decay", Value::Float(0.9))])
+            .unwrap();
+    }
+    Box::new(adam)
 }

@@ -11,7 +11,7 @@ use fsdp::collectives::{
 };
 use fsdp::flat_param::ModelLayout;
 use fsdp::io::checkpoint::{LoadOptions, SaveOptions};
-use fsdp::optim::{Adam, AdamConfig, Optimizer};
+use fsdp::optim::Optimizer;
 use fsdp::{
     DType, Error, Fsdp, ModelDesc, OptimParams, OptimStateDict, OptimStateDictConfig,
     OptimStateKeyType, StateDictType, Value, WrapPolicy,
@@ -437,23 +437,6 @@ fn errors(world: &Arc<MpiProcessGroup>) {
 }
 
 // ----- the scenario matrix -----
-
-fn make_adam(input: &OptimParams) -> Box<dyn Optimizer> {
-    let mut adam = Adam::new(
-        input.clone(),
-        AdamConfig {
-            lr: 0.01,
-            ..AdamConfig::default()
-        },
-    )
-    .unwrap();
-    if input.groups.len() > 1 {
-        adam = adam
-            .with_group_options(1, [("weight_decay", Value::Float(0.9))])
-            .unwrap();
-    }
-    Box::new(adam)
-}
 
 fn train(layout: &ModelLayout, rank: usize, input: &OptimParams, optim: &mut dyn Optimizer) {
     let mut slots = Slots::new(layout, rank, input);
