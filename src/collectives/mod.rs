@@ -4,6 +4,7 @@
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
 //! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
+mod args;
 mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -84,12 +85,7 @@ pub trait ProcessGroup: Send + Sync {
             rank: self.rank(),
             reason,
         };
-        if n.checked_mul(ws) != Some(send.len()) {
-            return Err(invalid(format!(
-                "send has {} bytes, expected recv length {n} x world size {ws}",
-                send.len()
-            )));
-        }
+        args::reduce_scattered(send.len(), n, dtype, op, ws).map_err(invalid)?;
         let me = self.rank();
         let parts: Vec<&[u8]> = (0..ws)
             .map(|r| &gathered[r * send.len() + me * n..][..n])

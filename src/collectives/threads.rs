@@ -2,7 +2,7 @@
 //! [`ThreadGroup`] for the protocol).
 
 use super::failure::FailureKind;
-use super::{check_reduction, reduce_parts, ProcessGroup, ReduceOp};
+use super::{args, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::fmt;
@@ -326,13 +326,7 @@ impl ProcessGroup for ThreadProcessGroup {
 
     fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let (n, ws) = (send.len(), self.world_size());
-        let valid = match n.checked_mul(ws) {
-            Some(total) if total == recv.len() => Ok(()),
-            _ => Err(format!(
-                "recv has {} bytes, expected send length {n} x world size {ws}",
-                recv.len()
-            )),
-        };
+        let valid = args::gathered(n, recv.len(), ws);
         self.collective(
             OpDesc::AllGatherInto { len: n },
             Publish::send(send),
@@ -397,21 +391,16 @@ impl ProcessGroup for ThreadProcessGroup {
     fn gather_into(&self, send: &[u8], recv: Option<&mut [u8]>, root: usize) -> Result<()> {
         let (n, ws) = (send.len(), self.world_size());
         let op = OpDesc::GatherInto { root, len: n };
-        let mut valid = self.check_root(root);
+        let is_root = self.rank == root;
+        let valid = self.check_root(root).and(args::gather_root(
+            n,
+            recv.as_deref().map(<[u8]>::len),
+            is_root,
+            ws,
+        ));
         let mut publish = Publish::send(send);
-        if self.rank == root {
-            match recv {
-                Some(recv) if Some(recv.len()) == n.checked_mul(ws) => {
-                    publish.recv = RawMut::new(recv);
-                }
-                Some(recv) => {
-                    valid = Err(format!(
-                        "root recv has {} bytes, expected send length {n} x world size {ws}",
-                        recv.len()
-                    ))
-                }
-                None => valid = Err("the root rank must pass a receive buffer".into()),
-            }
+        if let (true, Ok(()), Some(recv)) = (is_root, &valid, recv) {
+            publish.recv = RawMut::new(recv);
         }
         let rank = self.rank;
         self.collective(op, publish, valid, |round| {
@@ -425,24 +414,16 @@ impl ProcessGroup for ThreadProcessGroup {
     fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()> {
         let ws = self.world_size();
         let op = OpDesc::ScatterInto { root };
-        let mut valid = self.check_root(root);
+        let is_root = self.rank == root;
+        let valid =
+            self.check_root(root)
+                .and(args::scatter_root(send.map(<[&[u8]]>::len), is_root, ws));
         let mut publish = Publish {
             recv_len: recv.len(),
             ..Publish::default()
         };
-        if self.rank == root {
-            match send {
-                Some(parts) if parts.len() == ws => {
-                    publish.parts = parts.iter().map(|p| RawBytes::new(p)).collect();
-                }
-                Some(parts) => {
-                    valid = Err(format!(
-                        "root passed {} parts, expected one per rank ({ws})",
-                        parts.len()
-                    ))
-                }
-                None => valid = Err("the root rank must pass the parts to send".into()),
-            }
+        if let (true, Ok(()), Some(parts)) = (is_root, &valid, send) {
+            publish.parts = parts.iter().map(|p| RawBytes::new(p)).collect();
         }
         let rank = self.rank;
         // Part lengths were matched against every receive buffer at arrival.
@@ -460,13 +441,7 @@ impl ProcessGroup for ThreadProcessGroup {
         op: ReduceOp,
     ) -> Result<()> {
         let (n, ws) = (recv.len(), self.world_size());
-        let valid = check_reduction(dtype, op, n).and_then(|()| match n.checked_mul(ws) {
-            Some(total) if total == send.len() => Ok(()),
-            _ => Err(format!(
-                "send has {} bytes, expected recv length {n} x world size {ws}",
-                send.len()
-            )),
-        });
+        let valid = args::reduce_scattered(send.len(), n, dtype, op, ws);
         let desc = OpDesc::ReduceScatterInto { len: n, dtype, op };
         let rank = self.rank;
         self.collective(desc, Publish::send(send), valid, |round| {
@@ -487,7 +462,7 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
-        let valid = check_subgroup(ranks, self.world_size());
+        let valid = args::subgroup(ranks, self.world_size());
         let position = ranks.iter().position(|&r| r == self.rank);
         self.collective(
             OpDesc::NewSubgroup {
@@ -510,36 +485,9 @@ impl ProcessGroup for ThreadProcessGroup {
 }
 
 impl ThreadProcessGroup {
-    fn check_root(&self, root: usize) -> std::result::Result<(), String> {
-        if root < self.world_size() {
-            Ok(())
-        } else {
-            Err(format!(
-                "root {root} is out of range for world size {}",
-                self.world_size()
-            ))
-        }
+    fn check_root(&self, root: usize) -> args::Check {
+        args::root(root, self.world_size())
     }
-}
-
-pub(super) fn check_subgroup(
-    ranks: &[usize],
-    world_size: usize,
-) -> std::result::Result<(), String> {
-    if ranks.is_empty() {
-        return Err("the sub-group has no ranks".into());
-    }
-    if let Some(r) = ranks.iter().find(|&&r| r >= world_size) {
-        return Err(format!(
-            "rank {r} of sub-group {ranks:?} is out of range for world size {world_size}"
-        ));
-    }
-    for (i, r) in ranks.iter().enumerate() {
-        if ranks[..i].contains(r) {
-            return Err(format!("rank {r} appears twice in sub-group {ranks:?}"));
-        }
-    }
-    Ok(())
 }
 
 /// What a rank called, as compared across ranks.

@@ -39,8 +39,7 @@ pub use probe::{probe, Libraries};
 
 use self::codes::{driver_error, nccl_error};
 use super::rendezvous::{LaunchEnv, TcpRendezvous};
-use super::threads::check_subgroup;
-use super::{check_reduction, ProcessGroup, ReduceOp};
+use super::{args, check_reduction, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -451,15 +450,8 @@ impl NcclProcessGroup {
         Ok(())
     }
 
-    fn check_root(&self, root: usize) -> std::result::Result<(), String> {
-        if root < self.world_size {
-            Ok(())
-        } else {
-            Err(format!(
-                "root {root} is out of range for world size {}",
-                self.world_size
-            ))
-        }
+    fn check_root(&self, root: usize) -> args::Check {
+        args::root(root, self.world_size)
     }
 }
 
@@ -620,16 +612,7 @@ impl ProcessGroup for NcclProcessGroup {
 
     fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let comm = self.lock("all_gather_into")?;
-        let valid = if send.len().checked_mul(self.world_size) == Some(recv.len()) {
-            Ok(())
-        } else {
-            Err(format!(
-                "recv has {} bytes, expected send length {} x world size {}",
-                recv.len(),
-                send.len(),
-                self.world_size
-            ))
-        };
+        let valid = args::gathered(send.len(), recv.len(), self.world_size);
         self.agree(&comm, Desc::new(0, send.len(), 0), valid)?;
         self.gather_host(&comm, "all_gather_into", send, recv)
     }
@@ -688,17 +671,12 @@ impl ProcessGroup for NcclProcessGroup {
         let op = "gather_into";
         let comm = self.lock(op)?;
         let n = send.len();
-        let valid = self
-            .check_root(root)
-            .and_then(|()| match (&recv, self.rank == root) {
-                (None, true) => Err("the root rank must pass a receive buffer".to_string()),
-                (Some(r), true) if Some(r.len()) != n.checked_mul(self.world_size) => Err(format!(
-                    "recv has {} bytes, expected send length {n} x world size {}",
-                    r.len(),
-                    self.world_size
-                )),
-                _ => Ok(()),
-            });
+        let valid = self.check_root(root).and(args::gather_root(
+            n,
+            recv.as_deref().map(<[u8]>::len),
+            self.rank == root,
+            self.world_size,
+        ));
         self.agree(&comm, Desc::new(4, n, root), valid)?;
         if n == 0 {
             return Ok(());
@@ -762,16 +740,11 @@ impl ProcessGroup for NcclProcessGroup {
         let op = "scatter_into";
         let comm = self.lock(op)?;
         let ws = self.world_size;
-        let valid = self
-            .check_root(root)
-            .and_then(|()| match (send, self.rank == root) {
-                (None, true) => Err("the root rank must pass the parts".to_string()),
-                (Some(p), true) if p.len() != ws => Err(format!(
-                    "the root passed {} parts for world size {ws}",
-                    p.len()
-                )),
-                _ => Ok(()),
-            });
+        let valid = self.check_root(root).and(args::scatter_root(
+            send.map(<[&[u8]]>::len),
+            self.rank == root,
+            ws,
+        ));
         self.agree(&comm, Desc::new(5, 0, root), valid)?;
         // The root's part lengths, so that every rank checks its receive buffer.
         let mut lens = vec![0u8; 8 * ws];
@@ -876,18 +849,7 @@ impl ProcessGroup for NcclProcessGroup {
     ) -> Result<()> {
         let name = "reduce_scatter_into";
         let comm = self.lock(name)?;
-        let valid = check_reduction(dtype, op, recv.len()).and_then(|()| {
-            if recv.len().checked_mul(self.world_size) == Some(send.len()) {
-                Ok(())
-            } else {
-                Err(format!(
-                    "send has {} bytes, expected recv length {} x world size {}",
-                    send.len(),
-                    recv.len(),
-                    self.world_size
-                ))
-            }
-        });
+        let valid = args::reduce_scattered(send.len(), recv.len(), dtype, op, self.world_size);
         self.agree(
             &comm,
             Desc::new(6, recv.len(), Reduction::encode(dtype, op)),
@@ -966,7 +928,7 @@ impl ProcessGroup for NcclProcessGroup {
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let op = "new_subgroup";
         let comm = self.lock(op)?;
-        let valid = check_subgroup(ranks, self.world_size);
+        let valid = args::subgroup(ranks, self.world_size);
         self.agree(
             &comm,
             Desc::new(9, ranks.len(), subgroup_hash(ranks)),
