@@ -129,10 +129,31 @@ impl ModelDesc {
         self.params.iter().map(ParamSpec::numel).sum()
     }
 
-    /// Checks names are unique and non-empty and aliases point at existing parameters.
+    /// Checks names are unique and non-empty, aliases point at existing parameters, and the
+    /// model's bytes are countable (every shape's product, and their sum, at most `isize::MAX`
+    /// bytes: a shape read from a file can claim anything).
     pub fn validate(&self) -> Result<()> {
         let mut seen = HashMap::new();
+        let mut total_bytes = 0usize;
         for (i, p) in self.params.iter().enumerate() {
+            let bytes = p
+                .shape
+                .iter()
+                .try_fold(p.dtype.size(), |a, &d| a.checked_mul(d))
+                .and_then(|b| total_bytes.checked_add(b))
+                .filter(|&t| t <= isize::MAX as usize);
+            match bytes {
+                Some(t) => total_bytes = t,
+                None => {
+                    return Err(Error::InvalidModel(format!(
+                        "parameter `{}` of shape {:?} ({}) takes the model past {} bytes",
+                        p.name,
+                        p.shape,
+                        p.dtype,
+                        isize::MAX
+                    )))
+                }
+            }
             if p.name.is_empty() || p.name.starts_with('.') || p.name.ends_with('.') {
                 return Err(Error::InvalidModel(format!(
                     "parameter {i} has an invalid name `{}`",
@@ -410,5 +431,28 @@ mod tests {
         let m = ModelDesc::new().param("a.w", &[1], DType::F32);
         let e = WrapPolicy::units(&["b"]).validate(&m).unwrap_err();
         assert!(e.to_string().contains("`b`"), "{e}");
+    }
+
+    #[test]
+    fn shapes_whose_bytes_cannot_be_counted_are_refused_not_wrapped() {
+        let huge = 1usize << 40;
+        // One shape whose product overflows usize.
+        let m = ModelDesc::new().param("w", &[huge, huge], DType::F32);
+        let e = m.validate().unwrap_err();
+        assert!(matches!(e, Error::InvalidModel(_)), "{e}");
+        assert!(e.to_string().contains("parameter `w`"), "{e}");
+        // Shapes that fit one by one but not together.
+        let half = (isize::MAX as usize) / 4 / 2 + 1;
+        let m = ModelDesc::new()
+            .param("a", &[half], DType::F32)
+            .param("b", &[half], DType::F32);
+        let e = m.validate().unwrap_err();
+        assert!(e.to_string().contains("parameter `b`"), "{e}");
+        // The layout refuses such a model with the same error instead of overflowing.
+        let e = crate::flat_param::ModelLayout::new(&m, &WrapPolicy::units::<&str>(&[]), 2).unwrap_err();
+        assert!(matches!(e, Error::InvalidModel(_)), "{e}");
+        // A model at the limit is fine.
+        let m = ModelDesc::new().param("a", &[half - 1], DType::F32);
+        m.validate().unwrap();
     }
 }
