@@ -449,7 +449,8 @@ mod tests {
         let e = m.validate().unwrap_err();
         assert!(e.to_string().contains("parameter `b`"), "{e}");
         // The layout refuses such a model with the same error instead of overflowing.
-        let e = crate::flat_param::ModelLayout::new(&m, &WrapPolicy::units::<&str>(&[]), 2).unwrap_err();
+        let e = crate::flat_param::ModelLayout::new(&m, &WrapPolicy::units::<&str>(&[]), 2)
+            .unwrap_err();
         assert!(matches!(e, Error::InvalidModel(_)), "{e}");
         // A model at the limit is fine.
         let m = ModelDesc::new().param("a", &[half - 1], DType::F32);
