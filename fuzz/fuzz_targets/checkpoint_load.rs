@@ -1,11 +1,25 @@
 //! Feeds arbitrary bytes to the sharded-checkpoint loader: the input is split into a manifest
 //! and one rank data file, committed with a matching marker (so the manifest parser, the
-//! consistency checks and the ranged, checksummed reads are all reached), then verified and
-//! consolidated. Every outcome must be a value or a typed error, never a panic.
+//! consistency checks and the ranged, checksummed reads are all reached), then verified,
+//! consolidated, and — when the manifest describes a small model — loaded shard by shard at
+//! its own world size and at one more rank, optimizer state and model parameters alike.
+//! Every outcome must be a value or a typed error, never a panic.
+//!
+//! Seeds: `cargo run --bin make_seeds` (in `fuzz/`) writes real one-rank checkpoints in this
+//! input format to `corpus/checkpoint_load/`.
 #![no_main]
 
-use fsdp::io::checkpoint::{load_full, verify, LoadOptions, COMMIT, FORMAT, MANIFEST, VERSION};
+use fsdp::flat_param::ModelLayout;
+use fsdp::io::checkpoint::{
+    load, load_full, load_model_params, read_manifest, verify, LoadOptions, COMMIT, FORMAT,
+    MANIFEST, VERSION,
+};
+use fsdp::{HostTensor, OptimParams};
 use libfuzzer_sys::fuzz_target;
+
+/// Models larger than this many elements are not loaded shard by shard: a manifest can claim
+/// any size, and in real use the shapes come from the caller's own model, not the file.
+const MAX_NUMEL: usize = 1 << 16;
 
 fuzz_target!(|data: &[u8]| {
     let split = data.iter().position(|&b| b == 0).unwrap_or(data.len());
@@ -23,8 +37,28 @@ fuzz_target!(|data: &[u8]| {
     let ok = std::fs::write(dir.join(MANIFEST), manifest).is_ok()
         && std::fs::write(dir.join(COMMIT), commit).is_ok()
         && std::fs::write(dir.join("rank0.safetensors"), file).is_ok();
-    if ok {
-        let _ = verify(&dir);
-        let _ = load_full(&dir, &LoadOptions { verify: false });
+    if !ok {
+        return;
+    }
+    let _ = verify(&dir);
+    let _ = load_full(&dir, &LoadOptions { verify: false });
+    let Ok(m) = read_manifest(&dir) else {
+        return;
+    };
+    if m.model.numel() > MAX_NUMEL || !(1..=4).contains(&m.world_size) {
+        return;
+    }
+    for ws in [m.world_size, m.world_size + 1] {
+        let Ok(layout) = ModelLayout::new(&m.model, &m.policy, ws) else {
+            continue;
+        };
+        let params = OptimParams::single(layout.default_optim_params());
+        for rank in 0..ws {
+            for verify in [true, false] {
+                let opts = LoadOptions { verify };
+                let _ = load::<HostTensor>(&dir, &layout, rank, &params, &opts);
+                let _ = load_model_params::<HostTensor>(&dir, &layout, rank, &opts);
+            }
+        }
     }
 });
