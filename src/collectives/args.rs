@@ -90,6 +90,21 @@ pub(crate) fn subgroup(ranks: &[usize], world_size: usize) -> Check {
     Ok(())
 }
 
+/// FNV-1a over a sub-group's ranks, in order: the MPI and NCCL backends exchange this digest
+/// instead of the lists, so ranks passing different lists (or orders) disagree. (The thread
+/// backend compares the lists themselves.)
+#[cfg(any(test, feature = "mpi", all(feature = "nccl", target_os = "linux")))]
+pub(crate) fn subgroup_digest(ranks: &[usize]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &r in ranks {
+        for b in (r as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -145,5 +160,12 @@ mod tests {
         assert!(subgroup(&[], 2).unwrap_err().contains("no ranks"));
         assert!(subgroup(&[0, 2], 2).unwrap_err().contains("out of range"));
         assert!(subgroup(&[1, 1], 2).unwrap_err().contains("twice"));
+    }
+
+    #[test]
+    fn subgroup_digests_depend_on_the_ranks_and_their_order() {
+        assert_eq!(subgroup_digest(&[0, 1]), subgroup_digest(&[0, 1]));
+        assert_ne!(subgroup_digest(&[0, 1]), subgroup_digest(&[1, 0]));
+        assert_ne!(subgroup_digest(&[0, 1]), subgroup_digest(&[0, 2]));
     }
 }

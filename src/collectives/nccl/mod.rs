@@ -589,18 +589,6 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-fn subgroup_hash(ranks: &[usize]) -> usize {
-    // FNV-1a over the ranks: ranks passing different lists disagree in the descriptor.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for r in ranks {
-        for b in (*r as u64).to_le_bytes() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    h as usize
-}
-
 impl ProcessGroup for NcclProcessGroup {
     fn rank(&self) -> usize {
         self.rank
@@ -931,7 +919,7 @@ impl ProcessGroup for NcclProcessGroup {
         let valid = args::subgroup(ranks, self.world_size);
         self.agree(
             &comm,
-            Desc::new(9, ranks.len(), subgroup_hash(ranks)),
+            Desc::new(9, ranks.len(), args::subgroup_digest(ranks) as usize),
             valid,
         )?;
         let position = ranks.iter().position(|&r| r == self.rank);
@@ -994,13 +982,6 @@ mod tests {
         for (i, name) in OP_NAMES.iter().enumerate() {
             assert_eq!(Desc::new(i as u8, 0, 0).name(), *name);
         }
-    }
-
-    #[test]
-    fn subgroup_lists_hash_by_order_and_content() {
-        assert_eq!(subgroup_hash(&[0, 2]), subgroup_hash(&[0, 2]));
-        assert_ne!(subgroup_hash(&[0, 2]), subgroup_hash(&[2, 0]));
-        assert_ne!(subgroup_hash(&[0, 2]), subgroup_hash(&[0, 3]));
     }
 
     #[test]
