@@ -452,8 +452,17 @@ mod tests {
         let e = crate::flat_param::ModelLayout::new(&m, &WrapPolicy::units::<&str>(&[]), 2)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidModel(_)), "{e}");
-        // A model at the limit is fine.
-        let m = ModelDesc::new().param("a", &[half - 1], DType::F32);
-        m.validate().unwrap();
+        // Exactly isize::MAX bytes is accepted; one byte more is not.
+        let limit = isize::MAX as usize;
+        ModelDesc::new()
+            .param("a", &[limit], DType::U8)
+            .validate()
+            .unwrap();
+        let e = ModelDesc::new()
+            .param("a", &[limit - 1], DType::U8)
+            .param("b", &[2], DType::U8)
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("parameter `b`"), "{e}");
     }
 }
