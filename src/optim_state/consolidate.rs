@@ -43,7 +43,7 @@ pub fn consolidate<T: Tensor>(
     opts: ConsolidateOptions,
 ) -> Result<Option<OptimStateDict<T>>> {
     // Local map and plan; errors here are this rank's own, but the exchange below must still
-    // happen so that peers do not hang: a failed rank sends an empty plan with digest 0.
+    // happen so that peers do not hang: a failed rank sends its error instead of a plan.
     let local = layout.local_params(params);
     let local_plan = local.as_ref().map_err(Clone::clone).and_then(|l| {
         if opts
@@ -58,19 +58,8 @@ pub fn consolidate<T: Tensor>(
         }
         local_plan(op, layout, osd, l, pg.rank())
     });
-    let msg = match &local_plan {
-        Ok(p) => p.clone(),
-        Err(e) => PlanMsg {
-            digest: 0,
-            keys: vec![],
-            error: Some(e.clone()),
-        },
-    };
-    let plans: Vec<PlanMsg> = pg.all_gather_object(&msg)?;
     // A rank whose own input is invalid makes every rank fail with its error.
-    if let Some(e) = plans.iter().find_map(|p| p.error.clone()) {
-        return Err(e);
-    }
+    let plans: Vec<PlanMsg> = pg.all_gather_agreed(local_plan)?;
     let local = local?;
     check_digests(op, &plans.iter().map(|p| p.digest).collect::<Vec<_>>())?;
 
@@ -217,7 +206,6 @@ fn local_plan<T: Tensor>(
     Ok(PlanMsg {
         digest: layout_digest(op, layout)?,
         keys,
-        error: None,
     })
 }
 
