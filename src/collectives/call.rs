@@ -223,7 +223,8 @@ impl fmt::Display for Call {
 }
 
 /// What each rank contributes to the descriptor exchange of the MPI and NCCL backends: its
-/// call, whether its local arguments are valid, and its message limit (MPI; 0 elsewhere).
+/// call, whether its local arguments are valid, and its message limit (MPI; 0 elsewhere),
+/// all-gathered as [`Announcement::BYTES`] bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Announcement {
     pub(crate) call: Call,
@@ -233,17 +234,17 @@ pub(crate) struct Announcement {
 
 impl Announcement {
     /// Words of one encoded announcement.
-    pub(crate) const WORDS: usize = 5;
+    const WORDS: usize = 5;
     /// Bytes of one encoded announcement (little-endian words).
     pub(crate) const BYTES: usize = 8 * Self::WORDS;
 
-    pub(crate) fn encode(&self) -> [u64; Self::WORDS] {
+    fn encode(&self) -> [u64; Self::WORDS] {
         let [code, a, b] = self.call.encode();
         [code, a, b, u64::from(!self.valid), self.max_message]
     }
 
     /// The announcement `encode` gave `w` (at least [`Announcement::WORDS`] words).
-    pub(crate) fn decode(w: &[u64]) -> Option<Announcement> {
+    fn decode(w: &[u64]) -> Option<Announcement> {
         Some(Announcement {
             call: Call::decode([*w.first()?, *w.get(1)?, *w.get(2)?])?,
             valid: *w.get(3)? == 0,
@@ -251,6 +252,7 @@ impl Announcement {
         })
     }
 
+    /// The bytes every rank all-gathers: the words, little-endian.
     pub(crate) fn to_bytes(&self) -> [u8; Self::BYTES] {
         let mut out = [0u8; Self::BYTES];
         for (dst, w) in out.chunks_exact_mut(8).zip(self.encode()) {

@@ -425,9 +425,15 @@ impl ProcessGroup for MpiProcessGroup {
                             staging.extend_from_slice(&part[start..end]);
                         }
                         let partition = Partition::new(&staging[..], plan.counts, plan.displs);
-                        root_process.scatter_varcount_into_root(&partition, &mut recv[mine]);
+                        let mut spare = [0u8];
+                        let into = not_in_place_mut(&mut recv[mine], &mut spare);
+                        root_process.scatter_varcount_into_root(&partition, into);
                     }
-                    None => root_process.scatter_varcount_into(&mut recv[mine]),
+                    None => {
+                        let mut spare = [0u8];
+                        root_process
+                            .scatter_varcount_into(not_in_place_mut(&mut recv[mine], &mut spare));
+                    }
                 }
             }
             Ok(())
@@ -617,6 +623,27 @@ fn all_to_all_reduce(
     })
 }
 
+/// `bytes`, or when it is empty an empty slice of `spare`. An empty Rust slice points at
+/// address 1 (the dangling address of `u8`), which is Open MPI's `MPI_IN_PLACE`: a rank that
+/// receives (or sends) nothing in `MPI_Scatterv` (or `MPI_Allgatherv`) would pass an in-place
+/// buffer, which Open MPI refuses on non-root ranks with `MPI_ERR_ARG` and aborts the job.
+fn not_in_place<'a>(bytes: &'a [u8], spare: &'a [u8; 1]) -> &'a [u8] {
+    if bytes.is_empty() {
+        &spare[..0]
+    } else {
+        bytes
+    }
+}
+
+/// [`not_in_place`] for a receive buffer.
+fn not_in_place_mut<'a>(bytes: &'a mut [u8], spare: &'a mut [u8; 1]) -> &'a mut [u8] {
+    if bytes.is_empty() {
+        &mut spare[..0]
+    } else {
+        bytes
+    }
+}
+
 /// Counts and displacements of one round of a variable-length gather or scatter: rank `r`
 /// moves bytes `[offset, offset + piece)` of its `lens[r]`, clipped.
 struct RoundPlan {
@@ -687,7 +714,8 @@ fn raw_all_gather_bytes(
         {
             let mut partition =
                 PartitionMut::new(&mut staging[..], &plan.counts[..], &plan.displs[..]);
-            comm.all_gather_varcount_into(&send[mine], &mut partition);
+            let spare = [0u8];
+            comm.all_gather_varcount_into(not_in_place(&send[mine], &spare), &mut partition);
         }
         for (r, dst) in out.iter_mut().enumerate() {
             let d = plan.displs[r] as usize;
@@ -703,15 +731,14 @@ fn exchange_descriptors(
     mine: &Announcement,
     ws: usize,
 ) -> Result<Vec<Announcement>> {
-    let words = mine.encode();
-    let mut all = vec![0u64; Announcement::WORDS * ws];
-    comm.all_gather_into(&words[..], &mut all[..]);
-    all.chunks_exact(Announcement::WORDS)
+    let mut all = vec![0u8; Announcement::BYTES * ws];
+    comm.all_gather_into(&mine.to_bytes()[..], &mut all[..]);
+    all.chunks_exact(Announcement::BYTES)
         .enumerate()
-        .map(|(r, w)| {
-            Announcement::decode(w).ok_or_else(|| Error::CollectiveMismatch {
+        .map(|(r, bytes)| {
+            Announcement::from_bytes(bytes).ok_or_else(|| Error::CollectiveMismatch {
                 rank: comm.rank() as usize,
-                detail: format!("rank {r} sent an unknown collective descriptor {w:?}"),
+                detail: format!("rank {r} sent an unknown collective descriptor {bytes:?}"),
             })
         })
         .collect()
@@ -926,6 +953,18 @@ mod tests {
              rank 2 called barrier while rank 0 called all_gather_into(1 bytes); \
              rank 3 sends messages of at most 4 bytes while rank 0 sends 8"
         );
+    }
+
+    #[test]
+    fn empty_buffers_never_pass_for_mpi_in_place() {
+        // Open MPI's MPI_IN_PLACE is address 1, the dangling address of an empty u8 slice.
+        let (mut none, mut spare) = (Vec::<u8>::new(), [0u8]);
+        assert_eq!(none.as_ptr() as usize, 1);
+        let spare_at = spare.as_ptr();
+        assert_eq!(not_in_place(&none, &spare).as_ptr(), spare_at);
+        assert_eq!(not_in_place_mut(&mut none, &mut spare).as_ptr(), spare_at);
+        let bytes = [1u8, 2];
+        assert_eq!(not_in_place(&bytes, &[0]), [1, 2]);
     }
 
     #[test]
