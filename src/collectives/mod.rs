@@ -1,7 +1,8 @@
 //! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
-//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
+//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables), over
+//! its own listener or torchrun's agent store, a c10d `TCPStore` ([`tcp_store`]).
 //! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
 mod args;
@@ -12,6 +13,7 @@ mod mpi;
 pub mod nccl;
 mod reduce;
 pub mod rendezvous;
+pub mod tcp_store;
 mod threads;
 
 #[cfg(feature = "mpi")]
