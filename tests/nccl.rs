@@ -101,6 +101,7 @@ fn from_launch_variables_fails_promptly_on_every_rank() {
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
                         local_rank: Some(rank),
+                        agent_store: None,
                     };
                     NcclProcessGroup::from_launch_env(&env, Duration::from_secs(60))
                 })

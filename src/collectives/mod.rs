@@ -1,7 +1,8 @@
 //! Collectives (layer 3): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
-//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
+//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables), over
+//! its own listener or torchrun's agent store, a c10d `TCPStore` ([`tcp_store`]).
 //! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
 mod args;
@@ -10,12 +11,15 @@ mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(all(feature = "nccl", target_os = "linux"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "nccl", target_os = "linux"))))]
 pub mod nccl;
 mod reduce;
 pub mod rendezvous;
+pub mod tcp_store;
 mod threads;
 
 #[cfg(feature = "mpi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub use self::mpi::MpiProcessGroup;
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};
 pub use threads::{ThreadGroup, ThreadProcessGroup};
@@ -168,7 +172,12 @@ pub trait ProcessGroupExt: ProcessGroup {
     /// collective for a peer that already gave up.
     fn agree<T>(&self, local: Result<T>) -> Result<T> {
         let failed: Option<Error> = local.as_ref().err().cloned();
-        match self.all_gather_object(&failed)?.into_iter().flatten().next() {
+        match self
+            .all_gather_object(&failed)?
+            .into_iter()
+            .flatten()
+            .next()
+        {
             Some(first) => Err(first),
             None => local,
         }
@@ -230,7 +239,11 @@ mod tests {
 
     /// The error rank `rank` fails with in these scenarios.
     fn failure(rank: usize) -> Error {
-        Error::InvalidStateDict(format!("rank {rank}'s input is bad"))
+        Error::InvalidArgument {
+            op: "load".into(),
+            rank,
+            reason: "its input is bad".into(),
+        }
     }
 
     /// Each rank's local outcome: an error on the ranks in `failing`, else its rank times 10.
@@ -301,7 +314,11 @@ mod tests {
                 pg.broadcast_agreed((pg.rank() == 1).then_some(&root_outcome), 1)
             });
             for result in results {
-                let want = if failing == [1] { Err(failure(1)) } else { Ok(10) };
+                let want = if failing == [1] {
+                    Err(failure(1))
+                } else {
+                    Ok(10)
+                };
                 assert_eq!(result, want, "failing {failing:?}");
             }
         }

@@ -269,7 +269,11 @@ pub fn objects_and_agreement(pg: &dyn ProcessGroup, what: &str) {
         assert_eq!(got, v, "{what}: broadcast_object from {root}");
     }
 
-    let failure = |r: usize| Error::InvalidStateDict(format!("rank {r} cannot go on"));
+    let failure = |r: usize| Error::InvalidArgument {
+        op: "conformance".into(),
+        rank: r,
+        reason: "cannot go on".into(),
+    };
     let outcome = |failing: &[usize]| {
         if failing.contains(&rank) {
             Err(failure(rank))

@@ -11,8 +11,8 @@
 //!
 //! Every rank first does everything that can fail locally — probe the libraries, pick and open
 //! its device, create a stream, and on rank 0 the `ncclUniqueId` — and only then meets the
-//! others: through the TCP [`rendezvous`](super::rendezvous) ([`NcclProcessGroup::from_env`])
-//! or over an existing group ([`NcclProcessGroup::from_process_group`], e.g. an MPI or thread
+//! others: through the TCP [`rendezvous`](super::rendezvous) ([`NcclProcessGroup::from_env`];
+//! under torchrun through its agent's `TCPStore`, otherwise rank 0 listens) or over an existing group ([`NcclProcessGroup::from_process_group`], e.g. an MPI or thread
 //! group). Over an existing group every rank learns every other rank's local outcome, so a
 //! failure anywhere fails every rank at once, naming the rank and the reason. Over TCP a rank
 //! that fails locally does not join, and the others fail with [`Error::CollectiveTimeout`]
@@ -197,7 +197,7 @@ fn decode_statuses(statuses: &[Vec<u8>], rank: usize) -> Result<Vec<u8>> {
 impl NcclProcessGroup {
     /// Creates the group from the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`, optional `LOCAL_RANK`; see [`LaunchEnv`]) with the TCP rendezvous and its
-    /// default timeout. The device is `LOCAL_RANK`, else `RANK % device_count`.
+    /// default timeout (through torchrun's agent store when `TORCHELASTIC_USE_AGENT_STORE=True`). The device is `LOCAL_RANK`, else `RANK % device_count`.
     pub fn from_env() -> Result<Self> {
         Self::from_launch_env(&LaunchEnv::from_env()?, TcpRendezvous::DEFAULT_TIMEOUT)
     }
