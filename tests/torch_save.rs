@@ -993,3 +993,13 @@ fn pytorch_loads_rust_written_files() {
         FIXTURES.len() + 2
     );
 }
+
+#[test]
+fn inspecting_the_structure_alone_gives_the_summary_of_the_loaded_object() {
+    use fsdp::io::inspect::Summary;
+    for name in FIXTURES {
+        let full = Summary::of(&torch_save::load(fixture(name)).unwrap());
+        let headers = Summary::of_headers(&torch_save::load_headers(fixture(name)).unwrap());
+        assert_eq!(headers, full, "{name}");
+    }
+}

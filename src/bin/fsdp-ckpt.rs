@@ -49,6 +49,10 @@ enum Command {
         input: PathBuf,
         /// Output file.
         output: PathBuf,
+        /// Bytes that copies of non-contiguous (e.g. expanded) tensors of a torch.save input
+        /// may allocate beyond the file's storage bytes.
+        #[arg(long, value_name = "BYTES", default_value_t = io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES)]
+        max_expansion_bytes: u64,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -315,8 +319,15 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect { file, json } => {
             let format = FileFormat::from_path(&file)?;
-            let obj = progress.step(&format!("reading {}", file.display()), || io::load(&file))?;
-            let summary = Summary::of(&obj);
+            // A torch.save file is summarized from its structure alone, never its tensor data.
+            let summary = progress.step(&format!("reading {}", file.display()), || {
+                Ok(match format {
+                    FileFormat::TorchSave => {
+                        Summary::of_headers(&io::torch_save::load_headers(&file)?)
+                    }
+                    FileFormat::Safetensors => Summary::of(&io::load(&file)?),
+                })
+            })?;
             if json {
                 let mut v = serde_json::to_value(&summary).map_err(|e| Error::Serialization {
                     what: "inspect summary".into(),
@@ -335,10 +346,18 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{summary}");
             }
         }
-        Command::Convert { input, output } => {
+        Command::Convert {
+            input,
+            output,
+            max_expansion_bytes,
+        } => {
             FileFormat::from_path(&output)?;
-            let obj =
-                progress.step(&format!("reading {}", input.display()), || io::load(&input))?;
+            let opts = io::torch_save::LoadOptions {
+                max_expansion_bytes,
+            };
+            let obj = progress.step(&format!("reading {}", input.display()), || {
+                io::load_with(&input, &opts)
+            })?;
             progress.step(&format!("writing {}", output.display()), || {
                 io::save(&obj, &output)
             })?;

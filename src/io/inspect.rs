@@ -23,7 +23,7 @@
 //! ```
 
 use super::safetensors::named_tensors;
-use super::torch_save::{model_from_pyobj, optim_from_pyobj, PyObj};
+use super::torch_save::{model_from_pyobj, optim_from_pyobj, Headers, PyObj};
 use crate::optim_state::{OptimStateDict, ParamKey, Value};
 use crate::tensor::{DType, HostTensor};
 use serde::Serialize;
@@ -81,25 +81,43 @@ fn scalar_json(t: &HostTensor) -> Option<Json> {
     })
 }
 
-fn tensor_info(name: &str, t: &HostTensor) -> TensorInfo {
+/// The real shape of a tensor of the object summarized: its own, or a placeholder's from
+/// the file's [`Headers`].
+#[derive(Clone, Copy)]
+struct Shapes<'a>(Option<&'a Headers>);
+
+impl Shapes<'_> {
+    fn of(&self, t: &HostTensor) -> Vec<usize> {
+        match self.0 {
+            Some(h) => h.shape(t).to_vec(),
+            None => t.shape().to_vec(),
+        }
+    }
+
+    fn nbytes(&self, t: &HostTensor) -> usize {
+        self.of(t).iter().product::<usize>() * t.dtype().size()
+    }
+}
+
+fn tensor_info(name: &str, t: &HostTensor, sh: Shapes<'_>) -> TensorInfo {
     TensorInfo {
         name: name.to_string(),
         dtype: dtype_name(t.dtype()),
-        shape: t.shape().to_vec(),
-        bytes: t.nbytes(),
+        shape: sh.of(t),
+        bytes: sh.nbytes(t),
         value: scalar_json(t),
     }
 }
 
 /// A state or hyper-parameter value as JSON: scalars as themselves, tensors described.
-fn value_json(v: &Value) -> Json {
+fn value_json(v: &Value, sh: Shapes<'_>) -> Json {
     match v {
         Value::None => Json::Null,
         Value::Bool(b) => json!(b),
         Value::Int(i) => json!(i),
         Value::Float(x) => float_json(*x),
         Value::Str(s) => json!(s),
-        Value::Tensor(t) => serde_json::to_value(tensor_info("", t))
+        Value::Tensor(t) => serde_json::to_value(tensor_info("", t, sh))
             .map(|mut j| {
                 if let Some(m) = j.as_object_mut() {
                     m.remove("name");
@@ -108,7 +126,9 @@ fn value_json(v: &Value) -> Json {
             })
             .unwrap_or(Json::Null),
         Value::Sharded(s) => json!({ "sharded_tensor": { "global_shape": s.global_shape } }),
-        Value::Tuple(xs) | Value::List(xs) => Json::Array(xs.iter().map(value_json).collect()),
+        Value::Tuple(xs) | Value::List(xs) => {
+            Json::Array(xs.iter().map(|x| value_json(x, sh)).collect())
+        }
     }
 }
 
@@ -208,15 +228,26 @@ pub struct Summary {
 impl Summary {
     /// Summarizes `obj`.
     pub fn of(obj: &PyObj) -> Summary {
+        Self::summarize(obj, Shapes(None))
+    }
+
+    /// The summary of a `torch.save` file's structure, read without its tensor data
+    /// ([`load_headers`](super::torch_save::load_headers)): the same as [`Summary::of`] the
+    /// loaded object.
+    pub fn of_headers(h: &Headers) -> Summary {
+        Self::summarize(&h.obj, Shapes(Some(h)))
+    }
+
+    fn summarize(obj: &PyObj, sh: Shapes<'_>) -> Summary {
         let all = named_tensors(obj);
         let tensor_count = all.len();
-        let total_tensor_bytes = all.iter().map(|(_, t)| t.nbytes()).sum();
+        let total_tensor_bytes = all.iter().map(|(_, t)| sh.nbytes(t)).sum();
         if let Ok(osd) = optim_from_pyobj(obj.clone()) {
             return Summary {
                 kind: Kind::Optimizer,
                 tensor_count,
                 total_tensor_bytes,
-                optimizer: Some(optim_summary(&osd)),
+                optimizer: Some(optim_summary(&osd, sh)),
                 tensors: None,
                 root_type: None,
             };
@@ -225,12 +256,15 @@ impl Summary {
             Ok(msd) => (
                 Kind::Model,
                 None,
-                msd.tensors.iter().map(|(k, t)| tensor_info(k, t)).collect(),
+                msd.tensors
+                    .iter()
+                    .map(|(k, t)| tensor_info(k, t, sh))
+                    .collect(),
             ),
             Err(_) => (
                 Kind::Other,
                 Some(obj.type_name()),
-                all.iter().map(|(n, t)| tensor_info(n, t)).collect(),
+                all.iter().map(|(n, t)| tensor_info(n, t, sh)).collect(),
             ),
         };
         Summary {
@@ -244,7 +278,7 @@ impl Summary {
     }
 }
 
-fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
+fn optim_summary(osd: &OptimStateDict, sh: Shapes<'_>) -> OptimSummary {
     let mut key_types = Vec::new();
     let mut state_names: Vec<String> = Vec::new();
     let mut steps: Vec<StepCount> = Vec::new();
@@ -259,13 +293,13 @@ fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
                 state_names.push(name.clone());
             }
             let (tensor, value) = match v {
-                Value::Tensor(t) => (Some(tensor_info(name, t)), None),
-                other => (None, Some(value_json(other))),
+                Value::Tensor(t) => (Some(tensor_info(name, t, sh)), None),
+                other => (None, Some(value_json(other, sh))),
             };
             if name == "step" {
                 let sv = match v {
                     Value::Tensor(t) => scalar_json(t).unwrap_or(Json::Null),
-                    other => value_json(other),
+                    other => value_json(other, sh),
                 };
                 match steps.iter_mut().find(|s| s.value == sv) {
                     Some(s) => s.keys += 1,
@@ -274,7 +308,13 @@ fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
             }
             state.push(StateEntry {
                 name: name.clone(),
-                kind: v.kind(),
+                kind: match v {
+                    // The real shape, not a placeholder's.
+                    Value::Tensor(t) if t.dim() > 0 => {
+                        format!("tensor {:?} ({})", sh.of(t), t.dtype())
+                    }
+                    other => other.kind(),
+                },
                 tensor,
                 value,
             });
@@ -291,7 +331,7 @@ fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
                 options: g
                     .options
                     .iter()
-                    .map(|(k, v)| (k.clone(), value_json(v)))
+                    .map(|(k, v)| (k.clone(), value_json(v, sh)))
                     .collect(),
                 params: g.params.iter().map(key_json).collect(),
             })

@@ -17,12 +17,33 @@ use std::rc::Rc;
 /// Deepest nesting of containers accepted in the result.
 pub(crate) const MAX_DEPTH: usize = 200;
 
-/// Materializing a non-contiguous tensor may produce at most this many bytes more than its
-/// storage holds (overlapping strides, e.g. an expanded tensor).
-const MAX_EXPANSION_BYTES: usize = 64 << 20;
+/// Where the VM gets storages from: the archive's `data/<key>` entries.
+pub(crate) trait Storages {
+    /// Checks that storage `key` can hold `numel` elements of `dtype` (its entry exists and
+    /// has that size) without reading it.
+    fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()>;
+    /// Reads storage `key` (already checked) as a flat tensor.
+    fn read(&mut self, key: &str, dtype: DType, numel: usize) -> Result<HostTensor>;
+}
 
-/// Loads the storage `key` of `numel` elements of `dtype` (the `data/<key>` entry).
-pub(crate) type StorageLoader<'a> = dyn FnMut(&str, DType, usize) -> Result<HostTensor> + 'a;
+/// How tensors are produced.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Mode {
+    /// Every tensor is read; copies of non-contiguous tensors (transposed, expanded) may
+    /// allocate at most the stream's storage bytes plus this many bytes in total.
+    Full { max_expansion_bytes: u64 },
+    /// Only tensors of at most one element are read; every other tensor is an empty
+    /// placeholder of its dtype whose real shape [`Unpickled::shapes`] records.
+    Headers,
+}
+
+/// The result of [`unpickle`].
+pub(crate) struct Unpickled {
+    /// The object.
+    pub obj: PyObj,
+    /// In [`Mode::Headers`]: the real shape of each placeholder, by its storage identity.
+    pub shapes: HashMap<usize, Vec<usize>>,
+}
 
 /// The callables and classes a stream may name.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,11 +67,66 @@ enum V {
     Float(f64),
     Str(Rc<str>),
     Bytes(Rc<[u8]>),
-    Tensor(HostTensor),
+    Tensor(Rc<View>),
     /// A container in the arena.
     Obj(usize),
     Global(Global),
-    Storage(Rc<str>, HostTensor),
+    /// A storage record: key, dtype, number of elements.
+    Storage(Rc<str>, DType, usize),
+}
+
+/// A tensor as the stream describes it: a strided view of a storage, checked to lie inside
+/// it, and materialized only when the result is built (where its path in the object is
+/// known).
+#[derive(Debug)]
+struct View {
+    key: Rc<str>,
+    dtype: DType,
+    offset: usize,
+    size: Vec<usize>,
+    stride: Vec<usize>,
+    numel: usize,
+}
+
+/// A tensor's place in the result, rendered only for error messages.
+enum Path<'p> {
+    Root,
+    Key(&'p Path<'p>, &'p V),
+    Index(&'p Path<'p>, usize),
+    Attr(&'p Path<'p>, &'p str),
+}
+
+impl Path<'_> {
+    fn render(&self) -> String {
+        let seg = |parent: &Path<'_>, s: String| match parent {
+            Path::Root => s,
+            p => format!("{}/{s}", p.render()),
+        };
+        match self {
+            Path::Root => "<root>".into(),
+            Path::Key(p, V::Str(k)) => seg(p, k.to_string()),
+            Path::Key(p, V::Int(i)) => seg(p, i.to_string()),
+            Path::Key(p, _) => seg(p, "<key>".into()),
+            Path::Index(p, i) => seg(p, i.to_string()),
+            Path::Attr(p, a) => seg(p, format!(".{a}")),
+        }
+    }
+}
+
+/// The storages read so far and the tensors built from them, while the result is built.
+struct Tensors<'l> {
+    mode: Mode,
+    store: &'l mut dyn Storages,
+    /// Storages read, by key.
+    loaded: HashMap<Rc<str>, HostTensor>,
+    /// Tensors built, by the identity of their [`View`] (a view reached twice is one tensor).
+    built: HashMap<*const View, HostTensor>,
+    /// Bytes of every storage the stream declares (each checked against its entry).
+    storage_bytes: u64,
+    /// Bytes allocated so far by copies of non-contiguous tensors.
+    copied: u64,
+    /// Real shapes of placeholders ([`Mode::Headers`]).
+    shapes: HashMap<usize, Vec<usize>>,
 }
 
 /// Hashable identity of a dict key, for Python's replace-on-equal-key semantics.
@@ -185,7 +261,12 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 }
 
 /// Runs the stream `data` and returns the object it builds.
-pub(crate) fn unpickle(file: &str, data: &[u8], load: &mut StorageLoader<'_>) -> Result<PyObj> {
+pub(crate) fn unpickle(
+    file: &str,
+    data: &[u8],
+    store: &mut dyn Storages,
+    mode: Mode,
+) -> Result<Unpickled> {
     let mut vm = Vm {
         file,
         data,
@@ -197,13 +278,23 @@ pub(crate) fn unpickle(file: &str, data: &[u8], load: &mut StorageLoader<'_>) ->
         memo: HashMap::new(),
         arena: Vec::new(),
         storages: HashMap::new(),
-        load,
+        tensors: std::cell::RefCell::new(Tensors {
+            mode,
+            store,
+            loaded: HashMap::new(),
+            built: HashMap::new(),
+            storage_bytes: 0,
+            copied: 0,
+            shapes: HashMap::new(),
+        }),
     };
     let result = vm.run()?;
     // A legitimate stream has at most one node per opcode, so a result that expands shared
     // references to far more nodes than that is an attack (or a cycle).
     let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
-    vm.to_pyobj(&result, 0, &mut budget)
+    let obj = vm.to_pyobj(&result, &Path::Root, 0, &mut budget)?;
+    let shapes = std::mem::take(&mut vm.tensors.borrow_mut().shapes);
+    Ok(Unpickled { obj, shapes })
 }
 
 struct Vm<'a, 'l> {
@@ -216,8 +307,9 @@ struct Vm<'a, 'l> {
     marks: Vec<usize>,
     memo: HashMap<u32, V>,
     arena: Vec<Obj>,
-    storages: HashMap<Rc<str>, HostTensor>,
-    load: &'l mut StorageLoader<'a>,
+    /// Storages declared so far: key → (dtype, elements).
+    storages: HashMap<Rc<str>, (DType, usize)>,
+    tensors: std::cell::RefCell<Tensors<'l>>,
 }
 
 impl Vm<'_, '_> {
@@ -375,7 +467,7 @@ impl Vm<'_, '_> {
                 None => "?".into(),
             },
             V::Global(g) => format!("global {g:?}"),
-            V::Storage(k, _) => format!("storage {k:?}"),
+            V::Storage(k, ..) => format!("storage {k:?}"),
         }
     }
 
@@ -735,7 +827,7 @@ impl Vm<'_, '_> {
                 a.len()
             )));
         }
-        let V::Storage(key, storage) = &a[0] else {
+        let V::Storage(key, dtype, snumel) = &a[0] else {
             return Err(self.err(format!(
                 "_rebuild_tensor_v2: first argument must be a storage, found {}",
                 self.kind(&a[0])
@@ -777,22 +869,27 @@ impl Vm<'_, '_> {
                 "_rebuild_tensor_v2: size {size:?} and stride {stride:?} differ in length"
             )));
         }
-        let t = self.view(key, storage, offset, &size, &stride)?;
-        Ok(V::Tensor(t))
+        let numel = self.check_view(key, *snumel, offset, &size, &stride)?;
+        Ok(V::Tensor(Rc::new(View {
+            key: key.clone(),
+            dtype: *dtype,
+            offset,
+            size,
+            stride,
+            numel,
+        })))
     }
 
-    /// The tensor `storage[offset]` with `size` and `stride`: a zero-copy view when
-    /// contiguous, else a contiguous copy.
-    fn view(
+    /// Checks that the view `storage[offset]` with `size` and `stride` lies inside the
+    /// storage of `snumel` elements; returns its number of elements.
+    fn check_view(
         &self,
         key: &str,
-        storage: &HostTensor,
+        snumel: usize,
         offset: usize,
         size: &[usize],
         stride: &[usize],
-    ) -> Result<HostTensor> {
-        let dtype = storage.dtype();
-        let snumel = storage.numel();
+    ) -> Result<usize> {
         if offset > snumel {
             return Err(self.storage_err(
                 key,
@@ -800,7 +897,7 @@ impl Vm<'_, '_> {
             ));
         }
         if size.contains(&0) {
-            return Ok(HostTensor::zeros(dtype, size));
+            return Ok(0);
         }
         let too_big = || self.storage_err(key, format!("tensor size {size:?} overflows"));
         let numel = size
@@ -823,40 +920,72 @@ impl Vm<'_, '_> {
                 ),
             ));
         }
-        let contiguous = size
-            .iter()
-            .zip(stride)
-            .zip(contiguous_strides(size))
-            .all(|((&d, &s), c)| d == 1 || s == c);
-        if contiguous {
-            return storage.narrow_flat(offset, numel)?.reshape(size);
+        Ok(numel)
+    }
+
+    /// The tensor `view` describes, at `path` in the result: in [`Mode::Headers`] a
+    /// placeholder unless it has at most one element; else a zero-copy view of its storage
+    /// when contiguous, and a contiguous copy (within the expansion budget) when not.
+    fn materialize(&self, view: &Rc<View>, path: &Path<'_>) -> Result<HostTensor> {
+        let mut guard = self.tensors.borrow_mut();
+        let ts = &mut *guard;
+        if let Some(t) = ts.built.get(&Rc::as_ptr(view)) {
+            return Ok(t.clone());
         }
-        let esize = dtype.size();
-        let nbytes = numel.checked_mul(esize).ok_or_else(too_big)?;
-        if nbytes > storage.nbytes().saturating_add(MAX_EXPANSION_BYTES) {
-            return Err(self.storage_err(
-                key,
-                format!("a tensor of size {size:?} with stride {stride:?} would expand its storage to {nbytes} bytes"),
-            ));
-        }
-        let src = storage.as_bytes();
-        let mut out = vec![0u8; nbytes];
-        let mut idx = vec![0usize; size.len()];
-        let mut at = offset;
-        for chunk in out.chunks_exact_mut(esize) {
-            chunk.copy_from_slice(&src[at * esize..(at + 1) * esize]);
-            // Odometer increment; `at` stays within `offset..=last`.
-            for d in (0..size.len()).rev() {
-                idx[d] += 1;
-                if idx[d] < size[d] {
-                    at += stride[d];
-                    break;
-                }
-                at -= (size[d] - 1) * stride[d];
-                idx[d] = 0;
+        let t = match ts.mode {
+            Mode::Headers if view.numel > 1 => {
+                let p = HostTensor::zeros(view.dtype, &[0]);
+                ts.shapes.insert(p.storage_id(), view.size.clone());
+                p
             }
-        }
-        HostTensor::from_bytes(dtype, size, &out)
+            _ if view.numel == 0 => HostTensor::zeros(view.dtype, &view.size),
+            mode => {
+                let storage = match ts.loaded.get(&view.key) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let (dtype, numel) = self.storages[&view.key];
+                        let s = ts.store.read(&view.key, dtype, numel)?;
+                        ts.loaded.insert(view.key.clone(), s.clone());
+                        s
+                    }
+                };
+                let contiguous = view
+                    .size
+                    .iter()
+                    .zip(&view.stride)
+                    .zip(contiguous_strides(&view.size))
+                    .all(|((&d, &s), c)| d == 1 || s == c);
+                if contiguous {
+                    storage
+                        .narrow_flat(view.offset, view.numel)?
+                        .reshape(&view.size)?
+                } else {
+                    let nbytes = (view.numel as u64).saturating_mul(view.dtype.size() as u64);
+                    let max = match mode {
+                        Mode::Full {
+                            max_expansion_bytes,
+                        } => max_expansion_bytes,
+                        Mode::Headers => 0,
+                    };
+                    let copied = ts.copied.saturating_add(nbytes);
+                    if copied > ts.storage_bytes.saturating_add(max) {
+                        return Err(Error::TensorExpansion {
+                            file: self.file.to_string(),
+                            tensor: path.render(),
+                            size: view.size.clone(),
+                            stride: view.stride.clone(),
+                            copied,
+                            storage_bytes: ts.storage_bytes,
+                            max_expansion_bytes: max,
+                        });
+                    }
+                    ts.copied = copied;
+                    strided_copy(&storage, view)?
+                }
+            }
+        };
+        ts.built.insert(Rc::as_ptr(view), t.clone());
+        Ok(t)
     }
 
     fn build(&mut self, state: V) -> Result<()> {
@@ -915,26 +1044,28 @@ impl Vm<'_, '_> {
             return Err(self.err(format!("persistent id tag {tag:?} is not 'storage'")));
         }
         let numel = self.int_arg(numel, "storage numel")?;
-        if let Some(t) = self.storages.get(key) {
-            if t.dtype() != *dtype {
+        if let Some(&(d, n)) = self.storages.get(key) {
+            if d != *dtype {
+                return Err(self.storage_err(key, format!("viewed as both {d} and {dtype}")));
+            }
+            if n != numel {
                 return Err(
-                    self.storage_err(key, format!("viewed as both {} and {dtype}", t.dtype()))
+                    self.storage_err(key, format!("declared with {n} and {numel} elements"))
                 );
             }
-            if t.numel() != numel {
-                return Err(self.storage_err(
-                    key,
-                    format!("declared with {} and {numel} elements", t.numel()),
-                ));
-            }
-            return Ok(V::Storage(key.clone(), t.clone()));
+            return Ok(V::Storage(key.clone(), *dtype, numel));
         }
-        let t = (self.load)(key, *dtype, numel)?;
-        self.storages.insert(key.clone(), t.clone());
-        Ok(V::Storage(key.clone(), t))
+        let mut ts = self.tensors.borrow_mut();
+        ts.store.check(key, *dtype, numel)?;
+        ts.storage_bytes = ts
+            .storage_bytes
+            .saturating_add((numel as u64).saturating_mul(dtype.size() as u64));
+        drop(ts);
+        self.storages.insert(key.clone(), (*dtype, numel));
+        Ok(V::Storage(key.clone(), *dtype, numel))
     }
 
-    fn to_pyobj(&self, v: &V, depth: usize, budget: &mut usize) -> Result<PyObj> {
+    fn to_pyobj(&self, v: &V, path: &Path<'_>, depth: usize, budget: &mut usize) -> Result<PyObj> {
         if depth > MAX_DEPTH {
             return Err(self.err(format!(
                 "containers nested deeper than {MAX_DEPTH} levels (or a cyclic reference)"
@@ -954,7 +1085,7 @@ impl Vm<'_, '_> {
             V::Float(x) => PyObj::Float(*x),
             V::Str(s) => PyObj::Str(s.to_string()),
             V::Bytes(b) => PyObj::Bytes(b.to_vec()),
-            V::Tensor(t) => PyObj::Tensor(t.clone()),
+            V::Tensor(view) => PyObj::Tensor(self.materialize(view, path)?),
             V::Global(_) | V::Storage(..) => {
                 return Err(self.err(format!(
                     "a bare {} in the result is not supported",
@@ -965,7 +1096,8 @@ impl Vm<'_, '_> {
                 let seq = |items: &[V], budget: &mut usize| -> Result<Vec<PyObj>> {
                     items
                         .iter()
-                        .map(|x| self.to_pyobj(x, depth + 1, budget))
+                        .enumerate()
+                        .map(|(i, x)| self.to_pyobj(x, &Path::Index(path, i), depth + 1, budget))
                         .collect()
                 };
                 let pairs = |d: &DictObj, budget: &mut usize| -> Result<Vec<(PyObj, PyObj)>> {
@@ -973,8 +1105,8 @@ impl Vm<'_, '_> {
                         .iter()
                         .map(|(k, v)| {
                             Ok((
-                                self.to_pyobj(k, depth + 1, budget)?,
-                                self.to_pyobj(v, depth + 1, budget)?,
+                                self.to_pyobj(k, path, depth + 1, budget)?,
+                                self.to_pyobj(v, &Path::Key(path, k), depth + 1, budget)?,
                             ))
                         })
                         .collect()
@@ -987,13 +1119,42 @@ impl Vm<'_, '_> {
                         items: pairs(d, budget)?,
                         attrs: attrs
                             .iter()
-                            .map(|(k, v)| Ok((k.clone(), self.to_pyobj(v, depth + 1, budget)?)))
+                            .map(|(k, v)| {
+                                let at = Path::Attr(path, k);
+                                Ok((k.clone(), self.to_pyobj(v, &at, depth + 1, budget)?))
+                            })
                             .collect::<Result<_>>()?,
                     },
                 }
             }
         })
     }
+}
+
+/// A contiguous copy of the non-contiguous `view` of `storage` (already checked to lie
+/// inside it).
+fn strided_copy(storage: &HostTensor, view: &View) -> Result<HostTensor> {
+    let esize = view.dtype.size();
+    let src = storage.as_bytes();
+    let size = &view.size;
+    HostTensor::filled_by(view.dtype, size, |out: &mut [u8]| {
+        let mut idx = vec![0usize; size.len()];
+        let mut at = view.offset;
+        for chunk in out.chunks_exact_mut(esize) {
+            chunk.copy_from_slice(&src[at * esize..(at + 1) * esize]);
+            // Odometer increment; `at` stays within the checked view.
+            for d in (0..size.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < size[d] {
+                    at += view.stride[d];
+                    break;
+                }
+                at -= (size[d] - 1) * view.stride[d];
+                idx[d] = 0;
+            }
+        }
+        Ok::<(), Error>(())
+    })
 }
 
 /// Decodes a little-endian two's-complement integer (pickle `LONG1`/`LONG4` payload).
