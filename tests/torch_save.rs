@@ -95,6 +95,13 @@ fn from_json(j: &Json) -> PyObj {
         "str" => PyObj::Str(v.as_str().unwrap().into()),
         "bytes" => PyObj::Bytes(unhex(v.as_str().unwrap())),
         "tuple" => PyObj::Tuple(v.as_array().unwrap().iter().map(from_json).collect()),
+        "size" => PyObj::Size(
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_i64().unwrap())
+                .collect(),
+        ),
         "list" => PyObj::List(v.as_array().unwrap().iter().map(from_json).collect()),
         "dict" => PyObj::Dict(pairs(v)),
         "odict" => PyObj::OrderedDict {
@@ -138,6 +145,7 @@ fn to_json(o: &PyObj) -> Json {
         PyObj::Str(s) => json!({ "str": s }),
         PyObj::Bytes(b) => json!({ "bytes": hex(b) }),
         PyObj::Tuple(v) => json!({ "tuple": v.iter().map(to_json).collect::<Vec<_>>() }),
+        PyObj::Size(v) => json!({ "size": v }),
         PyObj::List(v) => json!({ "list": v.iter().map(to_json).collect::<Vec<_>>() }),
         PyObj::Dict(items) => json!({ "dict": pairs(items) }),
         PyObj::OrderedDict { items, attrs } => json!({
@@ -327,10 +335,8 @@ fn misc_values() {
         get(&o, "bytes"),
         &PyObj::Bytes(b"\x00\x01\xff raw".to_vec())
     );
-    assert_eq!(
-        get(&o, "size"),
-        &PyObj::Tuple(vec![PyObj::Int(2), PyObj::Int(3)])
-    );
+    // A torch.Size stays one (it used to be read as a plain tuple and written back so).
+    assert_eq!(get(&o, "size"), &PyObj::Size(vec![2, 3]));
     let PyObj::List(l) = get(&o, "long_list") else {
         panic!()
     };

@@ -1,6 +1,6 @@
 #![cfg(target_os = "linux")]
-//! A `torch.save` expansion bomb: `tests/golden/torch_save/expansion_bomb.pt` (17 KB, written
-//! by `tests/golden/expansion_bomb.py`) holds 200 stride-0 `[4096, 4096]` float32 views of
+//! A `torch.save` expansion bomb: `tests/golden/expansion_bomb/expansion_bomb.pt` (17 KB, written
+//! by `tests/golden/expansion_bomb/gen.py`) holds 200 stride-0 `[4096, 4096]` float32 views of
 //! one 4-element storage, 12.8 GiB once materialized. `fsdp-ckpt inspect` must summarize it
 //! without materializing anything, and `convert` must refuse it with a typed error instead
 //! of allocating, both under a 4 GiB address-space limit.
@@ -18,7 +18,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
 const ADDRESS_SPACE: u64 = 4 << 30;
 
 fn bomb() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/torch_save/expansion_bomb.pt")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/expansion_bomb/expansion_bomb.pt")
 }
 
 /// Runs `fsdp-ckpt --quiet ARGS` with its address space limited to [`ADDRESS_SPACE`].

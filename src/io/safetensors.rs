@@ -33,6 +33,7 @@
 //! | `bytes` | `{"bytes": "<hex>"}` |
 //! | `list` | a JSON array |
 //! | `tuple` | `{"tuple": [...]}` |
+//! | `torch.Size` | `{"size": [...]}` |
 //! | `dict` | `{"dict": [[key, value], ...]}` in order (keys keep their type) |
 //! | `collections.OrderedDict` | `{"odict": [[key, value], ...], "attrs": [["name", value], ...]}` (a model state dict's `_metadata` goes in `attrs`) |
 //! | tensor | `{"tensor": "<name in the file>"}` |
@@ -204,6 +205,7 @@ impl<'a> Encoder<'a> {
                 .enumerate()
                 .map(|(i, x)| self.encode(x, &Self::child(path, &i.to_string())))
                 .collect::<Vec<_>>() }),
+            PyObj::Size(dims) => json!({ "size": dims }),
             PyObj::Dict(items) => json!({ "dict": self.pairs(items, path) }),
             PyObj::OrderedDict { items, attrs } => {
                 let items = self.pairs(items, path);
@@ -428,6 +430,14 @@ impl Decoder<'_> {
                                 .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
                                 .collect::<Result<_>>()?,
                         ));
+                    }
+                    if let Some(Json::Array(xs)) = tag("size") {
+                        return xs
+                            .iter()
+                            .map(Json::as_i64)
+                            .collect::<Option<_>>()
+                            .map(PyObj::Size)
+                            .ok_or_else(|| self.bad(path, j));
                     }
                     if let Some(d) = tag("dict") {
                         return Ok(PyObj::Dict(self.pairs(d, path)?));

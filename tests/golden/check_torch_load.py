@@ -56,6 +56,8 @@ def describe(obj):
                 "hex": tensor_bytes(obj).hex(),
             }
         }
+    if isinstance(obj, torch.Size):  # before tuple: a torch.Size is one
+        return {"size": list(obj)}
     if isinstance(obj, tuple):
         return {"tuple": [describe(x) for x in obj]}
     if isinstance(obj, list):

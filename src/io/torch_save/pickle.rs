@@ -172,6 +172,8 @@ impl DictObj {
 #[derive(Debug)]
 enum Obj {
     Tuple(Vec<V>),
+    /// A `torch.Size`: its dimensions, checked to be non-negative ints.
+    Size(Vec<i64>),
     List(Vec<V>),
     Dict(DictObj),
     OrderedDict(DictObj, Vec<(String, V)>),
@@ -461,6 +463,7 @@ impl Vm<'_, '_> {
             V::Tensor(_) => "Tensor".into(),
             V::Obj(i) => match self.arena.get(*i) {
                 Some(Obj::Tuple(_)) => "tuple".into(),
+                Some(Obj::Size(_)) => "torch.Size".into(),
                 Some(Obj::List(_)) => "list".into(),
                 Some(Obj::Dict(_)) => "dict".into(),
                 Some(Obj::OrderedDict(..)) => "collections.OrderedDict".into(),
@@ -765,6 +768,11 @@ impl Vm<'_, '_> {
     }
 
     fn int_tuple(&self, v: &V, what: &str) -> Result<Vec<usize>> {
+        if let V::Obj(i) = v {
+            if let Some(Obj::Size(dims)) = self.arena.get(*i) {
+                return Ok(dims.iter().map(|&d| d as usize).collect());
+            }
+        }
         let Some(items) = self.tuple_items(v) else {
             return Err(self.err(format!("{what} must be a tuple, found {}", self.kind(v))));
         };
@@ -791,8 +799,8 @@ impl Vm<'_, '_> {
             Global::TorchSize => match a.as_slice() {
                 [t] if self.tuple_items(t).is_some() => {
                     let items = self.int_tuple(t, "torch.Size")?;
-                    let items = items.into_iter().map(|x| V::Int(x as i64)).collect();
-                    Ok(self.alloc(Obj::Tuple(items)))
+                    let items = items.into_iter().map(|x| x as i64).collect();
+                    Ok(self.alloc(Obj::Size(items)))
                 }
                 _ => Err(self.err("torch.Size needs one tuple argument")),
             },
@@ -1113,6 +1121,7 @@ impl Vm<'_, '_> {
                 };
                 match &self.arena[*i] {
                     Obj::Tuple(items) => PyObj::Tuple(seq(items, budget)?),
+                    Obj::Size(dims) => PyObj::Size(dims.clone()),
                     Obj::List(items) => PyObj::List(seq(items, budget)?),
                     Obj::Dict(d) => PyObj::Dict(pairs(d, budget)?),
                     Obj::OrderedDict(d, attrs) => PyObj::OrderedDict {

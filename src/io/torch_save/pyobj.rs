@@ -25,8 +25,11 @@ pub enum PyObj {
     Str(String),
     /// `bytes`.
     Bytes(Vec<u8>),
-    /// `tuple` (also what a `torch.Size` is read as).
+    /// `tuple`.
     Tuple(Vec<PyObj>),
+    /// `torch.Size`, a tuple of dimensions (model and optimizer states and DTensor metadata
+    /// hold them); written back as a `torch.Size`, not a plain tuple.
+    Size(Vec<i64>),
     /// `list`.
     List(Vec<PyObj>),
     /// `dict`, in insertion order.
@@ -54,6 +57,7 @@ impl PyObj {
             PyObj::Str(_) => "str",
             PyObj::Bytes(_) => "bytes",
             PyObj::Tuple(_) => "tuple",
+            PyObj::Size(_) => "torch.Size",
             PyObj::List(_) => "list",
             PyObj::Dict(_) => "dict",
             PyObj::OrderedDict { .. } => "collections.OrderedDict",

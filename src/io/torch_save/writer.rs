@@ -446,6 +446,18 @@ impl<'a> Pickler<'a> {
                 self.memoize();
             }
             PyObj::Tuple(items) => self.tuple_of(items, |p, x| p.obj(x))?,
+            PyObj::Size(dims) => {
+                // As Python pickles it: torch.Size((d0, d1, ...)).
+                self.global("torch", "Size", "Size");
+                self.tuple_of(dims, |p, &d| {
+                    p.int(d);
+                    Ok(())
+                })?;
+                self.out.push(0x85);
+                self.memoize();
+                self.out.push(b'R');
+                self.memoize();
+            }
             PyObj::List(items) => {
                 self.out.push(b']');
                 self.memoize();

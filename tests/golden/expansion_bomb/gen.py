@@ -1,16 +1,16 @@
-"""Writes tests/golden/torch_save/expansion_bomb.pt for tests/torch_save_bomb.rs.
+"""Writes tests/golden/expansion_bomb/expansion_bomb.pt for tests/torch_save_bomb.rs.
 
 200 tensors, each a stride-0 [4096, 4096] float32 view of one 4-element storage: a 28 KB file
 whose tensors, materialized, are 64 MiB each (12.8 GiB in all). Each alone stays within the
 old per-tensor expansion cap (storage bytes + 64 MiB).
 
-    .venv/bin/python tests/golden/expansion_bomb.py
+    .venv/bin/python tests/golden/expansion_bomb/gen.py
 """
 from pathlib import Path
 
 import torch
 
-OUT = Path(__file__).parent / "torch_save" / "expansion_bomb.pt"
+OUT = Path(__file__).parent / "expansion_bomb.pt"
 
 
 def main():
