@@ -76,7 +76,10 @@ fn scalar_json(t: &HostTensor) -> Option<Json> {
     Some(match t.dtype() {
         DType::Bool => json!(v != 0.0),
         DType::I64 => json!(i64::from_le_bytes(t.as_bytes().try_into().ok()?)),
-        DType::I32 | DType::U8 => json!(v as i64),
+        DType::U64 => json!(u64::from_le_bytes(t.as_bytes().try_into().ok()?)),
+        DType::I32 | DType::U8 | DType::I8 | DType::I16 | DType::U16 | DType::U32 => {
+            json!(v as i64)
+        }
         _ => float_json(v),
     })
 }

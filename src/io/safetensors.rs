@@ -87,6 +87,13 @@ fn to_st_dtype(d: DType) -> Dtype {
         DType::I32 => Dtype::I32,
         DType::U8 => Dtype::U8,
         DType::Bool => Dtype::BOOL,
+        DType::I8 => Dtype::I8,
+        DType::I16 => Dtype::I16,
+        DType::U16 => Dtype::U16,
+        DType::U32 => Dtype::U32,
+        DType::U64 => Dtype::U64,
+        DType::F8E4M3FN => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
     }
 }
 
@@ -100,6 +107,13 @@ fn from_st_dtype(d: Dtype) -> Option<DType> {
         Dtype::I32 => DType::I32,
         Dtype::U8 => DType::U8,
         Dtype::BOOL => DType::Bool,
+        Dtype::I8 => DType::I8,
+        Dtype::I16 => DType::I16,
+        Dtype::U16 => DType::U16,
+        Dtype::U32 => DType::U32,
+        Dtype::U64 => DType::U64,
+        Dtype::F8_E4M3 => DType::F8E4M3FN,
+        Dtype::F8_E5M2 => DType::F8E5M2,
         _ => return None,
     })
 }

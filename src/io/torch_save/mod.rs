@@ -9,8 +9,10 @@
 //!
 //! What is read: the containers and scalars of state dicts (`dict`, `OrderedDict`, `list`,
 //! `tuple`, `str`, `int` of any size, `float`, `bool`, `None`, `bytes`, `torch.Size`) and
-//! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool, whatever device they were
-//! saved from. Like `weights_only=True`, nothing is executed and any other Python global is
+//! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool (`_rebuild_tensor_v2` of a
+//! typed storage), int8 and int16 (the same), and uint16, uint32, uint64, float8_e4m3fn and
+//! float8_e5m2 (`_rebuild_tensor_v3` of an `UntypedStorage` with the dtype), whatever device
+//! they were saved from; they are written back the way PyTorch writes each. Like `weights_only=True`, nothing is executed and any other Python global is
 //! refused with [`Error::UnsupportedPickleGlobal`]. Contiguous tensors are zero-copy views of
 //! their storage, so tensors that shared a storage when saved share one buffer when loaded;
 //! non-contiguous ones (a transposed tensor) are copied into contiguous memory. Malformed

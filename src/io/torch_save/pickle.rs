@@ -50,6 +50,11 @@ pub(crate) struct Unpickled {
 enum Global {
     OrderedDict,
     RebuildTensorV2,
+    RebuildTensorV3,
+    /// `torch.storage.UntypedStorage`: bytes whose dtype `_rebuild_tensor_v3` gives.
+    UntypedStorage,
+    /// A dtype object such as `torch.uint16`.
+    Dtype(DType),
     RebuildParameter,
     Storage(DType),
     CodecsEncode,
@@ -71,8 +76,9 @@ enum V {
     /// A container in the arena.
     Obj(usize),
     Global(Global),
-    /// A storage record: key, dtype, number of elements.
-    Storage(Rc<str>, DType, usize),
+    /// A storage record: key, dtype (`None` for an untyped storage), number of elements
+    /// (bytes when untyped).
+    Storage(Rc<str>, Option<DType>, usize),
 }
 
 /// A tensor as the stream describes it: a strided view of a storage, checked to lie inside
@@ -117,8 +123,9 @@ impl Path<'_> {
 struct Tensors<'l> {
     mode: Mode,
     store: &'l mut dyn Storages,
-    /// Storages read, by key.
-    loaded: HashMap<Rc<str>, HostTensor>,
+    /// Storages read, by key and the dtype read as (an untyped storage may be viewed as
+    /// several).
+    loaded: HashMap<(Rc<str>, DType), HostTensor>,
     /// Tensors built, by the identity of their [`View`] (a view reached twice is one tensor).
     built: HashMap<*const View, HostTensor>,
     /// Bytes of every storage the stream declares (each checked against its entry).
@@ -309,8 +316,8 @@ struct Vm<'a, 'l> {
     marks: Vec<usize>,
     memo: HashMap<u32, V>,
     arena: Vec<Obj>,
-    /// Storages declared so far: key → (dtype, elements).
-    storages: HashMap<Rc<str>, (DType, usize)>,
+    /// Storages declared so far: key → (dtype, elements), as in [`V::Storage`].
+    storages: HashMap<Rc<str>, (Option<DType>, usize)>,
     tensors: std::cell::RefCell<Tensors<'l>>,
 }
 
@@ -725,6 +732,22 @@ impl Vm<'_, '_> {
         let g = match (module, name) {
             ("collections", "OrderedDict") => Global::OrderedDict,
             ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
+            ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
+            ("torch.storage", "UntypedStorage") => Global::UntypedStorage,
+            ("torch", "CharStorage") => Global::Storage(DType::I8),
+            ("torch", "ShortStorage") => Global::Storage(DType::I16),
+            ("torch", dtype)
+                if DType::ALL
+                    .iter()
+                    .any(|d| d.torch_name().strip_prefix("torch.") == Some(dtype)) =>
+            {
+                Global::Dtype(
+                    *DType::ALL
+                        .iter()
+                        .find(|d| d.torch_name().strip_prefix("torch.") == Some(dtype))
+                        .expect("matched above"),
+                )
+            }
             ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
             ("torch", "Size") => Global::TorchSize,
             ("_codecs", "encode") => Global::CodecsEncode,
@@ -823,23 +846,54 @@ impl Vm<'_, '_> {
                 _ => Err(self
                     .err("torch._utils._rebuild_parameter needs (tensor, requires_grad, hooks)")),
             },
-            Global::RebuildTensorV2 => self.rebuild_tensor(&a),
+            Global::RebuildTensorV2 => self.rebuild_tensor(&a, false),
+            Global::RebuildTensorV3 => self.rebuild_tensor(&a, true),
             Global::Storage(d) => Err(self.err(format!("calling torch storage class ({d})"))),
+            Global::UntypedStorage => Err(self.err("calling torch.storage.UntypedStorage")),
+            Global::Dtype(d) => Err(self.err(format!("calling {d}"))),
         }
     }
 
-    fn rebuild_tensor(&mut self, a: &[V]) -> Result<V> {
-        if a.len() != 6 && a.len() != 7 {
+    /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])`
+    /// of a typed storage, or `_rebuild_tensor_v3(..., hooks, dtype[, metadata])` of an
+    /// untyped one.
+    fn rebuild_tensor(&mut self, a: &[V], v3: bool) -> Result<V> {
+        let (name, nargs) = if v3 {
+            ("_rebuild_tensor_v3", 7)
+        } else {
+            ("_rebuild_tensor_v2", 6)
+        };
+        if a.len() != nargs && a.len() != nargs + 1 {
             return Err(self.err(format!(
-                "torch._utils._rebuild_tensor_v2 takes 6 or 7 arguments, got {}",
+                "torch._utils.{name} takes {nargs} or {} arguments, got {}",
+                nargs + 1,
                 a.len()
             )));
         }
-        let V::Storage(key, dtype, snumel) = &a[0] else {
-            return Err(self.err(format!(
-                "_rebuild_tensor_v2: first argument must be a storage, found {}",
-                self.kind(&a[0])
-            )));
+        let (key, dtype, snumel) = match (&a[0], a.get(6).filter(|_| v3)) {
+            (V::Storage(key, Some(dtype), n), None) => (key, *dtype, *n),
+            (V::Storage(key, None, bytes), Some(V::Global(Global::Dtype(d)))) => {
+                if bytes % d.size() != 0 {
+                    return Err(self.storage_err(
+                        key,
+                        format!("{bytes} bytes are not a whole number of {d} elements"),
+                    ));
+                }
+                (key, *d, bytes / d.size())
+            }
+            (V::Storage(..), Some(other)) => {
+                return Err(self.err(format!(
+                    "{name}: the dtype argument must be a supported torch dtype, found {}",
+                    self.kind(other)
+                )))
+            }
+            (other, _) => {
+                return Err(self.err(format!(
+                    "{name}: first argument must be a {} storage, found {}",
+                    if v3 { "untyped" } else { "typed" },
+                    self.kind(other)
+                )))
+            }
         };
         let offset = self.int_arg(&a[1], "storage_offset")?;
         let size = self.int_tuple(&a[2], "size")?;
@@ -860,7 +914,7 @@ impl Vm<'_, '_> {
                 )))
             }
         }
-        if let Some(meta) = a.get(6) {
+        if let Some(meta) = a.get(nargs) {
             let empty = match meta {
                 V::None => true,
                 V::Obj(i) => {
@@ -877,10 +931,10 @@ impl Vm<'_, '_> {
                 "_rebuild_tensor_v2: size {size:?} and stride {stride:?} differ in length"
             )));
         }
-        let numel = self.check_view(key, *snumel, offset, &size, &stride)?;
+        let numel = self.check_view(key, snumel, offset, &size, &stride)?;
         Ok(V::Tensor(Rc::new(View {
             key: key.clone(),
-            dtype: *dtype,
+            dtype,
             offset,
             size,
             stride,
@@ -948,12 +1002,16 @@ impl Vm<'_, '_> {
             }
             _ if view.numel == 0 => HostTensor::zeros(view.dtype, &view.size),
             mode => {
-                let storage = match ts.loaded.get(&view.key) {
+                let slot = (view.key.clone(), view.dtype);
+                let storage = match ts.loaded.get(&slot) {
                     Some(s) => s.clone(),
                     None => {
                         let (dtype, numel) = self.storages[&view.key];
-                        let s = ts.store.read(&view.key, dtype, numel)?;
-                        ts.loaded.insert(view.key.clone(), s.clone());
+                        let bytes = numel * dtype.unwrap_or(DType::U8).size();
+                        let s = ts
+                            .store
+                            .read(&view.key, view.dtype, bytes / view.dtype.size())?;
+                        ts.loaded.insert(slot, s.clone());
                         s
                     }
                 };
@@ -1042,19 +1100,33 @@ impl Vm<'_, '_> {
                 )))
             }
         };
-        let [V::Str(tag), V::Global(Global::Storage(dtype)), V::Str(key), V::Str(_location), numel] =
+        let [V::Str(tag), V::Global(class), V::Str(key), V::Str(_location), numel] =
             items.as_slice()
         else {
             return Err(self
                 .err("persistent id must be ('storage', torch.<T>Storage, key, location, numel)"));
         };
+        let dtype = match class {
+            Global::Storage(d) => Some(*d),
+            Global::UntypedStorage => None,
+            other => {
+                return Err(self.err(format!(
+                    "persistent id names {other:?}, not a storage class"
+                )))
+            }
+        };
+        let dtype = &dtype;
         if &**tag != "storage" {
             return Err(self.err(format!("persistent id tag {tag:?} is not 'storage'")));
         }
         let numel = self.int_arg(numel, "storage numel")?;
         if let Some(&(d, n)) = self.storages.get(key) {
             if d != *dtype {
-                return Err(self.storage_err(key, format!("viewed as both {d} and {dtype}")));
+                let name = |d: Option<DType>| d.map_or("untyped".to_string(), |d| d.to_string());
+                return Err(self.storage_err(
+                    key,
+                    format!("viewed as both {} and {}", name(d), name(*dtype)),
+                ));
             }
             if n != numel {
                 return Err(
@@ -1064,10 +1136,11 @@ impl Vm<'_, '_> {
             return Ok(V::Storage(key.clone(), *dtype, numel));
         }
         let mut ts = self.tensors.borrow_mut();
-        ts.store.check(key, *dtype, numel)?;
+        let unit = dtype.unwrap_or(DType::U8);
+        ts.store.check(key, unit, numel)?;
         ts.storage_bytes = ts
             .storage_bytes
-            .saturating_add((numel as u64).saturating_mul(dtype.size() as u64));
+            .saturating_add((numel as u64).saturating_mul(unit.size() as u64));
         drop(ts);
         self.storages.insert(key.clone(), (*dtype, numel));
         Ok(V::Storage(key.clone(), *dtype, numel))
