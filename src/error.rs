@@ -406,6 +406,22 @@ pub enum Error {
         max_expansion_bytes: u64,
     },
 
+    /// Per-rank SHARDED optimizer state dicts (FSDP1 `ShardedTensor`, FSDP2 `DTensor`) that
+    /// cannot be consolidated: a rank lacks a key or state the others have, the ranks
+    /// disagree on a tensor's global shape or dtype, or the shards do not tile the tensor
+    /// exactly once.
+    #[error("cannot consolidate the sharded state `{state}` of `{key}` (rank {rank}): {reason}")]
+    ShardedMismatch {
+        /// The rank (position in the list of files).
+        rank: usize,
+        /// The parameter key.
+        key: String,
+        /// The state name.
+        state: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A Python object read from (or to be written to) a file does not have the structure
     /// that a state dict needs.
     #[error("unexpected object at {path}: expected {expected}, found {found}")]

@@ -172,6 +172,7 @@ fn to_json(o: &PyObj) -> Json {
             "shape": t.shape(),
             "hex": hex(t.as_bytes()),
         }}),
+        PyObj::Sharded(_) => panic!("the fixtures hold no sharded tensors"),
     }
 }
 

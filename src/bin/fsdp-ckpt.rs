@@ -70,6 +70,17 @@ enum Command {
         #[arg(long)]
         named_optimizer: bool,
     },
+    /// Consolidate per-rank SHARDED optimizer state dicts saved with torch.save (FSDP1
+    /// `ShardedTensor` states under SHARDED_STATE_DICT, or FSDP2 `DTensor` states of
+    /// `optim.state_dict()`) into the full dict.
+    ConsolidateSharded {
+        /// One file per rank, in rank order.
+        #[arg(required = true, value_name = "RANK.pt")]
+        ranks: Vec<PathBuf>,
+        /// Output file.
+        #[arg(short, long, value_name = "FULL.pt")]
+        output: PathBuf,
+    },
     /// Shard a full optimizer state dict into the local dict each rank's optimizer loads
     /// (`FSDP.shard_full_optim_state_dict`), written as DIR/rank{r}.pt.
     ShardTorch {
@@ -397,6 +408,29 @@ fn run(cli: Cli) -> Result<()> {
             })?;
             eprintln!(
                 "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
+                ranks.len(),
+                output.display(),
+                full.state.len(),
+                full.tensor_bytes()
+            );
+        }
+        Command::ConsolidateSharded { ranks, output } => {
+            FileFormat::from_path(&output)?;
+            let pb = progress.bar(ranks.len(), "reading rank files");
+            let mut dicts = Vec::with_capacity(ranks.len());
+            for r in &ranks {
+                pb.set_message(format!("reading {}", r.display()));
+                dicts.push(load_optim(r)?);
+                pb.inc(1);
+            }
+            pb.finish_and_clear();
+            let full = fsdp::offline::consolidate_sharded(&dicts)?;
+            drop(dicts);
+            progress.step(&format!("writing {}", output.display()), || {
+                save_optim(&full, &output)
+            })?;
+            eprintln!(
+                "consolidated {} sharded ranks into {}: {} keys, {} bytes of tensor state",
                 ranks.len(),
                 output.display(),
                 full.state.len(),

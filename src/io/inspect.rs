@@ -128,7 +128,13 @@ fn value_json(v: &Value, sh: Shapes<'_>) -> Json {
                 json!({ "tensor": j })
             })
             .unwrap_or(Json::Null),
-        Value::Sharded(s) => json!({ "sharded_tensor": { "global_shape": s.global_shape } }),
+        Value::Sharded(s) => json!({ "sharded_tensor": {
+            "global_shape": s.global_shape,
+            "offsets": s.offsets,
+            "local": s.local.as_ref().map(|t| {
+                json!({ "dtype": dtype_name(t.dtype()), "shape": sh.of(t) })
+            }),
+        } }),
         Value::Tuple(xs) | Value::List(xs) => {
             Json::Array(xs.iter().map(|x| value_json(x, sh)).collect())
         }

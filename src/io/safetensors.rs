@@ -37,6 +37,7 @@
 //! | `dict` | `{"dict": [[key, value], ...]}` in order (keys keep their type) |
 //! | `collections.OrderedDict` | `{"odict": [[key, value], ...], "attrs": [["name", value], ...]}` (a model state dict's `_metadata` goes in `attrs`) |
 //! | tensor | `{"tensor": "<name in the file>"}` |
+//! | sharded tensor (`ShardedTensor`, `DTensor`) | `{"sharded": {"global_shape": [...], "offsets": [...], "local": {"tensor": "<name>"} or null}}` |
 //!
 //! A safetensors file without [`OBJECT_KEY`] (written by another tool) reads as an
 //! `OrderedDict` of its tensors, sorted by name (the order `safetensors.torch.load_file`
@@ -233,6 +234,21 @@ impl<'a> Encoder<'a> {
                 let name = self.name(path);
                 self.tensors.push((name.clone(), t));
                 json!({ "tensor": name })
+            }
+            PyObj::Sharded(s) => {
+                let local = match &s.local {
+                    Some(t) => {
+                        let name = self.name(path);
+                        self.tensors.push((name.clone(), t));
+                        json!({ "tensor": name })
+                    }
+                    None => Json::Null,
+                };
+                json!({ "sharded": {
+                    "global_shape": s.global_shape,
+                    "offsets": s.offsets,
+                    "local": local,
+                } })
             }
         }
     }
@@ -444,6 +460,32 @@ impl Decoder<'_> {
                                 .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
                                 .collect::<Result<_>>()?,
                         ));
+                    }
+                    if let Some(Json::Object(sh)) = tag("sharded") {
+                        let dims = |k: &str| -> Option<Vec<usize>> {
+                            sh.get(k)?
+                                .as_array()?
+                                .iter()
+                                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                                .collect()
+                        };
+                        let (Some(global_shape), Some(offsets)) =
+                            (dims("global_shape"), dims("offsets"))
+                        else {
+                            return Err(self.bad(path, j));
+                        };
+                        let local = match sh.get("local") {
+                            None | Some(Json::Null) => None,
+                            Some(l) => match self.decode(l, path)? {
+                                PyObj::Tensor(t) => Some(t),
+                                _ => return Err(self.bad(path, j)),
+                            },
+                        };
+                        return Ok(PyObj::Sharded(crate::optim_state::ShardedTensor {
+                            global_shape,
+                            offsets,
+                            local,
+                        }));
                     }
                     if let Some(Json::Array(xs)) = tag("size") {
                         return xs

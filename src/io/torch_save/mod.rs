@@ -12,7 +12,10 @@
 //! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool (`_rebuild_tensor_v2` of a
 //! typed storage), int8 and int16 (the same), and uint16, uint32, uint64, float8_e4m3fn and
 //! float8_e5m2 (`_rebuild_tensor_v3` of an `UntypedStorage` with the dtype), whatever device
-//! they were saved from; they are written back the way PyTorch writes each. Like `weights_only=True`, nothing is executed and any other Python global is
+//! they were saved from; they are written back the way PyTorch writes each.
+//! FSDP1's `ShardedTensor` and FSDP2's `DTensor` (sharded optimizer states) are read as
+//! [`PyObj::Sharded`]: the local shard with the global shape and its offsets, through an
+//! allow-list of their inert metadata classes (no process group, nothing that runs code). Like `weights_only=True`, nothing is executed and any other Python global is
 //! refused with [`Error::UnsupportedPickleGlobal`]. Contiguous tensors are zero-copy views of
 //! their storage, so tensors that shared a storage when saved share one buffer when loaded;
 //! non-contiguous ones (a transposed tensor) are copied into contiguous memory. Malformed

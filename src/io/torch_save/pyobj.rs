@@ -1,5 +1,6 @@
 //! [`PyObj`]: the Python values a `torch.save` file of a state dict holds.
 
+use crate::optim_state::ShardedTensor;
 use crate::tensor::HostTensor;
 
 /// A Python object as `torch.save` stores it: the containers and scalars of state dicts, and
@@ -44,6 +45,11 @@ pub enum PyObj {
     },
     /// A `torch.Tensor` (read to host memory whatever device it was saved from).
     Tensor(HostTensor),
+    /// A distributed tensor as one rank saved it: FSDP1's `ShardedTensor`
+    /// (`SHARDED_STATE_DICT`) or FSDP2's `DTensor`, read as this rank's local shard, the
+    /// global shape and the shard's offsets. Consolidate the ranks' files
+    /// ([`crate::offline::consolidate_sharded`]) to get the full tensors.
+    Sharded(ShardedTensor<HostTensor>),
 }
 
 impl PyObj {
@@ -62,6 +68,7 @@ impl PyObj {
             PyObj::Dict(_) => "dict",
             PyObj::OrderedDict { .. } => "collections.OrderedDict",
             PyObj::Tensor(_) => "Tensor",
+            PyObj::Sharded(_) => "sharded tensor",
         }
     }
 

@@ -516,6 +516,12 @@ impl<'a> Pickler<'a> {
                 }
             }
             PyObj::Tensor(t) => self.tensor(t)?,
+            PyObj::Sharded(s) => {
+                return Err(Error::Unsupported(format!(
+                    "writing a sharded tensor (local piece of {:?}) to a torch.save file; consolidate the ranks' files first (fsdp-ckpt consolidate-sharded)",
+                    s.global_shape
+                )))
+            }
         }
         Ok(())
     }

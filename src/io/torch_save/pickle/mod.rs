@@ -8,11 +8,15 @@
 //! recursively, and the final conversion to [`PyObj`] bounds depth and size. Every read,
 //! index and size is checked: malformed input gives an [`Error`], never a panic.
 
+mod subclass;
+
 use super::pyobj::PyObj;
 use crate::error::{Error, Result};
+use crate::optim_state::ShardedTensor;
 use crate::tensor::{DType, HostTensor};
 use std::collections::HashMap;
 use std::rc::Rc;
+use subclass::{Class, ShardedView};
 
 /// Deepest nesting of containers accepted in the result.
 pub(crate) const MAX_DEPTH: usize = 200;
@@ -55,6 +59,14 @@ enum Global {
     UntypedStorage,
     /// A dtype object such as `torch.uint16`.
     Dtype(DType),
+    /// An allow-listed metadata class (see [`subclass`]).
+    Class(Class),
+    /// `torch._tensor._rebuild_from_type_v2`, for `ShardedTensor` and `DTensor` only.
+    RebuildFromTypeV2,
+    /// `torch._utils._rebuild_wrapper_subclass`, only as `_rebuild_from_type_v2`'s function.
+    RebuildWrapperSubclass,
+    /// `getattr`, only for `ShardedTensor.ProcessGroupState`.
+    Getattr,
     RebuildParameter,
     Storage(DType),
     CodecsEncode,
@@ -79,6 +91,8 @@ enum V {
     /// A storage record: key, dtype (`None` for an untyped storage), number of elements
     /// (bytes when untyped).
     Storage(Rc<str>, Option<DType>, usize),
+    /// A `ShardedTensor` or `DTensor`: local shard and global metadata.
+    Sharded(Rc<ShardedView>),
 }
 
 /// A tensor as the stream describes it: a strided view of a storage, checked to lie inside
@@ -184,6 +198,12 @@ enum Obj {
     List(Vec<V>),
     Dict(DictObj),
     OrderedDict(DictObj, Vec<(String, V)>),
+    /// An instance of an allow-listed metadata class: the attributes `BUILD` set, kept as
+    /// data (constructor arguments are not needed by anything read from them).
+    Record {
+        class: Class,
+        attrs: Vec<(String, V)>,
+    },
 }
 
 fn opcode_name(op: u8) -> &'static str {
@@ -474,10 +494,12 @@ impl Vm<'_, '_> {
                 Some(Obj::List(_)) => "list".into(),
                 Some(Obj::Dict(_)) => "dict".into(),
                 Some(Obj::OrderedDict(..)) => "collections.OrderedDict".into(),
+                Some(Obj::Record { class, .. }) => format!("{class:?}"),
                 None => "?".into(),
             },
             V::Global(g) => format!("global {g:?}"),
             V::Storage(k, ..) => format!("storage {k:?}"),
+            V::Sharded(_) => "sharded tensor".into(),
         }
     }
 
@@ -699,6 +721,15 @@ impl Vm<'_, '_> {
                         (V::Global(Global::OrderedDict), Some([])) => {
                             self.alloc(Obj::OrderedDict(DictObj::default(), Vec::new()))
                         }
+                        (V::Global(Global::Class(class)), Some(_))
+                            if !matches!(class, Class::ShardedTensor | Class::DTensor) =>
+                        {
+                            let class = *class;
+                            self.alloc(Obj::Record {
+                                class,
+                                attrs: Vec::new(),
+                            })
+                        }
                         _ => {
                             return Err(
                                 self.err(format!("NEWOBJ of {} is not supported", self.kind(&cls)))
@@ -760,6 +791,12 @@ impl Vm<'_, '_> {
             ("torch", "IntStorage") => Global::Storage(DType::I32),
             ("torch", "ByteStorage") => Global::Storage(DType::U8),
             ("torch", "BoolStorage") => Global::Storage(DType::Bool),
+            ("torch._tensor", "_rebuild_from_type_v2") => Global::RebuildFromTypeV2,
+            ("torch._utils", "_rebuild_wrapper_subclass") => Global::RebuildWrapperSubclass,
+            ("builtins" | "__builtin__", "getattr") => Global::Getattr,
+            _ if Class::resolve(module, name).is_some() => {
+                Global::Class(Class::resolve(module, name).expect("checked"))
+            }
             _ => {
                 return Err(Error::UnsupportedPickleGlobal {
                     file: self.file.to_string(),
@@ -850,6 +887,36 @@ impl Vm<'_, '_> {
             Global::RebuildTensorV3 => self.rebuild_tensor(&a, true),
             Global::Storage(d) => Err(self.err(format!("calling torch storage class ({d})"))),
             Global::UntypedStorage => Err(self.err("calling torch.storage.UntypedStorage")),
+            Global::Class(class @ (Class::Device | Class::Layout | Class::MemoryFormat)) => {
+                Ok(self.alloc(Obj::Record {
+                    class,
+                    attrs: Vec::new(),
+                }))
+            }
+            Global::Class(class) => Err(self.err(format!("calling {class:?}"))),
+            Global::Getattr => match a.as_slice() {
+                [V::Global(Global::Class(Class::ShardedTensor)), V::Str(n)]
+                    if &**n == "ProcessGroupState" =>
+                {
+                    Ok(V::Global(Global::Class(Class::ProcessGroupState)))
+                }
+                _ => Err(self.err("getattr is only allowed for ShardedTensor.ProcessGroupState")),
+            },
+            Global::RebuildWrapperSubclass => {
+                Err(self.err("_rebuild_wrapper_subclass outside _rebuild_from_type_v2"))
+            }
+            Global::RebuildFromTypeV2 => match a.as_slice() {
+                [V::Global(Global::RebuildWrapperSubclass), V::Global(Global::Class(class @ (Class::ShardedTensor | Class::DTensor))), args, state] =>
+                {
+                    let Some(args) = self.tuple_items(args).map(<[V]>::to_vec) else {
+                        return Err(self.err("_rebuild_from_type_v2: args must be a tuple"));
+                    };
+                    self.rebuild_subclass(*class, &args, state)
+                }
+                _ => Err(self.err(
+                    "_rebuild_from_type_v2 is only allowed for _rebuild_wrapper_subclass of a ShardedTensor or DTensor",
+                )),
+            },
             Global::Dtype(d) => Err(self.err(format!("calling {d}"))),
         }
     }
@@ -1059,6 +1126,9 @@ impl Vm<'_, '_> {
         if matches!(state, V::None) {
             return Ok(());
         }
+        if let Obj::Record { .. } = &self.arena[i] {
+            return self.build_record(i, state);
+        }
         let attrs: Vec<(String, V)> = match &state {
             V::Obj(j) => match self.arena.get(*j) {
                 Some(Obj::Dict(d)) => {
@@ -1167,6 +1237,14 @@ impl Vm<'_, '_> {
             V::Str(s) => PyObj::Str(s.to_string()),
             V::Bytes(b) => PyObj::Bytes(b.to_vec()),
             V::Tensor(view) => PyObj::Tensor(self.materialize(view, path)?),
+            V::Sharded(s) => PyObj::Sharded(ShardedTensor {
+                global_shape: s.global_shape.clone(),
+                offsets: s.offsets.clone(),
+                local: match &s.local {
+                    Some(V::Tensor(view)) => Some(self.materialize(view, path)?),
+                    _ => None,
+                },
+            }),
             V::Global(_) | V::Storage(..) => {
                 return Err(self.err(format!(
                     "a bare {} in the result is not supported",
@@ -1195,6 +1273,11 @@ impl Vm<'_, '_> {
                 match &self.arena[*i] {
                     Obj::Tuple(items) => PyObj::Tuple(seq(items, budget)?),
                     Obj::Size(dims) => PyObj::Size(dims.clone()),
+                    Obj::Record { class, .. } => {
+                        return Err(
+                            self.err(format!("a bare {class:?} in the result is not supported"))
+                        )
+                    }
                     Obj::List(items) => PyObj::List(seq(items, budget)?),
                     Obj::Dict(d) => PyObj::Dict(pairs(d, budget)?),
                     Obj::OrderedDict(d, attrs) => PyObj::OrderedDict {
