@@ -1,4 +1,4 @@
-//! The `Fsdp` façade (layer 6): owns the model description, the layout and the process group
+//! The `Fsdp` façade (layer 8): owns the model description, the layout and the process group
 //! and exposes PyTorch's optimizer-state API under PyTorch's names.
 
 use crate::collectives::ProcessGroup;
@@ -136,9 +136,11 @@ impl Fsdp {
     /// PyTorch.
     pub fn new(model: &ModelDesc, policy: &WrapPolicy, pg: Arc<dyn ProcessGroup>) -> Result<Self> {
         if policy.sharding_strategy.is_hybrid() {
-            return Err(Error::InvalidModel(
-                "HYBRID_SHARD needs a shard group: use Fsdp::new_hybrid(model, policy, world, shard_group_size)".into(),
-            ));
+            return Err(Error::ConfigMismatch {
+                what: "the sharding strategy of Fsdp::new".into(),
+                expected: "a strategy without shard groups (HYBRID_SHARD needs a shard group: use Fsdp::new_hybrid(model, policy, world, shard_group_size))".into(),
+                found: format!("{:?}", policy.sharding_strategy),
+            });
         }
         let layout = ModelLayout::new(model, policy, pg.world_size())?;
         Ok(Fsdp {
@@ -159,9 +161,11 @@ impl Fsdp {
     ) -> Result<Self> {
         let ws = world.world_size();
         if shard_group_size == 0 || ws % shard_group_size != 0 {
-            return Err(Error::InvalidModel(format!(
-                "shard group size {shard_group_size} does not divide the world size {ws}"
-            )));
+            return Err(Error::ConfigMismatch {
+                what: "the shard group size of Fsdp::new_hybrid".into(),
+                expected: format!("a divisor of the world size {ws}"),
+                found: shard_group_size.to_string(),
+            });
         }
         let mut mine = None;
         for g in 0..ws / shard_group_size {
@@ -214,7 +218,7 @@ impl Fsdp {
     /// The parameters of `model.parameters()` of the wrapped model, in that order, as one
     /// param group: what `torch.optim.Adam(model.parameters())` would hold.
     pub fn optim_params(&self) -> OptimParams {
-        OptimParams::single(self.layout.default_optim_params())
+        OptimParams::of_model(&self.layout)
     }
 
     /// `FSDP.set_state_dict_type`: selects what [`Fsdp::optim_state_dict`] returns and what
@@ -232,9 +236,11 @@ impl Fsdp {
                 | (StateDictType::Local, OptimStateDictConfig::Local { .. })
         );
         if !matches {
-            return Err(Error::InvalidModel(format!(
-                "{config:?} is not a config for {t:?}"
-            )));
+            return Err(Error::ConfigMismatch {
+                what: "set_state_dict_type".into(),
+                expected: format!("a config for {t:?}"),
+                found: format!("{config:?}"),
+            });
         }
         let prev = self.settings;
         self.settings = StateDictSettings {
@@ -340,7 +346,7 @@ impl Fsdp {
     }
 
     /// Saves this rank's local optimizer state into the sharded checkpoint directory `dir`
-    /// ([`crate::io::checkpoint`]): each rank of the first shard group writes its own data
+    /// ([`crate::checkpoint`]): each rank of the first shard group writes its own data
     /// file, rank 0 writes the manifest and commits. Collective over the whole job. The
     /// checkpoint loads at any world size and wrapping with [`Fsdp::load_optim_checkpoint`].
     pub fn save_optim_checkpoint<T: Tensor>(
@@ -348,7 +354,7 @@ impl Fsdp {
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         dir: impl AsRef<std::path::Path>,
-        opts: &crate::io::checkpoint::SaveOptions,
+        opts: &crate::checkpoint::SaveOptions,
     ) -> Result<()> {
         self.save(osd, params, None, dir.as_ref(), opts)
     }
@@ -365,7 +371,7 @@ impl Fsdp {
         params: &OptimParams,
         model: &[Option<T>],
         dir: impl AsRef<std::path::Path>,
-        opts: &crate::io::checkpoint::SaveOptions,
+        opts: &crate::checkpoint::SaveOptions,
     ) -> Result<()> {
         self.save(osd, params, Some(model), dir.as_ref(), opts)
     }
@@ -376,19 +382,9 @@ impl Fsdp {
         params: &OptimParams,
         model: Option<&[Option<T>]>,
         dir: &std::path::Path,
-        opts: &crate::io::checkpoint::SaveOptions,
+        opts: &crate::checkpoint::SaveOptions,
     ) -> Result<()> {
-        crate::io::checkpoint::save(
-            &self.layout,
-            self.rank(),
-            self.writes_checkpoint_files(),
-            self.world_pg.as_ref(),
-            osd,
-            params,
-            model,
-            dir,
-            opts,
-        )
+        crate::checkpoint::save(self.into(), osd, params, model, dir, opts)
     }
 
     /// This rank's parameter tensors from a checkpoint written by [`Fsdp::save_checkpoint`] at
@@ -398,9 +394,9 @@ impl Fsdp {
     pub fn load_model_params<T: Tensor>(
         &self,
         dir: impl AsRef<std::path::Path>,
-        opts: &crate::io::checkpoint::LoadOptions,
+        opts: &crate::checkpoint::LoadOptions,
     ) -> Result<Vec<Option<T>>> {
-        crate::io::checkpoint::load_model_params(dir.as_ref(), &self.layout, self.rank(), opts)
+        crate::checkpoint::load_model_params(dir.as_ref(), &self.layout, self.rank(), opts)
     }
 
     /// This rank's optimizer state dict from the checkpoint in `dir`, saved at any world size
@@ -411,9 +407,9 @@ impl Fsdp {
         &self,
         dir: impl AsRef<std::path::Path>,
         params: &OptimParams,
-        opts: &crate::io::checkpoint::LoadOptions,
+        opts: &crate::checkpoint::LoadOptions,
     ) -> Result<OptimStateDict<T>> {
-        crate::io::checkpoint::load(dir.as_ref(), &self.layout, self.rank(), params, opts)
+        crate::checkpoint::load(dir.as_ref(), &self.layout, self.rank(), params, opts)
     }
 
     /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
@@ -466,11 +462,10 @@ impl Fsdp {
         osd: Option<&OptimStateDict<T>>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        let need = |what: &str| {
-            Error::InvalidStateDict(format!(
-                "optim_state_dict_to_load: rank {} must pass the {what} dict",
-                self.world_pg.rank()
-            ))
+        let need = |what: &str| Error::InvalidArgument {
+            op: LOAD.into(),
+            rank: self.world_pg.rank(),
+            reason: format!("this rank must pass the {what} dict"),
         };
         match self.settings.state_dict_type {
             StateDictType::Full if self.rank0_only() => self.scatter(LOAD, osd, params),
@@ -495,6 +490,17 @@ impl Fsdp {
                 }
             }
             StateDictType::Local => osd.cloned().ok_or_else(|| need("local")),
+        }
+    }
+}
+
+impl<'a> From<&'a Fsdp> for crate::checkpoint::GroupContext<'a> {
+    fn from(fsdp: &'a Fsdp) -> Self {
+        crate::checkpoint::GroupContext {
+            layout: &fsdp.layout,
+            layout_rank: fsdp.rank(),
+            writes_files: fsdp.writes_checkpoint_files(),
+            pg: &fsdp.world_pg,
         }
     }
 }

@@ -14,7 +14,7 @@
 //! world size give [`Error::WorldSizeMismatch`] naming the world sizes that would fit.
 //!
 //! ```
-//! use fsdp::model::ModelSpec;
+//! use fsdp::offline::ModelSpec;
 //! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
 //! use fsdp::{DType, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy};
 //!
@@ -40,11 +40,85 @@ use crate::collectives::{ProcessGroup, ThreadGroup};
 use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
 use crate::fsdp::Fsdp;
-use crate::model::ModelSpec;
+use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use crate::tensor::HostTensor;
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
+/// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
+///
+/// ```json
+/// {
+///   "model": {
+///     "params": [
+///       {"name": "embed.weight", "shape": [10, 4], "dtype": "f32"},
+///       {"name": "layers.0.weight", "shape": [4, 4], "dtype": "f32", "requires_grad": false}
+///     ],
+///     "tied": {"head.weight": "embed.weight"}
+///   },
+///   "policy": {"units": ["layers.0", ""], "use_orig_params": false,
+///              "ignored_modules": [], "sharding_strategy": "FULL_SHARD"},
+///   "optim_params": {"groups": [[{"Flat": "layers.0"}, {"Flat": ""}]], "named": false}
+/// }
+/// ```
+///
+/// `optim_params` (all ranks) and `optim_params_per_rank` (one entry per rank, overriding it)
+/// are optional; without them each rank's optimizer holds `model.parameters()` of the wrapped
+/// model in one group ([`crate::Fsdp::optim_params`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// The model's parameters.
+    pub model: ModelDesc,
+    /// How it is wrapped.
+    pub policy: WrapPolicy,
+    /// The optimizer's param groups on every rank; default: `model.parameters()`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optim_params: Option<OptimParams>,
+    /// The optimizer's param groups per rank (index = rank), overriding `optim_params`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optim_params_per_rank: Option<Vec<OptimParams>>,
+}
+
+impl ModelSpec {
+    /// A spec with the default optimizer parameters.
+    pub fn new(model: ModelDesc, policy: WrapPolicy) -> Self {
+        ModelSpec {
+            model,
+            policy,
+            optim_params: None,
+            optim_params_per_rank: None,
+        }
+    }
+
+    /// Parses the JSON form.
+    pub fn from_json(text: &str, file: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| Error::Serialization {
+            what: format!("model spec `{file}`"),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Reads the JSON file at `path`.
+    pub fn from_json_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+            op: "reading".into(),
+            path: name.clone(),
+            source: e.into(),
+        })?;
+        Self::from_json(&text, &name)
+    }
+
+    /// The JSON form, pretty-printed.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a model spec always serializes")
+    }
+}
 
 /// Largest world size [`Error::WorldSizeMismatch`] messages search for a fitting one.
 const MAX_SUGGESTED_WORLD_SIZE: usize = 1024;
@@ -82,7 +156,7 @@ impl ModelSpec {
         Ok(self
             .optim_params
             .clone()
-            .unwrap_or_else(|| OptimParams::single(layout.default_optim_params())))
+            .unwrap_or_else(|| OptimParams::of_model(layout)))
     }
 }
 
@@ -235,9 +309,11 @@ pub fn shard_full_dict(
 /// (other than identical replicas) or leave part of a tensor uncovered.
 pub fn consolidate_sharded(ranks: &[OptimStateDict]) -> Result<OptimStateDict> {
     let Some(first) = ranks.first() else {
-        return Err(Error::InvalidStateDict(
-            "consolidating sharded state dicts needs at least one rank's dict".into(),
-        ));
+        return Err(Error::InvalidArgument {
+            op: "consolidate_sharded".into(),
+            rank: 0,
+            reason: "no rank's dict was given".into(),
+        });
     };
     for (r, d) in ranks.iter().enumerate() {
         if let Some(k) = first.state.keys().find(|k| !d.state.contains_key(*k)) {
@@ -297,12 +373,12 @@ fn sharded_err(rank: usize, key: &str, state: &str, reason: &str) -> Error {
 /// The tensor the ranks' `pieces` tile; errors name the rank at fault.
 fn assemble(
     pieces: &[&crate::optim_state::ShardedTensor],
-) -> std::result::Result<crate::HostTensor, (usize, String)> {
+) -> std::result::Result<HostTensor, (usize, String)> {
     let global = pieces[0].global_shape.clone();
     let numel: usize = global.iter().product();
     let mut dtype = None;
     // Distinct (offsets, shape) pieces with elements, and who holds them.
-    let mut placed: Vec<(usize, &[usize], &crate::HostTensor)> = Vec::new();
+    let mut placed: Vec<(usize, &[usize], &HostTensor)> = Vec::new();
     for (r, p) in pieces.iter().enumerate() {
         if p.global_shape != global {
             return Err((
@@ -336,7 +412,7 @@ fn assemble(
                 ),
             ));
         }
-        let same = |(_, o, u): &(usize, &[usize], &crate::HostTensor)| {
+        let same = |(_, o, u): &(usize, &[usize], &HostTensor)| {
             *o == p.offsets.as_slice() && u.shape() == t.shape()
         };
         if placed.iter().any(same) {
@@ -366,7 +442,7 @@ fn assemble(
             format!("no rank holds data of the {global:?} tensor (its dtype is unknown)"),
         ));
     };
-    let mut out = crate::HostTensor::zeros(dtype, &global);
+    let mut out = HostTensor::zeros(dtype, &global);
     for (_, offsets, t) in placed {
         copy_block(&mut out, &global, offsets, t);
     }
@@ -375,12 +451,7 @@ fn assemble(
 
 /// Copies `piece` into `out` (contiguous, of shape `global`) at `offsets`, one innermost row
 /// at a time.
-fn copy_block(
-    out: &mut crate::HostTensor,
-    global: &[usize],
-    offsets: &[usize],
-    piece: &crate::HostTensor,
-) {
+fn copy_block(out: &mut HostTensor, global: &[usize], offsets: &[usize], piece: &HostTensor) {
     let es = piece.dtype().size();
     let shape = piece.shape();
     let mut strides = vec![1usize; global.len()];

@@ -99,7 +99,7 @@ fn the_library_names_the_tensor_that_exceeds_the_expansion_allowance() {
     assert!(file.ends_with("expansion_bomb.pt"));
     // 256 MiB allow four 64 MiB copies (plus the 16 storage bytes): the fifth is refused.
     assert_eq!(tensor, "t4");
-    assert_eq!((size, stride), (vec![4096, 4096], vec![0, 0]));
+    assert_eq!((&size[..], &stride[..]), (&[4096, 4096][..], &[0, 0][..]));
     assert_eq!(storage_bytes, 16);
     assert_eq!(
         max_expansion_bytes,

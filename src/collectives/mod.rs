@@ -1,4 +1,4 @@
-//! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
+//! Collectives (layer 3): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
@@ -9,12 +9,14 @@ mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(all(feature = "nccl", target_os = "linux"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "nccl", target_os = "linux"))))]
 pub mod nccl;
 mod reduce;
 pub mod rendezvous;
 mod threads;
 
 #[cfg(feature = "mpi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub use self::mpi::MpiProcessGroup;
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};
 pub use threads::{ThreadGroup, ThreadProcessGroup};

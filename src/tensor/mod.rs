@@ -1,4 +1,4 @@
-//! Tensors: dtypes, the always-available [`HostTensor`], and the [`Tensor`] backend trait the
+//! Tensors (layer 1): dtypes, the always-available [`HostTensor`], and the [`Tensor`] backend trait the
 //! algorithms are written against; with the `tch` feature, [`TchTensor`] implements it over
 //! libtorch tensors (module [`tch`](self::tch)).
 
@@ -6,9 +6,11 @@ mod dtype;
 mod host;
 mod storage;
 #[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub mod tch;
 
 #[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use self::tch::TchTensor;
 pub use dtype::DType;
 pub use host::HostTensor;

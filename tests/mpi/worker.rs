@@ -6,11 +6,11 @@
 
 use crate::common::*;
 use crate::{ok_line, DIR_ENV};
+use fsdp::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::collectives::{
     encode, reduce_parts, MpiProcessGroup, ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup,
 };
 use fsdp::flat_param::ModelLayout;
-use fsdp::io::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::optim::Optimizer;
 use fsdp::{
     DType, Error, Fsdp, ModelDesc, OptimParams, OptimStateDict, OptimStateDictConfig,
@@ -463,7 +463,7 @@ fn input_for(l: &ModelLayout, r: usize, i: Input) -> OptimParams {
     if l.model.params.len() == nested_model().params.len() {
         nested_optim_input(l, i.multiple, i.diff, r)
     } else {
-        OptimParams::single(l.default_optim_params())
+        OptimParams::of_model(&l)
     }
 }
 
@@ -598,7 +598,7 @@ fn compute(pg: Arc<dyn ProcessGroup>, case: &Case) -> Results {
     for (k, st) in &sharded.state {
         for (n, v) in st {
             if let (Value::Sharded(s), Value::Tensor(f)) = (v, &full.state[k][n.as_str()]) {
-                let want = fsdp::optim_state::consolidate::chunk_dim0(f, rank, ws).unwrap();
+                let want = fsdp::optim_state::chunk_dim0(f, rank, ws).unwrap();
                 assert_eq!(s.offsets, want.offsets, "{}", what("sharded offsets"));
                 match (&s.local, &want.local) {
                     (Some(a), Some(b)) => assert!(a.bit_eq(b), "{}", what("sharded chunk")),

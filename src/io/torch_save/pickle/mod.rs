@@ -1105,8 +1105,8 @@ impl Vm<'_, '_> {
                         return Err(Error::TensorExpansion {
                             file: self.file.to_string(),
                             tensor: path.render(),
-                            size: view.size.clone(),
-                            stride: view.stride.clone(),
+                            size: view.size.clone().into(),
+                            stride: view.stride.clone().into(),
                             copied,
                             storage_bytes: ts.storage_bytes,
                             max_expansion_bytes: max,

@@ -5,11 +5,10 @@
 //! leaves a report file in the temporary directory, and rank 0's thread waits for every report,
 //! then merges and commits exactly as a foreground save does.
 
-use super::save::{commit, make_tmp_dir, write_rank, SaveOptions};
-use super::{fs_err, save::Reports};
+use super::save::{commit, make_tmp_dir, save, write_rank, SaveOptions};
+use super::{save::Reports, GroupContext};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
-use crate::fsdp::Fsdp;
 use crate::optim_state::{OptimParams, OptimStateDict, Value};
 use crate::tensor::{HostTensor, Tensor};
 use std::path::{Path, PathBuf};
@@ -66,53 +65,52 @@ impl BackgroundSaver {
     pub fn wait(&mut self) -> Result<()> {
         match self.pending.take() {
             None => Ok(()),
-            Some(h) => h.join().unwrap_or_else(|_| {
-                Err(Error::Io {
-                    op: "saving in the background (the writer thread panicked)".into(),
-                    path: String::new(),
-                    reason: "panic".into(),
+            Some(h) => h.join().unwrap_or_else(|panic| {
+                Err(Error::WorkerPanicked {
+                    worker: "the background save's writer thread".into(),
+                    message: panic_message(panic.as_ref()),
                 })
             }),
         }
     }
 
     /// Starts saving this rank's local optimizer state `osd` to `dir` (collective over the
-    /// job, like [`Fsdp::save_optim_checkpoint`]): waits for the previous save, snapshots, and
+    /// job, like `Fsdp::save_optim_checkpoint`): waits for the previous save, snapshots, and
     /// returns while a background thread writes. Falls back to a foreground save on every rank
     /// when some rank's state exceeds the cap.
-    pub fn save<T: Tensor>(
+    pub fn save<'a, T: Tensor>(
         &mut self,
-        fsdp: &Fsdp,
+        group: impl Into<GroupContext<'a>>,
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         dir: impl AsRef<Path>,
     ) -> Result<SaveMode> {
-        self.start(fsdp, osd, params, None, dir.as_ref())
+        self.start(group.into(), osd, params, None, dir.as_ref())
     }
 
     /// [`BackgroundSaver::save`] that also saves this rank's parameter tensors, as
-    /// [`Fsdp::save_checkpoint`] does (they count against the cap and are snapshotted too).
-    pub fn save_checkpoint<T: Tensor>(
+    /// `Fsdp::save_checkpoint` does (they count against the cap and are snapshotted too).
+    pub fn save_checkpoint<'a, T: Tensor>(
         &mut self,
-        fsdp: &Fsdp,
+        group: impl Into<GroupContext<'a>>,
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         model: &[Option<T>],
         dir: impl AsRef<Path>,
     ) -> Result<SaveMode> {
-        self.start(fsdp, osd, params, Some(model), dir.as_ref())
+        self.start(group.into(), osd, params, Some(model), dir.as_ref())
     }
 
     fn start<T: Tensor>(
         &mut self,
-        fsdp: &Fsdp,
+        ctx: GroupContext<'_>,
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         model: Option<&[Option<T>]>,
         dir: &Path,
     ) -> Result<SaveMode> {
         let dir = dir.to_path_buf();
-        let pg = fsdp.world_process_group().clone();
+        let pg = ctx.pg.clone();
         // The previous save finishes first, on every rank, so that two never interleave.
         let previous = self.wait();
         let need: usize = osd
@@ -136,10 +134,7 @@ impl BackgroundSaver {
             return Err(e);
         }
         if fits.iter().any(|(fits, _)| !fits) {
-            match model {
-                Some(m) => fsdp.save_checkpoint(osd, params, m, &dir, &SaveOptions::default())?,
-                None => fsdp.save_optim_checkpoint(osd, params, &dir, &SaveOptions::default())?,
-            }
+            save(ctx, osd, params, model, &dir, &SaveOptions::default())?;
             return Ok(SaveMode::Foreground);
         }
         let rank = pg.rank();
@@ -149,7 +144,7 @@ impl BackgroundSaver {
             Ok(PathBuf::new())
         };
         let tmp = pg.broadcast_object((rank == 0).then_some(&tmp), 0)??;
-        let writer = fsdp.writes_checkpoint_files();
+        let writer = ctx.writes_files;
         // The snapshot: private copies of every tensor, from the buffer cache.
         let snapshot: Option<OptimStateDict<HostTensor>> = writer
             .then(|| {
@@ -174,9 +169,9 @@ impl BackgroundSaver {
                     .collect()
             })
             .transpose()?;
-        let layout = fsdp.layout().clone();
-        let layout_rank = fsdp.rank();
-        let writers = fsdp.world_size();
+        let layout = ctx.layout.clone();
+        let layout_rank = ctx.layout_rank;
+        let writers = ctx.layout.world_size;
         let params = params.clone();
         let timeout = self.timeout;
         let shown = dir_display(&dir);
@@ -215,7 +210,7 @@ impl BackgroundSaver {
             .map_err(|e| Error::Io {
                 op: "starting the background save thread for".into(),
                 path: shown,
-                reason: e.to_string(),
+                source: e.into(),
             })?;
         self.pending = Some(handle);
         Ok(SaveMode::Background)
@@ -250,7 +245,7 @@ fn write_report(tmp: &Path, rank: usize, report: &Report) -> Result<()> {
     let part = tmp.join(format!(".report-{rank}.json.part"));
     super::save::write_synced(&part, &bytes)?;
     let path = report_path(tmp, rank);
-    std::fs::rename(&part, &path).map_err(fs_err("renaming", &path))
+    std::fs::rename(&part, &path).map_err(Error::io("renaming", &path))
 }
 
 /// Rank 0: waits for the reports of ranks `0..writers`, then removes them.
@@ -274,10 +269,12 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
         if reports.iter().any(Option::is_none) {
             if start.elapsed() > timeout {
                 let missing: Vec<usize> = (0..writers).filter(|&r| reports[r].is_none()).collect();
-                return Err(Error::Io {
-                    op: format!("waiting {timeout:?} for the data files of ranks {missing:?} in"),
-                    path: tmp.display().to_string(),
-                    reason: "the background save of those ranks did not finish".into(),
+                return Err(Error::TimedOut {
+                    what: format!(
+                        "the background save's data files of ranks {missing:?} in `{}`",
+                        tmp.display()
+                    ),
+                    waited: timeout,
                 });
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -285,10 +282,19 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
     }
     for r in 0..writers {
         let path = report_path(tmp, r);
-        std::fs::remove_file(&path).map_err(fs_err("removing", &path))?;
+        std::fs::remove_file(&path).map_err(Error::io("removing", &path))?;
     }
     Ok(reports
         .into_iter()
         .map(|r| r.expect("all collected"))
         .collect())
+}
+
+/// The message of a panic payload, when it is a string (as `panic!` with a message makes it).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".into())
 }
