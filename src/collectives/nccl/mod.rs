@@ -469,10 +469,11 @@ impl NcclProcessGroup {
     }
 }
 
-/// The NCCL datatype that reduces `dtype` (bool as bytes: only `max`, a logical or, is allowed).
-fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
+/// The NCCL datatype that reduces `dtype` (bool as bytes: only `max`, a logical or, is
+/// allowed); `None` for the dtypes NCCL cannot reduce (16-bit integers, float8).
+fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
     use sys::ncclDataType_t as T;
-    match dtype {
+    Some(match dtype {
         DType::F32 => T::ncclFloat32,
         DType::F64 => T::ncclFloat64,
         DType::F16 => T::ncclFloat16,
@@ -480,7 +481,24 @@ fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
         DType::I64 => T::ncclInt64,
         DType::I32 => T::ncclInt32,
         DType::U8 | DType::Bool => T::ncclUint8,
-    }
+        DType::I8 => T::ncclInt8,
+        DType::U32 => T::ncclUint32,
+        DType::U64 => T::ncclUint64,
+        DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2 => return None,
+    })
+}
+
+/// [`check_reduction`], plus NCCL having a datatype for `dtype`.
+fn nccl_reduction(dtype: DType, op: ReduceOp, len: usize) -> std::result::Result<(), String> {
+    check_reduction(dtype, op, len)?;
+    nccl_dtype(dtype)
+        .map(|_| ())
+        .ok_or_else(|| format!("NCCL cannot reduce {dtype}"))
+}
+
+/// The NCCL datatype of a reduction already checked by [`nccl_reduction`].
+fn checked_nccl_dtype(dtype: DType) -> Result<sys::ncclDataType_t> {
+    nccl_dtype(dtype).ok_or_else(|| Error::Unsupported(format!("NCCL reductions of {dtype}")))
 }
 
 fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
@@ -757,7 +775,8 @@ impl ProcessGroup for NcclProcessGroup {
     ) -> Result<()> {
         let name = "reduce_scatter_into";
         let comm = self.lock(name)?;
-        let valid = args::reduce_scattered(send.len(), recv.len(), dtype, op, self.world_size);
+        let valid = args::reduce_scattered(send.len(), recv.len(), dtype, op, self.world_size)
+            .and_then(|()| nccl_reduction(dtype, op, recv.len()));
         let call = Call::ReduceScatterInto {
             len: recv.len(),
             dtype,
@@ -778,7 +797,7 @@ impl ProcessGroup for NcclProcessGroup {
                     s as _,
                     r as _,
                     recv.len() / dtype.size(),
-                    nccl_dtype(dtype),
+                    checked_nccl_dtype(dtype)?,
                     nccl_op(op),
                     comm.0,
                     self.stream.cu_stream() as _,
@@ -794,7 +813,7 @@ impl ProcessGroup for NcclProcessGroup {
     fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let name = "all_reduce";
         let comm = self.lock(name)?;
-        let valid = check_reduction(dtype, op, buf.len());
+        let valid = nccl_reduction(dtype, op, buf.len());
         let call = Call::AllReduce {
             len: buf.len(),
             dtype,
@@ -813,7 +832,7 @@ impl ProcessGroup for NcclProcessGroup {
                     p as _,
                     p as _,
                     buf.len() / dtype.size(),
-                    nccl_dtype(dtype),
+                    checked_nccl_dtype(dtype)?,
                     nccl_op(op),
                     comm.0,
                     self.stream.cu_stream() as _,
@@ -889,7 +908,14 @@ mod tests {
     fn every_dtype_maps_to_an_nccl_type_of_its_size() {
         use sys::ncclDataType_t as T;
         for d in DType::ALL {
-            let size = match nccl_dtype(d) {
+            let Some(t) = nccl_dtype(d) else {
+                assert!(matches!(
+                    d,
+                    DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2
+                ));
+                continue;
+            };
+            let size = match t {
                 T::ncclUint8 | T::ncclInt8 => 1,
                 T::ncclFloat16 | T::ncclBfloat16 => 2,
                 T::ncclFloat32 | T::ncclInt32 | T::ncclUint32 => 4,
