@@ -8,6 +8,7 @@
 
 pub mod checkpoint;
 pub mod inspect;
+pub mod output;
 pub mod safetensors;
 pub mod torch_save;
 

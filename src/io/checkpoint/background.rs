@@ -5,7 +5,7 @@
 //! leaves a report file in the temporary directory, and rank 0's thread waits for every report,
 //! then merges and commits exactly as a foreground save does.
 
-use super::save::{commit, make_tmp_dir, write_rank, SaveOptions};
+use super::save::{commit, write_rank, SaveOptions};
 use super::{fs_err, save::Reports};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
@@ -144,7 +144,7 @@ impl BackgroundSaver {
         }
         let rank = pg.rank();
         let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-            make_tmp_dir(&dir)
+            super::prepare_output(&dir, &[])
         } else {
             Ok(PathBuf::new())
         };
@@ -208,7 +208,7 @@ impl BackgroundSaver {
                     commit(&layout, reports, &tmp, &dir, &SaveOptions::default())
                 });
                 if result.is_err() {
-                    let _ = std::fs::remove_dir_all(&tmp);
+                    crate::io::output::discard_tmp_dir(&tmp);
                 }
                 result
             })

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 /// One tensor of a data file, in file order.
 #[derive(Debug, Clone)]
-pub(super) struct Entry {
+pub(crate) struct Entry {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
@@ -31,7 +31,7 @@ pub(super) fn dtype_name(d: DType) -> &'static str {
 
 /// The header bytes (length prefix included, padded to 8 bytes) for `entries` laid out back
 /// to back in order, and each entry's absolute byte offset in the file.
-pub(super) fn header(
+pub(crate) fn header(
     entries: &[Entry],
     metadata: &BTreeMap<String, String>,
 ) -> Result<(Vec<u8>, Vec<u64>)> {

@@ -115,7 +115,7 @@ pub fn block_checksums(bytes: &[u8]) -> Vec<u32> {
 }
 
 /// The commit marker's contents for a manifest: format, version and the manifest's checksum.
-pub(super) fn commit_text(manifest_bytes: &[u8]) -> String {
+pub(crate) fn commit_text(manifest_bytes: &[u8]) -> String {
     format!(
         "{FORMAT} {VERSION} manifest-crc32c={:08x}\n",
         crc32c::crc32c(manifest_bytes)
@@ -130,12 +130,16 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
         dir: d.clone(),
         reason,
     };
-    let commit = std::fs::read_to_string(dir.join(COMMIT)).map_err(|e| {
-        invalid(format!(
+    use crate::io::output::{read_regular, ReadRegularError, MANIFEST_MAX_BYTES};
+    // Regular files only, length capped: a FIFO would block and `/dev/zero` never ends.
+    let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| match e {
+        ReadRegularError::Io(e) => invalid(format!(
             "no readable commit marker `{COMMIT}` ({e}): the checkpoint is missing or was never completed"
-        ))
+        )),
+        other => invalid(format!("commit marker `{COMMIT}`: {other}")),
     })?;
-    let bytes = std::fs::read(dir.join(MANIFEST))
+    let commit = String::from_utf8_lossy(&commit).into_owned();
+    let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
         .map_err(|e| invalid(format!("cannot read `{MANIFEST}`: {e}")))?;
     if commit != commit_text(&bytes) {
         return Err(invalid(format!(
@@ -179,26 +183,31 @@ impl Manifest {
             }
             // The real length bounds every allocation a load makes from this manifest.
             let path = dir.join(&f.name);
-            let len = std::fs::metadata(&path).map(|m| m.len()).map_err(|e| {
-                Error::CheckpointCorrupt {
-                    file: path.display().to_string(),
-                    rank,
-                    tensor: "(file)".into(),
-                    reason: format!("cannot open: {e}"),
-                }
-            })?;
-            if len != f.len || f.header_len > f.len {
-                return Err(Error::CheckpointCorrupt {
-                    file: path.display().to_string(),
-                    rank,
-                    tensor: "(file)".into(),
-                    reason: format!(
-                        "the file has {len} bytes, the manifest says {} (truncated or replaced)",
-                        f.len
-                    ),
-                });
+            let corrupt = |reason: String| Error::CheckpointCorrupt {
+                file: path.display().to_string(),
+                rank,
+                tensor: "(file)".into(),
+                reason,
+            };
+            let meta = std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
+            if !meta.is_file() {
+                return Err(corrupt("it is not a regular file".into()));
+            }
+            let len = meta.len();
+            if len != f.len {
+                return Err(corrupt(format!(
+                    "the file has {len} bytes, the manifest says {} (truncated or replaced)",
+                    f.len
+                )));
+            }
+            if f.header_len > f.len {
+                return Err(corrupt(format!(
+                    "the manifest gives a header of {} bytes for a file of {} bytes",
+                    f.header_len, f.len
+                )));
             }
         }
+        self.check_against_model(&d)?;
         for p in self.params.iter().chain(&self.model_params) {
             for (state, v) in &p.states {
                 let StoredValue::Tensor {
@@ -262,6 +271,46 @@ impl Manifest {
                         "{}: pieces cover {next} of {numel} elements",
                         what()
                     )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every record against the saved model: no parameter listed twice, none the model lacks,
+    /// every tensor state shaped like its parameter (what a reshard or load relies on).
+    fn check_against_model(&self, dir: &str) -> Result<()> {
+        let invalid = |reason: String| Error::CheckpointInvalid {
+            dir: dir.to_string(),
+            reason,
+        };
+        let index: std::collections::HashMap<String, usize> =
+            self.model.names_with_aliases().into_iter().collect();
+        for (records, what) in [(&self.params, "params"), (&self.model_params, "model_params")] {
+            let mut seen = std::collections::HashSet::new();
+            for p in records {
+                let i = *index.get(&p.name).ok_or_else(|| {
+                    invalid(format!(
+                        "`{what}` holds state for `{}`, which the saved model lacks",
+                        p.name
+                    ))
+                })?;
+                if !seen.insert(i) {
+                    return Err(invalid(format!(
+                        "`{what}` lists the parameter `{}` twice",
+                        p.name
+                    )));
+                }
+                let spec = &self.model.params[i];
+                for (state, v) in &p.states {
+                    if let StoredValue::Tensor { shape, .. } = v {
+                        if *shape != spec.shape {
+                            return Err(invalid(format!(
+                                "state `{state}` of `{}` has shape {shape:?}, but the saved model gives the parameter shape {:?}",
+                                p.name, spec.shape
+                            )));
+                        }
+                    }
                 }
             }
         }
