@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 
 /// One parameter of the model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParamSpec {
     /// Fully qualified name relative to the model root, without wrapper prefixes.
     pub name: String,
@@ -37,6 +38,7 @@ impl ParamSpec {
 
 /// The parameters of a model, in `named_parameters()` order, and its tied aliases.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelDesc {
     /// Unique parameters under their primary (first) name, in registration pre-order.
     pub params: Vec<ParamSpec>,
@@ -252,6 +254,7 @@ impl ShardingStrategy {
 
 /// How the model is wrapped: FSDP units, ignored modules, `use_orig_params`, strategy.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WrapPolicy {
     /// Module prefixes wrapped as FSDP units, in wrap order (`""` is the root). A unit claims
     /// its parameters before any unit that contains it, so nested units may be listed in any
@@ -347,6 +350,7 @@ impl WrapPolicy {
 /// are optional; without them each rank's optimizer holds `model.parameters()` of the wrapped
 /// model in one group ([`crate::Fsdp::optim_params`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// The model's parameters.
     pub model: ModelDesc,
@@ -383,9 +387,10 @@ impl ModelSpec {
     pub fn from_json_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
         let path = path.as_ref();
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            op: "reading".into(),
-            path: name.clone(),
+        // A regular file of bounded size: a FIFO or `/dev/zero` is an error, not a hang.
+        let bytes = crate::io::output::read_small_file(path)?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::Serialization {
+            what: format!("model spec `{name}`"),
             reason: e.to_string(),
         })?;
         Self::from_json(&text, &name)

@@ -161,10 +161,19 @@ fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
         DirKind::ShardTorch => shard_torch_entries(out),
     }
     .map_err(|why| {
+        let mut shown: Vec<String> = names
+            .iter()
+            .take(3)
+            .map(|n| format!("`{}`", n.to_string_lossy()))
+            .collect();
+        if names.len() > 3 {
+            shown.push(format!("{} more", names.len() - 3));
+        }
         refused(
             out,
             format!(
-                "it is not empty and not {} ({why}); remove it or choose another output",
+                "it holds {} and is not {} ({why}); remove it or choose another output",
+                shown.join(", "),
                 kind.describe()
             ),
         )
@@ -216,7 +225,10 @@ fn shard_torch_entries(dir: &Path) -> std::result::Result<Vec<OsString>, String>
     let marker: ShardTorchMarker = serde_json::from_slice(&bytes)
         .map_err(|e| format!("`{SHARD_TORCH_MARKER}` does not parse: {e}"))?;
     if marker.format != SHARD_TORCH_FORMAT {
-        return Err(format!("`{SHARD_TORCH_MARKER}` has format `{}`", marker.format));
+        return Err(format!(
+            "`{SHARD_TORCH_MARKER}` has format `{}`",
+            marker.format
+        ));
     }
     let mut names: Vec<OsString> = vec![SHARD_TORCH_MARKER.into()];
     for f in marker.files {
@@ -400,7 +412,10 @@ enum Temp {
 
 /// Parses the temporary name `entry` of an output named `name`.
 fn parse_temp(entry: &str, name: &str) -> Option<Temp> {
-    let rest = entry.strip_prefix('.')?.strip_prefix(name)?.strip_prefix('.')?;
+    let rest = entry
+        .strip_prefix('.')?
+        .strip_prefix(name)?
+        .strip_prefix('.')?;
     let pid_of = |s: &str| s.parse::<u32>().ok().filter(|&p| p > 0);
     if let Some(r) = rest.strip_prefix("tmp-").or(rest.strip_prefix("old-")) {
         let (pid, stamp) = r.split_once('-')?;
@@ -663,7 +678,11 @@ fn remove_previous(old_at: &Path, out: &Path, kind: DirKind) -> Result<()> {
         return Ok(());
     }
     let (parent, name) = split(out)?;
-    let kept = parent.join(format!("{name}.replaced-{}-{}", std::process::id(), nanos()));
+    let kept = parent.join(format!(
+        "{name}.replaced-{}-{}",
+        std::process::id(),
+        nanos()
+    ));
     std::fs::rename(old_at, &kept).map_err(io_err("keeping the previous output at", &kept))?;
     Err(refused(
         out,

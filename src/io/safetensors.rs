@@ -340,8 +340,8 @@ pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
     let (header, tensors) = layout(obj, &path.display().to_string())?;
     crate::io::output::write_file_atomic(path, |w, tmp| {
         let err = |e: std::io::Error| Error::Io {
-            op: "writing".into(),
-            path: tmp.display().to_string(),
+            op: format!("writing (through the temporary `{}`)", tmp.display()),
+            path: path.display().to_string(),
             reason: e.to_string(),
         };
         w.write_all(&header).map_err(err)?;

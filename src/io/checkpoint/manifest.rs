@@ -189,7 +189,8 @@ impl Manifest {
                 tensor: "(file)".into(),
                 reason,
             };
-            let meta = std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
+            let meta =
+                std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
             if !meta.is_file() {
                 return Err(corrupt("it is not a regular file".into()));
             }
@@ -286,7 +287,10 @@ impl Manifest {
         };
         let index: std::collections::HashMap<String, usize> =
             self.model.names_with_aliases().into_iter().collect();
-        for (records, what) in [(&self.params, "params"), (&self.model_params, "model_params")] {
+        for (records, what) in [
+            (&self.params, "params"),
+            (&self.model_params, "model_params"),
+        ] {
             let mut seen = std::collections::HashSet::new();
             for p in records {
                 let i = *index.get(&p.name).ok_or_else(|| {

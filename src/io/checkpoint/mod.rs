@@ -33,6 +33,7 @@ mod stream;
 
 pub use background::{BackgroundSaver, SaveMode};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
+pub(crate) use manifest::commit_text;
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
@@ -40,7 +41,6 @@ pub use manifest::{
 pub use reshard::{reshard, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
-pub(crate) use manifest::commit_text;
 
 use crate::error::{Error, Result};
 use std::path::Path;

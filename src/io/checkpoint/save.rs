@@ -94,7 +94,9 @@ pub(super) fn crash(point: CrashPoint) -> Error {
 /// and read back by [`super::load_model_params`].
 ///
 /// The previous checkpoint at `dir`, if any, stays complete and loadable until the new one
-/// replaces it in one atomic exchange.
+/// replaces it in one atomic exchange. `dir` must be missing, an empty directory or a
+/// committed checkpoint holding nothing else; anything else is [`Error::OutputRefused`] on
+/// every rank, and nothing is written ([`crate::io::output::check_dir_output`]).
 #[allow(clippy::too_many_arguments)]
 pub fn save<T: Tensor>(
     layout: &ModelLayout,
@@ -187,7 +189,14 @@ pub(super) fn write_rank<T: Tensor>(
         &mut report_params,
         &mut plan,
     )?;
-    let file = write_data_file(layout_rank, &mut plan, &mut report_params, n_optim, tmp, opts)?;
+    let file = write_data_file(
+        layout_rank,
+        &mut plan,
+        &mut report_params,
+        n_optim,
+        tmp,
+        opts,
+    )?;
     let parts = (layout_rank == 0)
         .then(|| dict_parts(layout, &local, osd))
         .transpose()?;
