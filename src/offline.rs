@@ -417,8 +417,8 @@ fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
                 continue;
             }
             for k in [i, j] {
-                if !crcs.contains_key(&k) {
-                    crcs.insert(k, file_crc(&files[k])?);
+                if let std::collections::hash_map::Entry::Vacant(e) = crcs.entry(k) {
+                    e.insert(file_crc(&files[k])?);
                 }
             }
             if crcs[&i] == crcs[&j] && equal_files(&files[i], &files[j])? {

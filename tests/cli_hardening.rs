@@ -680,6 +680,9 @@ fn write_failures_and_bad_manifests_name_the_path_and_the_cause() {
     assert!(!err.contains("files were given"), "{err}");
 }
 
+/// A change to a manifest's JSON.
+type ManifestEdit = fn(&mut serde_json::Value);
+
 // ----- 8. verify catches what reshard rejects; inspect says what it checks -----
 
 #[test]
@@ -693,7 +696,7 @@ fn verify_rejects_manifests_that_do_not_fit_their_model() {
         serde_json::from_str(&ok(&run(&[&"inspect", &"--json", &good]))).unwrap();
     assert_eq!(json["data_checksums_verified"], false);
 
-    let cases: [(&str, fn(&mut serde_json::Value), &str); 3] = [
+    let cases: [(&str, ManifestEdit, &str); 3] = [
         (
             "dup",
             |m| {

@@ -195,7 +195,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
 
     /// The pieces rank `rank`'s new file holds, in file order: its entries and (record, state,
     /// start, len) of each.
-    fn rank_entries(&self, rank: usize) -> (Vec<Entry>, Vec<(usize, usize, usize, usize)>) {
+    fn rank_entries(&self, rank: usize) -> (Vec<Entry>, Vec<Wanted>) {
         let mut wanted = Vec::new();
         let mut entries = Vec::new();
         for (ri, rec) in self.all.iter().enumerate() {
@@ -315,6 +315,9 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         Ok(crcs)
     }
 }
+
+/// A piece a new rank file holds: (record, state, first element, element count).
+type Wanted = (usize, usize, usize, usize);
 
 /// A rank file being written.
 struct RankFile<'p> {
