@@ -5,8 +5,8 @@
 mod common;
 
 use common::{nested_model, wrap};
+use fsdp::checkpoint::{self, BackgroundSaver, CrashPoint, SaveOptions};
 use fsdp::collectives::ThreadGroup;
-use fsdp::io::checkpoint::{self, BackgroundSaver, CrashPoint, SaveOptions};
 use fsdp::io::output;
 use fsdp::{Error, Fsdp, HostTensor, OptimStateDict, ParamKey, ParamState, Value};
 use std::path::Path;

@@ -6,11 +6,12 @@
 //! errors, as clap reports them).
 
 use clap::{Parser, Subcommand};
+use fsdp::checkpoint;
 use fsdp::io::inspect::Summary;
 use fsdp::io::output::{self, DirKind};
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
-use fsdp::io::{self, checkpoint, FileFormat};
-use fsdp::model::ModelSpec;
+use fsdp::io::{self, FileFormat};
+use fsdp::offline::ModelSpec;
 use fsdp::offline::{
     check_local_dicts, check_rank_files, consolidate_local_dicts, shard_full_dict,
 };
@@ -192,7 +193,7 @@ fn load_spec(path: &Path, named: bool) -> Result<ModelSpec> {
         }
         if spec.optim_params.is_none() && spec.optim_params_per_rank.is_none() {
             let layout = spec.layout(1)?;
-            let mut p = fsdp::OptimParams::single(layout.default_optim_params());
+            let mut p = fsdp::OptimParams::of_model(&layout);
             p.named = true;
             spec.optim_params = Some(p);
         }
@@ -223,9 +224,10 @@ fn save_optim(osd: &OptimStateDict, path: &Path) -> Result<()> {
     io::save(&optim_to_pyobj(osd)?, path)
 }
 
-/// Removes what killed earlier runs left beside `out`, saying so on stderr.
-fn clean_stale(out: &Path) -> Result<()> {
-    for c in output::clean_stale_temporaries(out)? {
+/// Removes what killed earlier runs left beside `out` (putting back a previous `kind` output
+/// an interrupted install moved aside), saying so on stderr.
+fn clean_stale(out: &Path, kind: Option<DirKind>) -> Result<()> {
+    for c in output::clean_stale_temporaries(out, kind)? {
         eprintln!("note: {c}");
     }
     Ok(())
@@ -354,7 +356,7 @@ fn inspect_file(progress: &Progress, file: &Path, json: bool) -> Result<()> {
 fn convert(progress: &Progress, input: &Path, output: &Path) -> Result<()> {
     FileFormat::from_path(output)?;
     let obj = progress.step(&format!("reading {}", input.display()), || io::load(input))?;
-    clean_stale(output)?;
+    clean_stale(output, None)?;
     progress.step(&format!("writing {}", output.display()), || {
         io::save(&obj, output)
     })?;
@@ -399,7 +401,7 @@ fn consolidate_torch(
         consolidate_local_dicts(&spec, &locals)
     })?;
     drop(locals);
-    clean_stale(output)?;
+    clean_stale(output, None)?;
     progress.step(&format!("writing {}", output.display()), || {
         save_optim(&full, output)
     })?;
@@ -430,11 +432,11 @@ fn shard_torch(
     let locals = progress.step(&format!("sharding for {ws} ranks"), || {
         shard_full_dict(&spec, &full_osd, ws)
     })?;
-    output::check_dir_output(out, DirKind::ShardTorch, &[full, model])?;
-    clean_stale(out)?;
+    output::check_dir_output(out, DirKind::SHARD_TORCH, &[full, model])?;
+    clean_stale(out, Some(DirKind::SHARD_TORCH))?;
     let tmp = output::make_tmp_dir(out)?;
     let written = write_rank_files(progress, &locals, &tmp, ext)
-        .and_then(|()| output::install_dir(&tmp, out, DirKind::ShardTorch));
+        .and_then(|()| output::install_dir(&tmp, out, DirKind::SHARD_TORCH));
     if written.is_err() {
         output::discard_tmp_dir(&tmp);
     }
@@ -480,8 +482,8 @@ fn reshard(
 ) -> Result<()> {
     let policy = policy.map(|p| read_policy(&p)).transpose()?;
     let saved = checkpoint::read_manifest(input)?;
-    output::check_dir_output(out, DirKind::Checkpoint, &[input])?;
-    clean_stale(out)?;
+    output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
+    clean_stale(out, Some(checkpoint::CHECKPOINT_DIR))?;
     let total = saved.tensor_bytes() + saved.model_param_bytes();
     let pb = progress.bytes(total, "resharding");
     let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), |b| {
@@ -501,7 +503,7 @@ fn consolidate(progress: &Progress, input: &Path, out: &Path) -> Result<()> {
     let format = FileFormat::from_path(out)?;
     output::check_not_overlapping(out, &[input])?;
     let total = checkpoint::read_manifest(input)?.tensor_bytes();
-    clean_stale(out)?;
+    clean_stale(out, None)?;
     let pb = progress.bytes(total, "consolidating");
     let to = |b| pb.set_position(b);
     let written = if format == FileFormat::Safetensors {

@@ -16,9 +16,12 @@
 //! `.NAME.tmp-PID-NANOS/` and `.NAME.old-PID-NANOS/` (directories), `.NAME.PID.N.tmp`
 //! (files). A process killed while writing leaves them behind; [`clean_stale_temporaries`]
 //! removes those whose process is no longer alive on this host before a new write to the same
-//! output, and restores a previous checkpoint the fallback had moved aside.
+//! output, and restores a previous output the fallback had moved aside.
+//!
+//! This layer knows no checkpoint format: a writer passes its [`DirKind`], which recognises
+//! an earlier output of its kind (`crate::checkpoint::CHECKPOINT_DIR` for checkpoints,
+//! [`DirKind::SHARD_TORCH`]).
 
-use super::checkpoint::{Manifest, COMMIT, FORMAT, MANIFEST};
 use crate::error::{Error, Result};
 use std::ffi::OsString;
 use std::fs::File;
@@ -39,23 +42,23 @@ pub const SMALL_METADATA_MAX_BYTES: u64 = 64 << 20;
 pub const SHARD_TORCH_MARKER: &str = "fsdp-shard-torch.json";
 const SHARD_TORCH_FORMAT: &str = "fsdp-shard-torch";
 
-/// What kind of directory a writer produces, which decides what it may replace.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DirKind {
-    /// A sharded checkpoint of this crate ([`crate::io::checkpoint`]): `COMMITTED`,
-    /// `manifest.json` and the data files the manifest names.
-    Checkpoint,
-    /// `fsdp-ckpt shard-torch` rank files with [`SHARD_TORCH_MARKER`].
-    ShardTorch,
+/// What kind of directory a writer produces, which decides what it may replace: an earlier
+/// output of the same kind, recognised by `entries`.
+#[derive(Debug, Clone, Copy)]
+pub struct DirKind {
+    /// What an earlier output of this kind is, for messages (`a committed checkpoint`).
+    pub what: &'static str,
+    /// The entry names an earlier output of this kind in the directory consists of, or why
+    /// the directory is not one.
+    pub entries: fn(&Path) -> std::result::Result<Vec<OsString>, String>,
 }
 
 impl DirKind {
-    fn describe(self) -> &'static str {
-        match self {
-            DirKind::Checkpoint => "a committed checkpoint of this crate",
-            DirKind::ShardTorch => "an earlier `shard-torch` output",
-        }
-    }
+    /// `fsdp-ckpt shard-torch` rank files with [`SHARD_TORCH_MARKER`].
+    pub const SHARD_TORCH: DirKind = DirKind {
+        what: "an earlier `shard-torch` output",
+        entries: shard_torch_entries,
+    };
 }
 
 /// What is at an output path now.
@@ -156,11 +159,7 @@ fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
     if names.is_empty() {
         return Ok(Existing::EmptyDir);
     }
-    let expected = match kind {
-        DirKind::Checkpoint => checkpoint_entries(out),
-        DirKind::ShardTorch => shard_torch_entries(out),
-    }
-    .map_err(|why| {
+    let expected = (kind.entries)(out).map_err(|why| {
         let mut shown: Vec<String> = names
             .iter()
             .take(3)
@@ -174,7 +173,7 @@ fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
             format!(
                 "it holds {} and is not {} ({why}); remove it or choose another output",
                 shown.join(", "),
-                kind.describe()
+                kind.what
             ),
         )
     })?;
@@ -185,37 +184,13 @@ fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
                 out,
                 format!(
                     "it is {} but also holds `{}`, which is not part of it; remove that first",
-                    kind.describe(),
+                    kind.what,
                     n.to_string_lossy()
                 ),
             ));
         }
     }
     Ok(Existing::Replaceable(names))
-}
-
-/// The entries a committed checkpoint in `dir` consists of, or why it is not one.
-fn checkpoint_entries(dir: &Path) -> std::result::Result<Vec<OsString>, String> {
-    let commit = read_regular(&dir.join(COMMIT), SMALL_METADATA_MAX_BYTES)
-        .map_err(|e| format!("`{COMMIT}`: {e}"))?;
-    let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
-        .map_err(|e| format!("`{MANIFEST}`: {e}"))?;
-    if commit != super::checkpoint::commit_text(&bytes).as_bytes() {
-        return Err(format!("`{COMMIT}` does not match `{MANIFEST}`"));
-    }
-    let m: Manifest =
-        serde_json::from_slice(&bytes).map_err(|e| format!("`{MANIFEST}` does not parse: {e}"))?;
-    if m.format != FORMAT {
-        return Err(format!("`{MANIFEST}` has format `{}`", m.format));
-    }
-    let mut names: Vec<OsString> = vec![COMMIT.into(), MANIFEST.into()];
-    for f in &m.files {
-        if f.name.contains('/') || f.name.starts_with('.') {
-            return Err(format!("`{MANIFEST}` names the file `{}`", f.name));
-        }
-        names.push(f.name.clone().into());
-    }
-    Ok(names)
 }
 
 /// The entries an earlier `shard-torch` output in `dir` consists of, or why it is not one.
@@ -465,8 +440,10 @@ fn ours(entry: &str) -> bool {
                 && matches!(ext, "safetensors" | "pt" | "pth")
         })
     };
-    entry == COMMIT
-        || entry == MANIFEST
+    // A checkpoint's commit marker and manifest (`crate::checkpoint::{COMMIT, MANIFEST}`,
+    // named here because this layer is below it), rank files, reports, nested temporaries.
+    entry == "COMMITTED"
+        || entry == "manifest.json"
         || entry == SHARD_TORCH_MARKER
         || data(entry)
         || (entry.starts_with("report-") && entry.ends_with(".json"))
@@ -488,7 +465,7 @@ fn remove_known(dir: &Path, allowed: &dyn Fn(&str) -> bool) -> Result<bool> {
         }
         names.push(n);
     }
-    names.sort_by_key(|n| n != COMMIT);
+    names.sort_by_key(|n| n != "COMMITTED");
     for n in names {
         let p = dir.join(&n);
         std::fs::remove_file(&p).map_err(io_err("removing", &p))?;
@@ -508,7 +485,7 @@ pub fn discard_tmp_dir(tmp: &Path) {
 pub enum Cleaned {
     /// A stale temporary file or directory was removed.
     Removed(PathBuf),
-    /// A previous checkpoint that an interrupted install had moved aside was put back at the
+    /// A previous output that an interrupted install had moved aside was put back at the
     /// output path (which was missing).
     Restored {
         /// Where it was.
@@ -528,7 +505,7 @@ impl std::fmt::Display for Cleaned {
             ),
             Cleaned::Restored { from, to } => write!(
                 f,
-                "restored the previous checkpoint `{}` from `{}`, where an interrupted earlier run had moved it",
+                "restored the previous output `{}` from `{}`, where an interrupted earlier run had moved it",
                 to.display(),
                 from.display()
             ),
@@ -539,9 +516,9 @@ impl std::fmt::Display for Cleaned {
 /// Removes the temporaries that killed earlier runs left beside `out` (see the module docs):
 /// only names this crate gives its temporaries, only when the process in the name is no
 /// longer alive on this host, and in a temporary directory only the entries a writer puts
-/// there. If `out` is missing and a stale aside directory holds a committed checkpoint (an
-/// install interrupted between its two renames), that checkpoint is moved back to `out`.
-pub fn clean_stale_temporaries(out: &Path) -> Result<Vec<Cleaned>> {
+/// there. If `out` is missing and a stale aside directory holds a complete output of `kind`
+/// (an install interrupted between its two renames), it is moved back to `out`.
+pub fn clean_stale_temporaries(out: &Path, kind: Option<DirKind>) -> Result<Vec<Cleaned>> {
     let (parent, name) = split(out)?;
     let Ok(entries) = std::fs::read_dir(&parent) else {
         return Ok(Vec::new()); // a missing parent holds no temporaries
@@ -564,7 +541,7 @@ pub fn clean_stale_temporaries(out: &Path) -> Result<Vec<Cleaned>> {
     let mut done = Vec::new();
     for (t, path) in stale {
         match t {
-            Temp::Aside(_) if !out.exists() && checkpoint_entries(&path).is_ok() => {
+            Temp::Aside(_) if !out.exists() && kind.is_some_and(|k| (k.entries)(&path).is_ok()) => {
                 std::fs::rename(&path, out).map_err(io_err("restoring", out))?;
                 sync_dir(&parent)?;
                 done.push(Cleaned::Restored {
@@ -668,11 +645,7 @@ fn swap_by_renames(tmp: &Path, out: &Path, parent: &Path, name: &str) -> Result<
 /// not hold (something wrote into it during the write), it is kept under a visible name and
 /// the error says where.
 fn remove_previous(old_at: &Path, out: &Path, kind: DirKind) -> Result<()> {
-    let known = match kind {
-        DirKind::Checkpoint => checkpoint_entries(old_at),
-        DirKind::ShardTorch => shard_torch_entries(old_at),
-    }
-    .unwrap_or_default();
+    let known = (kind.entries)(old_at).unwrap_or_default();
     let allowed = |n: &str| known.iter().any(|k| k == n);
     if remove_known(old_at, &allowed)? {
         return Ok(());

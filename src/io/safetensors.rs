@@ -308,7 +308,7 @@ fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor
                 reason: "its element count overflows 64 bits, which a safetensors header cannot describe".into(),
             });
         }
-        entries.push(crate::io::checkpoint::container::Entry {
+        entries.push(crate::io::container::Entry {
             name: name.clone(),
             dtype: t.dtype(),
             shape: t.shape().to_vec(),
@@ -316,7 +316,7 @@ fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor
         });
     }
     let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
-    let (header, _) = crate::io::checkpoint::container::header(&entries, &meta)?;
+    let (header, _) = crate::io::container::header(&entries, &meta)?;
     if header.len() - 8 > MAX_HEADER_BYTES {
         return Err(Error::Serialization {
             what: format!("the safetensors header of `{file}`"),

@@ -2,7 +2,6 @@
 //! another, streaming block by block, without a process group and with memory bounded by two
 //! checksum blocks whatever the model size.
 
-use super::container::{self, Entry};
 use super::load::Reader;
 use super::manifest::{
     commit_text, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
@@ -12,6 +11,7 @@ use super::save::{CrashPoint, SaveOptions};
 use super::{fs_err, install, sync_dir, COMMIT};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
+use crate::io::container::{self, Entry};
 use crate::model::WrapPolicy;
 use std::collections::BTreeMap;
 use std::fs::File;

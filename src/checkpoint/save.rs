@@ -2,15 +2,15 @@
 //! a temporary directory, rank 0 merges the ranks' reports into the manifest, commits, and
 //! swaps the directory into place.
 
-use super::container::{self, Entry};
 use super::manifest::{
     block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
     MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
-use super::{fs_err, sync_dir, COMMIT};
-use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use super::{fs_err, sync_dir, GroupContext, COMMIT};
+use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, ShardPiece};
+use crate::io::container::{self, Entry};
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
@@ -89,7 +89,7 @@ pub(super) fn crash(point: CrashPoint) -> Error {
 /// writes a data file (with hybrid sharding only the first replica group does).
 ///
 /// `model`, when given, is this rank's parameter tensors aligned with the ids of
-/// `OptimParams::single(layout.default_optim_params())` (what [`crate::params::shard_tensors`]
+/// `OptimParams::of_model(&layout)` (what [`crate::params::shard_tensors`]
 /// cuts for them; `None` entries are not saved); they are stored beside the optimizer state
 /// and read back by [`super::load_model_params`].
 ///
@@ -97,18 +97,20 @@ pub(super) fn crash(point: CrashPoint) -> Error {
 /// replaces it in one atomic exchange. `dir` must be missing, an empty directory or a
 /// committed checkpoint holding nothing else; anything else is [`Error::OutputRefused`] on
 /// every rank, and nothing is written ([`crate::io::output::check_dir_output`]).
-#[allow(clippy::too_many_arguments)]
 pub fn save<T: Tensor>(
-    layout: &ModelLayout,
-    layout_rank: usize,
-    writer: bool,
-    pg: &dyn ProcessGroup,
+    ctx: GroupContext<'_>,
     osd: &OptimStateDict<T>,
     params: &OptimParams,
     model: Option<&[Option<T>]>,
     dir: &Path,
     opts: &SaveOptions,
 ) -> Result<()> {
+    let GroupContext {
+        layout,
+        layout_rank,
+        writes_files: writer,
+        pg,
+    } = ctx;
     let rank = pg.rank();
     // 1. Rank 0 creates the temporary directory beside `dir`.
     let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
@@ -166,7 +168,7 @@ pub(super) fn write_rank<T: Tensor>(
     // Host copies of the local tensors (views for HostTensor), kept alive while writing.
     let saved = host_states(layout_rank, osd, &local)?;
     let model_local = match model {
-        Some(_) => layout.local_params(&OptimParams::single(layout.default_optim_params()))?,
+        Some(_) => layout.local_params(&OptimParams::of_model(layout))?,
         None => Vec::new(),
     };
     let model_saved = model

@@ -1,12 +1,12 @@
 //! Streaming consolidation: a checkpoint directory written out as one full (unflattened,
 //! name-keyed) optimizer state dict file, one checksum block at a time.
 
-use super::container::{self, Entry};
 use super::fs_err;
 use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership};
+use crate::io::container::{self, Entry};
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::{optim_to_pyobj, PyObj};
 use crate::optim_state::{OptimStateDict, ParamKey, ParamState, Value};
@@ -172,7 +172,7 @@ pub fn consolidate_to_safetensors(
 /// inside `dir` (nor be or contain it), and stale temporaries of killed runs are removed.
 fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
     crate::io::output::check_not_overlapping(out, &[dir])?;
-    crate::io::output::clean_stale_temporaries(out)?;
+    crate::io::output::clean_stale_temporaries(out, None)?;
     Ok(())
 }
 

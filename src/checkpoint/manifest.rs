@@ -115,7 +115,7 @@ pub fn block_checksums(bytes: &[u8]) -> Vec<u32> {
 }
 
 /// The commit marker's contents for a manifest: format, version and the manifest's checksum.
-pub(crate) fn commit_text(manifest_bytes: &[u8]) -> String {
+pub(super) fn commit_text(manifest_bytes: &[u8]) -> String {
     format!(
         "{FORMAT} {VERSION} manifest-crc32c={:08x}\n",
         crc32c::crc32c(manifest_bytes)
@@ -157,6 +157,38 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     }
     m.check(dir)?;
     Ok(m)
+}
+
+/// Checkpoint directories as outputs: what a writer may replace
+/// ([`crate::io::output::check_dir_output`]).
+pub const CHECKPOINT_DIR: crate::io::output::DirKind = crate::io::output::DirKind {
+    what: "a committed checkpoint of this crate",
+    entries: committed_entries,
+};
+
+/// The entries a committed checkpoint in `dir` consists of (`COMMITTED`, `manifest.json` and
+/// the data files the manifest names), or why it is not one. Data files are not read.
+fn committed_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, String> {
+    use crate::io::output::{read_regular, MANIFEST_MAX_BYTES};
+    let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| format!("`{COMMIT}`: {e}"))?;
+    let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
+        .map_err(|e| format!("`{MANIFEST}`: {e}"))?;
+    if commit != commit_text(&bytes).as_bytes() {
+        return Err(format!("`{COMMIT}` does not match `{MANIFEST}`"));
+    }
+    let m: Manifest =
+        serde_json::from_slice(&bytes).map_err(|e| format!("`{MANIFEST}` does not parse: {e}"))?;
+    if m.format != FORMAT {
+        return Err(format!("`{MANIFEST}` has format `{}`", m.format));
+    }
+    let mut names: Vec<std::ffi::OsString> = vec![COMMIT.into(), MANIFEST.into()];
+    for f in &m.files {
+        if f.name.contains('/') || f.name.starts_with('.') {
+            return Err(format!("`{MANIFEST}` names the file `{}`", f.name));
+        }
+        names.push(f.name.clone().into());
+    }
+    Ok(names)
 }
 
 impl Manifest {

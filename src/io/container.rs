@@ -16,7 +16,7 @@ pub(crate) struct Entry {
 }
 
 /// safetensors' name of a dtype.
-pub(super) fn dtype_name(d: DType) -> &'static str {
+pub(crate) fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "F32",
         DType::F64 => "F64",
