@@ -1,7 +1,6 @@
 //! Streaming consolidation: a checkpoint directory written out as one full (unflattened,
 //! name-keyed) optimizer state dict file, one checksum block at a time.
 
-use super::fs_err;
 use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
 use crate::error::{Error, Result};
@@ -146,17 +145,18 @@ pub fn consolidate_to_safetensors(
     let (header, _) = container::header(&entries, &meta)?;
     let mut written = 0u64;
     crate::io::output::write_file_atomic(out, |w, tmp| {
-        w.write_all(&header).map_err(fs_err("writing", tmp))?;
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        w.write_all(&header).map_err(&err)?;
         let mut writeback = super::Writeback::new(0);
         let mut reader = Reader::new(dir, &sk.manifest, true);
         let mut block = Vec::new();
         for (_, t) in &tensors {
             let Some(stored) = sk.stored(t) else {
-                w.write_all(t.as_bytes()).map_err(fs_err("writing", tmp))?;
+                w.write_all(t.as_bytes()).map_err(&err)?;
                 continue;
             };
             stream_state(&mut reader, stored, &mut block, &mut |bytes| {
-                w.write_all(bytes).map_err(fs_err("writing", tmp))?;
+                w.write_all(bytes).map_err(&err)?;
                 writeback.wrote(w.get_ref(), bytes.len() as u64);
                 written += bytes.len() as u64;
                 progress(written);

@@ -715,9 +715,23 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     f.sync_all().map_err(io_err("syncing", path))
 }
 
-/// Writes a file through `write` into a temporary sibling of `out`, syncs it, renames it to
-/// `out` and syncs the directory; the temporary file is removed on failure. Mode 0644 (less
-/// the umask), like every output of the crate.
+/// Maps an I/O error while doing `op` on the temporary `tmp` of the output `out` to
+/// [`Error::Io`] naming the output, the operating system's error and the temporary.
+pub fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -> Error {
+    let op = op.to_string();
+    let out = out.display().to_string();
+    let tmp = tmp.display().to_string();
+    move |e| Error::Io {
+        op: op.clone(),
+        path: out.clone(),
+        reason: format!("{e} (in its temporary `{tmp}`)"),
+    }
+}
+
+/// Writes a file through `write` into a temporary sibling of `out` (`.NAME.PID.N.tmp`), syncs
+/// it, renames it to `out` and syncs the directory; the temporary file is removed on failure.
+/// Mode 0644 (less the umask), like every output of the crate. `write` gets the writer and
+/// the temporary's path (for [`tmp_io_err`]).
 pub fn write_file_atomic(
     out: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<File>, &Path) -> Result<()>,
@@ -729,13 +743,13 @@ pub fn write_file_atomic(
             .write(true)
             .create_new(true)
             .open(&tmp)
-            .map_err(io_err("creating", &tmp))?;
+            .map_err(tmp_io_err("creating", out, &tmp))?;
         let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         write(&mut w, &tmp)?;
         let file = w
             .into_inner()
-            .map_err(|e| io_err("writing", &tmp)(e.into_error()))?;
-        file.sync_all().map_err(io_err("syncing", &tmp))?;
+            .map_err(|e| tmp_io_err("writing", out, &tmp)(e.into_error()))?;
+        file.sync_all().map_err(tmp_io_err("syncing", out, &tmp))?;
         drop(file);
         std::fs::rename(&tmp, out).map_err(io_err("renaming into place", out))?;
         sync_dir(&parent)

@@ -339,14 +339,10 @@ pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
     let (header, tensors) = layout(obj, &path.display().to_string())?;
     crate::io::output::write_file_atomic(path, |w, tmp| {
-        let err = |e: std::io::Error| Error::Io {
-            op: format!("writing (through the temporary `{}`)", tmp.display()),
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        };
-        w.write_all(&header).map_err(err)?;
+        let err = crate::io::output::tmp_io_err("writing", path, tmp);
+        w.write_all(&header).map_err(&err)?;
         for t in tensors {
-            w.write_all(t.as_bytes()).map_err(err)?;
+            w.write_all(t.as_bytes()).map_err(&err)?;
         }
         Ok(())
     })
