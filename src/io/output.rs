@@ -789,6 +789,31 @@ mod tests {
     }
 
     #[test]
+    fn stale_cleanup_removes_only_dead_writers_known_files() {
+        let d = tempfile::tempdir().unwrap();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let out = d.path().join("ck");
+        let ours = d.path().join(format!(".ck.tmp-{dead}-1"));
+        std::fs::create_dir(&ours).unwrap();
+        std::fs::write(ours.join("rank0.safetensors"), b"x").unwrap();
+        let foreign = d.path().join(format!(".ck.tmp-{dead}-2"));
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::write(foreign.join("notes.txt"), b"keep").unwrap();
+        let live = d.path().join(format!(".ck.{}.0.tmp", std::process::id()));
+        std::fs::write(&live, b"busy").unwrap();
+        let done = clean_stale_temporaries(&out, None).unwrap();
+        assert_eq!(done, [Cleaned::Removed(ours.clone())]);
+        assert!(!ours.exists());
+        assert!(
+            foreign.join("notes.txt").exists(),
+            "unknown files are never removed"
+        );
+        assert!(live.exists(), "a live writer's temporary is kept");
+    }
+
+    #[test]
     fn reading_a_fifo_or_a_device_is_refused_without_blocking() {
         let d = tempfile::tempdir().unwrap();
         let fifo = d.path().join("fifo");
