@@ -473,17 +473,9 @@ fn check_rank_order(files: &[PathBuf]) -> std::result::Result<(), (usize, String
 /// The first pair (later, earlier) of files with identical bytes: files of equal length are
 /// checksummed, and equal checksums confirmed byte by byte.
 fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
-    let io = |p: &Path| {
-        let p = p.display().to_string();
-        move |e: std::io::Error| Error::Io {
-            op: "reading".into(),
-            path: p,
-            reason: e.to_string(),
-        }
-    };
     let mut lens = Vec::with_capacity(files.len());
     for f in files {
-        lens.push(std::fs::metadata(f).map_err(io(f))?.len());
+        lens.push(std::fs::metadata(f).map_err(Error::io("reading", f))?.len());
     }
     let mut crcs: HashMap<usize, u32> = HashMap::new();
     for i in 0..files.len() {
@@ -505,11 +497,7 @@ fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
 }
 
 fn open_input(p: &Path) -> Result<std::fs::File> {
-    crate::io::output::open_regular(p).map_err(|e| Error::Io {
-        op: "reading".into(),
-        path: p.display().to_string(),
-        reason: e.to_string(),
-    })
+    crate::io::output::open_regular(p).map_err(|e| Error::io("reading", p)(e.into()))
 }
 
 fn read_chunk(f: &mut std::fs::File, buf: &mut [u8], p: &Path) -> Result<usize> {
@@ -520,13 +508,7 @@ fn read_chunk(f: &mut std::fs::File, buf: &mut [u8], p: &Path) -> Result<usize> 
             Ok(0) => break,
             Ok(k) => n += k,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(Error::Io {
-                    op: "reading".into(),
-                    path: p.display().to_string(),
-                    reason: e.to_string(),
-                })
-            }
+            Err(e) => return Err(Error::io("reading", p)(e)),
         }
     }
     Ok(n)

@@ -6,7 +6,7 @@
 //! then merges and commits exactly as a foreground save does.
 
 use super::save::{commit, save, write_rank, SaveOptions};
-use super::{fs_err, save::Reports, GroupContext};
+use super::{save::Reports, GroupContext};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::optim_state::{OptimParams, OptimStateDict, Value};
@@ -65,11 +65,10 @@ impl BackgroundSaver {
     pub fn wait(&mut self) -> Result<()> {
         match self.pending.take() {
             None => Ok(()),
-            Some(h) => h.join().unwrap_or_else(|_| {
-                Err(Error::Io {
-                    op: "saving in the background (the writer thread panicked)".into(),
-                    path: String::new(),
-                    reason: "panic".into(),
+            Some(h) => h.join().unwrap_or_else(|panic| {
+                Err(Error::WorkerPanicked {
+                    worker: "the background save's writer thread".into(),
+                    message: panic_message(panic.as_ref()),
                 })
             }),
         }
@@ -211,7 +210,7 @@ impl BackgroundSaver {
             .map_err(|e| Error::Io {
                 op: "starting the background save thread for".into(),
                 path: shown,
-                reason: e.to_string(),
+                source: e.into(),
             })?;
         self.pending = Some(handle);
         Ok(SaveMode::Background)
@@ -246,7 +245,7 @@ fn write_report(tmp: &Path, rank: usize, report: &Report) -> Result<()> {
     let part = tmp.join(format!(".report-{rank}.json.part"));
     super::save::write_synced(&part, &bytes)?;
     let path = report_path(tmp, rank);
-    std::fs::rename(&part, &path).map_err(fs_err("renaming", &path))
+    std::fs::rename(&part, &path).map_err(Error::io("renaming", &path))
 }
 
 /// Rank 0: waits for the reports of ranks `0..writers`, then removes them.
@@ -270,10 +269,12 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
         if reports.iter().any(Option::is_none) {
             if start.elapsed() > timeout {
                 let missing: Vec<usize> = (0..writers).filter(|&r| reports[r].is_none()).collect();
-                return Err(Error::Io {
-                    op: format!("waiting {timeout:?} for the data files of ranks {missing:?} in"),
-                    path: tmp.display().to_string(),
-                    reason: "the background save of those ranks did not finish".into(),
+                return Err(Error::TimedOut {
+                    what: format!(
+                        "the background save's data files of ranks {missing:?} in `{}`",
+                        tmp.display()
+                    ),
+                    waited: timeout,
                 });
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -281,10 +282,19 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
     }
     for r in 0..writers {
         let path = report_path(tmp, r);
-        std::fs::remove_file(&path).map_err(fs_err("removing", &path))?;
+        std::fs::remove_file(&path).map_err(Error::io("removing", &path))?;
     }
     Ok(reports
         .into_iter()
         .map(|r| r.expect("all collected"))
         .collect())
+}
+
+/// The message of a panic payload, when it is a string (as `panic!` with a message makes it).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".into())
 }

@@ -41,7 +41,7 @@ pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
 
 use crate::collectives::ProcessGroup;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::flat_param::ModelLayout;
 use std::path::Path;
 use std::sync::Arc;
@@ -71,17 +71,6 @@ impl std::fmt::Debug for GroupContext<'_> {
             .field("rank", &self.pg.rank())
             .field("world_size", &self.pg.world_size())
             .finish_non_exhaustive()
-    }
-}
-
-/// Maps an I/O error on `path` while doing `op` to [`Error::Io`].
-pub(crate) fn fs_err(op: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let op = op.to_string();
-    let path = path.display().to_string();
-    move |e| Error::Io {
-        op,
-        path,
-        reason: e.to_string(),
     }
 }
 

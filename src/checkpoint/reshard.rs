@@ -8,7 +8,7 @@ use super::manifest::{
     CHECKSUM_BLOCK, MANIFEST,
 };
 use super::save::{CrashPoint, SaveOptions};
-use super::{fs_err, install, sync_dir, COMMIT};
+use super::{install, sync_dir, COMMIT};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
 use crate::io::container::{self, Entry};
@@ -231,7 +231,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         let (header, offsets) = container::header(&entries, &meta)?;
         let name = format!("rank{rank}.safetensors");
         let path = tmp.join(&name);
-        let file = File::create(&path).map_err(fs_err("creating", &path))?;
+        let file = File::create(&path).map_err(Error::io("creating", &path))?;
         let mut out = RankFile {
             w: BufWriter::with_capacity(1 << 20, file),
             path: &path,
@@ -240,7 +240,9 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             copied: 0,
             crash_mid_file: rank == 0,
         };
-        out.w.write_all(&header).map_err(fs_err("writing", &path))?;
+        out.w
+            .write_all(&header)
+            .map_err(Error::io("writing", &path))?;
         for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
             let crc32c = self.copy_piece(&mut out, ri, si, start, len)?;
             if let StoredValue::Tensor { pieces, .. } = &mut self.new_params[ri].states[si].1 {
@@ -256,9 +258,9 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         let file = out
             .w
             .into_inner()
-            .map_err(|e| fs_err("writing", &path)(e.into_error()))?;
-        file.sync_all().map_err(fs_err("syncing", &path))?;
-        let len = file.metadata().map_err(fs_err("reading", &path))?.len();
+            .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
+        file.sync_all().map_err(Error::io("syncing", &path))?;
+        let len = file.metadata().map_err(Error::io("reading", &path))?.len();
         Ok(FileRecord {
             name,
             len,
@@ -308,7 +310,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             self.copied += self.block.len() as u64;
             (self.progress)(self.copied);
             if out.write(&self.block)? {
-                out.w.flush().map_err(fs_err("writing", out.path))?;
+                out.w.flush().map_err(Error::io("writing", out.path))?;
                 self.crash_at(CrashPoint::MidFile)?;
             }
         }
@@ -337,7 +339,7 @@ impl RankFile<'_> {
     fn write(&mut self, bytes: &[u8]) -> Result<bool> {
         self.w
             .write_all(bytes)
-            .map_err(fs_err("writing", self.path))?;
+            .map_err(Error::io("writing", self.path))?;
         self.writeback.wrote(self.w.get_ref(), bytes.len() as u64);
         self.copied += bytes.len() as u64;
         Ok(self.crash_mid_file && self.copied * 2 >= self.total)

@@ -6,7 +6,7 @@ use super::manifest::{
     block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
     MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
-use super::{fs_err, sync_dir, GroupContext, COMMIT};
+use super::{sync_dir, GroupContext, COMMIT};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, ShardPiece};
@@ -76,10 +76,8 @@ pub(super) struct DictParts {
 }
 
 pub(super) fn crash(point: CrashPoint) -> Error {
-    Error::Io {
-        op: format!("saving (injected crash at {point:?})"),
-        path: String::new(),
-        reason: "fault injection".into(),
+    Error::InjectedCrash {
+        point: format!("{point:?}"),
     }
 }
 
@@ -231,10 +229,13 @@ fn host_states<'l, T: Tensor>(
         let mut vals = Vec::with_capacity(st.len());
         for (n, v) in st {
             if let Value::Sharded(_) = v {
-                return Err(Error::InvalidStateDict(format!(
-                    "rank {layout_rank}: local state `{n}` of {} is a sharded tensor; save takes the optimizer's own state dict",
-                    l.key
-                )));
+                return Err(Error::WrongStateKind {
+                    context: format!("saving a checkpoint, rank {layout_rank}"),
+                    param: l.key.to_string(),
+                    state: n.clone(),
+                    expected: "a plain tensor (save takes the optimizer's own state dict)".into(),
+                    found: "a sharded tensor".into(),
+                });
             }
             vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
         }
@@ -251,11 +252,15 @@ fn host_model_params<'l, T: Tensor>(
     model_local: &'l [LocalParam],
 ) -> Result<Saved<'l>> {
     if model.len() != model_local.len() {
-        return Err(Error::InvalidStateDict(format!(
-            "rank {layout_rank}: {} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
-            model.len(),
-            model_local.len()
-        )));
+        return Err(Error::InvalidArgument {
+            op: "save_checkpoint".into(),
+            rank: layout_rank,
+            reason: format!(
+                "{} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
+                model.len(),
+                model_local.len()
+            ),
+        });
     }
     let mut saved: Saved = Vec::new();
     for (l, t) in model_local.iter().zip(model) {
@@ -291,19 +296,20 @@ fn write_data_file(
     let (header, offsets) = container::header(&plan.entries, &meta)?;
     let name = format!("rank{layout_rank}.safetensors");
     let path = tmp.join(&name);
-    let mut file = File::create(&path).map_err(fs_err("creating", &path))?;
-    file.write_all(&header).map_err(fs_err("writing", &path))?;
+    let mut file = File::create(&path).map_err(Error::io("creating", &path))?;
+    file.write_all(&header)
+        .map_err(Error::io("writing", &path))?;
     let total: u64 = plan.entries.iter().map(|e| e.nbytes).sum();
     let mut written = 0u64;
     let mut writeback = super::Writeback::new(header.len() as u64);
     for (i, bytes) in plan.data.iter().enumerate() {
         if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
-            file.sync_all().map_err(fs_err("syncing", &path))?;
+            file.sync_all().map_err(Error::io("syncing", &path))?;
             return Err(crash(CrashPoint::MidFile));
         }
         // In slices, so that the disk writes one slice back while the next is copied.
         for slice in bytes.chunks(super::WRITEBACK_CHUNK) {
-            file.write_all(slice).map_err(fs_err("writing", &path))?;
+            file.write_all(slice).map_err(Error::io("writing", &path))?;
             writeback.wrote(&file, slice.len() as u64);
         }
         written += bytes.len() as u64;
@@ -322,7 +328,7 @@ fn write_data_file(
     if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 {
         return Err(crash(CrashPoint::MidFile));
     }
-    file.sync_all().map_err(fs_err("syncing", &path))?;
+    file.sync_all().map_err(Error::io("syncing", &path))?;
     Ok(FileRecord {
         name,
         len: header.len() as u64 + total,
@@ -501,9 +507,13 @@ fn dict_parts<T: Tensor>(
                 .map(|(gi, g)| {
                     let mut names = Vec::new();
                     for p in &g.params {
-                        let l = by_key.get(p).ok_or_else(|| Error::InvalidStateDict(format!(
-                            "param_groups[{gi}] lists the key {p}, which the optimizer's param groups do not hold"
-                        )))?;
+                        let l = by_key.get(p).ok_or_else(|| Error::InvalidParamGroups {
+                            context: "saving a checkpoint".into(),
+                            group: Some(gi),
+                            reason: format!(
+                                "lists the key {p}, which the optimizer's param groups do not hold"
+                            ),
+                        })?;
                         names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
                     }
                     Ok(ParamGroup {
@@ -658,10 +668,11 @@ fn merge_ranks(
                 match entry.iter_mut().find(|(en, _, _)| *en == n) {
                     None if first_rank => entry.push((n, to_stored(v), r)),
                     None => {
-                        return Err(Error::InvalidStateDict(format!(
-                            "state `{n}` of `{}` exists on rank {r} but not on rank {}",
-                            key.names[0], entry[0].2
-                        )))
+                        return Err(Error::MissingState {
+                            context: format!("rank {} (rank {r} has it)", entry[0].2),
+                            param: format!("`{}`", key.names[0]),
+                            state: n,
+                        })
                     }
                     Some((_, stored, r0)) => match (stored, v) {
                         (

@@ -224,12 +224,10 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
         };
         let (written, progress, out) = (&mut self.written, &mut self.progress, self.out);
         stream_state(&mut self.reader, stored, &mut self.block, &mut |bytes| {
-            sink(bytes).map_err(|e| Error::Io {
-                op: "writing the consolidated torch.save file (through a temporary beside it)"
-                    .into(),
-                path: out.display().to_string(),
-                reason: e.to_string(),
-            })?;
+            sink(bytes).map_err(Error::io(
+                "writing the consolidated torch.save file (through a temporary beside it)",
+                out,
+            ))?;
             *written += bytes.len() as u64;
             progress(*written);
             Ok(())

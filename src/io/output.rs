@@ -77,16 +77,6 @@ fn refused(path: &Path, reason: String) -> Error {
     }
 }
 
-fn io_err(op: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let op = op.to_string();
-    let path = path.display().to_string();
-    move |e| Error::Io {
-        op,
-        path,
-        reason: e.to_string(),
-    }
-}
-
 /// The absolute, symlink-free form of `p`, resolving what exists and appending the rest.
 fn resolved(p: &Path) -> PathBuf {
     let abs = if p.is_absolute() {
@@ -140,7 +130,7 @@ pub fn check_dir_output(out: &Path, kind: DirKind, inputs: &[&Path]) -> Result<(
 fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
     let meta = match std::fs::symlink_metadata(out) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Existing::Missing),
-        Err(e) => return Err(io_err("inspecting the output", out)(e)),
+        Err(e) => return Err(Error::io("inspecting the output", out)(e)),
         Ok(m) => m,
     };
     if !meta.is_dir() {
@@ -153,8 +143,8 @@ fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
         ));
     }
     let mut names = Vec::new();
-    for e in std::fs::read_dir(out).map_err(io_err("listing", out))? {
-        names.push(e.map_err(io_err("listing", out))?.file_name());
+    for e in std::fs::read_dir(out).map_err(Error::io("listing", out))? {
+        names.push(e.map_err(Error::io("listing", out))?.file_name());
     }
     if names.is_empty() {
         return Ok(Existing::EmptyDir);
@@ -290,6 +280,20 @@ impl std::fmt::Display for ReadRegularError {
     }
 }
 
+impl From<ReadRegularError> for std::io::Error {
+    fn from(e: ReadRegularError) -> Self {
+        match e {
+            ReadRegularError::Io(e) => e,
+            ReadRegularError::NotRegular(_) => {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+            }
+            ReadRegularError::TooLarge { .. } => {
+                std::io::Error::new(std::io::ErrorKind::FileTooLarge, e.to_string())
+            }
+        }
+    }
+}
+
 /// Opens `path` for reading without blocking (`O_NONBLOCK`, so a FIFO does not wait for a
 /// writer) and checks that what was opened is a regular file (not a FIFO or a device such as
 /// `/dev/zero`, which would be read forever).
@@ -324,11 +328,7 @@ pub fn read_regular(path: &Path, cap: u64) -> std::result::Result<Vec<u8>, ReadR
 
 /// [`read_regular`] for a small metadata file, as [`Error::Io`] naming `path`.
 pub fn read_small_file(path: &Path) -> Result<Vec<u8>> {
-    read_regular(path, SMALL_METADATA_MAX_BYTES).map_err(|e| Error::Io {
-        op: "reading".into(),
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })
+    read_regular(path, SMALL_METADATA_MAX_BYTES).map_err(|e| Error::io("reading", path)(e.into()))
 }
 
 // ----- temporaries -----
@@ -337,10 +337,11 @@ pub fn read_small_file(path: &Path) -> Result<Vec<u8>> {
 fn split(out: &Path) -> Result<(PathBuf, String)> {
     let name = out
         .file_name()
-        .ok_or_else(|| Error::Io {
-            op: "writing".into(),
-            path: out.display().to_string(),
-            reason: "the path has no file or directory name".into(),
+        .ok_or_else(|| {
+            Error::io("writing", out)(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "the path has no file or directory name",
+            ))
         })?
         .to_string_lossy()
         .into_owned();
@@ -360,9 +361,9 @@ fn nanos() -> u128 {
 /// A fresh temporary directory beside `out` (`.NAME.tmp-PID-NANOS`), its parent created.
 pub fn make_tmp_dir(out: &Path) -> Result<PathBuf> {
     let (parent, name) = split(out)?;
-    std::fs::create_dir_all(&parent).map_err(io_err("creating", &parent))?;
+    std::fs::create_dir_all(&parent).map_err(Error::io("creating", &parent))?;
     let tmp = parent.join(format!(".{name}.tmp-{}-{}", std::process::id(), nanos()));
-    std::fs::create_dir(&tmp).map_err(io_err("creating", &tmp))?;
+    std::fs::create_dir(&tmp).map_err(Error::io("creating", &tmp))?;
     Ok(tmp)
 }
 
@@ -456,8 +457,8 @@ fn ours(entry: &str) -> bool {
 /// was removed; entries it does not know are left in place with the directory.
 fn remove_known(dir: &Path, allowed: &dyn Fn(&str) -> bool) -> Result<bool> {
     let mut names = Vec::new();
-    for e in std::fs::read_dir(dir).map_err(io_err("listing", dir))? {
-        let e = e.map_err(io_err("listing", dir))?;
+    for e in std::fs::read_dir(dir).map_err(Error::io("listing", dir))? {
+        let e = e.map_err(Error::io("listing", dir))?;
         let n = e.file_name().to_string_lossy().into_owned();
         let plain = e.file_type().is_ok_and(|t| t.is_file());
         if !plain || !allowed(&n) {
@@ -468,9 +469,9 @@ fn remove_known(dir: &Path, allowed: &dyn Fn(&str) -> bool) -> Result<bool> {
     names.sort_by_key(|n| n != "COMMITTED");
     for n in names {
         let p = dir.join(&n);
-        std::fs::remove_file(&p).map_err(io_err("removing", &p))?;
+        std::fs::remove_file(&p).map_err(Error::io("removing", &p))?;
     }
-    std::fs::remove_dir(dir).map_err(io_err("removing", dir))?;
+    std::fs::remove_dir(dir).map_err(Error::io("removing", dir))?;
     Ok(true)
 }
 
@@ -525,7 +526,7 @@ pub fn clean_stale_temporaries(out: &Path, kind: Option<DirKind>) -> Result<Vec<
     };
     let mut stale = Vec::new();
     for e in entries {
-        let e = e.map_err(io_err("listing", &parent))?;
+        let e = e.map_err(Error::io("listing", &parent))?;
         let entry = e.file_name().to_string_lossy().into_owned();
         if let Some(t) = parse_temp(&entry, &name) {
             let pid = match t {
@@ -542,7 +543,7 @@ pub fn clean_stale_temporaries(out: &Path, kind: Option<DirKind>) -> Result<Vec<
     for (t, path) in stale {
         match t {
             Temp::Aside(_) if !out.exists() && kind.is_some_and(|k| (k.entries)(&path).is_ok()) => {
-                std::fs::rename(&path, out).map_err(io_err("restoring", out))?;
+                std::fs::rename(&path, out).map_err(Error::io("restoring", out))?;
                 sync_dir(&parent)?;
                 done.push(Cleaned::Restored {
                     from: path,
@@ -552,7 +553,7 @@ pub fn clean_stale_temporaries(out: &Path, kind: Option<DirKind>) -> Result<Vec<
             Temp::File(_) => {
                 let plain = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_file());
                 if plain {
-                    std::fs::remove_file(&path).map_err(io_err("removing", &path))?;
+                    std::fs::remove_file(&path).map_err(Error::io("removing", &path))?;
                     done.push(Cleaned::Removed(path));
                 }
             }
@@ -573,8 +574,8 @@ pub fn clean_stale_temporaries(out: &Path, kind: Option<DirKind>) -> Result<Vec<
 pub fn sync_dir(dir: &Path) -> Result<()> {
     #[cfg(unix)]
     {
-        let d = File::open(dir).map_err(io_err("opening", dir))?;
-        d.sync_all().map_err(io_err("syncing", dir))?;
+        let d = File::open(dir).map_err(Error::io("opening", dir))?;
+        d.sync_all().map_err(Error::io("syncing", dir))?;
     }
     #[cfg(not(unix))]
     let _ = dir;
@@ -613,7 +614,7 @@ pub fn install_dir(tmp: &Path, out: &Path, kind: DirKind) -> Result<()> {
     let old = existing(out, kind)?;
     let Existing::Replaceable(_) = old else {
         // Missing or empty: rename replaces an empty directory atomically.
-        std::fs::rename(tmp, out).map_err(io_err("renaming into place", out))?;
+        std::fs::rename(tmp, out).map_err(Error::io("renaming into place", out))?;
         return sync_dir(&parent);
     };
     let old_at = if fallback_forced() {
@@ -622,7 +623,7 @@ pub fn install_dir(tmp: &Path, out: &Path, kind: DirKind) -> Result<()> {
         match exchange(tmp, out) {
             Ok(()) => tmp.to_path_buf(),
             Err(e) if exchange_unsupported(&e) => swap_by_renames(tmp, out, &parent, &name)?,
-            Err(e) => return Err(io_err("exchanging the new output with", out)(e)),
+            Err(e) => return Err(Error::io("exchanging the new output with", out)(e)),
         }
     };
     sync_dir(&parent)?;
@@ -632,11 +633,12 @@ pub fn install_dir(tmp: &Path, out: &Path, kind: DirKind) -> Result<()> {
 /// The fallback install: `out` aside, `tmp` into place. Returns where the old output is.
 fn swap_by_renames(tmp: &Path, out: &Path, parent: &Path, name: &str) -> Result<PathBuf> {
     let aside = parent.join(format!(".{name}.old-{}-{}", std::process::id(), nanos()));
-    std::fs::rename(out, &aside).map_err(io_err("moving the previous output aside from", out))?;
+    std::fs::rename(out, &aside)
+        .map_err(Error::io("moving the previous output aside from", out))?;
     if let Err(e) = std::fs::rename(tmp, out) {
         // Put the old one back; the new one stays at `tmp` for the caller to remove.
         let _ = std::fs::rename(&aside, out);
-        return Err(io_err("renaming into place", out)(e));
+        return Err(Error::io("renaming into place", out)(e));
     }
     Ok(aside)
 }
@@ -656,7 +658,7 @@ fn remove_previous(old_at: &Path, out: &Path, kind: DirKind) -> Result<()> {
         std::process::id(),
         nanos()
     ));
-    std::fs::rename(old_at, &kept).map_err(io_err("keeping the previous output at", &kept))?;
+    std::fs::rename(old_at, &kept).map_err(Error::io("keeping the previous output at", &kept))?;
     Err(refused(
         out,
         format!(
@@ -710,9 +712,9 @@ fn exchange(_: &Path, _: &Path) -> std::io::Result<()> {
 /// Writes `bytes` to `path`, synced (for files inside a temporary directory).
 pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
-    let mut f = File::create(path).map_err(io_err("creating", path))?;
-    f.write_all(bytes).map_err(io_err("writing", path))?;
-    f.sync_all().map_err(io_err("syncing", path))
+    let mut f = File::create(path).map_err(Error::io("creating", path))?;
+    f.write_all(bytes).map_err(Error::io("writing", path))?;
+    f.sync_all().map_err(Error::io("syncing", path))
 }
 
 /// Maps an I/O error while doing `op` on the temporary `tmp` of the output `out` to
@@ -721,10 +723,9 @@ pub fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -
     let op = op.to_string();
     let out = out.display().to_string();
     let tmp = tmp.display().to_string();
-    move |e| Error::Io {
-        op: op.clone(),
-        path: out.clone(),
-        reason: format!("{e} (in its temporary `{tmp}`)"),
+    move |e| {
+        let e = std::io::Error::new(e.kind(), format!("{e} (in its temporary `{tmp}`)"));
+        Error::io(op.clone(), &out)(e)
     }
 }
 
@@ -751,7 +752,7 @@ pub fn write_file_atomic(
             .map_err(|e| tmp_io_err("writing", out, &tmp)(e.into_error()))?;
         file.sync_all().map_err(tmp_io_err("syncing", out, &tmp))?;
         drop(file);
-        std::fs::rename(&tmp, out).map_err(io_err("renaming into place", out))?;
+        std::fs::rename(&tmp, out).map_err(Error::io("renaming into place", out))?;
         sync_dir(&parent)
     })();
     if result.is_err() {

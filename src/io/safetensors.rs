@@ -361,19 +361,14 @@ pub fn save_to_bytes(obj: &PyObj) -> Result<Vec<u8>> {
 pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     let path = path.as_ref();
     let name = path.display().to_string();
-    let mut bytes = Vec::new();
-    crate::io::output::open_regular(path)
-        .map_err(|e| e.to_string())
-        .and_then(|f| {
-            std::io::Read::read_to_end(&mut &f, &mut bytes)
-                .map(drop)
-                .map_err(|e| e.to_string())
-        })
-        .map_err(|reason| Error::Io {
-            op: "reading".into(),
-            path: name.clone(),
-            reason,
-        })?;
+    // A regular file only: a FIFO would block and a device never end.
+    let bytes = (|| -> std::io::Result<Vec<u8>> {
+        let f = crate::io::output::open_regular(path)?;
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut &f, &mut bytes)?;
+        Ok(bytes)
+    })()
+    .map_err(Error::io("reading", path))?;
     read(&name, &bytes)
 }
 

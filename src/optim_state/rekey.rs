@@ -35,13 +35,31 @@ pub fn rekey_optim_state_dict<T: Tensor>(
         .filter(|k| matches!(k, ParamKey::Name(_)))
         .count();
     if names != 0 && names != osd.state.len() {
-        return Err(Error::InvalidStateDict(format!(
-            "invalid parameter keys: the state mixes ids and names ({:?})",
-            osd.state
-                .keys()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-        )));
+        let first = osd
+            .state
+            .keys()
+            .next()
+            .map(|k| matches!(k, ParamKey::Name(_)));
+        let odd = osd
+            .state
+            .keys()
+            .find(|k| Some(matches!(k, ParamKey::Name(_))) != first);
+        return Err(Error::WrongKeyType {
+            dict: "an optimizer state dict".into(),
+            expected: if first == Some(true) {
+                "parameter names only".into()
+            } else {
+                "parameter ids only".into()
+            },
+            key: odd.map(ToString::to_string).unwrap_or_default(),
+            hint: format!(
+                " (the state mixes ids and names: {:?})",
+                osd.state
+                    .keys()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+            ),
+        });
     }
     let is_names = names > 0;
     let is_ids = !osd.state.is_empty() && names == 0;

@@ -30,9 +30,12 @@ struct Skeleton {
 
 fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
     if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
-        return Err(Error::InvalidStateDict(format!(
-            "a full optimizer state dict is keyed by parameter names, but it has the id key {k}"
-        )));
+        return Err(Error::WrongKeyType {
+            dict: "a full optimizer state dict".into(),
+            expected: "parameter names".into(),
+            key: k.to_string(),
+            hint: String::new(),
+        });
     }
     let mut state = Vec::with_capacity(full.state.len());
     for (k, st) in &full.state {
@@ -44,9 +47,13 @@ fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
                     dtype: t.dtype(),
                 },
                 Value::Sharded(_) => {
-                    return Err(Error::InvalidStateDict(format!(
-                        "state `{n}` of {k} is a sharded tensor; scatter takes a full dict"
-                    )))
+                    return Err(Error::WrongStateKind {
+                        context: "scatter_full_optim_state_dict".into(),
+                        param: k.to_string(),
+                        state: n.clone(),
+                        expected: "a full tensor (scatter takes a full dict)".into(),
+                        found: "a sharded tensor".into(),
+                    })
                 }
                 other => Skel::Value(other.try_map(&mut |t: &T| t.to_host())?),
             };
@@ -299,9 +306,11 @@ pub fn scatter_full<T: Tensor>(
     let skeleton: std::result::Result<Skeleton, Error> = if pg.rank() == root {
         match full {
             Some(f) => skeleton_of(f),
-            None => Err(Error::InvalidStateDict(format!(
-                "{op}: the root rank {root} must pass the full dict"
-            ))),
+            None => Err(Error::InvalidArgument {
+                op: op.into(),
+                rank: root,
+                reason: "the root rank must pass the full dict".into(),
+            }),
         }
     } else {
         Ok(Skeleton {
@@ -627,9 +636,12 @@ pub fn load_sharded<T: Tensor>(
         }
     }
     if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
-        return Err(Error::InvalidStateDict(format!(
-            "a sharded optimizer state dict is keyed by parameter names, but it has the id key {k}"
-        )));
+        return Err(Error::WrongKeyType {
+            dict: "a sharded optimizer state dict".into(),
+            expected: "parameter names".into(),
+            key: k.to_string(),
+            hint: String::new(),
+        });
     }
     let user = user_state(layout, &full);
     let mut src = GatheredSource {
