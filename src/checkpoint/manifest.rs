@@ -209,37 +209,7 @@ impl Manifest {
         }
         crate::flat_param::ModelLayout::new(&self.model, &self.policy, self.world_size.max(1))
             .map_err(|e| invalid(format!("the saved model and policy are invalid: {e}")))?;
-        for (rank, f) in self.files.iter().enumerate() {
-            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
-                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
-            }
-            // The real length bounds every allocation a load makes from this manifest.
-            let path = dir.join(&f.name);
-            let corrupt = |reason: String| Error::CheckpointCorrupt {
-                file: path.display().to_string(),
-                rank,
-                tensor: "(file)".into(),
-                reason,
-            };
-            let meta =
-                std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
-            if !meta.is_file() {
-                return Err(corrupt("it is not a regular file".into()));
-            }
-            let len = meta.len();
-            if len != f.len {
-                return Err(corrupt(format!(
-                    "the file has {len} bytes, the manifest says {} (truncated or replaced)",
-                    f.len
-                )));
-            }
-            if f.header_len > f.len {
-                return Err(corrupt(format!(
-                    "the manifest gives a header of {} bytes for a file of {} bytes",
-                    f.header_len, f.len
-                )));
-            }
-        }
+        self.check_files(dir, &invalid)?;
         self.check_against_model(&d)?;
         for p in self.params.iter().chain(&self.model_params) {
             for (state, v) in &p.states {
@@ -305,6 +275,43 @@ impl Manifest {
                         what()
                     )));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every data file: a plain name, a regular file of the recorded length, a header that
+    /// fits in it. The real length bounds every allocation a load makes from this manifest.
+    fn check_files(&self, dir: &Path, invalid: &dyn Fn(String) -> Error) -> Result<()> {
+        for (rank, f) in self.files.iter().enumerate() {
+            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
+                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
+            }
+            // The real length bounds every allocation a load makes from this manifest.
+            let path = dir.join(&f.name);
+            let corrupt = |reason: String| Error::CheckpointCorrupt {
+                file: path.display().to_string(),
+                rank,
+                tensor: "(file)".into(),
+                reason,
+            };
+            let meta =
+                std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
+            if !meta.is_file() {
+                return Err(corrupt("it is not a regular file".into()));
+            }
+            let len = meta.len();
+            if len != f.len {
+                return Err(corrupt(format!(
+                    "the file has {len} bytes, the manifest says {} (truncated or replaced)",
+                    f.len
+                )));
+            }
+            if f.header_len > f.len {
+                return Err(corrupt(format!(
+                    "the manifest gives a header of {} bytes for a file of {} bytes",
+                    f.header_len, f.len
+                )));
             }
         }
         Ok(())
