@@ -365,8 +365,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// The TCP rendezvous that hands rank 0's bytes (the NCCL unique id) to the other ranks
-    /// failed at the network level or received bytes that are not its protocol.
+    /// The TCP rendezvous that hands rank 0's bytes (the NCCL unique id) to the other ranks,
+    /// or its client of torchrun's agent store (a c10d `TCPStore`), failed at the network
+    /// level or received bytes that are not its protocol.
     #[error("rendezvous at {addr} failed on rank {rank}: {reason}")]
     Rendezvous {
         /// The rank that reports.

@@ -20,7 +20,9 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Where [`SaveOptions::crash_at`] stops a save, as if the process died there.
+/// Where `SaveOptions::crash_at` stops a save, as if the process died there (fault injection
+/// for the crate's crash-safety tests; not part of the documented API).
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CrashPoint {
     /// After the temporary directory exists, before any data is written.
@@ -33,11 +35,14 @@ pub enum CrashPoint {
     BeforeCommit,
 }
 
-/// Options of [`save`].
+/// Options of [`save`]: none to set today (`SaveOptions::default()`); the type exists so that
+/// saving options can be added without changing every call.
 #[derive(Debug, Clone, Default)]
 pub struct SaveOptions {
     /// Fault injection for crash-safety tests: stop at this point as a crashed process would,
-    /// leaving the temporary directory behind, and return [`Error::Io`] on every rank.
+    /// leaving the temporary directory behind, and return [`Error::InjectedCrash`] on every
+    /// rank. Not part of the documented API.
+    #[doc(hidden)]
     pub crash_at: Option<CrashPoint>,
 }
 
