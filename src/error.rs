@@ -599,6 +599,42 @@ pub enum Error {
         reason: String,
     },
 
+    /// An output path that a writer may not replace: it is or contains an input, lies inside
+    /// one, or holds files that are not an earlier output of the same kind (see
+    /// [`crate::io::output`]). Nothing was written.
+    #[error("refusing to write `{path}`: {reason}")]
+    OutputRefused {
+        /// The output path.
+        path: String,
+        /// Why it may not be replaced.
+        reason: String,
+    },
+
+    /// The per-rank files given to consolidate are not one file per rank in rank order: a file
+    /// given twice (same path or same bytes), or names whose rank numbers contradict their
+    /// order.
+    #[error("rank file `{file}` (given as rank {position}): {reason}")]
+    RankFiles {
+        /// The offending file.
+        file: String,
+        /// Its position in the list, i.e. the rank it would be consolidated as.
+        position: usize,
+        /// What is wrong (the other file involved, or the rank its name carries).
+        reason: String,
+    },
+
+    /// A tensor cannot be stored in the output format (its shape's element or byte count
+    /// overflows what the format can describe).
+    #[error("tensor `{tensor}` with shape {shape:?} cannot be stored: {reason}")]
+    TensorNotStorable {
+        /// The tensor's name in the object (its path, e.g. `state/0/exp_avg`).
+        tensor: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Why.
+        reason: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.

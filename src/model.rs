@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 
 /// One parameter of the model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParamSpec {
     /// Fully qualified name relative to the model root, without wrapper prefixes.
     pub name: String,
@@ -37,6 +38,7 @@ impl ParamSpec {
 
 /// The parameters of a model, in `named_parameters()` order, and its tied aliases.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelDesc {
     /// Unique parameters under their primary (first) name, in registration pre-order.
     pub params: Vec<ParamSpec>,
@@ -252,6 +254,7 @@ impl ShardingStrategy {
 
 /// How the model is wrapped: FSDP units, ignored modules, `use_orig_params`, strategy.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct WrapPolicy {
     /// Module prefixes wrapped as FSDP units, in wrap order (`""` is the root). A unit claims
     /// its parameters before any unit that contains it, so nested units may be listed in any

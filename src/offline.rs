@@ -45,6 +45,8 @@ use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
 use crate::tensor::HostTensor;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -70,6 +72,7 @@ use std::time::Duration;
 /// are optional; without them each rank's optimizer holds `model.parameters()` of the wrapped
 /// model in one group ([`crate::Fsdp::optim_params`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     /// The model's parameters.
     pub model: ModelDesc,
@@ -106,10 +109,11 @@ impl ModelSpec {
     pub fn from_json_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
         let path = path.as_ref();
         let name = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            op: "reading".into(),
-            path: name.clone(),
-            source: e.into(),
+        // A regular file of bounded size: a FIFO or `/dev/zero` is an error, not a hang.
+        let bytes = crate::io::output::read_small_file(path)?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::Serialization {
+            what: format!("model spec `{name}`"),
+            reason: e.to_string(),
         })?;
         Self::from_json(&text, &name)
     }
@@ -145,12 +149,12 @@ impl ModelSpec {
             return per
                 .get(rank)
                 .cloned()
-                .ok_or_else(|| Error::WorldSizeMismatch {
-                    files: layout.world_size,
-                    detail: format!(
-                        "`optim_params_per_rank` of the model spec has {} entries",
-                        per.len()
-                    ),
+                .ok_or_else(|| {
+                    Error::InvalidModel(format!(
+                        "`optim_params_per_rank` of the model spec has {} entries, but world size {} needs one per rank (rank {rank} has none)",
+                        per.len(),
+                        layout.world_size
+                    ))
                 });
         }
         Ok(self
@@ -252,6 +256,82 @@ fn check_world_size(
     })
 }
 
+/// Checks every tensor state of rank `rank`'s local dict against the model description: an
+/// unmanaged (or ignored) parameter's state is the parameter's full tensor, so its shape must
+/// be the parameter's; every positive-dim tensor state has the parameter's (or flat
+/// parameter's) dtype. Flat sizes are checked by [`check_world_size`].
+fn check_state_shapes(
+    layout: &ModelLayout,
+    rank: usize,
+    osd: &OptimStateDict,
+    params: &OptimParams,
+) -> Result<()> {
+    for l in &layout.local_params(params)? {
+        let Some(state) = osd.state.get(&l.key) else {
+            continue;
+        };
+        let (dtype, full_shape, what) = match l.resolved {
+            Resolved::Flat(f) => {
+                let fp = &layout.flat_params[f];
+                (
+                    fp.dtype,
+                    None,
+                    format!("the flat parameter of unit `{}`", fp.unit),
+                )
+            }
+            Resolved::Orig { param, owner } => {
+                let p = &layout.model.params[param];
+                let shape = owner.is_none().then_some(&p.shape);
+                (p.dtype, shape, format!("parameter `{}`", p.name))
+            }
+        };
+        for (name, v) in state {
+            let Value::Tensor(t) = v else { continue };
+            if t.dim() == 0 {
+                continue;
+            }
+            let context = || format!("rank {rank}'s state `{name}` of {what} (key {})", l.key);
+            if let Some(shape) = full_shape {
+                if t.shape() != shape.as_slice() {
+                    return Err(Error::ShapeMismatch {
+                        context: format!("{} (unsharded: the parameter's shape)", context()),
+                        expected: shape.clone(),
+                        found: t.shape().to_vec(),
+                    });
+                }
+            }
+            if t.dtype() != dtype {
+                return Err(Error::DtypeMismatch {
+                    context: format!("{} (the model description's dtype)", context()),
+                    expected: dtype.to_string(),
+                    found: t.dtype().to_string(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks every rank's local dict (index = rank) against the model description before
+/// consolidation: flat sizes against the layout at `locals.len()` ranks
+/// ([`Error::WorldSizeMismatch`] naming the world sizes that would fit), and every tensor
+/// state's dtype, and the shape of unmanaged and ignored parameters' state, against the
+/// description ([`Error::ShapeMismatch`], [`Error::DtypeMismatch`]).
+pub fn check_local_dicts(spec: &ModelSpec, locals: &[OptimStateDict]) -> Result<()> {
+    if locals.is_empty() {
+        return Err(Error::WorldSizeMismatch {
+            files: 0,
+            detail: "at least one rank's optimizer state dict is needed".into(),
+        });
+    }
+    let layout = spec.layout(locals.len())?;
+    check_world_size(spec, &layout, locals)?;
+    for (rank, osd) in locals.iter().enumerate() {
+        check_state_shapes(&layout, rank, osd, &spec.optim_params_for(&layout, rank)?)?;
+    }
+    Ok(())
+}
+
 /// `FSDP.full_optim_state_dict` of a job whose ranks saved `locals` (index = rank): the full,
 /// name-keyed dict rank 0 would get. Runs one thread rank per dict.
 pub fn consolidate_local_dicts(
@@ -266,7 +346,7 @@ pub fn consolidate_local_dicts(
     }
     let ws = locals.len();
     let layout = spec.layout(ws)?;
-    check_world_size(spec, &layout, locals)?;
+    check_local_dicts(spec, locals)?;
     let params: Vec<OptimParams> = (0..ws)
         .map(|r| spec.optim_params_for(&layout, r))
         .collect::<Result<_>>()?;
@@ -480,5 +560,214 @@ fn copy_block(out: &mut HostTensor, global: &[usize], offsets: &[usize], piece: 
             }
             idx[d] = 0;
         }
+    }
+}
+
+/// The rank number a per-rank file's name carries, if any: `rank` followed by digits
+/// (`rank0.pt`, `optim_rank_1.pt`, `Rank-2.bin`) in the file name or, failing that, in its
+/// folder's name (`rank3/optim.pt`); else digits ending the file stem after `-` or `_`
+/// (`optim-2.pt`, `shard_04.pt`).
+pub fn rank_in_file_name(path: &Path) -> Option<usize> {
+    let after_rank = |s: &str| {
+        let lower = s.to_ascii_lowercase();
+        lower.match_indices("rank").find_map(|(i, _)| {
+            let rest = lower[i + 4..].trim_start_matches(['_', '-']);
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        })
+    };
+    let stem = path.file_stem()?.to_str()?;
+    if let Some(r) = after_rank(stem) {
+        return Some(r);
+    }
+    if let Some(r) = path
+        .parent()
+        .and_then(Path::file_name)
+        .and_then(|n| n.to_str())
+        .and_then(after_rank)
+    {
+        return Some(r);
+    }
+    let digits: String = stem
+        .chars()
+        .rev()
+        .take_while(char::is_ascii_digit)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .collect();
+    let before = stem[..stem.len() - digits.len()].chars().last();
+    matches!(before, Some('-' | '_'))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// Checks that `files` (one per rank, in rank order) are distinct files in an order their
+/// names do not contradict: no path given twice, no two files with the same bytes (a copied
+/// rank file), and when every name carries a rank number ([`rank_in_file_name`]) and the
+/// numbers differ, they count up from 0 or 1 in the order given.
+pub fn check_rank_files(files: &[PathBuf]) -> Result<()> {
+    let bad = |position: usize, reason: String| Error::RankFiles {
+        file: files[position].display().to_string(),
+        position,
+        reason,
+    };
+    // Same path (after resolving symbolic links and `..`).
+    let mut seen: HashMap<PathBuf, usize> = HashMap::new();
+    for (i, f) in files.iter().enumerate() {
+        let key = f.canonicalize().unwrap_or_else(|_| f.clone());
+        if let Some(&j) = seen.get(&key) {
+            return Err(bad(
+                i,
+                format!("it is the same file as rank {j}'s `{}`", files[j].display()),
+            ));
+        }
+        seen.insert(key, i);
+    }
+    check_rank_order(files).map_err(|(i, r)| bad(i, r))?;
+    if let Some((i, j)) = same_bytes(files)? {
+        return Err(bad(
+            i,
+            format!(
+                "it has the same bytes as rank {j}'s `{}` (a copied rank file?)",
+                files[j].display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The first file whose name's rank number contradicts its position, with the reason.
+fn check_rank_order(files: &[PathBuf]) -> std::result::Result<(), (usize, String)> {
+    let numbers: Option<Vec<usize>> = files.iter().map(|f| rank_in_file_name(f)).collect();
+    let Some(numbers) = numbers else {
+        return Ok(()); // some names carry no rank: nothing to contradict
+    };
+    if files.len() < 2 || numbers.iter().all(|&n| n == numbers[0]) {
+        return Ok(()); // one file, or a number common to all (a step, not a rank)
+    }
+    let base = if numbers.contains(&0) { 0 } else { 1 };
+    match numbers.iter().enumerate().find(|&(i, &n)| n != base + i) {
+        None => Ok(()),
+        Some((i, &n)) => Err((
+            i,
+            format!(
+                "its name says rank {n}{}; give the files in rank order",
+                if base == 1 { " (numbered from 1)" } else { "" }
+            ),
+        )),
+    }
+}
+
+/// The first pair (later, earlier) of files with identical bytes: files of equal length are
+/// checksummed, and equal checksums confirmed byte by byte.
+fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
+    let mut lens = Vec::with_capacity(files.len());
+    for f in files {
+        lens.push(std::fs::metadata(f).map_err(Error::io("reading", f))?.len());
+    }
+    let mut crcs: HashMap<usize, u32> = HashMap::new();
+    for i in 0..files.len() {
+        for j in 0..i {
+            if lens[i] != lens[j] {
+                continue;
+            }
+            for k in [i, j] {
+                if let std::collections::hash_map::Entry::Vacant(e) = crcs.entry(k) {
+                    e.insert(file_crc(&files[k])?);
+                }
+            }
+            if crcs[&i] == crcs[&j] && equal_files(&files[i], &files[j])? {
+                return Ok(Some((i, j)));
+            }
+        }
+    }
+    Ok(None)
+}
+
+fn open_input(p: &Path) -> Result<std::fs::File> {
+    crate::io::output::open_regular(p).map_err(|e| Error::io("reading", p)(e.into()))
+}
+
+fn read_chunk(f: &mut std::fs::File, buf: &mut [u8], p: &Path) -> Result<usize> {
+    use std::io::Read;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("reading", p)(e)),
+        }
+    }
+    Ok(n)
+}
+
+fn file_crc(p: &Path) -> Result<u32> {
+    let mut f = open_input(p)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut crc = 0;
+    loop {
+        let n = read_chunk(&mut f, &mut buf, p)?;
+        if n == 0 {
+            return Ok(crc);
+        }
+        crc = crc32c::crc32c_append(crc, &buf[..n]);
+    }
+}
+
+fn equal_files(a: &Path, b: &Path) -> Result<bool> {
+    let (mut fa, mut fb) = (open_input(a)?, open_input(b)?);
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let (na, nb) = (
+            read_chunk(&mut fa, &mut ba, a)?,
+            read_chunk(&mut fb, &mut bb, b)?,
+        );
+        if na != nb || ba[..na] != bb[..nb] {
+            return Ok(false);
+        }
+        if na == 0 {
+            return Ok(true);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_numbers_are_read_from_the_usual_names() {
+        let r = |p: &str| rank_in_file_name(Path::new(p));
+        assert_eq!(r("rank0.pt"), Some(0));
+        assert_eq!(r("optim_rank_1.pt"), Some(1));
+        assert_eq!(r("out/Rank-12.bin"), Some(12));
+        assert_eq!(r("optim-2.pt"), Some(2));
+        assert_eq!(r("shard_04.pt"), Some(4));
+        assert_eq!(r("rank3/optim.pt"), Some(3));
+        assert_eq!(r("optim.pt"), None);
+        assert_eq!(r("optim2.pt"), None);
+    }
+
+    #[test]
+    fn an_order_that_contradicts_the_names_is_refused() {
+        let p = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+        assert!(check_rank_order(&p(&["rank0.pt", "rank1.pt", "rank2.pt"])).is_ok());
+        assert!(check_rank_order(&p(&["r-1.pt", "r-2.pt"])).is_ok());
+        assert!(check_rank_order(&p(&["a/step-100.pt", "b/step-100.pt"])).is_ok());
+        assert!(check_rank_order(&p(&["x.pt", "rank0.pt"])).is_ok());
+        assert_eq!(
+            check_rank_order(&p(&["rank1.pt", "rank0.pt", "rank2.pt"]))
+                .unwrap_err()
+                .0,
+            0
+        );
+        assert_eq!(
+            check_rank_order(&p(&["rank0.pt", "rank2.pt", "rank1.pt"]))
+                .unwrap_err()
+                .0,
+            1
+        );
     }
 }

@@ -8,10 +8,13 @@
 use clap::{Parser, Subcommand};
 use fsdp::checkpoint;
 use fsdp::io::inspect::Summary;
+use fsdp::io::output::{self, DirKind};
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
 use fsdp::io::{self, FileFormat};
 use fsdp::offline::ModelSpec;
-use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
+use fsdp::offline::{
+    check_local_dicts, check_rank_files, consolidate_local_dicts, shard_full_dict,
+};
 use fsdp::{Error, OptimStateDict, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -94,7 +97,8 @@ enum Command {
         /// Number of ranks.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         world_size: u32,
-        /// Output directory (created if missing).
+        /// Output directory: missing, empty, or an earlier shard-torch output (recognised by
+        /// its `fsdp-shard-torch.json` marker); replaced as a whole.
         #[arg(short, long, value_name = "DIR")]
         output: PathBuf,
         /// The optimizer is a named optimizer (state keyed by parameter names, not ids).
@@ -109,7 +113,8 @@ enum Command {
     Reshard {
         /// The checkpoint directory.
         input: PathBuf,
-        /// The new checkpoint directory (replaced atomically if it exists).
+        /// The new checkpoint directory: missing, empty, or a committed checkpoint (replaced
+        /// atomically); never a directory holding the input or other files.
         output: PathBuf,
         /// New number of ranks.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -213,13 +218,9 @@ fn load_spec(path: &Path, named: bool) -> Result<ModelSpec> {
 
 /// A `WrapPolicy` from JSON: the policy itself, or a DESC.json's `policy`.
 fn read_policy(path: &Path) -> Result<fsdp::WrapPolicy> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-        op: "reading".into(),
-        path: path.display().to_string(),
-        source: e.into(),
-    })?;
+    let bytes = output::read_small_file(path)?;
     let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::Serialization {
+        serde_json::from_slice(&bytes).map_err(|e| Error::Serialization {
             what: format!("policy file `{}`", path.display()),
             reason: e.to_string(),
         })?;
@@ -238,205 +239,33 @@ fn save_optim(osd: &OptimStateDict, path: &Path) -> Result<()> {
     io::save(&optim_to_pyobj(osd)?, path)
 }
 
+/// Removes what killed earlier runs left beside `out` (putting back a previous `kind` output
+/// an interrupted install moved aside), saying so on stderr.
+fn clean_stale(out: &Path, kind: Option<DirKind>) -> Result<()> {
+    for c in output::clean_stale_temporaries(out, kind)? {
+        eprintln!("note: {c}");
+    }
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     let progress = Progress { quiet: cli.quiet };
     match cli.command {
-        Command::Inspect { file, json } if file.is_dir() => {
-            let m = checkpoint::read_manifest(&file)?;
-            let summary = serde_json::json!({
-                "checkpoint": file.display().to_string(),
-                "format": m.format,
-                "version": m.version,
-                "world_size": m.world_size,
-                "units": m.policy.units,
-                "use_orig_params": m.policy.use_orig_params,
-                "key_type": if m.named { "name" } else { "id" },
-                "files": m.files.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.len})).collect::<Vec<_>>(),
-                "params_with_state": m.params.len(),
-                "tensor_bytes": m.tensor_bytes(),
-                "param_groups": m.param_groups.as_ref().map_or(0, Vec::len),
-                "user_state_keys": m.user_state.len(),
-                "model_params": m.model_params.len(),
-                "model_param_bytes": m.model_param_bytes(),
-            });
-            if json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&summary).expect("JSON values print")
-                );
-            } else {
-                println!(
-                    "checkpoint: {} ({} v{})\nworld size {}, units {:?}, use_orig_params {}, keys by {}\n{} parameters with state, {} bytes of tensor state in {} files, {} param groups, {} user state keys",
-                    file.display(), m.format, m.version, m.world_size, m.policy.units,
-                    m.policy.use_orig_params, if m.named { "name" } else { "id" },
-                    m.params.len(), m.tensor_bytes(), m.files.len(),
-                    m.param_groups.as_ref().map_or(0, Vec::len), m.user_state.len()
-                );
-                if !m.model_params.is_empty() {
-                    println!(
-                        "model parameters: {} ({} bytes)",
-                        m.model_params.len(),
-                        m.model_param_bytes()
-                    );
-                }
-            }
-        }
-        Command::Reshard {
-            input,
-            output,
-            world_size,
-            policy,
-        } => {
-            let policy = match policy {
-                None => None,
-                Some(p) => Some(read_policy(&p)?),
-            };
-            let saved = checkpoint::read_manifest(&input)?;
-            let total = saved.tensor_bytes() + saved.model_param_bytes();
-            let pb = progress.bytes(total, "resharding");
-            let copied =
-                checkpoint::reshard(&input, &output, world_size as usize, policy.as_ref(), |b| {
-                    pb.set_position(b)
-                })?;
-            pb.finish_and_clear();
-            eprintln!(
-                "resharded {} -> {} for {world_size} ranks: {copied} bytes of tensor state",
-                input.display(),
-                output.display()
-            );
-        }
-        Command::Consolidate { input, output } => {
-            let format = FileFormat::from_path(&output)?;
-            let total = checkpoint::read_manifest(&input)?.tensor_bytes();
-            let pb = progress.bytes(total, "consolidating");
-            let to = |b| pb.set_position(b);
-            let written = if format == FileFormat::Safetensors {
-                checkpoint::consolidate_to_safetensors(&input, &output, to)?
-            } else {
-                checkpoint::consolidate_to_torch(&input, &output, to)?
-            };
-            pb.finish_and_clear();
-            eprintln!(
-                "consolidated {} -> {}: {written} bytes of tensor state",
-                input.display(),
-                output.display()
-            );
-        }
-        Command::Verify { input } => {
-            let checked = progress.step("verifying", || checkpoint::verify(&input))?;
-            println!(
-                "{}: OK ({checked} bytes of tensor state verified)",
-                input.display()
-            );
-        }
-        Command::Inspect { file, json } => {
-            let format = FileFormat::from_path(&file)?;
-            // A torch.save file is summarized from its structure alone, never its tensor data.
-            let summary = progress.step(&format!("reading {}", file.display()), || {
-                Ok(match format {
-                    FileFormat::TorchSave => {
-                        Summary::of_headers(&io::torch_save::load_headers(&file)?)
-                    }
-                    FileFormat::Safetensors => Summary::of(&io::load(&file)?),
-                })
-            })?;
-            if json {
-                let mut v = serde_json::to_value(&summary).map_err(|e| Error::Serialization {
-                    what: "inspect summary".into(),
-                    reason: e.to_string(),
-                })?;
-                if let Some(m) = v.as_object_mut() {
-                    m.insert("file".into(), file.display().to_string().into());
-                    m.insert("format".into(), format.name().into());
-                }
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&v).expect("JSON values print")
-                );
-            } else {
-                println!("file: {} ({})", file.display(), format.name());
-                println!("{summary}");
-            }
-        }
+        Command::Inspect { file, json } if file.is_dir() => inspect_dir(&file, json),
+        Command::Inspect { file, json } => inspect_file(&progress, &file, json),
         Command::Convert {
             input,
             output,
             max_expansion_bytes,
-        } => {
-            FileFormat::from_path(&output)?;
-            let opts = io::torch_save::LoadOptions {
-                max_expansion_bytes,
-            };
-            let obj = progress.step(&format!("reading {}", input.display()), || {
-                io::load_with(&input, &opts)
-            })?;
-            progress.step(&format!("writing {}", output.display()), || {
-                io::save(&obj, &output)
-            })?;
-            let s = Summary::of(&obj);
-            eprintln!(
-                "converted {} -> {}: {} tensors, {} bytes of tensor data",
-                input.display(),
-                output.display(),
-                s.tensor_count,
-                s.total_tensor_bytes
-            );
-        }
+        } => convert(&progress, &input, &output, max_expansion_bytes),
         Command::ConsolidateTorch {
             model,
             ranks,
             output,
             named_optimizer,
-        } => {
-            FileFormat::from_path(&output)?;
-            let spec = load_spec(&model, named_optimizer)?;
-            // Fail on a model description that does not fit this world size before reading.
-            spec.layout(ranks.len())?;
-            let pb = progress.bar(ranks.len(), "reading rank files");
-            let mut locals = Vec::with_capacity(ranks.len());
-            for r in &ranks {
-                pb.set_message(format!("reading {}", r.display()));
-                locals.push(load_optim(r)?);
-                pb.inc(1);
-            }
-            pb.finish_and_clear();
-            let full = progress.step(&format!("consolidating {} ranks", ranks.len()), || {
-                consolidate_local_dicts(&spec, &locals)
-            })?;
-            drop(locals);
-            progress.step(&format!("writing {}", output.display()), || {
-                save_optim(&full, &output)
-            })?;
-            eprintln!(
-                "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
-                ranks.len(),
-                output.display(),
-                full.state.len(),
-                full.tensor_bytes()
-            );
-        }
+        } => consolidate_torch(&progress, &model, &ranks, &output, named_optimizer),
         Command::ConsolidateSharded { ranks, output } => {
-            FileFormat::from_path(&output)?;
-            let pb = progress.bar(ranks.len(), "reading rank files");
-            let mut dicts = Vec::with_capacity(ranks.len());
-            for r in &ranks {
-                pb.set_message(format!("reading {}", r.display()));
-                dicts.push(load_optim(r)?);
-                pb.inc(1);
-            }
-            pb.finish_and_clear();
-            let full = fsdp::offline::consolidate_sharded(&dicts)?;
-            drop(dicts);
-            progress.step(&format!("writing {}", output.display()), || {
-                save_optim(&full, &output)
-            })?;
-            eprintln!(
-                "consolidated {} sharded ranks into {}: {} keys, {} bytes of tensor state",
-                ranks.len(),
-                output.display(),
-                full.state.len(),
-                full.tensor_bytes()
-            );
+            consolidate_sharded(&progress, &ranks, &output)
         }
         Command::ShardTorch {
             model,
@@ -445,33 +274,316 @@ fn run(cli: Cli) -> Result<()> {
             output,
             named_optimizer,
             ext,
-        } => {
-            let spec = load_spec(&model, named_optimizer)?;
-            let ws = world_size as usize;
-            spec.layout(ws)?;
-            let full_osd =
-                progress.step(&format!("reading {}", full.display()), || load_optim(&full))?;
-            let locals = progress.step(&format!("sharding for {ws} ranks"), || {
-                shard_full_dict(&spec, &full_osd, ws)
-            })?;
-            std::fs::create_dir_all(&output).map_err(|e| Error::Io {
-                op: "creating directory".into(),
-                path: output.display().to_string(),
-                source: e.into(),
-            })?;
-            let pb = progress.bar(ws, "writing rank files");
-            for (r, osd) in locals.iter().enumerate() {
-                save_optim(osd, &output.join(format!("rank{r}.{ext}")))?;
-                pb.inc(1);
-            }
-            pb.finish_and_clear();
-            eprintln!(
-                "wrote {ws} rank files to {}/rank{{0..{}}}.{ext}",
-                output.display(),
-                ws - 1
+        } => shard_torch(
+            &progress,
+            &model,
+            &full,
+            world_size as usize,
+            &output,
+            named_optimizer,
+            &ext,
+        ),
+        Command::Reshard {
+            input,
+            output,
+            world_size,
+            policy,
+        } => reshard(&progress, &input, &output, world_size as usize, policy),
+        Command::Consolidate { input, output } => consolidate(&progress, &input, &output),
+        Command::Verify { input } => {
+            let checked = progress.step("verifying", || checkpoint::verify(&input))?;
+            println!(
+                "{}: OK ({checked} bytes of tensor state verified)",
+                input.display()
             );
+            Ok(())
         }
     }
+}
+
+/// `inspect DIR`: the manifest of a sharded checkpoint (data checksums are not read).
+fn inspect_dir(dir: &Path, json: bool) -> Result<()> {
+    let m = checkpoint::read_manifest(dir)?;
+    if json {
+        let summary = serde_json::json!({
+            "checkpoint": dir.display().to_string(),
+            "format": m.format,
+            "version": m.version,
+            "world_size": m.world_size,
+            "units": m.policy.units,
+            "use_orig_params": m.policy.use_orig_params,
+            "key_type": if m.named { "name" } else { "id" },
+            "files": m.files.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.len})).collect::<Vec<_>>(),
+            "params_with_state": m.params.len(),
+            "tensor_bytes": m.tensor_bytes(),
+            "param_groups": m.param_groups.as_ref().map_or(0, Vec::len),
+            "user_state_keys": m.user_state.len(),
+            "model_params": m.model_params.len(),
+            "model_param_bytes": m.model_param_bytes(),
+            "data_checksums_verified": false,
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&summary).expect("JSON values print")
+        );
+        return Ok(());
+    }
+    println!(
+        "checkpoint: {} ({} v{})\nworld size {}, units {:?}, use_orig_params {}, keys by {}\n{} parameters with state, {} bytes of tensor state in {} files, {} param groups, {} user state keys",
+        dir.display(), m.format, m.version, m.world_size, m.policy.units,
+        m.policy.use_orig_params, if m.named { "name" } else { "id" },
+        m.params.len(), m.tensor_bytes(), m.files.len(),
+        m.param_groups.as_ref().map_or(0, Vec::len), m.user_state.len()
+    );
+    if !m.model_params.is_empty() {
+        println!(
+            "model parameters: {} ({} bytes)",
+            m.model_params.len(),
+            m.model_param_bytes()
+        );
+    }
+    println!(
+        "data checksums: not checked (manifest, commit marker and file lengths only; run `fsdp-ckpt verify {}`)",
+        dir.display()
+    );
+    Ok(())
+}
+
+/// `inspect FILE`: a summary of a state dict file.
+fn inspect_file(progress: &Progress, file: &Path, json: bool) -> Result<()> {
+    let format = FileFormat::from_path(file)?;
+    // A torch.save file is summarized from its structure alone, never its tensor data.
+    let summary = progress.step(&format!("reading {}", file.display()), || {
+        Ok(match format {
+            FileFormat::TorchSave => Summary::of_headers(&io::torch_save::load_headers(file)?),
+            FileFormat::Safetensors => Summary::of(&io::load(file)?),
+        })
+    })?;
+    if json {
+        let mut v = serde_json::to_value(&summary).map_err(|e| Error::Serialization {
+            what: "inspect summary".into(),
+            reason: e.to_string(),
+        })?;
+        if let Some(m) = v.as_object_mut() {
+            m.insert("file".into(), file.display().to_string().into());
+            m.insert("format".into(), format.name().into());
+        }
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("JSON values print")
+        );
+    } else {
+        println!("file: {} ({})", file.display(), format.name());
+        println!("{summary}");
+    }
+    Ok(())
+}
+
+/// `convert IN OUT [--max-expansion-bytes N]`.
+fn convert(
+    progress: &Progress,
+    input: &Path,
+    output: &Path,
+    max_expansion_bytes: u64,
+) -> Result<()> {
+    FileFormat::from_path(output)?;
+    let opts = io::torch_save::LoadOptions {
+        max_expansion_bytes,
+    };
+    let obj = progress.step(&format!("reading {}", input.display()), || {
+        io::load_with(input, &opts)
+    })?;
+    clean_stale(output, None)?;
+    progress.step(&format!("writing {}", output.display()), || {
+        io::save(&obj, output)
+    })?;
+    let s = Summary::of(&obj);
+    eprintln!(
+        "converted {} -> {}: {} tensors, {} bytes of tensor data",
+        input.display(),
+        output.display(),
+        s.tensor_count,
+        s.total_tensor_bytes
+    );
+    Ok(())
+}
+
+/// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2
+/// `DTensor`) into the full dict.
+fn consolidate_sharded(progress: &Progress, ranks: &[PathBuf], output: &Path) -> Result<()> {
+    FileFormat::from_path(output)?;
+    let inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
+    output::check_not_overlapping(output, &inputs)?;
+    let pb = progress.bar(ranks.len(), "reading rank files");
+    let mut dicts = Vec::with_capacity(ranks.len());
+    for r in ranks {
+        pb.set_message(format!("reading {}", r.display()));
+        dicts.push(load_optim(r)?);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let full = fsdp::offline::consolidate_sharded(&dicts)?;
+    drop(dicts);
+    clean_stale(output, None)?;
+    progress.step(&format!("writing {}", output.display()), || {
+        save_optim(&full, output)
+    })?;
+    eprintln!(
+        "consolidated {} sharded ranks into {}: {} keys, {} bytes of tensor state",
+        ranks.len(),
+        output.display(),
+        full.state.len(),
+        full.tensor_bytes()
+    );
+    Ok(())
+}
+
+/// `consolidate-torch --model DESC RANK… -o FULL`.
+fn consolidate_torch(
+    progress: &Progress,
+    model: &Path,
+    ranks: &[PathBuf],
+    output: &Path,
+    named_optimizer: bool,
+) -> Result<()> {
+    FileFormat::from_path(output)?;
+    let mut inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
+    inputs.push(model);
+    output::check_not_overlapping(output, &inputs)?;
+    let spec = load_spec(model, named_optimizer)?;
+    // Fail on a model description that does not fit this world size before reading.
+    spec.layout(ranks.len())?;
+    let pb = progress.bar(ranks.len(), "reading rank files");
+    let mut locals = Vec::with_capacity(ranks.len());
+    for r in ranks {
+        pb.set_message(format!("reading {}", r.display()));
+        locals.push(load_optim(r)?);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    // Sizes first (their message names the world sizes that would fit), then the files.
+    check_local_dicts(&spec, &locals)?;
+    check_rank_files(ranks)?;
+    let full = progress.step(&format!("consolidating {} ranks", ranks.len()), || {
+        consolidate_local_dicts(&spec, &locals)
+    })?;
+    drop(locals);
+    clean_stale(output, None)?;
+    progress.step(&format!("writing {}", output.display()), || {
+        save_optim(&full, output)
+    })?;
+    eprintln!(
+        "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
+        ranks.len(),
+        output.display(),
+        full.state.len(),
+        full.tensor_bytes()
+    );
+    Ok(())
+}
+
+/// `shard-torch --model DESC FULL --world-size N -o DIR`: the rank files are written into a
+/// temporary sibling of DIR with a marker naming them, then installed as one directory.
+fn shard_torch(
+    progress: &Progress,
+    model: &Path,
+    full: &Path,
+    ws: usize,
+    out: &Path,
+    named_optimizer: bool,
+    ext: &str,
+) -> Result<()> {
+    let spec = load_spec(model, named_optimizer)?;
+    spec.layout(ws)?;
+    let full_osd = progress.step(&format!("reading {}", full.display()), || load_optim(full))?;
+    let locals = progress.step(&format!("sharding for {ws} ranks"), || {
+        shard_full_dict(&spec, &full_osd, ws)
+    })?;
+    output::check_dir_output(out, DirKind::SHARD_TORCH, &[full, model])?;
+    clean_stale(out, Some(DirKind::SHARD_TORCH))?;
+    let tmp = output::make_tmp_dir(out)?;
+    let written = write_rank_files(progress, &locals, &tmp, ext)
+        .and_then(|()| output::install_dir(&tmp, out, DirKind::SHARD_TORCH));
+    if written.is_err() {
+        output::discard_tmp_dir(&tmp);
+    }
+    written?;
+    eprintln!(
+        "wrote {ws} rank files to {}/rank{{0..{}}}.{ext}",
+        out.display(),
+        ws - 1
+    );
+    Ok(())
+}
+
+/// Writes `rank{r}.{ext}` for every rank and the shard-torch marker into `dir`, synced.
+fn write_rank_files(
+    progress: &Progress,
+    locals: &[OptimStateDict],
+    dir: &Path,
+    ext: &str,
+) -> Result<()> {
+    let pb = progress.bar(locals.len(), "writing rank files");
+    let mut names = Vec::with_capacity(locals.len());
+    for (r, osd) in locals.iter().enumerate() {
+        let name = format!("rank{r}.{ext}");
+        save_optim(osd, &dir.join(&name))?;
+        names.push(name);
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    output::write_synced(
+        &dir.join(output::SHARD_TORCH_MARKER),
+        &output::shard_torch_marker(&names),
+    )?;
+    output::sync_dir(dir)
+}
+
+/// `reshard IN OUT --world-size M [--policy P]`.
+fn reshard(
+    progress: &Progress,
+    input: &Path,
+    out: &Path,
+    world_size: usize,
+    policy: Option<PathBuf>,
+) -> Result<()> {
+    let policy = policy.map(|p| read_policy(&p)).transpose()?;
+    let saved = checkpoint::read_manifest(input)?;
+    output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
+    clean_stale(out, Some(checkpoint::CHECKPOINT_DIR))?;
+    let total = saved.tensor_bytes() + saved.model_param_bytes();
+    let pb = progress.bytes(total, "resharding");
+    let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), |b| {
+        pb.set_position(b)
+    })?;
+    pb.finish_and_clear();
+    eprintln!(
+        "resharded {} -> {} for {world_size} ranks: {copied} bytes of tensor state",
+        input.display(),
+        out.display()
+    );
+    Ok(())
+}
+
+/// `consolidate IN OUT`: streamed to `.safetensors` or `.pt`.
+fn consolidate(progress: &Progress, input: &Path, out: &Path) -> Result<()> {
+    let format = FileFormat::from_path(out)?;
+    output::check_not_overlapping(out, &[input])?;
+    let total = checkpoint::read_manifest(input)?.tensor_bytes();
+    clean_stale(out, None)?;
+    let pb = progress.bytes(total, "consolidating");
+    let to = |b| pb.set_position(b);
+    let written = if format == FileFormat::Safetensors {
+        checkpoint::consolidate_to_safetensors(input, out, to)?
+    } else {
+        checkpoint::consolidate_to_torch(input, out, to)?
+    };
+    pb.finish_and_clear();
+    eprintln!(
+        "consolidated {} -> {}: {written} bytes of tensor state",
+        input.display(),
+        out.display()
+    );
     Ok(())
 }
 

@@ -5,7 +5,7 @@
 //! leaves a report file in the temporary directory, and rank 0's thread waits for every report,
 //! then merges and commits exactly as a foreground save does.
 
-use super::save::{commit, make_tmp_dir, save, write_rank, SaveOptions};
+use super::save::{commit, save, write_rank, SaveOptions};
 use super::{save::Reports, GroupContext};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
@@ -127,7 +127,7 @@ impl BackgroundSaver {
         }
         let rank = pg.rank();
         let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-            make_tmp_dir(dir)
+            super::prepare_output(dir, &[])
         } else {
             Ok(PathBuf::new())
         };
@@ -237,7 +237,7 @@ impl WriteJob {
             )
         });
         if result.is_err() {
-            let _ = std::fs::remove_dir_all(&self.tmp);
+            crate::io::output::discard_tmp_dir(&self.tmp);
         }
         result
     }

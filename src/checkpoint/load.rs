@@ -78,7 +78,7 @@ impl<'m> Reader<'m> {
         if self.files[i].is_none() {
             let rec = &self.manifest.files[i];
             let path = self.dir.join(&rec.name);
-            let f = File::open(&path)
+            let f = crate::io::output::open_regular(&path)
                 .map_err(|e| self.corrupt(i, tensor, format!("cannot open: {e}")))?;
             let len = f
                 .metadata()

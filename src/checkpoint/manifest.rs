@@ -130,12 +130,16 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
         dir: d.clone(),
         reason,
     };
-    let commit = std::fs::read_to_string(dir.join(COMMIT)).map_err(|e| {
-        invalid(format!(
+    use crate::io::output::{read_regular, ReadRegularError, MANIFEST_MAX_BYTES};
+    // Regular files only, length capped: a FIFO would block and `/dev/zero` never ends.
+    let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| match e {
+        ReadRegularError::Io(e) => invalid(format!(
             "no readable commit marker `{COMMIT}` ({e}): the checkpoint is missing or was never completed"
-        ))
+        )),
+        other => invalid(format!("commit marker `{COMMIT}`: {other}")),
     })?;
-    let bytes = std::fs::read(dir.join(MANIFEST))
+    let commit = String::from_utf8_lossy(&commit).into_owned();
+    let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
         .map_err(|e| invalid(format!("cannot read `{MANIFEST}`: {e}")))?;
     if commit != commit_text(&bytes) {
         return Err(invalid(format!(
@@ -153,6 +157,38 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     }
     m.check(dir)?;
     Ok(m)
+}
+
+/// Checkpoint directories as outputs: what a writer may replace
+/// ([`crate::io::output::check_dir_output`]).
+pub const CHECKPOINT_DIR: crate::io::output::DirKind = crate::io::output::DirKind {
+    what: "a committed checkpoint of this crate",
+    entries: committed_entries,
+};
+
+/// The entries a committed checkpoint in `dir` consists of (`COMMITTED`, `manifest.json` and
+/// the data files the manifest names), or why it is not one. Data files are not read.
+fn committed_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, String> {
+    use crate::io::output::{read_regular, MANIFEST_MAX_BYTES};
+    let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| format!("`{COMMIT}`: {e}"))?;
+    let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
+        .map_err(|e| format!("`{MANIFEST}`: {e}"))?;
+    if commit != commit_text(&bytes).as_bytes() {
+        return Err(format!("`{COMMIT}` does not match `{MANIFEST}`"));
+    }
+    let m: Manifest =
+        serde_json::from_slice(&bytes).map_err(|e| format!("`{MANIFEST}` does not parse: {e}"))?;
+    if m.format != FORMAT {
+        return Err(format!("`{MANIFEST}` has format `{}`", m.format));
+    }
+    let mut names: Vec<std::ffi::OsString> = vec![COMMIT.into(), MANIFEST.into()];
+    for f in &m.files {
+        if f.name.contains('/') || f.name.starts_with('.') {
+            return Err(format!("`{MANIFEST}` names the file `{}`", f.name));
+        }
+        names.push(f.name.clone().into());
+    }
+    Ok(names)
 }
 
 impl Manifest {
@@ -173,32 +209,8 @@ impl Manifest {
         }
         crate::flat_param::ModelLayout::new(&self.model, &self.policy, self.world_size.max(1))
             .map_err(|e| invalid(format!("the saved model and policy are invalid: {e}")))?;
-        for (rank, f) in self.files.iter().enumerate() {
-            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
-                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
-            }
-            // The real length bounds every allocation a load makes from this manifest.
-            let path = dir.join(&f.name);
-            let len = std::fs::metadata(&path).map(|m| m.len()).map_err(|e| {
-                Error::CheckpointCorrupt {
-                    file: path.display().to_string(),
-                    rank,
-                    tensor: "(file)".into(),
-                    reason: format!("cannot open: {e}"),
-                }
-            })?;
-            if len != f.len || f.header_len > f.len {
-                return Err(Error::CheckpointCorrupt {
-                    file: path.display().to_string(),
-                    rank,
-                    tensor: "(file)".into(),
-                    reason: format!(
-                        "the file has {len} bytes, the manifest says {} (truncated or replaced)",
-                        f.len
-                    ),
-                });
-            }
-        }
+        self.check_files(dir, &invalid)?;
+        self.check_against_model(&d)?;
         for p in self.params.iter().chain(&self.model_params) {
             for (state, v) in &p.states {
                 let StoredValue::Tensor {
@@ -262,6 +274,86 @@ impl Manifest {
                         "{}: pieces cover {next} of {numel} elements",
                         what()
                     )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every data file: a plain name, a regular file of the recorded length, a header that
+    /// fits in it. The real length bounds every allocation a load makes from this manifest.
+    fn check_files(&self, dir: &Path, invalid: &dyn Fn(String) -> Error) -> Result<()> {
+        for (rank, f) in self.files.iter().enumerate() {
+            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
+                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
+            }
+            // The real length bounds every allocation a load makes from this manifest.
+            let path = dir.join(&f.name);
+            let corrupt = |reason: String| Error::CheckpointCorrupt {
+                file: path.display().to_string(),
+                rank,
+                tensor: "(file)".into(),
+                reason,
+            };
+            let meta =
+                std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
+            if !meta.is_file() {
+                return Err(corrupt("it is not a regular file".into()));
+            }
+            let len = meta.len();
+            if len != f.len {
+                return Err(corrupt(format!(
+                    "the file has {len} bytes, the manifest says {} (truncated or replaced)",
+                    f.len
+                )));
+            }
+            if f.header_len > f.len {
+                return Err(corrupt(format!(
+                    "the manifest gives a header of {} bytes for a file of {} bytes",
+                    f.header_len, f.len
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every record against the saved model: no parameter listed twice, none the model lacks,
+    /// every tensor state shaped like its parameter (what a reshard or load relies on).
+    fn check_against_model(&self, dir: &str) -> Result<()> {
+        let invalid = |reason: String| Error::CheckpointInvalid {
+            dir: dir.to_string(),
+            reason,
+        };
+        let index: std::collections::HashMap<String, usize> =
+            self.model.names_with_aliases().into_iter().collect();
+        for (records, what) in [
+            (&self.params, "params"),
+            (&self.model_params, "model_params"),
+        ] {
+            let mut seen = std::collections::HashSet::new();
+            for p in records {
+                let i = *index.get(&p.name).ok_or_else(|| {
+                    invalid(format!(
+                        "`{what}` holds state for `{}`, which the saved model lacks",
+                        p.name
+                    ))
+                })?;
+                if !seen.insert(i) {
+                    return Err(invalid(format!(
+                        "`{what}` lists the parameter `{}` twice",
+                        p.name
+                    )));
+                }
+                let spec = &self.model.params[i];
+                for (state, v) in &p.states {
+                    if let StoredValue::Tensor { shape, .. } = v {
+                        if *shape != spec.shape {
+                            return Err(invalid(format!(
+                                "state `{state}` of `{}` has shape {shape:?}, but the saved model gives the parameter shape {:?}",
+                                p.name, spec.shape
+                            )));
+                        }
+                    }
                 }
             }
         }

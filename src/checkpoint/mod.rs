@@ -15,12 +15,14 @@
 //!
 //! Writing goes to a temporary sibling directory; every file and the directory are synced,
 //! then the directory replaces the old checkpoint in one atomic exchange (`renameat2` with
-//! `RENAME_EXCHANGE` on Linux). A crash at any point leaves either the old or the new
-//! checkpoint at the path, never a mixture. Loading reads only the byte ranges that overlap the
+//! `RENAME_EXCHANGE` on Linux; a documented fallback elsewhere, see
+//! [`crate::io::output::install_dir`]). A crash at any point leaves either the old or the new
+//! checkpoint at the path, never a mixture. A writer replaces only a missing path, an empty
+//! directory or a committed checkpoint that holds nothing else, never a directory holding its
+//! input or other files ([`crate::io::output::check_dir_output`]). Loading reads only the byte ranges that overlap the
 //! loading rank's shards and verifies each block it reads.
 
 mod background;
-mod container;
 mod load;
 mod manifest;
 mod prefetch;
@@ -32,14 +34,14 @@ pub use background::{BackgroundSaver, SaveMode};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
-    CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
+    CHECKPOINT_DIR, CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
 pub use reshard::{reshard, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
 
 use crate::collectives::ProcessGroup;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::flat_param::ModelLayout;
 use std::path::Path;
 use std::sync::Arc;
@@ -127,76 +129,22 @@ fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
 #[cfg(not(target_os = "linux"))]
 fn start_writeback(_: &std::fs::File, _: u64, _: u64) {}
 
-/// Makes a directory's entries (creations, renames) durable.
-pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
-    #[cfg(unix)]
-    {
-        let d = std::fs::File::open(dir).map_err(Error::io("opening", dir))?;
-        d.sync_all().map_err(Error::io("syncing", dir))?;
-    }
-    #[cfg(not(unix))]
-    let _ = dir;
-    Ok(())
-}
+pub(crate) use crate::io::output::sync_dir;
 
-/// Puts the complete checkpoint `tmp` at `dir`: a rename when `dir` does not exist, else an
-/// atomic exchange of the two directories followed by removing the old one (now at `tmp`).
+/// Puts the complete checkpoint `tmp` at `dir` under the replace rule of
+/// [`crate::io::output::check_dir_output`] (see [`crate::io::output::install_dir`]).
 fn install(tmp: &Path, dir: &Path) -> Result<()> {
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => std::path::PathBuf::from("."),
-    };
-    if !dir.exists() {
-        std::fs::rename(tmp, dir).map_err(Error::io("renaming into place", dir))?;
-        return sync_dir(&parent);
-    }
-    exchange(tmp, dir)?;
-    sync_dir(&parent)?;
-    // `tmp` now holds the previous checkpoint.
-    std::fs::remove_dir_all(tmp).map_err(Error::io("removing the previous checkpoint at", tmp))
+    crate::io::output::install_dir(tmp, dir, CHECKPOINT_DIR)
 }
 
-#[cfg(target_os = "linux")]
-fn exchange(a: &Path, b: &Path) -> Result<()> {
-    use std::ffi::CString;
-    use std::os::unix::ffi::OsStrExt;
-    let c = |p: &Path| {
-        CString::new(p.as_os_str().as_bytes()).map_err(|_| Error::Io {
-            op: "renaming".into(),
-            path: p.display().to_string(),
-            source: crate::error::IoError::new(
-                std::io::ErrorKind::InvalidInput,
-                "the path contains a NUL byte",
-            ),
-        })
-    };
-    let (ca, cb) = (c(a)?, c(b)?);
-    // SAFETY: both are valid NUL-terminated paths; renameat2 only reads them.
-    let rc = unsafe {
-        libc::renameat2(
-            libc::AT_FDCWD,
-            ca.as_ptr(),
-            libc::AT_FDCWD,
-            cb.as_ptr(),
-            libc::RENAME_EXCHANGE,
-        )
-    };
-    if rc != 0 {
-        return Err(Error::io("exchanging the new checkpoint with", b)(
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
-}
-
-/// Without an atomic exchange: move the old directory aside, then the new one in. A crash
-/// between the two renames leaves the old checkpoint complete at the aside path.
-#[cfg(not(target_os = "linux"))]
-fn exchange(a: &Path, b: &Path) -> Result<()> {
-    let aside = a.with_extension("old");
-    std::fs::rename(b, &aside).map_err(Error::io("moving aside", b))?;
-    std::fs::rename(a, b).map_err(Error::io("renaming into place", b))?;
-    std::fs::rename(&aside, a).map_err(Error::io("renaming", &aside))
+/// Before writing a checkpoint to `dir`: removes stale temporaries of killed runs and checks
+/// the replace rule (`dir` missing, empty, or a committed checkpoint; not overlapping
+/// `inputs`), then creates the temporary sibling directory to write into.
+pub(crate) fn prepare_output(dir: &Path, inputs: &[&Path]) -> Result<std::path::PathBuf> {
+    use crate::io::output;
+    output::clean_stale_temporaries(dir, Some(CHECKPOINT_DIR))?;
+    output::check_dir_output(dir, CHECKPOINT_DIR, inputs)?;
+    output::make_tmp_dir(dir)
 }
 
 #[cfg(test)]

@@ -164,7 +164,7 @@ fn read_ahead(
                 return;
             };
             if slot.is_none() {
-                *slot = std::fs::File::open(dir.join(&names[file])).ok();
+                *slot = crate::io::output::open_regular(&dir.join(&names[file])).ok();
             }
             if let Some(f) = slot {
                 advise_will_need(f, offset + at, n);

@@ -2,7 +2,6 @@
 //! another, streaming block by block, without a process group and with memory bounded by two
 //! checksum blocks whatever the model size.
 
-use super::container::{self, Entry};
 use super::load::Reader;
 use super::manifest::{
     commit_text, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
@@ -12,6 +11,7 @@ use super::save::{CrashPoint, SaveOptions};
 use super::{install, sync_dir, COMMIT};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
+use crate::io::container::{self, Entry};
 use crate::model::WrapPolicy;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -64,31 +64,66 @@ pub fn reshard(
 
 /// [`reshard`] with save options: [`SaveOptions::crash_at`] stops the rewrite at that point as
 /// a crashed process would (the temporary directory is left behind, `dst` is untouched).
+///
+/// `dst` must be missing, an empty directory or a committed checkpoint holding nothing else,
+/// and must neither contain nor lie inside `src` ([`crate::io::output::check_dir_output`]);
+/// otherwise the result is [`Error::OutputRefused`] and nothing is written.
 pub fn reshard_with(
     src: &Path,
     dst: &Path,
     world_size: usize,
     policy: Option<&WrapPolicy>,
     opts: &SaveOptions,
-    mut progress: impl FnMut(u64),
+    progress: impl FnMut(u64),
 ) -> Result<u64> {
     let old = read_manifest(src)?;
     let policy = policy.unwrap_or(&old.policy).clone();
     let layout = ModelLayout::new(&old.model, &policy, world_size)?;
-    let tmp = super::save::make_tmp_dir(dst)?;
-    let crash_at = |point: CrashPoint| -> Result<()> {
-        match opts.crash_at {
-            Some(p) if p == point => Err(super::save::crash(point)),
-            _ => Ok(()),
+    let tmp = super::prepare_output(dst, &[src])?;
+    let mut job = Reshard::new(src, &old, &layout, opts, progress)?;
+    match job.write_all(&tmp) {
+        Ok(()) => {
+            install(&tmp, dst)?;
+            Ok(job.copied)
         }
-    };
-    let result = (|| {
-        crash_at(CrashPoint::BeforeData)?;
-        let mut reader = Reader::new(src, &old, true);
-        // Optimizer state records, then model parameter records.
-        let n_optim = old.params.len();
+        Err(e) => {
+            if opts.crash_at.is_none() {
+                crate::io::output::discard_tmp_dir(&tmp);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// One offline reshard in progress: the saved records, where each goes in the new layout,
+/// and the new records whose pieces accumulate as the rank files are written.
+struct Reshard<'a, P> {
+    old: &'a Manifest,
+    layout: &'a ModelLayout,
+    opts: &'a SaveOptions,
+    progress: P,
+    /// Optimizer state records, then model parameter records.
+    all: Vec<&'a ParamRecord>,
+    /// How many of `all` are optimizer state records.
+    n_optim: usize,
+    /// Target parameter index of each record.
+    params: Vec<usize>,
+    /// The new records (same states, pieces filled in as they are written).
+    new_params: Vec<ParamRecord>,
+    reader: Reader<'a>,
+    block: Vec<u8>,
+    copied: u64,
+}
+
+impl<'a, P: FnMut(u64)> Reshard<'a, P> {
+    fn new(
+        src: &'a Path,
+        old: &'a Manifest,
+        layout: &'a ModelLayout,
+        opts: &'a SaveOptions,
+        progress: P,
+    ) -> Result<Self> {
         let all: Vec<&ParamRecord> = old.params.iter().chain(&old.model_params).collect();
-        // Target parameter index of each record, checked once.
         let params: Vec<usize> = all
             .iter()
             .map(|r| {
@@ -100,166 +135,235 @@ pub fn reshard_with(
                     })
             })
             .collect::<Result<_>>()?;
-        let mut new_params: Vec<ParamRecord> = all
-            .iter()
-            .map(|r| ParamRecord {
-                name: r.name.clone(),
-                states: r
-                    .states
-                    .iter()
-                    .map(|(n, v)| {
-                        let v = match v {
-                            StoredValue::Tensor { dtype, shape, .. } => StoredValue::Tensor {
-                                dtype: *dtype,
-                                shape: shape.clone(),
-                                pieces: Vec::new(),
-                            },
-                            other => other.clone(),
-                        };
-                        (n.clone(), v)
-                    })
-                    .collect(),
-            })
-            .collect();
-        let mut files = Vec::with_capacity(world_size);
-        let mut copied = 0u64;
-        let mut block = Vec::new();
-        for rank in 0..world_size {
-            // (record, state, start, len) of every piece this rank's file holds, in file order.
-            let mut wanted = Vec::new();
-            let mut entries = Vec::new();
-            for (ri, rec) in all.iter().enumerate() {
-                let Some((start, len)) = range_of(&layout, params[ri], rank) else {
-                    continue;
-                };
-                for (si, (n, v)) in rec.states.iter().enumerate() {
-                    if let StoredValue::Tensor { dtype, .. } = v {
-                        let section = if ri >= n_optim {
-                            super::save::MODEL_ENTRY_PREFIX
-                        } else {
-                            ""
-                        };
-                        entries.push(Entry {
-                            name: format!("{section}{}/{n}/{start}", rec.name),
-                            dtype: *dtype,
-                            shape: vec![len],
-                            nbytes: (len * dtype.size()) as u64,
-                        });
-                        wanted.push((ri, si, start, len));
-                    }
-                }
-            }
-            let mut meta = BTreeMap::new();
-            meta.insert("format".to_string(), super::FORMAT.to_string());
-            meta.insert("rank".to_string(), rank.to_string());
-            let (header, offsets) = container::header(&entries, &meta)?;
-            let name = format!("rank{rank}.safetensors");
-            let path = tmp.join(&name);
-            let file = File::create(&path).map_err(Error::io("creating", &path))?;
-            let mut out = BufWriter::with_capacity(1 << 20, file);
-            out.write_all(&header)
-                .map_err(Error::io("writing", &path))?;
-            let mut writeback = super::Writeback::new(0);
-            let file_total: u64 = entries.iter().map(|e| e.nbytes).sum();
-            let mut file_copied = 0u64;
-            for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
-                let rec = all[ri];
-                let (n, v) = &rec.states[si];
-                let StoredValue::Tensor { dtype, pieces, .. } = v else {
-                    unreachable!("only tensor states are wanted")
-                };
-                let size = dtype.size();
-                let what = format!("{}/{n}", rec.name);
-                // Chunks end where a stored block or a new block ends, so each is read (in
-                // place when it is a whole stored block) and checked once; the new blocks'
-                // checksums accumulate over their chunks.
-                let elems_per_block = CHECKSUM_BLOCK / size;
-                let mut crcs = Vec::new();
-                let mut crc = 0u32;
-                let mut at = start;
-                while at < start + len {
-                    let new_block_end = (start
-                        + ((at - start) / elems_per_block + 1) * elems_per_block)
-                        .min(start + len);
-                    let take = Reader::block_end(pieces, size, at, new_block_end) - at;
-                    block.resize(take * size, 0);
-                    reader.read_range(&what, pieces, size, at, &mut block)?;
-                    crc = crc32c::crc32c_append(crc, &block);
-                    out.write_all(&block).map_err(Error::io("writing", &path))?;
-                    writeback.wrote(out.get_ref(), block.len() as u64);
-                    at += take;
-                    if at == new_block_end {
-                        crcs.push(crc);
-                        crc = 0;
-                    }
-                    copied += block.len() as u64;
-                    progress(copied);
-                    file_copied += block.len() as u64;
-                    if rank == 0 && file_copied * 2 >= file_total {
-                        out.flush().map_err(Error::io("writing", &path))?;
-                        crash_at(CrashPoint::MidFile)?;
-                    }
-                }
-                if let StoredValue::Tensor { pieces, .. } = &mut new_params[ri].states[si].1 {
-                    pieces.push(Piece {
-                        file: rank,
-                        start,
-                        len,
-                        offset,
-                        crc32c: crcs,
-                    });
-                }
-            }
-            let file = out
-                .into_inner()
-                .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
-            file.sync_all().map_err(Error::io("syncing", &path))?;
-            let len = file.metadata().map_err(Error::io("reading", &path))?.len();
-            files.push(FileRecord {
-                name,
-                len,
-                header_len: header.len() as u64,
-                header_crc32c: crc32c::crc32c(&header),
-            });
+        let new_params = all.iter().map(|r| without_pieces(r)).collect();
+        Ok(Reshard {
+            old,
+            layout,
+            opts,
+            progress,
+            n_optim: old.params.len(),
+            all,
+            params,
+            new_params,
+            reader: Reader::new(src, old, true),
+            block: Vec::new(),
+            copied: 0,
+        })
+    }
+
+    fn crash_at(&self, point: CrashPoint) -> Result<()> {
+        match self.opts.crash_at {
+            Some(p) if p == point => Err(super::save::crash(point)),
+            _ => Ok(()),
         }
-        for rec in &mut new_params {
+    }
+
+    /// Writes every rank file, then the manifest and the commit marker, into `tmp`.
+    fn write_all(&mut self, tmp: &Path) -> Result<()> {
+        self.crash_at(CrashPoint::BeforeData)?;
+        let files = (0..self.layout.world_size)
+            .map(|rank| self.write_rank_file(rank, tmp))
+            .collect::<Result<Vec<_>>>()?;
+        for rec in &mut self.new_params {
             for (_, v) in &mut rec.states {
                 if let StoredValue::Tensor { pieces, .. } = v {
                     pieces.sort_by_key(|p| p.start);
                 }
             }
         }
-        crash_at(CrashPoint::BeforeManifest)?;
-        let model_params = new_params.split_off(n_optim);
+        self.crash_at(CrashPoint::BeforeManifest)?;
+        let mut params = std::mem::take(&mut self.new_params);
+        let model_params = params.split_off(self.n_optim);
         let manifest = Manifest {
-            policy,
-            world_size,
+            policy: self.layout.policy.clone(),
+            world_size: self.layout.world_size,
             files,
-            params: new_params,
+            params,
             model_params,
-            ..old.clone()
+            ..self.old.clone()
         };
         let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Serialization {
             what: "checkpoint manifest".into(),
             reason: e.to_string(),
         })?;
         super::save::write_synced(&tmp.join(MANIFEST), &bytes)?;
-        crash_at(CrashPoint::BeforeCommit)?;
+        self.crash_at(CrashPoint::BeforeCommit)?;
         super::save::write_synced(&tmp.join(COMMIT), commit_text(&bytes).as_bytes())?;
-        sync_dir(&tmp)?;
-        manifest.check(&tmp)?;
-        Ok(copied)
-    })();
-    match result {
-        Ok(copied) => {
-            install(&tmp, dst)?;
-            Ok(copied)
-        }
-        Err(e) => {
-            if opts.crash_at.is_none() {
-                let _ = std::fs::remove_dir_all(&tmp);
+        sync_dir(tmp)?;
+        manifest.check(tmp)
+    }
+
+    /// The pieces rank `rank`'s new file holds, in file order: its entries and (record, state,
+    /// start, len) of each.
+    fn rank_entries(&self, rank: usize) -> (Vec<Entry>, Vec<Wanted>) {
+        let mut wanted = Vec::new();
+        let mut entries = Vec::new();
+        for (ri, rec) in self.all.iter().enumerate() {
+            let Some((start, len)) = range_of(self.layout, self.params[ri], rank) else {
+                continue;
+            };
+            let section = if ri >= self.n_optim {
+                super::save::MODEL_ENTRY_PREFIX
+            } else {
+                ""
+            };
+            for (si, (n, v)) in rec.states.iter().enumerate() {
+                if let StoredValue::Tensor { dtype, .. } = v {
+                    entries.push(Entry {
+                        name: format!("{section}{}/{n}/{start}", rec.name),
+                        dtype: *dtype,
+                        shape: vec![len],
+                        nbytes: (len * dtype.size()) as u64,
+                    });
+                    wanted.push((ri, si, start, len));
+                }
             }
-            Err(e)
         }
+        (entries, wanted)
+    }
+
+    /// Writes `rank{rank}.safetensors` into `tmp`, recording its pieces in the new records.
+    fn write_rank_file(&mut self, rank: usize, tmp: &Path) -> Result<FileRecord> {
+        let (entries, wanted) = self.rank_entries(rank);
+        let mut meta = BTreeMap::new();
+        meta.insert("format".to_string(), super::FORMAT.to_string());
+        meta.insert("rank".to_string(), rank.to_string());
+        let (header, offsets) = container::header(&entries, &meta)?;
+        let name = format!("rank{rank}.safetensors");
+        let path = tmp.join(&name);
+        let file = File::create(&path).map_err(Error::io("creating", &path))?;
+        let mut out = RankFile {
+            w: BufWriter::with_capacity(1 << 20, file),
+            path: &path,
+            writeback: super::Writeback::new(0),
+            total: entries.iter().map(|e| e.nbytes).sum(),
+            copied: 0,
+            crash_mid_file: rank == 0,
+        };
+        out.w
+            .write_all(&header)
+            .map_err(Error::io("writing", &path))?;
+        for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
+            let crc32c = self.copy_piece(&mut out, ri, si, start, len)?;
+            if let StoredValue::Tensor { pieces, .. } = &mut self.new_params[ri].states[si].1 {
+                pieces.push(Piece {
+                    file: rank,
+                    start,
+                    len,
+                    offset,
+                    crc32c,
+                });
+            }
+        }
+        let file = out
+            .w
+            .into_inner()
+            .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
+        file.sync_all().map_err(Error::io("syncing", &path))?;
+        let len = file.metadata().map_err(Error::io("reading", &path))?.len();
+        Ok(FileRecord {
+            name,
+            len,
+            header_len: header.len() as u64,
+            header_crc32c: crc32c::crc32c(&header),
+        })
+    }
+
+    /// Copies elements `start..start + len` of state `si` of record `ri` into `out`, one
+    /// verified block at a time, and returns the new piece's block checksums.
+    ///
+    /// Chunks end where a stored block or a new block ends, so each is read (in place when it
+    /// is a whole stored block) and checked once; the new blocks' checksums accumulate over
+    /// their chunks.
+    fn copy_piece(
+        &mut self,
+        out: &mut RankFile<'_>,
+        ri: usize,
+        si: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<Vec<u32>> {
+        let rec = self.all[ri];
+        let (n, v) = &rec.states[si];
+        let StoredValue::Tensor { dtype, pieces, .. } = v else {
+            return Ok(Vec::new()); // only tensor states are wanted
+        };
+        let size = dtype.size();
+        let what = format!("{}/{n}", rec.name);
+        let elems_per_block = CHECKSUM_BLOCK / size;
+        let mut crcs = Vec::new();
+        let mut crc = 0u32;
+        let mut at = start;
+        while at < start + len {
+            let new_block_end =
+                (start + ((at - start) / elems_per_block + 1) * elems_per_block).min(start + len);
+            let take = Reader::block_end(pieces, size, at, new_block_end) - at;
+            self.block.resize(take * size, 0);
+            self.reader
+                .read_range(&what, pieces, size, at, &mut self.block)?;
+            crc = crc32c::crc32c_append(crc, &self.block);
+            at += take;
+            if at == new_block_end {
+                crcs.push(crc);
+                crc = 0;
+            }
+            self.copied += self.block.len() as u64;
+            (self.progress)(self.copied);
+            if out.write(&self.block)? {
+                out.w.flush().map_err(Error::io("writing", out.path))?;
+                self.crash_at(CrashPoint::MidFile)?;
+            }
+        }
+        Ok(crcs)
+    }
+}
+
+/// A piece a new rank file holds: (record, state, first element, element count).
+type Wanted = (usize, usize, usize, usize);
+
+/// A rank file being written.
+struct RankFile<'p> {
+    w: BufWriter<File>,
+    path: &'p Path,
+    writeback: super::Writeback,
+    /// Data bytes the file will hold.
+    total: u64,
+    /// Data bytes written so far.
+    copied: u64,
+    /// Whether this is the file [`CrashPoint::MidFile`] stops in (rank 0's).
+    crash_mid_file: bool,
+}
+
+impl RankFile<'_> {
+    /// Appends `bytes`; returns whether the file is now half written (the crash point).
+    fn write(&mut self, bytes: &[u8]) -> Result<bool> {
+        self.w
+            .write_all(bytes)
+            .map_err(Error::io("writing", self.path))?;
+        self.writeback.wrote(self.w.get_ref(), bytes.len() as u64);
+        self.copied += bytes.len() as u64;
+        Ok(self.crash_mid_file && self.copied * 2 >= self.total)
+    }
+}
+
+/// A copy of `r` whose tensor states have no pieces yet.
+fn without_pieces(r: &ParamRecord) -> ParamRecord {
+    ParamRecord {
+        name: r.name.clone(),
+        states: r
+            .states
+            .iter()
+            .map(|(n, v)| {
+                let v = match v {
+                    StoredValue::Tensor { dtype, shape, .. } => StoredValue::Tensor {
+                        dtype: *dtype,
+                        shape: shape.clone(),
+                        pieces: Vec::new(),
+                    },
+                    other => other.clone(),
+                };
+                (n.clone(), v)
+            })
+            .collect(),
     }
 }

@@ -2,7 +2,6 @@
 //! a temporary directory, rank 0 merges the ranks' reports into the manifest, commits, and
 //! swaps the directory into place.
 
-use super::container::{self, Entry};
 use super::manifest::{
     block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
     MANIFEST, MODEL_PARAM_STATE, VERSION,
@@ -11,6 +10,7 @@ use super::{sync_dir, GroupContext, COMMIT};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, ShardPiece};
+use crate::io::container::{self, Entry};
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
@@ -97,7 +97,9 @@ pub(super) fn crash(point: CrashPoint) -> Error {
 /// and read back by [`super::load_model_params`].
 ///
 /// The previous checkpoint at `dir`, if any, stays complete and loadable until the new one
-/// replaces it in one atomic exchange.
+/// replaces it in one atomic exchange. `dir` must be missing, an empty directory or a
+/// committed checkpoint holding nothing else; anything else is [`Error::OutputRefused`] on
+/// every rank, and nothing is written ([`crate::io::output::check_dir_output`]).
 pub fn save<T: Tensor>(
     ctx: GroupContext<'_>,
     osd: &OptimStateDict<T>,
@@ -115,7 +117,7 @@ pub fn save<T: Tensor>(
     let rank = pg.rank();
     // 1. Rank 0 creates the temporary directory beside `dir`.
     let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-        make_tmp_dir(dir)
+        super::prepare_output(dir, &[])
     } else {
         Ok(PathBuf::new())
     };
@@ -133,39 +135,13 @@ pub fn save<T: Tensor>(
     let outcome: std::result::Result<(), Error> = if rank == 0 {
         let result = commit(layout, reports, &tmp, dir, opts);
         if result.is_err() && opts.crash_at.is_none() {
-            let _ = std::fs::remove_dir_all(&tmp);
+            crate::io::output::discard_tmp_dir(&tmp);
         }
         result
     } else {
         Ok(())
     };
     pg.broadcast_object((rank == 0).then_some(&outcome), 0)?
-}
-
-pub(super) fn make_tmp_dir(dir: &Path) -> Result<PathBuf> {
-    let name = dir
-        .file_name()
-        .ok_or_else(|| Error::Io {
-            op: "saving a checkpoint to".into(),
-            path: dir.display().to_string(),
-            source: crate::error::IoError::new(
-                std::io::ErrorKind::InvalidInput,
-                "the path has no directory name",
-            ),
-        })?
-        .to_string_lossy()
-        .into_owned();
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    std::fs::create_dir_all(&parent).map_err(Error::io("creating", &parent))?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let tmp = parent.join(format!(".{name}.tmp-{}-{nanos}", std::process::id()));
-    std::fs::create_dir(&tmp).map_err(Error::io("creating", &tmp))?;
-    Ok(tmp)
 }
 
 /// One rank's pieces: which bytes of which local tensor go where.
@@ -176,6 +152,9 @@ struct Plan<'a> {
     at: Vec<(usize, usize, usize, usize)>,
 }
 
+/// Writes this rank's data file into `tmp` and returns its report for the manifest (and, on
+/// layout rank 0, the dict-level parts): host copies of the state, the plan of pieces, the
+/// file, the report.
 pub(super) fn write_rank<T: Tensor>(
     layout: &ModelLayout,
     layout_rank: usize,
@@ -190,56 +169,15 @@ pub(super) fn write_rank<T: Tensor>(
     }
     let local = layout.local_params(params)?;
     // Host copies of the local tensors (views for HostTensor), kept alive while writing.
-    let mut saved: Saved = Vec::new();
-    for l in &local {
-        let Some(st) = osd.state.get(&l.key) else {
-            continue;
-        };
-        if matches!(l.resolved, Resolved::Orig { owner: None, .. }) && layout_rank != 0 {
-            continue; // unmanaged state is the same everywhere: rank 0 saves it
-        }
-        let mut vals = Vec::with_capacity(st.len());
-        for (n, v) in st {
-            if let Value::Sharded(_) = v {
-                return Err(Error::WrongStateKind {
-                    context: format!("saving a checkpoint, rank {layout_rank}"),
-                    param: l.key.to_string(),
-                    state: n.clone(),
-                    expected: "a plain tensor (save takes the optimizer's own state dict)".into(),
-                    found: "a sharded tensor".into(),
-                });
-            }
-            vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
-        }
-        saved.push((l, vals));
-    }
-    // The model's parameters, as one more state of every parameter of the model.
+    let saved = host_states(layout_rank, osd, &local)?;
     let model_local = match model {
         Some(_) => layout.local_params(&OptimParams::of_model(layout))?,
         None => Vec::new(),
     };
-    let mut model_saved: Saved = Vec::new();
-    if let Some(model) = model {
-        if model.len() != model_local.len() {
-            return Err(Error::InvalidArgument {
-                op: "save_checkpoint".into(),
-                rank: layout_rank,
-                reason: format!(
-                    "{} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
-                    model.len(),
-                    model_local.len()
-                ),
-            });
-        }
-        for (l, t) in model_local.iter().zip(model) {
-            let Some(t) = t else { continue };
-            if matches!(l.resolved, Resolved::Orig { owner: None, .. }) && layout_rank != 0 {
-                continue;
-            }
-            let v = Value::Tensor(t.to_host()?);
-            model_saved.push((l, vec![(MODEL_PARAM_STATE.to_string(), v)]));
-        }
-    }
+    let model_saved = model
+        .map(|m| host_model_params(layout_rank, m, &model_local))
+        .transpose()?
+        .unwrap_or_default();
     // Per saved key: its member keys (flat) or itself, with the element ranges this rank holds.
     let mut report_params: KeyedStates = Vec::new();
     let mut plan = Plan {
@@ -256,7 +194,102 @@ pub(super) fn write_rank<T: Tensor>(
         &mut report_params,
         &mut plan,
     )?;
-    // Write the file: header, then every piece back to back.
+    let file = write_data_file(
+        layout_rank,
+        &mut plan,
+        &mut report_params,
+        n_optim,
+        tmp,
+        opts,
+    )?;
+    let parts = (layout_rank == 0)
+        .then(|| dict_parts(layout, &local, osd))
+        .transpose()?;
+    let nonempty = |v: KeyedStates| v.into_iter().filter(|(_, v)| !v.is_empty()).collect();
+    Ok((
+        RankReport {
+            file,
+            model: nonempty(report_params.split_off(n_optim)),
+            params: nonempty(report_params),
+        },
+        parts,
+    ))
+}
+
+/// Host copies (views for HostTensor) of the state of every local parameter this rank saves:
+/// unmanaged state is the same everywhere, so only layout rank 0 saves it.
+fn host_states<'l, T: Tensor>(
+    layout_rank: usize,
+    osd: &OptimStateDict<T>,
+    local: &'l [LocalParam],
+) -> Result<Saved<'l>> {
+    let mut saved: Saved = Vec::new();
+    for l in local {
+        let Some(st) = osd.state.get(&l.key) else {
+            continue;
+        };
+        if matches!(l.resolved, Resolved::Orig { owner: None, .. }) && layout_rank != 0 {
+            continue;
+        }
+        let mut vals = Vec::with_capacity(st.len());
+        for (n, v) in st {
+            if let Value::Sharded(_) = v {
+                return Err(Error::WrongStateKind {
+                    context: format!("saving a checkpoint, rank {layout_rank}"),
+                    param: l.key.to_string(),
+                    state: n.clone(),
+                    expected: "a plain tensor (save takes the optimizer's own state dict)".into(),
+                    found: "a sharded tensor".into(),
+                });
+            }
+            vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
+        }
+        saved.push((l, vals));
+    }
+    Ok(saved)
+}
+
+/// The model's parameters as one more state ([`MODEL_PARAM_STATE`]) of every parameter, host
+/// copies aligned with `model_local`.
+fn host_model_params<'l, T: Tensor>(
+    layout_rank: usize,
+    model: &[Option<T>],
+    model_local: &'l [LocalParam],
+) -> Result<Saved<'l>> {
+    if model.len() != model_local.len() {
+        return Err(Error::InvalidArgument {
+            op: "save_checkpoint".into(),
+            rank: layout_rank,
+            reason: format!(
+                "{} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
+                model.len(),
+                model_local.len()
+            ),
+        });
+    }
+    let mut saved: Saved = Vec::new();
+    for (l, t) in model_local.iter().zip(model) {
+        let Some(t) = t else { continue };
+        if matches!(l.resolved, Resolved::Orig { owner: None, .. }) && layout_rank != 0 {
+            continue;
+        }
+        let v = Value::Tensor(t.to_host()?);
+        saved.push((l, vec![(MODEL_PARAM_STATE.to_string(), v)]));
+    }
+    Ok(saved)
+}
+
+/// Writes `rank{layout_rank}.safetensors` into `tmp`: the header naming every planned piece,
+/// then the pieces back to back, recording each piece's offset and checksums in
+/// `report_params`. Returns the file's record.
+fn write_data_file(
+    layout_rank: usize,
+    plan: &mut Plan<'_>,
+    report_params: &mut KeyedStates,
+    n_optim: usize,
+    tmp: &Path,
+    opts: &SaveOptions,
+) -> Result<FileRecord> {
     for (e, &(k, si, start, _)) in plan.entries.iter_mut().zip(&plan.at) {
         let (state, _) = &report_params[k].1[si];
         let section = if k >= n_optim { MODEL_ENTRY_PREFIX } else { "" };
@@ -293,8 +326,7 @@ pub(super) fn write_rank<T: Tensor>(
             offset: offsets[i],
             crc32c: block_checksums(bytes),
         };
-        let (_, v) = &mut report_params[k].1[state];
-        if let LocalValue::Tensor { pieces, .. } = v {
+        if let (_, LocalValue::Tensor { pieces, .. }) = &mut report_params[k].1[state] {
             pieces.push(piece);
         }
     }
@@ -302,30 +334,12 @@ pub(super) fn write_rank<T: Tensor>(
         return Err(crash(CrashPoint::MidFile));
     }
     file.sync_all().map_err(Error::io("syncing", &path))?;
-    let len = header.len() as u64 + total;
-    let parts = (layout_rank == 0)
-        .then(|| dict_parts(layout, &local, osd))
-        .transpose()?;
-    Ok((
-        RankReport {
-            file: FileRecord {
-                name,
-                len,
-                header_len: header.len() as u64,
-                header_crc32c: crc32c::crc32c(&header),
-            },
-            model: report_params
-                .split_off(n_optim)
-                .into_iter()
-                .filter(|(_, v)| !v.is_empty())
-                .collect(),
-            params: report_params
-                .into_iter()
-                .filter(|(_, v)| !v.is_empty())
-                .collect(),
-        },
-        parts,
-    ))
+    Ok(FileRecord {
+        name,
+        len: header.len() as u64 + total,
+        header_len: header.len() as u64,
+        header_crc32c: crc32c::crc32c(&header),
+    })
 }
 
 /// Prefix of the data-file entry names of model parameter pieces (`@param/{name}/param/{start}`);
@@ -580,11 +594,7 @@ pub(super) fn commit(
     super::install(tmp, dir)
 }
 
-pub(super) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(Error::io("creating", path))?;
-    f.write_all(bytes).map_err(Error::io("writing", path))?;
-    f.sync_all().map_err(Error::io("syncing", path))
-}
+pub(super) use crate::io::output::write_synced;
 
 /// Merges the ranks' reports into the manifest: per parameter, the same state names and
 /// scalar values on every rank, tensor pieces that tile the parameter, in the key order of

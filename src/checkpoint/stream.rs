@@ -1,18 +1,17 @@
 //! Streaming consolidation: a checkpoint directory written out as one full (unflattened,
 //! name-keyed) optimizer state dict file, one checksum block at a time.
 
-use super::container::{self, Entry};
 use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership};
+use crate::io::container::{self, Entry};
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::{optim_to_pyobj, PyObj};
 use crate::optim_state::{OptimStateDict, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 /// The full dict's structure with a one-element placeholder per stored tensor state, whose
@@ -119,6 +118,7 @@ pub fn consolidate_to_safetensors(
     out: &Path,
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
+    prepare_output(dir, out)?;
     let sk = Skeleton::new(dir)?;
     let (tensors, meta) = crate::io::safetensors::parts(&sk.obj);
     let entries: Vec<Entry> = tensors
@@ -143,50 +143,37 @@ pub fn consolidate_to_safetensors(
         .collect();
     let meta: BTreeMap<String, String> = meta.into_iter().collect();
     let (header, _) = container::header(&entries, &meta)?;
-    let tmp = out.with_file_name(format!(
-        ".{}.{}.tmp",
-        out.file_name()
-            .map_or("out".into(), |n| n.to_string_lossy()),
-        std::process::id()
-    ));
-    let result = (|| {
-        let file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)
-            .map_err(Error::io("creating", &tmp))?;
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        w.write_all(&header).map_err(Error::io("writing", &tmp))?;
+    let mut written = 0u64;
+    crate::io::output::write_file_atomic(out, |w, tmp| {
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        w.write_all(&header).map_err(&err)?;
         let mut writeback = super::Writeback::new(0);
         let mut reader = Reader::new(dir, &sk.manifest, true);
         let mut block = Vec::new();
-        let mut written = 0u64;
         for (_, t) in &tensors {
             let Some(stored) = sk.stored(t) else {
-                w.write_all(t.as_bytes())
-                    .map_err(Error::io("writing", &tmp))?;
+                w.write_all(t.as_bytes()).map_err(&err)?;
                 continue;
             };
             stream_state(&mut reader, stored, &mut block, &mut |bytes| {
-                w.write_all(bytes).map_err(Error::io("writing", &tmp))?;
+                w.write_all(bytes).map_err(&err)?;
                 writeback.wrote(w.get_ref(), bytes.len() as u64);
                 written += bytes.len() as u64;
                 progress(written);
                 Ok(())
             })?;
         }
-        let file: File = w
-            .into_inner()
-            .map_err(|e| Error::io("writing", &tmp)(e.into_error()))?;
-        file.sync_all().map_err(Error::io("syncing", &tmp))?;
-        std::fs::rename(&tmp, out).map_err(Error::io("renaming into place", out))?;
-        Ok(written)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result
+        Ok(())
+    })?;
+    Ok(written)
+}
+
+/// Before writing the consolidated file `out` of the checkpoint `dir`: `out` must not lie
+/// inside `dir` (nor be or contain it), and stale temporaries of killed runs are removed.
+fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
+    crate::io::output::check_not_overlapping(out, &[dir])?;
+    crate::io::output::clean_stale_temporaries(out, None)?;
+    Ok(())
 }
 
 /// [`consolidate_to_safetensors`] to a `torch.save` file instead: `torch.load(out)` gives what
@@ -195,8 +182,10 @@ pub fn consolidate_to_safetensors(
 /// checksum block at a time. Every block read is verified; the file appears atomically.
 /// `progress` gets the tensor bytes written so far. Returns the tensor bytes written.
 pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
+    prepare_output(dir, out)?;
     let sk = Skeleton::new(dir)?;
     let mut lazy = Streamed {
+        out,
         reader: Reader::new(dir, &sk.manifest, true),
         skeleton: &sk,
         block: Vec::new(),
@@ -209,6 +198,8 @@ pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -
 
 /// The placeholders of a [`Skeleton`], streamed from the checkpoint into a `torch.save` file.
 struct Streamed<'s, P> {
+    /// The output file, for messages.
+    out: &'s Path,
     reader: Reader<'s>,
     skeleton: &'s Skeleton,
     block: Vec<u8>,
@@ -231,13 +222,12 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
         let Some(stored) = self.skeleton.stored(t) else {
             return Ok(());
         };
-        let (written, progress) = (&mut self.written, &mut self.progress);
+        let (written, progress, out) = (&mut self.written, &mut self.progress, self.out);
         stream_state(&mut self.reader, stored, &mut self.block, &mut |bytes| {
-            sink(bytes).map_err(|e| Error::Io {
-                op: "writing a consolidated torch.save file".into(),
-                path: String::new(),
-                source: e.into(),
-            })?;
+            sink(bytes).map_err(Error::io(
+                "writing the consolidated torch.save file (through a temporary beside it)",
+                out,
+            ))?;
             *written += bytes.len() as u64;
             progress(*written);
             Ok(())

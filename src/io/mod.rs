@@ -6,7 +6,9 @@
 //! [`load`] and [`save`] pick one of the two by the file's extension; [`inspect`] summarizes
 //! what a file holds.
 
+pub(crate) mod container;
 pub mod inspect;
+pub mod output;
 pub mod safetensors;
 pub mod torch_save;
 

@@ -315,30 +315,92 @@ fn prepare(obj: &PyObj) -> (Vec<(String, TensorRef<'_>)>, HashMap<String, String
     (tensors, meta)
 }
 
-/// Writes `obj` to `path` as one safetensors file (see the module docs for the mapping),
-/// atomically (a temporary file beside `path` is renamed over it).
-pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
-    let (tensors, meta) = prepare(obj);
-    ::safetensors::tensor::serialize_to_file(tensors, Some(meta), path)
-        .map_err(|e| st_err(&path.display().to_string(), e))
+/// The largest header safetensors readers accept (the `safetensors` crate's limit).
+const MAX_HEADER_BYTES: usize = 100_000_000;
+
+/// The file's header (length prefix included) and its tensors in data order: sorted by
+/// descending dtype alignment, then name, as the `safetensors` crate lays them out, with the
+/// `__metadata__` keys sorted, so the same object always gives the same bytes.
+fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor>)> {
+    let (tensors, meta) = parts(obj);
+    let mut tensors: Vec<(String, &HostTensor)> = tensors;
+    tensors.sort_by(|(ln, l), (rn, r)| {
+        to_st_dtype(r.dtype())
+            .cmp(&to_st_dtype(l.dtype()))
+            .then(ln.cmp(rn))
+    });
+    let mut entries = Vec::with_capacity(tensors.len());
+    for (name, t) in &tensors {
+        let numel = t.shape().iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let bytes = numel.and_then(|n| n.checked_mul(t.dtype().size()));
+        if bytes.is_none() {
+            return Err(Error::TensorNotStorable {
+                tensor: name.clone(),
+                shape: t.shape().to_vec(),
+                reason: "its element count overflows 64 bits, which a safetensors header cannot describe".into(),
+            });
+        }
+        entries.push(crate::io::container::Entry {
+            name: name.clone(),
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+            nbytes: t.nbytes() as u64,
+        });
+    }
+    let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
+    let (header, _) = crate::io::container::header(&entries, &meta)?;
+    if header.len() - 8 > MAX_HEADER_BYTES {
+        return Err(Error::Serialization {
+            what: format!("the safetensors header of `{file}`"),
+            reason: format!(
+                "{} bytes, over the {MAX_HEADER_BYTES}-byte limit of safetensors readers",
+                header.len() - 8
+            ),
+        });
+    }
+    Ok((header, tensors.into_iter().map(|(_, t)| t).collect()))
 }
 
-/// Serializes `obj` as a safetensors file in memory.
+/// Writes `obj` to `path` as one safetensors file (see the module docs for the mapping),
+/// atomically: a temporary file beside `path` (`.NAME.PID.N.tmp`) is written, synced and
+/// renamed over it. The bytes depend only on `obj`; the mode is 0644 less the umask. A write
+/// failure (disk full, read-only file system) is [`Error::Io`] naming the file and the
+/// operating system's error.
+pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
+    use std::io::Write;
+    let path = path.as_ref();
+    let (header, tensors) = layout(obj, &path.display().to_string())?;
+    crate::io::output::write_file_atomic(path, |w, tmp| {
+        let err = crate::io::output::tmp_io_err("writing", path, tmp);
+        w.write_all(&header).map_err(&err)?;
+        for t in tensors {
+            w.write_all(t.as_bytes()).map_err(&err)?;
+        }
+        Ok(())
+    })
+}
+
+/// Serializes `obj` as a safetensors file in memory (the bytes [`save`] writes).
 pub fn save_to_bytes(obj: &PyObj) -> Result<Vec<u8>> {
-    let (tensors, meta) = prepare(obj);
-    ::safetensors::tensor::serialize(tensors, Some(meta)).map_err(|e| st_err(MEMORY, e))
+    let (mut out, tensors) = layout(obj, MEMORY)?;
+    for t in tensors {
+        out.extend_from_slice(t.as_bytes());
+    }
+    Ok(out)
 }
 
 /// Reads the object stored in the safetensors file at `path`.
 pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     let path = path.as_ref();
     let name = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| Error::Io {
-        op: "reading".into(),
-        path: name.clone(),
-        source: e.into(),
-    })?;
+    // A regular file only: a FIFO would block and a device never end.
+    let bytes = (|| -> std::io::Result<Vec<u8>> {
+        let f = crate::io::output::open_regular(path)?;
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut &f, &mut bytes)?;
+        Ok(bytes)
+    })()
+    .map_err(Error::io("reading", path))?;
     read(&name, &bytes)
 }
 

@@ -310,6 +310,7 @@ impl fmt::Display for OptimParam {
 /// What an optimizer was built with: its param groups in order. A parameter's id is its
 /// position in the concatenation of the groups, exactly as `torch.optim` numbers them.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct OptimParams {
     /// Param groups, each a list of parameters in the order the optimizer received them.
     pub groups: Vec<Vec<OptimParam>>,

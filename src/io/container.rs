@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 /// One tensor of a data file, in file order.
 #[derive(Debug, Clone)]
-pub(super) struct Entry {
+pub(crate) struct Entry {
     pub name: String,
     pub dtype: DType,
     pub shape: Vec<usize>,
@@ -16,7 +16,7 @@ pub(super) struct Entry {
 }
 
 /// safetensors' name of a dtype.
-pub(super) fn dtype_name(d: DType) -> &'static str {
+pub(crate) fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "F32",
         DType::F64 => "F64",
@@ -38,7 +38,7 @@ pub(super) fn dtype_name(d: DType) -> &'static str {
 
 /// The header bytes (length prefix included, padded to 8 bytes) for `entries` laid out back
 /// to back in order, and each entry's absolute byte offset in the file.
-pub(super) fn header(
+pub(crate) fn header(
     entries: &[Entry],
     metadata: &BTreeMap<String, String>,
 ) -> Result<(Vec<u8>, Vec<u64>)> {

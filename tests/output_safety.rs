@@ -1,0 +1,117 @@
+//! The replace rule and the install protocol for every library writer of a checkpoint
+//! directory: `Fsdp` saves and `BackgroundSaver` refuse a directory of foreign files, and the
+//! fallback install (forced, as on NFS or Lustre) never exposes a partial checkpoint.
+
+mod common;
+
+use common::{nested_model, wrap};
+use fsdp::checkpoint::{self, BackgroundSaver, CrashPoint, SaveOptions};
+use fsdp::collectives::ThreadGroup;
+use fsdp::io::output;
+use fsdp::{Error, Fsdp, HostTensor, OptimStateDict, ParamKey, ParamState, Value};
+use std::path::Path;
+use std::sync::Arc;
+
+fn full(step: f32) -> OptimStateDict {
+    let mut full = OptimStateDict::default();
+    for p in &nested_model().params {
+        let mut st = ParamState::new();
+        st.insert(
+            "exp_avg".into(),
+            Value::Tensor(HostTensor::zeros(fsdp::DType::F32, &p.shape)),
+        );
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(step)));
+        full.state.insert(ParamKey::Name(p.name.clone()), st);
+    }
+    full.param_groups = None;
+    full
+}
+
+/// Saves at world size 2 (foreground or background) and returns every rank's outcome.
+fn save(dir: &Path, step: f32, background: bool, opts: &SaveOptions) -> Vec<fsdp::Result<()>> {
+    let model = nested_model();
+    let f = full(step);
+    ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&f, &params).unwrap();
+        if background {
+            let mut saver = BackgroundSaver::new(1 << 30);
+            saver.save(&fsdp, &local, &params, dir)?;
+            saver.wait()
+        } else {
+            fsdp.save_optim_checkpoint(&local, &params, dir, opts)
+        }
+    })
+}
+
+fn step_of(dir: &Path) -> String {
+    let m = checkpoint::read_manifest(dir).unwrap();
+    match &m.params[0]
+        .states
+        .iter()
+        .find(|(n, _)| n == "step")
+        .unwrap()
+        .1
+    {
+        checkpoint::StoredValue::Value(v) => v.render(),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn saves_refuse_a_directory_of_other_files_on_every_rank() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ck");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("notes.txt"), "keep").unwrap();
+    for background in [false, true] {
+        for r in save(&dir, 1.0, background, &SaveOptions::default()) {
+            assert!(
+                matches!(&r, Err(Error::OutputRefused { reason, .. }) if reason.contains("notes.txt")),
+                "{r:?}"
+            );
+        }
+        assert_eq!(std::fs::read(dir.join("notes.txt")).unwrap(), b"keep");
+    }
+    let mut entries: Vec<_> = std::fs::read_dir(root.path()).unwrap().collect();
+    assert_eq!(entries.len(), 1, "no temporary left: {entries:?}");
+    entries.clear();
+    // An empty directory and an earlier checkpoint are replaced.
+    std::fs::remove_file(dir.join("notes.txt")).unwrap();
+    save(&dir, 1.0, false, &SaveOptions::default())
+        .into_iter()
+        .for_each(|r| r.unwrap());
+    save(&dir, 2.0, true, &SaveOptions::default())
+        .into_iter()
+        .for_each(|r| r.unwrap());
+    assert!(step_of(&dir).contains('2'), "{}", step_of(&dir));
+}
+
+#[test]
+fn forced_rename_fallback_replaces_and_crashes_leave_the_old_checkpoint() {
+    output::force_rename_fallback(true);
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("ck");
+    save(&dir, 1.0, false, &SaveOptions::default())
+        .into_iter()
+        .for_each(|r| r.unwrap());
+    save(&dir, 2.0, false, &SaveOptions::default())
+        .into_iter()
+        .for_each(|r| r.unwrap());
+    assert!(step_of(&dir).contains('2'));
+    let names: Vec<_> = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, ["ck"], "the aside copy is removed");
+    for point in [CrashPoint::MidFile, CrashPoint::BeforeCommit] {
+        let opts = SaveOptions {
+            crash_at: Some(point),
+        };
+        assert!(save(&dir, 3.0, false, &opts).iter().all(|r| r.is_err()));
+        assert!(step_of(&dir).contains('2'), "{point:?}");
+        checkpoint::verify(&dir).unwrap();
+    }
+    output::force_rename_fallback(false);
+}
