@@ -7,6 +7,7 @@
 //! what a file holds.
 
 pub mod checkpoint;
+pub mod dcp;
 pub mod inspect;
 pub mod safetensors;
 pub mod torch_save;

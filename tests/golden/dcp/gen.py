@@ -75,6 +75,9 @@ SCENARIOS = {
     "fsdp2_sgd_ws2_frozen": (2, "fsdp2", "sgd_momentum", False, True, False),
     "fsdp1_orig_ws3": (3, "fsdp1_orig", "adamw", False, True, False),
     "fsdp1_flat_ws4": (4, "fsdp1_flat", "adam_amsgrad", True, False, False),
+    # A 2-D grid of chunks (DTensor on a 2x2 mesh, Shard(0) and Shard(1)), int dict keys,
+    # lists mixing tensors and plain values, bf16 and int64 tensors.
+    "dtensor_grid_ws4": (4, "grid", None, False, False, False),
 }
 
 
@@ -124,6 +127,9 @@ def worker(rank, ws, port, name, out):
     dist.init_process_group("gloo", rank=rank, world_size=ws)
     _, kind, optim_kind, tied, frozen, two_groups = SCENARIOS[name]
     torch.manual_seed(0)
+    if kind == "grid":
+        save_grid(rank, ws, out)
+        return
     model = wrap(kind, Net(tied, frozen), ws)
     optim = make_optim(optim_kind, model, two_groups)
     for step in range(3):
@@ -136,6 +142,33 @@ def worker(rank, ws, port, name, out):
     # A relative checkpoint_id, so that no machine path is recorded in `.metadata`.
     os.chdir(out)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id="ckpt")
+    dist.barrier()
+    if rank == 0:
+        (out / "done").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_grid(rank, ws, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, ws // 2))
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5) / 7
+    grid = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+    cube = distribute_tensor(
+        torch.arange(3 * 4 * 2, dtype=torch.bfloat16).reshape(3, 4, 2), mesh, [Shard(1), Shard(2)]
+    )
+    state = {
+        "model": {"grid": grid, "cube": cube},
+        "extra": {
+            0: torch.tensor([1, 2, 3], dtype=torch.int64),
+            "mixed": [torch.ones(2), 3, "s", None, (1.5, 2)],
+            "scalar": 0.25,
+        },
+    }
+    os.chdir(out)
+    dcp.save(state, checkpoint_id="ckpt")
     dist.barrier()
     if rank == 0:
         (out / "done").write_text("ok")
