@@ -423,11 +423,75 @@ fn run(cli: Cli) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    let result = match run_dcp(&cli) {
+        Some(r) => r,
+        None => run(cli),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// `inspect`, `consolidate` and `verify` of a PyTorch DCP directory (one holding
+/// `.metadata`); `None` when the command is not about one.
+fn run_dcp(cli: &Cli) -> Option<Result<()>> {
+    use fsdp::io::dcp;
+    let progress = Progress { quiet: cli.quiet };
+    match &cli.command {
+        Command::Inspect { file, json } if dcp::is_dcp_dir(file) => Some(dcp_inspect(file, *json)),
+        Command::Consolidate { input, output } if dcp::is_dcp_dir(input) => {
+            Some(dcp_consolidate(input, output, &progress))
+        }
+        Command::Verify { input } if dcp::is_dcp_dir(input) => {
+            Some(progress.step("verifying", || dcp::verify(input)).map(|r| {
+                println!(
+                    "{}: OK ({} tensors in {} chunks, {} objects, {} bytes read)",
+                    input.display(),
+                    r.tensors,
+                    r.chunks,
+                    r.objects,
+                    r.bytes_read
+                );
+            }))
+        }
+        _ => None,
+    }
+}
+
+fn dcp_inspect(dir: &Path, json: bool) -> Result<()> {
+    let s = fsdp::io::dcp::summary(dir)?;
+    if json {
+        let text = serde_json::to_string_pretty(&s).map_err(|e| Error::Serialization {
+            what: "inspect summary".into(),
+            reason: e.to_string(),
+        })?;
+        println!("{text}");
+    } else {
+        print!("{s}");
+    }
+    Ok(())
+}
+
+fn dcp_consolidate(input: &Path, output: &Path, progress: &Progress) -> Result<()> {
+    use fsdp::io::dcp;
+    let format = FileFormat::from_path(output)?;
+    let total = dcp::summary(input)?.tensor_bytes;
+    let pb = progress.bytes(total, "consolidating");
+    let to = |b| pb.set_position(b);
+    let written = if format == FileFormat::Safetensors {
+        dcp::consolidate_to_safetensors(input, output, to)?
+    } else {
+        dcp::consolidate_to_torch(input, output, to)?
+    };
+    pb.finish_and_clear();
+    eprintln!(
+        "consolidated DCP checkpoint {} -> {}: {written} bytes of tensors",
+        input.display(),
+        output.display()
+    );
+    Ok(())
 }
