@@ -1,4 +1,4 @@
-//! Throughput and peak memory of the sharded optimizer checkpoint (`fsdp::io::checkpoint`),
+//! Throughput and peak memory of the sharded optimizer checkpoint (`fsdp::checkpoint`),
 //! beside this machine's raw sequential file bandwidth for the same byte count, measured in
 //! the same run.
 //!
@@ -54,9 +54,9 @@
 mod common;
 use common::full_adam_state;
 
+use fsdp::checkpoint::{self, LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::flat_param::ModelLayout;
-use fsdp::io::checkpoint::{self, LoadOptions, SaveOptions};
 use fsdp::{DType, Fsdp, ModelDesc, OptimStateDict, WrapPolicy};
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};

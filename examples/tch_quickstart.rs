@@ -8,12 +8,12 @@
 //! ```
 
 use fsdp::collectives::ThreadGroup;
-use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::shard_tensors;
-use fsdp::tensor::tch::{
+use fsdp::libtorch::{
     model_desc_from_var_store, model_desc_from_var_store_in_order, state_dict_to_tch, step_tch,
     var_store_params_in_order,
 };
+use fsdp::optim::{Adam, AdamConfig, Optimizer};
+use fsdp::params::shard_tensors;
 use fsdp::{Fsdp, HostTensor, TchTensor, Tensor, WrapPolicy};
 use std::sync::Arc;
 use tch::nn::{self, Module};

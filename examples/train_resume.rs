@@ -36,12 +36,12 @@
 //! Options: `--steps N` (default 60), `--save-at K` (default 30); `--world-size` sets the
 //! number of thread ranks (under a launcher the launcher decides).
 
+use fsdp::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ReduceOp, ThreadGroup};
 use fsdp::flat_param::{flatten_padded, unflatten_full};
-use fsdp::io::checkpoint::{LoadOptions, SaveOptions};
+use fsdp::libtorch::{model_desc_from_var_store_in_order, var_store_params_in_order};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::shard_tensors;
-use fsdp::tensor::tch::{model_desc_from_var_store_in_order, var_store_params_in_order};
 use fsdp::{
     DType, Fsdp, HostTensor, OptimParam, OptimParams, OptimStateDict, TchTensor, Value, WrapPolicy,
 };

@@ -9,7 +9,7 @@
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
-use fsdp::io::checkpoint::{SaveOptions, MANIFEST};
+use fsdp::checkpoint::{SaveOptions, MANIFEST};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{DType, Fsdp, HostTensor, ModelDesc, OptimParams, Value, WrapPolicy};

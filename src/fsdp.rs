@@ -1,4 +1,4 @@
-//! The `Fsdp` façade (layer 6): owns the model description, the layout and the process group
+//! The `Fsdp` façade (layer 8): owns the model description, the layout and the process group
 //! and exposes PyTorch's optimizer-state API under PyTorch's names.
 
 use crate::collectives::ProcessGroup;
@@ -214,7 +214,7 @@ impl Fsdp {
     /// The parameters of `model.parameters()` of the wrapped model, in that order, as one
     /// param group: what `torch.optim.Adam(model.parameters())` would hold.
     pub fn optim_params(&self) -> OptimParams {
-        OptimParams::single(self.layout.default_optim_params())
+        OptimParams::of_model(&self.layout)
     }
 
     /// `FSDP.set_state_dict_type`: selects what [`Fsdp::optim_state_dict`] returns and what
@@ -340,7 +340,7 @@ impl Fsdp {
     }
 
     /// Saves this rank's local optimizer state into the sharded checkpoint directory `dir`
-    /// ([`crate::io::checkpoint`]): each rank of the first shard group writes its own data
+    /// ([`crate::checkpoint`]): each rank of the first shard group writes its own data
     /// file, rank 0 writes the manifest and commits. Collective over the whole job. The
     /// checkpoint loads at any world size and wrapping with [`Fsdp::load_optim_checkpoint`].
     pub fn save_optim_checkpoint<T: Tensor>(
@@ -348,7 +348,7 @@ impl Fsdp {
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         dir: impl AsRef<std::path::Path>,
-        opts: &crate::io::checkpoint::SaveOptions,
+        opts: &crate::checkpoint::SaveOptions,
     ) -> Result<()> {
         self.save(osd, params, None, dir.as_ref(), opts)
     }
@@ -365,7 +365,7 @@ impl Fsdp {
         params: &OptimParams,
         model: &[Option<T>],
         dir: impl AsRef<std::path::Path>,
-        opts: &crate::io::checkpoint::SaveOptions,
+        opts: &crate::checkpoint::SaveOptions,
     ) -> Result<()> {
         self.save(osd, params, Some(model), dir.as_ref(), opts)
     }
@@ -376,19 +376,9 @@ impl Fsdp {
         params: &OptimParams,
         model: Option<&[Option<T>]>,
         dir: &std::path::Path,
-        opts: &crate::io::checkpoint::SaveOptions,
+        opts: &crate::checkpoint::SaveOptions,
     ) -> Result<()> {
-        crate::io::checkpoint::save(
-            &self.layout,
-            self.rank(),
-            self.writes_checkpoint_files(),
-            self.world_pg.as_ref(),
-            osd,
-            params,
-            model,
-            dir,
-            opts,
-        )
+        crate::checkpoint::save(self.into(), osd, params, model, dir, opts)
     }
 
     /// This rank's parameter tensors from a checkpoint written by [`Fsdp::save_checkpoint`] at
@@ -398,9 +388,9 @@ impl Fsdp {
     pub fn load_model_params<T: Tensor>(
         &self,
         dir: impl AsRef<std::path::Path>,
-        opts: &crate::io::checkpoint::LoadOptions,
+        opts: &crate::checkpoint::LoadOptions,
     ) -> Result<Vec<Option<T>>> {
-        crate::io::checkpoint::load_model_params(dir.as_ref(), &self.layout, self.rank(), opts)
+        crate::checkpoint::load_model_params(dir.as_ref(), &self.layout, self.rank(), opts)
     }
 
     /// This rank's optimizer state dict from the checkpoint in `dir`, saved at any world size
@@ -411,9 +401,9 @@ impl Fsdp {
         &self,
         dir: impl AsRef<std::path::Path>,
         params: &OptimParams,
-        opts: &crate::io::checkpoint::LoadOptions,
+        opts: &crate::checkpoint::LoadOptions,
     ) -> Result<OptimStateDict<T>> {
-        crate::io::checkpoint::load(dir.as_ref(), &self.layout, self.rank(), params, opts)
+        crate::checkpoint::load(dir.as_ref(), &self.layout, self.rank(), params, opts)
     }
 
     /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
@@ -495,6 +485,17 @@ impl Fsdp {
                 }
             }
             StateDictType::Local => osd.cloned().ok_or_else(|| need("local")),
+        }
+    }
+}
+
+impl<'a> From<&'a Fsdp> for crate::checkpoint::GroupContext<'a> {
+    fn from(fsdp: &'a Fsdp) -> Self {
+        crate::checkpoint::GroupContext {
+            layout: &fsdp.layout,
+            layout_rank: fsdp.rank(),
+            writes_files: fsdp.writes_checkpoint_files(),
+            pg: &fsdp.world_pg,
         }
     }
 }

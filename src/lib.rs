@@ -1,10 +1,13 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod checkpoint;
 pub mod collectives;
 pub mod error;
 pub mod flat_param;
 pub mod io;
+#[cfg(feature = "tch")]
+pub mod libtorch;
 pub mod model;
 pub mod offline;
 pub mod optim;
@@ -18,7 +21,8 @@ pub use optim_state::OptimStateKeyType;
 
 pub use error::{Error, Result};
 pub use fsdp::*;
-pub use model::{ModelDesc, ModelSpec, ParamSpec, ShardingStrategy, WrapPolicy};
+pub use model::{ModelDesc, ParamSpec, ShardingStrategy, WrapPolicy};
+pub use offline::ModelSpec;
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };

@@ -1,4 +1,4 @@
-//! Model description and wrapping policy (layer 1).
+//! Model description and wrapping policy (layer 2).
 //!
 //! A [`ModelDesc`] replaces `nn.Module`: the parameters in `model.named_parameters()` order
 //! (primary names only) and the tied aliases. A [`WrapPolicy`] says which module prefixes are
@@ -325,78 +325,6 @@ impl WrapPolicy {
     }
 }
 
-/// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
-/// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
-///
-/// ```json
-/// {
-///   "model": {
-///     "params": [
-///       {"name": "embed.weight", "shape": [10, 4], "dtype": "f32"},
-///       {"name": "layers.0.weight", "shape": [4, 4], "dtype": "f32", "requires_grad": false}
-///     ],
-///     "tied": {"head.weight": "embed.weight"}
-///   },
-///   "policy": {"units": ["layers.0", ""], "use_orig_params": false,
-///              "ignored_modules": [], "sharding_strategy": "FULL_SHARD"},
-///   "optim_params": {"groups": [[{"Flat": "layers.0"}, {"Flat": ""}]], "named": false}
-/// }
-/// ```
-///
-/// `optim_params` (all ranks) and `optim_params_per_rank` (one entry per rank, overriding it)
-/// are optional; without them each rank's optimizer holds `model.parameters()` of the wrapped
-/// model in one group ([`crate::Fsdp::optim_params`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ModelSpec {
-    /// The model's parameters.
-    pub model: ModelDesc,
-    /// How it is wrapped.
-    pub policy: WrapPolicy,
-    /// The optimizer's param groups on every rank; default: `model.parameters()`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub optim_params: Option<crate::optim_state::OptimParams>,
-    /// The optimizer's param groups per rank (index = rank), overriding `optim_params`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub optim_params_per_rank: Option<Vec<crate::optim_state::OptimParams>>,
-}
-
-impl ModelSpec {
-    /// A spec with the default optimizer parameters.
-    pub fn new(model: ModelDesc, policy: WrapPolicy) -> Self {
-        ModelSpec {
-            model,
-            policy,
-            optim_params: None,
-            optim_params_per_rank: None,
-        }
-    }
-
-    /// Parses the JSON form.
-    pub fn from_json(text: &str, file: &str) -> Result<Self> {
-        serde_json::from_str(text).map_err(|e| Error::Serialization {
-            what: format!("model spec `{file}`"),
-            reason: e.to_string(),
-        })
-    }
-
-    /// Reads the JSON file at `path`.
-    pub fn from_json_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
-        let path = path.as_ref();
-        let name = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            op: "reading".into(),
-            path: name.clone(),
-            reason: e.to_string(),
-        })?;
-        Self::from_json(&text, &name)
-    }
-
-    /// The JSON form, pretty-printed.
-    pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("a model spec always serializes")
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -448,10 +376,6 @@ mod tests {
             .param("b", &[half], DType::F32);
         let e = m.validate().unwrap_err();
         assert!(e.to_string().contains("parameter `b`"), "{e}");
-        // The layout refuses such a model with the same error instead of overflowing.
-        let e = crate::flat_param::ModelLayout::new(&m, &WrapPolicy::units::<&str>(&[]), 2)
-            .unwrap_err();
-        assert!(matches!(e, Error::InvalidModel(_)), "{e}");
         // Exactly isize::MAX bytes is accepted; one byte more is not.
         let limit = isize::MAX as usize;
         ModelDesc::new()

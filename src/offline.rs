@@ -14,7 +14,7 @@
 //! world size give [`Error::WorldSizeMismatch`] naming the world sizes that would fit.
 //!
 //! ```
-//! use fsdp::model::ModelSpec;
+//! use fsdp::offline::ModelSpec;
 //! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
 //! use fsdp::{DType, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy};
 //!
@@ -40,11 +40,84 @@ use crate::collectives::{ProcessGroup, ThreadGroup};
 use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
 use crate::fsdp::Fsdp;
-use crate::model::ModelSpec;
+use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
+/// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
+///
+/// ```json
+/// {
+///   "model": {
+///     "params": [
+///       {"name": "embed.weight", "shape": [10, 4], "dtype": "f32"},
+///       {"name": "layers.0.weight", "shape": [4, 4], "dtype": "f32", "requires_grad": false}
+///     ],
+///     "tied": {"head.weight": "embed.weight"}
+///   },
+///   "policy": {"units": ["layers.0", ""], "use_orig_params": false,
+///              "ignored_modules": [], "sharding_strategy": "FULL_SHARD"},
+///   "optim_params": {"groups": [[{"Flat": "layers.0"}, {"Flat": ""}]], "named": false}
+/// }
+/// ```
+///
+/// `optim_params` (all ranks) and `optim_params_per_rank` (one entry per rank, overriding it)
+/// are optional; without them each rank's optimizer holds `model.parameters()` of the wrapped
+/// model in one group ([`crate::Fsdp::optim_params`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// The model's parameters.
+    pub model: ModelDesc,
+    /// How it is wrapped.
+    pub policy: WrapPolicy,
+    /// The optimizer's param groups on every rank; default: `model.parameters()`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optim_params: Option<OptimParams>,
+    /// The optimizer's param groups per rank (index = rank), overriding `optim_params`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optim_params_per_rank: Option<Vec<OptimParams>>,
+}
+
+impl ModelSpec {
+    /// A spec with the default optimizer parameters.
+    pub fn new(model: ModelDesc, policy: WrapPolicy) -> Self {
+        ModelSpec {
+            model,
+            policy,
+            optim_params: None,
+            optim_params_per_rank: None,
+        }
+    }
+
+    /// Parses the JSON form.
+    pub fn from_json(text: &str, file: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| Error::Serialization {
+            what: format!("model spec `{file}`"),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Reads the JSON file at `path`.
+    pub fn from_json_file(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+            op: "reading".into(),
+            path: name.clone(),
+            reason: e.to_string(),
+        })?;
+        Self::from_json(&text, &name)
+    }
+
+    /// The JSON form, pretty-printed.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a model spec always serializes")
+    }
+}
 
 /// Largest world size [`Error::WorldSizeMismatch`] messages search for a fitting one.
 const MAX_SUGGESTED_WORLD_SIZE: usize = 1024;
@@ -82,7 +155,7 @@ impl ModelSpec {
         Ok(self
             .optim_params
             .clone()
-            .unwrap_or_else(|| OptimParams::single(layout.default_optim_params())))
+            .unwrap_or_else(|| OptimParams::of_model(layout)))
     }
 }
 

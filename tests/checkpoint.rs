@@ -3,11 +3,11 @@
 
 mod common;
 
-use fsdp::collectives::ThreadGroup;
-use fsdp::flat_param::ModelLayout;
-use fsdp::io::checkpoint::{
+use fsdp::checkpoint::{
     self, load_full, read_manifest, verify, CrashPoint, LoadOptions, SaveOptions, COMMIT, MANIFEST,
 };
+use fsdp::collectives::ThreadGroup;
+use fsdp::flat_param::ModelLayout;
 use fsdp::params::{shard_tensors, synthetic_params};
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
@@ -699,7 +699,7 @@ fn streaming_consolidation_to_torch_save_names_a_corrupt_block_and_leaves_no_fil
 
 // ----- background saves -----
 
-use fsdp::io::checkpoint::{BackgroundSaver, SaveMode};
+use fsdp::checkpoint::{BackgroundSaver, SaveMode};
 
 /// The data files and manifest of a checkpoint, for byte comparison.
 fn contents(dir: &Path) -> Vec<(String, Vec<u8>)> {

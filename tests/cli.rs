@@ -8,7 +8,7 @@ mod common;
 use common::{nested_model, transformer_model, transformer_policy, wrap};
 use fsdp::collectives::ThreadGroup;
 use fsdp::io::torch_save::{self, optim_to_pyobj};
-use fsdp::model::ModelSpec;
+use fsdp::offline::ModelSpec;
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
     WrapPolicy,
@@ -549,7 +549,7 @@ fn readme_desc_json_example_is_a_valid_model_spec() {
     let layout = spec.layout(2).unwrap();
     assert_eq!(
         spec.optim_params_for(&layout, 0).unwrap(),
-        fsdp::OptimParams::single(layout.default_optim_params())
+        fsdp::OptimParams::of_model(&layout)
     );
 }
 
@@ -596,9 +596,7 @@ fn checkpoint_commands_reshard_consolidate_verify_and_inspect() {
         &policy,
     ]));
     assert_eq!(
-        fsdp::io::checkpoint::read_manifest(&ckpt3)
-            .unwrap()
-            .world_size,
+        fsdp::checkpoint::read_manifest(&ckpt3).unwrap().world_size,
         3
     );
     for out in ["full.safetensors", "full.pt"] {

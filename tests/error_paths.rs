@@ -687,10 +687,7 @@ fn full_optim_state_dict_of_a_local_dict_holding_a_sharded_tensor() {
         }
     });
     let layout = ModelLayout::new(&common::nested_model(), &common::wrap(false), 2).unwrap();
-    let block1_id = id_of(
-        &OptimParams::single(layout.default_optim_params()),
-        &flat("block1"),
-    );
+    let block1_id = id_of(&OptimParams::of_model(&layout), &flat("block1"));
     // The culprit rank names the state and its key.
     assert!(
         matches!(errs[1], Error::InvalidStateDict(_)),

@@ -506,7 +506,7 @@ fn local_tensors_and_optimizer_inputs_match_pytorch() {
                 && sc.j["group_overrides"].as_array().map_or(1, Vec::len) == 1
             {
                 assert_eq!(
-                    OptimParams::single(layout.default_optim_params()),
+                    OptimParams::of_model(&layout),
                     params,
                     "{what}: model.parameters() order"
                 );

@@ -239,7 +239,7 @@ fn load_scenario(
             if l.model.params.len() == nested_model().params.len() {
                 nested_optim_input(l, multiple, diff, r)
             } else {
-                OptimParams::single(l.default_optim_params())
+                OptimParams::of_model(l)
             }
         }
     };
@@ -409,7 +409,7 @@ fn optim_state_dict_scenario(
 ) {
     ThreadGroup::run(4, |pg| {
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
-        let single = |l: &ModelLayout, _r: usize| OptimParams::single(l.default_optim_params());
+        let single = |l: &ModelLayout, _r: usize| OptimParams::of_model(l);
         let mut run1 = train_wrapped(pg.clone(), model, policy1, single);
         run1.fsdp.set_state_dict_type(t, Some(cfg)).unwrap();
         let saved1 = run1
@@ -518,7 +518,7 @@ fn use_orig_params_full_dict_equals_unwrapped_run() {
     for ws in [2, 3, 4] {
         ThreadGroup::run(ws, |pg| {
             let run = train_wrapped(Arc::new(pg), &model, &policy, |l, _| {
-                OptimParams::single(l.default_optim_params())
+                OptimParams::of_model(l)
             });
             let reference = unwrapped_reference(&model, run.fsdp.layout(), &run.input);
             let osd = run
@@ -566,7 +566,7 @@ fn full_dict_keys_match_the_model_with_ignored_modules() {
     let policy = wrap(true);
     ThreadGroup::run(2, |pg| {
         let run = train_wrapped(Arc::new(pg), &model, &policy, |l, _| {
-            OptimParams::single(l.default_optim_params())
+            OptimParams::of_model(l)
         });
         let osd = run
             .fsdp

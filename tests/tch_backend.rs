@@ -10,12 +10,13 @@ mod common;
 use common::*;
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
+use fsdp::libtorch::{
+    model_desc_from_var_store, model_desc_from_var_store_in_order, state_dict_to_host,
+    state_dict_to_tch, step_tch, var_store_params, var_store_params_in_order,
+};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
-use fsdp::tensor::tch::{
-    dtype_to_kind, model_desc_from_var_store, model_desc_from_var_store_in_order,
-    state_dict_to_host, state_dict_to_tch, step_tch, var_store_params, var_store_params_in_order,
-};
+use fsdp::tensor::tch::dtype_to_kind;
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimParams, OptimStateDict, ParamKey, TchTensor,
     Tensor, Value, WrapPolicy,
@@ -466,8 +467,7 @@ fn adam_steps_var_store_parameters_like_host_tensors() {
     let vs = nested_var_store();
     let model = model_desc_from_var_store(&vs).unwrap();
     let layout = unwrapped(&model);
-    let input = layout.default_optim_params();
-    let input = OptimParams::single(input);
+    let input = OptimParams::of_model(&layout);
     let cfg = AdamConfig {
         lr: 0.01,
         weight_decay: 0.1.into(),

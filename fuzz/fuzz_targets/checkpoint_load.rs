@@ -10,7 +10,7 @@
 #![no_main]
 
 use fsdp::flat_param::ModelLayout;
-use fsdp::io::checkpoint::{
+use fsdp::checkpoint::{
     load, load_full, load_model_params, read_manifest, verify, LoadOptions, COMMIT, FORMAT,
     MANIFEST, VERSION,
 };
@@ -52,7 +52,7 @@ fuzz_target!(|data: &[u8]| {
         let Ok(layout) = ModelLayout::new(&m.model, &m.policy, ws) else {
             continue;
         };
-        let params = OptimParams::single(layout.default_optim_params());
+        let params = OptimParams::of_model(&layout);
         for rank in 0..ws {
             for verify in [true, false] {
                 let opts = LoadOptions { verify };

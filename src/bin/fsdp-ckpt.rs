@@ -6,10 +6,11 @@
 //! errors, as clap reports them).
 
 use clap::{Parser, Subcommand};
+use fsdp::checkpoint;
 use fsdp::io::inspect::Summary;
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
-use fsdp::io::{self, checkpoint, FileFormat};
-use fsdp::model::ModelSpec;
+use fsdp::io::{self, FileFormat};
+use fsdp::offline::ModelSpec;
 use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
 use fsdp::{Error, OptimStateDict, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -187,7 +188,7 @@ fn load_spec(path: &Path, named: bool) -> Result<ModelSpec> {
         }
         if spec.optim_params.is_none() && spec.optim_params_per_rank.is_none() {
             let layout = spec.layout(1)?;
-            let mut p = fsdp::OptimParams::single(layout.default_optim_params());
+            let mut p = fsdp::OptimParams::of_model(&layout);
             p.named = true;
             spec.optim_params = Some(p);
         }

@@ -1,4 +1,4 @@
-//! Collectives (layer 5): the [`ProcessGroup`] trait the façade communicates through, and its
+//! Collectives (layer 3): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).

@@ -455,18 +455,13 @@ impl ModelLayout {
         m
     }
 
-    /// The parameters an optimizer built from `model.parameters()` of the wrapped model would
-    /// receive, in that order: pre-order over modules, each module's unmanaged own parameters,
-    /// then its flat parameter (use_orig_params=False), then its children.
-    pub fn default_optim_params(&self) -> Vec<crate::optim_state::OptimParam> {
-        use crate::optim_state::OptimParam;
+    /// What `model.parameters()` of the wrapped model yields, in that order: pre-order over
+    /// modules, each module's unmanaged own parameters, then its flat parameter
+    /// (use_orig_params=False), then its children; every original parameter in model order
+    /// with use_orig_params.
+    pub fn parameters_in_model_order(&self) -> Vec<ParamSlot> {
         if self.use_orig_params() {
-            return self
-                .model
-                .params
-                .iter()
-                .map(|p| OptimParam::Param(p.name.clone()))
-                .collect();
+            return (0..self.model.params.len()).map(ParamSlot::Param).collect();
         }
         // Module tree in first-appearance order.
         let mut modules: HashSet<String> = HashSet::from([String::new()]);
@@ -502,11 +497,11 @@ impl ModelLayout {
         while let Some(m) = stack.pop() {
             for &i in own.get(&m).map(Vec::as_slice).unwrap_or(&[]) {
                 if self.ownership[i] == Ownership::Unmanaged {
-                    out.push(OptimParam::Param(self.model.params[i].name.clone()));
+                    out.push(ParamSlot::Param(i));
                 }
             }
             if let Some(f) = self.flat_of_unit(&m) {
-                out.push(OptimParam::Flat(f.unit.clone()));
+                out.push(ParamSlot::Flat(f.index));
             }
             if let Some(ch) = children.get(&m) {
                 for c in ch.iter().rev() {
@@ -516,6 +511,17 @@ impl ModelLayout {
         }
         out
     }
+}
+
+/// One entry of `model.parameters()` of the wrapped model
+/// ([`ModelLayout::parameters_in_model_order`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamSlot {
+    /// The flat parameter with this index in [`ModelLayout::flat_params`].
+    Flat(usize),
+    /// The model parameter with this index in the model description (unmanaged, or any
+    /// parameter with use_orig_params).
+    Param(usize),
 }
 
 /// Claim order of the units (indices into `units`): a unit claims before every unit that
@@ -561,6 +567,18 @@ fn claim_order(units: &[String]) -> Vec<usize> {
 mod tests {
     use super::*;
     use crate::model::prefix_contains;
+
+    #[test]
+    fn a_model_whose_bytes_overflow_is_refused_not_laid_out() {
+        // Shapes that fit one by one but not together: the layout refuses the model with the
+        // model's own error instead of overflowing.
+        let half = (isize::MAX as usize) / 4 / 2 + 1;
+        let m = ModelDesc::new()
+            .param("a", &[half], DType::F32)
+            .param("b", &[half], DType::F32);
+        let e = ModelLayout::new(&m, &WrapPolicy::units::<&str>(&[]), 2).unwrap_err();
+        assert!(matches!(e, crate::error::Error::InvalidModel(_)), "{e}");
+    }
 
     /// The definition, by repeated search: the smallest unplaced unit that contains no
     /// unplaced unit.

@@ -1,4 +1,4 @@
-//! Persistence (layer 7): reading and writing checkpoint files.
+//! File formats (layer 6): reading and writing single checkpoint files.
 //!
 //! [`torch_save`] reads and writes PyTorch's `torch.save` format, so that optimizer and model
 //! state dicts move between Rust and Python without conversion scripts. [`safetensors`] stores
@@ -6,7 +6,6 @@
 //! [`load`] and [`save`] pick one of the two by the file's extension; [`inspect`] summarizes
 //! what a file holds.
 
-pub mod checkpoint;
 pub mod dcp;
 pub mod inspect;
 pub mod safetensors;

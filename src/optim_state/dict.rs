@@ -1,5 +1,6 @@
 //! The optimizer state dict, shaped like `torch.optim.Optimizer.state_dict()`.
 
+use crate::flat_param::{ModelLayout, ParamSlot};
 use crate::tensor::{HostTensor, Tensor};
 use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
@@ -317,7 +318,29 @@ pub struct OptimParams {
     pub named: bool,
 }
 
+impl OptimParam {
+    /// What `model.parameters()` of the wrapped model yields, in that order (see
+    /// [`ModelLayout::parameters_in_model_order`]).
+    pub fn in_model_order(layout: &ModelLayout) -> Vec<OptimParam> {
+        layout
+            .parameters_in_model_order()
+            .into_iter()
+            .map(|slot| match slot {
+                ParamSlot::Flat(f) => OptimParam::Flat(layout.flat_params[f].unit.clone()),
+                ParamSlot::Param(i) => OptimParam::Param(layout.model.params[i].name.clone()),
+            })
+            .collect()
+    }
+}
+
 impl OptimParams {
+    /// The param groups of an optimizer built from `model.parameters()` of the wrapped model:
+    /// one group, [`OptimParam::in_model_order`]. What `torch.optim.Adam(model.parameters())`
+    /// holds, and what [`crate::Fsdp::optim_params`] returns.
+    pub fn of_model(layout: &ModelLayout) -> Self {
+        OptimParams::single(OptimParam::in_model_order(layout))
+    }
+
     /// One group holding `params`.
     pub fn single(params: Vec<OptimParam>) -> Self {
         OptimParams {

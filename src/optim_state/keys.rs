@@ -142,7 +142,7 @@ impl ModelLayout {
     /// The parameters in the wrapped model's `named_parameters()` order (flat parameters at
     /// their unit, or original parameters with use_orig_params), as resolved entries.
     pub fn model_order(&self) -> Vec<Resolved> {
-        self.default_optim_params()
+        crate::optim_state::OptimParam::in_model_order(self)
             .iter()
             .map(|p| resolve(self, p).expect("default parameters resolve"))
             .collect()

@@ -60,8 +60,7 @@ pub fn wrap_alt() -> WrapPolicy {
 /// `module.parameters()` of the wrapped model restricted to the module `prefix`.
 pub fn module_params(layout: &ModelLayout, prefix: &str) -> Vec<OptimParam> {
     let inside = |n: &str| fsdp::model::prefix_contains(prefix, n) || n == prefix;
-    layout
-        .default_optim_params()
+    OptimParam::in_model_order(layout)
         .into_iter()
         .filter(|p| match p {
             OptimParam::Flat(u) => inside(u),
@@ -85,7 +84,7 @@ pub fn nested_optim_input(
         g1.extend(module_params(layout, "block0"));
         vec![g0, g1]
     } else {
-        vec![layout.default_optim_params()]
+        vec![OptimParam::in_model_order(layout)]
     };
     if diff_inputs && rank % 2 == 1 {
         for g in &mut groups {

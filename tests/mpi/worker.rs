@@ -6,11 +6,11 @@
 
 use crate::common::*;
 use crate::{ok_line, DIR_ENV};
+use fsdp::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::collectives::{
     encode, reduce_parts, MpiProcessGroup, ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup,
 };
 use fsdp::flat_param::ModelLayout;
-use fsdp::io::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::optim::Optimizer;
 use fsdp::{
     DType, Error, Fsdp, ModelDesc, OptimParams, OptimStateDict, OptimStateDictConfig,
@@ -463,7 +463,7 @@ fn input_for(l: &ModelLayout, r: usize, i: Input) -> OptimParams {
     if l.model.params.len() == nested_model().params.len() {
         nested_optim_input(l, i.multiple, i.diff, r)
     } else {
-        OptimParams::single(l.default_optim_params())
+        OptimParams::of_model(&l)
     }
 }
 

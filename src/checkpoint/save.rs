@@ -7,8 +7,8 @@ use super::manifest::{
     block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
     MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
-use super::{fs_err, sync_dir, COMMIT};
-use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use super::{fs_err, sync_dir, GroupContext, COMMIT};
+use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, ShardPiece};
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
@@ -89,24 +89,26 @@ pub(super) fn crash(point: CrashPoint) -> Error {
 /// writes a data file (with hybrid sharding only the first replica group does).
 ///
 /// `model`, when given, is this rank's parameter tensors aligned with the ids of
-/// `OptimParams::single(layout.default_optim_params())` (what [`crate::params::shard_tensors`]
+/// `OptimParams::of_model(&layout)` (what [`crate::params::shard_tensors`]
 /// cuts for them; `None` entries are not saved); they are stored beside the optimizer state
 /// and read back by [`super::load_model_params`].
 ///
 /// The previous checkpoint at `dir`, if any, stays complete and loadable until the new one
 /// replaces it in one atomic exchange.
-#[allow(clippy::too_many_arguments)]
 pub fn save<T: Tensor>(
-    layout: &ModelLayout,
-    layout_rank: usize,
-    writer: bool,
-    pg: &dyn ProcessGroup,
+    ctx: GroupContext<'_>,
     osd: &OptimStateDict<T>,
     params: &OptimParams,
     model: Option<&[Option<T>]>,
     dir: &Path,
     opts: &SaveOptions,
 ) -> Result<()> {
+    let GroupContext {
+        layout,
+        layout_rank,
+        writes_files: writer,
+        pg,
+    } = ctx;
     let rank = pg.rank();
     // 1. Rank 0 creates the temporary directory beside `dir`.
     let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
@@ -204,7 +206,7 @@ pub(super) fn write_rank<T: Tensor>(
     }
     // The model's parameters, as one more state of every parameter of the model.
     let model_local = match model {
-        Some(_) => layout.local_params(&OptimParams::single(layout.default_optim_params()))?,
+        Some(_) => layout.local_params(&OptimParams::of_model(layout))?,
         None => Vec::new(),
     };
     let mut model_saved: Saved = Vec::new();

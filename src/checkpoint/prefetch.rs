@@ -193,7 +193,7 @@ fn advise_will_need(_: &std::fs::File, _: u64, _: u64) {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io::checkpoint::manifest::Piece;
+    use crate::checkpoint::manifest::Piece;
     use crate::model::{ModelDesc, WrapPolicy};
     use crate::tensor::DType;
 

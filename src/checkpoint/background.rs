@@ -5,11 +5,10 @@
 //! leaves a report file in the temporary directory, and rank 0's thread waits for every report,
 //! then merges and commits exactly as a foreground save does.
 
-use super::save::{commit, make_tmp_dir, write_rank, SaveOptions};
-use super::{fs_err, save::Reports};
+use super::save::{commit, make_tmp_dir, save, write_rank, SaveOptions};
+use super::{fs_err, save::Reports, GroupContext};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
-use crate::fsdp::Fsdp;
 use crate::optim_state::{OptimParams, OptimStateDict, Value};
 use crate::tensor::{HostTensor, Tensor};
 use std::path::{Path, PathBuf};
@@ -77,42 +76,42 @@ impl BackgroundSaver {
     }
 
     /// Starts saving this rank's local optimizer state `osd` to `dir` (collective over the
-    /// job, like [`Fsdp::save_optim_checkpoint`]): waits for the previous save, snapshots, and
+    /// job, like `Fsdp::save_optim_checkpoint`): waits for the previous save, snapshots, and
     /// returns while a background thread writes. Falls back to a foreground save on every rank
     /// when some rank's state exceeds the cap.
-    pub fn save<T: Tensor>(
+    pub fn save<'a, T: Tensor>(
         &mut self,
-        fsdp: &Fsdp,
+        group: impl Into<GroupContext<'a>>,
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         dir: impl AsRef<Path>,
     ) -> Result<SaveMode> {
-        self.start(fsdp, osd, params, None, dir.as_ref())
+        self.start(group.into(), osd, params, None, dir.as_ref())
     }
 
     /// [`BackgroundSaver::save`] that also saves this rank's parameter tensors, as
-    /// [`Fsdp::save_checkpoint`] does (they count against the cap and are snapshotted too).
-    pub fn save_checkpoint<T: Tensor>(
+    /// `Fsdp::save_checkpoint` does (they count against the cap and are snapshotted too).
+    pub fn save_checkpoint<'a, T: Tensor>(
         &mut self,
-        fsdp: &Fsdp,
+        group: impl Into<GroupContext<'a>>,
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         model: &[Option<T>],
         dir: impl AsRef<Path>,
     ) -> Result<SaveMode> {
-        self.start(fsdp, osd, params, Some(model), dir.as_ref())
+        self.start(group.into(), osd, params, Some(model), dir.as_ref())
     }
 
     fn start<T: Tensor>(
         &mut self,
-        fsdp: &Fsdp,
+        ctx: GroupContext<'_>,
         osd: &OptimStateDict<T>,
         params: &OptimParams,
         model: Option<&[Option<T>]>,
         dir: &Path,
     ) -> Result<SaveMode> {
         let dir = dir.to_path_buf();
-        let pg = fsdp.world_process_group().clone();
+        let pg = ctx.pg.clone();
         // The previous save finishes first, on every rank, so that two never interleave.
         let previous = self.wait();
         let need: usize = osd
@@ -136,10 +135,7 @@ impl BackgroundSaver {
             return Err(e);
         }
         if fits.iter().any(|(fits, _)| !fits) {
-            match model {
-                Some(m) => fsdp.save_checkpoint(osd, params, m, &dir, &SaveOptions::default())?,
-                None => fsdp.save_optim_checkpoint(osd, params, &dir, &SaveOptions::default())?,
-            }
+            save(ctx, osd, params, model, &dir, &SaveOptions::default())?;
             return Ok(SaveMode::Foreground);
         }
         let rank = pg.rank();
@@ -149,7 +145,7 @@ impl BackgroundSaver {
             Ok(PathBuf::new())
         };
         let tmp = pg.broadcast_object((rank == 0).then_some(&tmp), 0)??;
-        let writer = fsdp.writes_checkpoint_files();
+        let writer = ctx.writes_files;
         // The snapshot: private copies of every tensor, from the buffer cache.
         let snapshot: Option<OptimStateDict<HostTensor>> = writer
             .then(|| {
@@ -174,9 +170,9 @@ impl BackgroundSaver {
                     .collect()
             })
             .transpose()?;
-        let layout = fsdp.layout().clone();
-        let layout_rank = fsdp.rank();
-        let writers = fsdp.world_size();
+        let layout = ctx.layout.clone();
+        let layout_rank = ctx.layout_rank;
+        let writers = ctx.layout.world_size;
         let params = params.clone();
         let timeout = self.timeout;
         let shown = dir_display(&dir);

@@ -588,7 +588,7 @@ pub fn load<T: Tensor>(
 
 /// Rank `rank`'s parameter tensors for `layout` (any world size and wrapping of the same
 /// model) from the checkpoint in `dir`, aligned with the ids of
-/// `OptimParams::single(layout.default_optim_params())`: a flat shard per flat parameter
+/// `OptimParams::of_model(&layout)`: a flat shard per flat parameter
 /// (padding zero-filled), the local view per original parameter with `use_orig_params`, the
 /// whole tensor per unmanaged parameter; `None` for parameters saved without a value. Reads
 /// only this rank's byte ranges. Fails with [`Error::CheckpointMismatch`] when the checkpoint
@@ -623,7 +623,7 @@ pub fn load_model_params<T: Tensor>(
         records,
         rank,
     };
-    let params = OptimParams::single(layout.default_optim_params());
+    let params = OptimParams::of_model(layout);
     let mut osd: OptimStateDict<T> = src.with_read_ahead(layout, |src| {
         flatten_from_source(layout, src, None, Vec::new(), &params)
     })?;

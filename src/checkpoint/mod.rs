@@ -1,4 +1,4 @@
-//! The crate's own sharded checkpoint format: one data file per rank plus a manifest,
+//! Sharded checkpoints (layer 7), the crate's own format: one data file per rank plus a manifest,
 //! committed atomically, loadable at any world size and wrapping, verified by checksums.
 //!
 //! A checkpoint is a directory:
@@ -38,8 +38,39 @@ pub use reshard::{reshard, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
 
+use crate::collectives::ProcessGroup;
 use crate::error::{Error, Result};
+use crate::flat_param::ModelLayout;
 use std::path::Path;
+use std::sync::Arc;
+
+/// The calling rank's place in a collective checkpoint save: the model's layout, the rank's
+/// place in it, whether it writes a data file, and the process group of the whole job.
+///
+/// The façade hands one over (`From<&Fsdp>`), so the checkpoint code needs no `Fsdp` and sits
+/// below it.
+#[derive(Clone, Copy)]
+pub struct GroupContext<'a> {
+    /// The layout of the model being saved.
+    pub layout: &'a ModelLayout,
+    /// This rank's rank in the layout (its shard group's rank).
+    pub layout_rank: usize,
+    /// Whether this rank writes a data file: the ranks of the first shard group do.
+    pub writes_files: bool,
+    /// The process group of the whole job (every rank takes part in the commit).
+    pub pg: &'a Arc<dyn ProcessGroup>,
+}
+
+impl std::fmt::Debug for GroupContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupContext")
+            .field("layout_rank", &self.layout_rank)
+            .field("writes_files", &self.writes_files)
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .finish_non_exhaustive()
+    }
+}
 
 /// Maps an I/O error on `path` while doing `op` to [`Error::Io`].
 pub(crate) fn fs_err(op: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
