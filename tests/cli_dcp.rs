@@ -103,3 +103,24 @@ fn verify_passes_a_good_directory_and_names_key_and_file_of_a_bad_one() {
     assert_eq!(out.status.code(), Some(1));
     assert!(!pt.exists());
 }
+
+#[test]
+fn convert_to_dcp_writes_a_directory_that_consolidates_back_equal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = golden("fsdp2_adamw_ws3_tied/expected.pt");
+    let out = tmp.path().join("dcp_out");
+    let _ = ok(&run(&[&"convert", &input, &out, &"--to", &"dcp"]));
+    ok(&run(&[&"verify", &out]));
+    let back = tmp.path().join("back.pt");
+    ok(&run(&[&"consolidate", &out, &back]));
+    let expected = torch_save::load(&input).unwrap();
+    assert!(torch_save::load(&back).unwrap().bit_eq(&expected));
+    // The output is now non-empty: a second convert is refused and leaves it alone.
+    let again = run(&[&"convert", &input, &out, &"--to", &"dcp"]);
+    assert_eq!(again.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("not empty"));
+    // DCP -> the crate's format is refused with a typed error, not a panic.
+    let refused = run(&[&"convert", &out, &tmp.path().join("ck"), &"--to", &"fsdp"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&refused.stderr).starts_with("error: unsupported"));
+}

@@ -289,3 +289,58 @@ fn truncated_or_garbled_metadata_gives_typed_errors() {
     }
     assert!(dcp::parse_metadata("m", &raw).is_ok());
 }
+
+#[test]
+fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = Vec::new();
+    for name in SCENARIOS {
+        let input = golden(name).join("expected.pt");
+        let out = tmp.path().join(name);
+        dcp::torch_save_to_dcp(&input, &out).unwrap();
+        // The crate reads back what it wrote, equal to the input.
+        let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
+        assert!(back.bit_eq(&torch_save::load(&input).unwrap()), "{name}");
+        dcp::verify(&out).unwrap();
+        let md = dcp::read_metadata(&out).unwrap();
+        assert_eq!(
+            md.checkpoint_id.as_deref(),
+            Some(name),
+            "a relative checkpoint_id"
+        );
+        args.push(input);
+        args.push(out);
+    }
+    let res = std::process::Command::new(python())
+        .arg(golden("check_dcp_writer.py"))
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+#[test]
+fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
+    let input = golden("fsdp2_sgd_ws2_frozen/expected.pt");
+    let err = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        1,
+        "no temporary left"
+    );
+    // An empty directory is replaced.
+    std::fs::remove_file(out.join("keep.txt")).unwrap();
+    dcp::torch_save_to_dcp(&input, &out).unwrap();
+    assert!(dcp::is_dcp_dir(&out));
+}

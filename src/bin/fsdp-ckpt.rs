@@ -50,6 +50,10 @@ enum Command {
         input: PathBuf,
         /// Output file.
         output: PathBuf,
+        /// Write a directory instead: `dcp`, a PyTorch DCP directory (from a torch.save or
+        /// safetensors file, or from this crate's sharded checkpoint directory).
+        #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp"])]
+        to: Option<String>,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -336,7 +340,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{summary}");
             }
         }
-        Command::Convert { input, output } => {
+        Command::Convert { input, output, .. } => {
             FileFormat::from_path(&output)?;
             let obj =
                 progress.step(&format!("reading {}", input.display()), || io::load(&input))?;
@@ -459,8 +463,37 @@ fn run_dcp(cli: &Cli) -> Option<Result<()>> {
                 );
             }))
         }
+        Command::Convert {
+            input,
+            output,
+            to: Some(to),
+        } => Some(dcp_convert(input, output, to, &progress)),
         _ => None,
     }
+}
+
+/// `convert IN OUT_DIR --to dcp|fsdp`.
+fn dcp_convert(input: &Path, output: &Path, to: &str, progress: &Progress) -> Result<()> {
+    use fsdp::io::dcp;
+    let written = match to {
+        "dcp" if input.is_dir() => progress.step("converting", || {
+            dcp::checkpoint_to_dcp(input, output)
+        })?,
+        "dcp" => progress.step("converting", || dcp::torch_save_to_dcp(input, output))?,
+        _ => {
+            return Err(Error::Unsupported(format!(
+                "convert {} {} --to {to}: writing this crate's sharded checkpoint from a DCP directory is not implemented yet (it needs the model description and wrapping); use `consolidate` to a .pt file",
+                input.display(),
+                output.display()
+            )))
+        }
+    };
+    eprintln!(
+        "converted {} -> DCP directory {}: {written} bytes of tensors",
+        input.display(),
+        output.display()
+    );
+    Ok(())
 }
 
 fn dcp_inspect(dir: &Path, json: bool) -> Result<()> {

@@ -14,11 +14,14 @@
 //! only their byte ranges; [`consolidate_to_torch`] writes the file
 //! `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` writes, one tensor in memory
 //! at a time; [`verify`] checks everything; [`summary`] describes the directory.
+//! [`save_dcp`] writes a state dict as a DCP directory, as `torch_save_to_dcp` does.
 
 mod metadata;
+mod pickler;
 mod plan;
 mod read;
 mod unpickle;
+mod write;
 
 pub use metadata::{
     dtype_of, parse_metadata, read_metadata, Chunk, Entry, EntryKind, Metadata, PathItem,
@@ -30,9 +33,29 @@ pub use read::{
     EntrySummary, FileSummary, VerifyReport,
 };
 
+pub use write::save_dcp;
+
+use crate::error::Result;
 use std::path::Path;
 
 /// Whether `dir` is a DCP directory (holds a `.metadata` file).
 pub fn is_dcp_dir(dir: &Path) -> bool {
     dir.is_dir() && dir.join(".metadata").is_file()
+}
+
+/// Writes the state dict in the `torch.save` (or `.safetensors`) file `input` as the DCP
+/// directory `out`, as `torch.distributed.checkpoint.format_utils.torch_save_to_dcp(input,
+/// out)` does; see [`save_dcp`]. Returns the tensor bytes written.
+pub fn torch_save_to_dcp(input: &Path, out: &Path) -> Result<u64> {
+    let obj = crate::io::load(input)?;
+    save_dcp(&obj, out)
+}
+
+/// Writes the full optimizer state dict of the crate's sharded checkpoint `ckpt` (what
+/// [`crate::checkpoint::load_full`] gives, `{"state": ..., "param_groups": ...}`) as the DCP
+/// directory `out`; see [`save_dcp`]. Returns the tensor bytes written.
+pub fn checkpoint_to_dcp(ckpt: &Path, out: &Path) -> Result<u64> {
+    let full = crate::checkpoint::load_full(ckpt, &crate::checkpoint::LoadOptions::default())?;
+    let obj = crate::io::torch_save::optim_to_pyobj(&full)?;
+    save_dcp(&obj, out)
 }
