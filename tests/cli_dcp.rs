@@ -124,3 +124,47 @@ fn convert_to_dcp_writes_a_directory_that_consolidates_back_equal() {
     assert_eq!(refused.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&refused.stderr).starts_with("error: unsupported"));
 }
+
+#[test]
+fn convert_a_sharded_checkpoint_to_dcp_keeps_its_full_dict() {
+    use fsdp::collectives::ThreadGroup;
+    use fsdp::{
+        DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy,
+    };
+    use std::sync::Arc;
+    let model = ModelDesc::new()
+        .param("embed.weight", &[5, 3], DType::F32)
+        .param("layers.0.weight", &[3, 3], DType::F32);
+    let policy = WrapPolicy::units(&["layers.0", ""]);
+    let mut full = OptimStateDict::default();
+    for (i, p) in model.params.iter().enumerate() {
+        let mut st = ParamState::new();
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(2.0f32)));
+        let n: usize = p.shape.iter().product();
+        let vals: Vec<f32> = (0..n).map(|j| (i * 100 + j) as f32 * 0.5).collect();
+        st.insert(
+            "exp_avg".into(),
+            Value::Tensor(HostTensor::from_slice(&vals, &p.shape).unwrap()),
+        );
+        full.state.insert(ParamKey::Name(p.name.clone()), st);
+    }
+    full.param_groups = None;
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &policy, Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        fsdp.save_optim_checkpoint(&local, &params, &ckpt, &Default::default())
+            .unwrap();
+    });
+    let out = tmp.path().join("as_dcp");
+    ok(&run(&[&"convert", &ckpt, &out, &"--to", &"dcp"]));
+    let back = tmp.path().join("back.pt");
+    ok(&run(&[&"consolidate", &out, &back]));
+    let opts = fsdp::checkpoint::LoadOptions::default();
+    let want =
+        torch_save::optim_to_pyobj(&fsdp::checkpoint::load_full(&ckpt, &opts).unwrap()).unwrap();
+    let got = torch_save::load(&back).unwrap();
+    assert!(got.bit_eq(&want), "{got:?}\n{want:?}");
+}
