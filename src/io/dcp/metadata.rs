@@ -9,6 +9,9 @@ use std::path::Path;
 /// Largest `.metadata` file read (it is held in memory while it is parsed).
 pub const MAX_METADATA_BYTES: u64 = 1 << 30;
 
+/// Longest path of a key in the nested dict (`planner_data`), as deep as the crate nests.
+pub const MAX_PATH_LEN: usize = 200;
+
 /// One step of a key's path in the nested state dict (`planner_data`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(untagged)]
@@ -140,15 +143,44 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
 /// Parses the bytes of a `.metadata` file (`file` names it in errors).
 pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
     let p = unpickle::unpickle(file, data)?;
-    Extract { file, p: &p }.metadata()
+    // Shared references (the memo) let a small pickle name one object many times; what is
+    // built from it may hold at most this many items and string bytes.
+    let budget = std::cell::Cell::new(data.len().saturating_mul(16).saturating_add(1 << 16));
+    Extract {
+        file,
+        p: &p,
+        budget,
+    }
+    .metadata()
 }
 
 struct Extract<'a> {
     file: &'a str,
     p: &'a Pickled,
+    budget: std::cell::Cell<usize>,
 }
 
 impl Extract<'_> {
+    /// Counts `n` items or bytes against the budget.
+    fn charge(&self, n: usize) -> Result<()> {
+        match self.budget.get().checked_sub(n) {
+            Some(left) => {
+                self.budget.set(left);
+                Ok(())
+            }
+            None => Err(self.err(
+                "the metadata expands to far more objects than its size allows (shared references)",
+            )),
+        }
+    }
+
+    /// An owned copy of the string `v`, charged to the budget.
+    fn string(&self, v: &V, what: &str) -> Result<String> {
+        let s = self.str(v, what)?;
+        self.charge(s.len() + 1)?;
+        Ok(s.to_string())
+    }
+
     fn err(&self, reason: impl Into<String>) -> Error {
         Error::DcpMetadata {
             file: self.file.to_string(),
@@ -192,7 +224,9 @@ impl Extract<'_> {
     }
 
     fn dims(&self, v: &V, what: &str) -> Result<Vec<usize>> {
-        self.seq(v, what)?
+        let items = self.seq(v, what)?;
+        self.charge(items.len() + 1)?;
+        items
             .iter()
             .map(|x| {
                 let d = self.uint(x, what)?;
@@ -228,9 +262,10 @@ impl Extract<'_> {
         let mut entries: Vec<Entry> = Vec::new();
         let mut at: HashMap<String, usize> = HashMap::new();
         for (k, v) in self.dict(sdm, "state_dict_metadata")? {
-            let key = self.str(k, "a state_dict_metadata key")?.to_string();
+            let key = self.string(k, "a state_dict_metadata key")?;
             let kind = self.entry_kind(&key, v)?;
             let path = planner.get(&key).cloned();
+            self.charge(path.as_ref().map_or(0, Vec::len))?;
             let e = Entry { key, path, kind };
             match at.get(&e.key) {
                 Some(&i) => entries[i] = e,
@@ -269,12 +304,19 @@ impl Extract<'_> {
     fn planner_data(&self, v: &V) -> Result<HashMap<String, Vec<PathItem>>> {
         let mut out = HashMap::new();
         for (k, p) in self.dict(v, "planner_data")? {
-            let key = self.str(k, "a planner_data key")?.to_string();
+            let key = self.string(k, "a planner_data key")?;
             let what = format!("planner_data[{key:?}]");
+            let items = self.seq(p, &what)?;
+            if items.len() > MAX_PATH_LEN {
+                return Err(self.err(format!(
+                    "{what} is {} steps long, more than {MAX_PATH_LEN}",
+                    items.len()
+                )));
+            }
             let mut path = Vec::new();
-            for item in self.seq(p, &what)? {
+            for item in items {
                 path.push(match item {
-                    V::Str(s) => PathItem::Key(s.to_string()),
+                    v @ V::Str(_) => PathItem::Key(self.string(v, &what)?),
                     V::Int(i) if *i >= 0 => PathItem::Index(*i as usize),
                     _ => {
                         return Err(self.err(format!(
@@ -305,7 +347,15 @@ impl Extract<'_> {
         let dtype = self.dtype(get("properties")?, &what)?;
         let size = self.dims(get("size")?, &format!("{what}.size"))?;
         let mut chunks = Vec::new();
-        for c in self.seq(get("chunks")?, &format!("{what}.chunks"))? {
+        let listed = self.seq(get("chunks")?, &format!("{what}.chunks"))?;
+        if listed.len() > crate::io::dcp::MAX_CHUNKS_PER_TENSOR {
+            return Err(self.err(format!(
+                "{what} has {} chunks, more than the {} accepted per tensor",
+                listed.len(),
+                crate::io::dcp::MAX_CHUNKS_PER_TENSOR
+            )));
+        }
+        for c in listed {
             let ca = self.attrs(
                 c,
                 Class::ChunkStorageMetadata,
@@ -353,7 +403,7 @@ impl Extract<'_> {
         for (k, s) in self.dict(v, "storage_data")? {
             let ka = self.attrs(k, Class::MetadataIndex, "a storage_data key")?;
             let fqn = match ka.get("fqn") {
-                Some(f) => self.str(f, "MetadataIndex.fqn")?.to_string(),
+                Some(f) => self.string(f, "MetadataIndex.fqn")?,
                 None => return Err(self.err("a MetadataIndex has no fqn")),
             };
             let what = format!("storage_data[{fqn:?}]");
@@ -372,11 +422,11 @@ impl Extract<'_> {
                 Some(t) => self
                     .seq(t, &what)?
                     .iter()
-                    .map(|x| self.str(x, "a transform descriptor").map(str::to_string))
+                    .map(|x| self.string(x, "a transform descriptor"))
                     .collect::<Result<_>>()?,
             };
             let info = StorageInfo {
-                relative_path: self.str(get("relative_path")?, &what)?.to_string(),
+                relative_path: self.string(get("relative_path")?, &what)?,
                 offset: self.uint(get("offset")?, &format!("{what}.offset"))?,
                 length: self.uint(get("length")?, &format!("{what}.length"))?,
                 transforms,

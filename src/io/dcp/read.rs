@@ -10,7 +10,7 @@ use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Component, Path, PathBuf};
 
 /// An opened DCP directory: its metadata, with every data file resolved inside it.
@@ -367,19 +367,82 @@ pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -
 
 /// [`consolidate_to_torch`] to a `.safetensors` file in the crate's mapping
 /// ([`crate::io::safetensors`]): the nested dict's structure in `__metadata__`, the tensors
-/// by their path. The whole dict is assembled in memory first.
+/// by their path, streamed one assembled tensor at a time after every chunk was checked.
+/// The file appears atomically. Returns the tensor bytes written.
 pub fn consolidate_to_safetensors(
     dir: &Path,
     out: &Path,
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
     let ckpt = DcpCheckpoint::open(dir)?;
-    let obj = ckpt.load()?;
-    let (tensors, _) = crate::io::safetensors::parts(&obj);
-    let bytes: u64 = tensors.iter().map(|(_, t)| t.nbytes() as u64).sum();
-    crate::io::safetensors::save(&obj, out)?;
-    progress(bytes);
-    Ok(bytes)
+    let (obj, stands_for) = skeleton(&ckpt)?;
+    let (tensors, meta) = crate::io::safetensors::parts(&obj);
+    // (name, entry index) of every tensor, in file order.
+    let order: Vec<(String, usize)> = tensors
+        .iter()
+        .filter_map(|(name, t)| stands_for.get(&t.storage_id()).map(|&i| (name.clone(), i)))
+        .collect();
+    let header = safetensors_header(&ckpt, &order, meta.into_iter().collect())?;
+    let mut written = 0u64;
+    crate::io::torch_save::write_atomic(out, |mut w| {
+        let io = |e: std::io::Error| Error::Io {
+            op: "writing".into(),
+            path: out.display().to_string(),
+            reason: e.to_string(),
+        };
+        w.write_all(&header).map_err(io)?;
+        for (_, i) in &order {
+            let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
+            w.write_all(t.as_bytes()).map_err(io)?;
+            written += t.nbytes() as u64;
+            progress(written);
+        }
+        Ok(w)
+    })?;
+    Ok(written)
+}
+
+/// The safetensors header (length prefix included, padded to 8 bytes) for the tensors of
+/// `order` laid out back to back, with `meta` as `__metadata__`.
+fn safetensors_header(
+    ckpt: &DcpCheckpoint,
+    order: &[(String, usize)],
+    meta: BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::json!(meta));
+    let mut at = 0u64;
+    for (name, i) in order {
+        let e = &ckpt.metadata.entries[*i];
+        let (t, dtype) = ckpt.tensor_meta(&e.key)?;
+        let n = (ckpt.plan_tensor(&e.key)?) as u64;
+        let st = match dtype {
+            DType::F32 => "F32",
+            DType::F64 => "F64",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::I64 => "I64",
+            DType::I32 => "I32",
+            DType::U8 => "U8",
+            DType::Bool => "BOOL",
+        };
+        map.insert(
+            name.clone(),
+            serde_json::json!({"dtype": st, "shape": t.size, "data_offsets": [at, at + n]}),
+        );
+        at += n;
+    }
+    let mut json =
+        serde_json::to_vec(&serde_json::Value::Object(map)).map_err(|e| Error::Serialization {
+            what: "safetensors header".into(),
+            reason: e.to_string(),
+        })?;
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    Ok(out)
 }
 
 /// What [`verify`] checked.

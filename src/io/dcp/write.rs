@@ -147,8 +147,9 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
         _ => PathBuf::from("."),
     };
     let tmp = parent.join(format!(".{name}.{}.tmp", std::process::id()));
+    // Only a temporary directory created here is removed on failure.
+    std::fs::create_dir(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
     let result = (|| {
-        std::fs::create_dir(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
         let (stored, tensor_bytes) = write_data(&tmp.join(DATA_FILE), items)?;
         let md = super::pickler::metadata_pickle(&stored_view(&stored), &name)?;
         write_synced(&tmp.join(".metadata"), &md)?;
