@@ -3,6 +3,7 @@
 //! Every variant names what was wrong and where (parameter, rank, state name, unit), so that a
 //! user can act on the message without reading the crate's source.
 
+use std::path::Path;
 use std::time::Duration;
 
 /// Result alias used throughout the crate.
@@ -83,9 +84,138 @@ pub enum Error {
     },
 
     // ----- optimizer state validation (PyTorch's own checks) -----
-    /// The optimizer state dict is malformed (missing key, id out of range, wrong value kind).
-    #[error("invalid optimizer state dict: {0}")]
-    InvalidStateDict(String),
+    /// An optimizer's hyper-parameters are out of range, as `torch.optim` refuses them.
+    #[error("{optimizer}: {reason}")]
+    InvalidOptimizerConfig {
+        /// The optimizer (`Adam`, `AdamW`, `SGD`).
+        optimizer: String,
+        /// What is out of range, with the value.
+        reason: String,
+    },
+
+    /// Param groups that cannot be used: a group that does not exist, a parameter listed
+    /// twice, a key that no parameter owns, a hyper-parameter missing or of the wrong type.
+    #[error("{context}: {}{reason}", group_prefix(.group))]
+    InvalidParamGroups {
+        /// The optimizer or operation that checked them.
+        context: String,
+        /// The group involved, when one is.
+        group: Option<usize>,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A loaded state dict's param groups differ from the optimizer's: in number (`group` is
+    /// `None`) or in the size of one group.
+    #[error("{context}: {}", format_group_mismatch(.group, *.expected, *.found))]
+    ParamGroupsMismatch {
+        /// The optimizer or operation that checked them.
+        context: String,
+        /// `None`: the number of groups differs; `Some(g)`: the size of group `g` differs.
+        group: Option<usize>,
+        /// What the optimizer has.
+        expected: usize,
+        /// What the dict has.
+        found: usize,
+    },
+
+    /// A parameter's state lacks a state the operation needs (`step`, `exp_avg`, …); an empty
+    /// `state` means the parameter has no state at all.
+    #[error("{context}: {}", format_missing_state(.param, .state))]
+    MissingState {
+        /// Where: the optimizer, operation or rank.
+        context: String,
+        /// The parameter (`parameter id 3`, `` `layer.weight` ``).
+        param: String,
+        /// The state name.
+        state: String,
+    },
+
+    /// A state holds another kind of value than the operation needs (a sharded tensor where a
+    /// plain one is needed, a number where a tensor is).
+    #[error("{context}: state `{state}` of {param} must be {expected}, found {found}")]
+    WrongStateKind {
+        /// Where: the optimizer, operation or rank.
+        context: String,
+        /// The parameter.
+        param: String,
+        /// The state name.
+        state: String,
+        /// What is needed.
+        expected: String,
+        /// What is there.
+        found: String,
+    },
+
+    /// A state dict keyed by parameter ids where names are needed, or the reverse, or by both.
+    #[error("{dict} must be keyed by {expected}, but it has the key {key}{hint}")]
+    WrongKeyType {
+        /// Which dict (`a full optimizer state dict`, …).
+        dict: String,
+        /// The key type needed (`parameter names`, `parameter ids`, `one key type`).
+        expected: String,
+        /// The first key that does not fit.
+        key: String,
+        /// What to do about it (empty, or starting with `; `).
+        hint: String,
+    },
+
+    /// The optimizer holds a parameter the wrapping does not let it hold: an original
+    /// parameter flattened into a flat parameter, a flat parameter with `use_orig_params`, a
+    /// parameter FSDP does not manage.
+    #[error("optimizer parameter {param}: {reason}")]
+    WrongOptimParam {
+        /// The parameter, as the optimizer holds it.
+        param: String,
+        /// What it should hold instead.
+        reason: String,
+    },
+
+    /// A call got an argument that does not fit it on this rank: the dict a rank must pass is
+    /// missing, a wrong number of tensors, an impossible group size.
+    #[error("{op} on rank {rank}: {reason}")]
+    InvalidArgument {
+        /// The call.
+        op: String,
+        /// The calling rank.
+        rank: usize,
+        /// What does not fit.
+        reason: String,
+    },
+
+    /// Two settings that must agree do not (a state-dict config for another state-dict type).
+    #[error("{what}: expected {expected}, found {found}")]
+    ConfigMismatch {
+        /// The setting.
+        what: String,
+        /// What fits.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
+
+    /// A worker thread (a background save's writer, a thread rank) panicked.
+    #[error("{worker} panicked: {message}")]
+    WorkerPanicked {
+        /// The worker.
+        worker: String,
+        /// The panic's message, when it was a string.
+        message: String,
+    },
+
+    /// Waiting for something other than a collective ran out of time (the data files of a
+    /// background save).
+    #[error("timed out after {waited:?} waiting for {what}")]
+    TimedOut {
+        /// What was awaited.
+        what: String,
+        /// How long.
+        waited: Duration,
+    },
+
+    /// An internal invariant failed: a bug in this crate, not in the input.
+    #[error("internal error in fsdp (please report it): {0}")]
+    Internal(String),
 
     /// Parameters of one flat parameter have different sets of state names.
     #[error(
@@ -282,15 +412,16 @@ pub enum Error {
     },
 
     // ----- files (torch.save) -----
-    /// Reading or writing a file failed at the operating-system level.
-    #[error("I/O error while {op} `{path}`: {reason}")]
+    /// Reading or writing a file failed at the operating-system level ([`Error::io`] builds
+    /// it; [`Error::io_kind`] tells not-found from permission-denied).
+    #[error("I/O error while {op} `{path}`: {source}")]
     Io {
         /// What was being done (`reading`, `writing`, `renaming`, …).
         op: String,
         /// The file involved.
         path: String,
-        /// The operating system's message.
-        reason: String,
+        /// The operating system's error.
+        source: IoError,
     },
 
     /// The file is a legacy (pre-1.6, `_use_new_zipfile_serialization=False`) `torch.save` file.
@@ -500,6 +631,170 @@ pub enum Error {
     /// A feature exists in PyTorch but is not supported here.
     #[error("unsupported: {0}")]
     Unsupported(String),
+
+    /// A crash injected by a test at a named point of a save or reshard (fault injection).
+    #[doc(hidden)]
+    #[error("injected crash at {point}")]
+    InjectedCrash {
+        /// The point.
+        point: String,
+    },
+}
+
+impl Error {
+    /// A `map_err` adapter: the operating-system error `e` while `op` (`reading`, `writing`,
+    /// `renaming`, …) on `path`.
+    pub fn io(
+        op: impl Into<String>,
+        path: impl AsRef<Path>,
+    ) -> impl FnOnce(std::io::Error) -> Error {
+        let op = op.into();
+        let path = path.as_ref().display().to_string();
+        move |e| Error::Io {
+            op,
+            path,
+            source: e.into(),
+        }
+    }
+
+    /// The `io::ErrorKind` of an [`Error::Io`]; `None` for every other variant.
+    pub fn io_kind(&self) -> Option<std::io::ErrorKind> {
+        match self {
+            Error::Io { source, .. } => Some(source.kind()),
+            _ => None,
+        }
+    }
+}
+
+/// An operating-system I/O error as [`Error::Io`] carries it: its `io::ErrorKind`, OS error
+/// code and message, in a form that ranks can exchange (serde) and compare.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct IoError {
+    #[serde(with = "io_kind_serde")]
+    kind: std::io::ErrorKind,
+    raw_os_error: Option<i32>,
+    message: String,
+}
+
+impl IoError {
+    /// An error of `kind` with `message`, for failures found before any system call (a path
+    /// without a file name, a NUL byte in a path).
+    pub fn new(kind: std::io::ErrorKind, message: impl Into<String>) -> Self {
+        IoError {
+            kind,
+            raw_os_error: None,
+            message: message.into(),
+        }
+    }
+
+    /// The kind (`NotFound`, `PermissionDenied`, `StorageFull`, …).
+    pub fn kind(&self) -> std::io::ErrorKind {
+        self.kind
+    }
+
+    /// The OS error code (`errno`), when the error came from the OS.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        self.raw_os_error
+    }
+}
+
+impl From<std::io::Error> for IoError {
+    fn from(e: std::io::Error) -> Self {
+        IoError {
+            kind: e.kind(),
+            raw_os_error: e.raw_os_error(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl std::fmt::Display for IoError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for IoError {}
+
+/// `io::ErrorKind` by its name, so that it crosses the wire; a kind this build does not know
+/// comes back as `Other`.
+mod io_kind_serde {
+    use std::io::ErrorKind;
+
+    pub(super) const KINDS: &[ErrorKind] = &[
+        ErrorKind::NotFound,
+        ErrorKind::PermissionDenied,
+        ErrorKind::ConnectionRefused,
+        ErrorKind::ConnectionReset,
+        ErrorKind::HostUnreachable,
+        ErrorKind::NetworkUnreachable,
+        ErrorKind::ConnectionAborted,
+        ErrorKind::NotConnected,
+        ErrorKind::AddrInUse,
+        ErrorKind::AddrNotAvailable,
+        ErrorKind::NetworkDown,
+        ErrorKind::BrokenPipe,
+        ErrorKind::AlreadyExists,
+        ErrorKind::WouldBlock,
+        ErrorKind::NotADirectory,
+        ErrorKind::IsADirectory,
+        ErrorKind::DirectoryNotEmpty,
+        ErrorKind::ReadOnlyFilesystem,
+        ErrorKind::StaleNetworkFileHandle,
+        ErrorKind::InvalidInput,
+        ErrorKind::InvalidData,
+        ErrorKind::TimedOut,
+        ErrorKind::WriteZero,
+        ErrorKind::StorageFull,
+        ErrorKind::NotSeekable,
+        ErrorKind::QuotaExceeded,
+        ErrorKind::FileTooLarge,
+        ErrorKind::ResourceBusy,
+        ErrorKind::ExecutableFileBusy,
+        ErrorKind::Deadlock,
+        ErrorKind::CrossesDevices,
+        ErrorKind::TooManyLinks,
+        ErrorKind::ArgumentListTooLong,
+        ErrorKind::Interrupted,
+        ErrorKind::Unsupported,
+        ErrorKind::UnexpectedEof,
+        ErrorKind::OutOfMemory,
+        ErrorKind::Other,
+    ];
+
+    pub fn serialize<S: serde::Serializer>(kind: &ErrorKind, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{kind:?}"))
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<ErrorKind, D::Error> {
+        let name: String = serde::Deserialize::deserialize(d)?;
+        Ok(KINDS
+            .iter()
+            .copied()
+            .find(|k| format!("{k:?}") == name)
+            .unwrap_or(ErrorKind::Other))
+    }
+}
+
+fn group_prefix(group: &Option<usize>) -> String {
+    group
+        .map(|g| format!("param group {g}: "))
+        .unwrap_or_default()
+}
+
+fn format_group_mismatch(group: &Option<usize>, expected: usize, found: usize) -> String {
+    match group {
+        None => format!("loaded state dict has a different number of parameter groups: expected {expected}, found {found}"),
+        Some(g) => format!("loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group {g} has {found} parameters, expected {expected}"),
+    }
+}
+
+fn format_missing_state(param: &str, state: &str) -> String {
+    if state.is_empty() {
+        format!("{param} has no optimizer state")
+    } else {
+        format!("state of {param} has no `{state}`")
+    }
 }
 
 fn entry_suffix(entry: &Option<String>) -> String {
@@ -517,4 +812,35 @@ fn format_missing(missing: &[(usize, Vec<Vec<String>>)]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_errors_keep_their_kind_across_the_wire() {
+        for (i, kind) in io_kind_serde::KINDS.iter().enumerate() {
+            let os = std::io::Error::new(*kind, format!("failure {i}"));
+            let err = Error::io("reading", "/some/file")(os);
+            let json = serde_json::to_string(&err).unwrap();
+            let back: Error = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, err);
+            assert_eq!(back.io_kind(), Some(*kind), "{json}");
+            assert_eq!(
+                back.to_string(),
+                format!("I/O error while reading `/some/file`: failure {i}")
+            );
+        }
+    }
+
+    #[test]
+    fn an_os_error_keeps_its_code() {
+        let err = Error::io("opening", "x")(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        let Error::Io { source, .. } = &err else {
+            panic!("{err:?}")
+        };
+        assert_eq!(source.raw_os_error(), Some(libc::ENOSPC));
+        assert_eq!(err.io_kind(), Some(std::io::ErrorKind::StorageFull));
+    }
 }

@@ -136,9 +136,11 @@ impl Fsdp {
     /// PyTorch.
     pub fn new(model: &ModelDesc, policy: &WrapPolicy, pg: Arc<dyn ProcessGroup>) -> Result<Self> {
         if policy.sharding_strategy.is_hybrid() {
-            return Err(Error::InvalidModel(
-                "HYBRID_SHARD needs a shard group: use Fsdp::new_hybrid(model, policy, world, shard_group_size)".into(),
-            ));
+            return Err(Error::ConfigMismatch {
+                what: "the sharding strategy of Fsdp::new".into(),
+                expected: "a strategy without shard groups (HYBRID_SHARD needs a shard group: use Fsdp::new_hybrid(model, policy, world, shard_group_size))".into(),
+                found: format!("{:?}", policy.sharding_strategy),
+            });
         }
         let layout = ModelLayout::new(model, policy, pg.world_size())?;
         Ok(Fsdp {
@@ -159,9 +161,11 @@ impl Fsdp {
     ) -> Result<Self> {
         let ws = world.world_size();
         if shard_group_size == 0 || ws % shard_group_size != 0 {
-            return Err(Error::InvalidModel(format!(
-                "shard group size {shard_group_size} does not divide the world size {ws}"
-            )));
+            return Err(Error::ConfigMismatch {
+                what: "the shard group size of Fsdp::new_hybrid".into(),
+                expected: format!("a divisor of the world size {ws}"),
+                found: shard_group_size.to_string(),
+            });
         }
         let mut mine = None;
         for g in 0..ws / shard_group_size {
@@ -232,9 +236,11 @@ impl Fsdp {
                 | (StateDictType::Local, OptimStateDictConfig::Local { .. })
         );
         if !matches {
-            return Err(Error::InvalidModel(format!(
-                "{config:?} is not a config for {t:?}"
-            )));
+            return Err(Error::ConfigMismatch {
+                what: "set_state_dict_type".into(),
+                expected: format!("a config for {t:?}"),
+                found: format!("{config:?}"),
+            });
         }
         let prev = self.settings;
         self.settings = StateDictSettings {
@@ -456,11 +462,10 @@ impl Fsdp {
         osd: Option<&OptimStateDict<T>>,
         params: &OptimParams,
     ) -> Result<OptimStateDict<T>> {
-        let need = |what: &str| {
-            Error::InvalidStateDict(format!(
-                "optim_state_dict_to_load: rank {} must pass the {what} dict",
-                self.world_pg.rank()
-            ))
+        let need = |what: &str| Error::InvalidArgument {
+            op: LOAD.into(),
+            rank: self.world_pg.rank(),
+            reason: format!("this rank must pass the {what} dict"),
         };
         match self.settings.state_dict_type {
             StateDictType::Full if self.rank0_only() => self.scatter(LOAD, osd, params),

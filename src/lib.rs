@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod checkpoint;
 pub mod collectives;
@@ -7,6 +8,7 @@ pub mod error;
 pub mod flat_param;
 pub mod io;
 #[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub mod libtorch;
 pub mod model;
 pub mod offline;
@@ -27,5 +29,6 @@ pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };
 #[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use tensor::TchTensor;
 pub use tensor::{DType, HostTensor, Tensor};

@@ -108,7 +108,7 @@ impl ModelSpec {
         let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
             op: "reading".into(),
             path: name.clone(),
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         Self::from_json(&text, &name)
     }

@@ -454,8 +454,11 @@ fn a_full_dict_keyed_by_ids() {
     let mut full = OptimStateDict::default();
     full.state.insert(ParamKey::Id(0), adam(&[2, 3], 0.0, 3.0));
     let err = shard_error(&small_model(), &small_policy(), &full);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
-    assert_names(&err, &["id key 0", "rekey"]);
+    assert!(
+        matches!(&err, Error::WrongKeyType { key, expected, .. } if key == "0" && expected == "parameter names"),
+        "{err:?}"
+    );
+    assert_names(&err, &["key 0", "rekey"]);
 }
 
 #[test]
@@ -480,8 +483,11 @@ fn a_flat_parameter_whose_members_all_have_empty_state() {
     full.state.insert("unit.a".into(), ParamState::new());
     full.state.insert("unit.b".into(), ParamState::new());
     let err = shard_error(&small_model(), &small_policy(), &full);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
-    assert_names(&err, &["`unit`", "unit.a", "unit.b", "empty"]);
+    assert!(
+        matches!(&err, Error::MissingState { state, .. } if state.is_empty()),
+        "{err:?}"
+    );
+    assert_names(&err, &["`unit`", "unit.a", "unit.b", "no optimizer state"]);
 }
 
 #[test]
@@ -493,7 +499,10 @@ fn a_full_dict_holding_sharded_tensors_for_a_flat_parameter() {
         st.insert("exp_avg".into(), sharded);
     }
     let err = shard_error(&small_model(), &small_policy(), &full);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::WrongStateKind { state, found, .. } if state == "exp_avg" && found.starts_with("sharded tensor")),
+        "{err:?}"
+    );
     assert_names(&err, &["`exp_avg`", "`unit`", "sharded"]);
 }
 
@@ -501,7 +510,7 @@ fn a_full_dict_holding_sharded_tensors_for_a_flat_parameter() {
 fn a_full_dict_holding_a_sharded_tensor_for_an_original_parameter() {
     // Regression (was a bug): with use_orig_params=True, `flatten::shard_orig_param_state` passes a
     // `Value::Sharded` through (`other => other`) into the local dict, while the same input is
-    // an InvalidStateDict with use_orig_params=False (`flatten_tensor_state`). The optimizer
+    // a WrongStateKind with use_orig_params=False (`flatten_tensor_state`). The optimizer
     // would receive a ShardedTensor, and `full_optim_state_dict` later rejects the dict.
     let mut full = full_adam(&orig_model(), 3.0);
     let st = state_mut(&mut full, "unit.a");
@@ -515,7 +524,10 @@ fn a_full_dict_holding_a_sharded_tensor_for_an_original_parameter() {
         let err = r.expect_err(&format!(
             "rank {rank} accepted a sharded tensor in a full dict"
         ));
-        assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+        assert!(
+            matches!(&err, Error::WrongStateKind { state, found, .. } if state == "exp_avg" && found == "a sharded tensor"),
+            "{err:?}"
+        );
         assert_names(&err, &["`exp_avg`", "unit.a", "sharded"]);
     }
 }
@@ -690,18 +702,12 @@ fn full_optim_state_dict_of_a_local_dict_holding_a_sharded_tensor() {
     let block1_id = id_of(&OptimParams::of_model(&layout), &flat("block1"));
     // The culprit rank names the state and its key.
     assert!(
-        matches!(errs[1], Error::InvalidStateDict(_)),
+        matches!(&errs[1], Error::WrongStateKind { context, param, state, .. }
+            if context == "rank 1: local optimizer state" && param == &block1_id.to_string() && state == "exp_avg"),
         "{:?}",
         errs[1]
     );
-    assert_names(
-        &errs[1],
-        &[
-            "`exp_avg`",
-            "sharded",
-            &format!("local optimizer state of {block1_id}"),
-        ],
-    );
+    assert_names(&errs[1], &["`exp_avg`", "sharded"]);
     // Its peer fails too instead of waiting, with the culprit's own error naming its rank.
     assert_eq!(errs[0], errs[1]);
     assert_names(&errs[0], &["rank 1"]);
@@ -728,8 +734,11 @@ fn full_optim_state_dict_when_the_param_groups_list_a_key_the_optimizer_does_not
             .push(ParamKey::Id(99));
     });
     let err = same_on_every_rank(errs);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
-    assert_names(&err, &["param_groups[0]", "key 99"]);
+    assert!(
+        matches!(&err, Error::InvalidParamGroups { group: Some(0), .. }),
+        "{err:?}"
+    );
+    assert_names(&err, &["param group 0", "key 99"]);
 }
 
 // ----- use_orig_params=True: per-parameter state merged across ranks -----
@@ -858,33 +867,6 @@ fn tensor_state_of_an_original_parameter_with_the_wrong_size_on_one_rank() {
     }
 }
 
-/// `consolidate` called directly with rank-0-only gathering but a non-zero rank asking to
-/// return the dict: that rank would get no tensors, so every rank refuses before any moves.
-#[test]
-fn rank0_only_consolidation_that_asks_rank_1_to_save() {
-    use fsdp::optim_state::consolidate::{consolidate, ConsolidateOptions};
-    let model = small_model();
-    let full = full_adam(&model, 3.0);
-    let errs = ThreadGroup::run_with_timeout(2, TIMEOUT, |pg| {
-        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
-        let fsdp = Fsdp::new(&model, &small_policy(), pg.clone()).unwrap();
-        let params = fsdp.optim_params();
-        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
-        let opts = ConsolidateOptions {
-            shard_state: false,
-            to_save: true, // on every rank, but only rank 0 receives with rank0_only
-            rank0_only: true,
-        };
-        consolidate("test", fsdp.layout(), pg.as_ref(), &local, &params, opts).unwrap_err()
-    });
-    let err = same_on_every_rank(errs);
-    assert!(
-        matches!(err, Error::InvalidCollective { rank: 1, .. }),
-        "{err:?}"
-    );
-    assert_names(&err, &["rank0_only", "rank 0"]);
-}
-
 // ===== 3. the optimizer's parameters =====
 
 /// `shard_full_optim_state_dict` with the optimizer `params` (world size 1).
@@ -903,7 +885,10 @@ fn an_optimizer_holding_a_flat_parameter_twice() {
         &small_policy(),
         OptimParams::single(vec![flat("unit"), orig("head.w"), flat("unit")]),
     );
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::InvalidParamGroups { group: None, .. }),
+        "{err:?}"
+    );
     assert_names(&err, &["unit `unit`", "twice", "ids 0 and 2"]);
 }
 
@@ -915,7 +900,10 @@ fn an_optimizer_holding_a_tied_parameter_under_both_names() {
         orig("output_proj.weight"),
     ]);
     let err = shard_with(&common::transformer_model(), &policy, params);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::InvalidParamGroups { group: None, .. }),
+        "{err:?}"
+    );
     assert_names(&err, &["`output_proj.weight`", "twice", "ids 0 and 1"]);
 }
 
@@ -927,7 +915,10 @@ fn full_optim_state_dict_with_a_parameter_listed_twice_on_every_rank() {
             .unwrap_err()
     });
     let err = same_on_every_rank(errs);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::InvalidParamGroups { group: None, .. }),
+        "{err:?}"
+    );
     assert_names(&err, &["unit `unit`", "twice"]);
 }
 
@@ -966,7 +957,10 @@ fn an_optimizer_holding_a_flattened_original_parameter_without_use_orig_params()
         &small_policy(),
         OptimParams::single(vec![orig("unit.a")]),
     );
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::WrongOptimParam { param, .. } if param == "`unit.a`"),
+        "{err:?}"
+    );
     assert_names(&err, &["`unit.a`", "unit `unit`", "use_orig_params=False"]);
 }
 
@@ -977,7 +971,10 @@ fn an_optimizer_holding_a_flat_parameter_with_use_orig_params() {
         &orig_policy(),
         OptimParams::single(vec![flat("unit")]),
     );
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::WrongOptimParam { param, .. } if param == "the flat parameter of unit `unit`"),
+        "{err:?}"
+    );
     assert_names(&err, &["unit `unit`", "use_orig_params=True"]);
 }
 
@@ -1093,8 +1090,12 @@ fn hybrid_sharding_without_a_shard_group() {
     let errs = ThreadGroup::run_with_timeout(1, TIMEOUT, |pg| {
         Fsdp::new(&small_model(), &policy, Arc::new(pg)).unwrap_err()
     });
-    assert!(matches!(errs[0], Error::InvalidModel(_)), "{:?}", errs[0]);
-    assert_names(&errs[0], &["HYBRID_SHARD", "new_hybrid"]);
+    assert!(
+        matches!(&errs[0], Error::ConfigMismatch { expected, found, .. }
+            if expected.contains("Fsdp::new_hybrid") && found == "HybridShard"),
+        "{:?}",
+        errs[0]
+    );
 }
 
 #[test]
@@ -1104,8 +1105,11 @@ fn a_shard_group_size_that_does_not_divide_the_world_size() {
         Fsdp::new_hybrid(&small_model(), &policy, Arc::new(pg), 3).unwrap_err()
     });
     let err = same_on_every_rank(errs);
-    assert!(matches!(err, Error::InvalidModel(_)), "{err:?}");
-    assert_names(&err, &["shard group size 3", "world size 2"]);
+    assert!(
+        matches!(&err, Error::ConfigMismatch { expected, found, .. }
+            if expected == "a divisor of the world size 2" && found == "3"),
+        "{err:?}"
+    );
 }
 
 #[test]
@@ -1117,8 +1121,12 @@ fn a_state_dict_config_of_another_type() {
         fsdp.set_state_dict_type(StateDictType::Sharded, Some(config))
             .unwrap_err()
     });
-    assert!(matches!(errs[0], Error::InvalidModel(_)), "{:?}", errs[0]);
-    assert_names(&errs[0], &["Local", "Sharded"]);
+    assert!(
+        matches!(&errs[0], Error::ConfigMismatch { expected, found, .. }
+            if expected == "a config for Sharded" && found.starts_with("Local")),
+        "{:?}",
+        errs[0]
+    );
 }
 
 // ===== 5. rekey_optim_state_dict =====
@@ -1140,7 +1148,10 @@ fn rekeying_a_dict_that_mixes_ids_and_names() {
     osd.state.insert(ParamKey::Id(0), adam(&[2, 3], 0.0, 1.0));
     osd.state.insert("unit.b".into(), adam(&[3], 1.0, 1.0));
     let err = rekey_error(&osd, OptimStateKeyType::ParamName);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::WrongKeyType { key, expected, .. } if key == "'unit.b'" && expected == "parameter ids only"),
+        "{err:?}"
+    );
     assert_names(&err, &["mixes ids and names", "\"0\"", "'unit.b'"]);
 }
 
@@ -1199,12 +1210,15 @@ fn scatter_error(rank0_full: Option<&OptimStateDict>) -> Error {
 #[test]
 fn scatter_when_rank_0_passes_no_dict() {
     let err = scatter_error(None);
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::InvalidArgument { op, rank: 0, .. } if op == "scatter_full_optim_state_dict"),
+        "{err:?}"
+    );
     assert_names(
         &err,
         &[
-            "scatter_full_optim_state_dict",
-            "root rank 0 must pass the full dict",
+            "scatter_full_optim_state_dict on rank 0",
+            "the root rank must pass the full dict",
         ],
     );
 }
@@ -1214,8 +1228,11 @@ fn scatter_when_rank_0_passes_a_dict_keyed_by_ids() {
     let mut full = OptimStateDict::default();
     full.state.insert(ParamKey::Id(0), adam(&[2, 3], 0.0, 3.0));
     let err = scatter_error(Some(&full));
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
-    assert_names(&err, &["id key 0"]);
+    assert!(
+        matches!(&err, Error::WrongKeyType { key, .. } if key == "0"),
+        "{err:?}"
+    );
+    assert_names(&err, &["key 0"]);
 }
 
 #[test]
@@ -1225,7 +1242,10 @@ fn scatter_when_rank_0_passes_a_dict_holding_a_sharded_tensor() {
     let sharded = as_sharded(&st["exp_avg_sq"]);
     st.insert("exp_avg_sq".into(), sharded);
     let err = scatter_error(Some(&full));
-    assert!(matches!(err, Error::InvalidStateDict(_)), "{err:?}");
+    assert!(
+        matches!(&err, Error::WrongStateKind { param, state, .. } if param == "'head.w'" && state == "exp_avg_sq"),
+        "{err:?}"
+    );
     assert_names(&err, &["`exp_avg_sq`", "'head.w'", "sharded"]);
 }
 
@@ -1372,7 +1392,7 @@ fn loading_a_full_dict_that_is_not_passed() {
             .unwrap_err()
     });
     assert!(
-        matches!(errs[0], Error::InvalidStateDict(_)),
+        matches!(&errs[0], Error::InvalidArgument { op, rank: 0, .. } if op == "optim_state_dict_to_load"),
         "{:?}",
         errs[0]
     );
@@ -1496,7 +1516,7 @@ fn a_host_tensor_from_bytes_whose_shape_overflows() {
     // `zeros`, `reshape`, and `Deserialize for HostTensor`, which decodes peers' messages)
     // panics with "attempt to multiply with overflow" in debug builds, and in release builds
     // accepts [2^62, 4] with 0 bytes (the product wraps to 0). Use `checked_mul` and return
-    // ShapeMismatch / InvalidStateDict instead.
+    // ShapeMismatch / MissingState instead.
     let shape = [1usize << 62, 4];
     let result =
         std::panic::catch_unwind(|| HostTensor::from_bytes(F32, &shape, &[]).map(|t| t.numel()));

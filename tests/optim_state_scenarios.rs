@@ -10,7 +10,7 @@ use common::*;
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Optimizer, Sgd, SgdConfig};
-use fsdp::optim_state::consolidate::chunk_dim0;
+use fsdp::optim_state::chunk_dim0;
 use fsdp::{
     Fsdp, ModelDesc, OptimParams, OptimStateDict, OptimStateDictConfig, OptimStateKeyType,
     ParamKey, ShardingStrategy, StateDictType, Value, WrapPolicy,

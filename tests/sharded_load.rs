@@ -4,7 +4,7 @@
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::optim_state::flatten_optim_state_dict;
-use fsdp::optim_state::scatter::gather_sharded;
+use fsdp::optim_state::gather_sharded;
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, StateDictType, Value,
     WrapPolicy,
@@ -99,7 +99,7 @@ fn check(ws: usize, skip: Option<&'static str>) {
         if skip.is_none() {
             same(&loaded, &local, &what);
         }
-        let whole = gather_sharded("test", fsdp.layout(), pg.as_ref(), &sharded).unwrap();
+        let whole = gather_sharded(fsdp.layout(), pg.as_ref(), &sharded).unwrap();
         let reference =
             flatten_optim_state_dict(fsdp.layout(), fsdp.rank(), &whole, &params).unwrap();
         same(&loaded, &reference, &what);

@@ -350,6 +350,12 @@ fn legacy_file_is_a_typed_error() {
 fn missing_file_is_an_io_error() {
     let e = torch_save::load(golden().join("nope.pt")).unwrap_err();
     assert!(matches!(e, Error::Io { .. }), "{e}");
+    assert_eq!(e.io_kind(), Some(std::io::ErrorKind::NotFound), "{e}");
+    // The OS error stays reachable as the source, and crosses the wire intact.
+    assert!(std::error::Error::source(&e).is_some(), "{e}");
+    let wire = fsdp::collectives::decode::<Error>(&fsdp::collectives::encode(&e).unwrap()).unwrap();
+    assert_eq!(wire, e);
+    assert_eq!(wire.io_kind(), Some(std::io::ErrorKind::NotFound));
 }
 
 /// A stored zip archive with the given entries, as torch.save lays it out (crafted input).

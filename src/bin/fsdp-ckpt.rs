@@ -205,7 +205,7 @@ fn read_policy(path: &Path) -> Result<fsdp::WrapPolicy> {
     let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
         op: "reading".into(),
         path: path.display().to_string(),
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| Error::Serialization {
@@ -408,7 +408,7 @@ fn run(cli: Cli) -> Result<()> {
             std::fs::create_dir_all(&output).map_err(|e| Error::Io {
                 op: "creating directory".into(),
                 path: output.display().to_string(),
-                reason: e.to_string(),
+                source: e.into(),
             })?;
             let pb = progress.bar(ws, "writing rank files");
             for (r, osd) in locals.iter().enumerate() {

@@ -6,9 +6,10 @@
 //! then merges and commits exactly as a foreground save does.
 
 use super::save::{commit, make_tmp_dir, save, write_rank, SaveOptions};
-use super::{fs_err, save::Reports, GroupContext};
+use super::{save::Reports, GroupContext};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
+use crate::flat_param::ModelLayout;
 use crate::optim_state::{OptimParams, OptimStateDict, Value};
 use crate::tensor::{HostTensor, Tensor};
 use std::path::{Path, PathBuf};
@@ -65,11 +66,10 @@ impl BackgroundSaver {
     pub fn wait(&mut self) -> Result<()> {
         match self.pending.take() {
             None => Ok(()),
-            Some(h) => h.join().unwrap_or_else(|_| {
-                Err(Error::Io {
-                    op: "saving in the background (the writer thread panicked)".into(),
-                    path: String::new(),
-                    reason: "panic".into(),
+            Some(h) => h.join().unwrap_or_else(|panic| {
+                Err(Error::WorkerPanicked {
+                    worker: "the background save's writer thread".into(),
+                    message: panic_message(panic.as_ref()),
                 })
             }),
         }
@@ -102,6 +102,9 @@ impl BackgroundSaver {
         self.start(group.into(), osd, params, Some(model), dir.as_ref())
     }
 
+    /// The protocol of a background save: agree (on every rank) whether every snapshot fits
+    /// the cap, else save in the foreground; rank 0 makes the temporary directory; each
+    /// writing rank snapshots its state; a thread writes and (on rank 0) commits.
     fn start<T: Tensor>(
         &mut self,
         ctx: GroupContext<'_>,
@@ -110,111 +113,133 @@ impl BackgroundSaver {
         model: Option<&[Option<T>]>,
         dir: &Path,
     ) -> Result<SaveMode> {
-        let dir = dir.to_path_buf();
         let pg = ctx.pg.clone();
         // The previous save finishes first, on every rank, so that two never interleave.
         let previous = self.wait();
-        let need: usize = osd
-            .state
-            .values()
-            .flat_map(|st| st.values())
-            .filter_map(|v| match v {
-                Value::Tensor(t) => Some(t.numel() * t.dtype().size()),
-                _ => None,
-            })
-            .sum::<usize>()
-            + model
-                .unwrap_or_default()
-                .iter()
-                .flatten()
-                .map(|t| t.numel() * t.dtype().size())
-                .sum::<usize>();
-        let fits: Vec<(bool, Option<Error>)> =
-            pg.all_gather_object(&(need <= self.cap, previous.err()))?;
-        if let Some(e) = fits.iter().find_map(|(_, e)| e.clone()) {
+        let fits = staged_bytes(osd, model) <= self.cap;
+        let agreed: Vec<(bool, Option<Error>)> = pg.all_gather_object(&(fits, previous.err()))?;
+        if let Some(e) = agreed.iter().find_map(|(_, e)| e.clone()) {
             return Err(e);
         }
-        if fits.iter().any(|(fits, _)| !fits) {
-            save(ctx, osd, params, model, &dir, &SaveOptions::default())?;
+        if agreed.iter().any(|(fits, _)| !fits) {
+            save(ctx, osd, params, model, dir, &SaveOptions::default())?;
             return Ok(SaveMode::Foreground);
         }
         let rank = pg.rank();
         let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-            make_tmp_dir(&dir)
+            make_tmp_dir(dir)
         } else {
             Ok(PathBuf::new())
         };
         let tmp = pg.broadcast_object((rank == 0).then_some(&tmp), 0)??;
-        let writer = ctx.writes_files;
-        // The snapshot: private copies of every tensor, from the buffer cache.
-        let snapshot: Option<OptimStateDict<HostTensor>> = writer
-            .then(|| {
-                osd.try_map(|t: &T| {
-                    let h = t.to_host()?;
-                    HostTensor::from_bytes(h.dtype(), h.shape(), h.as_bytes())
-                })
-            })
-            .transpose()?;
-        let model_snapshot: Option<Vec<Option<HostTensor>>> = model
-            .filter(|_| writer)
-            .map(|m| {
-                m.iter()
-                    .map(|t| {
-                        t.as_ref()
-                            .map(|t| {
-                                let h = t.to_host()?;
-                                HostTensor::from_bytes(h.dtype(), h.shape(), h.as_bytes())
-                            })
-                            .transpose()
-                    })
-                    .collect()
-            })
-            .transpose()?;
-        let layout = ctx.layout.clone();
-        let layout_rank = ctx.layout_rank;
-        let writers = ctx.layout.world_size;
-        let params = params.clone();
-        let timeout = self.timeout;
-        let shown = dir_display(&dir);
+        let snapshot = ctx.writes_files.then(|| snapshot(osd, model)).transpose()?;
+        let job = WriteJob {
+            layout: ctx.layout.clone(),
+            layout_rank: ctx.layout_rank,
+            writers: ctx.layout.world_size,
+            params: params.clone(),
+            timeout: self.timeout,
+            rank,
+            tmp,
+            dir: dir.to_path_buf(),
+        };
         let handle = std::thread::Builder::new()
             .name(format!("fsdp-save-{rank}"))
-            .spawn(move || -> Result<()> {
-                if let Some(snapshot) = snapshot {
-                    let report = write_rank(
-                        &layout,
-                        layout_rank,
-                        &snapshot,
-                        &params,
-                        model_snapshot.as_deref(),
-                        &tmp,
-                        &Default::default(),
-                    );
-                    drop(snapshot);
-                    drop(model_snapshot);
-                    let failed = report.as_ref().err().cloned();
-                    write_report(&tmp, layout_rank, &report.map(Some))?;
-                    if let Some(e) = failed {
-                        return Err(e);
-                    }
-                }
-                if rank != 0 {
-                    return Ok(());
-                }
-                let result = collect_reports(&tmp, writers, timeout).and_then(|reports| {
-                    commit(&layout, reports, &tmp, &dir, &SaveOptions::default())
-                });
-                if result.is_err() {
-                    let _ = std::fs::remove_dir_all(&tmp);
-                }
-                result
-            })
-            .map_err(|e| Error::Io {
-                op: "starting the background save thread for".into(),
-                path: shown,
-                reason: e.to_string(),
-            })?;
+            .spawn(move || job.run(snapshot))
+            .map_err(Error::io("starting the background save thread for", dir))?;
         self.pending = Some(handle);
         Ok(SaveMode::Background)
+    }
+}
+
+/// Bytes of tensor data a snapshot of `osd` (and the model's tensors) takes.
+fn staged_bytes<T: Tensor>(osd: &OptimStateDict<T>, model: Option<&[Option<T>]>) -> usize {
+    let states: usize = osd
+        .state
+        .values()
+        .flat_map(|st| st.values())
+        .filter_map(|v| match v {
+            Value::Tensor(t) => Some(t.numel() * t.dtype().size()),
+            _ => None,
+        })
+        .sum();
+    let params: usize = model
+        .unwrap_or_default()
+        .iter()
+        .flatten()
+        .map(|t| t.numel() * t.dtype().size())
+        .sum();
+    states + params
+}
+
+/// Private copies of every tensor of `osd` and of the model's tensors, from the buffer cache.
+type Snapshot = (OptimStateDict<HostTensor>, Option<Vec<Option<HostTensor>>>);
+
+fn snapshot<T: Tensor>(osd: &OptimStateDict<T>, model: Option<&[Option<T>]>) -> Result<Snapshot> {
+    let copy = |t: &T| {
+        let h = t.to_host()?;
+        HostTensor::from_bytes(h.dtype(), h.shape(), h.as_bytes())
+    };
+    let dict = osd.try_map(copy)?;
+    let params = model
+        .map(|m| {
+            m.iter()
+                .map(|t| t.as_ref().map(copy).transpose())
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
+    Ok((dict, params))
+}
+
+/// What the background thread needs: everything owned, nothing borrowed from the caller.
+struct WriteJob {
+    layout: ModelLayout,
+    layout_rank: usize,
+    writers: usize,
+    params: OptimParams,
+    timeout: Duration,
+    rank: usize,
+    tmp: PathBuf,
+    dir: PathBuf,
+}
+
+impl WriteJob {
+    /// Writes this rank's file and report (when it writes one); on rank 0, waits for every
+    /// report, then merges and commits, removing the temporary directory on failure.
+    fn run(self, snapshot: Option<Snapshot>) -> Result<()> {
+        if let Some((dict, model)) = snapshot {
+            let report = write_rank(
+                &self.layout,
+                self.layout_rank,
+                &dict,
+                &self.params,
+                model.as_deref(),
+                &self.tmp,
+                &Default::default(),
+            );
+            drop((dict, model));
+            let failed = report.as_ref().err().cloned();
+            write_report(&self.tmp, self.layout_rank, &report.map(Some))?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+        }
+        if self.rank != 0 {
+            return Ok(());
+        }
+        let result = collect_reports(&self.tmp, self.writers, self.timeout).and_then(|reports| {
+            commit(
+                &self.layout,
+                reports,
+                &self.tmp,
+                &self.dir,
+                &SaveOptions::default(),
+            )
+        });
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&self.tmp);
+        }
+        result
     }
 }
 
@@ -223,10 +248,6 @@ impl Drop for BackgroundSaver {
     fn drop(&mut self) {
         let _ = self.wait();
     }
-}
-
-fn dir_display(p: &Path) -> String {
-    p.display().to_string()
 }
 
 type Report =
@@ -246,7 +267,7 @@ fn write_report(tmp: &Path, rank: usize, report: &Report) -> Result<()> {
     let part = tmp.join(format!(".report-{rank}.json.part"));
     super::save::write_synced(&part, &bytes)?;
     let path = report_path(tmp, rank);
-    std::fs::rename(&part, &path).map_err(fs_err("renaming", &path))
+    std::fs::rename(&part, &path).map_err(Error::io("renaming", &path))
 }
 
 /// Rank 0: waits for the reports of ranks `0..writers`, then removes them.
@@ -270,10 +291,12 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
         if reports.iter().any(Option::is_none) {
             if start.elapsed() > timeout {
                 let missing: Vec<usize> = (0..writers).filter(|&r| reports[r].is_none()).collect();
-                return Err(Error::Io {
-                    op: format!("waiting {timeout:?} for the data files of ranks {missing:?} in"),
-                    path: tmp.display().to_string(),
-                    reason: "the background save of those ranks did not finish".into(),
+                return Err(Error::TimedOut {
+                    what: format!(
+                        "the background save's data files of ranks {missing:?} in `{}`",
+                        tmp.display()
+                    ),
+                    waited: timeout,
                 });
             }
             std::thread::sleep(Duration::from_millis(5));
@@ -281,10 +304,19 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
     }
     for r in 0..writers {
         let path = report_path(tmp, r);
-        std::fs::remove_file(&path).map_err(fs_err("removing", &path))?;
+        std::fs::remove_file(&path).map_err(Error::io("removing", &path))?;
     }
     Ok(reports
         .into_iter()
         .map(|r| r.expect("all collected"))
         .collect())
+}
+
+/// The message of a panic payload, when it is a string (as `panic!` with a message makes it).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic payload".into())
 }

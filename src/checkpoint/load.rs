@@ -285,7 +285,7 @@ impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
             return Ok(None);
         }
         let names = fl.fqns();
-        // The same state names for every member with state (flatten_flat_param's check).
+        // The same state names for every member with state (flatten_flat_param_with's check).
         let sets: Vec<Vec<String>> = records
             .iter()
             .flatten()

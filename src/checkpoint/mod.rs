@@ -72,17 +72,6 @@ impl std::fmt::Debug for GroupContext<'_> {
     }
 }
 
-/// Maps an I/O error on `path` while doing `op` to [`Error::Io`].
-pub(crate) fn fs_err(op: &str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let op = op.to_string();
-    let path = path.display().to_string();
-    move |e| Error::Io {
-        op,
-        path,
-        reason: e.to_string(),
-    }
-}
-
 /// How many written bytes [`Writeback`] lets pile up before it starts writing them back.
 pub(crate) const WRITEBACK_CHUNK: usize = 32 << 20;
 
@@ -142,8 +131,8 @@ fn start_writeback(_: &std::fs::File, _: u64, _: u64) {}
 pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     #[cfg(unix)]
     {
-        let d = std::fs::File::open(dir).map_err(fs_err("opening", dir))?;
-        d.sync_all().map_err(fs_err("syncing", dir))?;
+        let d = std::fs::File::open(dir).map_err(Error::io("opening", dir))?;
+        d.sync_all().map_err(Error::io("syncing", dir))?;
     }
     #[cfg(not(unix))]
     let _ = dir;
@@ -158,13 +147,13 @@ fn install(tmp: &Path, dir: &Path) -> Result<()> {
         _ => std::path::PathBuf::from("."),
     };
     if !dir.exists() {
-        std::fs::rename(tmp, dir).map_err(fs_err("renaming into place", dir))?;
+        std::fs::rename(tmp, dir).map_err(Error::io("renaming into place", dir))?;
         return sync_dir(&parent);
     }
     exchange(tmp, dir)?;
     sync_dir(&parent)?;
     // `tmp` now holds the previous checkpoint.
-    std::fs::remove_dir_all(tmp).map_err(fs_err("removing the previous checkpoint at", tmp))
+    std::fs::remove_dir_all(tmp).map_err(Error::io("removing the previous checkpoint at", tmp))
 }
 
 #[cfg(target_os = "linux")]
@@ -175,7 +164,10 @@ fn exchange(a: &Path, b: &Path) -> Result<()> {
         CString::new(p.as_os_str().as_bytes()).map_err(|_| Error::Io {
             op: "renaming".into(),
             path: p.display().to_string(),
-            reason: "the path contains a NUL byte".into(),
+            source: crate::error::IoError::new(
+                std::io::ErrorKind::InvalidInput,
+                "the path contains a NUL byte",
+            ),
         })
     };
     let (ca, cb) = (c(a)?, c(b)?);
@@ -190,7 +182,7 @@ fn exchange(a: &Path, b: &Path) -> Result<()> {
         )
     };
     if rc != 0 {
-        return Err(fs_err("exchanging the new checkpoint with", b)(
+        return Err(Error::io("exchanging the new checkpoint with", b)(
             std::io::Error::last_os_error(),
         ));
     }
@@ -202,9 +194,9 @@ fn exchange(a: &Path, b: &Path) -> Result<()> {
 #[cfg(not(target_os = "linux"))]
 fn exchange(a: &Path, b: &Path) -> Result<()> {
     let aside = a.with_extension("old");
-    std::fs::rename(b, &aside).map_err(fs_err("moving aside", b))?;
-    std::fs::rename(a, b).map_err(fs_err("renaming into place", b))?;
-    std::fs::rename(&aside, a).map_err(fs_err("renaming", &aside))
+    std::fs::rename(b, &aside).map_err(Error::io("moving aside", b))?;
+    std::fs::rename(a, b).map_err(Error::io("renaming into place", b))?;
+    std::fs::rename(&aside, a).map_err(Error::io("renaming", &aside))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use super::manifest::{
     CHECKSUM_BLOCK, MANIFEST,
 };
 use super::save::{CrashPoint, SaveOptions};
-use super::{fs_err, install, sync_dir, COMMIT};
+use super::{install, sync_dir, COMMIT};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
 use crate::model::WrapPolicy;
@@ -155,9 +155,10 @@ pub fn reshard_with(
             let (header, offsets) = container::header(&entries, &meta)?;
             let name = format!("rank{rank}.safetensors");
             let path = tmp.join(&name);
-            let file = File::create(&path).map_err(fs_err("creating", &path))?;
+            let file = File::create(&path).map_err(Error::io("creating", &path))?;
             let mut out = BufWriter::with_capacity(1 << 20, file);
-            out.write_all(&header).map_err(fs_err("writing", &path))?;
+            out.write_all(&header)
+                .map_err(Error::io("writing", &path))?;
             let mut writeback = super::Writeback::new(0);
             let file_total: u64 = entries.iter().map(|e| e.nbytes).sum();
             let mut file_copied = 0u64;
@@ -184,7 +185,7 @@ pub fn reshard_with(
                     block.resize(take * size, 0);
                     reader.read_range(&what, pieces, size, at, &mut block)?;
                     crc = crc32c::crc32c_append(crc, &block);
-                    out.write_all(&block).map_err(fs_err("writing", &path))?;
+                    out.write_all(&block).map_err(Error::io("writing", &path))?;
                     writeback.wrote(out.get_ref(), block.len() as u64);
                     at += take;
                     if at == new_block_end {
@@ -195,7 +196,7 @@ pub fn reshard_with(
                     progress(copied);
                     file_copied += block.len() as u64;
                     if rank == 0 && file_copied * 2 >= file_total {
-                        out.flush().map_err(fs_err("writing", &path))?;
+                        out.flush().map_err(Error::io("writing", &path))?;
                         crash_at(CrashPoint::MidFile)?;
                     }
                 }
@@ -211,9 +212,9 @@ pub fn reshard_with(
             }
             let file = out
                 .into_inner()
-                .map_err(|e| fs_err("writing", &path)(e.into_error()))?;
-            file.sync_all().map_err(fs_err("syncing", &path))?;
-            let len = file.metadata().map_err(fs_err("reading", &path))?.len();
+                .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
+            file.sync_all().map_err(Error::io("syncing", &path))?;
+            let len = file.metadata().map_err(Error::io("reading", &path))?.len();
             files.push(FileRecord {
                 name,
                 len,

@@ -7,7 +7,7 @@ use super::manifest::{
     block_checksums, commit_text, FileRecord, Manifest, ParamRecord, Piece, StoredValue, FORMAT,
     MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
-use super::{fs_err, sync_dir, GroupContext, COMMIT};
+use super::{sync_dir, GroupContext, COMMIT};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, ShardPiece};
@@ -20,7 +20,9 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Where [`SaveOptions::crash_at`] stops a save, as if the process died there.
+/// Where `SaveOptions::crash_at` stops a save, as if the process died there (fault injection
+/// for the crate's crash-safety tests; not part of the documented API).
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CrashPoint {
     /// After the temporary directory exists, before any data is written.
@@ -33,11 +35,14 @@ pub enum CrashPoint {
     BeforeCommit,
 }
 
-/// Options of [`save`].
+/// Options of [`save`]: none to set today (`SaveOptions::default()`); the type exists so that
+/// saving options can be added without changing every call.
 #[derive(Debug, Clone, Default)]
 pub struct SaveOptions {
     /// Fault injection for crash-safety tests: stop at this point as a crashed process would,
-    /// leaving the temporary directory behind, and return [`Error::Io`] on every rank.
+    /// leaving the temporary directory behind, and return [`Error::InjectedCrash`] on every
+    /// rank. Not part of the documented API.
+    #[doc(hidden)]
     pub crash_at: Option<CrashPoint>,
 }
 
@@ -76,10 +81,8 @@ pub(super) struct DictParts {
 }
 
 pub(super) fn crash(point: CrashPoint) -> Error {
-    Error::Io {
-        op: format!("saving (injected crash at {point:?})"),
-        path: String::new(),
-        reason: "fault injection".into(),
+    Error::InjectedCrash {
+        point: format!("{point:?}"),
     }
 }
 
@@ -145,7 +148,10 @@ pub(super) fn make_tmp_dir(dir: &Path) -> Result<PathBuf> {
         .ok_or_else(|| Error::Io {
             op: "saving a checkpoint to".into(),
             path: dir.display().to_string(),
-            reason: "the path has no directory name".into(),
+            source: crate::error::IoError::new(
+                std::io::ErrorKind::InvalidInput,
+                "the path has no directory name",
+            ),
         })?
         .to_string_lossy()
         .into_owned();
@@ -153,12 +159,12 @@ pub(super) fn make_tmp_dir(dir: &Path) -> Result<PathBuf> {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
-    std::fs::create_dir_all(&parent).map_err(fs_err("creating", &parent))?;
+    std::fs::create_dir_all(&parent).map_err(Error::io("creating", &parent))?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     let tmp = parent.join(format!(".{name}.tmp-{}-{nanos}", std::process::id()));
-    std::fs::create_dir(&tmp).map_err(fs_err("creating", &tmp))?;
+    std::fs::create_dir(&tmp).map_err(Error::io("creating", &tmp))?;
     Ok(tmp)
 }
 
@@ -195,10 +201,13 @@ pub(super) fn write_rank<T: Tensor>(
         let mut vals = Vec::with_capacity(st.len());
         for (n, v) in st {
             if let Value::Sharded(_) = v {
-                return Err(Error::InvalidStateDict(format!(
-                    "rank {layout_rank}: local state `{n}` of {} is a sharded tensor; save takes the optimizer's own state dict",
-                    l.key
-                )));
+                return Err(Error::WrongStateKind {
+                    context: format!("saving a checkpoint, rank {layout_rank}"),
+                    param: l.key.to_string(),
+                    state: n.clone(),
+                    expected: "a plain tensor (save takes the optimizer's own state dict)".into(),
+                    found: "a sharded tensor".into(),
+                });
             }
             vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
         }
@@ -212,11 +221,15 @@ pub(super) fn write_rank<T: Tensor>(
     let mut model_saved: Saved = Vec::new();
     if let Some(model) = model {
         if model.len() != model_local.len() {
-            return Err(Error::InvalidStateDict(format!(
-                "rank {layout_rank}: {} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
-                model.len(),
-                model_local.len()
-            )));
+            return Err(Error::InvalidArgument {
+                op: "save_checkpoint".into(),
+                rank: layout_rank,
+                reason: format!(
+                    "{} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
+                    model.len(),
+                    model_local.len()
+                ),
+            });
         }
         for (l, t) in model_local.iter().zip(model) {
             let Some(t) = t else { continue };
@@ -255,19 +268,20 @@ pub(super) fn write_rank<T: Tensor>(
     let (header, offsets) = container::header(&plan.entries, &meta)?;
     let name = format!("rank{layout_rank}.safetensors");
     let path = tmp.join(&name);
-    let mut file = File::create(&path).map_err(fs_err("creating", &path))?;
-    file.write_all(&header).map_err(fs_err("writing", &path))?;
+    let mut file = File::create(&path).map_err(Error::io("creating", &path))?;
+    file.write_all(&header)
+        .map_err(Error::io("writing", &path))?;
     let total: u64 = plan.entries.iter().map(|e| e.nbytes).sum();
     let mut written = 0u64;
     let mut writeback = super::Writeback::new(header.len() as u64);
     for (i, bytes) in plan.data.iter().enumerate() {
         if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
-            file.sync_all().map_err(fs_err("syncing", &path))?;
+            file.sync_all().map_err(Error::io("syncing", &path))?;
             return Err(crash(CrashPoint::MidFile));
         }
         // In slices, so that the disk writes one slice back while the next is copied.
         for slice in bytes.chunks(super::WRITEBACK_CHUNK) {
-            file.write_all(slice).map_err(fs_err("writing", &path))?;
+            file.write_all(slice).map_err(Error::io("writing", &path))?;
             writeback.wrote(&file, slice.len() as u64);
         }
         written += bytes.len() as u64;
@@ -287,7 +301,7 @@ pub(super) fn write_rank<T: Tensor>(
     if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 {
         return Err(crash(CrashPoint::MidFile));
     }
-    file.sync_all().map_err(fs_err("syncing", &path))?;
+    file.sync_all().map_err(Error::io("syncing", &path))?;
     let len = header.len() as u64 + total;
     let parts = (layout_rank == 0)
         .then(|| dict_parts(layout, &local, osd))
@@ -484,9 +498,13 @@ fn dict_parts<T: Tensor>(
                 .map(|(gi, g)| {
                     let mut names = Vec::new();
                     for p in &g.params {
-                        let l = by_key.get(p).ok_or_else(|| Error::InvalidStateDict(format!(
-                            "param_groups[{gi}] lists the key {p}, which the optimizer's param groups do not hold"
-                        )))?;
+                        let l = by_key.get(p).ok_or_else(|| Error::InvalidParamGroups {
+                            context: "saving a checkpoint".into(),
+                            group: Some(gi),
+                            reason: format!(
+                                "lists the key {p}, which the optimizer's param groups do not hold"
+                            ),
+                        })?;
                         names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
                     }
                     Ok(ParamGroup {
@@ -563,9 +581,9 @@ pub(super) fn commit(
 }
 
 pub(super) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(fs_err("creating", path))?;
-    f.write_all(bytes).map_err(fs_err("writing", path))?;
-    f.sync_all().map_err(fs_err("syncing", path))
+    let mut f = File::create(path).map_err(Error::io("creating", path))?;
+    f.write_all(bytes).map_err(Error::io("writing", path))?;
+    f.sync_all().map_err(Error::io("syncing", path))
 }
 
 /// Merges the ranks' reports into the manifest: per parameter, the same state names and
@@ -645,10 +663,11 @@ fn merge_ranks(
                 match entry.iter_mut().find(|(en, _, _)| *en == n) {
                     None if first_rank => entry.push((n, to_stored(v), r)),
                     None => {
-                        return Err(Error::InvalidStateDict(format!(
-                            "state `{n}` of `{}` exists on rank {r} but not on rank {}",
-                            key.names[0], entry[0].2
-                        )))
+                        return Err(Error::MissingState {
+                            context: format!("rank {} (rank {r} has it)", entry[0].2),
+                            param: format!("`{}`", key.names[0]),
+                            state: n,
+                        })
                     }
                     Some((_, stored, r0)) => match (stored, v) {
                         (

@@ -2,7 +2,6 @@
 //! name-keyed) optimizer state dict file, one checksum block at a time.
 
 use super::container::{self, Entry};
-use super::fs_err;
 use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
 use crate::error::{Error, Result};
@@ -156,20 +155,21 @@ pub fn consolidate_to_safetensors(
             .create(true)
             .truncate(true)
             .open(&tmp)
-            .map_err(fs_err("creating", &tmp))?;
+            .map_err(Error::io("creating", &tmp))?;
         let mut w = BufWriter::with_capacity(1 << 20, file);
-        w.write_all(&header).map_err(fs_err("writing", &tmp))?;
+        w.write_all(&header).map_err(Error::io("writing", &tmp))?;
         let mut writeback = super::Writeback::new(0);
         let mut reader = Reader::new(dir, &sk.manifest, true);
         let mut block = Vec::new();
         let mut written = 0u64;
         for (_, t) in &tensors {
             let Some(stored) = sk.stored(t) else {
-                w.write_all(t.as_bytes()).map_err(fs_err("writing", &tmp))?;
+                w.write_all(t.as_bytes())
+                    .map_err(Error::io("writing", &tmp))?;
                 continue;
             };
             stream_state(&mut reader, stored, &mut block, &mut |bytes| {
-                w.write_all(bytes).map_err(fs_err("writing", &tmp))?;
+                w.write_all(bytes).map_err(Error::io("writing", &tmp))?;
                 writeback.wrote(w.get_ref(), bytes.len() as u64);
                 written += bytes.len() as u64;
                 progress(written);
@@ -178,9 +178,9 @@ pub fn consolidate_to_safetensors(
         }
         let file: File = w
             .into_inner()
-            .map_err(|e| fs_err("writing", &tmp)(e.into_error()))?;
-        file.sync_all().map_err(fs_err("syncing", &tmp))?;
-        std::fs::rename(&tmp, out).map_err(fs_err("renaming into place", out))?;
+            .map_err(|e| Error::io("writing", &tmp)(e.into_error()))?;
+        file.sync_all().map_err(Error::io("syncing", &tmp))?;
+        std::fs::rename(&tmp, out).map_err(Error::io("renaming into place", out))?;
         Ok(written)
     })();
     if result.is_err() {
@@ -236,7 +236,7 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
             sink(bytes).map_err(|e| Error::Io {
                 op: "writing a consolidated torch.save file".into(),
                 path: String::new(),
-                reason: e.to_string(),
+                source: e.into(),
             })?;
             *written += bytes.len() as u64;
             progress(*written);

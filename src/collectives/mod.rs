@@ -9,12 +9,14 @@ mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(all(feature = "nccl", target_os = "linux"))]
+#[cfg_attr(docsrs, doc(cfg(all(feature = "nccl", target_os = "linux"))))]
 pub mod nccl;
 mod reduce;
 pub mod rendezvous;
 mod threads;
 
 #[cfg(feature = "mpi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub use self::mpi::MpiProcessGroup;
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};
 pub use threads::{ThreadGroup, ThreadProcessGroup};

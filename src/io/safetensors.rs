@@ -305,7 +305,7 @@ pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     let bytes = std::fs::read(path).map_err(|e| Error::Io {
         op: "reading".into(),
         path: name.clone(),
-        reason: e.to_string(),
+        source: e.into(),
     })?;
     read(&name, &bytes)
 }

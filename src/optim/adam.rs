@@ -100,7 +100,12 @@ impl AdamConfig {
 
     /// The range checks of `Adam.__init__`.
     fn validate(&self, opt: &str) -> Result<()> {
-        let bad = |m: String| Err(Error::InvalidStateDict(format!("{opt}: {m}")));
+        let bad = |reason: String| {
+            Err(Error::InvalidOptimizerConfig {
+                optimizer: opt.into(),
+                reason,
+            })
+        };
         let wd = self.weight_decay.as_f64();
         if !(0.0..=f64::INFINITY).contains(&self.lr) {
             return bad(format!("Invalid learning rate: {}", self.lr));
@@ -210,9 +215,11 @@ impl Rules for AdamRules {
         let n = self.name();
         let h = self.parse(g, o)?;
         let Some(step) = st.get_mut("step") else {
-            return Err(Error::InvalidStateDict(format!(
-                "{n}: state of parameter id {id} has no `step`"
-            )));
+            return Err(Error::MissingState {
+                context: n.into(),
+                param: format!("parameter id {id}"),
+                state: "step".into(),
+            });
         };
         match step {
             // `Adam.__setstate__`: a number step becomes a float32 0-dim tensor.
@@ -224,10 +231,13 @@ impl Rules for AdamRules {
                 }
             }
             other => {
-                return Err(Error::InvalidStateDict(format!(
-                    "{n}: state `step` of parameter id {id} must be a number or a one-element tensor, found {}",
-                    other.kind()
-                )))
+                return Err(Error::WrongStateKind {
+                    context: n.into(),
+                    param: format!("parameter id {id}"),
+                    state: "step".into(),
+                    expected: "a number or a one-element tensor".into(),
+                    found: other.kind(),
+                })
             }
         }
         let mut names = vec!["exp_avg", "exp_avg_sq"];
@@ -236,9 +246,11 @@ impl Rules for AdamRules {
         }
         for name in names {
             let Some(v) = st.get(name) else {
-                return Err(Error::InvalidStateDict(format!(
-                    "{n}: state of parameter id {id} has no `{name}`"
-                )));
+                return Err(Error::MissingState {
+                    context: n.into(),
+                    param: format!("parameter id {id}"),
+                    state: name.into(),
+                });
             };
             check_param_shaped(n, id, name, v, slot)?;
         }
@@ -300,9 +312,11 @@ fn bump_step(t: &mut HostTensor) -> Result<f64> {
 fn take(st: &mut ParamState, id: usize, name: &str) -> Result<HostTensor> {
     match st.get_mut(name).map(|v| std::mem::replace(v, Value::None)) {
         Some(Value::Tensor(t)) => Ok(t),
-        _ => Err(Error::InvalidStateDict(format!(
-            "state of parameter id {id} has no tensor `{name}`"
-        ))),
+        _ => Err(Error::MissingState {
+            context: "Adam step".into(),
+            param: format!("parameter id {id}"),
+            state: name.into(),
+        }),
     }
 }
 

@@ -54,10 +54,11 @@ impl Core {
         let mut seen = HashSet::new();
         for (_, p) in params.iter() {
             if !seen.insert(p) {
-                return Err(Error::InvalidStateDict(format!(
-                    "{}: some parameters appear in more than one parameter group: {p}",
-                    rules.name()
-                )));
+                return Err(Error::InvalidParamGroups {
+                    context: rules.name().into(),
+                    group: None,
+                    reason: format!("some parameters appear in more than one parameter group: {p}"),
+                });
             }
         }
         let n = params.len();
@@ -83,10 +84,11 @@ impl Core {
         let mut options = GroupOptions::new();
         for (k, v) in overrides {
             if k == "params" {
-                return Err(Error::InvalidStateDict(format!(
-                    "{}: param group {group}: `params` is not a hyper-parameter",
-                    rules.name()
-                )));
+                return Err(Error::InvalidParamGroups {
+                    context: rules.name().into(),
+                    group: Some(group),
+                    reason: "`params` is not a hyper-parameter".into(),
+                });
             }
             options.insert(k, v);
         }
@@ -102,11 +104,14 @@ impl Core {
 
     pub fn check_group_index(&self, rules: &dyn Rules, group: usize) -> Result<()> {
         if group >= self.groups.len() {
-            return Err(Error::InvalidStateDict(format!(
-                "{}: param group {group} does not exist (the optimizer has {} groups)",
-                rules.name(),
-                self.groups.len()
-            )));
+            return Err(Error::InvalidParamGroups {
+                context: rules.name().into(),
+                group: Some(group),
+                reason: format!(
+                    "no such group (the optimizer has {} groups)",
+                    self.groups.len()
+                ),
+            });
         }
         Ok(())
     }
@@ -120,10 +125,11 @@ impl Core {
     ) -> Result<()> {
         self.check_group_index(rules, group)?;
         if key == "params" {
-            return Err(Error::InvalidStateDict(format!(
-                "{}: param group {group}: `params` is not a hyper-parameter",
-                rules.name()
-            )));
+            return Err(Error::InvalidParamGroups {
+                context: rules.name().into(),
+                group: Some(group),
+                reason: "`params` is not a hyper-parameter".into(),
+            });
         }
         let mut options = self.groups[group].clone();
         options.insert(key.to_string(), value);
@@ -197,27 +203,31 @@ impl Core {
     pub fn load(&mut self, rules: &dyn Rules, sd: &OptimStateDict) -> Result<()> {
         let name = rules.name();
         let Some(saved) = sd.param_groups.as_ref() else {
-            return Err(Error::InvalidStateDict(format!(
-                "{name}: the loaded state dict has no `param_groups`"
-            )));
+            return Err(Error::InvalidParamGroups {
+                context: name.into(),
+                group: None,
+                reason: "the loaded state dict has no `param_groups`".into(),
+            });
         };
         if saved.len() != self.groups.len() {
-            return Err(Error::InvalidStateDict(format!(
-                "{name}: loaded state dict has a different number of parameter groups: expected {}, found {}",
-                self.groups.len(),
-                saved.len()
-            )));
+            return Err(Error::ParamGroupsMismatch {
+                context: name.into(),
+                group: None,
+                expected: self.groups.len(),
+                found: saved.len(),
+            });
         }
         let mut id_map: HashMap<ParamKey, usize> = HashMap::new();
         let mut groups = Vec::with_capacity(saved.len());
         for (g, sg) in saved.iter().enumerate() {
             let ids = self.group_ids(g);
             if sg.params.len() != ids.len() {
-                return Err(Error::InvalidStateDict(format!(
-                    "{name}: loaded state dict contains a parameter group that doesn't match the size of optimizer's group: group {g} has {} parameters, expected {}",
-                    sg.params.len(),
-                    ids.len()
-                )));
+                return Err(Error::ParamGroupsMismatch {
+                    context: name.into(),
+                    group: Some(g),
+                    expected: ids.len(),
+                    found: sg.params.len(),
+                });
             }
             for (pos, key) in sg.params.iter().enumerate() {
                 let id = match key {
@@ -450,15 +460,16 @@ pub(crate) fn cast_tensor(t: &HostTensor, dtype: DType) -> HostTensor {
 /// Reads a float hyper-parameter (Python `float`, `int` or a 1-element tensor).
 pub(crate) fn get_f64(opt: &str, group: usize, options: &GroupOptions, key: &str) -> Result<f64> {
     match options.get(key) {
-        Some(v) => value_f64(v).ok_or_else(|| {
-            Error::InvalidStateDict(format!(
-                "{opt}: param group {group}: `{key}` must be a number, found {}",
-                v.kind()
-            ))
+        Some(v) => value_f64(v).ok_or_else(|| Error::InvalidParamGroups {
+            context: opt.into(),
+            group: Some(group),
+            reason: format!("`{key}` must be a number, found {}", v.kind()),
         }),
-        None => Err(Error::InvalidStateDict(format!(
-            "{opt}: param group {group} has no `{key}`"
-        ))),
+        None => Err(Error::InvalidParamGroups {
+            context: opt.into(),
+            group: Some(group),
+            reason: format!("has no `{key}`"),
+        }),
     }
 }
 
@@ -475,13 +486,16 @@ fn value_f64(v: &Value) -> Option<f64> {
 pub(crate) fn get_bool(opt: &str, group: usize, options: &GroupOptions, key: &str) -> Result<bool> {
     match options.get(key) {
         Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(Error::InvalidStateDict(format!(
-            "{opt}: param group {group}: `{key}` must be a bool, found {}",
-            v.kind()
-        ))),
-        None => Err(Error::InvalidStateDict(format!(
-            "{opt}: param group {group} has no `{key}`"
-        ))),
+        Some(v) => Err(Error::InvalidParamGroups {
+            context: opt.into(),
+            group: Some(group),
+            reason: format!("`{key}` must be a bool, found {}", v.kind()),
+        }),
+        None => Err(Error::InvalidParamGroups {
+            context: opt.into(),
+            group: Some(group),
+            reason: format!("has no `{key}`"),
+        }),
     }
 }
 
@@ -494,10 +508,11 @@ pub(crate) fn check_opt_bool(
 ) -> Result<()> {
     match options.get(key) {
         None | Some(Value::Bool(_)) | Some(Value::None) => Ok(()),
-        Some(v) => Err(Error::InvalidStateDict(format!(
-            "{opt}: param group {group}: `{key}` must be a bool or None, found {}",
-            v.kind()
-        ))),
+        Some(v) => Err(Error::InvalidParamGroups {
+            context: opt.into(),
+            group: Some(group),
+            reason: format!("`{key}` must be a bool or None, found {}", v.kind()),
+        }),
     }
 }
 
@@ -508,10 +523,10 @@ pub(crate) fn get_pair(
     options: &GroupOptions,
     key: &str,
 ) -> Result<(f64, f64)> {
-    let bad = |what: String| {
-        Error::InvalidStateDict(format!(
-            "{opt}: param group {group}: `{key}` must be a pair of numbers, found {what}"
-        ))
+    let bad = |what: String| Error::InvalidParamGroups {
+        context: opt.into(),
+        group: Some(group),
+        reason: format!("`{key}` must be a pair of numbers, found {what}"),
     };
     match options.get(key) {
         Some(Value::Tuple(xs) | Value::List(xs)) if xs.len() == 2 => {
@@ -521,9 +536,11 @@ pub(crate) fn get_pair(
             }
         }
         Some(v) => Err(bad(v.kind())),
-        None => Err(Error::InvalidStateDict(format!(
-            "{opt}: param group {group} has no `{key}`"
-        ))),
+        None => Err(Error::InvalidParamGroups {
+            context: opt.into(),
+            group: Some(group),
+            reason: format!("has no `{key}`"),
+        }),
     }
 }
 
@@ -543,20 +560,28 @@ pub(crate) fn check_param_shaped(
     v: &Value,
     slot: Option<&SlotSpec>,
 ) -> Result<()> {
-    let t = match v {
-        Value::Tensor(t) => t,
-        Value::Sharded(_) => {
-            return Err(Error::InvalidStateDict(format!(
-                "{opt}: state `{name}` of parameter id {id} is a sharded tensor; convert the dict for loading first (optim_state_dict_to_load)"
-            )))
-        }
-        other => {
-            return Err(Error::InvalidStateDict(format!(
-                "{opt}: state `{name}` of parameter id {id} must be a tensor, found {}",
-                other.kind()
-            )))
-        }
-    };
+    let t =
+        match v {
+            Value::Tensor(t) => t,
+            Value::Sharded(_) => return Err(Error::WrongStateKind {
+                context: opt.into(),
+                param: format!("parameter id {id}"),
+                state: name.into(),
+                expected:
+                    "a plain tensor (convert the dict for loading first: optim_state_dict_to_load)"
+                        .into(),
+                found: "a sharded tensor".into(),
+            }),
+            other => {
+                return Err(Error::WrongStateKind {
+                    context: opt.into(),
+                    param: format!("parameter id {id}"),
+                    state: name.into(),
+                    expected: "a tensor".into(),
+                    found: other.kind(),
+                })
+            }
+        };
     if let Some(slot) = slot {
         if t.shape() != slot.shape.as_slice() {
             return Err(Error::ShapeMismatch {

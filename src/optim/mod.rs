@@ -118,8 +118,11 @@ pub trait Optimizer: Send {
     /// this optimizer is kept as is. Tensors may be views (e.g. produced by FSDP transforms).
     ///
     /// Errors (nothing changes on error): a different number of groups or group sizes
-    /// ([`Error::InvalidStateDict`](crate::Error::InvalidStateDict)), a missing state name or
-    /// a value of the wrong kind (`InvalidStateDict`, naming the parameter id and state), a
+    /// ([`Error::ParamGroupsMismatch`](crate::Error::ParamGroupsMismatch)), a missing
+    /// hyper-parameter ([`Error::InvalidParamGroups`](crate::Error::InvalidParamGroups)), a
+    /// missing state name or a value of the wrong kind
+    /// ([`Error::MissingState`](crate::Error::MissingState),
+    /// [`Error::WrongStateKind`](crate::Error::WrongStateKind), naming the parameter id and state), a
     /// tensor whose shape differs from its slot
     /// ([`Error::ShapeMismatch`](crate::Error::ShapeMismatch)), an unknown parameter name
     /// ([`Error::UnknownParameter`](crate::Error::UnknownParameter)).

@@ -72,7 +72,12 @@ impl SgdConfig {
 
     /// The checks of `SGD.__init__`.
     fn validate(&self) -> Result<()> {
-        let bad = |m: String| Err(Error::InvalidStateDict(format!("SGD: {m}")));
+        let bad = |reason: String| {
+            Err(Error::InvalidOptimizerConfig {
+                optimizer: "SGD".into(),
+                reason,
+            })
+        };
         let (momentum, dampening, wd) = (
             self.momentum.as_f64(),
             self.dampening.as_f64(),

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::flat_param::{
     shard_from_members, unflatten_full, FlatParamLayout, ModelLayout, Ownership,
 };
-use crate::tensor::{HostTensor, Tensor};
+use crate::tensor::{DType, HostTensor, Tensor};
 use indexmap::IndexMap;
 use std::collections::{BTreeSet, HashMap};
 
@@ -34,7 +34,11 @@ impl ConsolidateOptions {
 
 /// Converts this rank's local optimizer state dict into the full (or sharded) dict keyed by
 /// parameter names. Collective over `pg`, the shard group of `layout`.
-pub fn consolidate<T: Tensor>(
+///
+/// Phases: every rank plans locally and the plans are exchanged (a rank's own error fails
+/// every rank); the tensors move per flat parameter (or per original parameter with
+/// use_orig_params); the returning rank adds user-defined state and the param groups.
+pub(crate) fn consolidate<T: Tensor>(
     op: &str,
     layout: &ModelLayout,
     pg: &dyn ProcessGroup,
@@ -42,8 +46,37 @@ pub fn consolidate<T: Tensor>(
     params: &OptimParams,
     opts: ConsolidateOptions,
 ) -> Result<Option<OptimStateDict<T>>> {
-    // Local map and plan; errors here are this rank's own, but the exchange below must still
-    // happen so that peers do not hang: a failed rank sends an empty plan with digest 0.
+    let (local, plans) = exchange_plans(op, layout, pg, osd, params, opts)?;
+    let by_skey: HashMap<&OptimStateKey, &LocalParam> =
+        local.iter().map(|l| (&l.skey, l)).collect();
+    let out = if layout.use_orig_params() {
+        consolidate_orig_params(layout, pg, osd, &by_skey, &plans, opts)?
+    } else {
+        consolidate_flat_params(op, layout, pg, osd, &by_skey, &plans, opts)?
+    };
+    if !opts.to_save {
+        return Ok(None);
+    }
+    let mut state = out;
+    pass_user_state(layout, &local, osd, &mut state);
+    let param_groups = named_param_groups(&local, osd.param_groups.as_deref())?;
+    Ok(Some(OptimStateDict {
+        state,
+        param_groups,
+    }))
+}
+
+/// This rank's parameters and every rank's plan. Errors of this rank's own input are sent
+/// with its plan (an empty plan with digest 0), so that peers fail with them instead of
+/// hanging; every rank then checks that the layouts agree.
+fn exchange_plans<T: Tensor>(
+    op: &str,
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    osd: &OptimStateDict<T>,
+    params: &OptimParams,
+    opts: ConsolidateOptions,
+) -> Result<(Vec<LocalParam>, Vec<PlanMsg>)> {
     let local = layout.local_params(params);
     let local_plan = local.as_ref().map_err(Clone::clone).and_then(|l| {
         if opts
@@ -73,85 +106,105 @@ pub fn consolidate<T: Tensor>(
     }
     let local = local?;
     check_digests(op, &plans.iter().map(|p| p.digest).collect::<Vec<_>>())?;
+    Ok((local, plans))
+}
 
-    let by_skey: HashMap<&OptimStateKey, &LocalParam> =
-        local.iter().map(|l| (&l.skey, l)).collect();
+/// use_orig_params=False: every flat parameter's state gathered and cut per member, in rank
+/// 0's key order; unmanaged state as this rank holds it.
+fn consolidate_flat_params<T: Tensor>(
+    op: &str,
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    osd: &OptimStateDict<T>,
+    by_skey: &HashMap<&OptimStateKey, &LocalParam>,
+    plans: &[PlanMsg],
+    opts: ConsolidateOptions,
+) -> Result<IndexMap<ParamKey, ParamState<T>>> {
     let mut out: IndexMap<ParamKey, ParamState<T>> = IndexMap::new();
+    for k in &agree_flat_keys(op, layout, plans)? {
+        // agree_flat_keys checked that every rank holds state for rank 0's keys.
+        let missing = || Error::MissingStateOnRanks {
+            missing: vec![(pg.rank(), vec![k.key.names.clone()])],
+        };
+        let l = by_skey.get(&k.key).ok_or_else(missing)?;
+        let st = osd.state.get(&l.key).ok_or_else(missing)?;
+        match l.resolved {
+            Resolved::Flat(f) => {
+                let fl = &layout.flat_params[f];
+                let per_member = unflatten_flat_state(fl, pg, st, opts.gather_root())?;
+                if opts.to_save {
+                    for (m, s) in fl.members.iter().zip(per_member) {
+                        out.insert(ParamKey::Name(m.fqn.clone()), maybe_shard(s, opts, pg)?);
+                    }
+                }
+            }
+            Resolved::Orig { .. } => {
+                if opts.to_save {
+                    out.insert(ParamKey::Name(k.key.names[0].clone()), st.clone());
+                }
+            }
+        }
+    }
+    Ok(out)
+}
 
-    if !layout.use_orig_params() {
-        let keys = agree_flat_keys(op, layout, &plans)?;
-        for k in &keys {
-            // agree_flat_keys checked that every rank holds state for rank 0's keys.
-            let missing = || Error::MissingStateOnRanks {
-                missing: vec![(pg.rank(), vec![k.key.names.clone()])],
-            };
-            let l = by_skey.get(&k.key).ok_or_else(missing)?;
-            let st = osd.state.get(&l.key).ok_or_else(missing)?;
-            match l.resolved {
-                Resolved::Flat(f) => {
-                    let fl = &layout.flat_params[f];
-                    let per_member = unflatten_flat_state(fl, pg, st, opts.gather_root())?;
-                    if opts.to_save {
-                        for (m, s) in fl.members.iter().zip(per_member) {
-                            out.insert(ParamKey::Name(m.fqn.clone()), maybe_shard(s, opts, pg)?);
-                        }
-                    }
-                }
-                Resolved::Orig { .. } => {
-                    if opts.to_save {
-                        out.insert(ParamKey::Name(k.key.names[0].clone()), st.clone());
-                    }
-                }
+/// use_orig_params=True: unmanaged keys in sorted order as this rank holds them, then each
+/// flat parameter's original parameters rebuilt from every rank's views.
+fn consolidate_orig_params<T: Tensor>(
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    osd: &OptimStateDict<T>,
+    by_skey: &HashMap<&OptimStateKey, &LocalParam>,
+    plans: &[PlanMsg],
+    opts: ConsolidateOptions,
+) -> Result<IndexMap<ParamKey, ParamState<T>>> {
+    let mut out: IndexMap<ParamKey, ParamState<T>> = IndexMap::new();
+    let keys: BTreeSet<&OptimStateKey> = plans
+        .iter()
+        .flat_map(|p| p.keys.iter().map(|k| &k.key))
+        .collect();
+    let infos: Vec<HashMap<&OptimStateKey, &KeyInfo>> = plans
+        .iter()
+        .map(|p| p.keys.iter().map(|k| (&k.key, k)).collect())
+        .collect();
+    let local_state = |k: &OptimStateKey| by_skey.get(k).and_then(|l| osd.state.get(&l.key));
+    let mut groups: IndexMap<usize, Vec<&OptimStateKey>> = IndexMap::new();
+    for k in keys {
+        if !k.managed {
+            if let (true, Some(st)) = (opts.to_save, local_state(k)) {
+                out.insert(ParamKey::Name(k.names[0].clone()), st.clone());
             }
+            continue;
         }
-    } else {
-        let keys: BTreeSet<&OptimStateKey> = plans
-            .iter()
-            .flat_map(|p| p.keys.iter().map(|k| &k.key))
-            .collect();
-        let infos: Vec<HashMap<&OptimStateKey, &KeyInfo>> = plans
-            .iter()
-            .map(|p| p.keys.iter().map(|k| (&k.key, k)).collect())
-            .collect();
-        // Unmanaged keys in sorted order; managed ones grouped per flat parameter.
-        let mut groups: IndexMap<usize, Vec<&OptimStateKey>> = IndexMap::new();
-        for k in keys {
-            if !k.managed {
-                if let (true, Some(st)) = (
-                    opts.to_save,
-                    by_skey.get(k).and_then(|l| osd.state.get(&l.key)),
-                ) {
-                    out.insert(ParamKey::Name(k.names[0].clone()), st.clone());
-                }
-                continue;
-            }
-            groups
-                .entry(flat_of_key(layout, k)?.index)
-                .or_default()
-                .push(k);
-        }
-        for (f, ks) in groups {
-            let fl = &layout.flat_params[f];
-            let local_states: Vec<Option<&ParamState<T>>> = ks
-                .iter()
-                .map(|k| by_skey.get(k).and_then(|l| osd.state.get(&l.key)))
-                .collect();
-            let gathered =
-                gather_orig_param_states(fl, pg, &ks, &local_states, &infos, opts.gather_root())?;
-            if opts.to_save {
-                for (k, s) in ks.iter().zip(gathered) {
-                    out.insert(
-                        ParamKey::Name(k.names[0].clone()),
-                        maybe_shard(s, opts, pg)?,
-                    );
-                }
+        groups
+            .entry(flat_of_key(layout, k)?.index)
+            .or_default()
+            .push(k);
+    }
+    for (f, ks) in groups {
+        let fl = &layout.flat_params[f];
+        let local_states: Vec<Option<&ParamState<T>>> = ks.iter().map(|k| local_state(k)).collect();
+        let gathered =
+            gather_orig_param_states(fl, pg, &ks, &local_states, &infos, opts.gather_root())?;
+        if opts.to_save {
+            for (k, s) in ks.iter().zip(gathered) {
+                out.insert(
+                    ParamKey::Name(k.names[0].clone()),
+                    maybe_shard(s, opts, pg)?,
+                );
             }
         }
     }
-    if !opts.to_save {
-        return Ok(None);
-    }
-    // User-defined state: keys that no optimizer parameter owns pass through.
+    Ok(out)
+}
+
+/// User-defined state: keys that no optimizer parameter owns pass through to `out`.
+fn pass_user_state<T: Tensor>(
+    layout: &ModelLayout,
+    local: &[LocalParam],
+    osd: &OptimStateDict<T>,
+    out: &mut IndexMap<ParamKey, ParamState<T>>,
+) {
     let flat_fqns: BTreeSet<String> = layout
         .flat_params
         .iter()
@@ -166,32 +219,37 @@ pub fn consolidate<T: Tensor>(
             out.insert(k.clone(), v.clone());
         }
     }
-    let param_groups = match &osd.param_groups {
-        None => None,
-        Some(groups) => {
-            let by_key: HashMap<&ParamKey, &LocalParam> =
-                local.iter().map(|l| (&l.key, l)).collect();
-            let mut res = Vec::with_capacity(groups.len());
-            for (gi, g) in groups.iter().enumerate() {
-                let mut names = Vec::new();
-                for p in &g.params {
-                    let l = by_key.get(p).ok_or_else(|| Error::InvalidStateDict(format!(
-                        "param_groups[{gi}] lists the key {p}, which the optimizer's param groups do not hold"
-                    )))?;
-                    names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
-                }
-                res.push(ParamGroup {
-                    options: g.options.clone(),
-                    params: names,
-                });
-            }
-            Some(res)
-        }
+}
+
+/// The param groups with each optimizer key replaced by the names of the parameters it
+/// stands for.
+fn named_param_groups<T: Tensor>(
+    local: &[LocalParam],
+    groups: Option<&[ParamGroup<T>]>,
+) -> Result<Option<Vec<ParamGroup<T>>>> {
+    let Some(groups) = groups else {
+        return Ok(None);
     };
-    Ok(Some(OptimStateDict {
-        state: out,
-        param_groups,
-    }))
+    let by_key: HashMap<&ParamKey, &LocalParam> = local.iter().map(|l| (&l.key, l)).collect();
+    let mut res = Vec::with_capacity(groups.len());
+    for (gi, g) in groups.iter().enumerate() {
+        let mut names = Vec::new();
+        for p in &g.params {
+            let l = by_key.get(p).ok_or_else(|| Error::InvalidParamGroups {
+                context: "consolidating the optimizer state dict".into(),
+                group: Some(gi),
+                reason: format!(
+                    "lists the key {p}, which the optimizer's param groups do not hold"
+                ),
+            })?;
+            names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
+        }
+        res.push(ParamGroup {
+            options: g.options.clone(),
+            params: names,
+        });
+    }
+    Ok(Some(res))
 }
 
 fn local_plan<T: Tensor>(
@@ -205,11 +263,13 @@ fn local_plan<T: Tensor>(
     for l in local {
         if let Some(st) = osd.state.get(&l.key) {
             if let Some((n, v)) = st.iter().find(|(_, v)| matches!(v, Value::Sharded(_))) {
-                return Err(Error::InvalidStateDict(format!(
-                    "rank {rank}: local optimizer state of {} holds a sharded tensor in `{n}` ({}); expected plain tensors",
-                    l.key,
-                    v.kind()
-                )));
+                return Err(Error::WrongStateKind {
+                    context: format!("rank {rank}: local optimizer state"),
+                    param: l.key.to_string(),
+                    state: n.clone(),
+                    expected: "a plain tensor".into(),
+                    found: v.kind(),
+                });
             }
             keys.push(KeyInfo::of(&l.skey, st)?);
         }
@@ -301,10 +361,10 @@ fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a F
         })?;
     match layout.ownership[idx] {
         Ownership::Flat { flat, .. } => Ok(&layout.flat_params[flat]),
-        Ownership::Unmanaged => Err(Error::InvalidStateDict(format!(
-            "`{}` is not managed by FSDP",
-            key.names[0]
-        ))),
+        Ownership::Unmanaged => Err(Error::WrongOptimParam {
+            param: format!("`{}`", key.names[0]),
+            reason: "it is not managed by FSDP".into(),
+        }),
     }
 }
 
@@ -377,6 +437,11 @@ fn unflatten_flat_state<T: Tensor>(
 
 /// use_orig_params=True: rebuilds each original parameter's full state from every rank's
 /// views (`_gather_all_orig_param_state`), for the keys `keys` of flat parameter `fl`.
+///
+/// Phases: map keys to members and check that every trainable member has state; per key,
+/// agree on the tensor states' names and dtype and on the scalar states (from the exchanged
+/// plans, identically on every rank); check every rank's view sizes; then gather each
+/// tensor state and cut it per member.
 fn gather_orig_param_states<T: Tensor>(
     fl: &FlatParamLayout,
     pg: &dyn ProcessGroup,
@@ -385,14 +450,55 @@ fn gather_orig_param_states<T: Tensor>(
     infos: &[HashMap<&OptimStateKey, &KeyInfo>],
     root: Option<usize>,
 ) -> Result<Vec<ParamState<T>>> {
+    let member_of = members_with_state(fl, keys)?;
+    if !fl.sharded {
+        return Ok(local
+            .iter()
+            .map(|s| s.cloned().unwrap_or_default())
+            .collect());
+    }
+    let world = pg.world_size();
+    let mut outputs: Vec<ParamState<T>> = vec![ParamState::new(); keys.len()];
+    let mut tensor_names: Vec<String> = Vec::new();
+    let mut dtype: Option<(DType, String)> = None;
+    for (ki, k) in keys.iter().enumerate() {
+        let rank_infos: Vec<Option<&KeyInfo>> =
+            (0..world).map(|r| infos[r].get(k).copied()).collect();
+        let names = tensor_state_names(fl, k, &rank_infos, &mut dtype)?;
+        let empty = ranks_without_elements(&names, &rank_infos);
+        for n in names {
+            if !tensor_names.contains(n) {
+                tensor_names.push(n.clone());
+            }
+        }
+        for (n, v) in agreed_scalars(k, &rank_infos, &empty)? {
+            outputs[ki].insert(n, v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?);
+        }
+    }
+    let Some((dtype, _)) = dtype else {
+        return Ok(outputs);
+    };
+    precheck_orig_views(fl, keys, &member_of, &tensor_names, infos)?;
+    for name in &tensor_names {
+        gather_orig_tensor_state(fl, pg, name, dtype, local, &member_of, root, &mut outputs)?;
+    }
+    Ok(outputs)
+}
+
+/// The member index of each key, after checking that every trainable member has state
+/// somewhere once its flat parameter has any.
+fn members_with_state(fl: &FlatParamLayout, keys: &[&OptimStateKey]) -> Result<Vec<usize>> {
     let member_of: Vec<usize> = keys
         .iter()
         .map(|k| {
-            fl.member_index(&k.names[0])
-                .expect("key belongs to this flat parameter")
+            fl.member_index(&k.names[0]).ok_or_else(|| {
+                Error::Internal(format!(
+                    "key `{}` is not a member of flat parameter `{}`",
+                    k.names[0], fl.unit
+                ))
+            })
         })
-        .collect();
-    // Every trainable member must have state somewhere once its flat parameter has any.
+        .collect::<Result<_>>()?;
     for (mi, m) in fl.members.iter().enumerate() {
         if m.requires_grad && !member_of.contains(&mi) {
             return Err(Error::MissingParamState {
@@ -401,127 +507,139 @@ fn gather_orig_param_states<T: Tensor>(
             });
         }
     }
-    if !fl.sharded {
-        return Ok(local
-            .iter()
-            .map(|s| s.cloned().unwrap_or_default())
-            .collect());
-    }
-    let world = pg.world_size();
-    let rank = pg.rank();
-    let mut outputs: Vec<ParamState<T>> = vec![ParamState::new(); keys.len()];
-    // Scalars (plain values first, then 0-dim tensors, each sorted), taken from the ranks that
-    // hold elements of the parameter; they must agree.
-    let mut tensor_names: Vec<String> = Vec::new();
-    let mut dtype: Option<(crate::tensor::DType, String)> = None;
-    for (ki, k) in keys.iter().enumerate() {
-        let rank_infos: Vec<Option<&KeyInfo>> =
-            (0..world).map(|r| infos[r].get(k).copied()).collect();
-        let mut names: BTreeSet<&String> = BTreeSet::new();
-        for (r, info) in rank_infos
-            .iter()
-            .enumerate()
-            .filter_map(|(r, i)| i.map(|i| (r, i)))
-        {
-            for (n, s) in &info.states {
-                if let StateInfo::Tensor { dtype: d, .. } = s {
-                    names.insert(n);
-                    let label = format!("{d} (`{n}` of {} on rank {r})", k.names[0]);
-                    match &dtype {
-                        Some((x, first)) if x != d => {
-                            return Err(Error::TensorStateDtypeMismatch {
-                                state: n.clone(),
-                                params: fl.fqns(),
-                                dtypes: vec![first.clone(), label],
-                            });
-                        }
-                        Some(_) => {}
-                        None => dtype = Some((*d, label)),
-                    }
-                }
-            }
-        }
-        let empty: BTreeSet<usize> = (0..world)
-            .filter(|&r| {
-                !names.is_empty()
-                    && names.iter().all(|n| {
-                        rank_infos[r]
-                            .and_then(|i| i.get(n))
-                            .map_or(0, StateInfo::numel)
-                            == 0
-                    })
-            })
-            .collect();
-        for n in names {
-            if !tensor_names.contains(n) {
-                tensor_names.push(n.clone());
-            }
-        }
-        let mut scalars: Vec<(String, Value<HostTensor>, usize)> = Vec::new();
-        for r in (0..world).filter(|r| !empty.contains(r)) {
-            let Some(info) = rank_infos[r] else { continue };
-            let mut plain: Vec<(&String, &Value<HostTensor>)> = Vec::new();
-            let mut zero: Vec<(&String, &Value<HostTensor>)> = Vec::new();
-            for (n, s) in &info.states {
-                if let StateInfo::Scalar(v) = s {
-                    if matches!(v, Value::Tensor(_)) {
-                        zero.push((n, v))
-                    } else {
-                        plain.push((n, v))
-                    }
-                }
-            }
-            plain.sort_by(|a, b| a.0.cmp(b.0));
-            zero.sort_by(|a, b| a.0.cmp(b.0));
-            for (n, v) in plain.into_iter().chain(zero) {
-                match scalars.iter().find(|(sn, _, _)| sn == n) {
-                    Some((_, prev, pr)) if !prev.same_scalar(v) => {
-                        return Err(Error::ScalarStateMismatch {
+    Ok(member_of)
+}
+
+/// The names of key `k`'s tensor states on any rank, checking that every tensor state of the
+/// flat parameter has one dtype (`dtype` carries the first one seen across keys).
+fn tensor_state_names<'a>(
+    fl: &FlatParamLayout,
+    k: &OptimStateKey,
+    rank_infos: &[Option<&'a KeyInfo>],
+    dtype: &mut Option<(DType, String)>,
+) -> Result<BTreeSet<&'a String>> {
+    let mut names: BTreeSet<&String> = BTreeSet::new();
+    for (r, info) in rank_infos
+        .iter()
+        .enumerate()
+        .filter_map(|(r, i)| i.map(|i| (r, i)))
+    {
+        for (n, s) in &info.states {
+            if let StateInfo::Tensor { dtype: d, .. } = s {
+                names.insert(n);
+                let label = format!("{d} (`{n}` of {} on rank {r})", k.names[0]);
+                match &dtype {
+                    Some((x, first)) if x != d => {
+                        return Err(Error::TensorStateDtypeMismatch {
                             state: n.clone(),
-                            params: vec![
-                                format!("{} on rank {pr}", k.names[0]),
-                                format!("{} on rank {r}", k.names[0]),
-                            ],
-                            values: vec![prev.render(), v.render()],
+                            params: fl.fqns(),
+                            dtypes: vec![first.clone(), label],
                         });
                     }
                     Some(_) => {}
-                    None => scalars.push((n.clone(), v.clone(), r)),
+                    None => *dtype = Some((*d, label)),
                 }
             }
         }
-        for (n, v, _) in scalars {
-            outputs[ki].insert(n, v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?);
+    }
+    Ok(names)
+}
+
+/// The ranks that hold no element of the parameter (every tensor state empty or absent):
+/// their scalars do not count.
+fn ranks_without_elements(
+    names: &BTreeSet<&String>,
+    rank_infos: &[Option<&KeyInfo>],
+) -> BTreeSet<usize> {
+    (0..rank_infos.len())
+        .filter(|&r| {
+            !names.is_empty()
+                && names.iter().all(|n| {
+                    rank_infos[r]
+                        .and_then(|i| i.get(n))
+                        .map_or(0, StateInfo::numel)
+                        == 0
+                })
+        })
+        .collect()
+}
+
+/// Key `k`'s scalar states (plain values first, then 0-dim tensors, each sorted by name),
+/// taken from the ranks that hold elements of the parameter; they must agree.
+fn agreed_scalars(
+    k: &OptimStateKey,
+    rank_infos: &[Option<&KeyInfo>],
+    empty: &BTreeSet<usize>,
+) -> Result<Vec<(String, Value<HostTensor>)>> {
+    let mut scalars: Vec<(String, Value<HostTensor>, usize)> = Vec::new();
+    for r in (0..rank_infos.len()).filter(|r| !empty.contains(r)) {
+        let Some(info) = rank_infos[r] else { continue };
+        let mut plain: Vec<(&String, &Value<HostTensor>)> = Vec::new();
+        let mut zero: Vec<(&String, &Value<HostTensor>)> = Vec::new();
+        for (n, s) in &info.states {
+            if let StateInfo::Scalar(v) = s {
+                if matches!(v, Value::Tensor(_)) {
+                    zero.push((n, v))
+                } else {
+                    plain.push((n, v))
+                }
+            }
+        }
+        plain.sort_by(|a, b| a.0.cmp(b.0));
+        zero.sort_by(|a, b| a.0.cmp(b.0));
+        for (n, v) in plain.into_iter().chain(zero) {
+            match scalars.iter().find(|(sn, _, _)| sn == n) {
+                Some((_, prev, pr)) if !prev.same_scalar(v) => {
+                    return Err(Error::ScalarStateMismatch {
+                        state: n.clone(),
+                        params: vec![
+                            format!("{} on rank {pr}", k.names[0]),
+                            format!("{} on rank {r}", k.names[0]),
+                        ],
+                        values: vec![prev.render(), v.render()],
+                    });
+                }
+                Some(_) => {}
+                None => scalars.push((n.clone(), v.clone(), r)),
+            }
         }
     }
-    let Some((dtype, _)) = dtype else {
-        return Ok(outputs);
-    };
-    precheck_orig_views(fl, keys, &member_of, &tensor_names, infos)?;
+    Ok(scalars.into_iter().map(|(n, v, _)| (n, v)).collect())
+}
+
+/// Gathers tensor state `name` of flat parameter `fl` from every rank's views and stores each
+/// member's full tensor in `outputs` (on the ranks that receive it).
+#[allow(clippy::too_many_arguments)]
+fn gather_orig_tensor_state<T: Tensor>(
+    fl: &FlatParamLayout,
+    pg: &dyn ProcessGroup,
+    name: &str,
+    dtype: DType,
+    local: &[Option<&ParamState<T>>],
+    member_of: &[usize],
+    root: Option<usize>,
+    outputs: &mut [ParamState<T>],
+) -> Result<()> {
+    let rank = pg.rank();
     let shard = fl.shard(rank);
-    for name in &tensor_names {
-        // This rank's padded shard of the flat state: members' local views (their sizes were
-        // checked by `precheck_orig_views`), zeros for padding and frozen members without state.
-        let views: Vec<Option<&T>> = local
-            .iter()
-            .map(|st| {
-                st.and_then(|st| st.get(name.as_str()))
-                    .and_then(Value::as_tensor)
-            })
-            .collect();
-        let local_shard = shard_from_members(fl, rank, dtype, |m| {
-            let ki = member_of.iter().position(|&x| x == m)?;
-            views[ki].map(|t| (t, shard.params[m].intra_param_start_idx))
-        })?;
-        let Some(full) = gather_shard(pg, &local_shard, fl.padded_numel(), root)? else {
-            continue;
-        };
-        let views = unflatten_full(fl, &full)?;
-        for (ki, &m) in member_of.iter().enumerate() {
-            outputs[ki].insert(name.clone(), Value::Tensor(views[m].clone()));
-        }
+    // This rank's padded shard of the flat state: members' local views (their sizes were
+    // checked by `precheck_orig_views`), zeros for padding and frozen members without state.
+    let views: Vec<Option<&T>> = local
+        .iter()
+        .map(|st| st.and_then(|st| st.get(name)).and_then(Value::as_tensor))
+        .collect();
+    let local_shard = shard_from_members(fl, rank, dtype, |m| {
+        let ki = member_of.iter().position(|&x| x == m)?;
+        views[ki].map(|t| (t, shard.params[m].intra_param_start_idx))
+    })?;
+    let Some(full) = gather_shard(pg, &local_shard, fl.padded_numel(), root)? else {
+        return Ok(());
+    };
+    let views = unflatten_full(fl, &full)?;
+    for (ki, &m) in member_of.iter().enumerate() {
+        outputs[ki].insert(name.to_string(), Value::Tensor(views[m].clone()));
     }
-    Ok(outputs)
+    Ok(())
 }
 
 /// Checks, from the exchanged plans and identically on every rank, that each rank's view of
@@ -552,10 +670,11 @@ fn precheck_orig_views(
                         })
                     }
                     None if want > 0 && info.is_some() => {
-                        return Err(Error::InvalidStateDict(format!(
-                            "parameter `{}` has {want} elements on rank {r} but no tensor state `{name}` there",
-                            k.names[0]
-                        )))
+                        return Err(Error::MissingState {
+                            context: format!("rank {r}"),
+                            param: format!("parameter `{}` ({want} elements there)", k.names[0]),
+                            state: name.clone(),
+                        })
                     }
                     _ => {}
                 }
@@ -615,4 +734,52 @@ pub fn chunk_dim0<T: Tensor>(t: &T, rank: usize, world_size: usize) -> Result<Sh
         offsets,
         local,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::collectives::ThreadGroup;
+    use crate::model::{ModelDesc, WrapPolicy};
+    use crate::optim_state::flatten_optim_state_dict;
+    use std::time::Duration;
+
+    /// `consolidate` with rank-0-only gathering but a non-zero rank asking to return the
+    /// dict: that rank would get no tensors, so every rank refuses before anything moves.
+    #[test]
+    fn rank0_only_consolidation_that_asks_rank_1_to_save() {
+        let model = ModelDesc::new()
+            .param("unit.a", &[2, 3], DType::F32)
+            .param("unit.b", &[3], DType::F32)
+            .param("head.w", &[2], DType::F32);
+        let policy = WrapPolicy::units(&["unit"]);
+        let mut full = OptimStateDict::default();
+        for p in &model.params {
+            let mut st = ParamState::new();
+            st.insert(
+                "exp_avg".into(),
+                Value::Tensor(HostTensor::zeros(DType::F32, &p.shape)),
+            );
+            st.insert("step".into(), Value::Tensor(HostTensor::scalar(3.0f32)));
+            full.state.insert(ParamKey::Name(p.name.clone()), st);
+        }
+        let errs = ThreadGroup::run_with_timeout(2, Duration::from_secs(60), |pg| {
+            let layout = ModelLayout::new(&model, &policy, 2).unwrap();
+            let params = OptimParams::of_model(&layout);
+            let local = flatten_optim_state_dict(&layout, pg.rank(), &full, &params).unwrap();
+            let opts = ConsolidateOptions {
+                shard_state: false,
+                to_save: true, // on every rank, but only rank 0 receives with rank0_only
+                rank0_only: true,
+            };
+            consolidate("test", &layout, &pg, &local, &params, opts).unwrap_err()
+        });
+        for err in errs {
+            assert!(
+                matches!(&err, Error::InvalidCollective { op, rank: 1, .. } if op == "test"),
+                "{err:?}"
+            );
+            assert!(err.to_string().contains("rank0_only"), "{err}");
+        }
+    }
 }

@@ -94,11 +94,11 @@ pub(crate) fn flat_param_state_with<T: Tensor>(
     }
     let s = flatten_flat_param_with(fl, &member_states, tensor_state)?;
     if s.is_empty() {
-        return Err(Error::InvalidStateDict(format!(
-            "the state of the flat parameter of unit `{}` ({:?}) is empty",
-            fl.unit,
-            fl.fqns()
-        )));
+        return Err(Error::MissingState {
+            context: "flattening".into(),
+            param: format!("the flat parameter of unit `{}` ({:?})", fl.unit, fl.fqns()),
+            state: String::new(),
+        });
     }
     Ok(Some(s))
 }
@@ -155,9 +155,12 @@ pub fn flatten_optim_state_dict<T: Tensor>(
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
     if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
-        return Err(Error::InvalidStateDict(format!(
-            "a full optimizer state dict is keyed by parameter names, but it has the id key {k}; rekey it with rekey_optim_state_dict(.., ParamName, ..) first"
-        )));
+        return Err(Error::WrongKeyType {
+            dict: "a full optimizer state dict".into(),
+            expected: "parameter names".into(),
+            key: k.to_string(),
+            hint: "; rekey it with rekey_optim_state_dict(.., ParamName, ..) first".into(),
+        });
     }
     let user = user_state(layout, full);
     flatten_from_source(
@@ -213,9 +216,12 @@ pub fn flatten_from_source<T: Tensor>(
                 let mut keys = BTreeSet::new();
                 for p in &g.params {
                     let ParamKey::Name(n) = p else {
-                        return Err(Error::InvalidStateDict(format!(
-                            "param_groups[{gi}] of a full optimizer state dict lists the id {p}; expected parameter names"
-                        )));
+                        return Err(Error::WrongKeyType {
+                            dict: format!("param_groups[{gi}] of a full optimizer state dict"),
+                            expected: "parameter names".into(),
+                            key: p.to_string(),
+                            hint: String::new(),
+                        });
                     };
                     let key = name_to_key.get(n.as_str()).ok_or_else(|| Error::UnknownParameter {
                         name: n.clone(),
@@ -241,20 +247,9 @@ fn present<T>(v: Option<&Value<T>>) -> Option<&Value<T>> {
     v.filter(|v| !matches!(v, Value::None))
 }
 
-/// Flattens the unflattened states of one flat parameter's members and cuts rank `rank`'s
-/// shard (`_flatten_optim_state`), with PyTorch's checks.
-pub fn flatten_flat_param<T: Tensor>(
-    fl: &FlatParamLayout,
-    rank: usize,
-    member_states: &[Option<ParamState<T>>],
-) -> Result<ParamState<T>> {
-    flatten_flat_param_with(fl, member_states, &mut |sname, values| {
-        flatten_tensor_state(fl, rank, sname, values)
-    })
-}
-
-/// [`flatten_flat_param`] with the positive-dim tensor states cut by `tensor_state` (state
-/// name, each member's value), after the checks every state gets.
+/// Flattens the unflattened states of one flat parameter's members (`_flatten_optim_state`),
+/// with PyTorch's checks, the positive-dim tensor states cut by `tensor_state` (state name,
+/// each member's value) after the checks every state gets.
 pub(crate) fn flatten_flat_param_with<T: Tensor>(
     fl: &FlatParamLayout,
     member_states: &[Option<ParamState<T>>],
@@ -346,11 +341,13 @@ pub(crate) fn flatten_tensor_state<T: Tensor>(
                 tensors.push(Some(t));
             }
             Some(other) => {
-                return Err(Error::InvalidStateDict(format!(
-                "state `{sname}` of unit `{}` holds a {}; gather sharded tensors before flattening",
-                fl.unit,
-                other.kind()
-            )))
+                return Err(Error::WrongStateKind {
+                    context: "flattening".into(),
+                    param: format!("unit `{}`", fl.unit),
+                    state: sname.to_string(),
+                    expected: "a tensor (gather sharded tensors before flattening)".into(),
+                    found: other.kind(),
+                })
             }
         }
     }
@@ -407,10 +404,13 @@ pub fn shard_orig_param_state<T: Tensor>(
                 })
             }
             Value::Sharded(_) => {
-                return Err(Error::InvalidStateDict(format!(
-                    "state `{name}` of parameter `{}` is a sharded tensor; gather sharded tensors before flattening",
-                    m.fqn
-                )))
+                return Err(Error::WrongStateKind {
+                    context: "flattening".into(),
+                    param: format!("parameter `{}`", m.fqn),
+                    state: name.to_string(),
+                    expected: "a tensor (gather sharded tensors before flattening)".into(),
+                    found: "a sharded tensor".into(),
+                })
             }
             _ => {}
         }

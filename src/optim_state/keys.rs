@@ -54,9 +54,12 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
                     context: " (no FSDP unit with a flat parameter has this module prefix)".into(),
                 })?;
             if layout.use_orig_params() {
-                return Err(Error::InvalidStateDict(format!(
-                    "the optimizer holds the flat parameter of unit `{unit}`, but with use_orig_params=True it must hold the original parameters"
-                )));
+                return Err(Error::WrongOptimParam {
+                    param: format!("the flat parameter of unit `{unit}`"),
+                    reason:
+                        "with use_orig_params=True the optimizer must hold the original parameters"
+                            .into(),
+                });
             }
             Ok(Resolved::Flat(f.index))
         }
@@ -74,10 +77,13 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
                 }),
                 Ownership::Flat { flat, member } => {
                     if !layout.use_orig_params() {
-                        return Err(Error::InvalidStateDict(format!(
-                            "the optimizer holds parameter `{name}`, which is flattened into unit `{}`; with use_orig_params=False it must hold that unit's flat parameter",
-                            layout.flat_params[flat].unit
-                        )));
+                        return Err(Error::WrongOptimParam {
+                            param: format!("`{name}`"),
+                            reason: format!(
+                                "it is flattened into unit `{}`; with use_orig_params=False the optimizer must hold that unit's flat parameter",
+                                layout.flat_params[flat].unit
+                            ),
+                        });
                     }
                     Ok(Resolved::Orig {
                         param: idx,
@@ -121,9 +127,11 @@ impl ModelLayout {
             let resolved = resolve(self, p)?;
             let skey = self.state_key(resolved);
             if let Some(prev) = seen.insert(skey.clone(), id) {
-                return Err(Error::InvalidStateDict(format!(
-                    "{p} appears twice in the optimizer's param groups (ids {prev} and {id})"
-                )));
+                return Err(Error::InvalidParamGroups {
+                    context: "the optimizer's parameters".into(),
+                    group: None,
+                    reason: format!("{p} appears twice (ids {prev} and {id})"),
+                });
             }
             let key = if params.named {
                 ParamKey::Name(self.named_key(resolved))

@@ -29,20 +29,7 @@ pub fn rekey_optim_state_dict<T: Tensor>(
     layout: &ModelLayout,
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
-    let names = osd
-        .state
-        .keys()
-        .filter(|k| matches!(k, ParamKey::Name(_)))
-        .count();
-    if names != 0 && names != osd.state.len() {
-        return Err(Error::InvalidStateDict(format!(
-            "invalid parameter keys: the state mixes ids and names ({:?})",
-            osd.state
-                .keys()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-        )));
-    }
+    let names = check_one_key_type(osd)?;
     let is_names = names > 0;
     let is_ids = !osd.state.is_empty() && names == 0;
     if (key_type == OptimStateKeyType::ParamName && is_names)
@@ -108,5 +95,33 @@ pub fn rekey_optim_state_dict<T: Tensor>(
     Ok(OptimStateDict {
         state,
         param_groups,
+    })
+}
+
+/// The number of name keys of `osd`'s state, after checking that its keys are all names or
+/// all ids.
+fn check_one_key_type<T: Tensor>(osd: &OptimStateDict<T>) -> Result<usize> {
+    let is_name = |k: &ParamKey| matches!(k, ParamKey::Name(_));
+    let names = osd.state.keys().filter(|k| is_name(k)).count();
+    if names == 0 || names == osd.state.len() {
+        return Ok(names);
+    }
+    let first = osd.state.keys().next().map(is_name);
+    let odd = osd.state.keys().find(|k| Some(is_name(k)) != first);
+    Err(Error::WrongKeyType {
+        dict: "an optimizer state dict".into(),
+        expected: if first == Some(true) {
+            "parameter names only".into()
+        } else {
+            "parameter ids only".into()
+        },
+        key: odd.map(ToString::to_string).unwrap_or_default(),
+        hint: format!(
+            " (the state mixes ids and names: {:?})",
+            osd.state
+                .keys()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+        ),
     })
 }

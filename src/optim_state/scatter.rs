@@ -30,9 +30,12 @@ struct Skeleton {
 
 fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
     if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
-        return Err(Error::InvalidStateDict(format!(
-            "a full optimizer state dict is keyed by parameter names, but it has the id key {k}"
-        )));
+        return Err(Error::WrongKeyType {
+            dict: "a full optimizer state dict".into(),
+            expected: "parameter names".into(),
+            key: k.to_string(),
+            hint: String::new(),
+        });
     }
     let mut state = Vec::with_capacity(full.state.len());
     for (k, st) in &full.state {
@@ -44,9 +47,13 @@ fn skeleton_of<T: Tensor>(full: &OptimStateDict<T>) -> Result<Skeleton> {
                     dtype: t.dtype(),
                 },
                 Value::Sharded(_) => {
-                    return Err(Error::InvalidStateDict(format!(
-                        "state `{n}` of {k} is a sharded tensor; scatter takes a full dict"
-                    )))
+                    return Err(Error::WrongStateKind {
+                        context: "scatter_full_optim_state_dict".into(),
+                        param: k.to_string(),
+                        state: n.clone(),
+                        expected: "a full tensor (scatter takes a full dict)".into(),
+                        found: "a sharded tensor".into(),
+                    })
                 }
                 other => Skel::Value(other.try_map(&mut |t: &T| t.to_host())?),
             };
@@ -299,9 +306,11 @@ pub fn scatter_full<T: Tensor>(
     let skeleton: std::result::Result<Skeleton, Error> = if pg.rank() == root {
         match full {
             Some(f) => skeleton_of(f),
-            None => Err(Error::InvalidStateDict(format!(
-                "{op}: the root rank {root} must pass the full dict"
-            ))),
+            None => Err(Error::InvalidArgument {
+                op: op.into(),
+                rank: root,
+                reason: "the root rank must pass the full dict".into(),
+            }),
         }
     } else {
         Ok(Skeleton {
@@ -499,9 +508,56 @@ pub fn load_sharded<T: Tensor>(
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
     let (entries, chunks) = exchange_sharded_plan(op, layout, pg, sharded)?;
-    let (rank, ws) = (pg.rank(), pg.world_size());
     // Everything below up to the flattening depends only on what every rank agreed on, so all
     // ranks run the same collectives.
+    let (direct, plans) = plan_direct_loads(layout, &entries, &chunks);
+    let mut buffers: HashMap<(usize, String), T> = HashMap::new();
+    for plan in plans {
+        let buf = receive_direct(layout, pg, sharded, &entries, &chunks, &plan)?;
+        buffers.insert((plan.flat, plan.state.to_string()), T::from_host(buf)?);
+    }
+    // The rest is gathered whole, as `gather_sharded` does.
+    let mut full = sharded.clone();
+    for (i, e) in entries.iter().enumerate() {
+        if !direct[i] {
+            let t = gather_whole(pg, sharded, e, i, &chunks)?;
+            full.state[&e.key].insert(e.state.clone(), Value::Tensor(t));
+        }
+    }
+    if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
+        return Err(Error::WrongKeyType {
+            dict: "a sharded optimizer state dict".into(),
+            expected: "parameter names".into(),
+            key: k.to_string(),
+            hint: String::new(),
+        });
+    }
+    let user = user_state(layout, &full);
+    let mut src = GatheredSource {
+        full: &full,
+        rank: pg.rank(),
+        buffers,
+    };
+    flatten_from_source(layout, &mut src, full.param_groups.as_deref(), user, params)
+}
+
+/// One flat parameter's tensor state that every rank receives directly: the entries of its
+/// members (entry index, member index) and their common dtype.
+struct DirectLoad<'e> {
+    flat: usize,
+    state: &'e str,
+    dtype: DType,
+    members: Vec<(usize, usize)>,
+}
+
+/// Which sharded entries can be received directly (pure, the same on every rank): a flat
+/// parameter's state whose every member is present once, with its model shape, and whose
+/// chunks tile it in rank order in one dtype. Returns the per-entry verdict and the plans.
+fn plan_direct_loads<'e>(
+    layout: &ModelLayout,
+    entries: &'e [ShardedEntry],
+    chunks: &[Vec<ChunkDesc>],
+) -> (Vec<bool>, Vec<DirectLoad<'e>>) {
     let mut member_of: HashMap<&str, (usize, usize)> = HashMap::new();
     if !layout.use_orig_params() {
         for (f, fl) in layout.flat_params.iter().enumerate() {
@@ -523,7 +579,7 @@ pub fn load_sharded<T: Tensor>(
     }
     let mut direct = vec![false; entries.len()];
     let mut plans = Vec::new();
-    for ((f, sname), members) in groups {
+    for ((f, state), members) in groups {
         let fl = &layout.flat_params[f];
         let mut seen = vec![false; fl.members.len()];
         let mut dtype: Option<DType> = None;
@@ -534,7 +590,7 @@ pub fn load_sharded<T: Tensor>(
             ok &= !shape.is_empty() && entries[i].global_shape == *shape;
             // The chunks must tile the tensor in rank order, all of one dtype.
             let mut at = 0;
-            for rc in &chunks {
+            for rc in chunks {
                 let (dt, first, n) = rc[i];
                 if n == 0 {
                     continue;
@@ -549,95 +605,91 @@ pub fn load_sharded<T: Tensor>(
             for &(i, _) in &members {
                 direct[i] = true;
             }
-            plans.push((f, sname, dtype, members));
+            plans.push(DirectLoad {
+                flat: f,
+                state,
+                dtype,
+                members,
+            });
         }
     }
+    (direct, plans)
+}
 
-    let mut buffers: HashMap<(usize, String), T> = HashMap::new();
-    for (f, sname, dtype, members) in plans {
-        let fl = &layout.flat_params[f];
-        let es = dtype.size();
-        let pieces: Vec<Vec<ShardPiece>> = (0..ws).map(|r| fl.shard_pieces(r)).collect();
-        let total: usize = pieces[rank]
-            .iter()
-            .map(|p| match *p {
-                ShardPiece::Member { len, .. } | ShardPiece::Padding(len) => len,
-            })
-            .sum();
-        let buf = HostTensor::filled_by(dtype, &[total], |dst| -> Result<()> {
-            let mut at = 0;
-            for p in &pieces[rank] {
-                match *p {
-                    ShardPiece::Padding(len) => {
-                        dst[at * es..(at + len) * es].fill(0);
-                        at += len;
-                    }
-                    ShardPiece::Member { len, .. } => at += len,
+/// Receives this rank's flat shard of one planned state straight from the ranks holding its
+/// elements: one `scatter_into` per member and holding rank, padding zero-filled.
+fn receive_direct<T: Tensor>(
+    layout: &ModelLayout,
+    pg: &dyn ProcessGroup,
+    sharded: &OptimStateDict<T>,
+    entries: &[ShardedEntry],
+    chunks: &[Vec<ChunkDesc>],
+    plan: &DirectLoad<'_>,
+) -> Result<HostTensor> {
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    let fl = &layout.flat_params[plan.flat];
+    let es = plan.dtype.size();
+    let pieces: Vec<Vec<ShardPiece>> = (0..ws).map(|r| fl.shard_pieces(r)).collect();
+    let total: usize = pieces[rank]
+        .iter()
+        .map(|p| match *p {
+            ShardPiece::Member { len, .. } | ShardPiece::Padding(len) => len,
+        })
+        .sum();
+    HostTensor::filled_by(plan.dtype, &[total], |dst| -> Result<()> {
+        let mut at = 0;
+        for p in &pieces[rank] {
+            match *p {
+                ShardPiece::Padding(len) => {
+                    dst[at * es..(at + len) * es].fill(0);
+                    at += len;
                 }
+                ShardPiece::Member { len, .. } => at += len,
             }
-            for &(i, m) in &members {
-                let e = &entries[i];
-                let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
-                    unreachable!("listed by exchange_sharded_plan")
+        }
+        for &(i, m) in &plan.members {
+            let e = &entries[i];
+            let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
+                return Err(Error::Internal(format!(
+                    "state `{}` of {} was planned as sharded but is not",
+                    e.state, e.key
+                )));
+            };
+            let local = s.local.as_ref().map(|t| t.to_host()).transpose()?;
+            for (q, qc) in chunks.iter().enumerate() {
+                let (_, qfirst, qn) = qc[i];
+                // (offset in rank r's shard, offset in q's chunk, length) r needs from q.
+                let needs: Vec<Option<(usize, usize, usize)>> = pieces
+                    .iter()
+                    .map(|pr| {
+                        let (off, start, len) = member_place(pr, m)?;
+                        let lo = start.max(qfirst);
+                        let hi = (start + len).min(qfirst + qn);
+                        (lo < hi).then(|| (off + lo - start, lo - qfirst, hi - lo))
+                    })
+                    .collect();
+                if needs.iter().all(Option::is_none) {
+                    continue;
+                }
+                let mut empty: [u8; 0] = [];
+                let recv: &mut [u8] = match needs[rank] {
+                    Some((d, _, l)) => &mut dst[d * es..(d + l) * es],
+                    None => &mut empty,
                 };
-                let local = s.local.as_ref().map(|t| t.to_host()).transpose()?;
-                for (q, qc) in chunks.iter().enumerate() {
-                    let (_, qfirst, qn) = qc[i];
-                    // (offset in rank r's shard, offset in q's chunk, length) r needs from q.
-                    let needs: Vec<Option<(usize, usize, usize)>> = pieces
+                if q == rank {
+                    let src = local.as_ref().map_or(&[][..], |t| t.as_bytes());
+                    let parts: Vec<&[u8]> = needs
                         .iter()
-                        .map(|pr| {
-                            let (off, start, len) = member_place(pr, m)?;
-                            let lo = start.max(qfirst);
-                            let hi = (start + len).min(qfirst + qn);
-                            (lo < hi).then(|| (off + lo - start, lo - qfirst, hi - lo))
-                        })
+                        .map(|n| n.map_or(&[][..], |(_, o, l)| &src[o * es..(o + l) * es]))
                         .collect();
-                    if needs.iter().all(Option::is_none) {
-                        continue;
-                    }
-                    let mut empty: [u8; 0] = [];
-                    let recv: &mut [u8] = match needs[rank] {
-                        Some((d, _, l)) => &mut dst[d * es..(d + l) * es],
-                        None => &mut empty,
-                    };
-                    if q == rank {
-                        let src = local.as_ref().map_or(&[][..], |t| t.as_bytes());
-                        let parts: Vec<&[u8]> = needs
-                            .iter()
-                            .map(|n| n.map_or(&[][..], |(_, o, l)| &src[o * es..(o + l) * es]))
-                            .collect();
-                        pg.scatter_into(Some(&parts), recv, q)?;
-                    } else {
-                        pg.scatter_into(None, recv, q)?;
-                    }
+                    pg.scatter_into(Some(&parts), recv, q)?;
+                } else {
+                    pg.scatter_into(None, recv, q)?;
                 }
             }
-            Ok(())
-        })?;
-        buffers.insert((f, sname.to_string()), T::from_host(buf)?);
-    }
-
-    // The rest is gathered whole, as `gather_sharded` does.
-    let mut full = sharded.clone();
-    for (i, e) in entries.iter().enumerate() {
-        if !direct[i] {
-            let t = gather_whole(pg, sharded, e, i, &chunks)?;
-            full.state[&e.key].insert(e.state.clone(), Value::Tensor(t));
         }
-    }
-    if let Some(k) = full.state.keys().find(|k| matches!(k, ParamKey::Id(_))) {
-        return Err(Error::InvalidStateDict(format!(
-            "a sharded optimizer state dict is keyed by parameter names, but it has the id key {k}"
-        )));
-    }
-    let user = user_state(layout, &full);
-    let mut src = GatheredSource {
-        full: &full,
-        rank,
-        buffers,
-    };
-    flatten_from_source(layout, &mut src, full.param_groups.as_deref(), user, params)
+        Ok(())
+    })
 }
 
 /// The flattening source of [`load_sharded`]: the shards received directly, and the rest cut

@@ -217,7 +217,7 @@ impl HostTensor {
     /// Flattened 1-D concatenation of tensors of one dtype (one copy).
     pub fn cat_flat(parts: &[HostTensor]) -> Result<Self> {
         let Some(first) = parts.first() else {
-            return Err(Error::InvalidStateDict("cat_flat of no tensors".into()));
+            return Err(Error::Internal("cat_flat of no tensors".into()));
         };
         let dtype = first.dtype;
         let mut total = 0;

@@ -6,9 +6,11 @@ mod dtype;
 mod host;
 mod storage;
 #[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub mod tch;
 
 #[cfg(feature = "tch")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use self::tch::TchTensor;
 pub use dtype::DType;
 pub use host::HostTensor;

@@ -318,7 +318,7 @@ impl Tensor for TchTensor {
 
     fn cat_flat(parts: &[Self]) -> Result<Self> {
         let Some(first) = parts.first() else {
-            return Err(Error::InvalidStateDict("cat_flat of no tensors".into()));
+            return Err(Error::Internal("cat_flat of no tensors".into()));
         };
         let dtype = first.dtype;
         let mut flats = Vec::with_capacity(parts.len());

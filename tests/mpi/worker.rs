@@ -598,7 +598,7 @@ fn compute(pg: Arc<dyn ProcessGroup>, case: &Case) -> Results {
     for (k, st) in &sharded.state {
         for (n, v) in st {
             if let (Value::Sharded(s), Value::Tensor(f)) = (v, &full.state[k][n.as_str()]) {
-                let want = fsdp::optim_state::consolidate::chunk_dim0(f, rank, ws).unwrap();
+                let want = fsdp::optim_state::chunk_dim0(f, rank, ws).unwrap();
                 assert_eq!(s.offsets, want.offsets, "{}", what("sharded offsets"));
                 match (&s.local, &want.local) {
                     (Some(a), Some(b)) => assert!(a.bit_eq(b), "{}", what("sharded chunk")),

@@ -65,7 +65,7 @@ pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     let io = |e: std::io::Error| Error::Io {
         op: "reading".into(),
         path: name.clone(),
-        reason: e.to_string(),
+        source: e.into(),
     };
     let file = File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
@@ -220,7 +220,10 @@ pub(crate) fn write_atomic(
         .ok_or_else(|| Error::Io {
             op: "writing".into(),
             path: target.clone(),
-            reason: "the path has no file name".into(),
+            source: crate::error::IoError::new(
+                std::io::ErrorKind::InvalidInput,
+                "the path has no file name",
+            ),
         })?
         .to_string_lossy()
         .into_owned();
@@ -229,28 +232,19 @@ pub(crate) fn write_atomic(
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     ));
-    let io = |op: &str, p: &Path| {
-        let p = p.display().to_string();
-        let op = op.to_string();
-        move |e: std::io::Error| Error::Io {
-            op,
-            path: p,
-            reason: e.to_string(),
-        }
-    };
     let file = OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(&tmp)
-        .map_err(io("creating", &tmp))?;
+        .map_err(Error::io("creating", &tmp))?;
     let result = (|| {
         let w = write(BufWriter::with_capacity(1 << 20, file))?;
         let file = w
             .into_inner()
-            .map_err(|e| io("writing", &tmp)(e.into_error()))?;
-        file.sync_all().map_err(io("syncing", &tmp))?;
+            .map_err(|e| Error::io("writing", &tmp)(e.into_error()))?;
+        file.sync_all().map_err(Error::io("syncing", &tmp))?;
         drop(file);
-        std::fs::rename(&tmp, path).map_err(io("renaming into place", path))?;
+        std::fs::rename(&tmp, path).map_err(Error::io("renaming into place", path))?;
         Ok(())
     })();
     if result.is_err() {
@@ -260,7 +254,7 @@ pub(crate) fn write_atomic(
     // Make the rename itself durable (directories cannot be opened for syncing everywhere).
     #[cfg(unix)]
     if let Ok(d) = File::open(&dir) {
-        d.sync_all().map_err(io("syncing directory", &dir))?;
+        d.sync_all().map_err(Error::io("syncing directory", &dir))?;
     }
     Ok(())
 }

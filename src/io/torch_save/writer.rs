@@ -533,7 +533,7 @@ pub(crate) fn write_with<W: Write>(
     let io = |e: std::io::Error| Error::Io {
         op: "writing".into(),
         path: file.to_string(),
-        reason: e.to_string(),
+        source: e.into(),
     };
     let mut z = ZipWriter::new(out);
     z.entry(&format!("{archive}/data.pkl"), &[&p.out])

@@ -287,7 +287,7 @@ impl<S: Source> ZipReader<S> {
         self.src.read_at(offset, buf).map_err(|e| Error::Io {
             op: "reading".into(),
             path: self.file.clone(),
-            reason: e.to_string(),
+            source: e.into(),
         })
     }
 

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Reproduces every figure in BENCHMARKS.md: the optimizer-state, checkpoint and side-by-side
+# benchmarks in one run, each headed by the machine, its load average and the date, so that the
+# numbers carry their conditions. Needs .venv (PyTorch 2.13) for the side-by-side run; installs
+# it when missing. Extra arguments name a subset: `scripts/bench.sh checkpoint`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup-venv.sh
+benches=("$@")
+[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side)
+conditions() {
+    echo "== $1: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB," \
+        "load average $(cut -d' ' -f1-3 /proc/loadavg), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    grep -m1 'model name' /proc/cpuinfo || true
+}
+for b in "${benches[@]}"; do
+    conditions "$b (before)"
+    cargo bench --bench "$b"
+    conditions "$b (after)"
+done
