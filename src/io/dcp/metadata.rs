@@ -127,7 +127,7 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
     let io = |e: std::io::Error| Error::Io {
         op: "reading".into(),
         path: name.clone(),
-        reason: e.to_string(),
+        source: e.into(),
     };
     let len = std::fs::metadata(&path).map_err(io)?.len();
     if len > MAX_METADATA_BYTES {

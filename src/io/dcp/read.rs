@@ -31,7 +31,7 @@ impl DcpCheckpoint {
         let root = dir.canonicalize().map_err(|e| Error::Io {
             op: "resolving".into(),
             path: dir.display().to_string(),
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         let mut files = HashMap::new();
         for info in metadata.storage.values() {
@@ -323,7 +323,7 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
         sink(full.as_bytes()).map_err(|e| Error::Io {
             op: "writing a consolidated torch.save file".into(),
             path: String::new(),
-            reason: e.to_string(),
+            source: e.into(),
         })?;
         self.written += full.nbytes() as u64;
         (self.progress)(self.written);
@@ -388,7 +388,7 @@ pub fn consolidate_to_safetensors(
         let io = |e: std::io::Error| Error::Io {
             op: "writing".into(),
             path: out.display().to_string(),
-            reason: e.to_string(),
+            source: e.into(),
         };
         w.write_all(&header).map_err(io)?;
         for (_, i) in &order {

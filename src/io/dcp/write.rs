@@ -4,7 +4,7 @@
 //! and `.metadata` pickled last so that `dcp.load` and `dcp_to_torch_save` read it.
 
 use super::metadata::PathItem;
-use crate::error::{Error, Result};
+use crate::error::{Error, IoError, Result};
 use crate::io::torch_save::{self, PyObj};
 use crate::tensor::DType;
 use std::fs::{File, OpenOptions};
@@ -141,7 +141,16 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
     let name = out
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
-        .ok_or_else(|| io_err("writing", out, "the path has no directory name"))?;
+        .ok_or_else(|| {
+            io_err(
+                "writing",
+                out,
+                refusal(
+                    std::io::ErrorKind::InvalidInput,
+                    "the path has no directory name",
+                ),
+            )
+        })?;
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
@@ -194,14 +203,20 @@ fn check_target(out: &Path) -> Result<()> {
                 Some(_) => Err(io_err(
                     "writing",
                     out,
-                    "the output directory exists and is not empty; refusing to replace it",
+                    refusal(
+                        std::io::ErrorKind::DirectoryNotEmpty,
+                        "the output directory exists and is not empty; refusing to replace it",
+                    ),
                 )),
             }
         }
         Ok(_) => Err(io_err(
             "writing",
             out,
-            "the output path exists and is not a directory",
+            refusal(
+                std::io::ErrorKind::AlreadyExists,
+                "the output path exists and is not a directory",
+            ),
         )),
     }
 }
@@ -262,12 +277,17 @@ fn sync_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn io_err(op: &str, path: &Path, reason: impl std::fmt::Display) -> Error {
+fn io_err(op: &str, path: &Path, source: impl Into<IoError>) -> Error {
     Error::Io {
         op: op.into(),
         path: path.display().to_string(),
-        reason: reason.to_string(),
+        source: source.into(),
     }
+}
+
+/// A refusal found before any system call, as an I/O error of `kind`.
+fn refusal(kind: std::io::ErrorKind, message: &str) -> IoError {
+    IoError::new(kind, message)
 }
 
 /// PyTorch's dtype name without `torch.`.
