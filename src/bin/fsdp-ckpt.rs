@@ -477,7 +477,9 @@ fn dcp_convert(input: &Path, output: &Path, to: &str, progress: &Progress) -> Re
     use fsdp::io::dcp;
     let written = match to {
         "dcp" if input.is_dir() => progress.step("converting", || {
-            dcp::checkpoint_to_dcp(input, output)
+            // The full optimizer state dict of the crate's sharded checkpoint.
+            let full = checkpoint::load_full(input, &checkpoint::LoadOptions::default())?;
+            dcp::save_dcp(&optim_to_pyobj(&full)?, output)
         })?,
         "dcp" => progress.step("converting", || dcp::torch_save_to_dcp(input, output))?,
         _ => {

@@ -50,12 +50,3 @@ pub fn torch_save_to_dcp(input: &Path, out: &Path) -> Result<u64> {
     let obj = crate::io::load(input)?;
     save_dcp(&obj, out)
 }
-
-/// Writes the full optimizer state dict of the crate's sharded checkpoint `ckpt` (what
-/// [`crate::checkpoint::load_full`] gives, `{"state": ..., "param_groups": ...}`) as the DCP
-/// directory `out`; see [`save_dcp`]. Returns the tensor bytes written.
-pub fn checkpoint_to_dcp(ckpt: &Path, out: &Path) -> Result<u64> {
-    let full = crate::checkpoint::load_full(ckpt, &crate::checkpoint::LoadOptions::default())?;
-    let obj = crate::io::torch_save::optim_to_pyobj(&full)?;
-    save_dcp(&obj, out)
-}

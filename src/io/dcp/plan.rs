@@ -136,7 +136,7 @@ enum Tree {
 /// `i`. Entries without a path sit at the top level under their flat key.
 pub fn nest(
     entries: &[Entry],
-    leaf: &mut dyn FnMut(usize) -> crate::Result<PyObj>,
+    leaf: &mut dyn FnMut(usize) -> crate::error::Result<PyObj>,
 ) -> Result<PyObj, NestError> {
     let mut root = Tree::Dict(Vec::new(), HashMap::new());
     for (i, e) in entries.iter().enumerate() {
@@ -161,7 +161,7 @@ pub enum NestError {
         reason: String,
     },
     /// Producing a leaf value failed.
-    Leaf(crate::Error),
+    Leaf(crate::error::Error),
 }
 
 fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> Result<(), String> {
@@ -215,19 +215,22 @@ fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> 
     Err("the path is empty".into())
 }
 
-fn to_pyobj(t: Tree, leaf: &mut dyn FnMut(usize) -> crate::Result<PyObj>) -> crate::Result<PyObj> {
+fn to_pyobj(
+    t: Tree,
+    leaf: &mut dyn FnMut(usize) -> crate::error::Result<PyObj>,
+) -> crate::error::Result<PyObj> {
     Ok(match t {
         Tree::Dict(items, _) => PyObj::Dict(
             items
                 .into_iter()
                 .map(|(k, v)| Ok((PyObj::Str(k), to_pyobj(v, leaf)?)))
-                .collect::<crate::Result<_>>()?,
+                .collect::<crate::error::Result<_>>()?,
         ),
         Tree::List(items) => PyObj::List(
             items
                 .into_iter()
                 .map(|v| to_pyobj(v, leaf))
-                .collect::<crate::Result<_>>()?,
+                .collect::<crate::error::Result<_>>()?,
         ),
         Tree::Leaf(i) => leaf(i)?,
         Tree::Hole => PyObj::None,
