@@ -7,9 +7,9 @@
 //!
 //! Run from `fuzz/`: `cargo run --bin make_seeds`.
 
+use fsdp::checkpoint::{SaveOptions, MANIFEST};
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
-use fsdp::checkpoint::{SaveOptions, MANIFEST};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{DType, Fsdp, HostTensor, ModelDesc, OptimParams, Value, WrapPolicy};

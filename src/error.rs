@@ -635,6 +635,45 @@ pub enum Error {
         reason: String,
     },
 
+    // ----- DCP directories -----
+    /// A DCP `.metadata` file does not have the structure PyTorch's `dcp.save` writes (the
+    /// pickle itself parses; its objects are not the expected `Metadata` fields).
+    #[error("invalid DCP metadata `{file}`: {reason}")]
+    DcpMetadata {
+        /// The `.metadata` file.
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The chunks of a DCP tensor do not tile its global shape exactly once (a hole, an
+    /// overlap, a chunk outside the shape), a chunk or value has no storage record, or a key's
+    /// nested path conflicts with another's.
+    #[error("DCP checkpoint `{dir}`, key `{key}`: {reason}")]
+    DcpChunks {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key (`model.net.0.weight`).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A DCP data reference is unusable: its file escapes the directory or is missing, the
+    /// byte range lies past the file's end, or the stored chunk does not parse or disagrees
+    /// with the metadata in dtype or shape.
+    #[error("DCP checkpoint `{dir}`, key `{key}`, file `{file}`: {reason}")]
+    DcpStorage {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The data file as the metadata names it (`relative_path`).
+        file: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.

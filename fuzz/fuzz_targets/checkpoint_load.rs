@@ -9,11 +9,11 @@
 //! input format to `corpus/checkpoint_load/`.
 #![no_main]
 
-use fsdp::flat_param::ModelLayout;
 use fsdp::checkpoint::{
     load, load_full, load_model_params, read_manifest, verify, LoadOptions, COMMIT, FORMAT,
     MANIFEST, VERSION,
 };
+use fsdp::flat_param::ModelLayout;
 use fsdp::{HostTensor, OptimParams};
 use libfuzzer_sys::fuzz_target;
 

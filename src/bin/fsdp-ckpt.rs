@@ -57,6 +57,10 @@ enum Command {
         /// may allocate beyond the file's storage bytes.
         #[arg(long, value_name = "BYTES", default_value_t = io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES)]
         max_expansion_bytes: u64,
+        /// Write a directory instead: `dcp`, a PyTorch DCP directory (from a torch.save or
+        /// safetensors file, or from this crate's sharded checkpoint directory).
+        #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp"])]
+        to: Option<String>,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -257,6 +261,7 @@ fn run(cli: Cli) -> Result<()> {
             input,
             output,
             max_expansion_bytes,
+            ..
         } => convert(&progress, &input, &output, max_expansion_bytes),
         Command::ConsolidateTorch {
             model,
@@ -589,11 +594,107 @@ fn consolidate(progress: &Progress, input: &Path, out: &Path) -> Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    let result = match run_dcp(&cli) {
+        Some(r) => r,
+        None => run(cli),
+    };
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// `inspect`, `consolidate` and `verify` of a PyTorch DCP directory (one holding
+/// `.metadata`); `None` when the command is not about one.
+fn run_dcp(cli: &Cli) -> Option<Result<()>> {
+    use fsdp::io::dcp;
+    let progress = Progress { quiet: cli.quiet };
+    match &cli.command {
+        Command::Inspect { file, json } if dcp::is_dcp_dir(file) => Some(dcp_inspect(file, *json)),
+        Command::Consolidate { input, output } if dcp::is_dcp_dir(input) => {
+            Some(dcp_consolidate(input, output, &progress))
+        }
+        Command::Verify { input } if dcp::is_dcp_dir(input) => {
+            Some(progress.step("verifying", || dcp::verify(input)).map(|r| {
+                println!(
+                    "{}: OK ({} tensors in {} chunks, {} objects, {} bytes read)",
+                    input.display(),
+                    r.tensors,
+                    r.chunks,
+                    r.objects,
+                    r.bytes_read
+                );
+            }))
+        }
+        Command::Convert {
+            input,
+            output,
+            to: Some(to),
+            ..
+        } => Some(dcp_convert(input, output, to, &progress)),
+        _ => None,
+    }
+}
+
+/// `convert IN OUT_DIR --to dcp|fsdp`.
+fn dcp_convert(input: &Path, output: &Path, to: &str, progress: &Progress) -> Result<()> {
+    use fsdp::io::dcp;
+    let written = match to {
+        "dcp" if input.is_dir() => progress.step("converting", || {
+            // The full optimizer state dict of the crate's sharded checkpoint.
+            let full = checkpoint::load_full(input, &checkpoint::LoadOptions::default())?;
+            dcp::save_dcp(&optim_to_pyobj(&full)?, output)
+        })?,
+        "dcp" => progress.step("converting", || dcp::torch_save_to_dcp(input, output))?,
+        _ => {
+            return Err(Error::Unsupported(format!(
+                "convert {} {} --to {to}: writing this crate's sharded checkpoint from a DCP directory is not implemented yet (it needs the model description and wrapping); use `consolidate` to a .pt file",
+                input.display(),
+                output.display()
+            )))
+        }
+    };
+    eprintln!(
+        "converted {} -> DCP directory {}: {written} bytes of tensors",
+        input.display(),
+        output.display()
+    );
+    Ok(())
+}
+
+fn dcp_inspect(dir: &Path, json: bool) -> Result<()> {
+    let s = fsdp::io::dcp::summary(dir)?;
+    if json {
+        let text = serde_json::to_string_pretty(&s).map_err(|e| Error::Serialization {
+            what: "inspect summary".into(),
+            reason: e.to_string(),
+        })?;
+        println!("{text}");
+    } else {
+        print!("{s}");
+    }
+    Ok(())
+}
+
+fn dcp_consolidate(input: &Path, output: &Path, progress: &Progress) -> Result<()> {
+    use fsdp::io::dcp;
+    let format = FileFormat::from_path(output)?;
+    let total = dcp::summary(input)?.tensor_bytes;
+    let pb = progress.bytes(total, "consolidating");
+    let to = |b| pb.set_position(b);
+    let written = if format == FileFormat::Safetensors {
+        dcp::consolidate_to_safetensors(input, output, to)?
+    } else {
+        dcp::consolidate_to_torch(input, output, to)?
+    };
+    pb.finish_and_clear();
+    eprintln!(
+        "consolidated DCP checkpoint {} -> {}: {written} bytes of tensors",
+        input.display(),
+        output.display()
+    );
+    Ok(())
 }

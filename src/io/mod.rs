@@ -7,6 +7,7 @@
 //! what a file holds.
 
 pub(crate) mod container;
+pub mod dcp;
 pub mod inspect;
 pub mod output;
 pub mod safetensors;

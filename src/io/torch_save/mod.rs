@@ -309,7 +309,7 @@ impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
 
 /// Writes a file through `write` into a temporary file beside `path`, syncs it, and renames it
 /// to `path`; the temporary file is removed on failure.
-fn write_atomic(
+pub(crate) fn write_atomic(
     path: &Path,
     write: impl FnOnce(BufWriter<File>) -> Result<BufWriter<File>>,
 ) -> Result<()> {

@@ -1,0 +1,445 @@
+//! The typed content of a DCP `.metadata` file, read with the restricted unpickler.
+
+use super::unpickle::{self, Class, Global, Node, Pickled, V};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Largest `.metadata` file read (it is held in memory while it is parsed).
+pub const MAX_METADATA_BYTES: u64 = 1 << 30;
+
+/// Longest path of a key in the nested dict (`planner_data`), as deep as the crate nests.
+pub const MAX_PATH_LEN: usize = 200;
+
+/// One step of a key's path in the nested state dict (`planner_data`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(untagged)]
+pub enum PathItem {
+    /// A dict key (DCP stores every mapping key as a string).
+    Key(String),
+    /// A list index.
+    Index(usize),
+}
+
+/// A chunk of a tensor: the box `offsets .. offsets + sizes` of the global tensor.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Chunk {
+    /// Start of the box in every dimension.
+    pub offsets: Vec<usize>,
+    /// Extent of the box in every dimension.
+    pub sizes: Vec<usize>,
+}
+
+/// A tensor entry: its dtype, global shape and chunks.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TensorMeta {
+    /// PyTorch's dtype name without `torch.` (`float32`, `bfloat16`, …).
+    pub dtype: String,
+    /// The global shape.
+    pub size: Vec<usize>,
+    /// The saved chunks, in metadata order.
+    pub chunks: Vec<Chunk>,
+}
+
+impl TensorMeta {
+    /// The crate's dtype, if it supports this one.
+    pub fn dtype(&self) -> Option<DType> {
+        dtype_of(&self.dtype)
+    }
+}
+
+/// What one flattened key holds.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub enum EntryKind {
+    /// A tensor stored as chunks (`TensorStorageMetadata`).
+    Tensor(TensorMeta),
+    /// Any other object, stored as one `torch.save` blob (`BytesStorageMetadata`).
+    Bytes,
+}
+
+/// One key of `state_dict_metadata`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Entry {
+    /// The flattened key (`model.net.0.weight`, `optim.param_groups.0.lr`).
+    pub key: String,
+    /// Its path in the nested dict (`planner_data`), if recorded.
+    pub path: Option<Vec<PathItem>>,
+    /// Tensor or bytes.
+    pub kind: EntryKind,
+}
+
+/// Where a chunk or bytes object is stored: `MetadataIndex(fqn, offset)`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StorageKey {
+    /// The flattened key.
+    pub fqn: String,
+    /// The chunk's offsets (`None` for bytes objects).
+    pub offset: Option<Vec<usize>>,
+}
+
+/// A byte range of a data file (`_StorageInfo`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageInfo {
+    /// The data file, relative to the checkpoint directory.
+    pub relative_path: String,
+    /// Start of the range.
+    pub offset: u64,
+    /// Length of the range.
+    pub length: u64,
+    /// Stream transforms applied when saving (compression etc.); empty for plain files.
+    pub transforms: Vec<String>,
+}
+
+/// A DCP checkpoint's `.metadata`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Metadata {
+    /// `state_dict_metadata`, in its order (a repeated key keeps its first place and its last
+    /// value, as in a Python dict).
+    pub entries: Vec<Entry>,
+    /// `storage_data`.
+    pub storage: HashMap<StorageKey, StorageInfo>,
+    /// `storage_meta.checkpoint_id`, as recorded.
+    pub checkpoint_id: Option<String>,
+    /// The DCP format version (`1.0.0`).
+    pub version: Option<String>,
+}
+
+/// The crate's dtype for PyTorch's dtype name.
+pub fn dtype_of(name: &str) -> Option<DType> {
+    Some(match name {
+        "float32" => DType::F32,
+        "float64" => DType::F64,
+        "float16" => DType::F16,
+        "bfloat16" => DType::BF16,
+        "int64" => DType::I64,
+        "int32" => DType::I32,
+        "uint8" => DType::U8,
+        "bool" => DType::Bool,
+        "int8" => DType::I8,
+        "int16" => DType::I16,
+        "uint16" => DType::U16,
+        "uint32" => DType::U32,
+        "uint64" => DType::U64,
+        "float8_e4m3fn" => DType::F8E4M3FN,
+        "float8_e5m2" => DType::F8E5M2,
+        _ => return None,
+    })
+}
+
+/// Reads and parses `dir/.metadata`.
+pub fn read_metadata(dir: &Path) -> Result<Metadata> {
+    let path = dir.join(".metadata");
+    let name = path.display().to_string();
+    let io = |e: std::io::Error| Error::Io {
+        op: "reading".into(),
+        path: name.clone(),
+        source: e.into(),
+    };
+    let len = std::fs::metadata(&path).map_err(io)?.len();
+    if len > MAX_METADATA_BYTES {
+        return Err(Error::DcpMetadata {
+            file: name,
+            reason: format!("{len} bytes, more than the {MAX_METADATA_BYTES} read"),
+        });
+    }
+    let data = std::fs::read(&path).map_err(io)?;
+    parse_metadata(&name, &data)
+}
+
+/// Parses the bytes of a `.metadata` file (`file` names it in errors).
+pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
+    let p = unpickle::unpickle(file, data)?;
+    // Shared references (the memo) let a small pickle name one object many times; what is
+    // built from it may hold at most this many items and string bytes.
+    let budget = std::cell::Cell::new(data.len().saturating_mul(16).saturating_add(1 << 16));
+    Extract {
+        file,
+        p: &p,
+        budget,
+    }
+    .metadata()
+}
+
+struct Extract<'a> {
+    file: &'a str,
+    p: &'a Pickled,
+    budget: std::cell::Cell<usize>,
+}
+
+impl Extract<'_> {
+    /// Counts `n` items or bytes against the budget.
+    fn charge(&self, n: usize) -> Result<()> {
+        match self.budget.get().checked_sub(n) {
+            Some(left) => {
+                self.budget.set(left);
+                Ok(())
+            }
+            None => Err(self.err(
+                "the metadata expands to far more objects than its size allows (shared references)",
+            )),
+        }
+    }
+
+    /// An owned copy of the string `v`, charged to the budget.
+    fn string(&self, v: &V, what: &str) -> Result<String> {
+        let s = self.str(v, what)?;
+        self.charge(s.len() + 1)?;
+        Ok(s.to_string())
+    }
+
+    fn err(&self, reason: impl Into<String>) -> Error {
+        Error::DcpMetadata {
+            file: self.file.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn node(&self, v: &V) -> Option<&Node> {
+        match v {
+            V::Obj(i) => self.p.arena.get(*i),
+            _ => None,
+        }
+    }
+
+    fn dict(&self, v: &V, what: &str) -> Result<&[(V, V)]> {
+        match self.node(v) {
+            Some(Node::Dict(d)) => Ok(d),
+            _ => Err(self.err(format!("{what} is not a dict"))),
+        }
+    }
+
+    fn seq(&self, v: &V, what: &str) -> Result<&[V]> {
+        match self.node(v) {
+            Some(Node::Tuple(s) | Node::List(s)) => Ok(s),
+            _ => Err(self.err(format!("{what} is not a tuple or list"))),
+        }
+    }
+
+    fn str<'v>(&self, v: &'v V, what: &str) -> Result<&'v str> {
+        match v {
+            V::Str(s) => Ok(s),
+            _ => Err(self.err(format!("{what} is not a string"))),
+        }
+    }
+
+    fn uint(&self, v: &V, what: &str) -> Result<u64> {
+        match v {
+            V::Int(i) if *i >= 0 => Ok(*i as u64),
+            _ => Err(self.err(format!("{what} is not a non-negative int"))),
+        }
+    }
+
+    fn dims(&self, v: &V, what: &str) -> Result<Vec<usize>> {
+        let items = self.seq(v, what)?;
+        self.charge(items.len() + 1)?;
+        items
+            .iter()
+            .map(|x| {
+                let d = self.uint(x, what)?;
+                usize::try_from(d).map_err(|_| self.err(format!("{what}: {d} is too large")))
+            })
+            .collect()
+    }
+
+    /// The attributes of an instance of `class` (its `BUILD` dict).
+    fn attrs(&self, v: &V, class: Class, what: &str) -> Result<HashMap<&str, &V>> {
+        let state = match self.node(v) {
+            Some(Node::Instance(c, s)) if *c == class => s.as_ref(),
+            _ => return Err(self.err(format!("{what} is not a {class:?}"))),
+        };
+        let mut out = HashMap::new();
+        if let Some(s) = state {
+            for (k, v) in self.dict(s, what)? {
+                out.insert(self.str(k, what)?, v);
+            }
+        }
+        Ok(out)
+    }
+
+    fn metadata(&self) -> Result<Metadata> {
+        let a = self.attrs(&self.p.root, Class::Metadata, "the root object")?;
+        let sdm = a
+            .get("state_dict_metadata")
+            .ok_or_else(|| self.err("Metadata has no state_dict_metadata"))?;
+        let planner = match a.get("planner_data") {
+            Some(v) if !matches!(v, V::None) => self.planner_data(v)?,
+            _ => HashMap::new(),
+        };
+        let mut entries: Vec<Entry> = Vec::new();
+        let mut at: HashMap<String, usize> = HashMap::new();
+        for (k, v) in self.dict(sdm, "state_dict_metadata")? {
+            let key = self.string(k, "a state_dict_metadata key")?;
+            let kind = self.entry_kind(&key, v)?;
+            let path = planner.get(&key).cloned();
+            self.charge(path.as_ref().map_or(0, Vec::len))?;
+            let e = Entry { key, path, kind };
+            match at.get(&e.key) {
+                Some(&i) => entries[i] = e,
+                None => {
+                    at.insert(e.key.clone(), entries.len());
+                    entries.push(e);
+                }
+            }
+        }
+        let storage = match a.get("storage_data") {
+            Some(v) => self.storage_data(v)?,
+            None => return Err(self.err("Metadata has no storage_data")),
+        };
+        let checkpoint_id = match a.get("storage_meta") {
+            Some(v @ V::Obj(_)) => {
+                let sm = self.attrs(v, Class::StorageMeta, "storage_meta")?;
+                match sm.get("checkpoint_id") {
+                    Some(V::Str(s)) => Some(s.to_string()),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let version = match a.get("version") {
+            Some(V::Str(s)) => Some(s.to_string()),
+            _ => None,
+        };
+        Ok(Metadata {
+            entries,
+            storage,
+            checkpoint_id,
+            version,
+        })
+    }
+
+    fn planner_data(&self, v: &V) -> Result<HashMap<String, Vec<PathItem>>> {
+        let mut out = HashMap::new();
+        for (k, p) in self.dict(v, "planner_data")? {
+            let key = self.string(k, "a planner_data key")?;
+            let what = format!("planner_data[{key:?}]");
+            let items = self.seq(p, &what)?;
+            if items.len() > MAX_PATH_LEN {
+                return Err(self.err(format!(
+                    "{what} is {} steps long, more than {MAX_PATH_LEN}",
+                    items.len()
+                )));
+            }
+            let mut path = Vec::new();
+            for item in items {
+                path.push(match item {
+                    v @ V::Str(_) => PathItem::Key(self.string(v, &what)?),
+                    V::Int(i) if *i >= 0 => PathItem::Index(*i as usize),
+                    _ => {
+                        return Err(self.err(format!(
+                            "{what} holds an item that is neither a string nor a non-negative int"
+                        )))
+                    }
+                });
+            }
+            if path.is_empty() {
+                return Err(self.err(format!("{what} is empty")));
+            }
+            out.insert(key, path);
+        }
+        Ok(out)
+    }
+
+    fn entry_kind(&self, key: &str, v: &V) -> Result<EntryKind> {
+        if let Some(Node::Instance(Class::BytesStorageMetadata, _)) = self.node(v) {
+            return Ok(EntryKind::Bytes);
+        }
+        let what = format!("state_dict_metadata[{key:?}]");
+        let a = self.attrs(v, Class::TensorStorageMetadata, &what)?;
+        let get = |n: &str| {
+            a.get(n)
+                .copied()
+                .ok_or_else(|| self.err(format!("{what} has no {n}")))
+        };
+        let dtype = self.dtype(get("properties")?, &what)?;
+        let size = self.dims(get("size")?, &format!("{what}.size"))?;
+        let mut chunks = Vec::new();
+        let listed = self.seq(get("chunks")?, &format!("{what}.chunks"))?;
+        if listed.len() > crate::io::dcp::MAX_CHUNKS_PER_TENSOR {
+            return Err(self.err(format!(
+                "{what} has {} chunks, more than the {} accepted per tensor",
+                listed.len(),
+                crate::io::dcp::MAX_CHUNKS_PER_TENSOR
+            )));
+        }
+        for c in listed {
+            let ca = self.attrs(
+                c,
+                Class::ChunkStorageMetadata,
+                &format!("a chunk of {what}"),
+            )?;
+            let dim = |n: &str| match ca.get(n) {
+                Some(v) => self.dims(v, &format!("a chunk's {n} in {what}")),
+                None => Err(self.err(format!("a chunk of {what} has no {n}"))),
+            };
+            chunks.push(Chunk {
+                offsets: dim("offsets")?,
+                sizes: dim("sizes")?,
+            });
+        }
+        Ok(EntryKind::Tensor(TensorMeta {
+            dtype,
+            size,
+            chunks,
+        }))
+    }
+
+    /// The dtype name of a `TensorProperties` (pickled as a `__getstate__` tuple whose first
+    /// item is the dtype, or as an attribute dict).
+    fn dtype(&self, v: &V, what: &str) -> Result<String> {
+        let state = match self.node(v) {
+            Some(Node::Instance(Class::TensorProperties, Some(s))) => s,
+            _ => return Err(self.err(format!("{what}.properties is not a TensorProperties"))),
+        };
+        let d = match self.node(state) {
+            Some(Node::Tuple(t)) => t.first(),
+            Some(Node::Dict(d)) => d
+                .iter()
+                .find(|(k, _)| matches!(k, V::Str(s) if &**s == "dtype"))
+                .map(|(_, v)| v),
+            _ => None,
+        };
+        match d {
+            Some(V::Global(Global::Dtype(name))) => Ok(name.to_string()),
+            _ => Err(self.err(format!("{what}.properties has no torch dtype"))),
+        }
+    }
+
+    fn storage_data(&self, v: &V) -> Result<HashMap<StorageKey, StorageInfo>> {
+        let mut out = HashMap::new();
+        for (k, s) in self.dict(v, "storage_data")? {
+            let ka = self.attrs(k, Class::MetadataIndex, "a storage_data key")?;
+            let fqn = match ka.get("fqn") {
+                Some(f) => self.string(f, "MetadataIndex.fqn")?,
+                None => return Err(self.err("a MetadataIndex has no fqn")),
+            };
+            let what = format!("storage_data[{fqn:?}]");
+            let offset = match ka.get("offset") {
+                Some(V::None) | None => None,
+                Some(o) => Some(self.dims(o, &format!("{what}.offset"))?),
+            };
+            let sa = self.attrs(s, Class::StorageInfo, &what)?;
+            let get = |n: &str| {
+                sa.get(n)
+                    .copied()
+                    .ok_or_else(|| self.err(format!("{what} has no {n}")))
+            };
+            let transforms = match sa.get("transform_descriptors") {
+                Some(V::None) | None => Vec::new(),
+                Some(t) => self
+                    .seq(t, &what)?
+                    .iter()
+                    .map(|x| self.string(x, "a transform descriptor"))
+                    .collect::<Result<_>>()?,
+            };
+            let info = StorageInfo {
+                relative_path: self.string(get("relative_path")?, &what)?,
+                offset: self.uint(get("offset")?, &format!("{what}.offset"))?,
+                length: self.uint(get("length")?, &format!("{what}.length"))?,
+                transforms,
+            };
+            out.insert(StorageKey { fqn, offset }, info);
+        }
+        Ok(out)
+    }
+}

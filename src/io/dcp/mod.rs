@@ -1,0 +1,52 @@
+//! PyTorch Distributed Checkpoint (DCP) directories, read without Python.
+//!
+//! `dcp.save(state_dict, checkpoint_id=DIR)` writes `DIR/.metadata` (a pickle of
+//! `Metadata(state_dict_metadata, planner_data, storage_data, storage_meta, version)`) and one
+//! `__{rank}_{n}.distcp` file per writer, in which every tensor chunk and every non-tensor
+//! value is a complete little `torch.save` archive at a recorded byte range. Keys are
+//! flattened (`model.net.0.weight`, `optim.state.net.0.weight.exp_avg`,
+//! `optim.param_groups.0.lr`); `planner_data` maps each back to its path in the nested dict.
+//!
+//! [`DcpCheckpoint::open`] reads `.metadata` with a restricted unpickler (only DCP's classes,
+//! `torch.Size`, dtypes, layouts, the memory-format enum and `pathlib` paths resolve; nothing
+//! is executed) and checks every data reference stays inside the directory. Tensors are then
+//! assembled on demand from any N-D grid of chunks ([`DcpCheckpoint::read_tensor`]), reading
+//! only their byte ranges; [`consolidate_to_torch`] writes the file
+//! `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` writes, one tensor in memory
+//! at a time; [`verify`] checks everything; [`summary`] describes the directory.
+//! [`save_dcp`] writes a state dict as a DCP directory, as `torch_save_to_dcp` does.
+
+mod metadata;
+mod pickler;
+mod plan;
+mod read;
+mod unpickle;
+mod write;
+
+pub use metadata::{
+    dtype_of, parse_metadata, read_metadata, Chunk, Entry, EntryKind, Metadata, PathItem,
+    StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
+};
+pub use plan::{check_tiling, place_chunk, MAX_CHUNKS_PER_TENSOR};
+pub use read::{
+    consolidate_to_safetensors, consolidate_to_torch, summary, verify, DcpCheckpoint, DcpSummary,
+    EntrySummary, FileSummary, VerifyReport,
+};
+
+pub use write::save_dcp;
+
+use crate::error::Result;
+use std::path::Path;
+
+/// Whether `dir` is a DCP directory (holds a `.metadata` file).
+pub fn is_dcp_dir(dir: &Path) -> bool {
+    dir.is_dir() && dir.join(".metadata").is_file()
+}
+
+/// Writes the state dict in the `torch.save` (or `.safetensors`) file `input` as the DCP
+/// directory `out`, as `torch.distributed.checkpoint.format_utils.torch_save_to_dcp(input,
+/// out)` does; see [`save_dcp`]. Returns the tensor bytes written.
+pub fn torch_save_to_dcp(input: &Path, out: &Path) -> Result<u64> {
+    let obj = crate::io::load(input)?;
+    save_dcp(&obj, out)
+}

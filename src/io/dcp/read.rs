@@ -1,0 +1,645 @@
+//! Reading a DCP directory: confined data-file access, chunk parsing, tensor assembly, and
+//! the consolidation, verification and summary built on them.
+
+use super::metadata::{
+    read_metadata, Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta,
+};
+use super::plan::{check_tiling, nest, place_chunk, volume, NestError};
+use crate::error::{Error, Result};
+use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
+use crate::tensor::{DType, HostTensor};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Component, Path, PathBuf};
+
+/// An opened DCP directory: its metadata, with every data file resolved inside it.
+#[derive(Debug)]
+pub struct DcpCheckpoint {
+    dir: PathBuf,
+    metadata: Metadata,
+    /// `relative_path` → (the file, its length), or why it is unusable.
+    files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
+}
+
+impl DcpCheckpoint {
+    /// Reads `dir/.metadata` and resolves every data file it names. A file that escapes the
+    /// directory or is missing is reported when a key stored in it is read.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_path_buf();
+        let metadata = read_metadata(&dir)?;
+        let root = dir.canonicalize().map_err(|e| Error::Io {
+            op: "resolving".into(),
+            path: dir.display().to_string(),
+            source: e.into(),
+        })?;
+        let mut files = HashMap::new();
+        for info in metadata.storage.values() {
+            files
+                .entry(info.relative_path.clone())
+                .or_insert_with(|| confine(&root, &info.relative_path));
+        }
+        Ok(DcpCheckpoint {
+            dir,
+            metadata,
+            files,
+        })
+    }
+
+    /// The parsed `.metadata`.
+    pub fn metadata(&self) -> &Metadata {
+        &self.metadata
+    }
+
+    /// The entry of flattened key `key`.
+    pub fn entry(&self, key: &str) -> Option<&Entry> {
+        self.metadata.entries.iter().find(|e| e.key == key)
+    }
+
+    fn dir_name(&self) -> String {
+        self.dir.display().to_string()
+    }
+
+    fn chunk_err(&self, key: &str, reason: impl Into<String>) -> Error {
+        Error::DcpChunks {
+            dir: self.dir_name(),
+            key: key.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    fn storage_err(&self, key: &str, file: &str, reason: impl Into<String>) -> Error {
+        Error::DcpStorage {
+            dir: self.dir_name(),
+            key: key.to_string(),
+            file: file.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The storage record of `key` at `offset` (a chunk's offsets, or `None` for bytes).
+    fn storage(&self, key: &str, offset: Option<&[usize]>) -> Result<&StorageInfo> {
+        let k = StorageKey {
+            fqn: key.to_string(),
+            offset: offset.map(<[usize]>::to_vec),
+        };
+        self.metadata.storage.get(&k).ok_or_else(|| match offset {
+            Some(o) => self.chunk_err(key, format!("the chunk at {o:?} has no storage_data entry")),
+            None => self.chunk_err(key, "the value has no storage_data entry"),
+        })
+    }
+
+    /// Checks that `info`'s range lies inside its (confined, existing) file and holds at
+    /// least `min_len` bytes; returns the file.
+    fn checked_range(&self, key: &str, info: &StorageInfo, min_len: u64) -> Result<&Path> {
+        let f = &info.relative_path;
+        if !info.transforms.is_empty() {
+            return Err(self.storage_err(
+                key,
+                f,
+                format!(
+                    "stored through transforms {:?}, which are not supported",
+                    info.transforms
+                ),
+            ));
+        }
+        let (path, len) = match self.files.get(f) {
+            Some(Ok((p, len))) => (p, *len),
+            Some(Err(reason)) => return Err(self.storage_err(key, f, reason.clone())),
+            None => return Err(self.storage_err(key, f, "the file was not resolved")),
+        };
+        let end = info.offset.checked_add(info.length);
+        if end.is_none_or(|e| e > len) {
+            return Err(self.storage_err(
+                key,
+                f,
+                format!(
+                    "range {}..+{} lies past the end of the {len}-byte file",
+                    info.offset, info.length
+                ),
+            ));
+        }
+        if info.length < min_len {
+            return Err(self.storage_err(
+                key,
+                f,
+                format!(
+                    "{} bytes stored, too few for the {min_len} bytes of data it must hold",
+                    info.length
+                ),
+            ));
+        }
+        Ok(path)
+    }
+
+    /// Reads the bytes of `info` (after [`Self::checked_range`]).
+    fn read_range(&self, key: &str, info: &StorageInfo, min_len: u64) -> Result<Vec<u8>> {
+        let path = self.checked_range(key, info, min_len)?;
+        let f = &info.relative_path;
+        let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
+        let mut file = File::open(path).map_err(io)?;
+        file.seek(SeekFrom::Start(info.offset)).map_err(io)?;
+        let mut buf = vec![0u8; info.length as usize];
+        file.read_exact(&mut buf).map_err(io)?;
+        Ok(buf)
+    }
+
+    fn tensor_meta<'s>(&'s self, key: &str) -> Result<(&'s TensorMeta, DType)> {
+        let e = self
+            .entry(key)
+            .ok_or_else(|| self.chunk_err(key, "no such key in the checkpoint"))?;
+        let EntryKind::Tensor(t) = &e.kind else {
+            return Err(self.chunk_err(key, "not a tensor"));
+        };
+        let dtype = t.dtype().ok_or_else(|| {
+            self.chunk_err(key, format!("dtype torch.{} is not supported", t.dtype))
+        })?;
+        Ok((t, dtype))
+    }
+
+    /// Checks a tensor's chunks without reading them: they tile its shape, and each has a
+    /// byte range inside its file large enough for its elements. Returns the tensor's bytes.
+    fn plan_tensor(&self, key: &str) -> Result<usize> {
+        let (t, dtype) = self.tensor_meta(key)?;
+        check_tiling(&t.size, &t.chunks).map_err(|r| self.chunk_err(key, r))?;
+        for c in &t.chunks {
+            let info = self.storage(key, Some(&c.offsets))?;
+            let need = chunk_bytes(&c.sizes, dtype);
+            self.checked_range(key, info, need)?;
+        }
+        // The chunks tile the shape and each chunk's bytes lie in a file, so this is bounded
+        // by the data on disk.
+        volume(&t.size)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| self.chunk_err(key, format!("shape {:?} overflows", t.size)))
+    }
+
+    /// Reads and parses one chunk; it must be a tensor of the metadata's dtype and the
+    /// chunk's shape.
+    fn read_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<HostTensor> {
+        let info = self.storage(key, Some(&chunk.offsets))?;
+        let raw = self.read_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
+        let f = &info.relative_path;
+        let at = format!(
+            "chunk at {:?}, bytes {}..+{}",
+            chunk.offsets, info.offset, info.length
+        );
+        let obj = torch_save::load_from_bytes(&raw)
+            .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
+        let PyObj::Tensor(t) = obj else {
+            return Err(self.storage_err(
+                key,
+                f,
+                format!("{at} holds a {}, not a tensor", obj.type_name()),
+            ));
+        };
+        if t.dtype() != dtype || t.shape() != chunk.sizes.as_slice() {
+            return Err(self.storage_err(
+                key,
+                f,
+                format!(
+                    "{at} holds a {:?} {} tensor, but the metadata says {:?} {dtype}",
+                    t.shape(),
+                    t.dtype(),
+                    chunk.sizes
+                ),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// The whole tensor stored under flattened key `key`, assembled from its chunks (any
+    /// N-D grid), reading only their byte ranges.
+    pub fn read_tensor(&self, key: &str) -> Result<HostTensor> {
+        self.plan_tensor(key)?;
+        let (t, dtype) = self.tensor_meta(key)?;
+        let mut out = HostTensor::zeros(dtype, &t.size);
+        for c in &t.chunks {
+            let part = self.read_chunk(key, c, dtype)?;
+            place_chunk(out.bytes_mut(), &t.size, c, part.as_bytes(), dtype.size());
+        }
+        Ok(out)
+    }
+
+    /// The non-tensor value stored under `key` (a `torch.save`d object).
+    pub fn read_object(&self, key: &str) -> Result<PyObj> {
+        let info = self.storage(key, None)?;
+        let raw = self.read_range(key, info, 0)?;
+        torch_save::load_from_bytes(&raw).map_err(|e| {
+            self.storage_err(
+                key,
+                &info.relative_path,
+                format!("the value does not parse: {e}"),
+            )
+        })
+    }
+
+    /// The nested state dict, as `dcp_to_torch_save` rebuilds it, with `tensor(i, meta)`
+    /// standing for entry `i`'s tensor and non-tensor values read.
+    fn nested(&self, tensor: &mut dyn FnMut(usize, &TensorMeta) -> Result<PyObj>) -> Result<PyObj> {
+        let entries = &self.metadata.entries;
+        let mut leaf = |i: usize| match &entries[i].kind {
+            EntryKind::Tensor(t) => tensor(i, t),
+            EntryKind::Bytes => self.read_object(&entries[i].key),
+        };
+        nest(entries, &mut leaf).map_err(|e| match e {
+            NestError::Path { key, reason } => {
+                self.chunk_err(&key, format!("planner_data path: {reason}"))
+            }
+            NestError::Leaf(e) => e,
+        })
+    }
+
+    /// The whole nested state dict in memory (every tensor assembled).
+    pub fn load(&self) -> Result<PyObj> {
+        let entries = &self.metadata.entries;
+        self.nested(&mut |i, _| Ok(PyObj::Tensor(self.read_tensor(&entries[i].key)?)))
+    }
+}
+
+fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
+    volume(sizes)
+        .and_then(|n| n.checked_mul(dtype.size()))
+        .map_or(u64::MAX, |n| n as u64)
+}
+
+/// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
+/// leading out; the file must exist. Returns it with its length, or why not.
+fn confine(root: &Path, relative: &str) -> std::result::Result<(PathBuf, u64), String> {
+    let rel = Path::new(relative);
+    if relative.is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(format!(
+            "relative_path {relative:?} is not a plain path inside the checkpoint directory"
+        ));
+    }
+    let path = root.join(rel);
+    let real = match path.canonicalize() {
+        Ok(p) => p,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err("the data file is missing".into())
+        }
+        Err(e) => return Err(format!("cannot resolve the data file: {e}")),
+    };
+    if !real.starts_with(root) {
+        return Err(format!(
+            "relative_path {relative:?} leads outside the checkpoint directory (through a symlink)"
+        ));
+    }
+    match std::fs::metadata(&real) {
+        Ok(m) if m.is_file() => Ok((real, m.len())),
+        Ok(_) => Err("the data path is not a regular file".into()),
+        Err(e) => Err(format!("cannot stat the data file: {e}")),
+    }
+}
+
+/// The placeholders of a nested DCP state dict, streamed one assembled tensor at a time.
+struct Streamed<'c, P> {
+    ckpt: &'c DcpCheckpoint,
+    /// Placeholder buffer identity → entry index.
+    stands_for: HashMap<usize, usize>,
+    written: u64,
+    progress: P,
+}
+
+impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        let i = self.stands_for.get(&t.storage_id())?;
+        match &self.ckpt.metadata.entries[*i].kind {
+            EntryKind::Tensor(m) => Some(m.size.clone()),
+            EntryKind::Bytes => None,
+        }
+    }
+
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        let Some(&i) = self.stands_for.get(&t.storage_id()) else {
+            return Ok(());
+        };
+        let key = &self.ckpt.metadata.entries[i].key;
+        let full = self.ckpt.read_tensor(key)?;
+        sink(full.as_bytes()).map_err(|e| Error::Io {
+            op: "writing a consolidated torch.save file".into(),
+            path: String::new(),
+            source: e.into(),
+        })?;
+        self.written += full.nbytes() as u64;
+        (self.progress)(self.written);
+        Ok(())
+    }
+}
+
+/// The nested dict with a one-element placeholder per tensor (checked before anything is
+/// written), and which entry each placeholder stands for.
+fn skeleton(ckpt: &DcpCheckpoint) -> Result<(PyObj, HashMap<usize, usize>)> {
+    let mut stands_for = HashMap::new();
+    let obj = ckpt.nested(&mut |i, _| {
+        let key = &ckpt.metadata.entries[i].key;
+        ckpt.plan_tensor(key)?;
+        let (_, dtype) = ckpt.tensor_meta(key)?;
+        let t = HostTensor::zeros(dtype, &[1]);
+        stands_for.insert(t.storage_id(), i);
+        Ok(PyObj::Tensor(t))
+    })?;
+    Ok((obj, stands_for))
+}
+
+/// Writes the DCP checkpoint in `dir` to `out` as the `torch.save` file
+/// `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, out)` writes: the same
+/// nested dict (keys in metadata order, string keys, lists, non-tensor values) with the same
+/// tensors bit for bit. Holds one assembled tensor in memory at a time; every chunk's range
+/// and tiling is checked before the output is created, which appears atomically. `progress`
+/// gets the tensor bytes written so far. Returns the tensor bytes written.
+pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
+    let ckpt = DcpCheckpoint::open(dir)?;
+    let (obj, stands_for) = skeleton(&ckpt)?;
+    let mut lazy = Streamed {
+        ckpt: &ckpt,
+        stands_for,
+        written: 0,
+        progress,
+    };
+    torch_save::save_streaming(&obj, out, &mut lazy)?;
+    Ok(lazy.written)
+}
+
+/// [`consolidate_to_torch`] to a `.safetensors` file in the crate's mapping
+/// ([`crate::io::safetensors`]): the nested dict's structure in `__metadata__`, the tensors
+/// by their path, streamed one assembled tensor at a time after every chunk was checked.
+/// The file appears atomically. Returns the tensor bytes written.
+pub fn consolidate_to_safetensors(
+    dir: &Path,
+    out: &Path,
+    mut progress: impl FnMut(u64),
+) -> Result<u64> {
+    let ckpt = DcpCheckpoint::open(dir)?;
+    let (obj, stands_for) = skeleton(&ckpt)?;
+    let (tensors, meta) = crate::io::safetensors::parts(&obj);
+    // (name, entry index) of every tensor, in file order.
+    let order: Vec<(String, usize)> = tensors
+        .iter()
+        .filter_map(|(name, t)| stands_for.get(&t.storage_id()).map(|&i| (name.clone(), i)))
+        .collect();
+    let header = safetensors_header(&ckpt, &order, meta.into_iter().collect())?;
+    let mut written = 0u64;
+    crate::io::torch_save::write_atomic(out, |mut w| {
+        let io = |e: std::io::Error| Error::Io {
+            op: "writing".into(),
+            path: out.display().to_string(),
+            source: e.into(),
+        };
+        w.write_all(&header).map_err(io)?;
+        for (_, i) in &order {
+            let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
+            w.write_all(t.as_bytes()).map_err(io)?;
+            written += t.nbytes() as u64;
+            progress(written);
+        }
+        Ok(w)
+    })?;
+    Ok(written)
+}
+
+/// The safetensors header (length prefix included, padded to 8 bytes) for the tensors of
+/// `order` laid out back to back, with `meta` as `__metadata__`.
+fn safetensors_header(
+    ckpt: &DcpCheckpoint,
+    order: &[(String, usize)],
+    meta: BTreeMap<String, String>,
+) -> Result<Vec<u8>> {
+    let mut map = serde_json::Map::new();
+    map.insert("__metadata__".into(), serde_json::json!(meta));
+    let mut at = 0u64;
+    for (name, i) in order {
+        let e = &ckpt.metadata.entries[*i];
+        let (t, dtype) = ckpt.tensor_meta(&e.key)?;
+        let n = (ckpt.plan_tensor(&e.key)?) as u64;
+        let st = match dtype {
+            DType::F32 => "F32",
+            DType::F64 => "F64",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::I64 => "I64",
+            DType::I32 => "I32",
+            DType::U8 => "U8",
+            DType::Bool => "BOOL",
+            DType::I8 => "I8",
+            DType::I16 => "I16",
+            DType::U16 => "U16",
+            DType::U32 => "U32",
+            DType::U64 => "U64",
+            DType::F8E4M3FN => "F8_E4M3",
+            DType::F8E5M2 => "F8_E5M2",
+        };
+        map.insert(
+            name.clone(),
+            serde_json::json!({"dtype": st, "shape": t.size, "data_offsets": [at, at + n]}),
+        );
+        at += n;
+    }
+    let mut json =
+        serde_json::to_vec(&serde_json::Value::Object(map)).map_err(|e| Error::Serialization {
+            what: "safetensors header".into(),
+            reason: e.to_string(),
+        })?;
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut out = (json.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&json);
+    Ok(out)
+}
+
+/// What [`verify`] checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct VerifyReport {
+    /// Tensor keys.
+    pub tensors: usize,
+    /// Chunks read and parsed.
+    pub chunks: usize,
+    /// Non-tensor values read and parsed.
+    pub objects: usize,
+    /// Bytes of the data files read.
+    pub bytes_read: u64,
+}
+
+/// Checks a DCP directory completely: every referenced byte range lies inside its file (no
+/// escaping path, no missing file), every chunk parses as a tensor of the metadata's dtype
+/// and chunk shape, the chunks of every tensor cover its global shape exactly once, and every
+/// non-tensor value parses. The first problem is returned as a typed error naming the key
+/// and file.
+pub fn verify(dir: &Path) -> Result<VerifyReport> {
+    let ckpt = DcpCheckpoint::open(dir)?;
+    let mut r = VerifyReport::default();
+    for e in &ckpt.metadata.entries {
+        match &e.kind {
+            EntryKind::Tensor(t) => {
+                ckpt.plan_tensor(&e.key)?;
+                let (_, dtype) = ckpt.tensor_meta(&e.key)?;
+                for c in &t.chunks {
+                    ckpt.read_chunk(&e.key, c, dtype)?;
+                    r.chunks += 1;
+                    r.bytes_read += ckpt.storage(&e.key, Some(&c.offsets))?.length;
+                }
+                r.tensors += 1;
+            }
+            EntryKind::Bytes => {
+                ckpt.read_object(&e.key)?;
+                r.objects += 1;
+                r.bytes_read += ckpt.storage(&e.key, None)?.length;
+            }
+        }
+    }
+    Ok(r)
+}
+
+/// One key of a [`DcpSummary`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct EntrySummary {
+    /// The flattened key.
+    pub key: String,
+    /// `tensor` or `bytes`.
+    pub kind: &'static str,
+    /// The dtype (`torch.float32`), for tensors.
+    pub dtype: Option<String>,
+    /// The global shape, for tensors.
+    pub shape: Option<Vec<usize>>,
+    /// The number of chunks, for tensors.
+    pub chunks: usize,
+}
+
+/// One data file of a [`DcpSummary`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct FileSummary {
+    /// The name (relative to the directory).
+    pub name: String,
+    /// Its length in bytes (`None` when it is missing or outside the directory).
+    pub bytes: Option<u64>,
+    /// Ranges stored in it.
+    pub ranges: usize,
+}
+
+/// What `fsdp-ckpt inspect` prints for a DCP directory.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct DcpSummary {
+    /// The directory.
+    pub checkpoint: String,
+    /// `dcp`.
+    pub format: &'static str,
+    /// The DCP version recorded.
+    pub version: Option<String>,
+    /// The world size the data files imply: one more than the highest rank in their
+    /// `__{rank}_{n}.distcp` names (`None` when no file is named so).
+    pub world_size: Option<usize>,
+    /// Every key in metadata order.
+    pub entries: Vec<EntrySummary>,
+    /// The data files, by name.
+    pub files: Vec<FileSummary>,
+    /// Total bytes of the tensors (global shapes).
+    pub tensor_bytes: u64,
+}
+
+/// Describes the DCP directory `dir` from its metadata (no chunk is read).
+pub fn summary(dir: &Path) -> Result<DcpSummary> {
+    let ckpt = DcpCheckpoint::open(dir)?;
+    let md = &ckpt.metadata;
+    let mut tensor_bytes = 0u64;
+    let entries = md
+        .entries
+        .iter()
+        .map(|e| match &e.kind {
+            EntryKind::Tensor(t) => {
+                let esize = t.dtype().map_or(0, DType::size) as u64;
+                let n = volume(&t.size).map_or(u64::MAX, |n| n as u64);
+                tensor_bytes = tensor_bytes.saturating_add(n.saturating_mul(esize));
+                EntrySummary {
+                    key: e.key.clone(),
+                    kind: "tensor",
+                    dtype: Some(format!("torch.{}", t.dtype)),
+                    shape: Some(t.size.clone()),
+                    chunks: t.chunks.len(),
+                }
+            }
+            EntryKind::Bytes => EntrySummary {
+                key: e.key.clone(),
+                kind: "bytes",
+                dtype: None,
+                shape: None,
+                chunks: 0,
+            },
+        })
+        .collect();
+    let mut ranges: BTreeMap<&str, usize> = BTreeMap::new();
+    for info in md.storage.values() {
+        *ranges.entry(&info.relative_path).or_default() += 1;
+    }
+    let files: Vec<FileSummary> = ranges
+        .into_iter()
+        .map(|(name, n)| FileSummary {
+            name: name.to_string(),
+            bytes: ckpt
+                .files
+                .get(name)
+                .and_then(|f| f.as_ref().ok())
+                .map(|f| f.1),
+            ranges: n,
+        })
+        .collect();
+    let world_size = files
+        .iter()
+        .filter_map(|f| rank_of(&f.name))
+        .max()
+        .map(|r| r + 1);
+    Ok(DcpSummary {
+        checkpoint: dir.display().to_string(),
+        format: "dcp",
+        version: md.version.clone(),
+        world_size,
+        entries,
+        files,
+        tensor_bytes,
+    })
+}
+
+/// The rank in a `__{rank}_{n}.distcp` file name.
+fn rank_of(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("__")?.strip_suffix(".distcp")?;
+    let (rank, n) = rest.split_once('_')?;
+    n.parse::<usize>().ok()?;
+    rank.parse().ok()
+}
+
+impl std::fmt::Display for DcpSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "DCP checkpoint: {} (version {})",
+            self.checkpoint,
+            self.version.as_deref().unwrap_or("?")
+        )?;
+        let ws = self.world_size.map_or("?".to_string(), |w| w.to_string());
+        writeln!(
+            f,
+            "world size {ws} (from the file names), {} keys, {} bytes of tensors",
+            self.entries.len(),
+            self.tensor_bytes
+        )?;
+        writeln!(f, "files:")?;
+        for file in &self.files {
+            let b = file
+                .bytes
+                .map_or("missing".to_string(), |b| format!("{b} bytes"));
+            writeln!(f, "  {} ({b}, {} ranges)", file.name, file.ranges)?;
+        }
+        writeln!(f, "keys:")?;
+        for e in &self.entries {
+            match (&e.dtype, &e.shape) {
+                (Some(d), Some(s)) => writeln!(f, "  {} {d} {s:?} ({} chunks)", e.key, e.chunks)?,
+                _ => writeln!(f, "  {} (object)", e.key)?,
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,346 @@
+//! DCP directories written by real PyTorch 2.13 (`tests/golden/dcp/gen.py`): read,
+//! consolidated into what `dcp_to_torch_save` writes, verified, and refused when hostile.
+
+use fsdp::io::dcp::{self, DcpCheckpoint};
+use fsdp::io::torch_save::{self, PyObj};
+use fsdp::Error;
+use std::path::{Path, PathBuf};
+
+const SCENARIOS: [&str; 6] = [
+    "fsdp2_adam_ws4",
+    "fsdp2_adamw_ws3_tied",
+    "fsdp2_sgd_ws2_frozen",
+    "fsdp1_orig_ws3",
+    "fsdp1_flat_ws4",
+    "dtensor_grid_ws4",
+];
+
+fn golden(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/dcp")
+        .join(p)
+}
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with PyTorch found: set FSDP_PYTHON or run scripts/setup-venv.sh"
+    );
+    venv
+}
+
+/// A copy of scenario `name`'s checkpoint in a fresh temporary directory (`<tmp>/ckpt`).
+fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("ckpt");
+    std::fs::create_dir(&dst).unwrap();
+    for e in std::fs::read_dir(golden(name).join("ckpt")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    (tmp, dst)
+}
+
+#[test]
+fn every_fixture_consolidates_to_what_dcp_to_torch_save_wrote() {
+    for name in SCENARIOS {
+        let expected = torch_save::load(golden(name).join("expected.pt")).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out.pt");
+        let written = dcp::consolidate_to_torch(&golden(name).join("ckpt"), &out, |_| {}).unwrap();
+        assert!(written > 0, "{name}");
+        let got = torch_save::load(&out).unwrap();
+        assert!(
+            got.bit_eq(&expected),
+            "{name}: consolidated dict differs from expected.pt"
+        );
+        // In memory too.
+        let ckpt = DcpCheckpoint::open(golden(name).join("ckpt")).unwrap();
+        assert!(
+            ckpt.load().unwrap().bit_eq(&expected),
+            "{name}: load() differs"
+        );
+    }
+}
+
+#[test]
+fn pytorch_loads_the_consolidated_file_equal_to_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = Vec::new();
+    for name in SCENARIOS {
+        let out = tmp.path().join(format!("{name}.pt"));
+        dcp::consolidate_to_torch(&golden(name).join("ckpt"), &out, |_| {}).unwrap();
+        args.push(golden(name).join("expected.pt"));
+        args.push(out);
+    }
+    let res = std::process::Command::new(python())
+        .arg(golden("check_equal.py"))
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+#[test]
+fn consolidated_keys_are_strings_in_metadata_order_with_lists_rebuilt() {
+    let ckpt = DcpCheckpoint::open(golden("dtensor_grid_ws4/ckpt")).unwrap();
+    let obj = ckpt.load().unwrap();
+    let extra = obj.get("extra").unwrap();
+    // The int key 0 was flattened to the string "0", as DCP does.
+    assert!(extra.get("0").is_some());
+    let Some(PyObj::List(mixed)) = extra.get("mixed") else {
+        panic!("mixed is not a list: {extra:?}");
+    };
+    assert_eq!(mixed.len(), 5);
+    assert_eq!(mixed[1], PyObj::Int(3));
+    assert_eq!(mixed[3], PyObj::None);
+    // The 2-D grid of chunks assembles to arange(35) / 7.
+    let Some(PyObj::Tensor(grid)) = obj.get("model").and_then(|m| m.get("grid")) else {
+        panic!("no grid tensor");
+    };
+    let expected: Vec<f32> = (0..35).map(|i| i as f32 / 7.0).collect();
+    assert_eq!(grid.shape(), &[7, 5]);
+    assert_eq!(grid.as_slice::<f32>().unwrap(), expected.as_slice());
+    let chunks = |k: &str| match &ckpt.entry(k).unwrap().kind {
+        dcp::EntryKind::Tensor(t) => t.chunks.len(),
+        dcp::EntryKind::Bytes => 0,
+    };
+    assert_eq!(chunks("model.grid"), 4);
+    assert_eq!(chunks("model.cube"), 4);
+}
+
+#[test]
+fn fsdp2_records_the_empty_chunk_of_a_tensor_with_fewer_rows_than_ranks() {
+    let ckpt = DcpCheckpoint::open(golden("fsdp2_adam_ws4/ckpt")).unwrap();
+    let dcp::EntryKind::Tensor(t) = &ckpt.entry("model.net2.0.weight").unwrap().kind else {
+        panic!("not a tensor");
+    };
+    assert_eq!(t.size, vec![3, 10]);
+    let rows: Vec<usize> = t.chunks.iter().map(|c| c.sizes[0]).collect();
+    assert_eq!(rows, vec![1, 1, 1, 0]);
+    assert_eq!(
+        ckpt.read_tensor("model.net2.0.weight").unwrap().shape(),
+        &[3, 10]
+    );
+}
+
+#[test]
+fn verify_accepts_every_fixture_and_summary_counts_files_and_ranks() {
+    for name in SCENARIOS {
+        let r = dcp::verify(&golden(name).join("ckpt")).unwrap();
+        assert!(r.tensors > 0 && r.chunks >= r.tensors, "{name}: {r:?}");
+    }
+    let s = dcp::summary(&golden("fsdp2_adamw_ws3_tied/ckpt")).unwrap();
+    assert_eq!(s.world_size, Some(3));
+    assert_eq!(s.files.len(), 3);
+    for f in &s.files {
+        let len = std::fs::metadata(golden("fsdp2_adamw_ws3_tied/ckpt").join(&f.name))
+            .unwrap()
+            .len();
+        assert_eq!(f.bytes, Some(len));
+    }
+    let w = s
+        .entries
+        .iter()
+        .find(|e| e.key == "model.net1.0.weight")
+        .unwrap();
+    assert_eq!(w.shape.as_deref(), Some(&[10usize, 4][..]));
+    assert_eq!(w.chunks, 3);
+    assert_eq!(w.dtype.as_deref(), Some("torch.float32"));
+}
+
+#[test]
+fn a_metadata_pickle_that_would_run_a_command_is_refused() {
+    let (_tmp, dir) = copy_of("fsdp2_adam_ws4");
+    let marker = Path::new("/tmp/fsdp-dcp-exploit-ran");
+    let _ = std::fs::remove_file(marker);
+    std::fs::copy(golden("hostile/exploit.metadata"), dir.join(".metadata")).unwrap();
+    let err = DcpCheckpoint::open(&dir).unwrap_err();
+    assert!(
+        matches!(&err, Error::UnsupportedPickleGlobal { module, name, .. } if module == "posix" && name == "system"),
+        "{err}"
+    );
+    assert!(!marker.exists());
+}
+
+/// Puts hostile `.metadata` `case` into a copy of the ws4 checkpoint and returns the error
+/// that verifying and consolidating it give (they must agree).
+fn hostile(case: &str, prepare: impl FnOnce(&Path)) -> Error {
+    let (tmp, dir) = copy_of("fsdp2_adam_ws4");
+    std::fs::copy(
+        golden(&format!("hostile/{case}.metadata")),
+        dir.join(".metadata"),
+    )
+    .unwrap();
+    prepare(tmp.path());
+    let err = dcp::verify(&dir).unwrap_err();
+    let out = tmp.path().join("out.pt");
+    let err2 = dcp::consolidate_to_torch(&dir, &out, |_| {}).unwrap_err();
+    assert_eq!(err, err2, "{case}");
+    assert!(!out.exists(), "{case}: an output was left behind");
+    err
+}
+
+fn storage_error(err: &Error, want_file: &str, needle: &str) {
+    match err {
+        Error::DcpStorage {
+            key, file, reason, ..
+        } => {
+            assert_eq!(key, "model.net1.0.weight", "{err}");
+            assert_eq!(file, want_file, "{err}");
+            assert!(reason.contains(needle), "{err}");
+        }
+        other => panic!("expected DcpStorage, got {other:?}"),
+    }
+}
+
+fn chunk_error(err: &Error, needle: &str) {
+    match err {
+        Error::DcpChunks { key, reason, .. } => {
+            assert_eq!(key, "model.net1.0.weight", "{err}");
+            assert!(reason.contains(needle), "{err}");
+        }
+        other => panic!("expected DcpChunks, got {other:?}"),
+    }
+}
+
+#[test]
+fn paths_escaping_the_directory_are_refused() {
+    let e = hostile("escape_parent", |tmp| {
+        // Even when the target exists.
+        std::fs::copy(
+            golden("fsdp2_adam_ws4/ckpt/__0_0.distcp"),
+            tmp.join("outside.distcp"),
+        )
+        .unwrap();
+    });
+    storage_error(&e, "../outside.distcp", "not a plain path");
+    let e = hostile("escape_absolute", |_| {});
+    storage_error(&e, "/etc/passwd", "not a plain path");
+    let e = hostile("escape_symlink", |tmp| {
+        let outside = tmp.join("elsewhere");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::copy(
+            golden("fsdp2_adam_ws4/ckpt/__0_0.distcp"),
+            outside.join("__0_0.distcp"),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(&outside, tmp.join("ckpt/link")).unwrap();
+    });
+    storage_error(&e, "link/__0_0.distcp", "outside the checkpoint directory");
+}
+
+#[test]
+fn missing_files_and_ranges_past_the_end_are_refused() {
+    storage_error(&hostile("missing_file", |_| {}), "__9_0.distcp", "missing");
+    let e = hostile("past_eof", |_| {});
+    storage_error(&e, "__0_0.distcp", "past the end");
+    let e = hostile("long_length", |_| {});
+    storage_error(&e, "__0_0.distcp", "past the end");
+}
+
+#[test]
+fn overlapping_missing_and_unrecorded_chunks_are_refused() {
+    chunk_error(&hostile("overlap", |_| {}), "overlap");
+    chunk_error(&hostile("missing_chunk", |_| {}), "missing");
+    chunk_error(&hostile("missing_storage", |_| {}), "no storage_data entry");
+}
+
+#[test]
+fn chunks_disagreeing_with_the_metadata_are_refused() {
+    let e = hostile("wrong_dtype", |_| {});
+    match &e {
+        Error::DcpStorage { key, reason, .. } => {
+            assert_eq!(key, "model.net1.0.weight");
+            assert!(reason.contains("torch.float64"), "{e}");
+        }
+        other => panic!("expected DcpStorage, got {other:?}"),
+    }
+    let e = hostile("wrong_shape", |_| {});
+    assert!(
+        matches!(&e, Error::DcpStorage { key, reason, .. } if key == "model.net1.0.weight" && reason.contains("metadata says")),
+        "{e}"
+    );
+}
+
+#[test]
+fn truncated_or_garbled_metadata_gives_typed_errors() {
+    let raw = std::fs::read(golden("fsdp2_adam_ws4/ckpt/.metadata")).unwrap();
+    for cut in [0, 1, 2, 11, 100, raw.len() / 2, raw.len() - 1] {
+        assert!(
+            dcp::parse_metadata("m", &raw[..cut]).is_err(),
+            "cut at {cut}"
+        );
+    }
+    let mut flipped = raw.clone();
+    for i in (0..flipped.len()).step_by(97) {
+        flipped[i] ^= 0x5a;
+        let _ = dcp::parse_metadata("m", &flipped);
+        flipped[i] ^= 0x5a;
+    }
+    assert!(dcp::parse_metadata("m", &raw).is_ok());
+}
+
+#[test]
+fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = Vec::new();
+    for name in SCENARIOS {
+        let input = golden(name).join("expected.pt");
+        let out = tmp.path().join(name);
+        dcp::torch_save_to_dcp(&input, &out).unwrap();
+        // The crate reads back what it wrote, equal to the input.
+        let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
+        assert!(back.bit_eq(&torch_save::load(&input).unwrap()), "{name}");
+        dcp::verify(&out).unwrap();
+        let md = dcp::read_metadata(&out).unwrap();
+        assert_eq!(
+            md.checkpoint_id.as_deref(),
+            Some(name),
+            "a relative checkpoint_id"
+        );
+        args.push(input);
+        args.push(out);
+    }
+    let res = std::process::Command::new(python())
+        .arg(golden("check_dcp_writer.py"))
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+#[test]
+fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    std::fs::write(out.join("keep.txt"), b"mine").unwrap();
+    let input = golden("fsdp2_sgd_ws2_frozen/expected.pt");
+    let err = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        1,
+        "no temporary left"
+    );
+    // An empty directory is replaced.
+    std::fs::remove_file(out.join("keep.txt")).unwrap();
+    dcp::torch_save_to_dcp(&input, &out).unwrap();
+    assert!(dcp::is_dcp_dir(&out));
+}

@@ -1,0 +1,297 @@
+"""DCP fixtures from REAL PyTorch 2.13 for `tests/dcp.rs`.
+
+Run manually from the crate root with the project's venv, and commit the output:
+
+    .venv/bin/python tests/golden/dcp/gen.py               # every scenario
+    .venv/bin/python tests/golden/dcp/gen.py fsdp2_adam_ws4 # only the named scenarios
+
+Each scenario spawns `ws` ranks with `torch.multiprocessing` (gloo, 127.0.0.1, a free port),
+wraps a tiny model with FSDP2 `fully_shard` (`init_device_mesh("cpu", (ws,))`, innermost
+modules first, then the root) or FSDP1 (`use_orig_params` True or False, sharded state dict),
+trains it a few steps, and saves `get_state_dict(model, optim)` with
+`dcp.save({"model": ..., "optim": ...}, checkpoint_id=ckpt)`. It writes
+`tests/golden/dcp/<scenario>/`:
+
+* `ckpt/` — the DCP directory (`.metadata`, `__{rank}_0.distcp`);
+* `expected.pt` — `format_utils.dcp_to_torch_save(ckpt, expected.pt)`.
+
+Coverage: uneven dim-0 splits (10 rows on 3 or 4 ranks), tensors with fewer rows than ranks
+(3 rows on 4 ranks: an empty chunk), tied embeddings, frozen parameters, two param groups,
+Adam with amsgrad, AdamW, SGD with momentum.
+
+It also writes `tests/golden/dcp/hostile/` from the `fsdp2_adam_ws4` checkpoint: `.metadata`
+variants (each `<case>.metadata`, to put in a copy of that checkpoint) whose storage data point
+outside the directory, past a file's end, at overlapping or missing chunks, or whose chunk
+metadata disagree with the chunks, and `exploit.metadata`, a pickle whose loading would run a
+shell command (it must be refused, never run).
+"""
+
+import os
+import pickle
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn as nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+ROOT = Path(__file__).resolve().parent
+
+
+class Net(nn.Module):
+    """Embedding (10 rows, optionally tied to the head), two linears (10 and 3 rows)."""
+
+    def __init__(self, tied: bool, frozen: bool):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.net1 = nn.Sequential(nn.Linear(4, 10), nn.ReLU())
+        self.net2 = nn.Sequential(nn.Linear(10, 3))
+        self.head = nn.Linear(3, 10, bias=False)
+        # head.weight is (10, 3); tying it to a (10, 4) embedding is impossible, so the tied
+        # variant ties the embedding to a separate (10, 4) output projection instead.
+        self.out = nn.Linear(4, 10, bias=False)
+        if tied:
+            self.out.weight = self.embed.weight
+        if frozen:
+            for p in self.net2.parameters():
+                p.requires_grad_(False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        h = self.net2(self.net1(x))
+        return self.head(h).sum() + self.out(x).sum()
+
+
+SCENARIOS = {
+    # name: (world size, wrapper, optimizer, tied, frozen, two param groups)
+    "fsdp2_adam_ws4": (4, "fsdp2", "adam_amsgrad", False, False, False),
+    "fsdp2_adamw_ws3_tied": (3, "fsdp2", "adamw", True, False, True),
+    "fsdp2_sgd_ws2_frozen": (2, "fsdp2", "sgd_momentum", False, True, False),
+    "fsdp1_orig_ws3": (3, "fsdp1_orig", "adamw", False, True, False),
+    "fsdp1_flat_ws4": (4, "fsdp1_flat", "adam_amsgrad", True, False, False),
+    # A 2-D grid of chunks (DTensor on a 2x2 mesh, Shard(0) and Shard(1)), int dict keys,
+    # lists mixing tensors and plain values, bf16 and int64 tensors.
+    "dtensor_grid_ws4": (4, "grid", None, False, False, False),
+}
+
+
+def make_optim(kind, model, two_groups):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if two_groups:
+        first = [p for n, p in model.named_parameters() if p.requires_grad and "net1" in n]
+        ids = {id(p) for p in first}
+        rest = [p for p in params if id(p) not in ids]
+        groups = [{"params": first, "lr": 0.02}, {"params": rest}]
+    else:
+        groups = [{"params": params}]
+    if kind == "adam_amsgrad":
+        return torch.optim.Adam(groups, lr=0.01, amsgrad=True)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    raise ValueError(kind)
+
+
+def wrap(kind, model, ws):
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (ws,))
+        for m in (model.net1, model.net2):
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+        use_orig_params=kind == "fsdp1_orig",
+        device_id=torch.device("cpu"),
+    )
+
+
+def worker(rank, ws, port, name, out):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=ws)
+    _, kind, optim_kind, tied, frozen, two_groups = SCENARIOS[name]
+    torch.manual_seed(0)
+    if kind == "grid":
+        save_grid(rank, ws, out)
+        return
+    model = wrap(kind, Net(tied, frozen), ws)
+    optim = make_optim(optim_kind, model, two_groups)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 + step * 10 + rank)
+        idx = torch.randint(0, 10, (5,), generator=g)
+        optim.zero_grad()
+        model(idx).backward()
+        optim.step()
+    msd, osd = get_state_dict(model, optim)
+    # A relative checkpoint_id, so that no machine path is recorded in `.metadata`.
+    os.chdir(out)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id="ckpt")
+    dist.barrier()
+    if rank == 0:
+        (out / "done").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def save_grid(rank, ws, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, ws // 2))
+    full = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5) / 7
+    grid = distribute_tensor(full, mesh, [Shard(0), Shard(1)])
+    cube = distribute_tensor(
+        torch.arange(3 * 4 * 2, dtype=torch.bfloat16).reshape(3, 4, 2), mesh, [Shard(1), Shard(2)]
+    )
+    state = {
+        "model": {"grid": grid, "cube": cube},
+        "extra": {
+            0: torch.tensor([1, 2, 3], dtype=torch.int64),
+            "mixed": [torch.ones(2), 3, "s", None, (1.5, 2)],
+            "scalar": 0.25,
+        },
+    }
+    os.chdir(out)
+    dcp.save(state, checkpoint_id="ckpt")
+    dist.barrier()
+    if rank == 0:
+        (out / "done").write_text("ok")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(name):
+    ws = SCENARIOS[name][0]
+    out = ROOT / name
+    for attempt in range(4):
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        try:
+            mp.spawn(worker, args=(ws, free_port(), name, out), nprocs=ws, join=True)
+        except Exception as e:  # gloo sometimes aborts a process at exit after the work
+            print(f"{name}: attempt {attempt} raised {e!r}", file=sys.stderr)
+        if (out / "done").exists() and (out / "ckpt" / ".metadata").exists():
+            break
+    else:
+        raise SystemExit(f"{name}: no complete checkpoint after 4 attempts")
+    (out / "done").unlink()
+    dcp_to_torch_save(out / "ckpt", out / "expected.pt")
+    print(f"{name}: ok")
+
+
+def hostile(base):
+    """`.metadata` variants of `base`'s checkpoint that a reader must refuse."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    out = ROOT / "hostile"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    md_path = ROOT / base / "ckpt" / ".metadata"
+
+    def variant(case, edit):
+        with open(md_path, "rb") as f:
+            md = pickle.load(f)
+        edit(md)
+        with open(out / f"{case}.metadata", "wb") as f:
+            pickle.dump(md, f)
+
+    key = "model.net1.0.weight"
+
+    def first_storage(md, fqn=key):
+        return next(k for k in md.storage_data if k.fqn == fqn)
+
+    def set_path(path):
+        def edit(md):
+            md.storage_data[first_storage(md)].relative_path = path
+
+        return edit
+
+    def past_eof(md):
+        info = md.storage_data[first_storage(md)]
+        info.offset = 1 << 40
+
+    def long_length(md):
+        info = md.storage_data[first_storage(md)]
+        info.length = 1 << 40
+
+    def overlap(md):
+        # Chunk 1 claims to start where chunk 0 does.
+        tmd = md.state_dict_metadata[key]
+        c1 = tmd.chunks[1]
+        old = next(k for k in md.storage_data if k.fqn == key and k.offset == c1.offsets)
+        info = md.storage_data.pop(old)
+        tmd.chunks[1] = ChunkStorageMetadata(offsets=tmd.chunks[0].offsets, sizes=c1.sizes)
+        new = type(old)(key, tmd.chunks[0].offsets, old.index)
+        md.storage_data[new] = info
+
+    def missing_chunk(md):
+        tmd = md.state_dict_metadata[key]
+        tmd.chunks.pop(1)
+
+    def missing_storage(md):
+        md.storage_data.pop(first_storage(md))
+
+    def wrong_dtype(md):
+        md.state_dict_metadata[key].properties.dtype = torch.float64
+
+    def wrong_shape(md):
+        # Chunk sizes disagree with the stored chunk (one column fewer) but still cover
+        # a smaller global shape exactly.
+        tmd = md.state_dict_metadata[key]
+        tmd.size = torch.Size([tmd.size[0], tmd.size[1] - 1])
+        for c in tmd.chunks:
+            c.sizes = torch.Size([c.sizes[0], c.sizes[1] - 1])
+
+    variant("escape_parent", set_path("../outside.distcp"))
+    variant("escape_absolute", set_path("/etc/passwd"))
+    variant("escape_symlink", set_path("link/__0_0.distcp"))
+    variant("missing_file", set_path("__9_0.distcp"))
+    variant("past_eof", past_eof)
+    variant("long_length", long_length)
+    variant("overlap", overlap)
+    variant("missing_chunk", missing_chunk)
+    variant("missing_storage", missing_storage)
+    variant("wrong_dtype", wrong_dtype)
+    variant("wrong_shape", wrong_shape)
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/fsdp-dcp-exploit-ran",))
+
+    with open(out / "exploit.metadata", "wb") as f:
+        pickle.dump(Exploit(), f)
+    print("hostile: ok")
+
+
+def main():
+    names = sys.argv[1:] or list(SCENARIOS)
+    for name in names:
+        run(name)
+    if "fsdp2_adam_ws4" in names:
+        hostile("fsdp2_adam_ws4")
+
+
+if __name__ == "__main__":
+    main()
