@@ -365,8 +365,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// The TCP rendezvous that hands rank 0's bytes (the NCCL unique id) to the other ranks
-    /// failed at the network level or received bytes that are not its protocol.
+    /// The TCP rendezvous that hands rank 0's bytes (the NCCL unique id) to the other ranks,
+    /// or its client of torchrun's agent store (a c10d `TCPStore`), failed at the network
+    /// level or received bytes that are not its protocol.
     #[error("rendezvous at {addr} failed on rank {rank}: {reason}")]
     Rendezvous {
         /// The rank that reports.
@@ -511,6 +512,44 @@ pub enum Error {
         file: String,
         /// The storage key (the `data/<key>` entry).
         storage: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Copies of non-contiguous tensors (expanded or overlapping views of a storage) would
+    /// allocate more than the file's storage bytes plus the allowed expansion: a small file
+    /// could otherwise make the reader allocate without bound. Raise the limit with
+    /// `torch_save::LoadOptions::max_expansion_bytes` (`fsdp-ckpt --max-expansion-bytes`).
+    #[error("tensor `{tensor}` in `{file}` (size {size:?}, stride {stride:?}) would bring the bytes copied out of non-contiguous tensors to {copied}, more than the file's {storage_bytes} storage bytes plus the allowed expansion of {max_expansion_bytes} bytes")]
+    TensorExpansion {
+        /// The file (or `<memory>`).
+        file: String,
+        /// The tensor's path in the object (`/`-joined keys and indices).
+        tensor: String,
+        /// Its size.
+        size: Box<[usize]>,
+        /// Its stride.
+        stride: Box<[usize]>,
+        /// Bytes copied with this tensor.
+        copied: u64,
+        /// Bytes of every storage in the file.
+        storage_bytes: u64,
+        /// The allowed expansion.
+        max_expansion_bytes: u64,
+    },
+
+    /// Per-rank SHARDED optimizer state dicts (FSDP1 `ShardedTensor`, FSDP2 `DTensor`) that
+    /// cannot be consolidated: a rank lacks a key or state the others have, the ranks
+    /// disagree on a tensor's global shape or dtype, or the shards do not tile the tensor
+    /// exactly once.
+    #[error("cannot consolidate the sharded state `{state}` of `{key}` (rank {rank}): {reason}")]
+    ShardedMismatch {
+        /// The rank (position in the list of files).
+        rank: usize,
+        /// The parameter key.
+        key: String,
+        /// The state name.
+        state: String,
         /// What is wrong.
         reason: String,
     },

@@ -43,6 +43,7 @@ use crate::fsdp::Fsdp;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use crate::tensor::HostTensor;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
@@ -292,4 +293,192 @@ pub fn shard_full_dict(
             flatten_optim_state_dict(&layout, rank, full, &params)
         })
         .collect()
+}
+
+/// The full optimizer state dict from every rank's SHARDED one (one dict per rank, in rank
+/// order): FSDP1's `FSDP.optim_state_dict` under `StateDictType.SHARDED_STATE_DICT`
+/// (`ShardedTensor` states) or FSDP2's `optim.state_dict()` (`DTensor` states), each read
+/// with [`crate::io::torch_save::load_optim_state_dict`]. Every sharded state becomes the
+/// full tensor its ranks' local shards tile, placed at their offsets; every other value,
+/// the key order and the param groups are rank 0's. For FSDP1 that is the dict
+/// `FSDP.optim_state_dict` gives under `FULL_STATE_DICT`; for FSDP2 `optim.state_dict()`
+/// with each `DTensor` replaced by its `full_tensor()`.
+///
+/// Errors ([`Error::ShardedMismatch`], naming the rank, key and state): a rank without a
+/// key or state the others have, differing global shapes or dtypes, shards that overlap
+/// (other than identical replicas) or leave part of a tensor uncovered.
+pub fn consolidate_sharded(ranks: &[OptimStateDict]) -> Result<OptimStateDict> {
+    let Some(first) = ranks.first() else {
+        return Err(Error::InvalidArgument {
+            op: "consolidate_sharded".into(),
+            rank: 0,
+            reason: "no rank's dict was given".into(),
+        });
+    };
+    for (r, d) in ranks.iter().enumerate() {
+        if let Some(k) = first.state.keys().find(|k| !d.state.contains_key(*k)) {
+            return Err(sharded_err(r, &k.to_string(), "", "the key is missing"));
+        }
+        if let Some(k) = d.state.keys().find(|k| !first.state.contains_key(*k)) {
+            return Err(sharded_err(r, &k.to_string(), "", "rank 0 has no such key"));
+        }
+    }
+    let mut full = OptimStateDict {
+        state: Default::default(),
+        param_groups: first.param_groups.clone(),
+    };
+    for (key, st) in &first.state {
+        let mut out = crate::optim_state::ParamState::new();
+        for (name, v) in st {
+            let value = match v {
+                Value::Sharded(_) => {
+                    let mut pieces = Vec::with_capacity(ranks.len());
+                    for (r, d) in ranks.iter().enumerate() {
+                        match d.state[key].get(name) {
+                            Some(Value::Sharded(s)) => pieces.push(s),
+                            other => {
+                                let found = other.map_or("nothing".into(), Value::kind);
+                                return Err(sharded_err(
+                                    r,
+                                    &key.to_string(),
+                                    name,
+                                    &format!("expected a sharded tensor, found {found}"),
+                                ));
+                            }
+                        }
+                    }
+                    Value::Tensor(
+                        assemble(&pieces)
+                            .map_err(|(r, why)| sharded_err(r, &key.to_string(), name, &why))?,
+                    )
+                }
+                other => other.clone(),
+            };
+            out.insert(name.clone(), value);
+        }
+        full.state.insert(key.clone(), out);
+    }
+    Ok(full)
+}
+
+fn sharded_err(rank: usize, key: &str, state: &str, reason: &str) -> Error {
+    Error::ShardedMismatch {
+        rank,
+        key: key.to_string(),
+        state: state.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The tensor the ranks' `pieces` tile; errors name the rank at fault.
+fn assemble(
+    pieces: &[&crate::optim_state::ShardedTensor],
+) -> std::result::Result<HostTensor, (usize, String)> {
+    let global = pieces[0].global_shape.clone();
+    let numel: usize = global.iter().product();
+    let mut dtype = None;
+    // Distinct (offsets, shape) pieces with elements, and who holds them.
+    let mut placed: Vec<(usize, &[usize], &HostTensor)> = Vec::new();
+    for (r, p) in pieces.iter().enumerate() {
+        if p.global_shape != global {
+            return Err((
+                r,
+                format!("global shape {:?}, rank 0 has {global:?}", p.global_shape),
+            ));
+        }
+        let Some(t) = p.local.as_ref().filter(|t| t.numel() > 0) else {
+            continue;
+        };
+        if *dtype.get_or_insert(t.dtype()) != t.dtype() {
+            return Err((
+                r,
+                format!(
+                    "local shard of {}, other ranks' of {}",
+                    t.dtype(),
+                    dtype.unwrap_or(t.dtype())
+                ),
+            ));
+        }
+        let ends = p.offsets.len() == global.len()
+            && t.dim() == global.len()
+            && (0..global.len()).all(|d| p.offsets[d] + t.shape()[d] <= global[d]);
+        if !ends {
+            return Err((
+                r,
+                format!(
+                    "a shard {:?} at {:?} outside {global:?}",
+                    t.shape(),
+                    p.offsets
+                ),
+            ));
+        }
+        let same = |(_, o, u): &(usize, &[usize], &HostTensor)| {
+            *o == p.offsets.as_slice() && u.shape() == t.shape()
+        };
+        if placed.iter().any(same) {
+            continue; // a replica of a piece already placed
+        }
+        if let Some((q, ..)) = placed.iter().find(|(_, o, u)| {
+            (0..global.len())
+                .all(|d| o[d] < p.offsets[d] + t.shape()[d] && p.offsets[d] < o[d] + u.shape()[d])
+        }) {
+            return Err((
+                r,
+                format!("its shard at {:?} overlaps rank {q}'s", p.offsets),
+            ));
+        }
+        placed.push((r, &p.offsets, t));
+    }
+    let covered: usize = placed.iter().map(|(_, _, t)| t.numel()).sum();
+    if covered != numel {
+        return Err((
+            0,
+            format!("the shards cover {covered} of the {numel} elements of {global:?}"),
+        ));
+    }
+    let Some(dtype) = dtype else {
+        return Err((
+            0,
+            format!("no rank holds data of the {global:?} tensor (its dtype is unknown)"),
+        ));
+    };
+    let mut out = HostTensor::zeros(dtype, &global);
+    for (_, offsets, t) in placed {
+        copy_block(&mut out, &global, offsets, t);
+    }
+    Ok(out)
+}
+
+/// Copies `piece` into `out` (contiguous, of shape `global`) at `offsets`, one innermost row
+/// at a time.
+fn copy_block(out: &mut HostTensor, global: &[usize], offsets: &[usize], piece: &HostTensor) {
+    let es = piece.dtype().size();
+    let shape = piece.shape();
+    let mut strides = vec![1usize; global.len()];
+    for d in (0..global.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * global[d + 1];
+    }
+    let row = shape.last().copied().unwrap_or(1) * es;
+    let rows = if shape.is_empty() {
+        1
+    } else {
+        piece.numel() / shape[shape.len() - 1]
+    };
+    let src = piece.as_bytes();
+    let dst = out.bytes_mut();
+    let mut idx = vec![0usize; shape.len().saturating_sub(1)];
+    for i in 0..rows {
+        let mut at = offsets.last().copied().unwrap_or(0);
+        for (d, &x) in idx.iter().enumerate() {
+            at += (offsets[d] + x) * strides[d];
+        }
+        dst[at * es..at * es + row].copy_from_slice(&src[i * row..(i + 1) * row]);
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
 }

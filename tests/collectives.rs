@@ -1,6 +1,9 @@
 //! Scenarios for the in-process thread backend of `ProcessGroup`: data movement, sub-groups,
 //! and how ranks fail together (mismatch, timeout, a peer that dies, poisoned groups).
 
+mod common;
+
+use common::conformance::{self, Reductions};
 use fsdp::collectives::{ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup, ThreadProcessGroup};
 use fsdp::DType;
 use fsdp::Error;
@@ -35,6 +38,15 @@ fn run_allowing_panics<R: Send>(
             .collect();
         threads.into_iter().map(|t| t.join().ok()).collect()
     })
+}
+
+#[test]
+fn thread_groups_of_1_to_4_ranks_pass_the_conformance_suite() {
+    for world_size in 1..=4 {
+        ThreadGroup::run_with_timeout(world_size, LONG, |pg| {
+            conformance::run(&pg, Reductions::RankOrder, "thread group");
+        });
+    }
 }
 
 #[test]

@@ -6,6 +6,9 @@
 //! machine where the probe passes, the same tests run the collectives on device 0 instead.
 #![cfg(all(feature = "nccl", target_os = "linux"))]
 
+mod common;
+
+use common::conformance::{self, Reductions};
 use fsdp::collectives::nccl::probe::{driver_candidates, lookup, Lookup};
 use fsdp::collectives::nccl::{probe, NcclProcessGroup};
 use fsdp::collectives::rendezvous::LaunchEnv;
@@ -98,6 +101,7 @@ fn from_launch_variables_fails_promptly_on_every_rank() {
                         master_addr: "127.0.0.1".into(),
                         master_port: port,
                         local_rank: Some(rank),
+                        agent_store: None,
                     };
                     NcclProcessGroup::from_launch_env(&env, Duration::from_secs(60))
                 })
@@ -150,6 +154,24 @@ fn from_env_reads_the_variables_then_reports_the_backend() {
         }
         Err(e) => assert_unavailable(&e),
     }
+}
+
+#[test]
+fn nccl_groups_pass_the_conformance_suite_where_a_gpu_exists() {
+    if let Err(e) = probe() {
+        // Without a GPU the group cannot exist; what can be checked is that it says why.
+        assert_unavailable(&e);
+        eprintln!("skipped: the NCCL conformance suite needs a CUDA device ({e})");
+        return;
+    }
+    // One rank per visible device (NCCL refuses two ranks on one device).
+    let devices = cudarc::driver::CudaContext::device_count().expect("count CUDA devices");
+    let devices = usize::try_from(devices).expect("a device count");
+    assert!(devices > 0, "the probe passed, so a device is visible");
+    ThreadGroup::run(devices, |pg| {
+        let nccl = NcclProcessGroup::from_process_group(&pg, pg.rank()).unwrap();
+        conformance::run(&nccl, Reductions::BackendOrder, "nccl");
+    });
 }
 
 /// On a machine with a GPU: world size 1 over a thread group, every host collective and the

@@ -54,6 +54,10 @@ enum Command {
         /// safetensors file, or from this crate's sharded checkpoint directory).
         #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp"])]
         to: Option<String>,
+        /// Bytes that copies of non-contiguous (e.g. expanded) tensors of a torch.save input
+        /// may allocate beyond the file's storage bytes.
+        #[arg(long, value_name = "BYTES", default_value_t = io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES)]
+        max_expansion_bytes: u64,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -70,6 +74,17 @@ enum Command {
         /// The optimizer is a named optimizer (state keyed by parameter names, not ids).
         #[arg(long)]
         named_optimizer: bool,
+    },
+    /// Consolidate per-rank SHARDED optimizer state dicts saved with torch.save (FSDP1
+    /// `ShardedTensor` states under SHARDED_STATE_DICT, or FSDP2 `DTensor` states of
+    /// `optim.state_dict()`) into the full dict.
+    ConsolidateSharded {
+        /// One file per rank, in rank order.
+        #[arg(required = true, value_name = "RANK.pt")]
+        ranks: Vec<PathBuf>,
+        /// Output file.
+        #[arg(short, long, value_name = "FULL.pt")]
+        output: PathBuf,
     },
     /// Shard a full optimizer state dict into the local dict each rank's optimizer loads
     /// (`FSDP.shard_full_optim_state_dict`), written as DIR/rank{r}.pt.
@@ -320,8 +335,15 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Inspect { file, json } => {
             let format = FileFormat::from_path(&file)?;
-            let obj = progress.step(&format!("reading {}", file.display()), || io::load(&file))?;
-            let summary = Summary::of(&obj);
+            // A torch.save file is summarized from its structure alone, never its tensor data.
+            let summary = progress.step(&format!("reading {}", file.display()), || {
+                Ok(match format {
+                    FileFormat::TorchSave => {
+                        Summary::of_headers(&io::torch_save::load_headers(&file)?)
+                    }
+                    FileFormat::Safetensors => Summary::of(&io::load(&file)?),
+                })
+            })?;
             if json {
                 let mut v = serde_json::to_value(&summary).map_err(|e| Error::Serialization {
                     what: "inspect summary".into(),
@@ -340,10 +362,19 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{summary}");
             }
         }
-        Command::Convert { input, output, .. } => {
+        Command::Convert {
+            input,
+            output,
+            max_expansion_bytes,
+            ..
+        } => {
             FileFormat::from_path(&output)?;
-            let obj =
-                progress.step(&format!("reading {}", input.display()), || io::load(&input))?;
+            let opts = io::torch_save::LoadOptions {
+                max_expansion_bytes,
+            };
+            let obj = progress.step(&format!("reading {}", input.display()), || {
+                io::load_with(&input, &opts)
+            })?;
             progress.step(&format!("writing {}", output.display()), || {
                 io::save(&obj, &output)
             })?;
@@ -383,6 +414,29 @@ fn run(cli: Cli) -> Result<()> {
             })?;
             eprintln!(
                 "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
+                ranks.len(),
+                output.display(),
+                full.state.len(),
+                full.tensor_bytes()
+            );
+        }
+        Command::ConsolidateSharded { ranks, output } => {
+            FileFormat::from_path(&output)?;
+            let pb = progress.bar(ranks.len(), "reading rank files");
+            let mut dicts = Vec::with_capacity(ranks.len());
+            for r in &ranks {
+                pb.set_message(format!("reading {}", r.display()));
+                dicts.push(load_optim(r)?);
+                pb.inc(1);
+            }
+            pb.finish_and_clear();
+            let full = fsdp::offline::consolidate_sharded(&dicts)?;
+            drop(dicts);
+            progress.step(&format!("writing {}", output.display()), || {
+                save_optim(&full, &output)
+            })?;
+            eprintln!(
+                "consolidated {} sharded ranks into {}: {} keys, {} bytes of tensor state",
                 ranks.len(),
                 output.display(),
                 full.state.len(),
@@ -467,6 +521,7 @@ fn run_dcp(cli: &Cli) -> Option<Result<()>> {
             input,
             output,
             to: Some(to),
+            ..
         } => Some(dcp_convert(input, output, to, &progress)),
         _ => None,
     }

@@ -26,6 +26,13 @@ pub(super) fn dtype_name(d: DType) -> &'static str {
         DType::I32 => "I32",
         DType::U8 => "U8",
         DType::Bool => "BOOL",
+        DType::I8 => "I8",
+        DType::I16 => "I16",
+        DType::U16 => "U16",
+        DType::U32 => "U32",
+        DType::U64 => "U64",
+        DType::F8E4M3FN => "F8_E4M3",
+        DType::F8E5M2 => "F8_E5M2",
     }
 }
 

@@ -54,6 +54,26 @@ pub(crate) fn scatter_root(parts: Option<usize>, is_root: bool, world_size: usiz
     }
 }
 
+/// With every rank's receive length (`recv_lens[r]`) and the root's part lengths: each rank
+/// receives exactly its part. Checked once the root's parts are known to every rank; the
+/// reason, a [`crate::Error::CollectiveMismatch`] detail, names every rank that differs.
+pub(crate) fn scatter_lengths(root: usize, recv_lens: &[usize], part_lens: &[usize]) -> Check {
+    let wrong: Vec<String> = recv_lens
+        .iter()
+        .zip(part_lens)
+        .enumerate()
+        .filter(|(_, (recv, part))| recv != part)
+        .map(|(rank, (recv, part))| {
+            format!("rank {rank} receives {recv} bytes but root {root} sends it {part}")
+        })
+        .collect();
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("scatter_into(root={root}): {}", wrong.join("; ")))
+    }
+}
+
 /// A reduce-scatter's `send` holds one `recv`-sized chunk per rank, of whole `dtype`
 /// elements that `op` can combine.
 pub(crate) fn reduce_scattered(
@@ -90,10 +110,9 @@ pub(crate) fn subgroup(ranks: &[usize], world_size: usize) -> Check {
     Ok(())
 }
 
-/// FNV-1a over a sub-group's ranks, in order: the MPI and NCCL backends exchange this digest
-/// instead of the lists, so ranks passing different lists (or orders) disagree. (The thread
-/// backend compares the lists themselves.)
-#[cfg(any(test, feature = "mpi", all(feature = "nccl", target_os = "linux")))]
+/// FNV-1a over a sub-group's ranks, in order: ranks compare this digest (the MPI and NCCL
+/// backends exchange it instead of the lists), so ranks passing different lists (or orders)
+/// disagree.
 pub(crate) fn subgroup_digest(ranks: &[usize]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &r in ranks {
@@ -145,6 +164,13 @@ mod tests {
         assert!(scatter_root(None, true, 3)
             .unwrap_err()
             .contains("must pass the parts"));
+
+        assert!(scatter_lengths(1, &[3, 0, 5], &[3, 0, 5]).is_ok());
+        assert_eq!(
+            scatter_lengths(1, &[3, 1, 5, 2], &[3, 0, 5, 4]).unwrap_err(),
+            "scatter_into(root=1): rank 1 receives 1 bytes but root 1 sends it 0; \
+             rank 3 receives 2 bytes but root 1 sends it 4"
+        );
 
         assert!(reduce_scattered(24, 8, DType::F32, ReduceOp::Sum, 3).is_ok());
         assert_eq!(

@@ -1,10 +1,12 @@
 //! Collectives (layer 3): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
-//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables).
+//! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables), over
+//! its own listener or torchrun's agent store, a c10d `TCPStore` ([`tcp_store`]).
 //! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.
 
 mod args;
+mod call;
 mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
@@ -13,6 +15,7 @@ mod mpi;
 pub mod nccl;
 mod reduce;
 pub mod rendezvous;
+pub mod tcp_store;
 mod threads;
 
 #[cfg(feature = "mpi")]
@@ -161,6 +164,43 @@ pub trait ProcessGroupExt: ProcessGroup {
         };
         decode(&self.broadcast_bytes(bytes.as_deref(), root)?)
     }
+
+    /// Every rank learns the first failure: all-gathers whether each rank's `local` outcome
+    /// failed and returns, on every rank, the error of the lowest failing rank; when no rank
+    /// failed, each keeps its own value. One small all-gather (only errors travel), so ranks
+    /// that checked their inputs locally fail together instead of some waiting in the next
+    /// collective for a peer that already gave up.
+    fn agree<T>(&self, local: Result<T>) -> Result<T> {
+        let failed: Option<Error> = local.as_ref().err().cloned();
+        match self
+            .all_gather_object(&failed)?
+            .into_iter()
+            .flatten()
+            .next()
+        {
+            Some(first) => Err(first),
+            None => local,
+        }
+    }
+
+    /// [`ProcessGroupExt::all_gather_object`] of each rank's outcome: every rank's value in
+    /// rank order, or, on every rank, the error of the lowest failing rank. One all-gather.
+    fn all_gather_agreed<T: Serialize + DeserializeOwned>(
+        &self,
+        local: Result<T>,
+    ) -> Result<Vec<T>> {
+        self.all_gather_object(&local)?.into_iter().collect()
+    }
+
+    /// [`ProcessGroupExt::broadcast_object`] of the root's outcome: the root passes `Some`
+    /// result, the others `None`; every rank gets the root's value, or the root's error.
+    fn broadcast_agreed<T: Serialize + DeserializeOwned>(
+        &self,
+        outcome: Option<&Result<T>>,
+        root: usize,
+    ) -> Result<T> {
+        self.broadcast_object(outcome, root)?
+    }
 }
 
 impl<P: ProcessGroup + ?Sized> ProcessGroupExt for P {}
@@ -191,4 +231,96 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T> {
         });
     }
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error rank `rank` fails with in these scenarios.
+    fn failure(rank: usize) -> Error {
+        Error::InvalidArgument {
+            op: "load".into(),
+            rank,
+            reason: "its input is bad".into(),
+        }
+    }
+
+    /// Each rank's local outcome: an error on the ranks in `failing`, else its rank times 10.
+    fn outcome(rank: usize, failing: &[usize]) -> Result<usize> {
+        if failing.contains(&rank) {
+            Err(failure(rank))
+        } else {
+            Ok(rank * 10)
+        }
+    }
+
+    #[test]
+    fn agree_gives_every_rank_the_error_of_the_one_failing_rank() {
+        let results = ThreadGroup::run(3, |pg| pg.agree(outcome(pg.rank(), &[2])));
+        for result in results {
+            assert_eq!(result, Err(failure(2)));
+        }
+    }
+
+    #[test]
+    fn agree_gives_every_rank_the_lowest_failing_ranks_error() {
+        let results = ThreadGroup::run(4, |pg| pg.agree(outcome(pg.rank(), &[3, 1])));
+        for result in results {
+            assert_eq!(result, Err(failure(1)));
+        }
+    }
+
+    #[test]
+    fn agree_without_failures_leaves_each_rank_its_own_value() {
+        let results = ThreadGroup::run(3, |pg| pg.agree(outcome(pg.rank(), &[])));
+        assert_eq!(results, [Ok(0), Ok(10), Ok(20)]);
+    }
+
+    #[test]
+    fn agree_reports_a_failed_exchange_itself() {
+        // Rank 1 leaves the group without joining: the exchange fails with PeerDied.
+        let results = ThreadGroup::run(2, |pg| {
+            if pg.rank() == 1 {
+                drop(pg);
+                return None;
+            }
+            Some(pg.agree(outcome(0, &[])))
+        });
+        assert!(
+            matches!(results[0], Some(Err(Error::PeerDied { peer: 1, .. }))),
+            "{:?}",
+            results[0]
+        );
+    }
+
+    #[test]
+    fn all_gather_agreed_gives_all_values_or_the_lowest_failing_ranks_error() {
+        let values = ThreadGroup::run(3, |pg| pg.all_gather_agreed(outcome(pg.rank(), &[])));
+        for v in values {
+            assert_eq!(v, Ok(vec![0, 10, 20]));
+        }
+        let errors = ThreadGroup::run(3, |pg| pg.all_gather_agreed(outcome(pg.rank(), &[2, 1])));
+        for e in errors {
+            assert_eq!(e, Err(failure(1)));
+        }
+    }
+
+    #[test]
+    fn broadcast_agreed_gives_every_rank_the_roots_value_or_its_error() {
+        for failing in [&[][..], &[1]] {
+            let results = ThreadGroup::run(3, |pg| {
+                let root_outcome = outcome(1, failing);
+                pg.broadcast_agreed((pg.rank() == 1).then_some(&root_outcome), 1)
+            });
+            for result in results {
+                let want = if failing == [1] {
+                    Err(failure(1))
+                } else {
+                    Ok(10)
+                };
+                assert_eq!(result, want, "failing {failing:?}");
+            }
+        }
+    }
 }

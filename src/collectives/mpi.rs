@@ -1,6 +1,7 @@
 //! MPI backend (feature `mpi`): one rank per process, collectives over an MPI communicator (see
 //! [`MpiProcessGroup`]).
 
+use super::call::{Announcement, Call, Members};
 use super::failure::FailureKind;
 use super::{args, check_reduction, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -181,9 +182,9 @@ impl MpiProcessGroup {
     /// then runs `data` with the communicator and every rank's descriptor.
     fn collective<T>(
         &self,
-        op: OpDesc,
+        op: Call,
         valid: std::result::Result<(), String>,
-        data: impl FnOnce(&SimpleCommunicator, &[Desc]) -> Result<T>,
+        data: impl FnOnce(&SimpleCommunicator, &[Announcement]) -> Result<T>,
     ) -> Result<T> {
         let name = op.name();
         let rank = self.rank;
@@ -193,13 +194,13 @@ impl MpiProcessGroup {
             return Err(failure.error(name, rank, false));
         }
         let comm = state.comm()?;
-        let mine = Desc {
-            op: op.clone(),
-            invalid: valid.is_err(),
+        let mine = Announcement {
+            call: op.clone(),
+            valid: valid.is_ok(),
             max_message: self.max_message as u64,
         };
         let all = exchange_descriptors(comm, &mine, self.world_size)?;
-        if all.iter().any(|d| d.invalid) {
+        if all.iter().any(|d| !d.valid) {
             // Everyone learns every invalid rank's reason, so the error is the same everywhere.
             let reason = valid.err().unwrap_or_default();
             let reasons = raw_all_gather_bytes(
@@ -209,9 +210,9 @@ impl MpiProcessGroup {
                 self.max_message,
                 true,
             )?;
-            let culprit = all.iter().position(|d| d.invalid).unwrap_or(0);
+            let culprit = all.iter().position(|d| !d.valid).unwrap_or(0);
             let kind = FailureKind::Invalid {
-                op: all[culprit].op.name(),
+                op: all[culprit].call.name(),
                 rank: culprit,
                 reason: String::from_utf8_lossy(&reasons[culprit]).into_owned(),
             };
@@ -260,14 +261,14 @@ impl ProcessGroup for MpiProcessGroup {
         let (n, ws) = (send.len(), self.world_size);
         let valid = args::gathered(n, recv.len(), ws);
         let max = self.max_message;
-        self.collective(OpDesc::AllGatherInto { len: n }, valid, |comm, _| {
+        self.collective(Call::AllGatherInto { len: n }, valid, |comm, _| {
             all_gather_chunked(comm, send, recv, ws, max);
             Ok(())
         })
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let op = OpDesc::Broadcast {
+        let op = Call::Broadcast {
             root,
             len: buf.len(),
         };
@@ -284,12 +285,12 @@ impl ProcessGroup for MpiProcessGroup {
 
     fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
         let max = self.max_message;
-        let op = OpDesc::AllGatherBytes { len: send.len() };
+        let op = Call::AllGatherBytes { len: send.len() };
         self.collective(op, Ok(()), |comm, all| {
             let lens: Vec<usize> = all
                 .iter()
-                .map(|d| match d.op {
-                    OpDesc::AllGatherBytes { len } => len,
+                .map(|d| match d.call {
+                    Call::AllGatherBytes { len } => len,
                     _ => 0,
                 })
                 .collect();
@@ -305,14 +306,14 @@ impl ProcessGroup for MpiProcessGroup {
         if is_root && send.is_none() {
             valid = Err("the root rank must pass the bytes to send".into());
         }
-        let op = OpDesc::BroadcastBytes {
+        let op = Call::BroadcastBytes {
             root,
             len: send.map_or(0, <[u8]>::len),
         };
         let max = self.max_message;
         self.collective(op, valid, |comm, all| {
-            let len = match all[root].op {
-                OpDesc::BroadcastBytes { len, .. } => len,
+            let len = match all[root].call {
+                Call::BroadcastBytes { len, .. } => len,
                 _ => 0,
             };
             let mut out = match send {
@@ -338,7 +339,7 @@ impl ProcessGroup for MpiProcessGroup {
             ws,
         ));
         let max = self.max_message;
-        self.collective(OpDesc::GatherInto { root, len: n }, valid, |comm, _| {
+        self.collective(Call::GatherInto { root, len: n }, valid, |comm, _| {
             if n == 0 {
                 return Ok(());
             }
@@ -379,7 +380,7 @@ impl ProcessGroup for MpiProcessGroup {
         let valid =
             self.check_root(root)
                 .and(args::scatter_root(send.map(<[&[u8]]>::len), is_root, ws));
-        let op = OpDesc::ScatterInto {
+        let op = Call::ScatterInto {
             root,
             recv_len: recv.len(),
         };
@@ -395,26 +396,20 @@ impl ProcessGroup for MpiProcessGroup {
             }
             let root_process = comm.process_at_rank(root as i32);
             root_process.broadcast_into(&mut lens[..]);
-            let wrong: Vec<String> = all
+            let recv_lens: Vec<usize> = all
                 .iter()
-                .zip(&lens)
-                .enumerate()
-                .filter_map(|(r, (d, &part))| match d.op {
-                    OpDesc::ScatterInto { recv_len, .. } if recv_len as u64 != part => {
-                        Some(format!(
-                            "rank {r} receives {recv_len} bytes but root {root} sends it {part}"
-                        ))
-                    }
-                    _ => None,
+                .map(|d| match d.call {
+                    Call::ScatterInto { recv_len, .. } => recv_len,
+                    _ => 0,
                 })
                 .collect();
-            if !wrong.is_empty() {
+            let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+            if let Err(detail) = args::scatter_lengths(root, &recv_lens, &lens) {
                 return Err(Error::CollectiveMismatch {
                     rank: self.rank,
-                    detail: format!("scatter_into(root={root}): {}", wrong.join("; ")),
+                    detail,
                 });
             }
-            let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
             let piece = (max / ws).max(1);
             let rounds = lens.iter().map(|l| l.div_ceil(piece)).max().unwrap_or(0);
             let mut staging = Vec::new();
@@ -430,9 +425,15 @@ impl ProcessGroup for MpiProcessGroup {
                             staging.extend_from_slice(&part[start..end]);
                         }
                         let partition = Partition::new(&staging[..], plan.counts, plan.displs);
-                        root_process.scatter_varcount_into_root(&partition, &mut recv[mine]);
+                        let mut spare = [0u8];
+                        let into = not_in_place_mut(&mut recv[mine], &mut spare);
+                        root_process.scatter_varcount_into_root(&partition, into);
                     }
-                    None => root_process.scatter_varcount_into(&mut recv[mine]),
+                    None => {
+                        let mut spare = [0u8];
+                        root_process
+                            .scatter_varcount_into(not_in_place_mut(&mut recv[mine], &mut spare));
+                    }
                 }
             }
             Ok(())
@@ -455,7 +456,7 @@ impl ProcessGroup for MpiProcessGroup {
         let valid = args::reduce_scattered(send.len(), n, dtype, op, ws);
         let max = self.max_message;
         let rank = self.rank;
-        let desc = OpDesc::ReduceScatter { len: n, dtype, op };
+        let desc = Call::ReduceScatterInto { len: n, dtype, op };
         self.collective(desc, valid, |comm, _| {
             all_to_all_reduce(
                 comm,
@@ -482,7 +483,7 @@ impl ProcessGroup for MpiProcessGroup {
         let block = n.div_ceil(elem).div_ceil(ws) * elem;
         let max = self.max_message;
         let rank = self.rank;
-        let desc = OpDesc::AllReduce { len: n, dtype, op };
+        let desc = Call::AllReduce { len: n, dtype, op };
         self.collective(desc, valid, |comm, _| {
             let mut padded = try_zeroed(block * ws, "all_reduce", rank)?;
             padded[..n].copy_from_slice(buf);
@@ -503,7 +504,7 @@ impl ProcessGroup for MpiProcessGroup {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.collective(OpDesc::Barrier, Ok(()), |comm, _| {
+        self.collective(Call::Barrier, Ok(()), |comm, _| {
             comm.barrier();
             Ok(())
         })
@@ -512,10 +513,7 @@ impl ProcessGroup for MpiProcessGroup {
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let valid = args::subgroup(ranks, self.world_size);
         let position = ranks.iter().position(|&r| r == self.rank);
-        let op = OpDesc::NewSubgroup {
-            len: ranks.len(),
-            digest: args::subgroup_digest(ranks),
-        };
+        let op = Call::NewSubgroup(Members::of(ranks));
         let runtime = Arc::clone(&self.comm.runtime);
         let sub = self.collective(op, valid, |comm, _| {
             let color = match position {
@@ -625,6 +623,27 @@ fn all_to_all_reduce(
     })
 }
 
+/// `bytes`, or when it is empty an empty slice of `spare`. An empty Rust slice points at
+/// address 1 (the dangling address of `u8`), which is Open MPI's `MPI_IN_PLACE`: a rank that
+/// receives (or sends) nothing in `MPI_Scatterv` (or `MPI_Allgatherv`) would pass an in-place
+/// buffer, which Open MPI refuses on non-root ranks with `MPI_ERR_ARG` and aborts the job.
+fn not_in_place<'a>(bytes: &'a [u8], spare: &'a [u8; 1]) -> &'a [u8] {
+    if bytes.is_empty() {
+        &spare[..0]
+    } else {
+        bytes
+    }
+}
+
+/// [`not_in_place`] for a receive buffer.
+fn not_in_place_mut<'a>(bytes: &'a mut [u8], spare: &'a mut [u8; 1]) -> &'a mut [u8] {
+    if bytes.is_empty() {
+        &mut spare[..0]
+    } else {
+        bytes
+    }
+}
+
 /// Counts and displacements of one round of a variable-length gather or scatter: rank `r`
 /// moves bytes `[offset, offset + piece)` of its `lens[r]`, clipped.
 struct RoundPlan {
@@ -695,7 +714,8 @@ fn raw_all_gather_bytes(
         {
             let mut partition =
                 PartitionMut::new(&mut staging[..], &plan.counts[..], &plan.displs[..]);
-            comm.all_gather_varcount_into(&send[mine], &mut partition);
+            let spare = [0u8];
+            comm.all_gather_varcount_into(not_in_place(&send[mine], &spare), &mut partition);
         }
         for (r, dst) in out.iter_mut().enumerate() {
             let d = plan.displs[r] as usize;
@@ -706,30 +726,33 @@ fn raw_all_gather_bytes(
 }
 
 /// All-gathers each rank's descriptor.
-fn exchange_descriptors(comm: &SimpleCommunicator, mine: &Desc, ws: usize) -> Result<Vec<Desc>> {
-    let words = mine.encode();
-    let mut all = vec![0u64; Desc::WORDS * ws];
-    comm.all_gather_into(&words[..], &mut all[..]);
-    all.chunks_exact(Desc::WORDS)
+fn exchange_descriptors(
+    comm: &SimpleCommunicator,
+    mine: &Announcement,
+    ws: usize,
+) -> Result<Vec<Announcement>> {
+    let mut all = vec![0u8; Announcement::BYTES * ws];
+    comm.all_gather_into(&mine.to_bytes()[..], &mut all[..]);
+    all.chunks_exact(Announcement::BYTES)
         .enumerate()
-        .map(|(r, w)| {
-            Desc::decode(w).ok_or_else(|| Error::CollectiveMismatch {
+        .map(|(r, bytes)| {
+            Announcement::from_bytes(bytes).ok_or_else(|| Error::CollectiveMismatch {
                 rank: comm.rank() as usize,
-                detail: format!("rank {r} sent an unknown collective descriptor {w:?}"),
+                detail: format!("rank {r} sent an unknown collective descriptor {bytes:?}"),
             })
         })
         .collect()
 }
 
 /// With every rank's descriptor: `Ok` if they agree, otherwise what differs from rank 0.
-fn agreement(all: &[Desc]) -> std::result::Result<(), String> {
+fn agreement(all: &[Announcement]) -> std::result::Result<(), String> {
     let first = &all[0];
     let differences: Vec<String> = all
         .iter()
         .enumerate()
         .filter(|(_, d)| !d.agrees_with(first))
         .map(|(rank, d)| {
-            if d.op.same_call(&first.op) {
+            if d.call.same_call(&first.call) {
                 format!(
                     "rank {rank} sends messages of at most {} bytes while rank 0 sends {}",
                     d.max_message, first.max_message
@@ -737,7 +760,7 @@ fn agreement(all: &[Desc]) -> std::result::Result<(), String> {
             } else {
                 format!(
                     "rank {rank} called {} while rank 0 called {}",
-                    d.op, first.op
+                    d.call, first.call
                 )
             }
         })
@@ -760,201 +783,6 @@ fn try_zeroed(len: usize, op: &str, rank: usize) -> Result<Vec<u8>> {
         })?;
     v.resize(len, 0);
     Ok(v)
-}
-
-/// Every [`ReduceOp`], indexed in descriptors.
-const REDUCE_OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
-
-/// `dtype` and `op` as one descriptor word.
-fn reduction_code(dtype: DType, op: ReduceOp) -> u64 {
-    let d = DType::ALL
-        .iter()
-        .position(|&x| x == dtype)
-        .unwrap_or(0xff_ffff);
-    let o = REDUCE_OPS.iter().position(|&x| x == op).unwrap_or(0xff);
-    ((d as u64) << 8) | o as u64
-}
-
-/// What a rank called, as compared across ranks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum OpDesc {
-    AllGatherInto {
-        len: usize,
-    },
-    Broadcast {
-        root: usize,
-        len: usize,
-    },
-    /// `len`: this rank's length (not compared).
-    AllGatherBytes {
-        len: usize,
-    },
-    /// `len`: the root's length (0 on other ranks; not compared).
-    BroadcastBytes {
-        root: usize,
-        len: usize,
-    },
-    GatherInto {
-        root: usize,
-        len: usize,
-    },
-    /// `recv_len`: checked against the root's part lengths, not across ranks.
-    ScatterInto {
-        root: usize,
-        recv_len: usize,
-    },
-    ReduceScatter {
-        len: usize,
-        dtype: DType,
-        op: ReduceOp,
-    },
-    AllReduce {
-        len: usize,
-        dtype: DType,
-        op: ReduceOp,
-    },
-    Barrier,
-    NewSubgroup {
-        len: usize,
-        digest: u64,
-    },
-}
-
-impl OpDesc {
-    fn name(&self) -> &'static str {
-        match self {
-            OpDesc::AllGatherInto { .. } => "all_gather_into",
-            OpDesc::Broadcast { .. } => "broadcast",
-            OpDesc::AllGatherBytes { .. } => "all_gather_bytes",
-            OpDesc::BroadcastBytes { .. } => "broadcast_bytes",
-            OpDesc::GatherInto { .. } => "gather_into",
-            OpDesc::ScatterInto { .. } => "scatter_into",
-            OpDesc::ReduceScatter { .. } => "reduce_scatter_into",
-            OpDesc::AllReduce { .. } => "all_reduce",
-            OpDesc::Barrier => "barrier",
-            OpDesc::NewSubgroup { .. } => "new_subgroup",
-        }
-    }
-
-    /// Whether two ranks' calls can complete together (lengths that are per rank ignored).
-    fn same_call(&self, other: &OpDesc) -> bool {
-        use OpDesc::*;
-        match (self, other) {
-            (AllGatherBytes { .. }, AllGatherBytes { .. }) => true,
-            (BroadcastBytes { root: a, .. }, BroadcastBytes { root: b, .. }) => a == b,
-            (ScatterInto { root: a, .. }, ScatterInto { root: b, .. }) => a == b,
-            (a, b) => a == b,
-        }
-    }
-
-    /// `[code, a, b]`.
-    fn encode(&self) -> [u64; 3] {
-        use OpDesc::*;
-        let w = |x: usize| x as u64;
-        match *self {
-            AllGatherInto { len } => [1, w(len), 0],
-            Broadcast { root, len } => [2, w(root), w(len)],
-            AllGatherBytes { len } => [3, w(len), 0],
-            BroadcastBytes { root, len } => [4, w(root), w(len)],
-            GatherInto { root, len } => [5, w(root), w(len)],
-            ScatterInto { root, recv_len } => [6, w(root), w(recv_len)],
-            Barrier => [7, 0, 0],
-            NewSubgroup { len, digest } => [8, w(len), digest],
-            ReduceScatter { len, dtype, op } => [9, w(len), reduction_code(dtype, op)],
-            AllReduce { len, dtype, op } => [10, w(len), reduction_code(dtype, op)],
-        }
-    }
-
-    fn decode(w: [u64; 3]) -> Option<OpDesc> {
-        use OpDesc::*;
-        let u = |x: u64| usize::try_from(x).ok();
-        Some(match w[0] {
-            1 => AllGatherInto { len: u(w[1])? },
-            2 => Broadcast {
-                root: u(w[1])?,
-                len: u(w[2])?,
-            },
-            3 => AllGatherBytes { len: u(w[1])? },
-            4 => BroadcastBytes {
-                root: u(w[1])?,
-                len: u(w[2])?,
-            },
-            5 => GatherInto {
-                root: u(w[1])?,
-                len: u(w[2])?,
-            },
-            6 => ScatterInto {
-                root: u(w[1])?,
-                recv_len: u(w[2])?,
-            },
-            7 => Barrier,
-            8 => NewSubgroup {
-                len: u(w[1])?,
-                digest: w[2],
-            },
-            9 => ReduceScatter {
-                len: u(w[1])?,
-                dtype: *DType::ALL.get(u(w[2] >> 8)?)?,
-                op: *REDUCE_OPS.get(u(w[2] & 0xff)?)?,
-            },
-            10 => AllReduce {
-                len: u(w[1])?,
-                dtype: *DType::ALL.get(u(w[2] >> 8)?)?,
-                op: *REDUCE_OPS.get(u(w[2] & 0xff)?)?,
-            },
-            _ => return None,
-        })
-    }
-}
-
-impl fmt::Display for OpDesc {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = self.name();
-        match self {
-            OpDesc::AllGatherInto { len } => write!(f, "{name}({len} bytes)"),
-            OpDesc::Broadcast { root, len } | OpDesc::GatherInto { root, len } => {
-                write!(f, "{name}(root={root}, {len} bytes)")
-            }
-            OpDesc::BroadcastBytes { root, .. } => write!(f, "{name}(root={root})"),
-            OpDesc::ScatterInto { root, .. } => write!(f, "{name}(root={root})"),
-            OpDesc::NewSubgroup { len, digest } => {
-                write!(f, "{name}({len} ranks, digest {digest:016x})")
-            }
-            OpDesc::ReduceScatter { len, dtype, op } | OpDesc::AllReduce { len, dtype, op } => {
-                write!(f, "{name}({op} over {dtype}, {len} bytes)")
-            }
-            OpDesc::AllGatherBytes { .. } | OpDesc::Barrier => write!(f, "{name}"),
-        }
-    }
-}
-
-/// What each rank contributes to the descriptor exchange that precedes every collective.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Desc {
-    op: OpDesc,
-    invalid: bool,
-    max_message: u64,
-}
-
-impl Desc {
-    const WORDS: usize = 5;
-
-    fn encode(&self) -> [u64; Self::WORDS] {
-        let [code, a, b] = self.op.encode();
-        [code, a, b, u64::from(self.invalid), self.max_message]
-    }
-
-    fn decode(w: &[u64]) -> Option<Desc> {
-        Some(Desc {
-            op: OpDesc::decode([w[0], w[1], w[2]])?,
-            invalid: w[3] != 0,
-            max_message: w[4],
-        })
-    }
-
-    fn agrees_with(&self, other: &Desc) -> bool {
-        self.op.same_call(&other.op) && self.max_message == other.max_message
-    }
 }
 
 /// The MPI library of this process: finalized when the last communicator using it is gone.
@@ -1101,61 +929,22 @@ mod tests {
     }
 
     #[test]
-    fn descriptors_round_trip() {
-        let ops = [
-            OpDesc::AllGatherInto { len: 8 },
-            OpDesc::Broadcast { root: 1, len: 3 },
-            OpDesc::AllGatherBytes { len: 5 },
-            OpDesc::BroadcastBytes { root: 2, len: 9 },
-            OpDesc::GatherInto { root: 0, len: 4 },
-            OpDesc::ScatterInto {
-                root: 3,
-                recv_len: 7,
-            },
-            OpDesc::Barrier,
-            OpDesc::NewSubgroup {
-                len: 2,
-                digest: args::subgroup_digest(&[0, 2]),
-            },
-            OpDesc::ReduceScatter {
-                len: 12,
-                dtype: DType::BF16,
-                op: ReduceOp::Avg,
-            },
-            OpDesc::AllReduce {
-                len: 3,
-                dtype: DType::Bool,
-                op: ReduceOp::Max,
-            },
-        ];
-        for op in ops {
-            let d = Desc {
-                op,
-                invalid: true,
-                max_message: 77,
-            };
-            assert_eq!(Desc::decode(&d.encode()), Some(d));
-        }
-        assert_eq!(Desc::decode(&[99, 0, 0, 0, 0]), None);
-    }
-
-    #[test]
     fn agreement_ignores_per_rank_lengths_and_names_the_differences() {
-        let d = |op, max_message| Desc {
-            op,
-            invalid: false,
+        let d = |call, max_message| Announcement {
+            call,
+            valid: true,
             max_message,
         };
         let ok = [
-            d(OpDesc::AllGatherBytes { len: 1 }, 8),
-            d(OpDesc::AllGatherBytes { len: 9 }, 8),
+            d(Call::AllGatherBytes { len: 1 }, 8),
+            d(Call::AllGatherBytes { len: 9 }, 8),
         ];
         assert!(agreement(&ok).is_ok());
         let bad = [
-            d(OpDesc::AllGatherInto { len: 1 }, 8),
-            d(OpDesc::AllGatherInto { len: 2 }, 8),
-            d(OpDesc::Barrier, 8),
-            d(OpDesc::AllGatherInto { len: 1 }, 4),
+            d(Call::AllGatherInto { len: 1 }, 8),
+            d(Call::AllGatherInto { len: 2 }, 8),
+            d(Call::Barrier, 8),
+            d(Call::AllGatherInto { len: 1 }, 4),
         ];
         let detail = agreement(&bad).unwrap_err();
         assert_eq!(
@@ -1164,6 +953,18 @@ mod tests {
              rank 2 called barrier while rank 0 called all_gather_into(1 bytes); \
              rank 3 sends messages of at most 4 bytes while rank 0 sends 8"
         );
+    }
+
+    #[test]
+    fn empty_buffers_never_pass_for_mpi_in_place() {
+        // Open MPI's MPI_IN_PLACE is address 1, the dangling address of an empty u8 slice.
+        let (mut none, mut spare) = (Vec::<u8>::new(), [0u8]);
+        assert_eq!(none.as_ptr() as usize, 1);
+        let spare_at = spare.as_ptr();
+        assert_eq!(not_in_place(&none, &spare).as_ptr(), spare_at);
+        assert_eq!(not_in_place_mut(&mut none, &mut spare).as_ptr(), spare_at);
+        let bytes = [1u8, 2];
+        assert_eq!(not_in_place(&bytes, &[0]), [1, 2]);
     }
 
     #[test]

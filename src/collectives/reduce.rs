@@ -32,6 +32,9 @@ impl fmt::Display for ReduceOp {
 /// Checks that `op` is defined for `dtype` (`bool` supports only [`ReduceOp::Max`], a logical
 /// or) and that `len` bytes hold whole elements.
 pub fn check_reduction(dtype: DType, op: ReduceOp, len: usize) -> Result<(), String> {
+    if matches!(dtype, DType::F8E4M3FN | DType::F8E5M2) {
+        return Err(format!("reductions are not defined for {dtype}"));
+    }
     if dtype == DType::Bool && op != ReduceOp::Max {
         return Err(format!(
             "reduction `{op}` is not defined for {dtype}; use max"
@@ -80,6 +83,12 @@ pub fn reduce_parts(
         DType::U8 => reduce::<u8, u8>(op, parts, out, n, |a| a, |a| a),
         // Max of 0/1 bytes is a logical or.
         DType::Bool => reduce::<u8, u8>(op, parts, out, n, |a| a, |a| a),
+        DType::I8 => reduce::<i8, i8>(op, parts, out, n, |a| a, |a| a),
+        DType::I16 => reduce::<i16, i16>(op, parts, out, n, |a| a, |a| a),
+        DType::U16 => reduce::<u16, u16>(op, parts, out, n, |a| a, |a| a),
+        DType::U32 => reduce::<u32, u32>(op, parts, out, n, |a| a, |a| a),
+        DType::U64 => reduce::<u64, u64>(op, parts, out, n, |a| a, |a| a),
+        DType::F8E4M3FN | DType::F8E5M2 => unreachable!("refused by check_reduction"),
     }
     Ok(())
 }
@@ -132,7 +141,7 @@ macro_rules! int_acc {
 }
 
 float_acc!(f32, f64);
-int_acc!(i64, i32, u8);
+int_acc!(i64, i32, i16, i8, u64, u32, u16, u8);
 
 fn reduce<E: bytemuck::Pod, A: Acc>(
     op: ReduceOp,

@@ -2,11 +2,37 @@
 //! other before any collective backend exists.
 //!
 //! [`LaunchEnv`] reads the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
-//! `MASTER_PORT`, `LOCAL_RANK`). [`TcpRendezvous`] then hands one byte string from rank 0 to
-//! every other rank: the NCCL backend uses it for the 128-byte `ncclUniqueId`, but nothing here
-//! depends on NCCL, so it is plain `std` and always compiled.
+//! `MASTER_PORT`, `LOCAL_RANK`, and torchrun's `TORCHELASTIC_*`). [`TcpRendezvous`] then hands
+//! one byte string from rank 0 to every other rank: the NCCL backend uses it for the 128-byte
+//! `ncclUniqueId`, but nothing here depends on NCCL, so it is plain `std` and always compiled.
 //!
-//! # Protocol
+//! There are two protocols, chosen by [`TcpRendezvous::from_env`]:
+//! * **torchrun's agent store** (`TORCHELASTIC_USE_AGENT_STORE=True`, which torchrun sets): the
+//!   elastic agent already serves a c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT`, so nobody
+//!   may bind that port. Every rank is a client of that store
+//!   ([`tcp_store`](super::tcp_store)), as `torch.distributed.init_process_group` is.
+//! * **own listener** (any other launcher, e.g. the variables set by hand): rank 0 listens on
+//!   `MASTER_ADDR:MASTER_PORT` itself.
+//!
+//! Both fail the same way: a wrong world size or a duplicate rank is an
+//! [`Error::CollectiveMismatch`] on every rank that learns of it, ranks that do not come in
+//! time are named in an [`Error::CollectiveTimeout`], and bytes that are not the protocol are
+//! an [`Error::Rendezvous`].
+//!
+//! # Protocol with torchrun's agent store
+//!
+//! Keys live under `fsdp/rendezvous/v1/{TORCHELASTIC_RUN_ID}/attempt_{TORCHELASTIC_RESTART_COUNT}/{n}/{k}`:
+//! the attempt keeps a restarted worker group from reading the previous attempt's bytes, and
+//! `n` counts the rendezvous of this process (the n-th [`TcpRendezvous::from_env`] of every
+//! process meet) and `k` the exchanges of one [`TcpRendezvous`]. Rank 0 sets `world_size`
+//! (decimal); every other rank `r` sets `rank/{r}/world_size` (its world size) and adds 1 to
+//! `rank/{r}` (a count above 1 is a duplicate `RANK`). Rank 0 waits for every `rank/{r}`,
+//! checks them and sets `answer`: a status byte, then the blob (status `0`), the reason
+//! (status `1`, mismatch) or the milliseconds waited and the missing ranks (status `2`,
+//! timeout; `u64` then `u32`s, little-endian). The other ranks wait for `answer` (their
+//! timeout plus a grace) and, on status `0`, check rank 0's `world_size` against theirs.
+//!
+//! # Protocol with its own listener
 //!
 //! Rank 0 listens on `MASTER_ADDR:MASTER_PORT`. Every other rank connects (retrying while the
 //! listener is not up yet) and sends a hello: the 8-byte magic `FSDPRDV1`, then the world size
@@ -23,7 +49,10 @@
 use crate::error::{Error, Result};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+mod agent_store;
 
 const MAGIC: &[u8; 8] = b"FSDPRDV1";
 const STATUS_OK: u8 = 0;
@@ -45,6 +74,8 @@ const POLL: Duration = Duration::from_millis(20);
 /// | `MASTER_ADDR` | host name or address where rank 0 listens | yes |
 /// | `MASTER_PORT` | TCP port where rank 0 listens, `1..=65535` (`0` picks a free port, only useful in one process) | yes |
 /// | `LOCAL_RANK` | this process's index on its host: the CUDA device it drives | no |
+/// | `TORCHELASTIC_USE_AGENT_STORE` | `True`: torchrun's agent serves a `TCPStore` at `MASTER_ADDR:MASTER_PORT` | no |
+/// | `TORCHELASTIC_RUN_ID`, `TORCHELASTIC_RESTART_COUNT` | the job and its restart, naming the agent store's keys | no |
 ///
 /// Without `LOCAL_RANK` the device is `RANK % device_count` (see [`LaunchEnv::device_index`]),
 /// which is right when every host runs as many ranks as it has devices and ranks are numbered
@@ -61,6 +92,40 @@ pub struct LaunchEnv {
     pub master_port: u16,
     /// `LOCAL_RANK`, if set.
     pub local_rank: Option<usize>,
+    /// torchrun's agent store, when `TORCHELASTIC_USE_AGENT_STORE=True`.
+    pub agent_store: Option<AgentStore>,
+}
+
+/// torchrun's elastic agent serves a c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT` for its
+/// workers (`TORCHELASTIC_USE_AGENT_STORE=True`); the rendezvous then uses it (see the
+/// [module docs](self)) instead of binding that port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentStore {
+    /// `TORCHELASTIC_RUN_ID` (empty when unset).
+    pub run_id: String,
+    /// `TORCHELASTIC_RESTART_COUNT`: how often torchrun restarted the workers (0 when unset).
+    pub restart_count: u64,
+}
+
+impl AgentStore {
+    /// Reads the `TORCHELASTIC_*` variables through `lookup`; `None` unless
+    /// `TORCHELASTIC_USE_AGENT_STORE` is exactly `True` (PyTorch's own test).
+    fn from_lookup(lookup: &impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        if lookup("TORCHELASTIC_USE_AGENT_STORE").as_deref() != Some("True") {
+            return Ok(None);
+        }
+        let restart_count = match lookup("TORCHELASTIC_RESTART_COUNT") {
+            Some(v) => v.trim().parse::<u64>().map_err(|e| Error::Environment {
+                variable: "TORCHELASTIC_RESTART_COUNT".into(),
+                reason: format!("`{v}` is not a non-negative integer: {e}"),
+            })?,
+            None => 0,
+        };
+        Ok(Some(Self {
+            run_id: lookup("TORCHELASTIC_RUN_ID").unwrap_or_default(),
+            restart_count,
+        }))
+    }
 }
 
 impl LaunchEnv {
@@ -108,12 +173,14 @@ impl LaunchEnv {
             Some(v) => Some(parse_usize("LOCAL_RANK", &v)?),
             None => None,
         };
+        let agent_store = AgentStore::from_lookup(&lookup)?;
         Ok(Self {
             rank,
             world_size,
             master_addr,
             master_port,
             local_rank,
+            agent_store,
         })
     }
 
@@ -189,8 +256,25 @@ pub struct TcpRendezvous {
     world_size: usize,
     addr: String,
     timeout: Duration,
-    listener: Option<TcpListener>,
+    mode: Mode,
 }
+
+/// Which protocol a [`TcpRendezvous`] speaks.
+#[derive(Debug)]
+enum Mode {
+    /// Rank 0 listens itself (`None` on other ranks and at world size 1).
+    Listen(Option<TcpListener>),
+    /// Everyone is a client of torchrun's agent store.
+    AgentStore {
+        /// Key prefix of this rendezvous, below [`agent_store::KEY_ROOT`].
+        namespace: String,
+        /// Exchanges done so far: each gets its own keys.
+        exchanges: AtomicU64,
+    },
+}
+
+/// Rendezvous made through an agent store by this process, numbering their keys.
+static AGENT_STORE_RENDEZVOUS: AtomicU64 = AtomicU64::new(0);
 
 impl TcpRendezvous {
     /// How long [`TcpRendezvous::exchange`] waits for the other ranks by default.
@@ -205,20 +289,7 @@ impl TcpRendezvous {
         master_port: u16,
     ) -> Result<Self> {
         let addr = host_port(master_addr, master_port);
-        if rank >= world_size {
-            return Err(Error::InvalidCollective {
-                op: "rendezvous".into(),
-                rank,
-                reason: format!("rank {rank} is out of range for world size {world_size}"),
-            });
-        }
-        if world_size > u32::MAX as usize {
-            return Err(Error::InvalidCollective {
-                op: "rendezvous".into(),
-                rank,
-                reason: format!("world size {world_size} does not fit the protocol's u32"),
-            });
-        }
+        check_rank(rank, world_size)?;
         let listener = if rank == 0 && world_size > 1 {
             let listener = TcpListener::bind(&addr).map_err(|e| Error::Rendezvous {
                 rank,
@@ -237,13 +308,59 @@ impl TcpRendezvous {
             world_size,
             addr,
             timeout: Self::DEFAULT_TIMEOUT,
-            listener,
+            mode: Mode::Listen(listener),
         })
     }
 
-    /// [`TcpRendezvous::new`] from the launcher variables.
+    /// Prepares rank `rank` of `world_size` for a rendezvous through the `TCPStore` at
+    /// `master_addr:master_port` (torchrun's agent store), under keys prefixed by `namespace`,
+    /// which every rank must pass alike and no earlier rendezvous on that store used.
+    /// Connects only in [`TcpRendezvous::exchange`].
+    pub fn with_agent_store(
+        rank: usize,
+        world_size: usize,
+        master_addr: &str,
+        master_port: u16,
+        namespace: &str,
+    ) -> Result<Self> {
+        check_rank(rank, world_size)?;
+        Ok(Self {
+            rank,
+            world_size,
+            addr: host_port(master_addr, master_port),
+            timeout: Self::DEFAULT_TIMEOUT,
+            mode: Mode::AgentStore {
+                namespace: namespace.into(),
+                exchanges: AtomicU64::new(0),
+            },
+        })
+    }
+
+    /// The rendezvous the launcher variables call for: through torchrun's agent store when
+    /// `TORCHELASTIC_USE_AGENT_STORE=True` ([`TcpRendezvous::with_agent_store`], keys named
+    /// by the run id, the restart count and how many rendezvous this process made before),
+    /// else with rank 0's own listener ([`TcpRendezvous::new`]).
     pub fn from_env(env: &LaunchEnv) -> Result<Self> {
-        Self::new(env.rank, env.world_size, &env.master_addr, env.master_port)
+        match &env.agent_store {
+            Some(agent) => {
+                let n = AGENT_STORE_RENDEZVOUS.fetch_add(1, Ordering::Relaxed);
+                let namespace = format!("{}/attempt_{}/{n}", agent.run_id, agent.restart_count);
+                Self::with_agent_store(
+                    env.rank,
+                    env.world_size,
+                    &env.master_addr,
+                    env.master_port,
+                    &namespace,
+                )
+            }
+            None => Self::new(env.rank, env.world_size, &env.master_addr, env.master_port),
+        }
+    }
+
+    /// Whether this rendezvous goes through torchrun's agent store rather than rank 0's own
+    /// listener.
+    pub fn uses_agent_store(&self) -> bool {
+        matches!(self.mode, Mode::AgentStore { .. })
     }
 
     /// Sets how long rank 0 waits for every rank to connect, and the others for rank 0.
@@ -252,24 +369,39 @@ impl TcpRendezvous {
         self
     }
 
-    /// The address rank 0 listens on (`None` on other ranks and at world size 1).
+    /// The address rank 0 listens on (`None` on other ranks, at world size 1 and with the
+    /// agent store).
     pub fn local_addr(&self) -> Option<SocketAddr> {
-        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+        match &self.mode {
+            Mode::Listen(listener) => listener.as_ref().and_then(|l| l.local_addr().ok()),
+            Mode::AgentStore { .. } => None,
+        }
     }
 
     /// Hands rank 0's `blob` to every rank and returns it. Rank 0 must pass `Some`; the
     /// others' argument is ignored (pass `None`). At world size 1 this returns the blob at once.
     pub fn exchange(&self, blob: Option<&[u8]>) -> Result<Vec<u8>> {
-        if self.rank == 0 {
-            let outcome = blob.map(<[u8]>::to_vec).ok_or_else(|| {
-                "rank 0 passed no bytes to hand out (a bug in the caller)".to_string()
-            });
-            match &self.listener {
-                Some(listener) => self.serve(listener, outcome),
-                None => outcome.map_err(|reason| self.mismatch(reason)),
+        let outcome = blob
+            .map(<[u8]>::to_vec)
+            .ok_or_else(|| "rank 0 passed no bytes to hand out (a bug in the caller)".to_string());
+        match &self.mode {
+            _ if self.rank == 0 && self.world_size == 1 => {
+                outcome.map_err(|reason| self.mismatch(reason))
             }
-        } else {
-            self.join()
+            Mode::Listen(Some(listener)) => self.serve(listener, outcome),
+            Mode::Listen(None) => self.join(),
+            Mode::AgentStore {
+                namespace,
+                exchanges,
+            } => {
+                let n = exchanges.fetch_add(1, Ordering::Relaxed);
+                let keys = agent_store::Keys::new(namespace, n);
+                if self.rank == 0 {
+                    self.serve_store(&keys, outcome)
+                } else {
+                    self.join_store(&keys)
+                }
+            }
         }
     }
 
@@ -350,12 +482,7 @@ impl TcpRendezvous {
             .collect();
         if timed_out && outcome.is_ok() {
             let waited = start.elapsed();
-            let mut msg = (waited.as_millis().min(u64::MAX as u128) as u64)
-                .to_le_bytes()
-                .to_vec();
-            for r in &missing {
-                msg.extend_from_slice(&(*r as u32).to_le_bytes());
-            }
+            let msg = timeout_payload(waited, &missing);
             for stream in peers.iter().flatten() {
                 write_error(stream, STATUS_TIMEOUT, &msg);
             }
@@ -446,7 +573,12 @@ impl TcpRendezvous {
         }
         let mut payload = vec![0u8; len as usize];
         read(&mut stream, &mut payload)?;
-        match status[0] {
+        self.decode_answer(status[0], payload)
+    }
+
+    /// Rank 0's answer (status and payload) as this rank's result.
+    fn decode_answer(&self, status: u8, payload: Vec<u8>) -> Result<Vec<u8>> {
+        match status {
             STATUS_OK => Ok(payload),
             STATUS_MISMATCH => Err(self.mismatch(String::from_utf8_lossy(&payload).into_owned())),
             STATUS_TIMEOUT if payload.len() >= 8 && payload.len() % 4 == 0 => {
@@ -471,6 +603,35 @@ impl TcpRendezvous {
     }
 }
 
+/// The payload of a timeout answer: milliseconds waited, then the missing ranks.
+fn timeout_payload(waited: Duration, missing: &[usize]) -> Vec<u8> {
+    let mut msg = (waited.as_millis().min(u64::MAX as u128) as u64)
+        .to_le_bytes()
+        .to_vec();
+    for r in missing {
+        msg.extend_from_slice(&(*r as u32).to_le_bytes());
+    }
+    msg
+}
+
+fn check_rank(rank: usize, world_size: usize) -> Result<()> {
+    if rank >= world_size {
+        return Err(Error::InvalidCollective {
+            op: "rendezvous".into(),
+            rank,
+            reason: format!("rank {rank} is out of range for world size {world_size}"),
+        });
+    }
+    if world_size > u32::MAX as usize {
+        return Err(Error::InvalidCollective {
+            op: "rendezvous".into(),
+            rank,
+            reason: format!("world size {world_size} does not fit the protocol's u32"),
+        });
+    }
+    Ok(())
+}
+
 fn net_error(rank: usize, addr: &str, what: &str, e: std::io::Error) -> Error {
     Error::Rendezvous {
         rank,
@@ -479,14 +640,14 @@ fn net_error(rank: usize, addr: &str, what: &str, e: std::io::Error) -> Error {
     }
 }
 
-enum ConnectError {
+pub(super) enum ConnectError {
     /// The address does not resolve: retrying will not help.
     Resolve(String),
     /// Nobody listens yet (or the network hiccuped): try again.
     Retry,
 }
 
-fn connect_once(addr: &str) -> std::result::Result<TcpStream, ConnectError> {
+pub(super) fn connect_once(addr: &str) -> std::result::Result<TcpStream, ConnectError> {
     let addrs: Vec<SocketAddr> = addr
         .to_socket_addrs()
         .map_err(|e| ConnectError::Resolve(format!("cannot resolve MASTER_ADDR: {e}")))?
@@ -504,13 +665,13 @@ fn connect_once(addr: &str) -> std::result::Result<TcpStream, ConnectError> {
     Err(ConnectError::Retry)
 }
 
-enum ReadError {
+pub(super) enum ReadError {
     TimedOut,
     Io(std::io::Error),
 }
 
 /// Fills `buf` from `stream`, failing when `deadline` passes first (`None`: no deadline).
-fn read_until(
+pub(super) fn read_until(
     stream: &mut TcpStream,
     buf: &mut [u8],
     deadline: Option<Instant>,
@@ -529,7 +690,7 @@ fn read_until(
             Ok(0) => {
                 return Err(ReadError::Io(std::io::Error::new(
                     ErrorKind::UnexpectedEof,
-                    "connection closed by rank 0 before its answer was complete",
+                    "connection closed before the answer was complete",
                 )))
             }
             Ok(n) => filled += n,
@@ -600,6 +761,7 @@ mod tests {
                 master_addr: "node0".into(),
                 master_port: 29500,
                 local_rank: Some(1),
+                agent_store: None,
             }
         );
         assert_eq!(e.master(), "node0:29500");
@@ -666,6 +828,72 @@ mod tests {
         let (variable, reason) = variable_of(e.device_index(4).unwrap_err());
         assert_eq!(variable, "LOCAL_RANK");
         assert!(reason.contains("4 visible CUDA device"), "{reason}");
+    }
+
+    #[test]
+    fn torchrun_agent_store_variables_are_read() {
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let vars: Vec<_> = FULL.iter().chain(extra).copied().collect();
+            env(&vars)
+        };
+        assert_eq!(with(&[]).unwrap().agent_store, None);
+        let torchrun = [
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RUN_ID", "b695c067"),
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ];
+        assert_eq!(
+            with(&torchrun).unwrap().agent_store,
+            Some(AgentStore {
+                run_id: "b695c067".into(),
+                restart_count: 2,
+            })
+        );
+        // PyTorch tests for exactly `True`.
+        let off = [("TORCHELASTIC_USE_AGENT_STORE", "False")];
+        assert_eq!(with(&off).unwrap().agent_store, None);
+        let bare = [("TORCHELASTIC_USE_AGENT_STORE", "True")];
+        assert_eq!(
+            with(&bare).unwrap().agent_store,
+            Some(AgentStore {
+                run_id: String::new(),
+                restart_count: 0,
+            })
+        );
+        let bad = [
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+            ("TORCHELASTIC_RESTART_COUNT", "once"),
+        ];
+        let (variable, reason) = variable_of(with(&bad).unwrap_err());
+        assert_eq!(variable, "TORCHELASTIC_RESTART_COUNT");
+        assert!(reason.contains("`once`"), "{reason}");
+    }
+
+    #[test]
+    fn under_torchrun_rank_zero_does_not_bind_the_agents_port() {
+        // The agent's store holds MASTER_PORT; rank 0 binding it was "Address already in use".
+        let agent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = agent.local_addr().unwrap().port();
+        let mut launch = LaunchEnv {
+            rank: 0,
+            world_size: 2,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            local_rank: Some(0),
+            agent_store: Some(AgentStore {
+                run_id: "run".into(),
+                restart_count: 0,
+            }),
+        };
+        let r = TcpRendezvous::from_env(&launch).unwrap();
+        assert!(r.uses_agent_store());
+        assert_eq!(r.local_addr(), None);
+        launch.agent_store = None;
+        let err = TcpRendezvous::from_env(&launch).unwrap_err();
+        assert!(
+            matches!(&err, Error::Rendezvous { reason, .. } if reason.contains("cannot listen")),
+            "{err:?}"
+        );
     }
 
     #[test]

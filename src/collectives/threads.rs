@@ -1,8 +1,9 @@
 //! In-process thread backend: one rank per thread, ranks meet in shared memory (see
 //! [`ThreadGroup`] for the protocol).
 
+use super::call::{Call, Members};
 use super::failure::FailureKind;
-use super::{args, reduce_parts, ProcessGroup, ReduceOp};
+use super::{args, check_reduction, reduce_parts, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::fmt;
@@ -178,7 +179,7 @@ impl ThreadProcessGroup {
     /// have copied.
     fn collective<T>(
         &self,
-        op: OpDesc,
+        op: Call,
         publish: Publish,
         valid: std::result::Result<(), String>,
         copy: impl FnOnce(&Round) -> T,
@@ -224,8 +225,8 @@ impl ThreadProcessGroup {
         if st.arrived == domain.world_size {
             match st.agreement() {
                 Ok(op) => {
-                    if let OpDesc::NewSubgroup { ranks } = op {
-                        st.subgroup = Some(Domain::new(ranks.len(), domain.timeout));
+                    if let Call::NewSubgroup(members) = op {
+                        st.subgroup = Some(Domain::new(members.len, domain.timeout));
                     }
                     st.copying = true;
                     domain.changed.notify_all();
@@ -328,7 +329,7 @@ impl ProcessGroup for ThreadProcessGroup {
         let (n, ws) = (send.len(), self.world_size());
         let valid = args::gathered(n, recv.len(), ws);
         self.collective(
-            OpDesc::AllGatherInto { len: n },
+            Call::AllGatherInto { len: n },
             Publish::send(send),
             valid,
             |round| {
@@ -342,7 +343,7 @@ impl ProcessGroup for ThreadProcessGroup {
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
-        let op = OpDesc::Broadcast {
+        let op = Call::Broadcast {
             root,
             len: buf.len(),
         };
@@ -359,7 +360,7 @@ impl ProcessGroup for ThreadProcessGroup {
 
     fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
         self.collective(
-            OpDesc::AllGatherBytes,
+            Call::AllGatherBytes { len: send.len() },
             Publish::send(send),
             Ok(()),
             |round| {
@@ -372,7 +373,6 @@ impl ProcessGroup for ThreadProcessGroup {
 
     /// Non-root ranks should pass `None`; bytes they pass anyway are ignored.
     fn broadcast_bytes(&self, send: Option<&[u8]>, root: usize) -> Result<Vec<u8>> {
-        let op = OpDesc::BroadcastBytes { root };
         let mut valid = self.check_root(root);
         if self.rank == root && send.is_none() {
             valid = Err("the root rank must pass the bytes to send".into());
@@ -382,6 +382,10 @@ impl ProcessGroup for ThreadProcessGroup {
         } else {
             &[]
         };
+        let op = Call::BroadcastBytes {
+            root,
+            len: send.len(),
+        };
         self.collective(op, Publish::send(send), valid, |round| {
             round.send_of(root).to_vec()
         })
@@ -390,7 +394,7 @@ impl ProcessGroup for ThreadProcessGroup {
     /// Every rank writes its own bytes into the root's buffer, so the copies run in parallel.
     fn gather_into(&self, send: &[u8], recv: Option<&mut [u8]>, root: usize) -> Result<()> {
         let (n, ws) = (send.len(), self.world_size());
-        let op = OpDesc::GatherInto { root, len: n };
+        let op = Call::GatherInto { root, len: n };
         let is_root = self.rank == root;
         let valid = self.check_root(root).and(args::gather_root(
             n,
@@ -413,7 +417,10 @@ impl ProcessGroup for ThreadProcessGroup {
     /// parallel.
     fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()> {
         let ws = self.world_size();
-        let op = OpDesc::ScatterInto { root };
+        let op = Call::ScatterInto {
+            root,
+            recv_len: recv.len(),
+        };
         let is_root = self.rank == root;
         let valid =
             self.check_root(root)
@@ -442,7 +449,7 @@ impl ProcessGroup for ThreadProcessGroup {
     ) -> Result<()> {
         let (n, ws) = (recv.len(), self.world_size());
         let valid = args::reduce_scattered(send.len(), n, dtype, op, ws);
-        let desc = OpDesc::ReduceScatterInto { len: n, dtype, op };
+        let desc = Call::ReduceScatterInto { len: n, dtype, op };
         let rank = self.rank;
         self.collective(desc, Publish::send(send), valid, |round| {
             let parts: Vec<&[u8]> = (0..ws)
@@ -457,17 +464,36 @@ impl ProcessGroup for ThreadProcessGroup {
         })
     }
 
+    /// Each rank reduces the whole buffer straight out of every peer's buffer, in rank order,
+    /// into a buffer of its own; arguments are checked and compared like every collective's.
+    fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let (n, ws) = (buf.len(), self.world_size());
+        let valid = check_reduction(dtype, op, n);
+        let call = Call::AllReduce { len: n, dtype, op };
+        let rank = self.rank;
+        let reduced = self.collective(call, Publish::send(buf), valid, |round| {
+            let parts: Vec<&[u8]> = (0..ws).map(|peer| round.send_of(peer)).collect();
+            let mut out = vec![0u8; n];
+            reduce_parts(dtype, op, &parts, &mut out).map(|()| out)
+        })?;
+        let reduced = reduced.map_err(|reason| Error::InvalidCollective {
+            op: "all_reduce".into(),
+            rank,
+            reason,
+        })?;
+        buf.copy_from_slice(&reduced);
+        Ok(())
+    }
+
     fn barrier(&self) -> Result<()> {
-        self.collective(OpDesc::Barrier, Publish::default(), Ok(()), |_| ())
+        self.collective(Call::Barrier, Publish::default(), Ok(()), |_| ())
     }
 
     fn new_subgroup(&self, ranks: &[usize]) -> Result<Option<Arc<dyn ProcessGroup>>> {
         let valid = args::subgroup(ranks, self.world_size());
         let position = ranks.iter().position(|&r| r == self.rank);
         self.collective(
-            OpDesc::NewSubgroup {
-                ranks: ranks.to_vec(),
-            },
+            Call::NewSubgroup(Members::of(ranks)),
             Publish::default(),
             valid,
             |round| {
@@ -487,73 +513,6 @@ impl ProcessGroup for ThreadProcessGroup {
 impl ThreadProcessGroup {
     fn check_root(&self, root: usize) -> args::Check {
         args::root(root, self.world_size())
-    }
-}
-
-/// What a rank called, as compared across ranks.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum OpDesc {
-    AllGatherInto {
-        len: usize,
-    },
-    Broadcast {
-        root: usize,
-        len: usize,
-    },
-    AllGatherBytes,
-    BroadcastBytes {
-        root: usize,
-    },
-    GatherInto {
-        root: usize,
-        len: usize,
-    },
-    ScatterInto {
-        root: usize,
-    },
-    ReduceScatterInto {
-        len: usize,
-        dtype: DType,
-        op: ReduceOp,
-    },
-    Barrier,
-    NewSubgroup {
-        ranks: Vec<usize>,
-    },
-}
-
-impl OpDesc {
-    fn name(&self) -> &'static str {
-        match self {
-            OpDesc::AllGatherInto { .. } => "all_gather_into",
-            OpDesc::Broadcast { .. } => "broadcast",
-            OpDesc::AllGatherBytes => "all_gather_bytes",
-            OpDesc::BroadcastBytes { .. } => "broadcast_bytes",
-            OpDesc::GatherInto { .. } => "gather_into",
-            OpDesc::ScatterInto { .. } => "scatter_into",
-            OpDesc::ReduceScatterInto { .. } => "reduce_scatter_into",
-            OpDesc::Barrier => "barrier",
-            OpDesc::NewSubgroup { .. } => "new_subgroup",
-        }
-    }
-}
-
-impl fmt::Display for OpDesc {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = self.name();
-        match self {
-            OpDesc::AllGatherInto { len } => write!(f, "{name}({len} bytes)"),
-            OpDesc::Broadcast { root, len } => write!(f, "{name}(root={root}, {len} bytes)"),
-            OpDesc::BroadcastBytes { root } | OpDesc::ScatterInto { root } => {
-                write!(f, "{name}(root={root})")
-            }
-            OpDesc::GatherInto { root, len } => write!(f, "{name}(root={root}, {len} bytes)"),
-            OpDesc::ReduceScatterInto { len, dtype, op } => {
-                write!(f, "{name}({len} bytes of {dtype}, {op})")
-            }
-            OpDesc::NewSubgroup { ranks } => write!(f, "{name}(ranks={ranks:?})"),
-            OpDesc::AllGatherBytes | OpDesc::Barrier => write!(f, "{name}"),
-        }
     }
 }
 
@@ -745,48 +704,30 @@ impl State {
     }
 
     /// With every rank arrived: the op they agree on, or what differs from rank 0.
-    fn agreement(&self) -> std::result::Result<&OpDesc, String> {
-        let ops: Vec<&OpDesc> = self.slots.iter().flatten().map(|slot| &slot.op).collect();
+    fn agreement(&self) -> std::result::Result<&Call, String> {
+        let ops: Vec<&Call> = self.slots.iter().flatten().map(|slot| &slot.op).collect();
         let first = ops[0];
         let differences: Vec<String> = ops
             .iter()
             .enumerate()
-            .filter(|(_, op)| **op != first)
+            .filter(|(_, op)| !op.same_call(first))
             .map(|(rank, op)| format!("rank {rank} called {op} while rank 0 called {first}"))
             .collect();
         if !differences.is_empty() {
             return Err(differences.join("; "));
         }
-        if let OpDesc::ScatterInto { root } = first {
-            let parts = &self.slots[*root]
-                .as_ref()
-                .expect("every rank arrived")
-                .publish
-                .parts;
-            let wrong: Vec<String> = self
-                .slots
-                .iter()
-                .flatten()
-                .zip(parts)
-                .enumerate()
-                .filter(|(_, (slot, part))| slot.publish.recv_len != part.len)
-                .map(|(rank, (slot, part))| {
-                    format!(
-                        "rank {rank} receives {} bytes but root {root} sends it {}",
-                        slot.publish.recv_len, part.len
-                    )
-                })
-                .collect();
-            if !wrong.is_empty() {
-                return Err(format!("{first}: {}", wrong.join("; ")));
-            }
+        if let Call::ScatterInto { root, .. } = first {
+            let slots: Vec<&Slot> = self.slots.iter().flatten().collect();
+            let recv_lens: Vec<usize> = slots.iter().map(|s| s.publish.recv_len).collect();
+            let part_lens: Vec<usize> = slots[*root].publish.parts.iter().map(|p| p.len).collect();
+            args::scatter_lengths(*root, &recv_lens, &part_lens)?;
         }
         Ok(first)
     }
 }
 
 struct Slot {
-    op: OpDesc,
+    op: Call,
     publish: Publish,
 }
 
@@ -967,22 +908,22 @@ mod tests {
     #[test]
     fn op_descriptors_print_name_sizes_and_root() {
         assert_eq!(
-            OpDesc::AllGatherInto { len: 8 }.to_string(),
+            Call::AllGatherInto { len: 8 }.to_string(),
             "all_gather_into(8 bytes)"
         );
         assert_eq!(
-            OpDesc::Broadcast { root: 0, len: 16 }.to_string(),
+            Call::Broadcast { root: 0, len: 16 }.to_string(),
             "broadcast(root=0, 16 bytes)"
         );
         assert_eq!(
-            OpDesc::BroadcastBytes { root: 2 }.to_string(),
+            Call::BroadcastBytes { root: 2, len: 5 }.to_string(),
             "broadcast_bytes(root=2)"
         );
         assert_eq!(
-            OpDesc::NewSubgroup { ranks: vec![0, 2] }.to_string(),
+            Call::NewSubgroup(Members::of(&[0, 2])).to_string(),
             "new_subgroup(ranks=[0, 2])"
         );
-        assert_eq!(OpDesc::Barrier.to_string(), "barrier");
+        assert_eq!(Call::Barrier.to_string(), "barrier");
     }
 
     #[test]

@@ -23,7 +23,7 @@
 //! ```
 
 use super::safetensors::named_tensors;
-use super::torch_save::{model_from_pyobj, optim_from_pyobj, PyObj};
+use super::torch_save::{model_from_pyobj, optim_from_pyobj, Headers, PyObj};
 use crate::optim_state::{OptimStateDict, ParamKey, Value};
 use crate::tensor::{DType, HostTensor};
 use serde::Serialize;
@@ -76,30 +76,51 @@ fn scalar_json(t: &HostTensor) -> Option<Json> {
     Some(match t.dtype() {
         DType::Bool => json!(v != 0.0),
         DType::I64 => json!(i64::from_le_bytes(t.as_bytes().try_into().ok()?)),
-        DType::I32 | DType::U8 => json!(v as i64),
+        DType::U64 => json!(u64::from_le_bytes(t.as_bytes().try_into().ok()?)),
+        DType::I32 | DType::U8 | DType::I8 | DType::I16 | DType::U16 | DType::U32 => {
+            json!(v as i64)
+        }
         _ => float_json(v),
     })
 }
 
-fn tensor_info(name: &str, t: &HostTensor) -> TensorInfo {
+/// The real shape of a tensor of the object summarized: its own, or a placeholder's from
+/// the file's [`Headers`].
+#[derive(Clone, Copy)]
+struct Shapes<'a>(Option<&'a Headers>);
+
+impl Shapes<'_> {
+    fn of(&self, t: &HostTensor) -> Vec<usize> {
+        match self.0 {
+            Some(h) => h.shape(t).to_vec(),
+            None => t.shape().to_vec(),
+        }
+    }
+
+    fn nbytes(&self, t: &HostTensor) -> usize {
+        self.of(t).iter().product::<usize>() * t.dtype().size()
+    }
+}
+
+fn tensor_info(name: &str, t: &HostTensor, sh: Shapes<'_>) -> TensorInfo {
     TensorInfo {
         name: name.to_string(),
         dtype: dtype_name(t.dtype()),
-        shape: t.shape().to_vec(),
-        bytes: t.nbytes(),
+        shape: sh.of(t),
+        bytes: sh.nbytes(t),
         value: scalar_json(t),
     }
 }
 
 /// A state or hyper-parameter value as JSON: scalars as themselves, tensors described.
-fn value_json(v: &Value) -> Json {
+fn value_json(v: &Value, sh: Shapes<'_>) -> Json {
     match v {
         Value::None => Json::Null,
         Value::Bool(b) => json!(b),
         Value::Int(i) => json!(i),
         Value::Float(x) => float_json(*x),
         Value::Str(s) => json!(s),
-        Value::Tensor(t) => serde_json::to_value(tensor_info("", t))
+        Value::Tensor(t) => serde_json::to_value(tensor_info("", t, sh))
             .map(|mut j| {
                 if let Some(m) = j.as_object_mut() {
                     m.remove("name");
@@ -107,8 +128,16 @@ fn value_json(v: &Value) -> Json {
                 json!({ "tensor": j })
             })
             .unwrap_or(Json::Null),
-        Value::Sharded(s) => json!({ "sharded_tensor": { "global_shape": s.global_shape } }),
-        Value::Tuple(xs) | Value::List(xs) => Json::Array(xs.iter().map(value_json).collect()),
+        Value::Sharded(s) => json!({ "sharded_tensor": {
+            "global_shape": s.global_shape,
+            "offsets": s.offsets,
+            "local": s.local.as_ref().map(|t| {
+                json!({ "dtype": dtype_name(t.dtype()), "shape": sh.of(t) })
+            }),
+        } }),
+        Value::Tuple(xs) | Value::List(xs) => {
+            Json::Array(xs.iter().map(|x| value_json(x, sh)).collect())
+        }
     }
 }
 
@@ -208,15 +237,26 @@ pub struct Summary {
 impl Summary {
     /// Summarizes `obj`.
     pub fn of(obj: &PyObj) -> Summary {
+        Self::summarize(obj, Shapes(None))
+    }
+
+    /// The summary of a `torch.save` file's structure, read without its tensor data
+    /// ([`load_headers`](super::torch_save::load_headers)): the same as [`Summary::of`] the
+    /// loaded object.
+    pub fn of_headers(h: &Headers) -> Summary {
+        Self::summarize(&h.obj, Shapes(Some(h)))
+    }
+
+    fn summarize(obj: &PyObj, sh: Shapes<'_>) -> Summary {
         let all = named_tensors(obj);
         let tensor_count = all.len();
-        let total_tensor_bytes = all.iter().map(|(_, t)| t.nbytes()).sum();
+        let total_tensor_bytes = all.iter().map(|(_, t)| sh.nbytes(t)).sum();
         if let Ok(osd) = optim_from_pyobj(obj.clone()) {
             return Summary {
                 kind: Kind::Optimizer,
                 tensor_count,
                 total_tensor_bytes,
-                optimizer: Some(optim_summary(&osd)),
+                optimizer: Some(optim_summary(&osd, sh)),
                 tensors: None,
                 root_type: None,
             };
@@ -225,12 +265,15 @@ impl Summary {
             Ok(msd) => (
                 Kind::Model,
                 None,
-                msd.tensors.iter().map(|(k, t)| tensor_info(k, t)).collect(),
+                msd.tensors
+                    .iter()
+                    .map(|(k, t)| tensor_info(k, t, sh))
+                    .collect(),
             ),
             Err(_) => (
                 Kind::Other,
                 Some(obj.type_name()),
-                all.iter().map(|(n, t)| tensor_info(n, t)).collect(),
+                all.iter().map(|(n, t)| tensor_info(n, t, sh)).collect(),
             ),
         };
         Summary {
@@ -244,7 +287,7 @@ impl Summary {
     }
 }
 
-fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
+fn optim_summary(osd: &OptimStateDict, sh: Shapes<'_>) -> OptimSummary {
     let mut key_types = Vec::new();
     let mut state_names: Vec<String> = Vec::new();
     let mut steps: Vec<StepCount> = Vec::new();
@@ -259,13 +302,13 @@ fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
                 state_names.push(name.clone());
             }
             let (tensor, value) = match v {
-                Value::Tensor(t) => (Some(tensor_info(name, t)), None),
-                other => (None, Some(value_json(other))),
+                Value::Tensor(t) => (Some(tensor_info(name, t, sh)), None),
+                other => (None, Some(value_json(other, sh))),
             };
             if name == "step" {
                 let sv = match v {
                     Value::Tensor(t) => scalar_json(t).unwrap_or(Json::Null),
-                    other => value_json(other),
+                    other => value_json(other, sh),
                 };
                 match steps.iter_mut().find(|s| s.value == sv) {
                     Some(s) => s.keys += 1,
@@ -274,7 +317,13 @@ fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
             }
             state.push(StateEntry {
                 name: name.clone(),
-                kind: v.kind(),
+                kind: match v {
+                    // The real shape, not a placeholder's.
+                    Value::Tensor(t) if t.dim() > 0 => {
+                        format!("tensor {:?} ({})", sh.of(t), t.dtype())
+                    }
+                    other => other.kind(),
+                },
                 tensor,
                 value,
             });
@@ -291,7 +340,7 @@ fn optim_summary(osd: &OptimStateDict) -> OptimSummary {
                 options: g
                     .options
                     .iter()
-                    .map(|(k, v)| (k.clone(), value_json(v)))
+                    .map(|(k, v)| (k.clone(), value_json(v, sh)))
                     .collect(),
                 params: g.params.iter().map(key_json).collect(),
             })

@@ -60,6 +60,16 @@ pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     }
 }
 
+/// [`load`] with options for `torch.save` files (safetensors files hold no views, so the
+/// options do not apply to them).
+pub fn load_with(path: impl AsRef<Path>, opts: &torch_save::LoadOptions) -> Result<PyObj> {
+    let path = path.as_ref();
+    match FileFormat::from_path(path)? {
+        FileFormat::TorchSave => torch_save::load_with(path, opts),
+        FileFormat::Safetensors => safetensors::load(path),
+    }
+}
+
 /// Writes `obj` to `path`, in the format its extension names, atomically.
 pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();

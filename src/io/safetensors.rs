@@ -33,9 +33,11 @@
 //! | `bytes` | `{"bytes": "<hex>"}` |
 //! | `list` | a JSON array |
 //! | `tuple` | `{"tuple": [...]}` |
+//! | `torch.Size` | `{"size": [...]}` |
 //! | `dict` | `{"dict": [[key, value], ...]}` in order (keys keep their type) |
 //! | `collections.OrderedDict` | `{"odict": [[key, value], ...], "attrs": [["name", value], ...]}` (a model state dict's `_metadata` goes in `attrs`) |
 //! | tensor | `{"tensor": "<name in the file>"}` |
+//! | sharded tensor (`ShardedTensor`, `DTensor`) | `{"sharded": {"global_shape": [...], "offsets": [...], "local": {"tensor": "<name>"} or null}}` |
 //!
 //! A safetensors file without [`OBJECT_KEY`] (written by another tool) reads as an
 //! `OrderedDict` of its tensors, sorted by name (the order `safetensors.torch.load_file`
@@ -86,6 +88,13 @@ fn to_st_dtype(d: DType) -> Dtype {
         DType::I32 => Dtype::I32,
         DType::U8 => Dtype::U8,
         DType::Bool => Dtype::BOOL,
+        DType::I8 => Dtype::I8,
+        DType::I16 => Dtype::I16,
+        DType::U16 => Dtype::U16,
+        DType::U32 => Dtype::U32,
+        DType::U64 => Dtype::U64,
+        DType::F8E4M3FN => Dtype::F8_E4M3,
+        DType::F8E5M2 => Dtype::F8_E5M2,
     }
 }
 
@@ -99,6 +108,13 @@ fn from_st_dtype(d: Dtype) -> Option<DType> {
         Dtype::I32 => DType::I32,
         Dtype::U8 => DType::U8,
         Dtype::BOOL => DType::Bool,
+        Dtype::I8 => DType::I8,
+        Dtype::I16 => DType::I16,
+        Dtype::U16 => DType::U16,
+        Dtype::U32 => DType::U32,
+        Dtype::U64 => DType::U64,
+        Dtype::F8_E4M3 => DType::F8E4M3FN,
+        Dtype::F8_E5M2 => DType::F8E5M2,
         _ => return None,
     })
 }
@@ -204,6 +220,7 @@ impl<'a> Encoder<'a> {
                 .enumerate()
                 .map(|(i, x)| self.encode(x, &Self::child(path, &i.to_string())))
                 .collect::<Vec<_>>() }),
+            PyObj::Size(dims) => json!({ "size": dims }),
             PyObj::Dict(items) => json!({ "dict": self.pairs(items, path) }),
             PyObj::OrderedDict { items, attrs } => {
                 let items = self.pairs(items, path);
@@ -217,6 +234,21 @@ impl<'a> Encoder<'a> {
                 let name = self.name(path);
                 self.tensors.push((name.clone(), t));
                 json!({ "tensor": name })
+            }
+            PyObj::Sharded(s) => {
+                let local = match &s.local {
+                    Some(t) => {
+                        let name = self.name(path);
+                        self.tensors.push((name.clone(), t));
+                        json!({ "tensor": name })
+                    }
+                    None => Json::Null,
+                };
+                json!({ "sharded": {
+                    "global_shape": s.global_shape,
+                    "offsets": s.offsets,
+                    "local": local,
+                } })
             }
         }
     }
@@ -428,6 +460,40 @@ impl Decoder<'_> {
                                 .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
                                 .collect::<Result<_>>()?,
                         ));
+                    }
+                    if let Some(Json::Object(sh)) = tag("sharded") {
+                        let dims = |k: &str| -> Option<Vec<usize>> {
+                            sh.get(k)?
+                                .as_array()?
+                                .iter()
+                                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                                .collect()
+                        };
+                        let (Some(global_shape), Some(offsets)) =
+                            (dims("global_shape"), dims("offsets"))
+                        else {
+                            return Err(self.bad(path, j));
+                        };
+                        let local = match sh.get("local") {
+                            None | Some(Json::Null) => None,
+                            Some(l) => match self.decode(l, path)? {
+                                PyObj::Tensor(t) => Some(t),
+                                _ => return Err(self.bad(path, j)),
+                            },
+                        };
+                        return Ok(PyObj::Sharded(crate::optim_state::ShardedTensor {
+                            global_shape,
+                            offsets,
+                            local,
+                        }));
+                    }
+                    if let Some(Json::Array(xs)) = tag("size") {
+                        return xs
+                            .iter()
+                            .map(Json::as_i64)
+                            .collect::<Option<_>>()
+                            .map(PyObj::Size)
+                            .ok_or_else(|| self.bad(path, j));
                     }
                     if let Some(d) = tag("dict") {
                         return Ok(PyObj::Dict(self.pairs(d, path)?));

@@ -66,9 +66,9 @@ pub(crate) fn consolidate<T: Tensor>(
     }))
 }
 
-/// This rank's parameters and every rank's plan. Errors of this rank's own input are sent
-/// with its plan (an empty plan with digest 0), so that peers fail with them instead of
-/// hanging; every rank then checks that the layouts agree.
+/// This rank's parameters and every rank's plan. A rank whose own input is invalid sends its
+/// error instead of a plan, so that every rank fails with the lowest failing rank's error
+/// instead of hanging; every rank then checks that the layouts agree.
 fn exchange_plans<T: Tensor>(
     op: &str,
     layout: &ModelLayout,
@@ -91,19 +91,8 @@ fn exchange_plans<T: Tensor>(
         }
         local_plan(op, layout, osd, l, pg.rank())
     });
-    let msg = match &local_plan {
-        Ok(p) => p.clone(),
-        Err(e) => PlanMsg {
-            digest: 0,
-            keys: vec![],
-            error: Some(e.clone()),
-        },
-    };
-    let plans: Vec<PlanMsg> = pg.all_gather_object(&msg)?;
     // A rank whose own input is invalid makes every rank fail with its error.
-    if let Some(e) = plans.iter().find_map(|p| p.error.clone()) {
-        return Err(e);
-    }
+    let plans: Vec<PlanMsg> = pg.all_gather_agreed(local_plan)?;
     let local = local?;
     check_digests(op, &plans.iter().map(|p| p.digest).collect::<Vec<_>>())?;
     Ok((local, plans))
@@ -277,7 +266,6 @@ fn local_plan<T: Tensor>(
     Ok(PlanMsg {
         digest: layout_digest(op, layout)?,
         keys,
-        error: None,
     })
 }
 

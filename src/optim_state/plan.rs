@@ -83,9 +83,6 @@ pub struct PlanMsg {
     pub digest: u64,
     /// Keys with state on this rank, in optimizer order.
     pub keys: Vec<KeyInfo>,
-    /// This rank's own validation error, if its input is invalid: every rank then fails with
-    /// the first failing rank's error.
-    pub error: Option<Error>,
 }
 
 /// 64-bit FNV-1a.

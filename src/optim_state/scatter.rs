@@ -153,9 +153,7 @@ impl<T: Tensor> ScatterSource<'_, T> {
             }
             _ => None,
         };
-        let header: std::result::Result<Header, Error> =
-            self.pg.broadcast_object(header.as_ref(), self.root)?;
-        let header = header?;
+        let header: Header = self.pg.broadcast_agreed(header.as_ref(), self.root)?;
         let mut names: Vec<&String> = Vec::new();
         for (n, e) in header.iter().flatten().flatten() {
             if matches!(e, Entry::Tensor { .. }) && !names.contains(&n) {
@@ -282,17 +280,11 @@ pub fn scatter_full<T: Tensor>(
 ) -> Result<OptimStateDict<T>> {
     // Every rank checks its optimizer's parameters before the first tensor moves, and all
     // ranks fail with the first failing rank's error.
-    let mine: (u64, usize, Option<Error>) = (
-        layout_digest(op, layout)?,
-        layout_rank,
-        layout.local_params(params).err(),
-    );
-    let all: Vec<(u64, usize, Option<Error>)> = pg.all_gather_object(&mine)?;
-    if let Some(e) = all.iter().find_map(|(_, _, e)| e.clone()) {
-        return Err(e);
-    }
-    check_digests(op, &all.iter().map(|(d, _, _)| *d).collect::<Vec<_>>())?;
-    let layout_ranks: Vec<usize> = all.iter().map(|(_, r, _)| *r).collect();
+    let mine = layout_digest(op, layout)
+        .and_then(|digest| layout.local_params(params).map(|_| (digest, layout_rank)));
+    let all: Vec<(u64, usize)> = pg.all_gather_agreed(mine)?;
+    check_digests(op, &all.iter().map(|(d, _)| *d).collect::<Vec<_>>())?;
+    let layout_ranks: Vec<usize> = all.iter().map(|(_, r)| *r).collect();
     if let Some(r) = layout_ranks.iter().find(|&&r| r >= layout.world_size) {
         return Err(Error::InvalidCollective {
             op: op.into(),
@@ -303,24 +295,15 @@ pub fn scatter_full<T: Tensor>(
             ),
         });
     }
-    let skeleton: std::result::Result<Skeleton, Error> = if pg.rank() == root {
-        match full {
-            Some(f) => skeleton_of(f),
-            None => Err(Error::InvalidArgument {
-                op: op.into(),
-                rank: root,
-                reason: "the root rank must pass the full dict".into(),
-            }),
-        }
-    } else {
-        Ok(Skeleton {
-            state: vec![],
-            param_groups: None,
-        })
-    };
-    let skeleton: std::result::Result<Skeleton, Error> =
-        pg.broadcast_object(Some(&skeleton), root)?;
-    let skeleton = skeleton?;
+    let skeleton = (pg.rank() == root).then(|| match full {
+        Some(f) => skeleton_of(f),
+        None => Err(Error::InvalidArgument {
+            op: op.into(),
+            rank: root,
+            reason: "the root rank must pass the full dict".into(),
+        }),
+    });
+    let skeleton: Skeleton = pg.broadcast_agreed(skeleton.as_ref(), root)?;
     let names = parameter_names(layout);
     let mut src = ScatterSource {
         pg,

@@ -23,11 +23,25 @@ pub enum DType {
     U8,
     /// `torch.bool`
     Bool,
+    /// `torch.int8` (8-bit optimizers keep their quantized states in it)
+    I8,
+    /// `torch.int16`
+    I16,
+    /// `torch.uint16`
+    U16,
+    /// `torch.uint32`
+    U32,
+    /// `torch.uint64`
+    U64,
+    /// `torch.float8_e4m3fn`
+    F8E4M3FN,
+    /// `torch.float8_e5m2`
+    F8E5M2,
 }
 
 impl DType {
     /// All supported dtypes.
-    pub const ALL: [DType; 8] = [
+    pub const ALL: [DType; 15] = [
         DType::F32,
         DType::F64,
         DType::F16,
@@ -36,21 +50,31 @@ impl DType {
         DType::I32,
         DType::U8,
         DType::Bool,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::F8E4M3FN,
+        DType::F8E5M2,
     ];
 
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 | DType::Bool => 1,
+            DType::F64 | DType::I64 | DType::U64 => 8,
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 | DType::U16 => 2,
+            DType::U8 | DType::Bool | DType::I8 | DType::F8E4M3FN | DType::F8E5M2 => 1,
         }
     }
 
     /// Whether PyTorch considers the dtype floating point (FSDP flattens only these).
     pub const fn is_floating_point(self) -> bool {
-        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+        matches!(
+            self,
+            DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::F8E4M3FN | DType::F8E5M2
+        )
     }
 
     /// PyTorch's name, e.g. `torch.float32`.
@@ -64,6 +88,13 @@ impl DType {
             DType::I32 => "torch.int32",
             DType::U8 => "torch.uint8",
             DType::Bool => "torch.bool",
+            DType::I8 => "torch.int8",
+            DType::I16 => "torch.int16",
+            DType::U16 => "torch.uint16",
+            DType::U32 => "torch.uint32",
+            DType::U64 => "torch.uint64",
+            DType::F8E4M3FN => "torch.float8_e4m3fn",
+            DType::F8E5M2 => "torch.float8_e5m2",
         }
     }
 }

@@ -172,6 +172,17 @@ impl HostTensor {
             DType::I64 => cast::<i64>(b).iter().map(|&v| v as f64).collect(),
             DType::I32 => cast::<i32>(b).iter().map(|&v| v as f64).collect(),
             DType::U8 | DType::Bool => b.iter().map(|&v| v as f64).collect(),
+            DType::I8 => b.iter().map(|&v| v as i8 as f64).collect(),
+            DType::I16 => cast::<i16>(b).iter().map(|&v| v as f64).collect(),
+            DType::U16 => cast::<u16>(b).iter().map(|&v| v as f64).collect(),
+            DType::U32 => cast::<u32>(b).iter().map(|&v| v as f64).collect(),
+            DType::U64 => cast::<u64>(b).iter().map(|&v| v as f64).collect(),
+            DType::F8E4M3FN => b.iter().map(|&v| f8e4m3fn_to_f64(v)).collect(),
+            // e5m2 is the upper byte of an IEEE half.
+            DType::F8E5M2 => b
+                .iter()
+                .map(|&v| half::f16::from_bits(u16::from(v) << 8).to_f64())
+                .collect(),
         }
     }
 
@@ -269,6 +280,21 @@ impl HostTensor {
     pub fn shares_storage_with(&self, other: &HostTensor) -> bool {
         Arc::ptr_eq(&self.storage, &other.storage)
     }
+}
+
+/// The value of a `float8_e4m3fn` byte: 1 sign, 4 exponent (bias 7) and 3 mantissa bits, no
+/// infinities, NaN only for exponent and mantissa all ones.
+fn f8e4m3fn_to_f64(v: u8) -> f64 {
+    let sign = if v & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((v >> 3) & 0x0f);
+    let man = f64::from(v & 0x07);
+    if exp == 0x0f && v & 0x07 == 0x07 {
+        return f64::NAN;
+    }
+    if exp == 0 {
+        return sign * man / 8.0 * 2f64.powi(-6);
+    }
+    sign * (1.0 + man / 8.0) * 2f64.powi(exp - 7)
 }
 
 fn cast<T: bytemuck::Pod>(b: &[u8]) -> &[T] {

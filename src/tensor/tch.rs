@@ -51,9 +51,10 @@ pub(crate) fn backend_err(op: String, e: TchError) -> Error {
     }
 }
 
-/// The libtorch kind of a dtype.
-pub fn dtype_to_kind(dtype: DType) -> Kind {
-    match dtype {
+/// The libtorch kind of a dtype; [`Error::Unsupported`] for uint16, uint32 and uint64, which
+/// tch 0.26 has no kind for.
+pub fn dtype_to_kind(dtype: DType) -> Result<Kind> {
+    Ok(match dtype {
         DType::F32 => Kind::Float,
         DType::F64 => Kind::Double,
         DType::F16 => Kind::Half,
@@ -62,11 +63,20 @@ pub fn dtype_to_kind(dtype: DType) -> Kind {
         DType::I32 => Kind::Int,
         DType::U8 => Kind::Uint8,
         DType::Bool => Kind::Bool,
-    }
+        DType::I8 => Kind::Int8,
+        DType::I16 => Kind::Int16,
+        DType::F8E4M3FN => Kind::Float8e4m3fn,
+        DType::F8E5M2 => Kind::Float8e5m2,
+        DType::U16 | DType::U32 | DType::U64 => {
+            return Err(Error::Unsupported(format!(
+                "tch tensors of {dtype}: tch 0.26 has no kind for it"
+            )))
+        }
+    })
 }
 
 /// The dtype of a libtorch kind; [`Error::Unsupported`] for kinds outside [`DType::ALL`]
-/// (int8, int16, complex, quantized, float8).
+/// (complex, quantized, the `fnuz` float8 variants).
 pub fn kind_to_dtype(kind: Kind) -> Result<DType> {
     Ok(match kind {
         Kind::Float => DType::F32,
@@ -77,10 +87,14 @@ pub fn kind_to_dtype(kind: Kind) -> Result<DType> {
         Kind::Int => DType::I32,
         Kind::Uint8 => DType::U8,
         Kind::Bool => DType::Bool,
+        Kind::Int8 => DType::I8,
+        Kind::Int16 => DType::I16,
+        Kind::Float8e4m3fn => DType::F8E4M3FN,
+        Kind::Float8e5m2 => DType::F8E5M2,
         other => {
             return Err(Error::Unsupported(format!(
                 "tch tensors of kind {other:?}: fsdp handles float32, float64, float16, \
-                 bfloat16, int64, int32, uint8 and bool"
+                 bfloat16, float8_e4m3fn, float8_e5m2, int64, int32, int16, int8, uint8 and bool"
             )))
         }
     })
@@ -162,7 +176,7 @@ impl TchTensor {
     /// A new CPU libtorch tensor holding a copy of `t`'s elements (one copy).
     pub fn from_host_tensor(t: &HostTensor) -> Result<Self> {
         let dims = dims_i64(t.shape(), "TchTensor::from_host_tensor")?;
-        let inner = ::tch::Tensor::f_from_data_size(t.as_bytes(), &dims, dtype_to_kind(t.dtype()))
+        let inner = ::tch::Tensor::f_from_data_size(t.as_bytes(), &dims, dtype_to_kind(t.dtype())?)
             .map_err(|e| {
                 backend_err(
                     format!(
@@ -267,8 +281,9 @@ impl Tensor for TchTensor {
 
     fn zeros(dtype: DType, shape: &[usize]) -> Result<Self> {
         let dims = dims_i64(shape, "TchTensor::zeros")?;
-        let inner = ::tch::Tensor::f_zeros(dims.as_slice(), (dtype_to_kind(dtype), Device::Cpu))
-            .map_err(|e| backend_err(format!("TchTensor::zeros ({dtype}, {shape:?})"), e))?;
+        let inner =
+            ::tch::Tensor::f_zeros(dims.as_slice(), (dtype_to_kind(dtype)?, Device::Cpu))
+                .map_err(|e| backend_err(format!("TchTensor::zeros ({dtype}, {shape:?})"), e))?;
         Ok(Self::wrap(inner, dtype, shape.to_vec()))
     }
 

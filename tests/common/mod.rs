@@ -2,6 +2,8 @@
 //! models of PyTorch's `test_fsdp_optim_state.py`.
 #![allow(dead_code)]
 
+pub mod conformance;
+
 use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};

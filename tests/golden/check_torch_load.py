@@ -26,6 +26,13 @@ DTYPES = {
     torch.int32: "i32",
     torch.uint8: "u8",
     torch.bool: "bool",
+    torch.int8: "i8",
+    torch.int16: "i16",
+    torch.uint16: "u16",
+    torch.uint32: "u32",
+    torch.uint64: "u64",
+    torch.float8_e4m3fn: "f8e4m3fn",
+    torch.float8_e5m2: "f8e5m2",
 }
 
 
@@ -56,6 +63,8 @@ def describe(obj):
                 "hex": tensor_bytes(obj).hex(),
             }
         }
+    if isinstance(obj, torch.Size):  # before tuple: a torch.Size is one
+        return {"size": list(obj)}
     if isinstance(obj, tuple):
         return {"tuple": [describe(x) for x in obj]}
     if isinstance(obj, list):

@@ -110,6 +110,33 @@ def dtypes():
     }
 
 
+def more_dtypes():
+    # What an 8-bit optimizer (bitsandbytes-style) keeps, and the other integer and float8
+    # dtypes; uint16/32/64 and float8 are pickled as UntypedStorage + _rebuild_tensor_v3.
+    q = torch.tensor([[-128, -1, 0], [1, 64, 127]], dtype=torch.int8)
+    u16 = torch.arange(12, dtype=torch.int32).to(torch.uint16).reshape(3, 4) * 5000
+    return {
+        "state": {
+            0: {
+                "step": torch.tensor(3.0),
+                "state1": q,
+                "absmax1": torch.tensor([0.5, 2.0]),
+                "state1_t": q.t(),
+                "scalar_i8": torch.tensor(-5, dtype=torch.int8),
+            },
+        },
+        "i16": torch.tensor([-(2**15), -1, 2**15 - 1], dtype=torch.int16),
+        "u16": u16,
+        "u16_col": u16[:, 1],
+        "u32": torch.tensor([0, 2**32 - 1, 123456789], dtype=torch.uint32),
+        "u64": torch.tensor([0, 2**63 + 5, 2**64 - 1], dtype=torch.uint64),
+        "u64_tail": torch.tensor([1, 2, 3, 4], dtype=torch.uint64)[2:],
+        "f8e4m3fn": torch.tensor([0.0, -1.5, 448.0, 0.001953125, math.nan], dtype=torch.float8_e4m3fn),
+        "f8e5m2": torch.tensor([0.0, -1.5, 57344.0, math.inf, 1.52587890625e-05], dtype=torch.float8_e5m2),
+        "scalar_u32": torch.tensor(7, dtype=torch.uint32),
+    }
+
+
 def views():
     base = torch.arange(12, dtype=torch.float32)
     m = torch.arange(6, dtype=torch.float64).reshape(2, 3)
@@ -157,6 +184,7 @@ def main():
     obj, shared = views()
     save("views", obj, shared)
     save("misc", misc())
+    save("more_dtypes", more_dtypes())
     torch.save({"a": torch.ones(2)}, OUT / "legacy.pt", _use_new_zipfile_serialization=False)
     print(f"wrote fixtures to {OUT}")
 

@@ -4,11 +4,12 @@
 //! difference, which fails the job), prints its `ok` line and drops its handles, which
 //! finalizes MPI.
 
+use crate::common::conformance::{self, Reductions};
 use crate::common::*;
 use crate::{ok_line, DIR_ENV};
 use fsdp::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::collectives::{
-    encode, reduce_parts, MpiProcessGroup, ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup,
+    encode, MpiProcessGroup, ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup,
 };
 use fsdp::flat_param::ModelLayout;
 use fsdp::optim::Optimizer;
@@ -85,188 +86,18 @@ pub fn main(scenario: &str) -> i32 {
 
 // ----- collectives -----
 
-/// Rank `r`'s deterministic test bytes.
-fn bytes(r: usize, len: usize, salt: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31) ^ (r as u8).wrapping_mul(7) ^ salt)
-        .collect()
-}
-
-/// Every collective of the trait, with results computed independently of any backend.
+/// The conformance suite without its argument errors (run once per scenario, on the default
+/// limit): what a message limit can change.
 fn exercise(pg: &dyn ProcessGroup, what: &str) {
-    let (rank, ws) = (pg.rank(), pg.world_size());
-    for n in [0usize, 1, 23, 4096 + 3] {
-        let send = bytes(rank, n, 1);
-        let mut recv = vec![0u8; n * ws];
-        pg.all_gather_into(&send, &mut recv).unwrap();
-        let want: Vec<u8> = (0..ws).flat_map(|r| bytes(r, n, 1)).collect();
-        assert_eq!(recv, want, "{what}: all_gather_into of {n} bytes");
-
-        for root in [0, ws - 1] {
-            let mut buf = if rank == root {
-                bytes(root, n, 2)
-            } else {
-                vec![0; n]
-            };
-            pg.broadcast(&mut buf, root).unwrap();
-            assert_eq!(buf, bytes(root, n, 2), "{what}: broadcast from {root}");
-
-            let mut recv = vec![0u8; n * ws];
-            let recv_arg = (rank == root).then_some(&mut recv[..]);
-            pg.gather_into(&bytes(rank, n, 3), recv_arg, root).unwrap();
-            if rank == root {
-                let want: Vec<u8> = (0..ws).flat_map(|r| bytes(r, n, 3)).collect();
-                assert_eq!(recv, want, "{what}: gather_into {n} bytes to {root}");
-            }
-        }
-    }
-    // Variable lengths, one rank sending nothing.
-    let len_of = |r: usize| if r == 1 { 0 } else { r * 977 + 5 };
-    let got = pg.all_gather_bytes(&bytes(rank, len_of(rank), 4)).unwrap();
-    let want: Vec<Vec<u8>> = (0..ws).map(|r| bytes(r, len_of(r), 4)).collect();
-    assert_eq!(got, want, "{what}: all_gather_bytes");
-
-    for root in [0, ws - 1] {
-        let payload = bytes(root, 3001, 5);
-        let send = (rank == root).then_some(&payload[..]);
-        assert_eq!(
-            pg.broadcast_bytes(send, root).unwrap(),
-            payload,
-            "{what}: broadcast_bytes from {root}"
-        );
-        assert_eq!(
-            pg.broadcast_bytes((rank == root).then_some(&[][..]), root)
-                .unwrap(),
-            Vec::<u8>::new()
-        );
-
-        // Scatter with per-rank lengths, then with one buffer aliased for every rank.
-        let parts: Vec<Vec<u8>> = (0..ws).map(|r| bytes(r, r * 1501 + 2, 6)).collect();
-        let refs: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
-        let mut recv = vec![0u8; rank * 1501 + 2];
-        pg.scatter_into((rank == root).then_some(&refs[..]), &mut recv, root)
-            .unwrap();
-        assert_eq!(recv, parts[rank], "{what}: scatter_into from {root}");
-        let one = bytes(root, 777, 7);
-        let aliased: Vec<&[u8]> = vec![&one[..]; ws];
-        let mut recv = vec![0u8; 777];
-        pg.scatter_into((rank == root).then_some(&aliased[..]), &mut recv, root)
-            .unwrap();
-        assert_eq!(recv, one, "{what}: aliased scatter_into from {root}");
-    }
-    pg.barrier().unwrap();
-
-    // Reductions: all_reduce is the trait's provided one, reduce_scatter_into the backend's
-    // all-to-all; both must give the bits of a rank-order reduction.
-    let values = |r: usize| -> Vec<f64> {
-        (0..ws * 5)
-            .map(|i| (i * (r + 1)) as f64 * 0.37 - r as f64)
-            .collect()
-    };
-    type Enc = fn(&[f64]) -> Vec<u8>;
-    let dtypes: [(DType, Enc); 3] = [
-        (DType::F32, |v| {
-            v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect()
-        }),
-        (DType::F64, |v| {
-            v.iter().flat_map(|x| x.to_le_bytes()).collect()
-        }),
-        (DType::I64, |v| {
-            v.iter()
-                .flat_map(|&x| ((x * 100.0) as i64).to_le_bytes())
-                .collect()
-        }),
-    ];
-    for (dtype, enc) in dtypes {
-        let mine = enc(&values(rank));
-        let all: Vec<Vec<u8>> = (0..ws).map(|r| enc(&values(r))).collect();
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-            let mut buf = mine.clone();
-            pg.all_reduce(&mut buf, dtype, op).unwrap();
-            let mut want = vec![0u8; mine.len()];
-            let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
-            reduce_parts(dtype, op, &parts, &mut want).unwrap();
-            assert_eq!(buf, want, "{what}: all_reduce {op} {dtype}");
-
-            let mut recv = vec![0u8; mine.len() / ws];
-            pg.reduce_scatter_into(&mine, &mut recv, dtype, op).unwrap();
-            let n = recv.len();
-            let parts: Vec<&[u8]> = all.iter().map(|a| &a[rank * n..(rank + 1) * n]).collect();
-            let mut want = vec![0u8; n];
-            reduce_parts(dtype, op, &parts, &mut want).unwrap();
-            assert_eq!(recv, want, "{what}: reduce_scatter_into {op} {dtype}");
-        }
-    }
-    // Lengths that leave ranks with partial or empty blocks.
-    for elems in [1usize, 7, ws * 3 + 1] {
-        let v = |r: usize| -> Vec<u8> {
-            (0..elems)
-                .flat_map(|i| ((i as f32 - r as f32) * 1.1).to_le_bytes())
-                .collect()
-        };
-        let mut buf = v(rank);
-        pg.all_reduce(&mut buf, DType::F32, ReduceOp::Sum).unwrap();
-        let all: Vec<Vec<u8>> = (0..ws).map(v).collect();
-        let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
-        let mut want = vec![0u8; elems * 4];
-        reduce_parts(DType::F32, ReduceOp::Sum, &parts, &mut want).unwrap();
-        assert_eq!(buf, want, "{what}: all_reduce of {elems} f32");
-    }
-    let mut flags = [u8::from(rank == ws - 1), 0, 1];
-    pg.all_reduce(&mut flags, DType::Bool, ReduceOp::Max)
-        .unwrap();
-    assert_eq!(flags, [1, 0, 1], "{what}: all_reduce max over bool");
-    let mut empty = [0u8; 0];
-    pg.all_reduce(&mut empty, DType::F64, ReduceOp::Avg)
-        .unwrap();
-    pg.reduce_scatter_into(&[], &mut empty, DType::F32, ReduceOp::Sum)
-        .unwrap();
-
-    // Objects.
-    let got: Vec<(String, usize)> = pg
-        .all_gather_object(&(format!("rank{rank}"), rank * rank))
-        .unwrap();
-    let want: Vec<(String, usize)> = (0..ws).map(|r| (format!("rank{r}"), r * r)).collect();
-    assert_eq!(got, want, "{what}: all_gather_object");
-    let v = vec![1.5f64, -2.0];
-    let got: Vec<f64> = pg.broadcast_object((rank == 0).then_some(&v), 0).unwrap();
-    assert_eq!(got, v);
-
-    // Sub-groups: reversed order (sub-rank = position in the list), and a singleton.
-    let reversed: Vec<usize> = (0..ws).rev().collect();
-    let sub = pg
-        .new_subgroup(&reversed)
-        .unwrap()
-        .expect("every rank is a member");
-    assert_eq!((sub.rank(), sub.world_size()), (ws - 1 - rank, ws));
-    assert_eq!(sub.backend(), "mpi");
-    let got = sub.all_gather_bytes(&[rank as u8]).unwrap();
-    let want: Vec<Vec<u8>> = reversed.iter().map(|&r| vec![r as u8]).collect();
-    assert_eq!(got, want, "{what}: sub-group order");
-    let last = pg.new_subgroup(&[ws - 1]).unwrap();
-    assert_eq!(last.is_some(), rank == ws - 1);
-    if let Some(last) = last {
-        assert_eq!((last.rank(), last.world_size()), (0, 1));
-        last.barrier().unwrap();
-    }
-    let evens: Vec<usize> = (0..ws).step_by(2).collect();
-    if let Some(e) = pg.new_subgroup(&evens).unwrap() {
-        assert_eq!(e.rank(), rank / 2);
-        assert_eq!(e.world_size(), evens.len());
-        let got = e.all_gather_bytes(&[rank as u8]).unwrap();
-        assert_eq!(
-            got,
-            evens.iter().map(|&r| vec![r as u8]).collect::<Vec<_>>()
-        );
-    } else {
-        assert_eq!(rank % 2, 1);
-    }
-    pg.barrier().unwrap();
+    conformance::data_movement(pg, what);
+    conformance::reductions_of_every_dtype(pg, Reductions::RankOrder, what);
+    conformance::objects_and_agreement(pg, what);
+    conformance::subgroups(pg, what);
 }
 
 fn collectives(world: &Arc<MpiProcessGroup>) {
     assert_eq!(world.backend(), "mpi");
-    exercise(world.as_ref(), "default limit");
+    conformance::run(world.as_ref(), Reductions::RankOrder, "default limit");
     // A tiny message limit sends everything above in several messages (chunked paths).
     let small = MpiProcessGroup::world()
         .unwrap()
@@ -463,7 +294,7 @@ fn input_for(l: &ModelLayout, r: usize, i: Input) -> OptimParams {
     if l.model.params.len() == nested_model().params.len() {
         nested_optim_input(l, i.multiple, i.diff, r)
     } else {
-        OptimParams::of_model(&l)
+        OptimParams::of_model(l)
     }
 }
 
@@ -824,7 +655,7 @@ fn singleton(world: &Arc<MpiProcessGroup>) {
     println!("MPI thread level: {threading}");
     let again = MpiProcessGroup::world().unwrap();
     assert_eq!((again.rank(), again.world_size()), (0, 1));
-    exercise(world.as_ref(), "singleton");
+    conformance::run(world.as_ref(), Reductions::RankOrder, "singleton");
     let case = &cases()[0];
     let want = ThreadGroup::run(1, |pg| compute(Arc::new(pg), case)).swap_remove(0);
     assert!(compute(world.clone(), case) == want, "singleton matrix");

@@ -11,8 +11,8 @@
 //!
 //! Every rank first does everything that can fail locally — probe the libraries, pick and open
 //! its device, create a stream, and on rank 0 the `ncclUniqueId` — and only then meets the
-//! others: through the TCP [`rendezvous`](super::rendezvous) ([`NcclProcessGroup::from_env`])
-//! or over an existing group ([`NcclProcessGroup::from_process_group`], e.g. an MPI or thread
+//! others: through the TCP [`rendezvous`](super::rendezvous) ([`NcclProcessGroup::from_env`];
+//! under torchrun through its agent's `TCPStore`, otherwise rank 0 listens) or over an existing group ([`NcclProcessGroup::from_process_group`], e.g. an MPI or thread
 //! group). Over an existing group every rank learns every other rank's local outcome, so a
 //! failure anywhere fails every rank at once, naming the rank and the reason. Over TCP a rank
 //! that fails locally does not join, and the others fail with [`Error::CollectiveTimeout`]
@@ -23,7 +23,7 @@
 //!
 //! The [`ProcessGroup`] methods take host bytes: they are copied to the device, the NCCL call
 //! runs on the group's stream, the result is copied back, and the call returns when the stream
-//! is done. Before each of them the ranks all-gather a 32-byte descriptor of the call (op,
+//! is done. Before each of them the ranks all-gather a 40-byte descriptor of the call (op,
 //! lengths, root, whether the local arguments are valid), so ranks that call different
 //! collectives or pass different lengths get [`Error::CollectiveMismatch`] or
 //! [`Error::InvalidCollective`] instead of an NCCL hang.
@@ -38,6 +38,7 @@ pub use device::NcclElement;
 pub use probe::{probe, Libraries};
 
 use self::codes::{driver_error, nccl_error};
+use super::call::{Announcement, Call, Members};
 use super::rendezvous::{LaunchEnv, TcpRendezvous};
 use super::{args, check_reduction, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -196,7 +197,7 @@ fn decode_statuses(statuses: &[Vec<u8>], rank: usize) -> Result<Vec<u8>> {
 impl NcclProcessGroup {
     /// Creates the group from the launcher's variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
     /// `MASTER_PORT`, optional `LOCAL_RANK`; see [`LaunchEnv`]) with the TCP rendezvous and its
-    /// default timeout. The device is `LOCAL_RANK`, else `RANK % device_count`.
+    /// default timeout (through torchrun's agent store when `TORCHELASTIC_USE_AGENT_STORE=True`). The device is `LOCAL_RANK`, else `RANK % device_count`.
     pub fn from_env() -> Result<Self> {
         Self::from_launch_env(&LaunchEnv::from_env()?, TcpRendezvous::DEFAULT_TIMEOUT)
     }
@@ -412,38 +413,51 @@ impl NcclProcessGroup {
         self.download(op, &d_buf, buf)
     }
 
-    /// The agreement step (see the module docs): every rank's call descriptor and argument
-    /// validity, compared. Returns the local error first, then a peer's, then a mismatch.
-    fn agree(&self, comm: &Comm, desc: Desc, local: std::result::Result<(), String>) -> Result<()> {
-        let op = desc.name();
+    /// The agreement step (see the module docs): every rank's call and argument validity,
+    /// compared. Returns the local error first, then a peer's, then a mismatch.
+    fn agree(&self, comm: &Comm, call: Call, local: std::result::Result<(), String>) -> Result<()> {
+        let op = call.name();
         if !self.checks {
             return local.map_err(|reason| self.invalid(op, reason));
         }
-        let mine = desc.encode(local.is_ok());
-        let mut all = vec![0u8; DESC_BYTES * self.world_size];
-        self.gather_host(comm, op, &mine, &mut all)?;
+        let mine = Announcement {
+            call,
+            valid: local.is_ok(),
+            max_message: 0,
+        };
+        let mut all = vec![0u8; Announcement::BYTES * self.world_size];
+        self.gather_host(comm, op, &mine.to_bytes(), &mut all)?;
         local.map_err(|reason| self.invalid(op, reason))?;
-        let descs: Vec<&[u8]> = all.chunks_exact(DESC_BYTES).collect();
-        if let Some(r) = descs.iter().position(|d| d[DESC_BYTES - 1] == 0) {
+        let theirs: Vec<Announcement> = all
+            .chunks_exact(Announcement::BYTES)
+            .enumerate()
+            .map(|(r, bytes)| {
+                Announcement::from_bytes(bytes).ok_or_else(|| Error::CollectiveMismatch {
+                    rank: self.rank,
+                    detail: format!("rank {r} sent an unknown collective descriptor {bytes:?}"),
+                })
+            })
+            .collect::<Result<_>>()?;
+        if let Some(r) = theirs.iter().position(|a| !a.valid) {
             return Err(self.invalid(
                 op,
                 format!("rank {r} passed invalid arguments to this collective (see its error)"),
             ));
         }
-        let differing: Vec<usize> = (0..self.world_size)
-            .filter(|&r| descs[r][..DESC_BYTES - 1] != mine[..DESC_BYTES - 1])
+        let differing: Vec<String> = theirs
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| !a.agrees_with(&mine))
+            .map(|(r, a)| format!("rank {r}: {}", a.call))
             .collect();
         if !differing.is_empty() {
-            let theirs: Vec<String> = differing
-                .iter()
-                .map(|&r| format!("rank {r}: {}", Desc::describe(descs[r])))
-                .collect();
             return Err(Error::CollectiveMismatch {
                 rank: self.rank,
                 detail: format!(
-                    "rank {} called {desc}, but {}",
+                    "rank {} called {}, but {}",
                     self.rank,
-                    theirs.join(", ")
+                    mine.call,
+                    differing.join(", ")
                 ),
             });
         }
@@ -455,122 +469,11 @@ impl NcclProcessGroup {
     }
 }
 
-/// Bytes of one call descriptor: op, two arguments, validity flag.
-const DESC_BYTES: usize = 32;
-
-/// A call as the agreement step compares it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Desc {
-    op: u8,
-    a: u64,
-    b: u64,
-}
-
-const OP_NAMES: [&str; 10] = [
-    "all_gather_into",
-    "broadcast",
-    "all_gather_bytes",
-    "broadcast_bytes",
-    "gather_into",
-    "scatter_into",
-    "reduce_scatter_into",
-    "all_reduce",
-    "barrier",
-    "new_subgroup",
-];
-
-impl Desc {
-    fn new(op: u8, a: usize, b: usize) -> Self {
-        Self {
-            op,
-            a: a as u64,
-            b: b as u64,
-        }
-    }
-
-    fn name(&self) -> &'static str {
-        OP_NAMES.get(self.op as usize).copied().unwrap_or("unknown")
-    }
-
-    fn encode(&self, valid: bool) -> [u8; DESC_BYTES] {
-        let mut out = [0u8; DESC_BYTES];
-        out[0] = self.op;
-        out[8..16].copy_from_slice(&self.a.to_le_bytes());
-        out[16..24].copy_from_slice(&self.b.to_le_bytes());
-        out[DESC_BYTES - 1] = valid as u8;
-        out
-    }
-
-    fn decode(bytes: &[u8]) -> Self {
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&bytes[i..i + 8]);
-            u64::from_le_bytes(w)
-        };
-        Self {
-            op: bytes[0],
-            a: word(8),
-            b: word(16),
-        }
-    }
-
-    fn describe(bytes: &[u8]) -> String {
-        Self::decode(bytes).to_string()
-    }
-}
-
-impl std::fmt::Display for Desc {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (a, b) = (self.a, self.b);
-        match self.op {
-            0 => write!(f, "all_gather_into({a} bytes)"),
-            1 => write!(f, "broadcast({a} bytes, root {b})"),
-            2 => write!(f, "all_gather_bytes"),
-            3 => write!(f, "broadcast_bytes(root {b})"),
-            4 => write!(f, "gather_into({a} bytes, root {b})"),
-            5 => write!(f, "scatter_into(root {b})"),
-            6 => write!(
-                f,
-                "reduce_scatter_into({a} bytes, {})",
-                Reduction::describe(b)
-            ),
-            7 => write!(f, "all_reduce({a} bytes, {})", Reduction::describe(b)),
-            8 => write!(f, "barrier"),
-            9 => write!(f, "new_subgroup({a} ranks, hash {b:#x})"),
-            other => write!(f, "unknown op {other}"),
-        }
-    }
-}
-
-/// dtype and reduction packed into a descriptor argument.
-struct Reduction;
-
-impl Reduction {
-    fn encode(dtype: DType, op: ReduceOp) -> usize {
-        let d = DType::ALL.iter().position(|&x| x == dtype).unwrap_or(255);
-        let o = match op {
-            ReduceOp::Sum => 0,
-            ReduceOp::Avg => 1,
-            ReduceOp::Max => 2,
-        };
-        d * 16 + o
-    }
-
-    fn describe(code: u64) -> String {
-        let dtype = DType::ALL
-            .get((code / 16) as usize)
-            .map_or("?".to_string(), |d| d.to_string());
-        let op = ["sum", "avg", "max"]
-            .get((code % 16) as usize)
-            .unwrap_or(&"?");
-        format!("{dtype} {op}")
-    }
-}
-
-/// The NCCL datatype that reduces `dtype` (bool as bytes: only `max`, a logical or, is allowed).
-fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
+/// The NCCL datatype that reduces `dtype` (bool as bytes: only `max`, a logical or, is
+/// allowed); `None` for the dtypes NCCL cannot reduce (16-bit integers, float8).
+fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
     use sys::ncclDataType_t as T;
-    match dtype {
+    Some(match dtype {
         DType::F32 => T::ncclFloat32,
         DType::F64 => T::ncclFloat64,
         DType::F16 => T::ncclFloat16,
@@ -578,7 +481,24 @@ fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
         DType::I64 => T::ncclInt64,
         DType::I32 => T::ncclInt32,
         DType::U8 | DType::Bool => T::ncclUint8,
-    }
+        DType::I8 => T::ncclInt8,
+        DType::U32 => T::ncclUint32,
+        DType::U64 => T::ncclUint64,
+        DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2 => return None,
+    })
+}
+
+/// [`check_reduction`], plus NCCL having a datatype for `dtype`.
+fn nccl_reduction(dtype: DType, op: ReduceOp, len: usize) -> std::result::Result<(), String> {
+    check_reduction(dtype, op, len)?;
+    nccl_dtype(dtype)
+        .map(|_| ())
+        .ok_or_else(|| format!("NCCL cannot reduce {dtype}"))
+}
+
+/// The NCCL datatype of a reduction already checked by [`nccl_reduction`].
+fn checked_nccl_dtype(dtype: DType) -> Result<sys::ncclDataType_t> {
+    nccl_dtype(dtype).ok_or_else(|| Error::Unsupported(format!("NCCL reductions of {dtype}")))
 }
 
 fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
@@ -601,20 +521,24 @@ impl ProcessGroup for NcclProcessGroup {
     fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> Result<()> {
         let comm = self.lock("all_gather_into")?;
         let valid = args::gathered(send.len(), recv.len(), self.world_size);
-        self.agree(&comm, Desc::new(0, send.len(), 0), valid)?;
+        self.agree(&comm, Call::AllGatherInto { len: send.len() }, valid)?;
         self.gather_host(&comm, "all_gather_into", send, recv)
     }
 
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<()> {
         let comm = self.lock("broadcast")?;
-        self.agree(&comm, Desc::new(1, buf.len(), root), self.check_root(root))?;
+        let call = Call::Broadcast {
+            root,
+            len: buf.len(),
+        };
+        self.agree(&comm, call, self.check_root(root))?;
         self.broadcast_host(&comm, "broadcast", buf, root)
     }
 
     fn all_gather_bytes(&self, send: &[u8]) -> Result<Vec<Vec<u8>>> {
         let op = "all_gather_bytes";
         let comm = self.lock(op)?;
-        self.agree(&comm, Desc::new(2, 0, 0), Ok(()))?;
+        self.agree(&comm, Call::AllGatherBytes { len: send.len() }, Ok(()))?;
         let mut lens = vec![0u8; 8 * self.world_size];
         self.gather_host(&comm, op, &(send.len() as u64).to_le_bytes(), &mut lens)?;
         let lens: Vec<usize> = lens
@@ -643,7 +567,11 @@ impl ProcessGroup for NcclProcessGroup {
                 Ok(())
             }
         });
-        self.agree(&comm, Desc::new(3, 0, root), valid)?;
+        let call = Call::BroadcastBytes {
+            root,
+            len: send.map_or(0, <[u8]>::len),
+        };
+        self.agree(&comm, call, valid)?;
         let mut len = (send.map_or(0, <[u8]>::len) as u64).to_le_bytes();
         self.broadcast_host(&comm, op, &mut len, root)?;
         let len = u64::from_le_bytes(len) as usize;
@@ -665,7 +593,7 @@ impl ProcessGroup for NcclProcessGroup {
             self.rank == root,
             self.world_size,
         ));
-        self.agree(&comm, Desc::new(4, n, root), valid)?;
+        self.agree(&comm, Call::GatherInto { root, len: n }, valid)?;
         if n == 0 {
             return Ok(());
         }
@@ -733,7 +661,11 @@ impl ProcessGroup for NcclProcessGroup {
             self.rank == root,
             ws,
         ));
-        self.agree(&comm, Desc::new(5, 0, root), valid)?;
+        let call = Call::ScatterInto {
+            root,
+            recv_len: recv.len(),
+        };
+        self.agree(&comm, call, valid)?;
         // The root's part lengths, so that every rank checks its receive buffer.
         let mut lens = vec![0u8; 8 * ws];
         if let (Some(parts), true) = (send, self.rank == root) {
@@ -746,17 +678,23 @@ impl ProcessGroup for NcclProcessGroup {
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
             .collect();
-        let mine_ok = lens[self.rank] == recv.len();
-        let mut oks = vec![0u8; ws];
-        self.gather_host(&comm, op, &[mine_ok as u8], &mut oks)?;
-        if let Some(r) = oks.iter().position(|&ok| ok == 0) {
-            return Err(self.invalid(
-                op,
-                format!(
-                    "rank {r}'s receive buffer does not have the length of the root's part {r} ({} bytes)",
-                    lens[r]
-                ),
-            ));
+        // Every rank's receive length, so that all reach the same verdict.
+        let mut recv_lens = vec![0u8; 8 * ws];
+        self.gather_host(
+            &comm,
+            op,
+            &(recv.len() as u64).to_le_bytes(),
+            &mut recv_lens,
+        )?;
+        let recv_lens: Vec<usize> = recv_lens
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
+            .collect();
+        if let Err(detail) = args::scatter_lengths(root, &recv_lens, &lens) {
+            return Err(Error::CollectiveMismatch {
+                rank: self.rank,
+                detail,
+            });
         }
         let cu = self.stream.cu_stream() as sys::cudaStream_t;
         if self.rank == root {
@@ -837,12 +775,14 @@ impl ProcessGroup for NcclProcessGroup {
     ) -> Result<()> {
         let name = "reduce_scatter_into";
         let comm = self.lock(name)?;
-        let valid = args::reduce_scattered(send.len(), recv.len(), dtype, op, self.world_size);
-        self.agree(
-            &comm,
-            Desc::new(6, recv.len(), Reduction::encode(dtype, op)),
-            valid,
-        )?;
+        let valid = args::reduce_scattered(send.len(), recv.len(), dtype, op, self.world_size)
+            .and_then(|()| nccl_reduction(dtype, op, recv.len()));
+        let call = Call::ReduceScatterInto {
+            len: recv.len(),
+            dtype,
+            op,
+        };
+        self.agree(&comm, call, valid)?;
         if recv.is_empty() {
             return Ok(());
         }
@@ -857,7 +797,7 @@ impl ProcessGroup for NcclProcessGroup {
                     s as _,
                     r as _,
                     recv.len() / dtype.size(),
-                    nccl_dtype(dtype),
+                    checked_nccl_dtype(dtype)?,
                     nccl_op(op),
                     comm.0,
                     self.stream.cu_stream() as _,
@@ -873,12 +813,13 @@ impl ProcessGroup for NcclProcessGroup {
     fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let name = "all_reduce";
         let comm = self.lock(name)?;
-        let valid = check_reduction(dtype, op, buf.len());
-        self.agree(
-            &comm,
-            Desc::new(7, buf.len(), Reduction::encode(dtype, op)),
-            valid,
-        )?;
+        let valid = nccl_reduction(dtype, op, buf.len());
+        let call = Call::AllReduce {
+            len: buf.len(),
+            dtype,
+            op,
+        };
+        self.agree(&comm, call, valid)?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -891,7 +832,7 @@ impl ProcessGroup for NcclProcessGroup {
                     p as _,
                     p as _,
                     buf.len() / dtype.size(),
-                    nccl_dtype(dtype),
+                    checked_nccl_dtype(dtype)?,
                     nccl_op(op),
                     comm.0,
                     self.stream.cu_stream() as _,
@@ -906,7 +847,7 @@ impl ProcessGroup for NcclProcessGroup {
         let comm = self.lock("barrier")?;
         // The agreement's all-gather is the barrier; without checks, gather one byte.
         if self.checks {
-            self.agree(&comm, Desc::new(8, 0, 0), Ok(()))
+            self.agree(&comm, Call::Barrier, Ok(()))
         } else {
             let mut all = vec![0u8; self.world_size];
             self.gather_host(&comm, "barrier", &[1], &mut all)
@@ -917,11 +858,7 @@ impl ProcessGroup for NcclProcessGroup {
         let op = "new_subgroup";
         let comm = self.lock(op)?;
         let valid = args::subgroup(ranks, self.world_size);
-        self.agree(
-            &comm,
-            Desc::new(9, ranks.len(), args::subgroup_digest(ranks) as usize),
-            valid,
-        )?;
+        self.agree(&comm, Call::NewSubgroup(Members::of(ranks)), valid)?;
         let position = ranks.iter().position(|&r| r == self.rank);
         let (color, key) = match position {
             Some(p) => (0, p as i32),
@@ -968,27 +905,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn descriptors_round_trip_and_print() {
-        let d = Desc::new(6, 4096, Reduction::encode(DType::BF16, ReduceOp::Avg));
-        let bytes = d.encode(true);
-        assert_eq!(Desc::decode(&bytes), d);
-        assert_eq!(bytes[DESC_BYTES - 1], 1);
-        assert_eq!(
-            d.to_string(),
-            "reduce_scatter_into(4096 bytes, torch.bfloat16 avg)"
-        );
-        assert_eq!(Desc::new(1, 8, 2).to_string(), "broadcast(8 bytes, root 2)");
-        assert_eq!(d.name(), "reduce_scatter_into");
-        for (i, name) in OP_NAMES.iter().enumerate() {
-            assert_eq!(Desc::new(i as u8, 0, 0).name(), *name);
-        }
-    }
-
-    #[test]
     fn every_dtype_maps_to_an_nccl_type_of_its_size() {
         use sys::ncclDataType_t as T;
         for d in DType::ALL {
-            let size = match nccl_dtype(d) {
+            let Some(t) = nccl_dtype(d) else {
+                assert!(matches!(
+                    d,
+                    DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2
+                ));
+                continue;
+            };
+            let size = match t {
                 T::ncclUint8 | T::ncclInt8 => 1,
                 T::ncclFloat16 | T::ncclBfloat16 => 2,
                 T::ncclFloat32 | T::ncclInt32 | T::ncclUint32 => 4,

@@ -116,6 +116,13 @@ pub fn dtype_of(name: &str) -> Option<DType> {
         "int32" => DType::I32,
         "uint8" => DType::U8,
         "bool" => DType::Bool,
+        "int8" => DType::I8,
+        "int16" => DType::I16,
+        "uint16" => DType::U16,
+        "uint32" => DType::U32,
+        "uint64" => DType::U64,
+        "float8_e4m3fn" => DType::F8E4M3FN,
+        "float8_e5m2" => DType::F8E5M2,
         _ => return None,
     })
 }

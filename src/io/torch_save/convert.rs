@@ -81,6 +81,9 @@ fn value_from(obj: PyObj, path: &str) -> Result<Value> {
         PyObj::Float(x) => Value::Float(x),
         PyObj::Str(s) => Value::Str(s),
         PyObj::Tensor(t) => Value::Tensor(t),
+        PyObj::Sharded(s) => Value::Sharded(s),
+        // A state dict's values have no torch.Size: one reads as the tuple it is a subclass of.
+        PyObj::Size(v) => Value::Tuple(v.into_iter().map(Value::Int).collect()),
         PyObj::Tuple(v) => Value::Tuple(
             v.into_iter()
                 .enumerate()

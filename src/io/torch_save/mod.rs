@@ -9,8 +9,13 @@
 //!
 //! What is read: the containers and scalars of state dicts (`dict`, `OrderedDict`, `list`,
 //! `tuple`, `str`, `int` of any size, `float`, `bool`, `None`, `bytes`, `torch.Size`) and
-//! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool, whatever device they were
-//! saved from. Like `weights_only=True`, nothing is executed and any other Python global is
+//! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool (`_rebuild_tensor_v2` of a
+//! typed storage), int8 and int16 (the same), and uint16, uint32, uint64, float8_e4m3fn and
+//! float8_e5m2 (`_rebuild_tensor_v3` of an `UntypedStorage` with the dtype), whatever device
+//! they were saved from; they are written back the way PyTorch writes each.
+//! FSDP1's `ShardedTensor` and FSDP2's `DTensor` (sharded optimizer states) are read as
+//! [`PyObj::Sharded`]: the local shard with the global shape and its offsets, through an
+//! allow-list of their inert metadata classes (no process group, nothing that runs code). Like `weights_only=True`, nothing is executed and any other Python global is
 //! refused with [`Error::UnsupportedPickleGlobal`]. Contiguous tensors are zero-copy views of
 //! their storage, so tensors that shared a storage when saved share one buffer when loaded;
 //! non-contiguous ones (a transposed tensor) are copied into contiguous memory. Malformed
@@ -55,12 +60,79 @@ use zip::{FileSource, Source, ZipReader};
 /// Name used for in-memory archives in error messages.
 const MEMORY: &str = "<memory>";
 
+/// How [`load_with`] reads a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Non-contiguous tensors (transposed, expanded, overlapping views) are copied into
+    /// contiguous memory; all such copies together may allocate at most the file's storage
+    /// bytes plus this many bytes, else [`Error::TensorExpansion`]. A few KB of stride-0
+    /// views could otherwise ask for any amount of memory. Default
+    /// [`LoadOptions::DEFAULT_MAX_EXPANSION_BYTES`] (256 MiB).
+    pub max_expansion_bytes: u64,
+}
+
+impl LoadOptions {
+    /// The default expansion allowance: 256 MiB.
+    pub const DEFAULT_MAX_EXPANSION_BYTES: u64 = 256 << 20;
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            max_expansion_bytes: Self::DEFAULT_MAX_EXPANSION_BYTES,
+        }
+    }
+}
+
+/// The structure of a `torch.save` file without its tensor data ([`load_headers`]).
+#[derive(Debug, Clone)]
+pub struct Headers {
+    /// The object. Tensors of more than one element are empty placeholders of the right
+    /// dtype (their real shape is [`Headers::shape`]); smaller ones are read.
+    pub obj: PyObj,
+    shapes: std::collections::HashMap<usize, Vec<usize>>,
+}
+
+impl Headers {
+    /// The real shape of a tensor of [`Headers::obj`] (or of a clone of it).
+    pub fn shape<'a>(&'a self, t: &'a HostTensor) -> &'a [usize] {
+        self.shapes
+            .get(&t.storage_id())
+            .map_or(t.shape(), Vec::as_slice)
+    }
+}
+
 /// Reads the object saved in the `torch.save` file at `path`.
 ///
 /// Tensor data is read straight from the file into its buffers; the file is not held in
 /// memory as a whole.
 pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
-    let path = path.as_ref();
+    load_with(path, &LoadOptions::default())
+}
+
+/// [`load`] with options.
+pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<PyObj> {
+    let (name, src) = open(path.as_ref())?;
+    let mode = pickle::Mode::Full {
+        max_expansion_bytes: opts.max_expansion_bytes,
+    };
+    Ok(read_archive(&name, src, mode)?.obj)
+}
+
+/// Reads the structure of the `torch.save` file at `path`: the pickle and the storage
+/// records (each checked against its entry's size), but no tensor data except that of
+/// tensors of at most one element. What `fsdp-ckpt inspect` reads: its memory does not
+/// depend on the tensors' sizes.
+pub fn load_headers(path: impl AsRef<Path>) -> Result<Headers> {
+    let (name, src) = open(path.as_ref())?;
+    let u = read_archive(&name, src, pickle::Mode::Headers)?;
+    Ok(Headers {
+        obj: u.obj,
+        shapes: u.shapes,
+    })
+}
+
+fn open(path: &Path) -> Result<(String, FileSource)> {
     let name = path.display().to_string();
     let io = |e: std::io::Error| Error::Io {
         op: "reading".into(),
@@ -69,12 +141,20 @@ pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     };
     let file = File::open(path).map_err(io)?;
     let len = file.metadata().map_err(io)?.len();
-    read_archive(&name, FileSource { file, len })
+    Ok((name, FileSource { file, len }))
 }
 
 /// Reads the object saved in a `torch.save` archive held in memory.
 pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
-    read_archive(MEMORY, zip::SliceSource(bytes))
+    load_from_bytes_with(bytes, &LoadOptions::default())
+}
+
+/// [`load_from_bytes`] with options.
+pub fn load_from_bytes_with(bytes: &[u8], opts: &LoadOptions) -> Result<PyObj> {
+    let mode = pickle::Mode::Full {
+        max_expansion_bytes: opts.max_expansion_bytes,
+    };
+    Ok(read_archive(MEMORY, zip::SliceSource(bytes), mode)?.obj)
 }
 
 /// Writes `obj` to `path` as `torch.save(obj, path)` would, atomically.
@@ -130,7 +210,7 @@ pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Re
     save(&model_to_pyobj(msd), path)
 }
 
-fn read_archive<S: Source>(file: &str, src: S) -> Result<PyObj> {
+fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pickle::Unpickled> {
     let mut zip = ZipReader::new(file, src)?;
     // PyTorch names the archive folder after the first entry's.
     let prefix = match zip.entries().first() {
@@ -167,39 +247,64 @@ fn read_archive<S: Source>(file: &str, src: S) -> Result<PyObj> {
             file: file.to_string(),
             entry: pkl_name.clone(),
         })?;
-    let mut load_storage = |key: &str, dtype: DType, numel: usize| -> Result<HostTensor> {
-        let name = format!("{prefix}data/{key}");
-        let entry = zip
+    let mut store = ArchiveStorages { zip, prefix, file };
+    pickle::unpickle(file, &pkl, &mut store, mode)
+}
+
+/// The `data/<key>` entries of an archive, as the pickle VM's storages.
+struct ArchiveStorages<'f, S: Source> {
+    zip: ZipReader<S>,
+    prefix: String,
+    file: &'f str,
+}
+
+impl<S: Source> ArchiveStorages<'_, S> {
+    fn storage_err(&self, key: &str, reason: String) -> Error {
+        Error::TensorStorage {
+            file: self.file.to_string(),
+            storage: key.to_string(),
+            reason,
+        }
+    }
+}
+
+impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
+    fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()> {
+        let name = format!("{}data/{key}", self.prefix);
+        let entry = self
+            .zip
+            .entry(&name)
+            .ok_or_else(|| Error::MissingArchiveEntry {
+                file: self.zip.file().to_string(),
+                entry: name.clone(),
+            })?;
+        let size = entry.size;
+        let nbytes = numel.checked_mul(dtype.size()).ok_or_else(|| {
+            self.storage_err(key, format!("{numel} elements of {dtype} overflow"))
+        })?;
+        if size != nbytes as u64 {
+            return Err(self.storage_err(key, format!(
+                "declared as {numel} elements of {dtype} ({nbytes} bytes) but entry `{name}` holds {size} bytes"
+            )));
+        }
+        if size > self.zip.source_len() {
+            return Err(self.storage_err(key, format!("entry `{name}` is larger than the file")));
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, key: &str, dtype: DType, numel: usize) -> Result<HostTensor> {
+        let name = format!("{}data/{key}", self.prefix);
+        let entry = self
+            .zip
             .entry(&name)
             .cloned()
             .ok_or_else(|| Error::MissingArchiveEntry {
-                file: zip.file().to_string(),
+                file: self.zip.file().to_string(),
                 entry: name.clone(),
             })?;
-        let storage_err = |reason: String| Error::TensorStorage {
-            file: file.to_string(),
-            storage: key.to_string(),
-            reason,
-        };
-        let nbytes = numel
-            .checked_mul(dtype.size())
-            .ok_or_else(|| storage_err(format!("{numel} elements of {dtype} overflow")))?;
-        if entry.size != nbytes as u64 {
-            return Err(storage_err(format!(
-                "declared as {numel} elements of {dtype} ({nbytes} bytes) but entry `{name}` holds {} bytes",
-                entry.size
-            )));
-        }
-        if entry.size > zip.source_len() {
-            return Err(storage_err(format!(
-                "entry `{name}` is larger than the file"
-            )));
-        }
-        let mut t = HostTensor::zeros(dtype, &[numel]);
-        zip.read_entry_into(&entry, t.bytes_mut())?;
-        Ok(t)
-    };
-    pickle::unpickle(file, &pkl, &mut load_storage)
+        HostTensor::filled_by(dtype, &[numel], |buf| self.zip.read_entry_into(&entry, buf))
+    }
 }
 
 /// Writes a file through `write` into a temporary file beside `path`, syncs it, and renames it

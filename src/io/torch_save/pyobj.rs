@@ -1,5 +1,6 @@
 //! [`PyObj`]: the Python values a `torch.save` file of a state dict holds.
 
+use crate::optim_state::ShardedTensor;
 use crate::tensor::HostTensor;
 
 /// A Python object as `torch.save` stores it: the containers and scalars of state dicts, and
@@ -25,8 +26,11 @@ pub enum PyObj {
     Str(String),
     /// `bytes`.
     Bytes(Vec<u8>),
-    /// `tuple` (also what a `torch.Size` is read as).
+    /// `tuple`.
     Tuple(Vec<PyObj>),
+    /// `torch.Size`, a tuple of dimensions (model and optimizer states and DTensor metadata
+    /// hold them); written back as a `torch.Size`, not a plain tuple.
+    Size(Vec<i64>),
     /// `list`.
     List(Vec<PyObj>),
     /// `dict`, in insertion order.
@@ -41,6 +45,11 @@ pub enum PyObj {
     },
     /// A `torch.Tensor` (read to host memory whatever device it was saved from).
     Tensor(HostTensor),
+    /// A distributed tensor as one rank saved it: FSDP1's `ShardedTensor`
+    /// (`SHARDED_STATE_DICT`) or FSDP2's `DTensor`, read as this rank's local shard, the
+    /// global shape and the shard's offsets. Consolidate the ranks' files
+    /// ([`crate::offline::consolidate_sharded`]) to get the full tensors.
+    Sharded(ShardedTensor<HostTensor>),
 }
 
 impl PyObj {
@@ -54,10 +63,12 @@ impl PyObj {
             PyObj::Str(_) => "str",
             PyObj::Bytes(_) => "bytes",
             PyObj::Tuple(_) => "tuple",
+            PyObj::Size(_) => "torch.Size",
             PyObj::List(_) => "list",
             PyObj::Dict(_) => "dict",
             PyObj::OrderedDict { .. } => "collections.OrderedDict",
             PyObj::Tensor(_) => "Tensor",
+            PyObj::Sharded(_) => "sharded tensor",
         }
     }
 

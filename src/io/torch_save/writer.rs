@@ -12,8 +12,10 @@ use std::io::Write;
 /// Python's pickler splits `APPENDS` and `SETITEMS` into batches of this many items.
 const BATCH: usize = 1000;
 
-fn storage_class(d: DType) -> &'static str {
-    match d {
+/// The typed storage class PyTorch pickles tensors of `d` with (`_rebuild_tensor_v2`), or
+/// `None` for the dtypes it pickles as `UntypedStorage` + `_rebuild_tensor_v3` + the dtype.
+fn storage_class(d: DType) -> Option<&'static str> {
+    Some(match d {
         DType::F32 => "FloatStorage",
         DType::F64 => "DoubleStorage",
         DType::F16 => "HalfStorage",
@@ -22,7 +24,10 @@ fn storage_class(d: DType) -> &'static str {
         DType::I32 => "IntStorage",
         DType::U8 => "ByteStorage",
         DType::Bool => "BoolStorage",
-    }
+        DType::I8 => "CharStorage",
+        DType::I16 => "ShortStorage",
+        DType::U16 | DType::U32 | DType::U64 | DType::F8E4M3FN | DType::F8E5M2 => return None,
+    })
 }
 
 /// Tensors of an object whose bytes are produced while the archive is written instead of
@@ -366,13 +371,20 @@ impl<'a> Pickler<'a> {
 
     fn tensor(&mut self, t: &'a HostTensor) -> Result<()> {
         let (key, numel, offset) = self.plan.place(t);
-        self.global("torch._utils", "_rebuild_tensor_v2", "rebuild");
+        let class = storage_class(t.dtype());
+        match class {
+            Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
+            None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
+        }
         self.out.push(b'(');
-        // Persistent id: ('storage', torch.<T>Storage, key, 'cpu', numel).
+        // Persistent id: ('storage', torch.<T>Storage, key, 'cpu', numel), or
+        // ('storage', torch.storage.UntypedStorage, key, 'cpu', bytes).
         self.out.push(b'(');
         self.str("storage");
-        let class = storage_class(t.dtype());
-        self.global("torch", class, class);
+        match class {
+            Some(class) => self.global("torch", class, class),
+            None => self.global("torch.storage", "UntypedStorage", "UntypedStorage"),
+        }
         let key_s = key.to_string();
         self.out.push(b'X');
         self.out
@@ -380,7 +392,8 @@ impl<'a> Pickler<'a> {
         self.out.extend_from_slice(key_s.as_bytes());
         self.memoize();
         self.str("cpu");
-        self.int(numel as i64);
+        let units = if class.is_some() { 1 } else { t.dtype().size() };
+        self.int((numel * units) as i64);
         self.out.push(b't');
         self.memoize();
         self.out.push(b'Q');
@@ -412,6 +425,11 @@ impl<'a> Pickler<'a> {
         self.global("collections", "OrderedDict", "OrderedDict");
         self.out.extend_from_slice(b")R");
         self.memoize();
+        if class.is_none() {
+            let name = t.dtype().torch_name();
+            let attr = name.strip_prefix("torch.").unwrap_or(name);
+            self.global("torch", attr, name);
+        }
         self.out.push(b't');
         self.memoize();
         self.out.push(b'R');
@@ -446,6 +464,18 @@ impl<'a> Pickler<'a> {
                 self.memoize();
             }
             PyObj::Tuple(items) => self.tuple_of(items, |p, x| p.obj(x))?,
+            PyObj::Size(dims) => {
+                // As Python pickles it: torch.Size((d0, d1, ...)).
+                self.global("torch", "Size", "Size");
+                self.tuple_of(dims, |p, &d| {
+                    p.int(d);
+                    Ok(())
+                })?;
+                self.out.push(0x85);
+                self.memoize();
+                self.out.push(b'R');
+                self.memoize();
+            }
             PyObj::List(items) => {
                 self.out.push(b']');
                 self.memoize();
@@ -486,6 +516,12 @@ impl<'a> Pickler<'a> {
                 }
             }
             PyObj::Tensor(t) => self.tensor(t)?,
+            PyObj::Sharded(s) => {
+                return Err(Error::Unsupported(format!(
+                    "writing a sharded tensor (local piece of {:?}) to a torch.save file; consolidate the ranks' files first (fsdp-ckpt consolidate-sharded)",
+                    s.global_shape
+                )))
+            }
         }
         Ok(())
     }

@@ -8,27 +8,65 @@
 //! recursively, and the final conversion to [`PyObj`] bounds depth and size. Every read,
 //! index and size is checked: malformed input gives an [`Error`], never a panic.
 
+mod subclass;
+
 use super::pyobj::PyObj;
 use crate::error::{Error, Result};
+use crate::optim_state::ShardedTensor;
 use crate::tensor::{DType, HostTensor};
 use std::collections::HashMap;
 use std::rc::Rc;
+use subclass::{Class, ShardedView};
 
 /// Deepest nesting of containers accepted in the result.
 pub(crate) const MAX_DEPTH: usize = 200;
 
-/// Materializing a non-contiguous tensor may produce at most this many bytes more than its
-/// storage holds (overlapping strides, e.g. an expanded tensor).
-const MAX_EXPANSION_BYTES: usize = 64 << 20;
+/// Where the VM gets storages from: the archive's `data/<key>` entries.
+pub(crate) trait Storages {
+    /// Checks that storage `key` can hold `numel` elements of `dtype` (its entry exists and
+    /// has that size) without reading it.
+    fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()>;
+    /// Reads storage `key` (already checked) as a flat tensor.
+    fn read(&mut self, key: &str, dtype: DType, numel: usize) -> Result<HostTensor>;
+}
 
-/// Loads the storage `key` of `numel` elements of `dtype` (the `data/<key>` entry).
-pub(crate) type StorageLoader<'a> = dyn FnMut(&str, DType, usize) -> Result<HostTensor> + 'a;
+/// How tensors are produced.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Mode {
+    /// Every tensor is read; copies of non-contiguous tensors (transposed, expanded) may
+    /// allocate at most the stream's storage bytes plus this many bytes in total.
+    Full { max_expansion_bytes: u64 },
+    /// Only tensors of at most one element are read; every other tensor is an empty
+    /// placeholder of its dtype whose real shape [`Unpickled::shapes`] records.
+    Headers,
+}
+
+/// The result of [`unpickle`].
+pub(crate) struct Unpickled {
+    /// The object.
+    pub obj: PyObj,
+    /// In [`Mode::Headers`]: the real shape of each placeholder, by its storage identity.
+    pub shapes: HashMap<usize, Vec<usize>>,
+}
 
 /// The callables and classes a stream may name.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Global {
     OrderedDict,
     RebuildTensorV2,
+    RebuildTensorV3,
+    /// `torch.storage.UntypedStorage`: bytes whose dtype `_rebuild_tensor_v3` gives.
+    UntypedStorage,
+    /// A dtype object such as `torch.uint16`.
+    Dtype(DType),
+    /// An allow-listed metadata class (see [`subclass`]).
+    Class(Class),
+    /// `torch._tensor._rebuild_from_type_v2`, for `ShardedTensor` and `DTensor` only.
+    RebuildFromTypeV2,
+    /// `torch._utils._rebuild_wrapper_subclass`, only as `_rebuild_from_type_v2`'s function.
+    RebuildWrapperSubclass,
+    /// `getattr`, only for `ShardedTensor.ProcessGroupState`.
+    Getattr,
     RebuildParameter,
     Storage(DType),
     CodecsEncode,
@@ -46,11 +84,70 @@ enum V {
     Float(f64),
     Str(Rc<str>),
     Bytes(Rc<[u8]>),
-    Tensor(HostTensor),
+    Tensor(Rc<View>),
     /// A container in the arena.
     Obj(usize),
     Global(Global),
-    Storage(Rc<str>, HostTensor),
+    /// A storage record: key, dtype (`None` for an untyped storage), number of elements
+    /// (bytes when untyped).
+    Storage(Rc<str>, Option<DType>, usize),
+    /// A `ShardedTensor` or `DTensor`: local shard and global metadata.
+    Sharded(Rc<ShardedView>),
+}
+
+/// A tensor as the stream describes it: a strided view of a storage, checked to lie inside
+/// it, and materialized only when the result is built (where its path in the object is
+/// known).
+#[derive(Debug)]
+struct View {
+    key: Rc<str>,
+    dtype: DType,
+    offset: usize,
+    size: Vec<usize>,
+    stride: Vec<usize>,
+    numel: usize,
+}
+
+/// A tensor's place in the result, rendered only for error messages.
+enum Path<'p> {
+    Root,
+    Key(&'p Path<'p>, &'p V),
+    Index(&'p Path<'p>, usize),
+    Attr(&'p Path<'p>, &'p str),
+}
+
+impl Path<'_> {
+    fn render(&self) -> String {
+        let seg = |parent: &Path<'_>, s: String| match parent {
+            Path::Root => s,
+            p => format!("{}/{s}", p.render()),
+        };
+        match self {
+            Path::Root => "<root>".into(),
+            Path::Key(p, V::Str(k)) => seg(p, k.to_string()),
+            Path::Key(p, V::Int(i)) => seg(p, i.to_string()),
+            Path::Key(p, _) => seg(p, "<key>".into()),
+            Path::Index(p, i) => seg(p, i.to_string()),
+            Path::Attr(p, a) => seg(p, format!(".{a}")),
+        }
+    }
+}
+
+/// The storages read so far and the tensors built from them, while the result is built.
+struct Tensors<'l> {
+    mode: Mode,
+    store: &'l mut dyn Storages,
+    /// Storages read, by key and the dtype read as (an untyped storage may be viewed as
+    /// several).
+    loaded: HashMap<(Rc<str>, DType), HostTensor>,
+    /// Tensors built, by the identity of their [`View`] (a view reached twice is one tensor).
+    built: HashMap<*const View, HostTensor>,
+    /// Bytes of every storage the stream declares (each checked against its entry).
+    storage_bytes: u64,
+    /// Bytes allocated so far by copies of non-contiguous tensors.
+    copied: u64,
+    /// Real shapes of placeholders ([`Mode::Headers`]).
+    shapes: HashMap<usize, Vec<usize>>,
 }
 
 /// Hashable identity of a dict key, for Python's replace-on-equal-key semantics.
@@ -96,9 +193,17 @@ impl DictObj {
 #[derive(Debug)]
 enum Obj {
     Tuple(Vec<V>),
+    /// A `torch.Size`: its dimensions, checked to be non-negative ints.
+    Size(Vec<i64>),
     List(Vec<V>),
     Dict(DictObj),
     OrderedDict(DictObj, Vec<(String, V)>),
+    /// An instance of an allow-listed metadata class: the attributes `BUILD` set, kept as
+    /// data (constructor arguments are not needed by anything read from them).
+    Record {
+        class: Class,
+        attrs: Vec<(String, V)>,
+    },
 }
 
 fn opcode_name(op: u8) -> &'static str {
@@ -185,7 +290,12 @@ pub(crate) fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
 }
 
 /// Runs the stream `data` and returns the object it builds.
-pub(crate) fn unpickle(file: &str, data: &[u8], load: &mut StorageLoader<'_>) -> Result<PyObj> {
+pub(crate) fn unpickle(
+    file: &str,
+    data: &[u8],
+    store: &mut dyn Storages,
+    mode: Mode,
+) -> Result<Unpickled> {
     let mut vm = Vm {
         file,
         data,
@@ -197,13 +307,23 @@ pub(crate) fn unpickle(file: &str, data: &[u8], load: &mut StorageLoader<'_>) ->
         memo: HashMap::new(),
         arena: Vec::new(),
         storages: HashMap::new(),
-        load,
+        tensors: std::cell::RefCell::new(Tensors {
+            mode,
+            store,
+            loaded: HashMap::new(),
+            built: HashMap::new(),
+            storage_bytes: 0,
+            copied: 0,
+            shapes: HashMap::new(),
+        }),
     };
     let result = vm.run()?;
     // A legitimate stream has at most one node per opcode, so a result that expands shared
     // references to far more nodes than that is an attack (or a cycle).
     let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
-    vm.to_pyobj(&result, 0, &mut budget)
+    let obj = vm.to_pyobj(&result, &Path::Root, 0, &mut budget)?;
+    let shapes = std::mem::take(&mut vm.tensors.borrow_mut().shapes);
+    Ok(Unpickled { obj, shapes })
 }
 
 struct Vm<'a, 'l> {
@@ -216,8 +336,9 @@ struct Vm<'a, 'l> {
     marks: Vec<usize>,
     memo: HashMap<u32, V>,
     arena: Vec<Obj>,
-    storages: HashMap<Rc<str>, HostTensor>,
-    load: &'l mut StorageLoader<'a>,
+    /// Storages declared so far: key → (dtype, elements), as in [`V::Storage`].
+    storages: HashMap<Rc<str>, (Option<DType>, usize)>,
+    tensors: std::cell::RefCell<Tensors<'l>>,
 }
 
 impl Vm<'_, '_> {
@@ -369,13 +490,16 @@ impl Vm<'_, '_> {
             V::Tensor(_) => "Tensor".into(),
             V::Obj(i) => match self.arena.get(*i) {
                 Some(Obj::Tuple(_)) => "tuple".into(),
+                Some(Obj::Size(_)) => "torch.Size".into(),
                 Some(Obj::List(_)) => "list".into(),
                 Some(Obj::Dict(_)) => "dict".into(),
                 Some(Obj::OrderedDict(..)) => "collections.OrderedDict".into(),
+                Some(Obj::Record { class, .. }) => format!("{class:?}"),
                 None => "?".into(),
             },
             V::Global(g) => format!("global {g:?}"),
-            V::Storage(k, _) => format!("storage {k:?}"),
+            V::Storage(k, ..) => format!("storage {k:?}"),
+            V::Sharded(_) => "sharded tensor".into(),
         }
     }
 
@@ -597,6 +721,15 @@ impl Vm<'_, '_> {
                         (V::Global(Global::OrderedDict), Some([])) => {
                             self.alloc(Obj::OrderedDict(DictObj::default(), Vec::new()))
                         }
+                        (V::Global(Global::Class(class)), Some(_))
+                            if !matches!(class, Class::ShardedTensor | Class::DTensor) =>
+                        {
+                            let class = *class;
+                            self.alloc(Obj::Record {
+                                class,
+                                attrs: Vec::new(),
+                            })
+                        }
                         _ => {
                             return Err(
                                 self.err(format!("NEWOBJ of {} is not supported", self.kind(&cls)))
@@ -630,6 +763,22 @@ impl Vm<'_, '_> {
         let g = match (module, name) {
             ("collections", "OrderedDict") => Global::OrderedDict,
             ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
+            ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
+            ("torch.storage", "UntypedStorage") => Global::UntypedStorage,
+            ("torch", "CharStorage") => Global::Storage(DType::I8),
+            ("torch", "ShortStorage") => Global::Storage(DType::I16),
+            ("torch", dtype)
+                if DType::ALL
+                    .iter()
+                    .any(|d| d.torch_name().strip_prefix("torch.") == Some(dtype)) =>
+            {
+                Global::Dtype(
+                    *DType::ALL
+                        .iter()
+                        .find(|d| d.torch_name().strip_prefix("torch.") == Some(dtype))
+                        .expect("matched above"),
+                )
+            }
             ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
             ("torch", "Size") => Global::TorchSize,
             ("_codecs", "encode") => Global::CodecsEncode,
@@ -642,6 +791,12 @@ impl Vm<'_, '_> {
             ("torch", "IntStorage") => Global::Storage(DType::I32),
             ("torch", "ByteStorage") => Global::Storage(DType::U8),
             ("torch", "BoolStorage") => Global::Storage(DType::Bool),
+            ("torch._tensor", "_rebuild_from_type_v2") => Global::RebuildFromTypeV2,
+            ("torch._utils", "_rebuild_wrapper_subclass") => Global::RebuildWrapperSubclass,
+            ("builtins" | "__builtin__", "getattr") => Global::Getattr,
+            _ if Class::resolve(module, name).is_some() => {
+                Global::Class(Class::resolve(module, name).expect("checked"))
+            }
             _ => {
                 return Err(Error::UnsupportedPickleGlobal {
                     file: self.file.to_string(),
@@ -673,6 +828,11 @@ impl Vm<'_, '_> {
     }
 
     fn int_tuple(&self, v: &V, what: &str) -> Result<Vec<usize>> {
+        if let V::Obj(i) = v {
+            if let Some(Obj::Size(dims)) = self.arena.get(*i) {
+                return Ok(dims.iter().map(|&d| d as usize).collect());
+            }
+        }
         let Some(items) = self.tuple_items(v) else {
             return Err(self.err(format!("{what} must be a tuple, found {}", self.kind(v))));
         };
@@ -699,8 +859,8 @@ impl Vm<'_, '_> {
             Global::TorchSize => match a.as_slice() {
                 [t] if self.tuple_items(t).is_some() => {
                     let items = self.int_tuple(t, "torch.Size")?;
-                    let items = items.into_iter().map(|x| V::Int(x as i64)).collect();
-                    Ok(self.alloc(Obj::Tuple(items)))
+                    let items = items.into_iter().map(|x| x as i64).collect();
+                    Ok(self.alloc(Obj::Size(items)))
                 }
                 _ => Err(self.err("torch.Size needs one tuple argument")),
             },
@@ -723,23 +883,84 @@ impl Vm<'_, '_> {
                 _ => Err(self
                     .err("torch._utils._rebuild_parameter needs (tensor, requires_grad, hooks)")),
             },
-            Global::RebuildTensorV2 => self.rebuild_tensor(&a),
+            Global::RebuildTensorV2 => self.rebuild_tensor(&a, false),
+            Global::RebuildTensorV3 => self.rebuild_tensor(&a, true),
             Global::Storage(d) => Err(self.err(format!("calling torch storage class ({d})"))),
+            Global::UntypedStorage => Err(self.err("calling torch.storage.UntypedStorage")),
+            Global::Class(class @ (Class::Device | Class::Layout | Class::MemoryFormat)) => {
+                Ok(self.alloc(Obj::Record {
+                    class,
+                    attrs: Vec::new(),
+                }))
+            }
+            Global::Class(class) => Err(self.err(format!("calling {class:?}"))),
+            Global::Getattr => match a.as_slice() {
+                [V::Global(Global::Class(Class::ShardedTensor)), V::Str(n)]
+                    if &**n == "ProcessGroupState" =>
+                {
+                    Ok(V::Global(Global::Class(Class::ProcessGroupState)))
+                }
+                _ => Err(self.err("getattr is only allowed for ShardedTensor.ProcessGroupState")),
+            },
+            Global::RebuildWrapperSubclass => {
+                Err(self.err("_rebuild_wrapper_subclass outside _rebuild_from_type_v2"))
+            }
+            Global::RebuildFromTypeV2 => match a.as_slice() {
+                [V::Global(Global::RebuildWrapperSubclass), V::Global(Global::Class(class @ (Class::ShardedTensor | Class::DTensor))), args, state] =>
+                {
+                    let Some(args) = self.tuple_items(args).map(<[V]>::to_vec) else {
+                        return Err(self.err("_rebuild_from_type_v2: args must be a tuple"));
+                    };
+                    self.rebuild_subclass(*class, &args, state)
+                }
+                _ => Err(self.err(
+                    "_rebuild_from_type_v2 is only allowed for _rebuild_wrapper_subclass of a ShardedTensor or DTensor",
+                )),
+            },
+            Global::Dtype(d) => Err(self.err(format!("calling {d}"))),
         }
     }
 
-    fn rebuild_tensor(&mut self, a: &[V]) -> Result<V> {
-        if a.len() != 6 && a.len() != 7 {
+    /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])`
+    /// of a typed storage, or `_rebuild_tensor_v3(..., hooks, dtype[, metadata])` of an
+    /// untyped one.
+    fn rebuild_tensor(&mut self, a: &[V], v3: bool) -> Result<V> {
+        let (name, nargs) = if v3 {
+            ("_rebuild_tensor_v3", 7)
+        } else {
+            ("_rebuild_tensor_v2", 6)
+        };
+        if a.len() != nargs && a.len() != nargs + 1 {
             return Err(self.err(format!(
-                "torch._utils._rebuild_tensor_v2 takes 6 or 7 arguments, got {}",
+                "torch._utils.{name} takes {nargs} or {} arguments, got {}",
+                nargs + 1,
                 a.len()
             )));
         }
-        let V::Storage(key, storage) = &a[0] else {
-            return Err(self.err(format!(
-                "_rebuild_tensor_v2: first argument must be a storage, found {}",
-                self.kind(&a[0])
-            )));
+        let (key, dtype, snumel) = match (&a[0], a.get(6).filter(|_| v3)) {
+            (V::Storage(key, Some(dtype), n), None) => (key, *dtype, *n),
+            (V::Storage(key, None, bytes), Some(V::Global(Global::Dtype(d)))) => {
+                if bytes % d.size() != 0 {
+                    return Err(self.storage_err(
+                        key,
+                        format!("{bytes} bytes are not a whole number of {d} elements"),
+                    ));
+                }
+                (key, *d, bytes / d.size())
+            }
+            (V::Storage(..), Some(other)) => {
+                return Err(self.err(format!(
+                    "{name}: the dtype argument must be a supported torch dtype, found {}",
+                    self.kind(other)
+                )))
+            }
+            (other, _) => {
+                return Err(self.err(format!(
+                    "{name}: first argument must be a {} storage, found {}",
+                    if v3 { "untyped" } else { "typed" },
+                    self.kind(other)
+                )))
+            }
         };
         let offset = self.int_arg(&a[1], "storage_offset")?;
         let size = self.int_tuple(&a[2], "size")?;
@@ -760,7 +981,7 @@ impl Vm<'_, '_> {
                 )))
             }
         }
-        if let Some(meta) = a.get(6) {
+        if let Some(meta) = a.get(nargs) {
             let empty = match meta {
                 V::None => true,
                 V::Obj(i) => {
@@ -777,22 +998,27 @@ impl Vm<'_, '_> {
                 "_rebuild_tensor_v2: size {size:?} and stride {stride:?} differ in length"
             )));
         }
-        let t = self.view(key, storage, offset, &size, &stride)?;
-        Ok(V::Tensor(t))
+        let numel = self.check_view(key, snumel, offset, &size, &stride)?;
+        Ok(V::Tensor(Rc::new(View {
+            key: key.clone(),
+            dtype,
+            offset,
+            size,
+            stride,
+            numel,
+        })))
     }
 
-    /// The tensor `storage[offset]` with `size` and `stride`: a zero-copy view when
-    /// contiguous, else a contiguous copy.
-    fn view(
+    /// Checks that the view `storage[offset]` with `size` and `stride` lies inside the
+    /// storage of `snumel` elements; returns its number of elements.
+    fn check_view(
         &self,
         key: &str,
-        storage: &HostTensor,
+        snumel: usize,
         offset: usize,
         size: &[usize],
         stride: &[usize],
-    ) -> Result<HostTensor> {
-        let dtype = storage.dtype();
-        let snumel = storage.numel();
+    ) -> Result<usize> {
         if offset > snumel {
             return Err(self.storage_err(
                 key,
@@ -800,7 +1026,7 @@ impl Vm<'_, '_> {
             ));
         }
         if size.contains(&0) {
-            return Ok(HostTensor::zeros(dtype, size));
+            return Ok(0);
         }
         let too_big = || self.storage_err(key, format!("tensor size {size:?} overflows"));
         let numel = size
@@ -823,46 +1049,85 @@ impl Vm<'_, '_> {
                 ),
             ));
         }
-        let contiguous = size
-            .iter()
-            .zip(stride)
-            .zip(contiguous_strides(size))
-            .all(|((&d, &s), c)| d == 1 || s == c);
-        if contiguous {
-            return storage.narrow_flat(offset, numel)?.reshape(size);
+        Ok(numel)
+    }
+
+    /// The tensor `view` describes, at `path` in the result: in [`Mode::Headers`] a
+    /// placeholder unless it has at most one element; else a zero-copy view of its storage
+    /// when contiguous, and a contiguous copy (within the expansion budget) when not.
+    fn materialize(&self, view: &Rc<View>, path: &Path<'_>) -> Result<HostTensor> {
+        let mut guard = self.tensors.borrow_mut();
+        let ts = &mut *guard;
+        if let Some(t) = ts.built.get(&Rc::as_ptr(view)) {
+            return Ok(t.clone());
         }
-        let esize = dtype.size();
-        let nbytes = numel.checked_mul(esize).ok_or_else(too_big)?;
-        if nbytes > storage.nbytes().saturating_add(MAX_EXPANSION_BYTES) {
-            return Err(self.storage_err(
-                key,
-                format!("a tensor of size {size:?} with stride {stride:?} would expand its storage to {nbytes} bytes"),
-            ));
-        }
-        let src = storage.as_bytes();
-        let mut out = vec![0u8; nbytes];
-        let mut idx = vec![0usize; size.len()];
-        let mut at = offset;
-        for chunk in out.chunks_exact_mut(esize) {
-            chunk.copy_from_slice(&src[at * esize..(at + 1) * esize]);
-            // Odometer increment; `at` stays within `offset..=last`.
-            for d in (0..size.len()).rev() {
-                idx[d] += 1;
-                if idx[d] < size[d] {
-                    at += stride[d];
-                    break;
-                }
-                at -= (size[d] - 1) * stride[d];
-                idx[d] = 0;
+        let t = match ts.mode {
+            Mode::Headers if view.numel > 1 => {
+                let p = HostTensor::zeros(view.dtype, &[0]);
+                ts.shapes.insert(p.storage_id(), view.size.clone());
+                p
             }
-        }
-        HostTensor::from_bytes(dtype, size, &out)
+            _ if view.numel == 0 => HostTensor::zeros(view.dtype, &view.size),
+            mode => {
+                let slot = (view.key.clone(), view.dtype);
+                let storage = match ts.loaded.get(&slot) {
+                    Some(s) => s.clone(),
+                    None => {
+                        let (dtype, numel) = self.storages[&view.key];
+                        let bytes = numel * dtype.unwrap_or(DType::U8).size();
+                        let s = ts
+                            .store
+                            .read(&view.key, view.dtype, bytes / view.dtype.size())?;
+                        ts.loaded.insert(slot, s.clone());
+                        s
+                    }
+                };
+                let contiguous = view
+                    .size
+                    .iter()
+                    .zip(&view.stride)
+                    .zip(contiguous_strides(&view.size))
+                    .all(|((&d, &s), c)| d == 1 || s == c);
+                if contiguous {
+                    storage
+                        .narrow_flat(view.offset, view.numel)?
+                        .reshape(&view.size)?
+                } else {
+                    let nbytes = (view.numel as u64).saturating_mul(view.dtype.size() as u64);
+                    let max = match mode {
+                        Mode::Full {
+                            max_expansion_bytes,
+                        } => max_expansion_bytes,
+                        Mode::Headers => 0,
+                    };
+                    let copied = ts.copied.saturating_add(nbytes);
+                    if copied > ts.storage_bytes.saturating_add(max) {
+                        return Err(Error::TensorExpansion {
+                            file: self.file.to_string(),
+                            tensor: path.render(),
+                            size: view.size.clone().into(),
+                            stride: view.stride.clone().into(),
+                            copied,
+                            storage_bytes: ts.storage_bytes,
+                            max_expansion_bytes: max,
+                        });
+                    }
+                    ts.copied = copied;
+                    strided_copy(&storage, view)?
+                }
+            }
+        };
+        ts.built.insert(Rc::as_ptr(view), t.clone());
+        Ok(t)
     }
 
     fn build(&mut self, state: V) -> Result<()> {
         let i = self.top_obj()?;
         if matches!(state, V::None) {
             return Ok(());
+        }
+        if let Obj::Record { .. } = &self.arena[i] {
+            return self.build_record(i, state);
         }
         let attrs: Vec<(String, V)> = match &state {
             V::Obj(j) => match self.arena.get(*j) {
@@ -905,36 +1170,53 @@ impl Vm<'_, '_> {
                 )))
             }
         };
-        let [V::Str(tag), V::Global(Global::Storage(dtype)), V::Str(key), V::Str(_location), numel] =
+        let [V::Str(tag), V::Global(class), V::Str(key), V::Str(_location), numel] =
             items.as_slice()
         else {
             return Err(self
                 .err("persistent id must be ('storage', torch.<T>Storage, key, location, numel)"));
         };
+        let dtype = match class {
+            Global::Storage(d) => Some(*d),
+            Global::UntypedStorage => None,
+            other => {
+                return Err(self.err(format!(
+                    "persistent id names {other:?}, not a storage class"
+                )))
+            }
+        };
+        let dtype = &dtype;
         if &**tag != "storage" {
             return Err(self.err(format!("persistent id tag {tag:?} is not 'storage'")));
         }
         let numel = self.int_arg(numel, "storage numel")?;
-        if let Some(t) = self.storages.get(key) {
-            if t.dtype() != *dtype {
-                return Err(
-                    self.storage_err(key, format!("viewed as both {} and {dtype}", t.dtype()))
-                );
-            }
-            if t.numel() != numel {
+        if let Some(&(d, n)) = self.storages.get(key) {
+            if d != *dtype {
+                let name = |d: Option<DType>| d.map_or("untyped".to_string(), |d| d.to_string());
                 return Err(self.storage_err(
                     key,
-                    format!("declared with {} and {numel} elements", t.numel()),
+                    format!("viewed as both {} and {}", name(d), name(*dtype)),
                 ));
             }
-            return Ok(V::Storage(key.clone(), t.clone()));
+            if n != numel {
+                return Err(
+                    self.storage_err(key, format!("declared with {n} and {numel} elements"))
+                );
+            }
+            return Ok(V::Storage(key.clone(), *dtype, numel));
         }
-        let t = (self.load)(key, *dtype, numel)?;
-        self.storages.insert(key.clone(), t.clone());
-        Ok(V::Storage(key.clone(), t))
+        let mut ts = self.tensors.borrow_mut();
+        let unit = dtype.unwrap_or(DType::U8);
+        ts.store.check(key, unit, numel)?;
+        ts.storage_bytes = ts
+            .storage_bytes
+            .saturating_add((numel as u64).saturating_mul(unit.size() as u64));
+        drop(ts);
+        self.storages.insert(key.clone(), (*dtype, numel));
+        Ok(V::Storage(key.clone(), *dtype, numel))
     }
 
-    fn to_pyobj(&self, v: &V, depth: usize, budget: &mut usize) -> Result<PyObj> {
+    fn to_pyobj(&self, v: &V, path: &Path<'_>, depth: usize, budget: &mut usize) -> Result<PyObj> {
         if depth > MAX_DEPTH {
             return Err(self.err(format!(
                 "containers nested deeper than {MAX_DEPTH} levels (or a cyclic reference)"
@@ -954,7 +1236,15 @@ impl Vm<'_, '_> {
             V::Float(x) => PyObj::Float(*x),
             V::Str(s) => PyObj::Str(s.to_string()),
             V::Bytes(b) => PyObj::Bytes(b.to_vec()),
-            V::Tensor(t) => PyObj::Tensor(t.clone()),
+            V::Tensor(view) => PyObj::Tensor(self.materialize(view, path)?),
+            V::Sharded(s) => PyObj::Sharded(ShardedTensor {
+                global_shape: s.global_shape.clone(),
+                offsets: s.offsets.clone(),
+                local: match &s.local {
+                    Some(V::Tensor(view)) => Some(self.materialize(view, path)?),
+                    _ => None,
+                },
+            }),
             V::Global(_) | V::Storage(..) => {
                 return Err(self.err(format!(
                     "a bare {} in the result is not supported",
@@ -965,7 +1255,8 @@ impl Vm<'_, '_> {
                 let seq = |items: &[V], budget: &mut usize| -> Result<Vec<PyObj>> {
                     items
                         .iter()
-                        .map(|x| self.to_pyobj(x, depth + 1, budget))
+                        .enumerate()
+                        .map(|(i, x)| self.to_pyobj(x, &Path::Index(path, i), depth + 1, budget))
                         .collect()
                 };
                 let pairs = |d: &DictObj, budget: &mut usize| -> Result<Vec<(PyObj, PyObj)>> {
@@ -973,27 +1264,62 @@ impl Vm<'_, '_> {
                         .iter()
                         .map(|(k, v)| {
                             Ok((
-                                self.to_pyobj(k, depth + 1, budget)?,
-                                self.to_pyobj(v, depth + 1, budget)?,
+                                self.to_pyobj(k, path, depth + 1, budget)?,
+                                self.to_pyobj(v, &Path::Key(path, k), depth + 1, budget)?,
                             ))
                         })
                         .collect()
                 };
                 match &self.arena[*i] {
                     Obj::Tuple(items) => PyObj::Tuple(seq(items, budget)?),
+                    Obj::Size(dims) => PyObj::Size(dims.clone()),
+                    Obj::Record { class, .. } => {
+                        return Err(
+                            self.err(format!("a bare {class:?} in the result is not supported"))
+                        )
+                    }
                     Obj::List(items) => PyObj::List(seq(items, budget)?),
                     Obj::Dict(d) => PyObj::Dict(pairs(d, budget)?),
                     Obj::OrderedDict(d, attrs) => PyObj::OrderedDict {
                         items: pairs(d, budget)?,
                         attrs: attrs
                             .iter()
-                            .map(|(k, v)| Ok((k.clone(), self.to_pyobj(v, depth + 1, budget)?)))
+                            .map(|(k, v)| {
+                                let at = Path::Attr(path, k);
+                                Ok((k.clone(), self.to_pyobj(v, &at, depth + 1, budget)?))
+                            })
                             .collect::<Result<_>>()?,
                     },
                 }
             }
         })
     }
+}
+
+/// A contiguous copy of the non-contiguous `view` of `storage` (already checked to lie
+/// inside it).
+fn strided_copy(storage: &HostTensor, view: &View) -> Result<HostTensor> {
+    let esize = view.dtype.size();
+    let src = storage.as_bytes();
+    let size = &view.size;
+    HostTensor::filled_by(view.dtype, size, |out: &mut [u8]| {
+        let mut idx = vec![0usize; size.len()];
+        let mut at = view.offset;
+        for chunk in out.chunks_exact_mut(esize) {
+            chunk.copy_from_slice(&src[at * esize..(at + 1) * esize]);
+            // Odometer increment; `at` stays within the checked view.
+            for d in (0..size.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < size[d] {
+                    at += view.stride[d];
+                    break;
+                }
+                at -= (size[d] - 1) * view.stride[d];
+                idx[d] = 0;
+            }
+        }
+        Ok::<(), Error>(())
+    })
 }
 
 /// Decodes a little-endian two's-complement integer (pickle `LONG1`/`LONG4` payload).
