@@ -7,7 +7,7 @@
 use fsdp::collectives::{decode, encode, ProcessGroup, ThreadGroup};
 use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
+use fsdp::param_shards::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{DType, Fsdp, HostTensor, ModelDesc, OptimParams, OptimStateDict, Value, WrapPolicy};
 use std::sync::Arc;
 

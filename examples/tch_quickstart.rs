@@ -13,7 +13,7 @@ use fsdp::libtorch::{
     var_store_params_in_order,
 };
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::shard_tensors;
+use fsdp::param_shards::shard_tensors;
 use fsdp::{Fsdp, HostTensor, TchTensor, Tensor, WrapPolicy};
 use std::sync::Arc;
 use tch::nn::{self, Module};

@@ -41,7 +41,7 @@ use fsdp::collectives::{ProcessGroup, ReduceOp, ThreadGroup};
 use fsdp::flat_param::{flatten_padded, unflatten_full};
 use fsdp::libtorch::{model_desc_from_var_store_in_order, var_store_params_in_order};
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::shard_tensors;
+use fsdp::param_shards::shard_tensors;
 use fsdp::{
     DType, Fsdp, HostTensor, OptimParam, OptimParams, OptimStateDict, TchTensor, Value, WrapPolicy,
 };

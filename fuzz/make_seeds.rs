@@ -11,7 +11,7 @@ use fsdp::checkpoint::{SaveOptions, MANIFEST};
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
+use fsdp::param_shards::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{DType, Fsdp, HostTensor, ModelDesc, OptimParams, Value, WrapPolicy};
 use std::path::Path;
 use std::sync::Arc;

@@ -361,7 +361,7 @@ impl Fsdp {
 
     /// [`Fsdp::save_optim_checkpoint`] that also saves the model's parameters: `model` is this
     /// rank's parameter tensors aligned with the ids of [`Fsdp::optim_params`] — a flat shard
-    /// per flat parameter (padding included, as [`crate::params::shard_tensors`] cuts it), the
+    /// per flat parameter (padding included, as [`crate::param_shards::shard_tensors`] cuts it), the
     /// local view per original parameter with `use_orig_params`, the whole tensor per
     /// unmanaged parameter; `None` entries are not saved. Load them at any world size and
     /// wrapping with [`Fsdp::load_model_params`]. Collective over the whole job.

@@ -14,7 +14,7 @@ pub mod model;
 pub mod offline;
 pub mod optim;
 pub mod optim_state;
-pub mod params;
+pub mod param_shards;
 pub mod tensor;
 
 mod fsdp;
@@ -23,8 +23,8 @@ pub use optim_state::OptimStateKeyType;
 
 pub use error::{Error, Result};
 pub use fsdp::*;
-pub use model::{ModelDesc, ParamSpec, ShardingStrategy, WrapPolicy};
-pub use offline::ModelSpec;
+pub use model::{ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
+pub use offline::DescFile;
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 /// One parameter of the model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ParamSpec {
+pub struct ParamDesc {
     /// Fully qualified name relative to the model root, without wrapper prefixes.
     pub name: String,
     /// Shape; empty for a 0-dim parameter.
@@ -29,7 +29,7 @@ fn default_true() -> bool {
     true
 }
 
-impl ParamSpec {
+impl ParamDesc {
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
@@ -41,7 +41,7 @@ impl ParamSpec {
 #[serde(deny_unknown_fields)]
 pub struct ModelDesc {
     /// Unique parameters under their primary (first) name, in registration pre-order.
-    pub params: Vec<ParamSpec>,
+    pub params: Vec<ParamDesc>,
     /// Tied aliases: alias name → primary name (e.g. `lm_head.weight` → `embed.weight`).
     #[serde(default)]
     pub tied: BTreeMap<String, String>,
@@ -84,7 +84,7 @@ impl ModelDesc {
 
     /// Adds a trainable parameter (builder style).
     pub fn param(mut self, name: &str, shape: &[usize], dtype: DType) -> Self {
-        self.params.push(ParamSpec {
+        self.params.push(ParamDesc {
             name: name.to_string(),
             shape: shape.to_vec(),
             dtype,
@@ -95,7 +95,7 @@ impl ModelDesc {
 
     /// Adds a frozen parameter (`requires_grad=False`).
     pub fn frozen_param(mut self, name: &str, shape: &[usize], dtype: DType) -> Self {
-        self.params.push(ParamSpec {
+        self.params.push(ParamDesc {
             name: name.to_string(),
             shape: shape.to_vec(),
             dtype,
@@ -117,7 +117,7 @@ impl ModelDesc {
     }
 
     /// The parameter with this primary name or alias.
-    pub fn get(&self, name: &str) -> Result<&ParamSpec> {
+    pub fn get(&self, name: &str) -> Result<&ParamDesc> {
         self.index_of(name)
             .map(|i| &self.params[i])
             .ok_or_else(|| Error::UnknownParameter {
@@ -128,7 +128,7 @@ impl ModelDesc {
 
     /// Total number of elements over unique parameters.
     pub fn numel(&self) -> usize {
-        self.params.iter().map(ParamSpec::numel).sum()
+        self.params.iter().map(ParamDesc::numel).sum()
     }
 
     /// Checks names are unique and non-empty, aliases point at existing parameters, and the

@@ -14,14 +14,14 @@
 //! world size give [`Error::WorldSizeMismatch`] naming the world sizes that would fit.
 //!
 //! ```
-//! use fsdp::offline::ModelSpec;
+//! use fsdp::offline::DescFile;
 //! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
 //! use fsdp::{DType, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy};
 //!
 //! let model = ModelDesc::new()
 //!     .param("a.weight", &[3, 2], DType::F32)
 //!     .param("b.weight", &[5], DType::F32);
-//! let spec = ModelSpec::new(model.clone(), WrapPolicy::units(&["a", ""]));
+//! let spec = DescFile::new(model.clone(), WrapPolicy::units(&["a", ""]));
 //! let mut full = OptimStateDict::default();
 //! for p in &model.params {
 //!     let mut st = ParamState::new();
@@ -73,7 +73,7 @@ use std::time::Duration;
 /// model in one group ([`crate::Fsdp::optim_params`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ModelSpec {
+pub struct DescFile {
     /// The model's parameters.
     pub model: ModelDesc,
     /// How it is wrapped.
@@ -86,10 +86,10 @@ pub struct ModelSpec {
     pub optim_params_per_rank: Option<Vec<OptimParams>>,
 }
 
-impl ModelSpec {
+impl DescFile {
     /// A spec with the default optimizer parameters.
     pub fn new(model: ModelDesc, policy: WrapPolicy) -> Self {
-        ModelSpec {
+        DescFile {
             model,
             policy,
             optim_params: None,
@@ -131,7 +131,7 @@ const MAX_SUGGESTED_WORLD_SIZE: usize = 1024;
 /// this process, so only a bug could make one wait; large states take long to copy.
 const RANK_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
-impl ModelSpec {
+impl DescFile {
     /// The layout at `world_size` (hybrid strategies are not supported offline).
     pub fn layout(&self, world_size: usize) -> Result<ModelLayout> {
         if self.policy.sharding_strategy.is_hybrid() {
@@ -215,7 +215,7 @@ fn shape_misfit(
 
 /// Checks every rank's local dict against the layout at `locals.len()` ranks.
 fn check_world_size(
-    spec: &ModelSpec,
+    spec: &DescFile,
     layout: &ModelLayout,
     locals: &[OptimStateDict],
 ) -> Result<()> {
@@ -317,7 +317,7 @@ fn check_state_shapes(
 /// ([`Error::WorldSizeMismatch`] naming the world sizes that would fit), and every tensor
 /// state's dtype, and the shape of unmanaged and ignored parameters' state, against the
 /// description ([`Error::ShapeMismatch`], [`Error::DtypeMismatch`]).
-pub fn check_local_dicts(spec: &ModelSpec, locals: &[OptimStateDict]) -> Result<()> {
+pub fn check_local_dicts(spec: &DescFile, locals: &[OptimStateDict]) -> Result<()> {
     if locals.is_empty() {
         return Err(Error::WorldSizeMismatch {
             files: 0,
@@ -335,7 +335,7 @@ pub fn check_local_dicts(spec: &ModelSpec, locals: &[OptimStateDict]) -> Result<
 /// `FSDP.full_optim_state_dict` of a job whose ranks saved `locals` (index = rank): the full,
 /// name-keyed dict rank 0 would get. Runs one thread rank per dict.
 pub fn consolidate_local_dicts(
-    spec: &ModelSpec,
+    spec: &DescFile,
     locals: &[OptimStateDict],
 ) -> Result<OptimStateDict> {
     if locals.is_empty() {
@@ -362,7 +362,7 @@ pub fn consolidate_local_dicts(
 /// `FSDP.shard_full_optim_state_dict` on every rank of a `world_size`-rank job: each rank's
 /// flattened, sharded dict for its optimizer (index = rank). Pure: no communication.
 pub fn shard_full_dict(
-    spec: &ModelSpec,
+    spec: &DescFile,
     full: &OptimStateDict,
     world_size: usize,
 ) -> Result<Vec<OptimStateDict>> {

@@ -8,7 +8,7 @@ use fsdp::checkpoint::{
 };
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;
-use fsdp::params::{shard_tensors, synthetic_params};
+use fsdp::param_shards::{shard_tensors, synthetic_params};
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
     Value, WrapPolicy,

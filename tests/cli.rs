@@ -8,7 +8,7 @@ mod common;
 use common::{nested_model, transformer_model, transformer_policy, wrap};
 use fsdp::collectives::ThreadGroup;
 use fsdp::io::torch_save::{self, optim_to_pyobj};
-use fsdp::offline::ModelSpec;
+use fsdp::offline::DescFile;
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
     WrapPolicy,
@@ -229,7 +229,7 @@ fn full_adam(model: &ModelDesc) -> OptimStateDict {
 /// Each rank's local dict (`shard_full_optim_state_dict` on thread ranks) and the dict
 /// `full_optim_state_dict` gives from them.
 fn reference(
-    spec: &ModelSpec,
+    spec: &DescFile,
     full: &OptimStateDict,
     ws: usize,
 ) -> (Vec<OptimStateDict>, OptimStateDict) {
@@ -244,26 +244,26 @@ fn reference(
     (out.into_iter().map(|(l, _)| l).collect(), consolidated)
 }
 
-fn cases() -> Vec<(&'static str, ModelSpec, usize)> {
+fn cases() -> Vec<(&'static str, DescFile, usize)> {
     vec![
         (
             "nested flat ws2",
-            ModelSpec::new(nested_model(), wrap(false)),
+            DescFile::new(nested_model(), wrap(false)),
             2,
         ),
         (
             "nested ignored ws3",
-            ModelSpec::new(nested_model(), wrap(true)),
+            DescFile::new(nested_model(), wrap(true)),
             3,
         ),
         (
             "nested orig ws3",
-            ModelSpec::new(nested_model(), wrap(false).with_orig_params(true)),
+            DescFile::new(nested_model(), wrap(false).with_orig_params(true)),
             3,
         ),
         (
             "transformer tied ws2",
-            ModelSpec::new(transformer_model(), transformer_policy()),
+            DescFile::new(transformer_model(), transformer_policy()),
             2,
         ),
     ]
@@ -466,7 +466,7 @@ fn errors_are_typed_messages_with_exit_code_1() {
     ]);
     fails(&e, "fits world size(s) [2]");
     // A model description that does not match the files.
-    let other = ModelSpec::new(
+    let other = DescFile::new(
         ModelDesc::new()
             .param("a.weight", &[7, 3], DType::F32)
             .param("b.weight", &[2], DType::F32),
@@ -545,7 +545,7 @@ fn readme_desc_json_example_is_a_valid_model_spec() {
         .expect("README has the DESC.json example")
         + "```json\n".len();
     let len = readme[start..].find("```").unwrap();
-    let spec = ModelSpec::from_json(&readme[start..start + len], "README.md").unwrap();
+    let spec = DescFile::from_json(&readme[start..start + len], "README.md").unwrap();
     let layout = spec.layout(2).unwrap();
     assert_eq!(
         spec.optim_params_for(&layout, 0).unwrap(),

@@ -11,7 +11,7 @@ use fsdp::checkpoint::{self, Manifest};
 use fsdp::collectives::ThreadGroup;
 use fsdp::io::torch_save;
 use fsdp::offline::shard_full_dict;
-use fsdp::offline::ModelSpec;
+use fsdp::offline::DescFile;
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy,
 };
@@ -279,7 +279,7 @@ fn the_rename_fallback_replaces_a_checkpoint_without_exposing_a_partial_one() {
 #[test]
 fn shard_torch_replaces_its_whole_output_set_or_nothing() {
     let root = tempfile::tempdir().unwrap();
-    let spec = ModelSpec::new(nested_model(), wrap(false));
+    let spec = DescFile::new(nested_model(), wrap(false));
     let desc = root.path().join("desc.json");
     std::fs::write(&desc, spec.to_json()).unwrap();
     let full = root.path().join("full.pt");
@@ -354,7 +354,7 @@ fn shard_torch_replaces_its_whole_output_set_or_nothing() {
 // ----- 4. consolidate-torch refuses wrong input -----
 
 /// Writes every rank's local dict of `spec` at `ws` as `dir/rank{r}.pt`.
-fn rank_files(spec: &ModelSpec, dir: &Path, ws: usize) -> Vec<PathBuf> {
+fn rank_files(spec: &DescFile, dir: &Path, ws: usize) -> Vec<PathBuf> {
     std::fs::create_dir_all(dir).unwrap();
     let locals = shard_full_dict(spec, &full_adam(&spec.model), ws).unwrap();
     locals
@@ -371,7 +371,7 @@ fn rank_files(spec: &ModelSpec, dir: &Path, ws: usize) -> Vec<PathBuf> {
 #[test]
 fn consolidate_torch_refuses_files_out_of_order_twice_or_of_another_model() {
     let root = tempfile::tempdir().unwrap();
-    let spec = ModelSpec::new(nested_model(), wrap(false));
+    let spec = DescFile::new(nested_model(), wrap(false));
     let desc = root.path().join("desc.json");
     std::fs::write(&desc, spec.to_json()).unwrap();
     let r = rank_files(&spec, &root.path().join("ranks"), 3);
@@ -403,7 +403,7 @@ fn consolidate_torch_refuses_files_out_of_order_twice_or_of_another_model() {
 
     // Another model whose flat sizes fit, with an unwrapped bias of another size.
     let model = |bias: usize| {
-        ModelSpec::new(
+        DescFile::new(
             ModelDesc::new()
                 .param("layer.weight", &[6, 4], DType::F32)
                 .param("bias", &[bias], DType::F32),
@@ -430,12 +430,12 @@ fn consolidate_torch_refuses_files_out_of_order_twice_or_of_another_model() {
 #[test]
 fn desc_json_with_unknown_or_misspelled_fields_is_refused() {
     let root = tempfile::tempdir().unwrap();
-    let spec = ModelSpec::new(nested_model(), wrap(false));
+    let spec = DescFile::new(nested_model(), wrap(false));
     let mut json: serde_json::Value = serde_json::from_str(&spec.to_json()).unwrap();
     json["fsdp_version"] = 2.into();
     let desc = root.path().join("desc.json");
     std::fs::write(&desc, json.to_string()).unwrap();
-    assert!(ModelSpec::from_json_file(&desc)
+    assert!(DescFile::from_json_file(&desc)
         .unwrap_err()
         .to_string()
         .contains("unknown field `fsdp_version`"));
@@ -459,7 +459,7 @@ fn desc_json_with_unknown_or_misspelled_fields_is_refused() {
     for case in ["flat", "orig"] {
         let p = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join(format!("tests/golden/fsdp_ckpt/{case}/desc.json"));
-        ModelSpec::from_json_file(&p).unwrap();
+        DescFile::from_json_file(&p).unwrap();
     }
 }
 
@@ -649,7 +649,7 @@ fn write_failures_and_bad_manifests_name_the_path_and_the_cause() {
     );
 
     // shard-torch with a per-rank optimizer description too short for the world size.
-    let mut spec = ModelSpec::new(nested_model(), wrap(false));
+    let mut spec = DescFile::new(nested_model(), wrap(false));
     let layout = spec.layout(2).unwrap();
     let p = fsdp::OptimParams::of_model(&layout);
     spec.optim_params_per_rank = Some(vec![p.clone(), p]);

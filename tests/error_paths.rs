@@ -13,7 +13,7 @@ use fsdp::flat_param::ModelLayout;
 use fsdp::optim_state::ShardedTensor;
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict,
-    OptimStateDictConfig, OptimStateKeyType, ParamGroup, ParamKey, ParamSpec, ParamState,
+    OptimStateDictConfig, OptimStateKeyType, ParamDesc, ParamGroup, ParamKey, ParamState,
     ShardingStrategy, StateDictType, Value, WrapPolicy,
 };
 use std::sync::Arc;
@@ -177,7 +177,7 @@ fn nested_with_unmanaged_param(add_to_fsdp_module: bool) -> (ModelDesc, String) 
     let at = model.params.iter().position(|p| p.name == after).unwrap() + 1;
     model.params.insert(
         at,
-        ParamSpec {
+        ParamDesc {
             name: name.into(),
             shape: vec![5, 5],
             dtype: F32,

@@ -512,7 +512,7 @@ fn local_tensors_and_optimizer_inputs_match_pytorch() {
                 );
             }
             let cut = |full: &[Option<HostTensor>]| {
-                fsdp::params::shard_tensors(&layout, r % shard, &params, full).unwrap()
+                fsdp::param_shards::shard_tensors(&layout, r % shard, &params, full).unwrap()
             };
             let want = rec.tensors("params0");
             let got = cut(&sc.params);

@@ -16,7 +16,7 @@ const LAYERS: &[&[&str]] = &[
     &["model"],
     &["flat_param", "collectives"],
     &["optim_state"],
-    &["optim", "params"],
+    &["optim", "param_shards"],
     &["io"],
     &["checkpoint"],
     &["fsdp"],

@@ -45,13 +45,13 @@ fn train_with(
 ) {
     let mut slots = Slots::new(layout, rank, input);
     for s in 0..steps {
-        let mut full = fsdp::params::synthetic_grads(layout, s);
+        let mut full = fsdp::param_shards::synthetic_grads(layout, s);
         for (p, g) in layout.model.params.iter().zip(full.iter_mut()) {
             if skip(s, &p.name) {
                 *g = None;
             }
         }
-        let grads = fsdp::params::shard_tensors(layout, rank, input, &full).unwrap();
+        let grads = fsdp::param_shards::shard_tensors(layout, rank, input, &full).unwrap();
         optim.step(&mut slots.params, &grads).unwrap();
     }
 }

@@ -15,7 +15,7 @@ use fsdp::libtorch::{
     state_dict_to_tch, step_tch, var_store_params, var_store_params_in_order,
 };
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
+use fsdp::param_shards::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::tensor::tch::dtype_to_kind;
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimParams, OptimStateDict, ParamKey, TchTensor,

@@ -11,7 +11,7 @@ use fsdp::io::inspect::Summary;
 use fsdp::io::output::{self, DirKind};
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
 use fsdp::io::{self, FileFormat};
-use fsdp::offline::ModelSpec;
+use fsdp::offline::DescFile;
 use fsdp::offline::{
     check_local_dicts, check_rank_files, consolidate_local_dicts, shard_full_dict,
 };
@@ -201,8 +201,8 @@ impl Progress {
     }
 }
 
-fn load_spec(path: &Path, named: bool) -> Result<ModelSpec> {
-    let mut spec = ModelSpec::from_json_file(path)?;
+fn load_spec(path: &Path, named: bool) -> Result<DescFile> {
+    let mut spec = DescFile::from_json_file(path)?;
     if named {
         if let Some(p) = &mut spec.optim_params {
             p.named = true;
@@ -308,49 +308,15 @@ fn run(cli: Cli) -> Result<()> {
 
 /// `inspect DIR`: the manifest of a sharded checkpoint (data checksums are not read).
 fn inspect_dir(dir: &Path, json: bool) -> Result<()> {
-    let m = checkpoint::read_manifest(dir)?;
+    let summary = checkpoint::Summary::of_dir(dir)?;
     if json {
-        let summary = serde_json::json!({
-            "checkpoint": dir.display().to_string(),
-            "format": m.format,
-            "version": m.version,
-            "world_size": m.world_size,
-            "units": m.policy.units,
-            "use_orig_params": m.policy.use_orig_params,
-            "key_type": if m.named { "name" } else { "id" },
-            "files": m.files.iter().map(|f| serde_json::json!({"name": f.name, "bytes": f.len})).collect::<Vec<_>>(),
-            "params_with_state": m.params.len(),
-            "tensor_bytes": m.tensor_bytes(),
-            "param_groups": m.param_groups.as_ref().map_or(0, Vec::len),
-            "user_state_keys": m.user_state.len(),
-            "model_params": m.model_params.len(),
-            "model_param_bytes": m.model_param_bytes(),
-            "data_checksums_verified": false,
-        });
         println!(
             "{}",
             serde_json::to_string_pretty(&summary).expect("JSON values print")
         );
-        return Ok(());
+    } else {
+        println!("{summary}");
     }
-    println!(
-        "checkpoint: {} ({} v{})\nworld size {}, units {:?}, use_orig_params {}, keys by {}\n{} parameters with state, {} bytes of tensor state in {} files, {} param groups, {} user state keys",
-        dir.display(), m.format, m.version, m.world_size, m.policy.units,
-        m.policy.use_orig_params, if m.named { "name" } else { "id" },
-        m.params.len(), m.tensor_bytes(), m.files.len(),
-        m.param_groups.as_ref().map_or(0, Vec::len), m.user_state.len()
-    );
-    if !m.model_params.is_empty() {
-        println!(
-            "model parameters: {} ({} bytes)",
-            m.model_params.len(),
-            m.model_param_bytes()
-        );
-    }
-    println!(
-        "data checksums: not checked (manifest, commit marker and file lengths only; run `fsdp-ckpt verify {}`)",
-        dir.display()
-    );
     Ok(())
 }
 

@@ -29,6 +29,7 @@ mod prefetch;
 mod reshard;
 mod save;
 mod stream;
+mod summary;
 
 pub use background::{BackgroundSaver, SaveMode};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
@@ -39,6 +40,7 @@ pub use manifest::{
 pub use reshard::{reshard, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
+pub use summary::{FileSummary, Summary};
 
 use crate::collectives::ProcessGroup;
 use crate::error::Result;

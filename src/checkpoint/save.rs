@@ -92,7 +92,7 @@ pub(super) fn crash(point: CrashPoint) -> Error {
 /// writes a data file (with hybrid sharding only the first replica group does).
 ///
 /// `model`, when given, is this rank's parameter tensors aligned with the ids of
-/// `OptimParams::of_model(&layout)` (what [`crate::params::shard_tensors`]
+/// `OptimParams::of_model(&layout)` (what [`crate::param_shards::shard_tensors`]
 /// cuts for them; `None` entries are not saved); they are stored beside the optimizer state
 /// and read back by [`super::load_model_params`].
 ///
@@ -261,7 +261,7 @@ fn host_model_params<'l, T: Tensor>(
             op: "save_checkpoint".into(),
             rank: layout_rank,
             reason: format!(
-                "{} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `params::shard_tensors` cuts them)",
+                "{} model parameter tensors given, expected {} (one per parameter of `Fsdp::optim_params()`, as `param_shards::shard_tensors` cuts them)",
                 model.len(),
                 model_local.len()
             ),

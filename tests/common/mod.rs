@@ -6,7 +6,7 @@ pub mod conformance;
 
 use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
-use fsdp::params::{shard_tensors, synthetic_grads, synthetic_params};
+use fsdp::param_shards::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{
     DType, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, ParamKey, Value,
     WrapPolicy,

@@ -272,8 +272,8 @@ fn errors(world: &Arc<MpiProcessGroup>) {
 fn train(layout: &ModelLayout, rank: usize, input: &OptimParams, optim: &mut dyn Optimizer) {
     let mut slots = Slots::new(layout, rank, input);
     for s in 0..STEPS {
-        let full = fsdp::params::synthetic_grads(layout, s);
-        let grads = fsdp::params::shard_tensors(layout, rank, input, &full).unwrap();
+        let full = fsdp::param_shards::synthetic_grads(layout, s);
+        let grads = fsdp::param_shards::shard_tensors(layout, rank, input, &full).unwrap();
         optim.step(&mut slots.params, &grads).unwrap();
     }
 }

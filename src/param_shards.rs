@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::flat_param::{shard_from_members, ModelLayout};
-use crate::model::ParamSpec;
+use crate::model::ParamDesc;
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::OptimParams;
 use crate::tensor::{DType, HostTensor};
@@ -85,7 +85,7 @@ pub fn shard_tensors(
 
 /// Deterministic pseudo-random values for `spec` at `step`: the same for a parameter whatever
 /// the wrapping or world size, so wrapped and unwrapped runs see identical gradients.
-pub fn synthetic_values(spec: &ParamSpec, step: usize) -> HostTensor {
+pub fn synthetic_values(spec: &ParamDesc, step: usize) -> HostTensor {
     let salt = spec
         .name
         .bytes()
