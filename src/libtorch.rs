@@ -57,7 +57,7 @@ pub fn step_tch(
         .collect::<Result<Vec<_>>>()?;
     for (id, (p, u)) in params.iter_mut().zip(updates).enumerate() {
         if let Some(u) = u {
-            ::tch::no_grad(|| p.f_copy_(&u.inner))
+            ::tch::no_grad(|| p.f_copy_(&u.to_tch()))
                 .map_err(|e| backend_err(format!("step_tch: writing parameter {id} back"), e))?;
         }
     }
