@@ -11,6 +11,7 @@ use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, ShardPiece};
 use crate::io::container::{self, Entry};
+use crate::optim_state::consolidate::named_param_groups;
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
@@ -502,37 +503,15 @@ fn dict_parts<T: Tensor>(
     osd: &OptimStateDict<T>,
 ) -> Result<DictParts> {
     let by_key: HashMap<&ParamKey, &LocalParam> = local.iter().map(|l| (&l.key, l)).collect();
-    let param_groups = osd
-        .param_groups
-        .as_ref()
-        .map(|groups| {
-            groups
-                .iter()
-                .enumerate()
-                .map(|(gi, g)| {
-                    let mut names = Vec::new();
-                    for p in &g.params {
-                        let l = by_key.get(p).ok_or_else(|| Error::InvalidParamGroups {
-                            context: "saving a checkpoint".into(),
-                            group: Some(gi),
-                            reason: format!(
-                                "lists the key {p}, which the optimizer's param groups do not hold"
-                            ),
-                        })?;
-                        names.extend(l.skey.names.iter().map(|n| ParamKey::Name(n.clone())));
-                    }
-                    Ok(ParamGroup {
-                        options: g
-                            .options
-                            .iter()
-                            .map(|(k, v)| Ok((k.clone(), v.try_map(&mut |t: &T| t.to_host())?)))
-                            .collect::<Result<_>>()?,
-                        params: names,
-                    })
-                })
-                .collect::<Result<Vec<_>>>()
-        })
-        .transpose()?;
+    let param_groups =
+        named_param_groups("saving a checkpoint", local, osd.param_groups.as_deref())?
+            .map(|groups| {
+                groups
+                    .iter()
+                    .map(|g| g.try_map(&mut |t: &T| t.to_host()))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
     let flat_fqns: BTreeSet<String> = layout.flat_params.iter().map(|f| f.fqn()).collect();
     let mut user_state = Vec::new();
     for (k, st) in &osd.state {

@@ -59,7 +59,11 @@ pub(crate) fn consolidate<T: Tensor>(
     }
     let mut state = out;
     pass_user_state(layout, &local, osd, &mut state);
-    let param_groups = named_param_groups(&local, osd.param_groups.as_deref())?;
+    let param_groups = named_param_groups(
+        "consolidating the optimizer state dict",
+        &local,
+        osd.param_groups.as_deref(),
+    )?;
     Ok(Some(OptimStateDict {
         state,
         param_groups,
@@ -211,8 +215,9 @@ fn pass_user_state<T: Tensor>(
 }
 
 /// The param groups with each optimizer key replaced by the names of the parameters it
-/// stands for.
-fn named_param_groups<T: Tensor>(
+/// stands for; `context` names the operation in the error for a key no parameter holds.
+pub(crate) fn named_param_groups<T: Tensor>(
+    context: &str,
     local: &[LocalParam],
     groups: Option<&[ParamGroup<T>]>,
 ) -> Result<Option<Vec<ParamGroup<T>>>> {
@@ -225,7 +230,7 @@ fn named_param_groups<T: Tensor>(
         let mut names = Vec::new();
         for p in &g.params {
             let l = by_key.get(p).ok_or_else(|| Error::InvalidParamGroups {
-                context: "consolidating the optimizer state dict".into(),
+                context: context.into(),
                 group: Some(gi),
                 reason: format!(
                     "lists the key {p}, which the optimizer's param groups do not hold"

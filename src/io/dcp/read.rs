@@ -416,23 +416,7 @@ fn safetensors_header(
         let e = &ckpt.metadata.entries[*i];
         let (t, dtype) = ckpt.tensor_meta(&e.key)?;
         let n = (ckpt.plan_tensor(&e.key)?) as u64;
-        let st = match dtype {
-            DType::F32 => "F32",
-            DType::F64 => "F64",
-            DType::F16 => "F16",
-            DType::BF16 => "BF16",
-            DType::I64 => "I64",
-            DType::I32 => "I32",
-            DType::U8 => "U8",
-            DType::Bool => "BOOL",
-            DType::I8 => "I8",
-            DType::I16 => "I16",
-            DType::U16 => "U16",
-            DType::U32 => "U32",
-            DType::U64 => "U64",
-            DType::F8E4M3FN => "F8_E4M3",
-            DType::F8E5M2 => "F8_E5M2",
-        };
+        let st = crate::io::container::dtype_name(dtype);
         map.insert(
             name.clone(),
             serde_json::json!({"dtype": st, "shape": t.size, "data_offsets": [at, at + n]}),
