@@ -9,6 +9,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
 
 fn golden(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
         .join("tests/golden/dcp")
         .join(p)
 }

@@ -3,6 +3,7 @@
 //! own thread ranks and against real PyTorch FSDP output (`tests/golden/fsdp_ckpt/`), and the
 //! error paths (typed message, exit code 1, never a panic).
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::{nested_model, transformer_model, transformer_policy, wrap};
@@ -22,6 +23,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
 
 fn golden(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
         .join("tests/golden")
         .join(p)
 }
@@ -58,7 +60,9 @@ fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("FSDP_PYTHON") {
         return PathBuf::from(p);
     }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(".venv/bin/python");
     if venv.exists() {
         return venv;
     }
@@ -539,7 +543,7 @@ fn errors_are_typed_messages_with_exit_code_1() {
 
 #[test]
 fn readme_desc_json_example_is_a_valid_model_spec() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let start = readme
         .find("```json\n{\n  \"model\"")
         .expect("README has the DESC.json example")

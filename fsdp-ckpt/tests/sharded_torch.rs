@@ -15,6 +15,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
 
 fn golden(case: &str, file: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
         .join("tests/golden/sharded_torch")
         .join(case)
         .join(file)

@@ -18,7 +18,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
 const ADDRESS_SPACE: u64 = 4 << 30;
 
 fn bomb() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/expansion_bomb/expansion_bomb.pt")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/golden/expansion_bomb/expansion_bomb.pt")
 }
 
 /// Runs `fsdp-ckpt --quiet ARGS` with its address space limited to [`ADDRESS_SPACE`].

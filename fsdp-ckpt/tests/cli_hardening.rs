@@ -4,6 +4,7 @@
 //! `RLIMIT_FSIZE`, which makes writes past the limit fail with `EFBIG`), manifests that only a
 //! later step would reject. Every case: a typed message, exit code 1, inputs untouched.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::{nested_model, wrap};
@@ -458,6 +459,7 @@ fn desc_json_with_unknown_or_misspelled_fields_is_refused() {
     // The checked-in descriptions still parse.
     for case in ["flat", "orig"] {
         let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
             .join(format!("tests/golden/fsdp_ckpt/{case}/desc.json"));
         DescFile::from_json_file(&p).unwrap();
     }
