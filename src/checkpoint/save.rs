@@ -116,33 +116,26 @@ pub fn save<T: Tensor>(
         pg,
     } = ctx;
     let rank = pg.rank();
-    // 1. Rank 0 creates the temporary directory beside `dir`.
-    let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-        super::prepare_output(dir, &[])
-    } else {
-        Ok(PathBuf::new())
-    };
-    let tmp: std::result::Result<PathBuf, Error> =
-        pg.broadcast_object((rank == 0).then_some(&tmp), 0)?;
-    let tmp = tmp?;
-    // 2. Each writer writes its file.
-    let report: std::result::Result<Option<(RankReport, Option<DictParts>)>, Error> = if writer {
+    // 1. Rank 0 creates the temporary directory beside `dir`; every rank learns it, or its error.
+    let tmp = (rank == 0).then(|| super::prepare_output(dir, &[]));
+    let tmp: PathBuf = pg.broadcast_agreed(tmp.as_ref(), 0)?;
+    // 2. Each writer writes its file; every rank learns every report, or the first failure.
+    let report = if writer {
         write_rank(layout, layout_rank, osd, params, model, &tmp, opts).map(Some)
     } else {
         Ok(None)
     };
-    let reports = pg.all_gather_object(&report)?;
-    // 3. Rank 0 merges, writes the manifest and commits.
-    let outcome: std::result::Result<(), Error> = if rank == 0 {
-        let result = commit(layout, reports, &tmp, dir, opts);
+    let reports = pg.all_gather_agreed(report);
+    // 3. Rank 0 merges, writes the manifest and commits, or removes the temporary directory;
+    //    every rank learns the outcome.
+    let outcome = (rank == 0).then(|| {
+        let result = reports.and_then(|reports| commit(layout, reports, &tmp, dir, opts));
         if result.is_err() && opts.crash_at.is_none() {
             crate::io::output::discard_tmp_dir(&tmp);
         }
         result
-    } else {
-        Ok(())
-    };
-    pg.broadcast_object((rank == 0).then_some(&outcome), 0)?
+    });
+    pg.broadcast_agreed(outcome.as_ref(), 0)
 }
 
 /// One rank's pieces: which bytes of which local tensor go where.
@@ -532,7 +525,8 @@ fn dict_parts<T: Tensor>(
     })
 }
 
-pub(super) type Reports = Vec<std::result::Result<Option<(RankReport, Option<DictParts>)>, Error>>;
+/// Every rank's report, in rank order: `None` for a rank that writes no file.
+pub(super) type Reports = Vec<Option<(RankReport, Option<DictParts>)>>;
 
 pub(super) fn commit(
     layout: &ModelLayout,
@@ -543,13 +537,11 @@ pub(super) fn commit(
 ) -> Result<()> {
     let mut ranks: Vec<RankReport> = Vec::new();
     let mut parts = None;
-    for r in reports {
-        if let Some((report, p)) = r? {
-            if p.is_some() {
-                parts = p;
-            }
-            ranks.push(report);
+    for (report, p) in reports.into_iter().flatten() {
+        if p.is_some() {
+            parts = p;
         }
+        ranks.push(report);
     }
     let parts = parts.ok_or_else(|| Error::InvalidCollective {
         op: "save".into(),
