@@ -723,6 +723,12 @@ fn a_peer_of_a_rank_with_an_invalid_local_dict_is_told_what_is_wrong() {
             st.insert("exp_avg".into(), sharded);
         }
     });
+    assert!(
+        matches!(&errs[0], Error::WrongStateKind { context, state, .. }
+            if context.starts_with("rank 1") && state == "exp_avg"),
+        "{:?}",
+        errs[0]
+    );
     assert_names(&errs[0], &["rank 1", "exp_avg", "sharded"]);
 }
 
@@ -837,6 +843,12 @@ fn tensor_state_dtype_mismatch_across_ranks_names_the_rank() {
     // `TensorStateDtypeMismatch` without the rank (ScalarStateMismatch, in the same loop, says
     // "unit.b on rank 1"): the message cannot tell which rank holds the float64 state.
     let err = same_on_every_rank(orig_dtype_mismatch());
+    assert!(
+        matches!(&err, Error::TensorStateDtypeMismatch { state, params, dtypes }
+            if state == "exp_avg" && params == &["unit.a", "unit.b"]
+                && dtypes[1].starts_with("torch.float64") && dtypes[1].ends_with("on rank 1)")),
+        "{err:?}"
+    );
     assert_names(&err, &["rank 1"]);
 }
 
@@ -1371,6 +1383,11 @@ fn loading_sharded_dicts_names_the_extra_state() {
     // differs (`exp_avg_copy` of `block1.weight`). The detail should show the first entry in
     // which rank r's list differs from rank 0's.
     let err = same_on_every_rank(sharded_load_errors(extra_state_on_rank_1));
+    assert!(
+        matches!(&err, Error::PlanMismatch { op, reference: 0, ranks, .. }
+            if op == "optim_state_dict_to_load" && ranks == &[1]),
+        "{err:?}"
+    );
     assert_names(&err, &["block1.weight", "exp_avg_copy"]);
 }
 
