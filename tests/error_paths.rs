@@ -934,60 +934,61 @@ fn full_optim_state_dict_with_a_parameter_listed_twice_on_every_rank() {
     assert_names(&err, &["unit `unit`", "twice"]);
 }
 
-#[test]
-fn an_optimizer_holding_the_flat_parameter_of_a_module_that_is_no_unit() {
-    let err = shard_with(
-        &small_model(),
-        &small_policy(),
-        OptimParams::single(vec![flat("head")]),
-    );
-    assert!(
-        matches!(&err, Error::UnknownParameter { name, .. } if name == "head"),
-        "{err:?}"
-    );
-    assert_names(&err, &["`head`", "no FSDP unit"]);
+/// One wrong optimizer parameter: the scenario, what the optimizer holds, the error it must
+/// give (variant and fields) and the names its message must contain.
+struct WrongParamCase {
+    scenario: &'static str,
+    use_orig_params: bool,
+    holds: OptimParam,
+    is_expected: fn(&Error) -> bool,
+    names: &'static [&'static str],
 }
 
 #[test]
-fn an_optimizer_holding_a_parameter_the_model_does_not_have() {
-    let err = shard_with(
-        &small_model(),
-        &small_policy(),
-        OptimParams::single(vec![orig("unit.c")]),
-    );
-    assert!(
-        matches!(&err, Error::UnknownParameter { name, .. } if name == "unit.c"),
-        "{err:?}"
-    );
-    assert_names(&err, &["`unit.c`", "held by the optimizer"]);
-}
-
-#[test]
-fn an_optimizer_holding_a_flattened_original_parameter_without_use_orig_params() {
-    let err = shard_with(
-        &small_model(),
-        &small_policy(),
-        OptimParams::single(vec![orig("unit.a")]),
-    );
-    assert!(
-        matches!(&err, Error::WrongOptimParam { param, .. } if param == "`unit.a`"),
-        "{err:?}"
-    );
-    assert_names(&err, &["`unit.a`", "unit `unit`", "use_orig_params=False"]);
-}
-
-#[test]
-fn an_optimizer_holding_a_flat_parameter_with_use_orig_params() {
-    let err = shard_with(
-        &orig_model(),
-        &orig_policy(),
-        OptimParams::single(vec![flat("unit")]),
-    );
-    assert!(
-        matches!(&err, Error::WrongOptimParam { param, .. } if param == "the flat parameter of unit `unit`"),
-        "{err:?}"
-    );
-    assert_names(&err, &["unit `unit`", "use_orig_params=True"]);
+fn an_optimizer_holding_a_parameter_fsdp_does_not_expose_is_refused_by_name() {
+    let cases = [
+        WrongParamCase {
+            scenario: "the flat parameter of a module that is no unit",
+            use_orig_params: false,
+            holds: flat("head"),
+            is_expected: |e| matches!(e, Error::UnknownParameter { name, .. } if name == "head"),
+            names: &["`head`", "no FSDP unit"],
+        },
+        WrongParamCase {
+            scenario: "a parameter the model does not have",
+            use_orig_params: false,
+            holds: orig("unit.c"),
+            is_expected: |e| matches!(e, Error::UnknownParameter { name, .. } if name == "unit.c"),
+            names: &["`unit.c`", "held by the optimizer"],
+        },
+        WrongParamCase {
+            scenario: "a flattened original parameter without use_orig_params",
+            use_orig_params: false,
+            holds: orig("unit.a"),
+            is_expected: |e| matches!(e, Error::WrongOptimParam { param, .. } if param == "`unit.a`"),
+            names: &["`unit.a`", "unit `unit`", "use_orig_params=False"],
+        },
+        WrongParamCase {
+            scenario: "a flat parameter with use_orig_params",
+            use_orig_params: true,
+            holds: flat("unit"),
+            is_expected: |e| {
+                matches!(e, Error::WrongOptimParam { param, .. }
+                    if param == "the flat parameter of unit `unit`")
+            },
+            names: &["unit `unit`", "use_orig_params=True"],
+        },
+    ];
+    for case in cases {
+        let (model, policy) = if case.use_orig_params {
+            (orig_model(), orig_policy())
+        } else {
+            (small_model(), small_policy())
+        };
+        let err = shard_with(&model, &policy, OptimParams::single(vec![case.holds]));
+        assert!((case.is_expected)(&err), "{}: {err:?}", case.scenario);
+        assert_names(&err, case.names);
+    }
 }
 
 // ===== 4. model description and layout =====
