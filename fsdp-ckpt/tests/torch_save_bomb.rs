@@ -12,7 +12,8 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
+mod tool;
+use tool::BIN;
 
 /// The address-space limit the CLI runs under: far below what the bomb asks for.
 const ADDRESS_SPACE: u64 = 4 << 30;
