@@ -37,7 +37,8 @@ fn tensor(shape: &[usize], seed: f32) -> HostTensor {
     HostTensor::from_slice(&v, shape).unwrap()
 }
 
-/// A full Adam dict of `model` keyed by names: exp_avg, exp_avg_sq, 0-dim step, one group.
+/// A full Adam dict of `model` keyed by names: exp_avg, exp_avg_sq, 0-dim step, one group
+/// with every option torch 2.13's Adam has (`dcp.load` wants each key the loader holds).
 fn full_adam(model: &ModelDesc) -> OptimStateDict {
     let mut sd = OptimStateDict::default();
     for (i, p) in model.params.iter().enumerate() {
@@ -59,6 +60,12 @@ fn full_adam(model: &ModelDesc) -> OptimStateDict {
         ("eps".to_string(), Value::Float(1e-8)),
         ("weight_decay".to_string(), Value::Float(0.0)),
         ("amsgrad".to_string(), Value::Bool(false)),
+        ("maximize".to_string(), Value::Bool(false)),
+        ("foreach".to_string(), Value::None),
+        ("capturable".to_string(), Value::Bool(false)),
+        ("differentiable".to_string(), Value::Bool(false)),
+        ("fused".to_string(), Value::None),
+        ("decoupled_weight_decay".to_string(), Value::Bool(false)),
     ];
     sd.param_groups = Some(vec![ParamGroup {
         options: options.into_iter().collect(),
@@ -308,4 +315,81 @@ fn metadata_disagreeing_with_the_model_names_the_key_and_the_file() {
     dcp::save_dcp(&obj, &missing).unwrap();
     let err = load_one(&net(), &missing).unwrap_err();
     assert_names(&err, "optim.state.net2.0.bias.exp_avg_sq");
+}
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with PyTorch found: set FSDP_PYTHON or run scripts/setup-venv.sh"
+    );
+    venv
+}
+
+/// `{"optim": full}`, the nested dict `get_state_dict` + `dcp.save` would hold.
+fn optim_only(full: &OptimStateDict) -> PyObj {
+    PyObj::Dict(vec![(
+        PyObj::Str("optim".into()),
+        torch_save::optim_to_pyobj(full).unwrap(),
+    )])
+}
+
+#[test]
+fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_fsdp2() {
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n);
+    torch_save::save(
+        &torch_save::optim_to_pyobj(&full).unwrap(),
+        p("expected.pt"),
+    )
+    .unwrap();
+    // Live ranks: flat wrapping at 2, original parameters at 3.
+    for r in save_live(&model, &wrapping(false), 2, &full, &p("live2")) {
+        r.unwrap();
+    }
+    for r in save_live(&model, &wrapping(true), 3, &full, &p("live3")) {
+        r.unwrap();
+    }
+    // A full dict file, as torch_save_to_dcp converts it.
+    torch_save::save(&optim_only(&full), p("full.pt")).unwrap();
+    dcp::torch_save_to_dcp(&p("full.pt"), &p("from_pt")).unwrap();
+    // The crate's own checkpoint saved at 3, converted.
+    let opts = fsdp::checkpoint::SaveOptions::default();
+    for r in ThreadGroup::run(3, |pg| {
+        let fsdp = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        fsdp.save_optim_checkpoint(&local, &params, p("ckpt"), &opts)
+    }) {
+        r.unwrap();
+    }
+    let load_opts = fsdp::checkpoint::LoadOptions::default();
+    let from_ckpt = fsdp::checkpoint::load_full(&p("ckpt"), &load_opts).unwrap();
+    dcp::save_dcp(&optim_only(&from_ckpt), &p("from_ckpt")).unwrap();
+    let expected = p("expected.pt");
+    let cases = [
+        ("live2", "3", "fsdp2"),
+        ("live3", "2", "fsdp1_flat"),
+        ("live2", "3", "fsdp1_orig"),
+        ("from_pt", "2", "fsdp2"),
+        ("from_ckpt", "2", "fsdp1_flat"),
+    ];
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(golden("load_in_torch.py"));
+    for (dir, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(&expected).arg(ws).arg(wrapper);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
 }
