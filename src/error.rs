@@ -18,6 +18,22 @@ pub enum Error {
     #[error("invalid model description: {0}")]
     InvalidModel(String),
 
+    /// A parameter order given for a model does not name each of its parameters exactly once.
+    #[error(
+        "the parameter order does not match the {source_of_params}: missing {missing:?}, \
+         not in the {source_of_params} {unknown:?}, repeated {repeated:?}"
+    )]
+    ParamOrderMismatch {
+        /// Where the parameters come from (e.g. `VarStore`).
+        source_of_params: String,
+        /// Parameters the order leaves out.
+        missing: Vec<String>,
+        /// Names in the order that are no parameter.
+        unknown: Vec<String>,
+        /// Names given more than once.
+        repeated: Vec<String>,
+    },
+
     /// A name does not refer to any parameter (or unit) of the model.
     #[error("unknown parameter `{name}`{context}")]
     UnknownParameter {

@@ -170,7 +170,7 @@ pub fn model_desc_from_var_store(vs: &::tch::nn::VarStore) -> Result<ModelDesc> 
 /// model, or the parameter keys of a PyTorch checkpoint).
 ///
 /// `order` must name every parameter of the store exactly once, by its primary name or a tied
-/// alias; anything else is an [`Error::InvalidModel`] listing the names that are missing,
+/// alias; anything else is an [`Error::ParamOrderMismatch`] listing the names that are missing,
 /// unknown or repeated.
 pub fn var_store_params_in_order<S: AsRef<str>>(
     vs: &::tch::nn::VarStore,
@@ -199,10 +199,12 @@ pub fn var_store_params_in_order<S: AsRef<str>>(
     }
     let missing: Vec<String> = slots.into_iter().flatten().map(|(n, _)| n).collect();
     if !(missing.is_empty() && unknown.is_empty() && repeated.is_empty()) {
-        return Err(Error::InvalidModel(format!(
-            "the parameter order does not match the VarStore: missing {missing:?}, \
-             not in the store {unknown:?}, repeated {repeated:?}"
-        )));
+        return Err(Error::ParamOrderMismatch {
+            source_of_params: "VarStore".into(),
+            missing,
+            unknown,
+            repeated,
+        });
     }
     Ok(VarStoreParams { params: out, tied })
 }

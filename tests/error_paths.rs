@@ -723,6 +723,12 @@ fn a_peer_of_a_rank_with_an_invalid_local_dict_is_told_what_is_wrong() {
             st.insert("exp_avg".into(), sharded);
         }
     });
+    assert!(
+        matches!(&errs[0], Error::WrongStateKind { context, state, .. }
+            if context.starts_with("rank 1") && state == "exp_avg"),
+        "{:?}",
+        errs[0]
+    );
     assert_names(&errs[0], &["rank 1", "exp_avg", "sharded"]);
 }
 
@@ -837,6 +843,12 @@ fn tensor_state_dtype_mismatch_across_ranks_names_the_rank() {
     // `TensorStateDtypeMismatch` without the rank (ScalarStateMismatch, in the same loop, says
     // "unit.b on rank 1"): the message cannot tell which rank holds the float64 state.
     let err = same_on_every_rank(orig_dtype_mismatch());
+    assert!(
+        matches!(&err, Error::TensorStateDtypeMismatch { state, params, dtypes }
+            if state == "exp_avg" && params == &["unit.a", "unit.b"]
+                && dtypes[1].starts_with("torch.float64") && dtypes[1].ends_with("on rank 1)")),
+        "{err:?}"
+    );
     assert_names(&err, &["rank 1"]);
 }
 
@@ -922,60 +934,61 @@ fn full_optim_state_dict_with_a_parameter_listed_twice_on_every_rank() {
     assert_names(&err, &["unit `unit`", "twice"]);
 }
 
-#[test]
-fn an_optimizer_holding_the_flat_parameter_of_a_module_that_is_no_unit() {
-    let err = shard_with(
-        &small_model(),
-        &small_policy(),
-        OptimParams::single(vec![flat("head")]),
-    );
-    assert!(
-        matches!(&err, Error::UnknownParameter { name, .. } if name == "head"),
-        "{err:?}"
-    );
-    assert_names(&err, &["`head`", "no FSDP unit"]);
+/// One wrong optimizer parameter: the scenario, what the optimizer holds, the error it must
+/// give (variant and fields) and the names its message must contain.
+struct WrongParamCase {
+    scenario: &'static str,
+    use_orig_params: bool,
+    holds: OptimParam,
+    is_expected: fn(&Error) -> bool,
+    names: &'static [&'static str],
 }
 
 #[test]
-fn an_optimizer_holding_a_parameter_the_model_does_not_have() {
-    let err = shard_with(
-        &small_model(),
-        &small_policy(),
-        OptimParams::single(vec![orig("unit.c")]),
-    );
-    assert!(
-        matches!(&err, Error::UnknownParameter { name, .. } if name == "unit.c"),
-        "{err:?}"
-    );
-    assert_names(&err, &["`unit.c`", "held by the optimizer"]);
-}
-
-#[test]
-fn an_optimizer_holding_a_flattened_original_parameter_without_use_orig_params() {
-    let err = shard_with(
-        &small_model(),
-        &small_policy(),
-        OptimParams::single(vec![orig("unit.a")]),
-    );
-    assert!(
-        matches!(&err, Error::WrongOptimParam { param, .. } if param == "`unit.a`"),
-        "{err:?}"
-    );
-    assert_names(&err, &["`unit.a`", "unit `unit`", "use_orig_params=False"]);
-}
-
-#[test]
-fn an_optimizer_holding_a_flat_parameter_with_use_orig_params() {
-    let err = shard_with(
-        &orig_model(),
-        &orig_policy(),
-        OptimParams::single(vec![flat("unit")]),
-    );
-    assert!(
-        matches!(&err, Error::WrongOptimParam { param, .. } if param == "the flat parameter of unit `unit`"),
-        "{err:?}"
-    );
-    assert_names(&err, &["unit `unit`", "use_orig_params=True"]);
+fn an_optimizer_holding_a_parameter_fsdp_does_not_expose_is_refused_by_name() {
+    let cases = [
+        WrongParamCase {
+            scenario: "the flat parameter of a module that is no unit",
+            use_orig_params: false,
+            holds: flat("head"),
+            is_expected: |e| matches!(e, Error::UnknownParameter { name, .. } if name == "head"),
+            names: &["`head`", "no FSDP unit"],
+        },
+        WrongParamCase {
+            scenario: "a parameter the model does not have",
+            use_orig_params: false,
+            holds: orig("unit.c"),
+            is_expected: |e| matches!(e, Error::UnknownParameter { name, .. } if name == "unit.c"),
+            names: &["`unit.c`", "held by the optimizer"],
+        },
+        WrongParamCase {
+            scenario: "a flattened original parameter without use_orig_params",
+            use_orig_params: false,
+            holds: orig("unit.a"),
+            is_expected: |e| matches!(e, Error::WrongOptimParam { param, .. } if param == "`unit.a`"),
+            names: &["`unit.a`", "unit `unit`", "use_orig_params=False"],
+        },
+        WrongParamCase {
+            scenario: "a flat parameter with use_orig_params",
+            use_orig_params: true,
+            holds: flat("unit"),
+            is_expected: |e| {
+                matches!(e, Error::WrongOptimParam { param, .. }
+                    if param == "the flat parameter of unit `unit`")
+            },
+            names: &["unit `unit`", "use_orig_params=True"],
+        },
+    ];
+    for case in cases {
+        let (model, policy) = if case.use_orig_params {
+            (orig_model(), orig_policy())
+        } else {
+            (small_model(), small_policy())
+        };
+        let err = shard_with(&model, &policy, OptimParams::single(vec![case.holds]));
+        assert!((case.is_expected)(&err), "{}: {err:?}", case.scenario);
+        assert_names(&err, case.names);
+    }
 }
 
 // ===== 4. model description and layout =====
@@ -1371,6 +1384,11 @@ fn loading_sharded_dicts_names_the_extra_state() {
     // differs (`exp_avg_copy` of `block1.weight`). The detail should show the first entry in
     // which rank r's list differs from rank 0's.
     let err = same_on_every_rank(sharded_load_errors(extra_state_on_rank_1));
+    assert!(
+        matches!(&err, Error::PlanMismatch { op, reference: 0, ranks, .. }
+            if op == "optim_state_dict_to_load" && ranks == &[1]),
+        "{err:?}"
+    );
     assert_names(&err, &["block1.weight", "exp_avg_copy"]);
 }
 

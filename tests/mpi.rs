@@ -18,10 +18,9 @@ mod common;
 #[path = "mpi/worker.rs"]
 mod worker;
 
-use std::io::Read;
-use std::os::unix::process::CommandExt;
+use common::job::{run_job, Outcome};
 use std::path::Path;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Environment variable that turns this executable into a worker running that scenario.
@@ -111,23 +110,6 @@ fn cases() -> Vec<(&'static str, Case)> {
     ]
 }
 
-/// What one launch gave.
-struct Outcome {
-    /// `None` when the job was killed at the timeout.
-    status: Option<ExitStatus>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Outcome {
-    fn describe(&self) -> String {
-        format!(
-            "status {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-            self.status, self.stdout, self.stderr
-        )
-    }
-}
-
 fn timeout() -> Duration {
     std::env::var("FSDP_MPI_TIMEOUT")
         .ok()
@@ -167,96 +149,8 @@ fn launch(np: Option<usize>, scenario: &str, env: &[(&str, &str)], limit: Durati
         .envs(env.iter().copied())
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own process group, so that a timeout kills mpirun and every rank.
-        .process_group(0);
-    let mut child = cmd.spawn().expect("spawn the MPI job");
-    let pgid = child.id();
-    let mut out = child.stdout.take().expect("piped stdout");
-    let mut err = child.stderr.take().expect("piped stderr");
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        match child.try_wait().expect("wait for the MPI job") {
-            Some(status) => break Some(status),
-            None if Instant::now() >= deadline => {
-                // Open MPI puts each rank in its own process group: collect them first.
-                let ranks = descendants(pgid);
-                kill_group(pgid, "TERM");
-                std::thread::sleep(Duration::from_secs(2));
-                kill_group(pgid, "KILL");
-                for pid in ranks {
-                    let _ = Command::new("kill")
-                        .args(["-KILL", &pid.to_string()])
-                        .status();
-                }
-                let _ = child.wait();
-                break None;
-            }
-            None => std::thread::sleep(Duration::from_millis(50)),
-        }
-    };
-    // Ranks that outlive mpirun would keep the pipes open: end the group before reading on.
-    if status.is_some() {
-        kill_group(pgid, "KILL");
-    }
-    Outcome {
-        status,
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
-    }
-}
-
-/// Every process below `pid` (from `/proc`).
-fn descendants(pid: u32) -> Vec<u32> {
-    let mut parent_of = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`; comm may contain spaces and parentheses.
-        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-        if let Some(ppid) = after
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse::<u32>().ok())
-        {
-            parent_of.push((child, ppid));
-        }
-    }
-    let mut found = vec![pid];
-    let mut i = 0;
-    while i < found.len() {
-        let p = found[i];
-        found.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
-        i += 1;
-    }
-    found.remove(0);
-    found
-}
-
-fn kill_group(pgid: u32, signal: &str) {
-    let _ = Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg("--")
-        .arg(format!("-{pgid}"))
-        .stderr(Stdio::null())
-        .status();
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    run_job(cmd, limit)
 }
 
 /// The line each rank prints when its scenario passed.

@@ -18,12 +18,12 @@
 //!
 //! Since the worker is the test executable itself, `cargo test` always builds it.
 
+mod common;
+
+use common::job::{run_job, Outcome, LEFTOVER};
 use fsdp::collectives::rendezvous::{LaunchEnv, TcpRendezvous};
-use std::io::Read;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Environment variable that turns this executable into a worker running that scenario.
@@ -31,8 +31,6 @@ const WORKER_ENV: &str = "FSDP_TORCHRUN_WORKER";
 /// How long one torchrun launch may take (starting Python and torch takes seconds on a
 /// loaded machine); `FSDP_TORCHRUN_TIMEOUT` (seconds) overrides it.
 const DEFAULT_LIMIT: Duration = Duration::from_secs(240);
-/// What [`launch`] reports for an output a leftover process kept open.
-const LEFTOVER: &str = "<still open: a worker outlived torchrun>";
 
 fn main() {
     if let Ok(scenario) = std::env::var(WORKER_ENV) {
@@ -156,23 +154,6 @@ fn torchrun() -> PathBuf {
     venv
 }
 
-/// What one launch gave.
-struct Outcome {
-    /// `None` when the job was killed at the timeout.
-    status: Option<ExitStatus>,
-    stdout: String,
-    stderr: String,
-}
-
-impl Outcome {
-    fn describe(&self) -> String {
-        format!(
-            "status {:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
-            self.status, self.stdout, self.stderr
-        )
-    }
-}
-
 fn limit() -> Duration {
     std::env::var("FSDP_TORCHRUN_TIMEOUT")
         .ok()
@@ -185,95 +166,14 @@ fn limit() -> Duration {
 /// `scenario`, killed with every worker when `limit` passes.
 fn launch(scenario: &str, extra: &[&str], limit: Duration) -> Outcome {
     let exe = std::env::current_exe().expect("path of the test executable");
-    let mut child = Command::new(torchrun())
-        .args(["--nproc-per-node", "2"])
+    let mut cmd = Command::new(torchrun());
+    cmd.args(["--nproc-per-node", "2"])
         .args(extra)
         .arg("--no-python")
         .arg(exe)
-        .env(WORKER_ENV, scenario)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        // Its own process group; torchrun starts each worker in a session of its own.
-        .process_group(0)
-        .spawn()
-        .expect("spawn torchrun");
-    let pid = child.id();
-    let read_all = |mut pipe: Box<dyn Read + Send>| {
-        let (send, receive) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = pipe.read_to_string(&mut s);
-            let _ = send.send(s);
-        });
-        receive
-    };
-    let out = read_all(Box::new(child.stdout.take().expect("piped stdout")));
-    let err = read_all(Box::new(child.stderr.take().expect("piped stderr")));
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        match child.try_wait().expect("wait for torchrun") {
-            Some(status) => break Some(status),
-            None if Instant::now() >= deadline => {
-                let workers = descendants(pid);
-                signal(&format!("-{pid}"), "TERM");
-                std::thread::sleep(Duration::from_secs(2));
-                signal(&format!("-{pid}"), "KILL");
-                for worker in workers {
-                    signal(&worker.to_string(), "KILL");
-                }
-                let _ = child.wait();
-                break None;
-            }
-            None => std::thread::sleep(Duration::from_millis(50)),
-        }
-    };
-    // A process still holding a pipe 10 s after torchrun ended is a leftover worker.
-    let drain = |pipe: mpsc::Receiver<String>| {
-        pipe.recv_timeout(Duration::from_secs(10))
-            .unwrap_or_else(|_| LEFTOVER.to_string())
-    };
-    Outcome {
-        status,
-        stdout: drain(out),
-        stderr: drain(err),
-    }
-}
-
-/// Every process below `pid` (from `/proc`).
-fn descendants(pid: u32) -> Vec<u32> {
-    let mut parent_of: Vec<(u32, u32)> = Vec::new();
-    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        // `pid (comm) state ppid ...`; comm may contain spaces and parentheses.
-        let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
-        if let Some(ppid) = after.split_whitespace().nth(1).and_then(|p| p.parse().ok()) {
-            parent_of.push((child, ppid));
-        }
-    }
-    let mut found = vec![pid];
-    let mut i = 0;
-    while i < found.len() {
-        let p = found[i];
-        found.extend(parent_of.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
-        i += 1;
-    }
-    found.split_off(1)
-}
-
-/// `kill -SIGNAL -- TARGET` (a pid, or `-pgid` for a process group).
-fn signal(target: &str, name: &str) {
-    let _ = Command::new("kill")
-        .arg(format!("-{name}"))
-        .arg("--")
-        .arg(target)
-        .stderr(Stdio::null())
-        .status();
+        .env(WORKER_ENV, scenario);
+    // torchrun starts each worker in a session of its own; run_job finds them in /proc.
+    run_job(cmd, limit)
 }
 
 /// The blobs rank `rank` printed in torchrun's attempt `attempt`, asserting there is exactly

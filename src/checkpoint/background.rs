@@ -117,21 +117,17 @@ impl BackgroundSaver {
         // The previous save finishes first, on every rank, so that two never interleave.
         let previous = self.wait();
         let fits = staged_bytes(osd, model) <= self.cap;
-        let agreed: Vec<(bool, Option<Error>)> = pg.all_gather_object(&(fits, previous.err()))?;
-        if let Some(e) = agreed.iter().find_map(|(_, e)| e.clone()) {
-            return Err(e);
-        }
-        if agreed.iter().any(|(fits, _)| !fits) {
+        let fits_everywhere = pg
+            .all_gather_agreed(previous.map(|()| fits))?
+            .into_iter()
+            .all(|fits| fits);
+        if !fits_everywhere {
             save(ctx, osd, params, model, dir, &SaveOptions::default())?;
             return Ok(SaveMode::Foreground);
         }
         let rank = pg.rank();
-        let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-            super::prepare_output(dir, &[])
-        } else {
-            Ok(PathBuf::new())
-        };
-        let tmp = pg.broadcast_object((rank == 0).then_some(&tmp), 0)??;
+        let tmp = (rank == 0).then(|| super::prepare_output(dir, &[]));
+        let tmp: PathBuf = pg.broadcast_agreed(tmp.as_ref(), 0)?;
         let snapshot = ctx.writes_files.then(|| snapshot(osd, model)).transpose()?;
         let job = WriteJob {
             layout: ctx.layout.clone(),
@@ -306,10 +302,7 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
         let path = report_path(tmp, r);
         std::fs::remove_file(&path).map_err(Error::io("removing", &path))?;
     }
-    Ok(reports
-        .into_iter()
-        .map(|r| r.expect("all collected"))
-        .collect())
+    reports.into_iter().flatten().collect()
 }
 
 /// The message of a panic payload, when it is a string (as `panic!` with a message makes it).

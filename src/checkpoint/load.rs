@@ -285,30 +285,9 @@ impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
             return Ok(None);
         }
         let names = fl.fqns();
-        // The same state names for every member with state (flatten_flat_param_with's check).
-        let sets: Vec<Vec<String>> = records
-            .iter()
-            .flatten()
-            .map(|r| {
-                let mut v: Vec<String> = r.states.iter().map(|(n, _)| n.clone()).collect();
-                v.sort();
-                v
-            })
-            .collect();
-        if sets.windows(2).any(|w| w[0] != w[1]) {
-            return Err(Error::DifferingStateNames {
-                params: names,
-                names: sets,
-            });
-        }
-        let order: Vec<String> = records
-            .iter()
-            .flatten()
-            .next()
-            .map(|r| r.states.iter().map(|(n, _)| n.clone()).collect())
-            .unwrap_or_default();
         let mut out = ParamState::new();
-        for sname in order {
+        for sname in state_order(&records, &names)? {
+            // Each member's stored value of this state (`None`: no value stored).
             let values: Vec<Option<&StoredValue>> = records
                 .iter()
                 .map(|r| {
@@ -318,85 +297,26 @@ impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
                 })
                 .collect();
             let non_none: Vec<&StoredValue> = values.iter().flatten().copied().collect();
-            if non_none.is_empty() {
-                out.insert(sname, Value::None);
-                continue;
-            }
-            let kinds = || {
-                values
-                    .iter()
-                    .map(|v| match v {
-                        None => "missing".to_string(),
-                        Some(StoredValue::Tensor { shape, dtype, .. }) => {
-                            format!("tensor {shape:?} ({dtype})")
-                        }
-                        Some(StoredValue::Value(v)) => v.kind(),
-                    })
-                    .collect::<Vec<_>>()
-            };
             let tensors = non_none
                 .iter()
                 .filter(|v| matches!(v, StoredValue::Tensor { .. }))
                 .count();
-            if tensors == non_none.len() {
-                let dtypes: std::collections::BTreeSet<DType> = non_none
-                    .iter()
-                    .filter_map(|v| match v {
-                        StoredValue::Tensor { dtype, .. } => Some(*dtype),
-                        StoredValue::Value(_) => None,
-                    })
-                    .collect();
-                if dtypes.len() != 1 {
-                    return Err(Error::TensorStateDtypeMismatch {
-                        state: sname,
-                        params: names,
-                        dtypes: dtypes.iter().map(|d| d.to_string()).collect(),
-                    });
-                }
-                let dtype = *dtypes.iter().next().expect("one dtype");
-                for (m, v) in fl.members.iter().zip(&values) {
-                    if v.is_none() && m.shape.is_empty() {
-                        return Err(Error::ZeroDimParamWithoutState {
-                            param: m.fqn.clone(),
-                            state: sname,
-                        });
-                    }
-                }
-                let t = self.flat_shard(fl, &sname, dtype, &values)?;
-                out.insert(sname, Value::Tensor(T::from_host(t)?));
+            let value = if non_none.is_empty() {
+                Value::None
+            } else if tensors == non_none.len() {
+                let dtype = tensor_state_dtype(fl, &sname, &names, &values, &non_none)?;
+                Value::Tensor(T::from_host(self.flat_shard(fl, &sname, dtype, &values)?)?)
             } else if tensors == 0 {
-                let first = match non_none[0] {
-                    StoredValue::Value(v) => v,
-                    StoredValue::Tensor { .. } => unreachable!("no tensors"),
-                };
-                let same = non_none.len() == values.len()
-                    && non_none
-                        .iter()
-                        .all(|v| matches!(v, StoredValue::Value(x) if x.same_scalar(first)));
-                if !same {
-                    return Err(Error::ScalarStateMismatch {
-                        state: sname,
-                        params: names,
-                        values: values
-                            .iter()
-                            .map(|v| match v {
-                                Some(StoredValue::Value(v)) => v.render(),
-                                _ => "missing".into(),
-                            })
-                            .collect(),
-                    });
-                }
-                out.insert(
-                    sname,
-                    first.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
-                );
+                scalar_state(&sname, &names, &values, &non_none)?
+                    .try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?
             } else {
                 return Err(Error::DifferingStateTypes {
                     state: sname,
                     params: names,
-                    kinds: kinds(),
+                    kinds: state_kinds(&values),
                 });
-            }
+            };
+            out.insert(sname, value);
         }
         Ok(Some(out))
     }
@@ -768,4 +688,109 @@ pub fn verify(dir: &Path) -> Result<u64> {
         }
     }
     Ok(checked)
+}
+
+/// The state names of a flat parameter's members, in the first stored member's order; every
+/// member with state must have the same names (`flatten_flat_param_with`'s check).
+fn state_order(records: &[Option<&ParamRecord>], names: &[String]) -> Result<Vec<String>> {
+    let sets: Vec<Vec<String>> = records
+        .iter()
+        .flatten()
+        .map(|r| {
+            let mut v: Vec<String> = r.states.iter().map(|(n, _)| n.clone()).collect();
+            v.sort();
+            v
+        })
+        .collect();
+    if sets.windows(2).any(|w| w[0] != w[1]) {
+        return Err(Error::DifferingStateNames {
+            params: names.to_vec(),
+            names: sets,
+        });
+    }
+    Ok(records
+        .iter()
+        .flatten()
+        .next()
+        .map(|r| r.states.iter().map(|(n, _)| n.clone()).collect())
+        .unwrap_or_default())
+}
+
+/// The one dtype of a tensor state across a flat parameter's members; a 0-dim member must
+/// hold the state too (it cannot be padded with zeros).
+fn tensor_state_dtype(
+    fl: &FlatParamLayout,
+    state: &str,
+    names: &[String],
+    values: &[Option<&StoredValue>],
+    non_none: &[&StoredValue],
+) -> Result<DType> {
+    let dtypes: std::collections::BTreeSet<DType> = non_none
+        .iter()
+        .filter_map(|v| match v {
+            StoredValue::Tensor { dtype, .. } => Some(*dtype),
+            StoredValue::Value(_) => None,
+        })
+        .collect();
+    let mut it = dtypes.iter();
+    let (Some(&dtype), None) = (it.next(), it.next()) else {
+        return Err(Error::TensorStateDtypeMismatch {
+            state: state.to_string(),
+            params: names.to_vec(),
+            dtypes: dtypes.iter().map(|d| d.to_string()).collect(),
+        });
+    };
+    for (m, v) in fl.members.iter().zip(values) {
+        if v.is_none() && m.shape.is_empty() {
+            return Err(Error::ZeroDimParamWithoutState {
+                param: m.fqn.clone(),
+                state: state.to_string(),
+            });
+        }
+    }
+    Ok(dtype)
+}
+
+/// A non-tensor state of a flat parameter: every member must hold the same scalar.
+fn scalar_state<'v>(
+    state: &str,
+    names: &[String],
+    values: &[Option<&'v StoredValue>],
+    non_none: &[&'v StoredValue],
+) -> Result<&'v Value<HostTensor>> {
+    let StoredValue::Value(first) = non_none[0] else {
+        return Err(Error::Internal(
+            "scalar_state: a tensor among scalars".into(),
+        ));
+    };
+    let same = non_none.len() == values.len()
+        && non_none
+            .iter()
+            .all(|v| matches!(v, StoredValue::Value(x) if x.same_scalar(first)));
+    if !same {
+        return Err(Error::ScalarStateMismatch {
+            state: state.to_string(),
+            params: names.to_vec(),
+            values: values
+                .iter()
+                .map(|v| match v {
+                    Some(StoredValue::Value(v)) => v.render(),
+                    _ => "missing".into(),
+                })
+                .collect(),
+        });
+    }
+    Ok(first)
+}
+
+/// Each member's stored value of a state, described for an error message.
+fn state_kinds(values: &[Option<&StoredValue>]) -> Vec<String> {
+    values
+        .iter()
+        .map(|v| match v {
+            None => "missing".to_string(),
+            Some(StoredValue::Tensor { shape, dtype, .. }) => format!("tensor {shape:?} ({dtype})"),
+            Some(StoredValue::Value(v)) => v.kind(),
+        })
+        .collect()
 }

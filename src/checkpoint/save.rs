@@ -9,7 +9,7 @@ use super::manifest::{
 use super::{sync_dir, GroupContext, COMMIT};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
-use crate::flat_param::{ModelLayout, ShardPiece};
+use crate::flat_param::{FlatParamLayout, ModelLayout, ShardPiece};
 use crate::io::container::{self, Entry};
 use crate::optim_state::consolidate::named_param_groups;
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
@@ -116,33 +116,26 @@ pub fn save<T: Tensor>(
         pg,
     } = ctx;
     let rank = pg.rank();
-    // 1. Rank 0 creates the temporary directory beside `dir`.
-    let tmp: std::result::Result<PathBuf, Error> = if rank == 0 {
-        super::prepare_output(dir, &[])
-    } else {
-        Ok(PathBuf::new())
-    };
-    let tmp: std::result::Result<PathBuf, Error> =
-        pg.broadcast_object((rank == 0).then_some(&tmp), 0)?;
-    let tmp = tmp?;
-    // 2. Each writer writes its file.
-    let report: std::result::Result<Option<(RankReport, Option<DictParts>)>, Error> = if writer {
+    // 1. Rank 0 creates the temporary directory beside `dir`; every rank learns it, or its error.
+    let tmp = (rank == 0).then(|| super::prepare_output(dir, &[]));
+    let tmp: PathBuf = pg.broadcast_agreed(tmp.as_ref(), 0)?;
+    // 2. Each writer writes its file; every rank learns every report, or the first failure.
+    let report = if writer {
         write_rank(layout, layout_rank, osd, params, model, &tmp, opts).map(Some)
     } else {
         Ok(None)
     };
-    let reports = pg.all_gather_object(&report)?;
-    // 3. Rank 0 merges, writes the manifest and commits.
-    let outcome: std::result::Result<(), Error> = if rank == 0 {
-        let result = commit(layout, reports, &tmp, dir, opts);
+    let reports = pg.all_gather_agreed(report);
+    // 3. Rank 0 merges, writes the manifest and commits, or removes the temporary directory;
+    //    every rank learns the outcome.
+    let outcome = (rank == 0).then(|| {
+        let result = reports.and_then(|reports| commit(layout, reports, &tmp, dir, opts));
         if result.is_err() && opts.crash_at.is_none() {
             crate::io::output::discard_tmp_dir(&tmp);
         }
         result
-    } else {
-        Ok(())
-    };
-    pg.broadcast_object((rank == 0).then_some(&outcome), 0)?
+    });
+    pg.broadcast_agreed(outcome.as_ref(), 0)
 }
 
 /// One rank's pieces: which bytes of which local tensor go where.
@@ -360,66 +353,10 @@ pub(super) fn plan_pieces<'a>(
         match l.resolved {
             Resolved::Flat(f) => {
                 let fl = &layout.flat_params[f];
-                let c = fl.shard_numel();
-                let first = report_params.len();
-                for m in &fl.members {
-                    let key = OptimStateKey {
-                        names: vec![m.fqn.clone()],
-                        managed: true,
-                    };
-                    report_params.push((key, Vec::new()));
-                }
-                let pieces = fl.shard_pieces(layout_rank);
-                for (n, v) in vals {
-                    let t = match v {
-                        Value::Tensor(t) if t.dim() > 0 => t,
-                        // Scalars are shared by every member of the flat parameter.
-                        _ => {
-                            for (_, list) in &mut report_params[first..] {
-                                list.push((n.clone(), LocalValue::Value(v.clone())));
-                            }
-                            continue;
-                        }
-                    };
-                    if t.shape() != [c] {
-                        return Err(Error::ShapeMismatch {
-                            context: format!(
-                                "state `{n}` of the flat parameter of unit `{}` on rank {layout_rank} (a local shard has {c} elements)",
-                                fl.unit
-                            ),
-                            expected: vec![c],
-                            found: t.shape().to_vec(),
-                        });
-                    }
-                    // Every member gets the state's name, holding elements here or not.
-                    for (mi, m) in fl.members.iter().enumerate() {
-                        tensor_slot(&mut report_params[first + mi].1, n, t.dtype(), &m.shape);
-                    }
-                    let size = t.dtype().size();
-                    let mut pos = 0;
-                    for piece in &pieces {
-                        match *piece {
-                            ShardPiece::Padding(len) => pos += len,
-                            ShardPiece::Member { member, start, len } => {
-                                let bytes = &t.as_bytes()[pos * size..(pos + len) * size];
-                                pos += len;
-                                let k = first + member;
-                                let si = tensor_slot(
-                                    &mut report_params[k].1,
-                                    n,
-                                    t.dtype(),
-                                    &fl.members[member].shape,
-                                );
-                                push_entry(plan, (k, si, start, len), t.dtype(), bytes);
-                            }
-                        }
-                    }
-                }
+                plan_flat_pieces(fl, layout_rank, vals, report_params, plan)?;
             }
             Resolved::Orig { param, owner } => {
-                let k = report_params.len();
-                report_params.push((l.skey.clone(), Vec::new()));
-                let shape = layout.model.params[param].shape.clone();
+                let shape = &layout.model.params[param].shape;
                 let numel: usize = shape.iter().product();
                 let (start, want) = match owner {
                     Some((f, m)) if layout.flat_params[f].sharded => {
@@ -428,30 +365,133 @@ pub(super) fn plan_pieces<'a>(
                     }
                     _ => (0, numel),
                 };
-                for (n, v) in vals {
-                    match v {
-                        Value::Tensor(t) if t.dim() > 0 => {
-                            if t.numel() != want {
-                                return Err(Error::ShapeMismatch {
-                                    context: format!(
-                                        "state `{n}` of parameter `{}` on rank {layout_rank} (its shard holds {want} elements)",
-                                        l.skey.names[0]
-                                    ),
-                                    expected: vec![want],
-                                    found: t.shape().to_vec(),
-                                });
-                            }
-                            let si = tensor_slot(&mut report_params[k].1, n, t.dtype(), &shape);
-                            if want > 0 {
-                                push_entry(plan, (k, si, start, want), t.dtype(), t.as_bytes());
-                            }
-                        }
-                        other => report_params[k]
-                            .1
-                            .push((n.clone(), LocalValue::Value(other.clone()))),
-                    }
+                let local = OrigShard {
+                    key: &l.skey,
+                    shape,
+                    start,
+                    want,
+                };
+                plan_orig_pieces(&local, layout_rank, vals, report_params, plan)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The state of one flat parameter's local shard: every member gets a key and every state's
+/// name; a tensor state is cut at the shard's member boundaries (padding skipped) into pieces.
+fn plan_flat_pieces<'a>(
+    fl: &FlatParamLayout,
+    layout_rank: usize,
+    vals: &'a [(String, Value<HostTensor>)],
+    report_params: &mut KeyedStates,
+    plan: &mut Plan<'a>,
+) -> Result<()> {
+    let c = fl.shard_numel();
+    let first = report_params.len();
+    for m in &fl.members {
+        let key = OptimStateKey {
+            names: vec![m.fqn.clone()],
+            managed: true,
+        };
+        report_params.push((key, Vec::new()));
+    }
+    let pieces = fl.shard_pieces(layout_rank);
+    for (n, v) in vals {
+        let t = match v {
+            Value::Tensor(t) if t.dim() > 0 => t,
+            // Scalars are shared by every member of the flat parameter.
+            _ => {
+                for (_, list) in &mut report_params[first..] {
+                    list.push((n.clone(), LocalValue::Value(v.clone())));
+                }
+                continue;
+            }
+        };
+        if t.shape() != [c] {
+            return Err(Error::ShapeMismatch {
+                context: format!(
+                    "state `{n}` of the flat parameter of unit `{}` on rank {layout_rank} (a local shard has {c} elements)",
+                    fl.unit
+                ),
+                expected: vec![c],
+                found: t.shape().to_vec(),
+            });
+        }
+        // Every member gets the state's name, holding elements here or not.
+        for (mi, m) in fl.members.iter().enumerate() {
+            tensor_slot(&mut report_params[first + mi].1, n, t.dtype(), &m.shape);
+        }
+        let size = t.dtype().size();
+        let mut pos = 0;
+        for piece in &pieces {
+            match *piece {
+                ShardPiece::Padding(len) => pos += len,
+                ShardPiece::Member { member, start, len } => {
+                    let bytes = &t.as_bytes()[pos * size..(pos + len) * size];
+                    pos += len;
+                    let k = first + member;
+                    let si = tensor_slot(
+                        &mut report_params[k].1,
+                        n,
+                        t.dtype(),
+                        &fl.members[member].shape,
+                    );
+                    push_entry(plan, (k, si, start, len), t.dtype(), bytes);
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// Where one original parameter's local state lies: its key, full shape, and the element
+/// range `start..start + want` this rank holds.
+struct OrigShard<'k> {
+    key: &'k OptimStateKey,
+    shape: &'k [usize],
+    start: usize,
+    want: usize,
+}
+
+/// The state of one original parameter (`use_orig_params`, or unmanaged): one piece per
+/// tensor state, holding this rank's elements.
+fn plan_orig_pieces<'a>(
+    local: &OrigShard<'_>,
+    layout_rank: usize,
+    vals: &'a [(String, Value<HostTensor>)],
+    report_params: &mut KeyedStates,
+    plan: &mut Plan<'a>,
+) -> Result<()> {
+    let OrigShard {
+        key,
+        shape,
+        start,
+        want,
+    } = *local;
+    let k = report_params.len();
+    report_params.push((key.clone(), Vec::new()));
+    for (n, v) in vals {
+        match v {
+            Value::Tensor(t) if t.dim() > 0 => {
+                if t.numel() != want {
+                    return Err(Error::ShapeMismatch {
+                        context: format!(
+                            "state `{n}` of parameter `{}` on rank {layout_rank} (its shard holds {want} elements)",
+                            key.names[0]
+                        ),
+                        expected: vec![want],
+                        found: t.shape().to_vec(),
+                    });
+                }
+                let si = tensor_slot(&mut report_params[k].1, n, t.dtype(), shape);
+                if want > 0 {
+                    push_entry(plan, (k, si, start, want), t.dtype(), t.as_bytes());
+                }
+            }
+            other => report_params[k]
+                .1
+                .push((n.clone(), LocalValue::Value(other.clone()))),
         }
     }
     Ok(())
@@ -532,7 +572,8 @@ pub(super) fn dict_parts<T: Tensor>(
     })
 }
 
-pub(super) type Reports = Vec<std::result::Result<Option<(RankReport, Option<DictParts>)>, Error>>;
+/// Every rank's report, in rank order: `None` for a rank that writes no file.
+pub(super) type Reports = Vec<Option<(RankReport, Option<DictParts>)>>;
 
 pub(super) fn commit(
     layout: &ModelLayout,
@@ -543,13 +584,11 @@ pub(super) fn commit(
 ) -> Result<()> {
     let mut ranks: Vec<RankReport> = Vec::new();
     let mut parts = None;
-    for r in reports {
-        if let Some((report, p)) = r? {
-            if p.is_some() {
-                parts = p;
-            }
-            ranks.push(report);
+    for (report, p) in reports.into_iter().flatten() {
+        if p.is_some() {
+            parts = p;
         }
+        ranks.push(report);
     }
     let parts = parts.ok_or_else(|| Error::InvalidCollective {
         op: "save".into(),

@@ -65,6 +65,14 @@ const GRACE: Duration = Duration::from_secs(2);
 /// Pause between connection attempts and between polls of the listener.
 const POLL: Duration = Duration::from_millis(20);
 
+/// What rank 0's wait for hellos gave: the valid peers by rank, whether the deadline passed,
+/// and the first problem (sent to everyone connected).
+struct Hellos {
+    peers: Vec<Option<TcpStream>>,
+    timed_out: bool,
+    first_problem: Option<String>,
+}
+
 /// The launcher variables of one rank, as `torchrun` (and `torch.distributed.launch`) set them.
 ///
 /// | variable | meaning | required |
@@ -419,16 +427,44 @@ impl TcpRendezvous {
         outcome: std::result::Result<Vec<u8>, String>,
     ) -> Result<Vec<u8>> {
         let start = Instant::now();
-        let deadline = start.checked_add(self.timeout);
-        let mut peers: Vec<Option<TcpStream>> = (0..self.world_size).map(|_| None).collect();
-        // Hellos received (valid or not); the wait ends when `world_size - 1` have come, so
-        // that after a mismatch the ranks still arriving are told too.
+        let hellos = self.accept_hellos(listener, start.checked_add(self.timeout))?;
+        if let Some(problem) = hellos.first_problem {
+            // Everyone connected has been told already.
+            return Err(self.mismatch(problem));
+        }
+        let peers = hellos.peers;
+        if hellos.timed_out && outcome.is_ok() {
+            let missing: Vec<usize> = (1..self.world_size)
+                .filter(|&r| peers[r].is_none())
+                .collect();
+            let waited = start.elapsed();
+            let msg = timeout_payload(waited, &missing);
+            for stream in peers.iter().flatten() {
+                write_error(stream, STATUS_TIMEOUT, &msg);
+            }
+            return Err(Error::CollectiveTimeout {
+                op: format!("rendezvous at {}", self.addr),
+                rank: 0,
+                waited,
+                missing,
+            });
+        }
+        self.answer(&peers, outcome)
+    }
+
+    /// Rank 0: accepts connections until `world_size - 1` hellos (valid or not) have come or
+    /// the deadline passes, so that after a mismatch the ranks still arriving are told too.
+    /// The first problem is sent at once to everyone connected so far, and to each later one.
+    fn accept_hellos(&self, listener: &TcpListener, deadline: Option<Instant>) -> Result<Hellos> {
+        let mut got = Hellos {
+            peers: (0..self.world_size).map(|_| None).collect(),
+            timed_out: false,
+            first_problem: None,
+        };
         let mut hellos = 0usize;
-        let mut timed_out = false;
-        let mut first_problem: Option<String> = None;
         while hellos + 1 < self.world_size {
             if deadline.is_some_and(|d| Instant::now() >= d) {
-                timed_out = true;
+                got.timed_out = true;
                 break;
             }
             let stream = match listener.accept() {
@@ -445,54 +481,55 @@ impl TcpRendezvous {
                 continue; // not one of ours: ignore it
             };
             hellos += 1;
-            let problem = if world_size != self.world_size {
-                Some(format!(
-                    "rank {rank} was launched with world size {world_size}, rank 0 with {}",
-                    self.world_size
-                ))
-            } else if rank == 0 || rank >= self.world_size {
-                Some(format!(
-                    "a peer claims rank {rank}, out of range 1..{} (two jobs on one MASTER_PORT?)",
-                    self.world_size
-                ))
-            } else if peers[rank].is_some() {
-                Some(format!("rank {rank} connected twice (duplicate RANK)"))
-            } else {
-                None
-            };
-            match (problem, &first_problem) {
+            match (
+                self.hello_problem(world_size, rank, &got.peers),
+                &got.first_problem,
+            ) {
                 (Some(problem), None) => {
                     // Fail at once everyone connected so far, and the offender.
                     write_error(&stream, STATUS_MISMATCH, problem.as_bytes());
-                    for s in peers.iter().flatten() {
+                    for s in got.peers.iter().flatten() {
                         write_error(s, STATUS_MISMATCH, problem.as_bytes());
                     }
-                    first_problem = Some(problem);
+                    got.first_problem = Some(problem);
                 }
                 (_, Some(problem)) => write_error(&stream, STATUS_MISMATCH, problem.as_bytes()),
-                (None, None) => peers[rank] = Some(stream),
+                (None, None) => got.peers[rank] = Some(stream),
             }
         }
-        if let Some(problem) = first_problem {
-            // Everyone connected has been told already.
-            return Err(self.mismatch(problem));
+        Ok(got)
+    }
+
+    /// What is wrong with a hello claiming `rank` of `world_size`, if anything.
+    fn hello_problem(
+        &self,
+        world_size: usize,
+        rank: usize,
+        peers: &[Option<TcpStream>],
+    ) -> Option<String> {
+        if world_size != self.world_size {
+            Some(format!(
+                "rank {rank} was launched with world size {world_size}, rank 0 with {}",
+                self.world_size
+            ))
+        } else if rank == 0 || rank >= self.world_size {
+            Some(format!(
+                "a peer claims rank {rank}, out of range 1..{} (two jobs on one MASTER_PORT?)",
+                self.world_size
+            ))
+        } else if peers[rank].is_some() {
+            Some(format!("rank {rank} connected twice (duplicate RANK)"))
+        } else {
+            None
         }
-        let missing: Vec<usize> = (1..self.world_size)
-            .filter(|&r| peers[r].is_none())
-            .collect();
-        if timed_out && outcome.is_ok() {
-            let waited = start.elapsed();
-            let msg = timeout_payload(waited, &missing);
-            for stream in peers.iter().flatten() {
-                write_error(stream, STATUS_TIMEOUT, &msg);
-            }
-            return Err(Error::CollectiveTimeout {
-                op: format!("rendezvous at {}", self.addr),
-                rank: 0,
-                waited,
-                missing,
-            });
-        }
+    }
+
+    /// Rank 0: sends every connected peer rank 0's blob, or its problem.
+    fn answer(
+        &self,
+        peers: &[Option<TcpStream>],
+        outcome: std::result::Result<Vec<u8>, String>,
+    ) -> Result<Vec<u8>> {
         match outcome {
             Ok(blob) => {
                 for (rank, stream) in peers.iter().enumerate() {

@@ -194,90 +194,11 @@ impl ThreadProcessGroup {
         let seq = self.calls.fetch_add(1, Ordering::Relaxed);
         let domain = &*self.domain;
         let mut st = domain.lock();
-
-        if let Err(reason) = valid {
-            // The peers cannot complete this round without us: fail them too.
-            let kind = FailureKind::Invalid {
-                op: name,
-                rank,
-                reason: reason.clone(),
-            };
-            domain.poison(&mut st, seq, kind);
-            return Err(Error::InvalidCollective {
-                op: name.into(),
-                rank,
-                reason,
-            });
-        }
-        if let Some(failure) = &st.failure {
-            return Err(failure.error(name, rank, seq == failure.gen));
-        }
-        if let Some(peer) = st.dead_peer() {
-            return Err(domain
-                .poison(&mut st, seq, FailureKind::PeerDied { peer })
-                .error(name, rank, true));
-        }
+        domain.check_entry(&mut st, seq, name, rank, valid)?;
         debug_assert!(seq == st.gen && !st.copying && st.slots[rank].is_none());
-
         // Phase 1: arrive, and wait for every peer to arrive.
-        st.slots[rank] = Some(Slot { op, publish });
-        st.arrived += 1;
-        if st.arrived == domain.world_size {
-            match st.agreement() {
-                Ok(op) => {
-                    if let Call::NewSubgroup(members) = op {
-                        st.subgroup = Some(Domain::new(members.len, domain.timeout));
-                    }
-                    st.copying = true;
-                    domain.changed.notify_all();
-                }
-                Err(detail) => {
-                    domain.poison(&mut st, seq, FailureKind::Mismatch { detail });
-                }
-            }
-        }
-        let start = Instant::now();
-        let deadline = start.checked_add(domain.timeout);
-        while !st.copying {
-            let error = if let Some(failure) = &st.failure {
-                failure.error(name, rank, true)
-            } else if let Some(peer) = st.dead_peer() {
-                domain
-                    .poison(&mut st, seq, FailureKind::PeerDied { peer })
-                    .error(name, rank, true)
-            } else {
-                let now = Instant::now();
-                match deadline {
-                    Some(deadline) if now >= deadline => {
-                        let missing = (0..domain.world_size)
-                            .filter(|&p| st.slots[p].is_none())
-                            .collect();
-                        let kind = FailureKind::Timeout {
-                            op: name,
-                            waited: now - start,
-                            missing,
-                        };
-                        domain.poison(&mut st, seq, kind).error(name, rank, true)
-                    }
-                    Some(deadline) => {
-                        st = domain
-                            .changed
-                            .wait_timeout(st, deadline - now)
-                            .unwrap_or_else(|e| e.into_inner())
-                            .0;
-                        continue;
-                    }
-                    None => {
-                        st = domain.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-                        continue;
-                    }
-                }
-            };
-            // Withdraw: the round can never complete, and our send buffer is about to go away.
-            st.slots[rank] = None;
-            st.arrived -= 1;
-            return Err(error);
-        }
+        domain.arrive(&mut st, seq, rank, Slot { op, publish });
+        let st = domain.await_arrivals(st, seq, name, rank)?;
 
         // Phase 2: copy from the peers' buffers outside the lock.
         let round = Round {
@@ -669,6 +590,116 @@ impl Domain {
 
     /// Locks the state. No code panics while holding the lock, so a poisoned mutex (which
     /// would only come from a bug) is entered anyway rather than turned into a panic.
+    /// Whether rank `rank` may start round `seq` of `op`: its own argument check passed (else
+    /// the round is poisoned, so the peers fail too), the group has not failed and no peer
+    /// has died.
+    fn check_entry(
+        &self,
+        st: &mut State,
+        seq: u64,
+        op: &'static str,
+        rank: usize,
+        valid: std::result::Result<(), String>,
+    ) -> Result<()> {
+        if let Err(reason) = valid {
+            // The peers cannot complete this round without us: fail them too.
+            let kind = FailureKind::Invalid {
+                op,
+                rank,
+                reason: reason.clone(),
+            };
+            self.poison(st, seq, kind);
+            return Err(Error::InvalidCollective {
+                op: op.into(),
+                rank,
+                reason,
+            });
+        }
+        if let Some(failure) = &st.failure {
+            return Err(failure.error(op, rank, seq == failure.gen));
+        }
+        if let Some(peer) = st.dead_peer() {
+            return Err(self
+                .poison(st, seq, FailureKind::PeerDied { peer })
+                .error(op, rank, true));
+        }
+        Ok(())
+    }
+
+    /// Publishes rank `rank`'s slot; the last rank to arrive checks that every rank called
+    /// the same collective and opens the copy phase (or poisons the round).
+    fn arrive(&self, st: &mut State, seq: u64, rank: usize, slot: Slot) {
+        st.slots[rank] = Some(slot);
+        st.arrived += 1;
+        if st.arrived == self.world_size {
+            match st.agreement() {
+                Ok(op) => {
+                    if let Call::NewSubgroup(members) = op {
+                        st.subgroup = Some(Domain::new(members.len, self.timeout));
+                    }
+                    st.copying = true;
+                    self.changed.notify_all();
+                }
+                Err(detail) => {
+                    self.poison(st, seq, FailureKind::Mismatch { detail });
+                }
+            }
+        }
+    }
+
+    /// Waits until the copy phase opens; on a failure, a dead peer or the timeout, withdraws
+    /// rank `rank`'s slot (the round can never complete) and returns the error.
+    fn await_arrivals<'d>(
+        &'d self,
+        mut st: MutexGuard<'d, State>,
+        seq: u64,
+        op: &'static str,
+        rank: usize,
+    ) -> Result<MutexGuard<'d, State>> {
+        let start = Instant::now();
+        let deadline = start.checked_add(self.timeout);
+        while !st.copying {
+            let error = if let Some(failure) = &st.failure {
+                failure.error(op, rank, true)
+            } else if let Some(peer) = st.dead_peer() {
+                self.poison(&mut st, seq, FailureKind::PeerDied { peer })
+                    .error(op, rank, true)
+            } else {
+                let now = Instant::now();
+                match deadline {
+                    Some(deadline) if now >= deadline => {
+                        let missing = (0..self.world_size)
+                            .filter(|&p| st.slots[p].is_none())
+                            .collect();
+                        let kind = FailureKind::Timeout {
+                            op,
+                            waited: now - start,
+                            missing,
+                        };
+                        self.poison(&mut st, seq, kind).error(op, rank, true)
+                    }
+                    Some(deadline) => {
+                        st = self
+                            .changed
+                            .wait_timeout(st, deadline - now)
+                            .unwrap_or_else(|e| e.into_inner())
+                            .0;
+                        continue;
+                    }
+                    None => {
+                        st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                        continue;
+                    }
+                }
+            };
+            // Withdraw: the round can never complete, and our send buffer is about to go away.
+            st.slots[rank] = None;
+            st.arrived -= 1;
+            return Err(error);
+        }
+        Ok(st)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }

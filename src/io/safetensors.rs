@@ -495,108 +495,114 @@ impl Decoder<'_> {
             Json::Bool(b) => PyObj::Bool(*b),
             Json::Number(n) => PyObj::Int(n.as_i64().ok_or_else(|| self.bad(path, j))?),
             Json::String(s) => PyObj::Str(s.clone()),
-            Json::Array(xs) => PyObj::List(
-                xs.iter()
-                    .enumerate()
-                    .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
-                    .collect::<Result<_>>()?,
-            ),
-            Json::Object(m) => {
-                let tag = |k: &str| m.get(k);
-                if m.len() == 1 {
-                    if let Some(Json::String(s)) = tag("float") {
-                        return parse_float(s)
-                            .map(PyObj::Float)
-                            .ok_or_else(|| self.bad(path, j));
+            Json::Array(xs) => PyObj::List(self.decode_items(xs, path)?),
+            Json::Object(m) => match (m.len(), m.iter().next()) {
+                (1, Some((tag, value))) => self.decode_tagged(tag, value, j, path)?,
+                (2, _) => match (m.get("odict"), m.get("attrs")) {
+                    (Some(items), Some(Json::Array(attrs))) => {
+                        self.decode_odict(items, attrs, path)?
                     }
-                    if let Some(Json::String(s)) = tag("bigint") {
-                        return unhex(s).map(PyObj::BigInt).ok_or_else(|| self.bad(path, j));
-                    }
-                    if let Some(Json::String(s)) = tag("bytes") {
-                        return unhex(s).map(PyObj::Bytes).ok_or_else(|| self.bad(path, j));
-                    }
-                    if let Some(Json::Array(xs)) = tag("tuple") {
-                        return Ok(PyObj::Tuple(
-                            xs.iter()
-                                .enumerate()
-                                .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
-                                .collect::<Result<_>>()?,
-                        ));
-                    }
-                    if let Some(Json::Object(sh)) = tag("sharded") {
-                        let dims = |k: &str| -> Option<Vec<usize>> {
-                            sh.get(k)?
-                                .as_array()?
-                                .iter()
-                                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-                                .collect()
-                        };
-                        let (Some(global_shape), Some(offsets)) =
-                            (dims("global_shape"), dims("offsets"))
-                        else {
-                            return Err(self.bad(path, j));
-                        };
-                        let local = match sh.get("local") {
-                            None | Some(Json::Null) => None,
-                            Some(l) => match self.decode(l, path)? {
-                                PyObj::Tensor(t) => Some(t),
-                                _ => return Err(self.bad(path, j)),
-                            },
-                        };
-                        return Ok(PyObj::Sharded(crate::optim_state::ShardedTensor {
-                            global_shape,
-                            offsets,
-                            local,
-                        }));
-                    }
-                    if let Some(Json::Array(xs)) = tag("size") {
-                        return xs
-                            .iter()
-                            .map(Json::as_i64)
-                            .collect::<Option<_>>()
-                            .map(PyObj::Size)
-                            .ok_or_else(|| self.bad(path, j));
-                    }
-                    if let Some(d) = tag("dict") {
-                        return Ok(PyObj::Dict(self.pairs(d, path)?));
-                    }
-                    if let Some(Json::String(name)) = tag("tensor") {
-                        if !self.taken.insert(name.clone()) {
-                            return Err(st_err(
-                                self.file,
-                                format!("tensor `{name}` is referenced twice by the metadata"),
-                            ));
-                        }
-                        return self.tensors.get(name).cloned().map(PyObj::Tensor).ok_or_else(
-                            || {
-                                st_err(
-                                    self.file,
-                                    format!(
-                                        "the metadata refers to tensor `{name}` (at {path}), which is not in the file"
-                                    ),
-                                )
-                            },
-                        );
-                    }
-                }
-                if let (2, Some(items), Some(Json::Array(attrs))) =
-                    (m.len(), tag("odict"), tag("attrs"))
-                {
-                    let items = self.pairs(items, path)?;
-                    let attrs = attrs
-                        .iter()
-                        .map(|a| match a.as_array().map(Vec::as_slice) {
-                            Some([Json::String(k), v]) => {
-                                Ok((k.clone(), self.decode(v, &format!("{path}.{k}"))?))
-                            }
-                            _ => Err(self.bad(path, a)),
-                        })
-                        .collect::<Result<_>>()?;
-                    return Ok(PyObj::OrderedDict { items, attrs });
-                }
-                return Err(self.bad(path, j));
-            }
+                    _ => return Err(self.bad(path, j)),
+                },
+                _ => return Err(self.bad(path, j)),
+            },
         })
+    }
+
+    fn decode_items(&mut self, xs: &[Json], path: &str) -> Result<Vec<PyObj>> {
+        xs.iter()
+            .enumerate()
+            .map(|(i, x)| self.decode(x, &format!("{path}[{i}]")))
+            .collect()
+    }
+
+    /// A one-key object `{tag: value}` (`j`, for errors): a float, big int, bytes, tuple,
+    /// sharded tensor, `torch.Size`, dict or tensor reference.
+    fn decode_tagged(&mut self, tag: &str, value: &Json, j: &Json, path: &str) -> Result<PyObj> {
+        match (tag, value) {
+            ("float", Json::String(s)) => parse_float(s)
+                .map(PyObj::Float)
+                .ok_or_else(|| self.bad(path, j)),
+            ("bigint", Json::String(s)) => {
+                unhex(s).map(PyObj::BigInt).ok_or_else(|| self.bad(path, j))
+            }
+            ("bytes", Json::String(s)) => {
+                unhex(s).map(PyObj::Bytes).ok_or_else(|| self.bad(path, j))
+            }
+            ("tuple", Json::Array(xs)) => Ok(PyObj::Tuple(self.decode_items(xs, path)?)),
+            ("sharded", Json::Object(sh)) => self.decode_sharded(sh, j, path),
+            ("size", Json::Array(xs)) => xs
+                .iter()
+                .map(Json::as_i64)
+                .collect::<Option<_>>()
+                .map(PyObj::Size)
+                .ok_or_else(|| self.bad(path, j)),
+            ("dict", d) => Ok(PyObj::Dict(self.pairs(d, path)?)),
+            ("tensor", Json::String(name)) => self.decode_tensor_ref(name, path),
+            _ => Err(self.bad(path, j)),
+        }
+    }
+
+    /// A sharded tensor: global shape, offsets and the local piece (a tensor reference).
+    fn decode_sharded(
+        &mut self,
+        sh: &serde_json::Map<String, Json>,
+        j: &Json,
+        path: &str,
+    ) -> Result<PyObj> {
+        let dims = |k: &str| -> Option<Vec<usize>> {
+            sh.get(k)?
+                .as_array()?
+                .iter()
+                .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                .collect()
+        };
+        let (Some(global_shape), Some(offsets)) = (dims("global_shape"), dims("offsets")) else {
+            return Err(self.bad(path, j));
+        };
+        let local = match sh.get("local") {
+            None | Some(Json::Null) => None,
+            Some(l) => match self.decode(l, path)? {
+                PyObj::Tensor(t) => Some(t),
+                _ => return Err(self.bad(path, j)),
+            },
+        };
+        Ok(PyObj::Sharded(crate::optim_state::ShardedTensor {
+            global_shape,
+            offsets,
+            local,
+        }))
+    }
+
+    /// A reference to tensor `name` of the file; each tensor may be referenced once.
+    fn decode_tensor_ref(&mut self, name: &str, path: &str) -> Result<PyObj> {
+        if !self.taken.insert(name.to_string()) {
+            return Err(st_err(
+                self.file,
+                format!("tensor `{name}` is referenced twice by the metadata"),
+            ));
+        }
+        self.tensors.get(name).cloned().map(PyObj::Tensor).ok_or_else(|| {
+            st_err(
+                self.file,
+                format!("the metadata refers to tensor `{name}` (at {path}), which is not in the file"),
+            )
+        })
+    }
+
+    /// An `OrderedDict` with its instance attributes.
+    fn decode_odict(&mut self, items: &Json, attrs: &[Json], path: &str) -> Result<PyObj> {
+        let items = self.pairs(items, path)?;
+        let attrs = attrs
+            .iter()
+            .map(|a| match a.as_array().map(Vec::as_slice) {
+                Some([Json::String(k), v]) => {
+                    Ok((k.clone(), self.decode(v, &format!("{path}.{k}"))?))
+                }
+                _ => Err(self.bad(path, a)),
+            })
+            .collect::<Result<_>>()?;
+        Ok(PyObj::OrderedDict { items, attrs })
     }
 }
 

@@ -326,6 +326,115 @@ impl NcclProcessGroup {
         }
     }
 
+    /// The root's part lengths, checked on every rank against every rank's receive length,
+    /// so that all reach the same verdict before any byte moves.
+    fn scatter_lengths(
+        &self,
+        comm: &Comm,
+        op: &str,
+        send: Option<&[&[u8]]>,
+        recv_len: usize,
+        root: usize,
+    ) -> Result<Vec<usize>> {
+        let ws = self.world_size;
+        let decode = |bytes: Vec<u8>| -> Vec<usize> {
+            bytes
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
+                .collect()
+        };
+        let mut lens = vec![0u8; 8 * ws];
+        if let (Some(parts), true) = (send, self.rank == root) {
+            for (r, p) in parts.iter().enumerate() {
+                lens[8 * r..8 * r + 8].copy_from_slice(&(p.len() as u64).to_le_bytes());
+            }
+        }
+        self.broadcast_host(comm, op, &mut lens, root)?;
+        let lens = decode(lens);
+        let mut recv_lens = vec![0u8; 8 * ws];
+        self.gather_host(comm, op, &(recv_len as u64).to_le_bytes(), &mut recv_lens)?;
+        if let Err(detail) = args::scatter_lengths(root, &decode(recv_lens), &lens) {
+            return Err(Error::CollectiveMismatch {
+                rank: self.rank,
+                detail,
+            });
+        }
+        Ok(lens)
+    }
+
+    /// The root's side: the parts for the other ranks, uploaded as one buffer and sent in one
+    /// NCCL group.
+    fn scatter_send(
+        &self,
+        comm: &Comm,
+        op: &str,
+        parts: &[&[u8]],
+        lens: &[usize],
+        root: usize,
+    ) -> Result<()> {
+        let mut offsets = vec![0usize; self.world_size];
+        let mut flat = Vec::new();
+        for (r, p) in parts.iter().enumerate() {
+            offsets[r] = flat.len();
+            if r != root {
+                flat.extend_from_slice(p);
+            }
+        }
+        if flat.is_empty() {
+            return Ok(());
+        }
+        let cu = self.stream.cu_stream() as sys::cudaStream_t;
+        let d_flat = self.upload(op, &flat)?;
+        let (base, _rb) = d_flat.device_ptr(&self.stream);
+        result::group_start().map_err(self.nccl("ncclGroupStart"))?;
+        let mut outcome = Ok(());
+        for (r, &len) in lens.iter().enumerate() {
+            if r == root || len == 0 {
+                continue;
+            }
+            // SAFETY: part `r` lies at `offsets[r]..+len` inside the uploaded buffer.
+            let res = unsafe {
+                result::send(
+                    (base + offsets[r] as u64) as _,
+                    len,
+                    sys::ncclDataType_t::ncclUint8,
+                    r as i32,
+                    comm.0,
+                    cu,
+                )
+            };
+            if let Err(e) = res {
+                outcome = Err(nccl_error("ncclSend", self.rank, e));
+            }
+        }
+        let end = result::group_end().map_err(self.nccl("ncclGroupEnd"));
+        outcome?;
+        end?;
+        self.stream.synchronize().map_err(self.drv(op))
+    }
+
+    /// A non-root rank's side: its part, received from the root.
+    fn scatter_recv(&self, comm: &Comm, op: &str, recv: &mut [u8], root: usize) -> Result<()> {
+        let cu = self.stream.cu_stream() as sys::cudaStream_t;
+        let mut d_recv = self.alloc(op, recv.len())?;
+        {
+            let (p, _rp) = d_recv.device_ptr_mut(&self.stream);
+            // SAFETY: `recv.len()` bytes into a buffer of that size, from the root.
+            unsafe {
+                result::recv(
+                    p as _,
+                    recv.len(),
+                    sys::ncclDataType_t::ncclUint8,
+                    root as i32,
+                    comm.0,
+                    cu,
+                )
+            }
+            .map_err(self.nccl("ncclRecv"))?;
+        }
+        self.download(op, &d_recv, recv)
+    }
+
     /// Copies host bytes to a new device buffer (at least one byte: CUDA refuses empty
     /// allocations).
     fn upload(&self, op: &str, bytes: &[u8]) -> Result<CudaSlice<u8>> {
@@ -655,111 +764,25 @@ impl ProcessGroup for NcclProcessGroup {
     fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()> {
         let op = "scatter_into";
         let comm = self.lock(op)?;
-        let ws = self.world_size;
         let valid = self.check_root(root).and(args::scatter_root(
             send.map(<[&[u8]]>::len),
             self.rank == root,
-            ws,
+            self.world_size,
         ));
         let call = Call::ScatterInto {
             root,
             recv_len: recv.len(),
         };
         self.agree(&comm, call, valid)?;
-        // The root's part lengths, so that every rank checks its receive buffer.
-        let mut lens = vec![0u8; 8 * ws];
-        if let (Some(parts), true) = (send, self.rank == root) {
-            for (r, p) in parts.iter().enumerate() {
-                lens[8 * r..8 * r + 8].copy_from_slice(&(p.len() as u64).to_le_bytes());
-            }
-        }
-        self.broadcast_host(&comm, op, &mut lens, root)?;
-        let lens: Vec<usize> = lens
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
-            .collect();
-        // Every rank's receive length, so that all reach the same verdict.
-        let mut recv_lens = vec![0u8; 8 * ws];
-        self.gather_host(
-            &comm,
-            op,
-            &(recv.len() as u64).to_le_bytes(),
-            &mut recv_lens,
-        )?;
-        let recv_lens: Vec<usize> = recv_lens
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
-            .collect();
-        if let Err(detail) = args::scatter_lengths(root, &recv_lens, &lens) {
-            return Err(Error::CollectiveMismatch {
-                rank: self.rank,
-                detail,
-            });
-        }
-        let cu = self.stream.cu_stream() as sys::cudaStream_t;
+        let lens = self.scatter_lengths(&comm, op, send, recv.len(), root)?;
         if self.rank == root {
             let parts = send.unwrap_or_default();
-            // Concatenate the parts sent to others into one upload.
-            let mut offsets = vec![0usize; ws];
-            let mut flat = Vec::new();
-            for (r, p) in parts.iter().enumerate() {
-                offsets[r] = flat.len();
-                if r != root {
-                    flat.extend_from_slice(p);
-                }
-            }
             recv.copy_from_slice(parts[root]);
-            if flat.is_empty() {
-                return Ok(());
-            }
-            let d_flat = self.upload(op, &flat)?;
-            let (base, _rb) = d_flat.device_ptr(&self.stream);
-            result::group_start().map_err(self.nccl("ncclGroupStart"))?;
-            let mut outcome = Ok(());
-            for (r, &len) in lens.iter().enumerate() {
-                if r == root || len == 0 {
-                    continue;
-                }
-                // SAFETY: part `r` lies at `offsets[r]..+len` inside the uploaded buffer.
-                let res = unsafe {
-                    result::send(
-                        (base + offsets[r] as u64) as _,
-                        len,
-                        sys::ncclDataType_t::ncclUint8,
-                        r as i32,
-                        comm.0,
-                        cu,
-                    )
-                };
-                if let Err(e) = res {
-                    outcome = Err(nccl_error("ncclSend", self.rank, e));
-                }
-            }
-            let end = result::group_end().map_err(self.nccl("ncclGroupEnd"));
-            outcome?;
-            end?;
-            self.stream.synchronize().map_err(self.drv(op))
+            self.scatter_send(&comm, op, parts, &lens, root)
+        } else if recv.is_empty() {
+            Ok(())
         } else {
-            if recv.is_empty() {
-                return Ok(());
-            }
-            let mut d_recv = self.alloc(op, recv.len())?;
-            {
-                let (p, _rp) = d_recv.device_ptr_mut(&self.stream);
-                // SAFETY: `recv.len()` bytes into a buffer of that size, from the root.
-                unsafe {
-                    result::recv(
-                        p as _,
-                        recv.len(),
-                        sys::ncclDataType_t::ncclUint8,
-                        root as i32,
-                        comm.0,
-                        cu,
-                    )
-                }
-                .map_err(self.nccl("ncclRecv"))?;
-            }
-            self.download(op, &d_recv, recv)
+            self.scatter_recv(&comm, op, recv, root)
         }
     }
 

@@ -98,166 +98,222 @@ fn le64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
+/// Where the central directory lies, as the end record says.
+struct CentralDirectory {
+    count: u64,
+    size: u64,
+    offset: u64,
+}
+
 impl<S: Source> ZipReader<S> {
-    /// Parses the end records and the central directory.
+    /// Parses the end records and the central directory: the file's kind, where the central
+    /// directory lies, then its entries.
     pub(crate) fn new(file: &str, src: S) -> Result<Self> {
-        let len = src.len();
         let mut r = ZipReader {
             file: file.to_string(),
             src,
             entries: Vec::new(),
             by_name: HashMap::new(),
         };
-        // Legacy torch.save files are a pickle stream (protocol 2 starts with 0x80 0x02).
+        r.check_magic()?;
+        let dir = r.central_directory()?;
+        let mut cd = vec![0u8; dir.size as usize];
+        r.read(dir.offset, &mut cd, None)?;
+        let mut at = 0usize;
+        for _ in 0..dir.count {
+            let (entry, used) = r.central_entry(&cd, at, dir.offset + at as u64)?;
+            r.by_name.insert(entry.name.clone(), r.entries.len());
+            r.entries.push(entry);
+            at += used;
+        }
+        Ok(r)
+    }
+
+    /// Refuses what is not a zip archive, naming legacy (pickle-stream) torch.save files.
+    fn check_magic(&mut self) -> Result<()> {
         let mut magic = [0u8; 4];
-        let head = len.min(4) as usize;
-        r.read(0, &mut magic[..head], None)?;
+        let head = self.src.len().min(4) as usize;
+        self.read(0, &mut magic[..head], None)?;
+        // Legacy torch.save files are a pickle stream (protocol 2 starts with 0x80 0x02).
         if head >= 2 && magic[0] == 0x80 && magic[1] <= 5 {
-            return Err(Error::LegacyTorchSave { file: r.file });
+            return Err(Error::LegacyTorchSave {
+                file: self.file.clone(),
+            });
         }
         if head < 4 || u32::from_le_bytes(magic) != LOCAL_SIG {
-            return Err(r.err(
+            return Err(self.err(
                 None,
                 0,
                 format!("not a zip archive (starts with {magic:02x?})"),
             ));
         }
+        Ok(())
+    }
+
+    /// Finds the end record (and its zip64 form) and checks that the central directory it
+    /// points to lies inside the file and can hold its entry count.
+    fn central_directory(&mut self) -> Result<CentralDirectory> {
+        let len = self.src.len();
         // The end record is in the last 22 + 65535 bytes.
         let tail_len = len.min(EOCD_LEN as u64 + 0xffff);
         let tail_start = len - tail_len;
         let mut tail = vec![0u8; tail_len as usize];
-        r.read(tail_start, &mut tail, None)?;
+        self.read(tail_start, &mut tail, None)?;
         let eocd = (0..=tail.len().saturating_sub(EOCD_LEN))
             .rev()
             .find(|&i| tail.len() >= EOCD_LEN && le32(&tail, i) == EOCD_SIG)
-            .ok_or_else(|| r.err(None, len, "no end-of-central-directory record".into()))?;
+            .ok_or_else(|| self.err(None, len, "no end-of-central-directory record".into()))?;
         let eocd_pos = tail_start + eocd as u64;
         let e = &tail[eocd..eocd + EOCD_LEN];
         if le16(e, 4) != 0 || le16(e, 6) != 0 {
-            return Err(r.err(
+            return Err(self.err(
                 None,
                 eocd_pos,
                 "multi-disk archives are not supported".into(),
             ));
         }
-        let mut count = u64::from(le16(e, 10));
-        let mut cd_size = u64::from(le32(e, 12));
-        let mut cd_offset = u64::from(le32(e, 16));
-        if count == 0xffff || cd_size == 0xffff_ffff || cd_offset == 0xffff_ffff {
-            // zip64: the locator sits just before the end record.
-            let loc_pos = eocd_pos
-                .checked_sub(20)
-                .ok_or_else(|| r.err(None, eocd_pos, "zip64 locator missing".into()))?;
-            let mut loc = [0u8; 20];
-            r.read(loc_pos, &mut loc, None)?;
-            if le32(&loc, 0) != ZIP64_LOCATOR_SIG {
-                return Err(r.err(None, loc_pos, "zip64 locator missing".into()));
-            }
-            let rec_pos = le64(&loc, 8);
-            let mut rec = [0u8; 56];
-            r.read(rec_pos, &mut rec, None)?;
-            if le32(&rec, 0) != ZIP64_EOCD_SIG {
-                return Err(r.err(
-                    None,
-                    rec_pos,
-                    "bad zip64 end-of-central-directory record".into(),
-                ));
-            }
-            count = le64(&rec, 32);
-            cd_size = le64(&rec, 40);
-            cd_offset = le64(&rec, 48);
+        let mut dir = CentralDirectory {
+            count: u64::from(le16(e, 10)),
+            size: u64::from(le32(e, 12)),
+            offset: u64::from(le32(e, 16)),
+        };
+        if dir.count == 0xffff || dir.size == 0xffff_ffff || dir.offset == 0xffff_ffff {
+            dir = self.zip64_central_directory(eocd_pos)?;
         }
-        let cd_end = cd_offset
-            .checked_add(cd_size)
-            .filter(|&end| end <= len)
-            .ok_or_else(|| {
-                r.err(None, cd_offset, format!("central directory ({cd_size} bytes) extends past the end of the file ({len} bytes)"))
-            })?;
-        let _ = cd_end;
-        // Every central entry takes at least 46 bytes, which bounds `count` by the file size.
-        if count > cd_size / CENTRAL_HEADER_LEN as u64 {
-            return Err(r.err(
+        if dir.offset.checked_add(dir.size).is_none_or(|end| end > len) {
+            return Err(self.err(
                 None,
-                cd_offset,
-                format!("{count} entries cannot fit in a central directory of {cd_size} bytes"),
+                dir.offset,
+                format!(
+                    "central directory ({} bytes) extends past the end of the file ({len} bytes)",
+                    dir.size
+                ),
             ));
         }
-        let mut cd = vec![0u8; cd_size as usize];
-        r.read(cd_offset, &mut cd, None)?;
-        let mut at = 0usize;
-        for _ in 0..count {
-            let pos = cd_offset + at as u64;
-            let h = cd
-                .get(at..at + CENTRAL_HEADER_LEN)
-                .ok_or_else(|| r.err(None, pos, "truncated central directory".into()))?;
-            if le32(h, 0) != CENTRAL_SIG {
-                return Err(r.err(None, pos, "bad central directory signature".into()));
-            }
-            let method = le16(h, 10);
-            let crc = le32(h, 16);
-            let mut csize = u64::from(le32(h, 20));
-            let mut usize_ = u64::from(le32(h, 24));
-            let nlen = usize::from(le16(h, 28));
-            let elen = usize::from(le16(h, 30));
-            let clen = usize::from(le16(h, 32));
-            let mut header = u64::from(le32(h, 42));
-            let var = cd
-                .get(at + CENTRAL_HEADER_LEN..at + CENTRAL_HEADER_LEN + nlen + elen + clen)
-                .ok_or_else(|| r.err(None, pos, "truncated central directory".into()))?;
-            let name = std::str::from_utf8(&var[..nlen])
-                .map_err(|_| r.err(None, pos, "entry name is not UTF-8".into()))?
-                .to_string();
-            // zip64 extra field: the fields that are 0xffffffff, in this order.
-            let mut extra = &var[nlen..nlen + elen];
-            while extra.len() >= 4 {
-                let id = le16(extra, 0);
-                let n = usize::from(le16(extra, 2));
-                let body = extra
-                    .get(4..4 + n)
-                    .ok_or_else(|| r.err(Some(&name), pos, "truncated extra field".into()))?;
-                if id == 1 {
-                    let mut fields = body.chunks_exact(8).map(|c| le64(c, 0));
-                    let mut take = |v: &mut u64| -> Result<()> {
-                        if *v == 0xffff_ffff {
-                            *v = fields.next().ok_or_else(|| {
-                                r.err(Some(&name), pos, "short zip64 extra field".into())
-                            })?;
-                        }
-                        Ok(())
-                    };
-                    take(&mut usize_)?;
-                    take(&mut csize)?;
-                    take(&mut header)?;
-                }
-                extra = &extra[4 + n..];
-            }
-            if method != 0 {
-                return Err(r.err(
-                    Some(&name),
-                    pos,
-                    format!("compression method {method} (torch.save stores entries uncompressed)"),
-                ));
-            }
-            if csize != usize_ {
-                return Err(r.err(
-                    Some(&name),
-                    pos,
-                    format!("stored entry with compressed size {csize} != size {usize_}"),
-                ));
-            }
-            if r.by_name.contains_key(&name) {
-                return Err(r.err(Some(&name), pos, "duplicate entry".into()));
-            }
-            r.by_name.insert(name.clone(), r.entries.len());
-            r.entries.push(Entry {
-                name,
-                header,
-                size: usize_,
-                crc,
-            });
-            at += CENTRAL_HEADER_LEN + nlen + elen + clen;
+        // Every central entry takes at least 46 bytes, which bounds `count` by the file size.
+        if dir.count > dir.size / CENTRAL_HEADER_LEN as u64 {
+            return Err(self.err(
+                None,
+                dir.offset,
+                format!(
+                    "{} entries cannot fit in a central directory of {} bytes",
+                    dir.count, dir.size
+                ),
+            ));
         }
-        Ok(r)
+        Ok(dir)
+    }
+
+    /// The zip64 end record, through the locator just before the classic end record.
+    fn zip64_central_directory(&mut self, eocd_pos: u64) -> Result<CentralDirectory> {
+        let loc_pos = eocd_pos
+            .checked_sub(20)
+            .ok_or_else(|| self.err(None, eocd_pos, "zip64 locator missing".into()))?;
+        let mut loc = [0u8; 20];
+        self.read(loc_pos, &mut loc, None)?;
+        if le32(&loc, 0) != ZIP64_LOCATOR_SIG {
+            return Err(self.err(None, loc_pos, "zip64 locator missing".into()));
+        }
+        let rec_pos = le64(&loc, 8);
+        let mut rec = [0u8; 56];
+        self.read(rec_pos, &mut rec, None)?;
+        if le32(&rec, 0) != ZIP64_EOCD_SIG {
+            return Err(self.err(
+                None,
+                rec_pos,
+                "bad zip64 end-of-central-directory record".into(),
+            ));
+        }
+        Ok(CentralDirectory {
+            count: le64(&rec, 32),
+            size: le64(&rec, 40),
+            offset: le64(&rec, 48),
+        })
+    }
+
+    /// Parses the central entry at `at` of the directory `cd` (`pos` in the file): the entry
+    /// and the bytes it takes. Only stored (uncompressed), uniquely named entries are allowed.
+    fn central_entry(&self, cd: &[u8], at: usize, pos: u64) -> Result<(Entry, usize)> {
+        let h = cd
+            .get(at..at + CENTRAL_HEADER_LEN)
+            .ok_or_else(|| self.err(None, pos, "truncated central directory".into()))?;
+        if le32(h, 0) != CENTRAL_SIG {
+            return Err(self.err(None, pos, "bad central directory signature".into()));
+        }
+        let method = le16(h, 10);
+        let crc = le32(h, 16);
+        let mut csize = u64::from(le32(h, 20));
+        let mut size = u64::from(le32(h, 24));
+        let nlen = usize::from(le16(h, 28));
+        let elen = usize::from(le16(h, 30));
+        let clen = usize::from(le16(h, 32));
+        let mut header = u64::from(le32(h, 42));
+        let var = cd
+            .get(at + CENTRAL_HEADER_LEN..at + CENTRAL_HEADER_LEN + nlen + elen + clen)
+            .ok_or_else(|| self.err(None, pos, "truncated central directory".into()))?;
+        let name = std::str::from_utf8(&var[..nlen])
+            .map_err(|_| self.err(None, pos, "entry name is not UTF-8".into()))?
+            .to_string();
+        self.zip64_extra(
+            &name,
+            pos,
+            &var[nlen..nlen + elen],
+            [&mut size, &mut csize, &mut header],
+        )?;
+        if method != 0 {
+            return Err(self.err(
+                Some(&name),
+                pos,
+                format!("compression method {method} (torch.save stores entries uncompressed)"),
+            ));
+        }
+        if csize != size {
+            return Err(self.err(
+                Some(&name),
+                pos,
+                format!("stored entry with compressed size {csize} != size {size}"),
+            ));
+        }
+        if self.by_name.contains_key(&name) {
+            return Err(self.err(Some(&name), pos, "duplicate entry".into()));
+        }
+        let entry = Entry {
+            name,
+            header,
+            size,
+            crc,
+        };
+        Ok((entry, CENTRAL_HEADER_LEN + nlen + elen + clen))
+    }
+
+    /// Applies an entry's zip64 extra field: each of `fields` (size, compressed size, header
+    /// offset) that is 0xffffffff takes the next 8-byte value, in that order.
+    fn zip64_extra(
+        &self,
+        name: &str,
+        pos: u64,
+        mut extra: &[u8],
+        mut fields: [&mut u64; 3],
+    ) -> Result<()> {
+        while extra.len() >= 4 {
+            let id = le16(extra, 0);
+            let n = usize::from(le16(extra, 2));
+            let body = extra
+                .get(4..4 + n)
+                .ok_or_else(|| self.err(Some(name), pos, "truncated extra field".into()))?;
+            if id == 1 {
+                let mut values = body.chunks_exact(8).map(|c| le64(c, 0));
+                for v in fields.iter_mut() {
+                    if **v == 0xffff_ffff {
+                        **v = values.next().ok_or_else(|| {
+                            self.err(Some(name), pos, "short zip64 extra field".into())
+                        })?;
+                    }
+                }
+            }
+            extra = &extra[4 + n..];
+        }
+        Ok(())
     }
 
     fn err(&self, entry: Option<&str>, offset: u64, reason: String) -> Error {

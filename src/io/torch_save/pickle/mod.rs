@@ -540,223 +540,264 @@ impl Vm<'_, '_> {
             };
             self.op = op;
             self.pos += 1;
-            match op {
-                0x80 => {
-                    let p = self.take_arr::<1>()?[0];
-                    if p > 5 {
-                        return Err(self.err(format!("unsupported pickle protocol {p}")));
-                    }
-                }
-                0x95 => {
-                    self.take_arr::<8>()?;
-                }
-                b'.' => {
-                    let v = self.pop()?;
-                    return Ok(v);
-                }
-                b'(' => self.marks.push(self.stack.len()),
-                b'0' => {
-                    if self.stack.len() > self.mark_base() {
-                        self.stack.pop();
-                    } else if self.marks.pop().is_none() {
-                        return Err(self.err("stack underflow"));
-                    }
-                }
-                b'1' => {
-                    self.pop_mark()?;
-                }
-                b'2' => {
-                    let v = self.top()?.clone();
-                    self.push(v);
-                }
-                b'N' => self.push(V::None),
-                0x88 => self.push(V::Bool(true)),
-                0x89 => self.push(V::Bool(false)),
-                b'J' => {
-                    let v = i32::from_le_bytes(self.take_arr()?);
-                    self.push(V::Int(i64::from(v)));
-                }
-                b'K' => {
-                    let v = self.take_arr::<1>()?[0];
-                    self.push(V::Int(i64::from(v)));
-                }
-                b'M' => {
-                    let v = u16::from_le_bytes(self.take_arr()?);
-                    self.push(V::Int(i64::from(v)));
-                }
-                0x8a | 0x8b => {
-                    let n = if op == 0x8a {
-                        self.take_len(1)?
-                    } else {
-                        let n = i32::from_le_bytes(self.take_arr()?);
-                        usize::try_from(n).map_err(|_| self.err("negative LONG4 length"))?
-                    };
-                    let b = self.take(n)?;
-                    let v = decode_long(b);
-                    self.push(v);
-                }
-                b'G' => {
-                    let v = f64::from_be_bytes(self.take_arr()?);
-                    self.push(V::Float(v));
-                }
-                b'X' => {
-                    let n = self.take_len(4)?;
-                    let v = self.utf8(n)?;
-                    self.push(v);
-                }
-                0x8c => {
-                    let n = self.take_len(1)?;
-                    let v = self.utf8(n)?;
-                    self.push(v);
-                }
-                0x8d => {
-                    let n = self.take_len(8)?;
-                    let v = self.utf8(n)?;
-                    self.push(v);
-                }
-                b'B' | b'C' | 0x8e => {
-                    let n = match op {
-                        b'B' => self.take_len(4)?,
-                        b'C' => self.take_len(1)?,
-                        _ => self.take_len(8)?,
-                    };
-                    let v = self.bytes(n)?;
-                    self.push(v);
-                }
-                b')' => {
-                    let v = self.alloc(Obj::Tuple(Vec::new()));
-                    self.push(v);
-                }
-                b't' => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::Tuple(items));
-                    self.push(v);
-                }
-                0x85..=0x87 => {
-                    let items = self.pop_n(usize::from(op - 0x84))?;
-                    let v = self.alloc(Obj::Tuple(items));
-                    self.push(v);
-                }
-                b']' => {
-                    let v = self.alloc(Obj::List(Vec::new()));
-                    self.push(v);
-                }
-                b'l' => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::List(items));
-                    self.push(v);
-                }
-                b'}' => {
-                    let v = self.alloc(Obj::Dict(DictObj::default()));
-                    self.push(v);
-                }
-                b'd' => {
-                    let items = self.pop_mark()?;
-                    let v = self.alloc(Obj::Dict(DictObj::default()));
-                    self.push(v);
-                    self.set_items(items)?;
-                }
-                b'a' => {
-                    let v = self.pop()?;
-                    self.append(vec![v])?;
-                }
-                b'e' => {
-                    let items = self.pop_mark()?;
-                    self.append(items)?;
-                }
-                b's' => {
-                    let kv = self.pop_n(2)?;
-                    self.set_items(kv)?;
-                }
-                b'u' => {
-                    let items = self.pop_mark()?;
-                    self.set_items(items)?;
-                }
-                b'q' => {
-                    let i = self.take_arr::<1>()?[0];
-                    self.put(u32::from(i))?;
-                }
-                b'r' => {
-                    let i = u32::from_le_bytes(self.take_arr()?);
-                    self.put(i)?;
-                }
-                0x94 => {
-                    let i =
-                        u32::try_from(self.memo.len()).map_err(|_| self.err("memo too large"))?;
-                    self.put(i)?;
-                }
-                b'h' => {
-                    let i = self.take_arr::<1>()?[0];
-                    self.get(u32::from(i))?;
-                }
-                b'j' => {
-                    let i = u32::from_le_bytes(self.take_arr()?);
-                    self.get(i)?;
-                }
-                b'c' => {
-                    let module = self.line()?;
-                    let name = self.line()?;
-                    let g = self.resolve(&module, &name)?;
-                    self.push(V::Global(g));
-                }
-                0x93 => {
-                    let name = self.pop()?;
-                    let module = self.pop()?;
-                    let (V::Str(module), V::Str(name)) = (module, name) else {
-                        return Err(self.err("STACK_GLOBAL needs two strings"));
-                    };
-                    let g = self.resolve(&module, &name)?;
-                    self.push(V::Global(g));
-                }
-                b'R' => {
-                    let args = self.pop()?;
-                    let f = self.pop()?;
-                    let v = self.reduce(f, args)?;
-                    self.push(v);
-                }
-                0x81 => {
-                    let args = self.pop()?;
-                    let cls = self.pop()?;
-                    let v = match (&cls, self.tuple_items(&args)) {
-                        (V::Global(Global::OrderedDict), Some([])) => {
-                            self.alloc(Obj::OrderedDict(DictObj::default(), Vec::new()))
-                        }
-                        (V::Global(Global::Class(class)), Some(_))
-                            if !matches!(class, Class::ShardedTensor | Class::DTensor) =>
-                        {
-                            let class = *class;
-                            self.alloc(Obj::Record {
-                                class,
-                                attrs: Vec::new(),
-                            })
-                        }
-                        _ => {
-                            return Err(
-                                self.err(format!("NEWOBJ of {} is not supported", self.kind(&cls)))
-                            )
-                        }
-                    };
-                    self.push(v);
-                }
-                b'b' => {
-                    let state = self.pop()?;
-                    self.build(state)?;
-                }
-                b'Q' => {
-                    let pid = self.pop()?;
-                    let v = self.persistent_load(pid)?;
-                    self.push(v);
-                }
-                _ => {
-                    return Err(Error::UnsupportedPickleOpcode {
-                        file: self.file.to_string(),
-                        opcode: op,
-                        name: opcode_name(op).to_string(),
-                        offset: self.op_pos,
-                    })
-                }
+            if op == b'.' {
+                return self.pop();
+            }
+            let known = self.stack_op(op)?
+                || self.literal_op(op)?
+                || self.container_op(op)?
+                || self.memo_op(op)?
+                || self.object_op(op)?;
+            if !known {
+                return Err(Error::UnsupportedPickleOpcode {
+                    file: self.file.to_string(),
+                    opcode: op,
+                    name: opcode_name(op).to_string(),
+                    offset: self.op_pos,
+                });
             }
         }
+    }
+
+    /// Protocol, framing and stack-manipulation opcodes (marks, pop, dup). `false` when `op` is not one of them.
+    fn stack_op(&mut self, op: u8) -> Result<bool> {
+        match op {
+            0x80 => {
+                let p = self.take_arr::<1>()?[0];
+                if p > 5 {
+                    return Err(self.err(format!("unsupported pickle protocol {p}")));
+                }
+            }
+            0x95 => {
+                self.take_arr::<8>()?;
+            }
+            b'(' => self.marks.push(self.stack.len()),
+            b'0' => {
+                if self.stack.len() > self.mark_base() {
+                    self.stack.pop();
+                } else if self.marks.pop().is_none() {
+                    return Err(self.err("stack underflow"));
+                }
+            }
+            b'1' => {
+                self.pop_mark()?;
+            }
+            b'2' => {
+                let v = self.top()?.clone();
+                self.push(v);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Opcodes that push a literal: None, bools, ints, floats, strings, bytes. `false` when `op` is not one of them.
+    fn literal_op(&mut self, op: u8) -> Result<bool> {
+        match op {
+            b'N' => self.push(V::None),
+            0x88 => self.push(V::Bool(true)),
+            0x89 => self.push(V::Bool(false)),
+            b'J' => {
+                let v = i32::from_le_bytes(self.take_arr()?);
+                self.push(V::Int(i64::from(v)));
+            }
+            b'K' => {
+                let v = self.take_arr::<1>()?[0];
+                self.push(V::Int(i64::from(v)));
+            }
+            b'M' => {
+                let v = u16::from_le_bytes(self.take_arr()?);
+                self.push(V::Int(i64::from(v)));
+            }
+            0x8a | 0x8b => {
+                let n = if op == 0x8a {
+                    self.take_len(1)?
+                } else {
+                    let n = i32::from_le_bytes(self.take_arr()?);
+                    usize::try_from(n).map_err(|_| self.err("negative LONG4 length"))?
+                };
+                let b = self.take(n)?;
+                let v = decode_long(b);
+                self.push(v);
+            }
+            b'G' => {
+                let v = f64::from_be_bytes(self.take_arr()?);
+                self.push(V::Float(v));
+            }
+            b'X' => {
+                let n = self.take_len(4)?;
+                let v = self.utf8(n)?;
+                self.push(v);
+            }
+            0x8c => {
+                let n = self.take_len(1)?;
+                let v = self.utf8(n)?;
+                self.push(v);
+            }
+            0x8d => {
+                let n = self.take_len(8)?;
+                let v = self.utf8(n)?;
+                self.push(v);
+            }
+            b'B' | b'C' | 0x8e => {
+                let n = match op {
+                    b'B' => self.take_len(4)?,
+                    b'C' => self.take_len(1)?,
+                    _ => self.take_len(8)?,
+                };
+                let v = self.bytes(n)?;
+                self.push(v);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Opcodes that build or fill tuples, lists and dicts. `false` when `op` is not one of them.
+    fn container_op(&mut self, op: u8) -> Result<bool> {
+        match op {
+            b')' => {
+                let v = self.alloc(Obj::Tuple(Vec::new()));
+                self.push(v);
+            }
+            b't' => {
+                let items = self.pop_mark()?;
+                let v = self.alloc(Obj::Tuple(items));
+                self.push(v);
+            }
+            0x85..=0x87 => {
+                let items = self.pop_n(usize::from(op - 0x84))?;
+                let v = self.alloc(Obj::Tuple(items));
+                self.push(v);
+            }
+            b']' => {
+                let v = self.alloc(Obj::List(Vec::new()));
+                self.push(v);
+            }
+            b'l' => {
+                let items = self.pop_mark()?;
+                let v = self.alloc(Obj::List(items));
+                self.push(v);
+            }
+            b'}' => {
+                let v = self.alloc(Obj::Dict(DictObj::default()));
+                self.push(v);
+            }
+            b'd' => {
+                let items = self.pop_mark()?;
+                let v = self.alloc(Obj::Dict(DictObj::default()));
+                self.push(v);
+                self.set_items(items)?;
+            }
+            b'a' => {
+                let v = self.pop()?;
+                self.append(vec![v])?;
+            }
+            b'e' => {
+                let items = self.pop_mark()?;
+                self.append(items)?;
+            }
+            b's' => {
+                let kv = self.pop_n(2)?;
+                self.set_items(kv)?;
+            }
+            b'u' => {
+                let items = self.pop_mark()?;
+                self.set_items(items)?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Memo opcodes: store the top of the stack, or push a stored value. `false` when `op` is not one of them.
+    fn memo_op(&mut self, op: u8) -> Result<bool> {
+        match op {
+            b'q' => {
+                let i = self.take_arr::<1>()?[0];
+                self.put(u32::from(i))?;
+            }
+            b'r' => {
+                let i = u32::from_le_bytes(self.take_arr()?);
+                self.put(i)?;
+            }
+            0x94 => {
+                let i = u32::try_from(self.memo.len()).map_err(|_| self.err("memo too large"))?;
+                self.put(i)?;
+            }
+            b'h' => {
+                let i = self.take_arr::<1>()?[0];
+                self.get(u32::from(i))?;
+            }
+            b'j' => {
+                let i = u32::from_le_bytes(self.take_arr()?);
+                self.get(i)?;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Globals (resolved against the allow-list), `REDUCE`, `NEWOBJ`, `BUILD` and persistent ids. `false` when `op` is not one of them.
+    fn object_op(&mut self, op: u8) -> Result<bool> {
+        match op {
+            b'c' => {
+                let module = self.line()?;
+                let name = self.line()?;
+                let g = self.resolve(&module, &name)?;
+                self.push(V::Global(g));
+            }
+            0x93 => {
+                let name = self.pop()?;
+                let module = self.pop()?;
+                let (V::Str(module), V::Str(name)) = (module, name) else {
+                    return Err(self.err("STACK_GLOBAL needs two strings"));
+                };
+                let g = self.resolve(&module, &name)?;
+                self.push(V::Global(g));
+            }
+            b'R' => {
+                let args = self.pop()?;
+                let f = self.pop()?;
+                let v = self.reduce(f, args)?;
+                self.push(v);
+            }
+            0x81 => {
+                let args = self.pop()?;
+                let cls = self.pop()?;
+                let v = match (&cls, self.tuple_items(&args)) {
+                    (V::Global(Global::OrderedDict), Some([])) => {
+                        self.alloc(Obj::OrderedDict(DictObj::default(), Vec::new()))
+                    }
+                    (V::Global(Global::Class(class)), Some(_))
+                        if !matches!(class, Class::ShardedTensor | Class::DTensor) =>
+                    {
+                        let class = *class;
+                        self.alloc(Obj::Record {
+                            class,
+                            attrs: Vec::new(),
+                        })
+                    }
+                    _ => {
+                        return Err(
+                            self.err(format!("NEWOBJ of {} is not supported", self.kind(&cls)))
+                        )
+                    }
+                };
+                self.push(v);
+            }
+            b'b' => {
+                let state = self.pop()?;
+                self.build(state)?;
+            }
+            b'Q' => {
+                let pid = self.pop()?;
+                let v = self.persistent_load(pid)?;
+                self.push(v);
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 
     fn resolve(&self, module: &str, name: &str) -> Result<Global> {

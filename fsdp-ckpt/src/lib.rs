@@ -17,8 +17,8 @@ use fsdp::offline::{
 };
 use fsdp::{Error, OptimStateDict, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::ExitCode;
 use std::time::Duration;
 
 /// Inspect, convert, consolidate and shard PyTorch (FSDP) checkpoint files.
@@ -558,17 +558,33 @@ fn consolidate(progress: &Progress, input: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// Runs the tool on a command line (`args[0]` is the program name) and returns its exit
+/// status: 0 on success, 1 on an error (printed as `error: ...`), 2 on a usage error.
+///
+/// This is the whole tool: the `fsdp-ckpt` executable calls it with its own arguments, and
+/// other front ends (the Python package's `fsdp-ckpt` entry point) call it with theirs.
+pub fn main_with_args<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `--help` and `--version` are "errors" that print to stdout and exit 0.
+            let _ = e.print();
+            return u8::try_from(e.exit_code()).unwrap_or(2);
+        }
+    };
     let result = match run_dcp(&cli) {
         Some(r) => r,
         None => run(cli),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => 0,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::FAILURE
+            1
         }
     }
 }
@@ -663,4 +679,24 @@ fn dcp_consolidate(input: &Path, output: &Path, progress: &Progress) -> Result<(
         output.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::main_with_args;
+
+    #[test]
+    fn the_entry_point_returns_the_tools_exit_status() {
+        assert_eq!(main_with_args(["fsdp-ckpt", "--version"]), 0);
+        assert_eq!(main_with_args(["fsdp-ckpt", "no-such-command"]), 2);
+        let missing = std::env::temp_dir().join("fsdp-ckpt-no-such-file.pt");
+        assert_eq!(
+            main_with_args([
+                "fsdp-ckpt".as_ref(),
+                "inspect".as_ref(),
+                missing.as_os_str()
+            ]),
+            1
+        );
+    }
 }

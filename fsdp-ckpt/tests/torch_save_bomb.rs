@@ -12,13 +12,15 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
+mod tool;
+use tool::BIN;
 
 /// The address-space limit the CLI runs under: far below what the bomb asks for.
 const ADDRESS_SPACE: u64 = 4 << 30;
 
 fn bomb() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden/expansion_bomb/expansion_bomb.pt")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/golden/expansion_bomb/expansion_bomb.pt")
 }
 
 /// Runs `fsdp-ckpt --quiet ARGS` with its address space limited to [`ADDRESS_SPACE`].

@@ -11,10 +11,12 @@ use fsdp::{Error, OptimStateDict, ParamKey, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
+mod tool;
+use tool::BIN;
 
 fn golden(case: &str, file: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
         .join("tests/golden/sharded_torch")
         .join(case)
         .join(file)

@@ -4,6 +4,7 @@
 //! `RLIMIT_FSIZE`, which makes writes past the limit fail with `EFBIG`), manifests that only a
 //! later step would reject. Every case: a typed message, exit code 1, inputs untouched.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::{nested_model, wrap};
@@ -17,44 +18,11 @@ use fsdp::{
 };
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
-
-type Args<'a> = [&'a dyn AsRef<std::ffi::OsStr>];
-
-fn command(args: &Args) -> Command {
-    let mut c = Command::new(BIN);
-    c.arg("--quiet");
-    for a in args {
-        c.arg(a.as_ref());
-    }
-    c
-}
-
-/// Runs the tool; a run still going after 60 s is killed and fails the test (a hang).
-fn run_cmd(mut c: Command) -> Output {
-    let mut child = c
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run fsdp-ckpt");
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > Duration::from_secs(60) {
-            child.kill().unwrap();
-            panic!("fsdp-ckpt hung: {:?}", c);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
-}
-
-fn run(args: &Args) -> Output {
-    run_cmd(command(args))
-}
+mod tool;
+use tool::{command, fails, ok, run, run_cmd, Args};
 
 /// Runs the tool with writes limited to `limit` bytes per file (`RLIMIT_FSIZE`; `SIGXFSZ`
 /// ignored, so a write past it fails with `EFBIG` as a write to a full disk fails).
@@ -75,27 +43,6 @@ fn run_with_file_limit(args: &Args, limit: u64) -> Output {
         });
     }
     run_cmd(c)
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "fsdp-ckpt failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn fails(out: &Output, needles: &[&str]) -> String {
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_eq!(out.status.code(), Some(1), "expected exit code 1: {err}");
-    assert!(!err.contains("panicked"), "panic: {err}");
-    assert!(err.starts_with("error: "), "{err}");
-    for n in needles {
-        assert!(err.contains(n), "`{n}` not in: {err}");
-    }
-    err
 }
 
 fn full_adam(model: &ModelDesc) -> OptimStateDict {
@@ -458,6 +405,7 @@ fn desc_json_with_unknown_or_misspelled_fields_is_refused() {
     // The checked-in descriptions still parse.
     for case in ["flat", "orig"] {
         let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
             .join(format!("tests/golden/fsdp_ckpt/{case}/desc.json"));
         DescFile::from_json_file(&p).unwrap();
     }

@@ -3,6 +3,7 @@
 //! own thread ranks and against real PyTorch FSDP output (`tests/golden/fsdp_ckpt/`), and the
 //! error paths (typed message, exit code 1, never a panic).
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::{nested_model, transformer_model, transformer_policy, wrap};
@@ -18,47 +19,21 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
+mod tool;
+use tool::{golden, ok, run};
 
-fn golden(p: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/golden")
-        .join(p)
-}
-
-fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
-    let mut c = Command::new(BIN);
-    c.arg("--quiet");
-    for a in args {
-        c.arg(a.as_ref());
-    }
-    c.output().expect("run fsdp-ckpt")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "fsdp-ckpt failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A failure with a typed message and exit code 1, not a panic.
+/// A failure with a typed message naming `needle` and exit code 1, not a panic.
 fn fails(out: &Output, needle: &str) {
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "expected exit code 1: {err}");
-    assert!(!err.contains("panicked"), "panic: {err}");
-    assert!(err.starts_with("error: "), "{err}");
-    assert!(err.contains(needle), "`{needle}` not in: {err}");
+    tool::fails(out, &[needle]);
 }
 
 fn python() -> PathBuf {
     if let Some(p) = std::env::var_os("FSDP_PYTHON") {
         return PathBuf::from(p);
     }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(".venv/bin/python");
     if venv.exists() {
         return venv;
     }
@@ -539,7 +514,7 @@ fn errors_are_typed_messages_with_exit_code_1() {
 
 #[test]
 fn readme_desc_json_example_is_a_valid_model_spec() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../../README.md");
     let start = readme
         .find("```json\n{\n  \"model\"")
         .expect("README has the DESC.json example")

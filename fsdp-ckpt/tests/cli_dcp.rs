@@ -2,34 +2,13 @@
 //! verify, and typed refusals of hostile ones.
 
 use fsdp::io::{self, torch_save};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::PathBuf;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fsdp-ckpt");
+mod tool;
+use tool::{ok, run};
 
 fn golden(p: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/golden/dcp")
-        .join(p)
-}
-
-fn run(args: &[&dyn AsRef<std::ffi::OsStr>]) -> Output {
-    let mut c = Command::new(BIN);
-    c.arg("--quiet");
-    for a in args {
-        c.arg(a.as_ref());
-    }
-    c.output().expect("run fsdp-ckpt")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "fsdp-ckpt failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    tool::golden("dcp").join(p)
 }
 
 #[test]
