@@ -189,10 +189,46 @@ fn a_flat_shard_slice_is_written_as_boxes_of_the_original_parameter() {
 }
 
 #[test]
+fn model_parameters_saved_beside_the_state_consolidate_to_the_full_parameters() {
+    use fsdp::param_shards::{shard_tensors, synthetic_params};
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    for r in ThreadGroup::run(3, |pg| {
+        let fsdp = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        let values = synthetic_params(fsdp.layout());
+        let mine = shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values)?;
+        fsdp.save_dcp(&local, &params, Some(&mine), &dir)
+    }) {
+        r.unwrap();
+    }
+    let ckpt = DcpCheckpoint::open(&dir).unwrap();
+    let layout = fsdp::flat_param::ModelLayout::new(&model, &wrapping(false), 3).unwrap();
+    for (p, want) in model.params.iter().zip(synthetic_params(&layout)) {
+        let got = ckpt.read_tensor(&format!("model.{}", p.name)).unwrap();
+        assert!(got.bit_eq(&want.unwrap()), "model.{}", p.name);
+    }
+}
+
+#[test]
 fn pytorch_written_fixtures_load_into_live_ranks_at_any_world_size() {
-    // fsdp2_adam_ws4 and fsdp1_orig_ws3 hold the untied Net; fsdp1_orig_ws3 has net2 frozen.
-    for (name, frozen) in [("fsdp2_adam_ws4", false), ("fsdp1_orig_ws3", true)] {
+    // The untied Net (fsdp1_orig_ws3 with net2 frozen); fsdp1_flat_ws4 and
+    // fsdp2_adamw_ws3_tied tie out.weight to embed.weight (the latter with two groups).
+    let cases = [
+        ("fsdp2_adam_ws4", false, false),
+        ("fsdp1_orig_ws3", true, false),
+        ("fsdp1_flat_ws4", false, true),
+        ("fsdp2_adamw_ws3_tied", false, true),
+    ];
+    for (name, frozen, tied) in cases {
         let mut model = net();
+        if tied {
+            model.params.pop();
+            model = model.tie("out.weight", "embed.weight");
+        }
         if frozen {
             for p in &mut model.params {
                 if p.name.starts_with("net2.") {

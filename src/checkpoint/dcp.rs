@@ -409,7 +409,7 @@ fn merge(reports: Vec<RankChunks>, dir: &Path) -> Result<Merged> {
             let whole = matches!(kind, Kind::Object)
                 || matches!(kind, Kind::Tensor { shape, .. } if shape.is_empty());
             // A value stored whole by several ranks: the lowest rank's copy.
-            if !(whole && !chunks.is_empty()) {
+            if !whole || chunks.is_empty() {
                 chunks.push((r.file.clone(), c));
             }
         }
@@ -571,13 +571,13 @@ fn check_against_model(ckpt: &DcpCheckpoint, dir: &Path, layout: &ModelLayout) -
         return Ok(());
     };
     for (fqn, list) in &names {
-        for n in reference.iter().filter(|n| !list.contains(n)) {
+        if let Some(n) = reference.iter().find(|n| !list.contains(n)) {
             return Err(err(
                 &format!("optim.state.{fqn}.{n}"),
                 format!("missing: `{first}` has state `{n}` but `{fqn}` has not"),
             ));
         }
-        for n in list.iter().filter(|n| !reference.contains(n)) {
+        if let Some(n) = list.iter().find(|n| !reference.contains(n)) {
             return Err(err(
                 &format!("optim.state.{first}.{n}"),
                 format!("missing: `{fqn}` has state `{n}` but `{first}` has not"),

@@ -204,7 +204,7 @@ impl Cut<'_> {
         let lead = self.prefix.len();
         let mut offsets = self.prefix.clone();
         offsets.push(r0);
-        offsets.extend(std::iter::repeat(0).take(shape.len() - 1));
+        offsets.extend(std::iter::repeat_n(0, shape.len() - 1));
         let mut sizes = vec![1; lead];
         sizes.push(r1 - r0);
         sizes.extend_from_slice(&shape[1..]);
