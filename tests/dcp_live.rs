@@ -379,15 +379,38 @@ fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_
     let full = full_adam(&model);
     let tmp = tempfile::tempdir().unwrap();
     let p = |n: &str| tmp.path().join(n);
-    torch_save::save(
-        &torch_save::optim_to_pyobj(&full).unwrap(),
-        p("expected.pt"),
-    )
-    .unwrap();
-    // Live ranks: flat wrapping at 2, original parameters at 3.
-    for r in save_live(&model, &wrapping(false), 2, &full, &p("live2")) {
+    torch_save::save(&optim_only(&full), p("expected.pt")).unwrap();
+    // Live ranks: flat wrapping at 2 (with the model's parameters), original parameters at 3.
+    let layout = fsdp::flat_param::ModelLayout::new(&model, &wrapping(false), 2).unwrap();
+    let values = fsdp::param_shards::synthetic_params(&layout);
+    for r in ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        let mine = fsdp::param_shards::shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values)?;
+        fsdp.save_dcp(&local, &params, Some(&mine), p("live2"))
+    }) {
         r.unwrap();
     }
+    let model_values = model
+        .params
+        .iter()
+        .zip(&values)
+        .map(|(d, v)| {
+            (
+                PyObj::Str(d.name.clone()),
+                PyObj::Tensor(v.clone().unwrap()),
+            )
+        })
+        .collect();
+    let with_model = PyObj::Dict(vec![
+        (
+            PyObj::Str("optim".into()),
+            torch_save::optim_to_pyobj(&full).unwrap(),
+        ),
+        (PyObj::Str("model".into()), PyObj::Dict(model_values)),
+    ]);
+    torch_save::save(&with_model, p("expected_model.pt")).unwrap();
     for r in save_live(&model, &wrapping(true), 3, &full, &p("live3")) {
         r.unwrap();
     }
@@ -407,18 +430,17 @@ fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_
     let load_opts = fsdp::checkpoint::LoadOptions::default();
     let from_ckpt = fsdp::checkpoint::load_full(&p("ckpt"), &load_opts).unwrap();
     dcp::save_dcp(&optim_only(&from_ckpt), &p("from_ckpt")).unwrap();
-    let expected = p("expected.pt");
     let cases = [
-        ("live2", "3", "fsdp2"),
-        ("live3", "2", "fsdp1_flat"),
-        ("live2", "3", "fsdp1_orig"),
-        ("from_pt", "2", "fsdp2"),
-        ("from_ckpt", "2", "fsdp1_flat"),
+        ("live2", "expected_model.pt", "3", "fsdp2"),
+        ("live3", "expected.pt", "2", "fsdp1_flat"),
+        ("live2", "expected_model.pt", "3", "fsdp1_orig"),
+        ("from_pt", "expected.pt", "2", "fsdp2"),
+        ("from_ckpt", "expected.pt", "2", "fsdp1_flat"),
     ];
     let mut cmd = std::process::Command::new(python());
     cmd.arg(golden("load_in_torch.py"));
-    for (dir, ws, wrapper) in cases {
-        cmd.arg(p(dir)).arg(&expected).arg(ws).arg(wrapper);
+    for (dir, expected, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(p(expected)).arg(ws).arg(wrapper);
     }
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);

@@ -375,9 +375,9 @@ impl DataFile {
 /// A key of the merged plan: its kind and chunks (file, chunk record).
 type Merged = Vec<(Slot, Kind, Vec<(String, ChunkRecord)>)>;
 
-/// Merges the ranks' reports by key (first appearance in rank order), checks that each
-/// tensor's boxes tile its shape and each object is stored once, and that ranks agree on
-/// kinds. Pure.
+/// Merges the ranks' reports by key (first appearance in rank order), keeping the lowest
+/// rank's copy of a value stored whole by several, and checks that ranks agree on kinds and
+/// that each tensor's boxes tile its shape exactly once. Pure.
 fn merge(reports: Vec<RankChunks>, dir: &Path) -> Result<Merged> {
     let mut merged: Merged = Vec::new();
     let mut at: HashMap<Slot, usize> = HashMap::new();

@@ -6,11 +6,13 @@ WRAPPER is `fsdp2` (`fully_shard`), `fsdp1_flat` or `fsdp1_orig` (FSDP1 with
 `use_orig_params` False or True), wrapping `gen.py`'s `Net` (untied, nothing frozen) as
 `gen.py` does. For each case, WS gloo ranks on CPU each build the model and an Adam
 optimizer, take `get_optimizer_state_dict` (sharded), `dcp.load` the directory into it and
-`set_optimizer_state_dict` it. Rank 0 then compares `get_optimizer_state_dict(
-full_state_dict=True)` with EXPECTED.pt, the full optimizer dict (keyed by names) the crate
-saved: the same parameters with the same state names, every tensor of the same dtype, shape
-and bytes, every option the crate saved equal, each group's `params` equal as a set (after
-`set_state_dict` they follow the loading optimizer's order). Prints `CASE: ok` per case;
+`set_optimizer_state_dict` it. EXPECTED.pt holds `{"optim": the full optimizer dict (keyed by
+names) the crate saved}` and, when the directory holds the model too, `"model": {fqn:
+tensor}`, which is then loaded as well (`set_model_state_dict`). Rank 0 compares
+`get_optimizer_state_dict(full_state_dict=True)` with it: the same parameters with the same
+state names, every tensor of the same dtype, shape and bytes, every option the crate saved
+equal, each group's `params` equal as a set (after `set_state_dict` they follow the loading
+optimizer's order); and `get_model_state_dict(full_state_dict=True)` tensor by tensor. Prints `CASE: ok` per case;
 exits non-zero with the first difference. A spawn whose rank 0 wrote its result counts even
 if its exit was bad (gloo sometimes aborts a process at exit); one without a result is retried.
 """
@@ -27,7 +29,9 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -60,6 +64,18 @@ def compare(got, want):
     return None
 
 
+def compare_model(got, want):
+    """The first difference between the loaded full model state dict and the crate's."""
+    if set(got) != set(want):
+        return f"model keys {sorted(got)} vs {sorted(want)}"
+    for k, v in want.items():
+        try:
+            same(v, got[k], f"model[{k!r}]")
+        except SystemExit as e:
+            return str(e)
+    return None
+
+
 def worker(rank, ws, port, ckpt, expected, wrapper, out):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -67,22 +83,28 @@ def worker(rank, ws, port, ckpt, expected, wrapper, out):
     dist.init_process_group("gloo", rank=rank, world_size=ws)
     torch.manual_seed(1)
     try:
+        want = torch.load(expected, weights_only=True)
         model = wrap(wrapper, Net(False, False), ws)
         optim = torch.optim.Adam(model.parameters(), lr=0.5)
-        osd = get_optimizer_state_dict(model, optim)
-        state = {"optim": osd}
+        state = {"optim": get_optimizer_state_dict(model, optim)}
+        if "model" in want:
+            state["model"] = get_model_state_dict(model)
         dcp.load(state, checkpoint_id=ckpt)
+        if "model" in want:
+            set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optim, state["optim"])
-        full = get_optimizer_state_dict(
-            model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=False)
-        )
+        full_options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        full = get_optimizer_state_dict(model, optim, options=full_options)
+        full_model = get_model_state_dict(model, options=full_options)
     except Exception as e:
         # A failure is a result too (the spawn then stops the other ranks).
         if rank == 0:
             (Path(out) / "result").write_text(f"rank 0 raised {e!r}")
         raise
     if rank == 0:
-        problem = compare(full, torch.load(expected, weights_only=True))
+        problem = compare(full, want["optim"])
+        if problem is None and "model" in want:
+            problem = compare_model(full_model, want["model"])
         (Path(out) / "result").write_text(problem or "ok")
     dist.barrier()
     dist.destroy_process_group()
