@@ -206,6 +206,16 @@ fn model_parameters_saved_beside_the_state_consolidate_to_the_full_parameters() 
         r.unwrap();
     }
     let ckpt = DcpCheckpoint::open(&dir).unwrap();
+    // Nested as `{"model": ..., "optim": ...}`, the model first.
+    let top: Vec<String> = match ckpt.load().unwrap() {
+        PyObj::Dict(items) => items.iter().map(|(k, _)| format!("{k:?}")).collect(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(top.len(), 2);
+    assert!(
+        top[0].contains("model") && top[1].contains("optim"),
+        "{top:?}"
+    );
     let layout = fsdp::flat_param::ModelLayout::new(&model, &wrapping(false), 3).unwrap();
     for (p, want) in model.params.iter().zip(synthetic_params(&layout)) {
         let got = ckpt.read_tensor(&format!("model.{}", p.name)).unwrap();

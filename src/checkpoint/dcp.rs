@@ -437,7 +437,14 @@ fn merge(reports: Vec<RankChunks>, dir: &Path) -> Result<Merged> {
 
 /// Rank 0: merges the reports, writes `.metadata` into `tmp`, syncs, renames into place.
 fn commit(reports: Vec<RankChunks>, tmp: &Path, dir: &Path) -> Result<()> {
-    let merged = merge(reports, dir)?;
+    let mut merged = merge(reports, dir)?;
+    // `{"model": ..., "optim": {"state": ..., "param_groups": ...}}`, as `get_state_dict`
+    // users save it.
+    merged.sort_by_key(|(s, _, _)| match s {
+        Slot::Model(_) => 0,
+        Slot::State(..) => 1,
+        Slot::Group(..) => 2,
+    });
     let keys: Vec<(String, Vec<PathItem>)> =
         merged.iter().map(|(s, _, _)| (s.key(), s.path())).collect();
     let records: Vec<Record<'_>> = merged
