@@ -24,7 +24,10 @@ use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
 use crate::io::dcp::{self, Chunk, DcpCheckpoint, EntryKind, PathItem, Record, StoredChunk};
 use crate::io::torch_save::{self, PyObj};
-use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use crate::optim_state::flatten::{
+    flat_param_state_for_rank, flatten_from_source, orig_param_state_for_rank, ShardSource,
+};
+use crate::optim_state::{OptimParams, OptimStateDict, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -480,11 +483,13 @@ fn commit(reports: Vec<RankChunks>, tmp: &Path, dir: &Path) -> Result<()> {
 
 /// This rank's optimizer state dict from the DCP directory `dir` (as PyTorch's
 /// `get_state_dict` + `dcp.save` or [`save_dcp`] wrote it, at any world size, FSDP1 or
-/// FSDP2): what [`flatten_optim_state_dict`] gives for the directory's full optimizer dict.
-/// The metadata is first checked against the model: every `optim.state` key must name a
-/// parameter, tensor states must have its global shape, and every parameter with state
-/// must have every state name the others have ([`Error::DcpStorage`] naming key and
-/// `.metadata`). No communication.
+/// FSDP2): what [`crate::optim_state::flatten_optim_state_dict`] gives for the directory's
+/// full optimizer dict. The metadata is first checked against the model: every
+/// `optim.state` key must name a parameter, tensor states must have its global shape, and
+/// every parameter with state must have every state name the others have
+/// ([`Error::DcpStorage`] naming key and `.metadata`). Parameters are read one flat
+/// parameter (or original parameter) at a time, so memory holds one parameter's full state
+/// beside the result. No communication.
 pub fn load_dcp<T: Tensor>(
     dir: &Path,
     layout: &ModelLayout,
@@ -492,29 +497,89 @@ pub fn load_dcp<T: Tensor>(
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
     let ckpt = DcpCheckpoint::open(dir)?;
-    check_against_model(&ckpt, dir, layout)?;
-    let full = read_optim(&ckpt, dir)?;
-    let full = full.try_map(|t: &HostTensor| T::from_host(t.clone()))?;
-    flatten_optim_state_dict(layout, rank, &full, params)
-}
-
-/// The `optim` part of the directory as a full, name-keyed optimizer state dict.
-fn read_optim(ckpt: &DcpCheckpoint, dir: &Path) -> Result<OptimStateDict> {
-    let entries: Vec<_> = ckpt
+    let states = check_against_model(&ckpt, dir, layout)?;
+    let group_entries: Vec<usize> = ckpt
         .metadata()
         .entries
         .iter()
-        .filter(|e| matches!(e.path.as_deref(), Some([PathItem::Key(k), ..]) if k == "optim"))
-        .cloned()
+        .enumerate()
+        .filter(|(_, e)| {
+            matches!(e.path.as_deref(), Some([PathItem::Key(a), PathItem::Key(b), ..]) if a == "optim" && b == "param_groups")
+        })
+        .map(|(i, _)| i)
         .collect();
+    let groups = read_optim(&ckpt, dir, &group_entries)?
+        .param_groups
+        .map(|gs| {
+            gs.iter()
+                .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
+    let mut source = DcpSource {
+        ckpt: &ckpt,
+        dir,
+        states,
+        rank,
+    };
+    flatten_from_source(layout, &mut source, groups.as_deref(), Vec::new(), params)
+}
+
+/// A DCP directory as a [`ShardSource`]: each parameter's full state read when the
+/// flattening asks for it, then cut for the rank as a full dict would be.
+struct DcpSource<'c> {
+    ckpt: &'c DcpCheckpoint,
+    dir: &'c Path,
+    /// Per fully qualified name with state: its entries' indices in the metadata.
+    states: HashMap<String, Vec<usize>>,
+    rank: usize,
+}
+
+impl DcpSource<'_> {
+    /// The full dict holding only the state of `fqns` (those the directory has state for).
+    fn dict_of<T: Tensor>(&self, fqns: &[&str]) -> Result<OptimStateDict<T>> {
+        let entries: Vec<usize> = fqns
+            .iter()
+            .filter_map(|f| self.states.get(*f))
+            .flatten()
+            .copied()
+            .collect();
+        read_optim(self.ckpt, self.dir, &entries)?.try_map(|t: &HostTensor| T::from_host(t.clone()))
+    }
+}
+
+impl<T: Tensor> ShardSource<T> for DcpSource<'_> {
+    fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
+        let fl = &layout.flat_params[f];
+        let fqns: Vec<&str> = fl.members.iter().map(|m| m.fqn.as_str()).collect();
+        let full = self.dict_of(&fqns)?;
+        flat_param_state_for_rank(fl, self.rank, &full)
+    }
+
+    fn orig_param(
+        &mut self,
+        layout: &ModelLayout,
+        param: usize,
+        owner: Option<(usize, usize)>,
+    ) -> Result<Option<ParamState<T>>> {
+        let full = self.dict_of(&[layout.state_fqn(param)])?;
+        orig_param_state_for_rank(layout, param, owner, self.rank, &full)
+    }
+}
+
+/// The optimizer dict of the metadata entries `entries` (all under `optim`), read and nested
+/// as `dcp_to_torch_save` nests them; `state` is empty when no entry is under it.
+fn read_optim(ckpt: &DcpCheckpoint, dir: &Path, entries: &[usize]) -> Result<OptimStateDict> {
+    let all = &ckpt.metadata().entries;
+    let picked: Vec<_> = entries.iter().map(|&i| all[i].clone()).collect();
     let mut leaf = |i: usize| -> Result<PyObj> {
-        let e = &entries[i];
+        let e = &picked[i];
         match e.kind {
             EntryKind::Tensor(_) => Ok(PyObj::Tensor(ckpt.read_tensor(&e.key)?)),
             EntryKind::Bytes => ckpt.read_object(&e.key),
         }
     };
-    let nested = dcp::nest(&entries, &mut leaf).map_err(|e| match e {
+    let nested = dcp::nest(&picked, &mut leaf).map_err(|e| match e {
         dcp::NestError::Path { key, reason } => Error::DcpChunks {
             dir: dir.display().to_string(),
             key,
@@ -522,21 +587,30 @@ fn read_optim(ckpt: &DcpCheckpoint, dir: &Path) -> Result<OptimStateDict> {
         },
         dcp::NestError::Leaf(e) => e,
     })?;
-    let optim = match nested {
-        PyObj::Dict(mut items) if !items.is_empty() => items.swap_remove(0).1,
-        _ => {
-            return Err(Error::DcpChunks {
-                dir: dir.display().to_string(),
-                key: "optim".into(),
-                reason: "the directory holds no optimizer state (no `optim.` key)".into(),
-            })
-        }
+    // `{"optim": {...}}` (every entry is under `optim`), or `{}` when none is picked.
+    let mut optim = match nested {
+        PyObj::Dict(mut items) => match items.pop() {
+            Some((_, PyObj::Dict(parts))) => parts,
+            _ => Vec::new(),
+        },
+        _ => Vec::new(),
     };
-    torch_save::optim_from_pyobj(optim)
+    if !optim
+        .iter()
+        .any(|(k, _)| matches!(k, PyObj::Str(s) if s == "state"))
+    {
+        optim.insert(0, (PyObj::Str("state".into()), PyObj::Dict(Vec::new())));
+    }
+    torch_save::optim_from_pyobj(PyObj::Dict(optim))
 }
 
 /// Checks the `optim.state` keys of the metadata against the model (see [`load_dcp`]).
-fn check_against_model(ckpt: &DcpCheckpoint, dir: &Path, layout: &ModelLayout) -> Result<()> {
+/// Returns, per fully qualified name with state, its entries' indices in the metadata.
+fn check_against_model(
+    ckpt: &DcpCheckpoint,
+    dir: &Path,
+    layout: &ModelLayout,
+) -> Result<HashMap<String, Vec<usize>>> {
     let err = |key: &str, reason: String| Error::DcpStorage {
         dir: dir.display().to_string(),
         key: key.to_string(),
@@ -545,7 +619,9 @@ fn check_against_model(ckpt: &DcpCheckpoint, dir: &Path, layout: &ModelLayout) -
     };
     // Per parameter with state: its state names, in order of first appearance.
     let mut names: Vec<(String, Vec<String>)> = Vec::new();
-    for e in &ckpt.metadata().entries {
+    let mut position: HashMap<String, usize> = HashMap::new();
+    let mut entries: HashMap<String, Vec<usize>> = HashMap::new();
+    for (i, e) in ckpt.metadata().entries.iter().enumerate() {
         let Some([PathItem::Key(a), PathItem::Key(b), PathItem::Key(fqn), PathItem::Key(n)]) =
             e.path.as_deref()
         else {
@@ -569,13 +645,16 @@ fn check_against_model(ckpt: &DcpCheckpoint, dir: &Path, layout: &ModelLayout) -
                 ));
             }
         }
-        match names.iter_mut().find(|(f, _)| f == fqn) {
-            Some((_, list)) => list.push(n.clone()),
-            None => names.push((fqn.clone(), vec![n.clone()])),
+        let at = entries.entry(fqn.clone()).or_default();
+        if at.is_empty() {
+            position.insert(fqn.clone(), names.len());
+            names.push((fqn.clone(), Vec::new()));
         }
+        at.push(i);
+        names[position[fqn]].1.push(n.clone());
     }
     let Some((first, reference)) = names.first().cloned() else {
-        return Ok(());
+        return Ok(entries);
     };
     for (fqn, list) in &names {
         if let Some(n) = reference.iter().find(|n| !list.contains(n)) {
@@ -591,7 +670,7 @@ fn check_against_model(ckpt: &DcpCheckpoint, dir: &Path, layout: &ModelLayout) -
             ));
         }
     }
-    Ok(())
+    Ok(entries)
 }
 
 #[cfg(test)]
