@@ -461,3 +461,28 @@ fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_
     );
     assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
 }
+
+#[test]
+fn with_hybrid_sharding_the_first_shard_group_writes_and_every_rank_commits() {
+    // 4 ranks in 2 shard groups of 2: ranks 2 and 3 hold replicas and write nothing.
+    let model = net();
+    let full = full_adam(&model);
+    let policy = wrapping(false).with_strategy(fsdp::model::ShardingStrategy::HybridShard);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    for r in ThreadGroup::run(4, |pg| {
+        let fsdp = Fsdp::new_hybrid(&model, &policy, Arc::new(pg), 2)?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        fsdp.save_dcp(&local, &params, None, &dir)
+    }) {
+        r.unwrap();
+    }
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, [".metadata", "__0_0.distcp", "__1_0.distcp"]);
+    assert_loads_like(&model, &wrapping(true), 3, &full, &dir);
+}
