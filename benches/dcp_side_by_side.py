@@ -62,8 +62,8 @@ def same(a, b):
                 walk(p, q, f"{path}[{i}]")
         elif isinstance(u, torch.Tensor):
             assert u.dtype == v.dtype and u.shape == v.shape, f"{path}: dtype/shape differ"
-            assert torch.equal(u.view(torch.uint8) if u.numel() else u,
-                               v.view(torch.uint8) if v.numel() else v), f"{path}: bits differ"
+            bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731 (NaNs compare too)
+            assert torch.equal(bits(u), bits(v)), f"{path}: bits differ"
         else:
             assert u == v, f"{path}: {u!r} vs {v!r}"
 

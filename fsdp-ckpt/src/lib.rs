@@ -690,6 +690,7 @@ fn dcp_to_fsdp(
 /// `convert IN OUT_DIR --to dcp|fsdp`.
 fn dcp_convert(input: &Path, output: &Path, to: &str, progress: &Progress) -> Result<()> {
     use fsdp::io::dcp;
+    clean_stale(output, Some(dcp::DCP_DIR))?;
     let written = match to {
         "dcp" if input.is_dir() => progress.step("converting", || {
             // The full optimizer state dict of the crate's sharded checkpoint.

@@ -108,6 +108,36 @@ fn convert_to_dcp_writes_a_directory_that_consolidates_back_equal() {
 }
 
 #[test]
+fn convert_to_dcp_removes_the_temporary_of_a_killed_run_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("dcp_out");
+    // A convert killed midway left its temporary directory (named after a process that is
+    // gone) holding a partial data file.
+    let dead = {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    };
+    let stale = tmp.path().join(format!(".dcp_out.tmp-{dead}-1"));
+    std::fs::create_dir(&stale).unwrap();
+    std::fs::write(stale.join("__0_0.distcp"), "half").unwrap();
+    let input = golden("fsdp2_adamw_ws3_tied/expected.pt");
+    let o = run(&[&"convert", &input, &out, &"--to", &"dcp"]);
+    ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains(&format!(".dcp_out.tmp-{dead}-1")), "{err}");
+    assert!(!stale.exists());
+    ok(&run(&[&"verify", &out]));
+    // Only the output is left: the writer's own temporary was renamed into place.
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("dcp_out")]);
+}
+
+#[test]
 fn convert_a_pytorch_dcp_directory_to_a_checkpoint_for_three_ranks_keeps_its_optimizer_state() {
     use fsdp::offline::DescFile;
     use fsdp::{DType, ModelDesc, WrapPolicy};

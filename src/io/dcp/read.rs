@@ -319,16 +319,49 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
             return Ok(());
         };
         let key = &self.ckpt.metadata.entries[i].key;
-        let full = self.ckpt.read_tensor(key)?;
-        sink(full.as_bytes()).map_err(|e| Error::Io {
-            op: "writing a consolidated torch.save file".into(),
-            path: String::new(),
-            source: e.into(),
-        })?;
-        self.written += full.nbytes() as u64;
-        (self.progress)(self.written);
+        let mut write = |bytes: &[u8]| {
+            sink(bytes).map_err(|e| Error::Io {
+                op: "writing a consolidated torch.save file".into(),
+                path: String::new(),
+                source: e.into(),
+            })
+        };
+        let (meta, dtype) = self.ckpt.tensor_meta(key)?;
+        match row_slabs(&meta.size, &meta.chunks) {
+            // Chunks of whole rows (FSDP2 and FSDP1 dim-0 shards, single chunks): in row order
+            // they are the tensor's bytes, so each goes out as it is read, never assembled.
+            Some(slabs) => {
+                for c in slabs {
+                    let part = self.ckpt.read_chunk(key, c, dtype)?;
+                    write(part.as_bytes())?;
+                    self.written += part.nbytes() as u64;
+                    (self.progress)(self.written);
+                }
+            }
+            None => {
+                let full = self.ckpt.read_tensor(key)?;
+                write(full.as_bytes())?;
+                self.written += full.nbytes() as u64;
+                (self.progress)(self.written);
+            }
+        }
         Ok(())
     }
+}
+
+/// The chunks in row order when each spans whole rows (all of every dimension after the
+/// first), so that their bytes, one after another, are the tensor's; `None` for another grid.
+/// The chunks must already be known to tile the shape.
+fn row_slabs<'c>(size: &[usize], chunks: &'c [Chunk]) -> Option<Vec<&'c Chunk>> {
+    let whole_rows = |c: &Chunk| {
+        c.sizes.get(1..) == size.get(1..) && c.offsets.iter().skip(1).all(|&o| o == 0)
+    };
+    if !chunks.iter().all(whole_rows) {
+        return None;
+    }
+    let mut slabs: Vec<&Chunk> = chunks.iter().collect();
+    slabs.sort_by_key(|c| c.offsets.first().copied().unwrap_or(0));
+    Some(slabs)
 }
 
 /// The nested dict with a one-element placeholder per tensor (checked before anything is

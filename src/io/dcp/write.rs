@@ -10,7 +10,7 @@ use crate::io::torch_save::{self, PyObj};
 use crate::tensor::DType;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The one data file a single-process save writes.
 const DATA_FILE: &str = "__0_0.distcp";
@@ -152,13 +152,9 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
                 ),
             )
         })?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let tmp = parent.join(format!(".{name}.{}.tmp", std::process::id()));
-    // Only a temporary directory created here is removed on failure.
-    std::fs::create_dir(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
+    // A temporary sibling named as every writer of the crate names one, so that
+    // `output::clean_stale_temporaries` recognises it if this process is killed.
+    let tmp = crate::io::output::make_tmp_dir(out)?;
     let result = (|| {
         let (stored, tensor_bytes) = write_data(&tmp.join(DATA_FILE), items)?;
         let origins = origins(&stored);
@@ -166,11 +162,15 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
         write_synced(&tmp.join(".metadata"), &md)?;
         sync_dir(&tmp)?;
         std::fs::rename(&tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
-        sync_dir(&parent)?;
+        sync_dir(
+            out.parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new(".")),
+        )?;
         Ok(tensor_bytes)
     })();
     if result.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
+        crate::io::output::discard_tmp_dir(&tmp);
     }
     result
 }
