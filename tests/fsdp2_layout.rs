@@ -205,3 +205,72 @@ fn desc_json_reads_fsdp_version_defaulting_to_1_and_refuses_misspellings() {
         serde_json::from_str::<WrapPolicy>(r#"{"units": [""], "fsdp_verison": 2}"#).unwrap_err();
     assert!(e.to_string().contains("fsdp_verison"), "{e}");
 }
+
+/// `tests/golden/fsdp2/layout.json`, written by `gen.py` from PyTorch 2.13's `fully_shard` on
+/// CPU/gloo at 2, 3 and 4 ranks: every group's order and every rank's local shape and global
+/// offset equal the layout's, and the scalar refusal is PyTorch's.
+#[test]
+fn layout_equals_pytorch_fully_shard_at_2_3_and_4_ranks() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/golden/fsdp2/layout.json"
+    );
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let model: ModelDesc = serde_json::from_value(golden["model"].clone()).unwrap();
+    let units: Vec<String> = serde_json::from_value(golden["units"].clone()).unwrap();
+    let ignored: Vec<String> = serde_json::from_value(golden["ignored_modules"].clone()).unwrap();
+    let policy = WrapPolicy::fully_shard(&units).with_ignored(&ignored);
+    let layouts = golden["layouts"].as_array().unwrap();
+    assert_eq!(layouts.len(), 3);
+    for want in layouts {
+        let ws = want["world_size"].as_u64().unwrap() as usize;
+        let layout = ParamLayout::new(&model, &policy, ws).unwrap();
+        let groups: Vec<Vec<String>> = (0..layout.groups.len())
+            .map(|g| {
+                layout
+                    .group_params(g)
+                    .iter()
+                    .map(|p| p.name.clone())
+                    .collect()
+            })
+            .collect();
+        let want_groups: Vec<Vec<String>> = serde_json::from_value(want["groups"].clone()).unwrap();
+        assert_eq!(groups, want_groups, "groups at {ws} ranks");
+        for (rank, held) in want["ranks"].as_array().unwrap().iter().enumerate() {
+            let held = held.as_object().unwrap();
+            assert_eq!(held.len(), layout.params.len(), "parameters at {ws} ranks");
+            for p in &layout.params {
+                let what = format!("`{}` on rank {rank} of {ws}", p.name);
+                let chunk = p.local_chunk(rank);
+                match &held[&p.name] {
+                    serde_json::Value::String(s) => {
+                        assert_eq!(s, "replicated", "{what}");
+                        assert_eq!(p.holding, Holding::Replicated, "{what}");
+                    }
+                    local => {
+                        let shape: Vec<usize> =
+                            serde_json::from_value(local["shape"].clone()).unwrap();
+                        let offset: Vec<usize> =
+                            serde_json::from_value(local["offset"].clone()).unwrap();
+                        assert_eq!((chunk.sizes, chunk.offsets), (shape, offset), "{what}");
+                    }
+                }
+            }
+        }
+    }
+    let mut scalar = model.clone();
+    scalar.params.push(fsdp::ParamDesc {
+        name: "layers.1.step".into(),
+        shape: vec![],
+        dtype: DType::F32,
+        requires_grad: true,
+    });
+    let m = invalid_model(ParamLayout::new(&scalar, &policy, 2).unwrap_err());
+    let torch_says = golden["scalar_refused"].as_str().unwrap();
+    assert!(torch_says.starts_with("fully_shard doesn't support scalar parameters"));
+    assert!(
+        m.contains("fully_shard does not support scalar parameters"),
+        "{m}"
+    );
+}
