@@ -91,8 +91,8 @@ pub fn value(p: usize, i: usize, salt: usize) -> f64 {
 /// A tensor of `shape` and `dtype` with element `i` = `f(i)` (rounded to `dtype`).
 pub fn tensor(shape: &[usize], dtype: DType, f: impl Fn(usize) -> f64) -> HostTensor {
     let n: usize = shape.iter().product();
-    let wide: Vec<f64> = (0..n).map(f).collect();
-    let bytes = cast(bytemuck::cast_slice(&wide), DType::F64, dtype).unwrap();
+    let wide: Vec<u8> = (0..n).flat_map(|i| f(i).to_le_bytes()).collect();
+    let bytes = cast(&wide, DType::F64, dtype).unwrap();
     HostTensor::from_bytes(dtype, shape, &bytes).unwrap()
 }
 
