@@ -44,7 +44,7 @@ pub fn foreach_reduce(
 ) -> Result<Vec<HostTensor>> {
     let ws = pg.world_size();
     let local = check_group(pg, params)
-        .and_then(|()| check_options(options))
+        .and_then(|()| check_options(options, pg.rank()))
         .and_then(|()| grad_dtype(params, unsharded_grads, pg.rank()))
         .and_then(|grad_dtype| {
             let reduce_dtype = options.reduce_dtype.unwrap_or(grad_dtype);
@@ -133,11 +133,11 @@ fn view_out(
 }
 
 /// A usable divide factor: finite and positive.
-fn check_options(options: &ReduceOptions) -> Result<()> {
+fn check_options(options: &ReduceOptions, rank: usize) -> Result<()> {
     match options.divide_factor {
         Some(f) if !(f.is_finite() && f > 0.0) => Err(Error::InvalidArgument {
             op: "set_reduce_scatter_divide_factor".into(),
-            rank: 0,
+            rank,
             reason: format!("the divide factor {f} is not a finite positive number"),
         }),
         _ => Ok(()),
