@@ -54,7 +54,7 @@ pub fn run(pg: &dyn ProcessGroup, what: &str) {
     }
     let ws = pg.world_size() as f64;
     for factor in [ws * 2.0, ws] {
-        for reduce_dtype in [DType::F32, DType::F16] {
+        for reduce_dtype in [DType::F32, DType::F16, DType::BF16] {
             reduce_scatter_matches_all_reduce(pg, reduce_dtype, Grads::Varied, Some(factor), &what);
         }
     }
