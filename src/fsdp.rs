@@ -412,6 +412,36 @@ impl Fsdp {
         crate::checkpoint::load(dir.as_ref(), &self.layout, self.rank(), params, opts)
     }
 
+    /// Saves this rank's local optimizer state (and, when `model` is given, its parameters,
+    /// aligned as for [`Fsdp::save_checkpoint`]) as a PyTorch Distributed Checkpoint (DCP)
+    /// directory: the keys `get_state_dict` + `dcp.save` write (`optim.state.<fqn>.<name>`,
+    /// `optim.param_groups.<i>.<option>`, `model.<fqn>`) at the original parameters' global
+    /// shapes, so that PyTorch's `dcp.load` + `set_state_dict` load it into FSDP1 or FSDP2
+    /// models at any world size. Each rank writes only the elements it holds into
+    /// `__{rank}_0.distcp`; rank 0 writes `.metadata` last and renames the directory into
+    /// place. Collective over the whole job; every rank returns the same outcome.
+    pub fn save_dcp<T: Tensor>(
+        &self,
+        osd: &OptimStateDict<T>,
+        params: &OptimParams,
+        model: Option<&[Option<T>]>,
+        dir: impl AsRef<std::path::Path>,
+    ) -> Result<()> {
+        crate::checkpoint::save_dcp(self.into(), osd, params, model, dir.as_ref())
+    }
+
+    /// This rank's optimizer state dict from a DCP directory written by PyTorch
+    /// (`get_state_dict` + `dcp.save`, FSDP1 or FSDP2, any world size) or by
+    /// [`Fsdp::save_dcp`]: what [`Fsdp::shard_full_optim_state_dict`] gives for the
+    /// directory's full optimizer dict. No communication.
+    pub fn load_dcp<T: Tensor>(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        crate::checkpoint::load_dcp(dir.as_ref(), &self.layout, self.rank(), params)
+    }
+
     /// `FSDP.flatten_sharded_optim_state_dict`: from this rank's part of a sharded dict (saved
     /// at this world size), this rank's flattened dict for its optimizer. Collective.
     pub fn flatten_sharded_optim_state_dict<T: Tensor>(

@@ -58,9 +58,17 @@ enum Command {
         #[arg(long, value_name = "BYTES", default_value_t = io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES)]
         max_expansion_bytes: u64,
         /// Write a directory instead: `dcp`, a PyTorch DCP directory (from a torch.save or
-        /// safetensors file, or from this crate's sharded checkpoint directory).
+        /// safetensors file, or from this crate's sharded checkpoint directory); `fsdp`, this
+        /// crate's sharded checkpoint from a DCP directory (needs `--model` and
+        /// `--world-size`).
         #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp"])]
         to: Option<String>,
+        /// With `--to fsdp`: the model description and wrapping policy (JSON; see README).
+        #[arg(long = "model", value_name = "DESC.json")]
+        model: Option<PathBuf>,
+        /// With `--to fsdp`: the number of ranks of the checkpoint to write.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+        world_size: Option<u32>,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -615,10 +623,68 @@ fn run_dcp(cli: &Cli) -> Option<Result<()>> {
             input,
             output,
             to: Some(to),
+            model,
+            world_size,
             ..
-        } => Some(dcp_convert(input, output, to, &progress)),
+        } => Some(match to.as_str() {
+            "fsdp" => dcp_to_fsdp(input, output, model.as_deref(), *world_size, &progress),
+            _ if model.is_some() || world_size.is_some() => Err(Error::Unsupported(format!(
+                "convert --to {to} takes no --model or --world-size (they describe the checkpoint `--to fsdp` writes)"
+            ))),
+            _ => dcp_convert(input, output, to, &progress),
+        }),
         _ => None,
     }
+}
+
+/// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
+/// checkpoint of the DCP directory's optimizer state for N ranks of the described model.
+/// N threads act as the ranks: each loads its shard of the directory
+/// ([`fsdp::Fsdp::load_dcp`]) and they save the checkpoint collectively, as a live job
+/// would.
+fn dcp_to_fsdp(
+    input: &Path,
+    output: &Path,
+    model: Option<&Path>,
+    world_size: Option<u32>,
+    progress: &Progress,
+) -> Result<()> {
+    let usage = |what: &str| {
+        Error::Unsupported(format!(
+            "convert {} {} --to fsdp needs {what} (the model description and wrapping, and the number of ranks to write for)",
+            input.display(),
+            output.display()
+        ))
+    };
+    let model = model.ok_or_else(|| usage("--model DESC.json"))?;
+    let ws = world_size.ok_or_else(|| usage("--world-size N"))? as usize;
+    if !fsdp::io::dcp::is_dcp_dir(input) {
+        return Err(Error::DcpMetadata {
+            file: input.join(".metadata").display().to_string(),
+            reason: "no such file: the input is not a DCP directory".into(),
+        });
+    }
+    let spec = DescFile::from_json_file(model)?;
+    output::check_not_overlapping(output, &[input, model])?;
+    let opts = checkpoint::SaveOptions::default();
+    progress.step("converting", || {
+        let results = fsdp::collectives::ThreadGroup::run(ws, |pg| {
+            let f = fsdp::Fsdp::new(&spec.model, &spec.policy, std::sync::Arc::new(pg))?;
+            let params = f.optim_params();
+            // Every rank joins the save, so that a rank failing to load fails them all.
+            let local: Result<OptimStateDict> = f.load_dcp(input, &params);
+            let local =
+                fsdp::collectives::ProcessGroupExt::agree(f.process_group().as_ref(), local)?;
+            f.save_optim_checkpoint(&local, &params, output, &opts)
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()
+    })?;
+    eprintln!(
+        "converted DCP directory {} -> checkpoint {} for {ws} ranks",
+        input.display(),
+        output.display()
+    );
+    Ok(())
 }
 
 /// `convert IN OUT_DIR --to dcp|fsdp`.

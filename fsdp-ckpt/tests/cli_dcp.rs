@@ -98,10 +98,84 @@ fn convert_to_dcp_writes_a_directory_that_consolidates_back_equal() {
     let again = run(&[&"convert", &input, &out, &"--to", &"dcp"]);
     assert_eq!(again.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&again.stderr).contains("not empty"));
-    // DCP -> the crate's format is refused with a typed error, not a panic.
+    // DCP -> the crate's format without the model is refused with a typed error naming it.
     let refused = run(&[&"convert", &out, &tmp.path().join("ck"), &"--to", &"fsdp"]);
     assert_eq!(refused.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&refused.stderr).starts_with("error: unsupported"));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.starts_with("error: unsupported"), "{stderr}");
+    assert!(stderr.contains("--model DESC.json"), "{stderr}");
+    assert!(!tmp.path().join("ck").exists());
+}
+
+#[test]
+fn convert_a_pytorch_dcp_directory_to_a_checkpoint_for_three_ranks_keeps_its_optimizer_state() {
+    use fsdp::offline::DescFile;
+    use fsdp::{DType, ModelDesc, WrapPolicy};
+    // gen.py's Net (untied, nothing frozen), wrapped as FSDP1 wraps it: net1, net2, the root.
+    let f = DType::F32;
+    let model = ModelDesc::new()
+        .param("embed.weight", &[10, 4], f)
+        .param("net1.0.weight", &[10, 4], f)
+        .param("net1.0.bias", &[10], f)
+        .param("net2.0.weight", &[3, 10], f)
+        .param("net2.0.bias", &[3], f)
+        .param("head.weight", &[10, 3], f)
+        .param("out.weight", &[10, 4], f);
+    let policy = WrapPolicy::units(&["net1", "net2", ""]);
+    let tmp = tempfile::tempdir().unwrap();
+    let desc = tmp.path().join("desc.json");
+    std::fs::write(&desc, DescFile::new(model, policy).to_json()).unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let input = golden("fsdp2_adam_ws4/ckpt");
+    ok(&run(&[
+        &"convert",
+        &input,
+        &ckpt,
+        &"--to",
+        &"fsdp",
+        &"--model",
+        &desc,
+        &"--world-size",
+        &"3",
+    ]));
+    ok(&run(&[&"verify", &ckpt]));
+    let back = tmp.path().join("back.pt");
+    ok(&run(&[&"consolidate", &ckpt, &back]));
+    let got = torch_save::optim_from_pyobj(torch_save::load(&back).unwrap()).unwrap();
+    let expected = torch_save::load(golden("fsdp2_adam_ws4/expected.pt")).unwrap();
+    let want = torch_save::optim_from_pyobj(expected.get("optim").cloned().unwrap()).unwrap();
+    assert_eq!(got.state, want.state);
+    let (g, w) = (got.param_groups.unwrap(), want.param_groups.unwrap());
+    assert_eq!(g.len(), w.len());
+    for (g, w) in g.iter().zip(&w) {
+        assert_eq!(g.options, w.options);
+        let set =
+            |p: &[fsdp::ParamKey]| p.iter().cloned().collect::<std::collections::HashSet<_>>();
+        assert_eq!(set(&g.params), set(&w.params));
+    }
+    // A model that does not fit the directory: a typed error naming the key, no output.
+    let wrong = ModelDesc::new().param("embed.weight", &[4, 10], f);
+    std::fs::write(
+        &desc,
+        DescFile::new(wrong, WrapPolicy::units(&[""])).to_json(),
+    )
+    .unwrap();
+    let out2 = tmp.path().join("ckpt2");
+    let refused = run(&[
+        &"convert",
+        &input,
+        &out2,
+        &"--to",
+        &"fsdp",
+        &"--model",
+        &desc,
+        &"--world-size",
+        &"2",
+    ]);
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("optim.state.embed.weight."), "{stderr}");
+    assert!(!out2.exists());
 }
 
 #[test]

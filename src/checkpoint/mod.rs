@@ -23,6 +23,7 @@
 //! loading rank's shards and verifies each block it reads.
 
 mod background;
+mod dcp;
 mod load;
 mod manifest;
 mod prefetch;
@@ -32,6 +33,7 @@ mod stream;
 mod summary;
 
 pub use background::{BackgroundSaver, SaveMode};
+pub use dcp::{load_dcp, save_dcp};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,

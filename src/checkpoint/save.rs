@@ -58,13 +58,13 @@ pub(super) struct RankReport {
 }
 
 /// A local parameter with the host copies (views for HostTensor) of the values to save.
-type Saved<'l> = Vec<(&'l LocalParam, Vec<(String, Value<HostTensor>)>)>;
+pub(super) type Saved<'l> = Vec<(&'l LocalParam, Vec<(String, Value<HostTensor>)>)>;
 
 /// Per parameter: its state key and state values (flat, sharded, as the optimizer holds them).
-type KeyedStates = Vec<(OptimStateKey, Vec<(String, LocalValue)>)>;
+pub(super) type KeyedStates = Vec<(OptimStateKey, Vec<(String, LocalValue)>)>;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-enum LocalValue {
+pub(super) enum LocalValue {
     Value(Value<HostTensor>),
     Tensor {
         dtype: DType,
@@ -77,8 +77,8 @@ enum LocalValue {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(super) struct DictParts {
     named: bool,
-    param_groups: Option<Vec<ParamGroup<HostTensor>>>,
-    user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
+    pub(super) param_groups: Option<Vec<ParamGroup<HostTensor>>>,
+    pub(super) user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
 }
 
 pub(super) fn crash(point: CrashPoint) -> Error {
@@ -139,11 +139,11 @@ pub fn save<T: Tensor>(
 }
 
 /// One rank's pieces: which bytes of which local tensor go where.
-struct Plan<'a> {
-    entries: Vec<Entry>,
-    data: Vec<&'a [u8]>,
+pub(super) struct Plan<'a> {
+    pub(super) entries: Vec<Entry>,
+    pub(super) data: Vec<&'a [u8]>,
     /// Per entry: (state key, state name, element start, element len).
-    at: Vec<(usize, usize, usize, usize)>,
+    pub(super) at: Vec<(usize, usize, usize, usize)>,
 }
 
 /// Writes this rank's data file into `tmp` and returns its report for the manifest (and, on
@@ -212,7 +212,7 @@ pub(super) fn write_rank<T: Tensor>(
 
 /// Host copies (views for HostTensor) of the state of every local parameter this rank saves:
 /// unmanaged state is the same everywhere, so only layout rank 0 saves it.
-fn host_states<'l, T: Tensor>(
+pub(super) fn host_states<'l, T: Tensor>(
     layout_rank: usize,
     osd: &OptimStateDict<T>,
     local: &'l [LocalParam],
@@ -245,7 +245,7 @@ fn host_states<'l, T: Tensor>(
 
 /// The model's parameters as one more state ([`MODEL_PARAM_STATE`]) of every parameter, host
 /// copies aligned with `model_local`.
-fn host_model_params<'l, T: Tensor>(
+pub(super) fn host_model_params<'l, T: Tensor>(
     layout_rank: usize,
     model: &[Option<T>],
     model_local: &'l [LocalParam],
@@ -342,7 +342,7 @@ pub(super) const MODEL_ENTRY_PREFIX: &str = "@param/";
 
 /// Queues the pieces of `saved` (local parameters with their host values) that this rank
 /// holds, adding each parameter's (member) keys and state slots to `report`.
-fn plan_pieces<'a>(
+pub(super) fn plan_pieces<'a>(
     layout: &ModelLayout,
     layout_rank: usize,
     saved: &'a Saved,
@@ -537,7 +537,7 @@ fn push_entry<'a>(
 }
 
 /// Rank 0's param groups (by names) and user state, as `full_optim_state_dict` returns them.
-fn dict_parts<T: Tensor>(
+pub(super) fn dict_parts<T: Tensor>(
     layout: &ModelLayout,
     local: &[LocalParam],
     osd: &OptimStateDict<T>,

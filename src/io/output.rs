@@ -441,9 +441,23 @@ fn ours(entry: &str) -> bool {
                 && matches!(ext, "safetensors" | "pt" | "pth")
         })
     };
+    // DCP data files `__{rank}_{n}.distcp`.
+    let distcp = |e: &str| {
+        e.strip_prefix("__")
+            .and_then(|r| r.strip_suffix(".distcp"))
+            .and_then(|r| r.split_once('_'))
+            .is_some_and(|(a, b)| {
+                [a, b]
+                    .iter()
+                    .all(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
+            })
+    };
     // A checkpoint's commit marker and manifest (`crate::checkpoint::{COMMIT, MANIFEST}`,
-    // named here because this layer is below it), rank files, reports, nested temporaries.
+    // named here because this layer is below it), rank files, reports, nested temporaries,
+    // a DCP directory's `.metadata` and data files.
     entry == "COMMITTED"
+        || entry == ".metadata"
+        || distcp(entry)
         || entry == "manifest.json"
         || entry == SHARD_TORCH_MARKER
         || data(entry)

@@ -27,7 +27,9 @@ pub use metadata::{
     dtype_of, parse_metadata, read_metadata, Chunk, Entry, EntryKind, Metadata, PathItem,
     StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
 };
-pub use plan::{check_tiling, place_chunk, MAX_CHUNKS_PER_TENSOR};
+pub(crate) use pickler::{metadata_pickle, Record, StoredChunk};
+pub use plan::{check_tiling, flat_range_boxes, place_chunk, MAX_CHUNKS_PER_TENSOR};
+pub(crate) use plan::{nest, NestError};
 pub use read::{
     consolidate_to_safetensors, consolidate_to_torch, summary, verify, DcpCheckpoint, DcpSummary,
     EntrySummary, FileSummary, VerifyReport,
@@ -37,6 +39,31 @@ pub use write::save_dcp;
 
 use crate::error::Result;
 use std::path::Path;
+
+/// What a DCP directory is for the replace rule of [`crate::io::output::check_dir_output`]:
+/// `.metadata` plus `__{rank}_{n}.distcp` data files and nothing else. A writer may replace
+/// such a directory whole.
+pub const DCP_DIR: crate::io::output::DirKind = crate::io::output::DirKind {
+    what: "a DCP checkpoint",
+    entries: dcp_entries,
+};
+
+fn dcp_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, String> {
+    if !dir.join(".metadata").is_file() {
+        return Err("it has no `.metadata`".into());
+    }
+    let listing = std::fs::read_dir(dir).map_err(|e| format!("cannot list it: {e}"))?;
+    let mut names = Vec::new();
+    for e in listing {
+        let name = e.map_err(|e| format!("cannot list it: {e}"))?.file_name();
+        let s = name.to_string_lossy();
+        let data_file = s.starts_with("__") && s.ends_with(".distcp") && !s.contains('/');
+        if s == ".metadata" || data_file {
+            names.push(name);
+        }
+    }
+    Ok(names)
+}
 
 /// Whether `dir` is a DCP directory (holds a `.metadata` file).
 pub fn is_dcp_dir(dir: &Path) -> bool {

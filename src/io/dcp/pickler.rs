@@ -12,8 +12,17 @@ const MD: &str = "torch.distributed.checkpoint.metadata";
 pub(crate) struct Record<'a> {
     pub key: &'a str,
     pub path: &'a [PathItem],
-    /// dtype and global shape for a tensor (stored whole, as one chunk at the origin).
+    /// dtype and global shape for a tensor.
     pub tensor: Option<(DType, &'a [usize])>,
+    /// Where its value is: one chunk per box of a tensor (offsets and sizes), or one entry
+    /// with empty offsets and sizes for a non-tensor value.
+    pub chunks: Vec<StoredChunk<'a>>,
+}
+
+/// One chunk of a key: its N-D box (empty for a non-tensor) and its byte range.
+pub(crate) struct StoredChunk<'a> {
+    pub offsets: &'a [usize],
+    pub sizes: &'a [usize],
     pub file: &'a str,
     pub offset: u64,
     pub length: u64,
@@ -141,7 +150,9 @@ pub(crate) fn metadata_pickle(records: &[Record<'_>], checkpoint_id: &str) -> Re
         p.out.push(b'}');
         p.mark();
         for r in records {
-            storage_entry(p, r);
+            for (i, c) in r.chunks.iter().enumerate() {
+                storage_entry(p, r, i, c);
+            }
         }
         p.out.push(b'u');
         p.str("storage_meta");
@@ -176,29 +187,31 @@ fn state_dict_entry(p: &mut P, r: &Record<'_>) {
             p.str("chunks");
             p.out.push(b']');
             p.mark();
-            p.instance(MD, "ChunkStorageMetadata", |p| {
-                p.str("offsets");
-                p.size(&vec![0; shape.len()]);
-                p.str("sizes");
-                p.size(shape);
-            });
+            for c in &r.chunks {
+                p.instance(MD, "ChunkStorageMetadata", |p| {
+                    p.str("offsets");
+                    p.size(c.offsets);
+                    p.str("sizes");
+                    p.size(c.sizes);
+                });
+            }
             p.out.push(b'e');
         }),
     }
 }
 
-fn storage_entry(p: &mut P, r: &Record<'_>) {
+fn storage_entry(p: &mut P, r: &Record<'_>, index: usize, c: &StoredChunk<'_>) {
     p.instance(MD, "MetadataIndex", |p| {
         p.str("fqn");
         p.str(r.key);
         p.str("offset");
         match r.tensor {
-            Some((_, shape)) => p.size(&vec![0; shape.len()]),
+            Some(_) => p.size(c.offsets),
             None => p.none(),
         }
         p.str("index");
         match r.tensor {
-            Some(_) => p.int(0),
+            Some(_) => p.int(index as u64),
             None => p.none(),
         }
     });
@@ -207,11 +220,11 @@ fn storage_entry(p: &mut P, r: &Record<'_>) {
         "_StorageInfo",
         |p| {
             p.str("relative_path");
-            p.str(r.file);
+            p.str(c.file);
             p.str("offset");
-            p.int(r.offset);
+            p.int(c.offset);
             p.str("length");
-            p.int(r.length);
+            p.int(c.length);
         },
     );
 }

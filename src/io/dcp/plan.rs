@@ -120,6 +120,99 @@ pub fn place_chunk(dst: &mut [u8], size: &[usize], chunk: &Chunk, src: &[u8], es
     }
 }
 
+/// The N-D boxes that the row-major element range `start..start + len` of a tensor of shape
+/// `shape` consists of, in element order, each with the position of its first element within
+/// the range. A rank's slice of a flat parameter covers such a range of each original
+/// parameter; written as boxes, DCP and PyTorch's loader accept it as is. A 2-D range gives at
+/// most three boxes (a partial first row, whole rows, a partial last row); each further
+/// dimension adds at most two. An empty range gives no box; a 0-dim tensor one empty-shaped box.
+pub fn flat_range_boxes(shape: &[usize], start: usize, len: usize) -> Vec<(Chunk, usize)> {
+    let mut out = Vec::new();
+    if shape.is_empty() {
+        if len > 0 {
+            out.push((chunk_at(Vec::new(), Vec::new()), 0));
+        }
+        return out;
+    }
+    let mut cut = Cut {
+        prefix: Vec::new(),
+        out: &mut out,
+        range_start: start,
+    };
+    cut.range(shape, start, start + len, 0);
+    out
+}
+
+fn chunk_at(offsets: Vec<usize>, sizes: Vec<usize>) -> Chunk {
+    Chunk { offsets, sizes }
+}
+
+/// The state of [`flat_range_boxes`]: the leading coordinates of the sub-tensor being cut
+/// (each of size 1) and the boxes found so far.
+struct Cut<'o> {
+    prefix: Vec<usize>,
+    out: &'o mut Vec<(Chunk, usize)>,
+    range_start: usize,
+}
+
+impl Cut<'_> {
+    /// Pushes the boxes of elements `start..end` of the sub-tensor of shape `shape` at the
+    /// current prefix, whose element 0 is element `shift` of the whole tensor.
+    fn range(&mut self, shape: &[usize], start: usize, end: usize, shift: usize) {
+        if start >= end {
+            return;
+        }
+        if shape.len() == 1 {
+            self.rows(shape, start, end, 1, shift);
+            return;
+        }
+        let inner: usize = shape[1..].iter().product();
+        let (first_row, r1) = (start / inner, end / inner);
+        if first_row == (end - 1) / inner && (start % inner != 0 || end % inner != 0) {
+            self.row(
+                shape,
+                first_row,
+                start % inner,
+                end - first_row * inner,
+                inner,
+                shift,
+            );
+            return;
+        }
+        let mut r0 = first_row;
+        if start % inner != 0 {
+            self.row(shape, first_row, start % inner, inner, inner, shift);
+            r0 += 1;
+        }
+        if r1 > r0 {
+            self.rows(shape, r0, r1, inner, shift);
+        }
+        if end % inner != 0 {
+            self.row(shape, r1, 0, end % inner, inner, shift);
+        }
+    }
+
+    /// Elements `s..e` of row `r` (of dimension 0 of `shape`): cut inside that row.
+    fn row(&mut self, shape: &[usize], r: usize, s: usize, e: usize, inner: usize, shift: usize) {
+        self.prefix.push(r);
+        self.range(&shape[1..], s, e, shift + r * inner);
+        self.prefix.pop();
+    }
+
+    /// The box of whole rows `r0..r1` of dimension 0 of `shape`.
+    fn rows(&mut self, shape: &[usize], r0: usize, r1: usize, inner: usize, shift: usize) {
+        let lead = self.prefix.len();
+        let mut offsets = self.prefix.clone();
+        offsets.push(r0);
+        offsets.extend(std::iter::repeat_n(0, shape.len() - 1));
+        let mut sizes = vec![1; lead];
+        sizes.push(r1 - r0);
+        sizes.extend_from_slice(&shape[1..]);
+        let at = shift + r0 * inner - self.range_start;
+        self.out.push((chunk_at(offsets, sizes), at));
+    }
+}
+
 /// The nested state dict being rebuilt: dicts keyed by string, lists, and leaves that stand
 /// for an entry (by index).
 #[derive(Debug)]
@@ -247,6 +340,50 @@ mod tests {
             offsets: offsets.to_vec(),
             sizes: sizes.to_vec(),
         }
+    }
+
+    /// Every element of the range lies in exactly one box, at the recorded position.
+    fn check_boxes(shape: &[usize], start: usize, len: usize, most: usize) {
+        let boxes = flat_range_boxes(shape, start, len);
+        assert!(boxes.len() <= most, "{shape:?} {start}+{len}: {boxes:?}");
+        let n = shape.len();
+        let mut strides = vec![1usize; n];
+        for d in (0..n.saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * shape[d + 1];
+        }
+        let mut seen = vec![usize::MAX; len];
+        for (b, at) in &boxes {
+            let vol = volume(&b.sizes).unwrap();
+            for i in 0..vol {
+                // The i-th element of the box in row-major order, as a flat index.
+                let mut rest = i;
+                let mut flat = 0;
+                for d in (0..n).rev() {
+                    flat += (b.offsets[d] + rest % b.sizes[d]) * strides[d];
+                    rest /= b.sizes[d];
+                }
+                assert_eq!(flat, start + at + i, "{shape:?} {start}+{len}: box {b:?}");
+                assert_eq!(seen[flat - start], usize::MAX);
+                seen[flat - start] = i;
+            }
+        }
+        assert!(
+            seen.iter().all(|&s| s != usize::MAX),
+            "{shape:?} {start}+{len}"
+        );
+    }
+
+    #[test]
+    fn a_flat_range_is_cut_into_few_boxes_covering_it_once_in_order() {
+        for start in 0..12 {
+            for len in 0..=12 - start {
+                check_boxes(&[12], start, len, 1);
+                check_boxes(&[3, 4], start, len, 3);
+                check_boxes(&[2, 2, 3], start, len, 5);
+            }
+        }
+        // 0-dim: one box with no dimensions.
+        assert_eq!(flat_range_boxes(&[], 0, 1).len(), 1);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! and `.metadata` pickled last so that `dcp.load` and `dcp_to_torch_save` read it.
 
 use super::metadata::PathItem;
+use super::pickler::{Record, StoredChunk};
 use crate::error::{Error, IoError, Result};
 use crate::io::torch_save::{self, PyObj};
 use crate::tensor::DType;
@@ -160,7 +161,8 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
     std::fs::create_dir(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
     let result = (|| {
         let (stored, tensor_bytes) = write_data(&tmp.join(DATA_FILE), items)?;
-        let md = super::pickler::metadata_pickle(&stored_view(&stored), &name)?;
+        let origins = origins(&stored);
+        let md = super::pickler::metadata_pickle(&stored_view(&stored, &origins), &name)?;
         write_synced(&tmp.join(".metadata"), &md)?;
         sync_dir(&tmp)?;
         std::fs::rename(&tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
@@ -173,20 +175,39 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
     result
 }
 
-/// The view of stored items the pickler needs.
-fn stored_view<'s>(stored: &'s [Stored<'_>]) -> Vec<super::pickler::Record<'s>> {
+/// The view of stored items the pickler needs: each value whole, as one chunk at the origin.
+fn stored_view<'s>(stored: &'s [Stored<'_>], origins: &'s [Vec<usize>]) -> Vec<Record<'s>> {
     stored
         .iter()
-        .map(|s| super::pickler::Record {
-            key: &s.item.key,
-            path: &s.item.path,
-            tensor: match s.item.value {
+        .zip(origins)
+        .map(|(s, origin)| {
+            let tensor = match s.item.value {
                 PyObj::Tensor(t) => Some((t.dtype(), t.shape())),
                 _ => None,
-            },
-            file: DATA_FILE,
-            offset: s.offset,
-            length: s.length,
+            };
+            Record {
+                key: &s.item.key,
+                path: &s.item.path,
+                tensor,
+                chunks: vec![StoredChunk {
+                    offsets: origin,
+                    sizes: tensor.map_or(&[][..], |(_, shape)| shape),
+                    file: DATA_FILE,
+                    offset: s.offset,
+                    length: s.length,
+                }],
+            }
+        })
+        .collect()
+}
+
+/// The origin (all-zero offsets) of every stored value's shape.
+fn origins(stored: &[Stored<'_>]) -> Vec<Vec<usize>> {
+    stored
+        .iter()
+        .map(|s| match s.item.value {
+            PyObj::Tensor(t) => vec![0; t.shape().len()],
+            _ => Vec::new(),
         })
         .collect()
 }

@@ -106,6 +106,11 @@ fn value_from(obj: PyObj, path: &str) -> Result<Value> {
     })
 }
 
+/// The Python object of one state value or hyper-parameter (`path` names it in errors).
+pub fn value_to_pyobj(v: &Value, path: &str) -> Result<PyObj> {
+    value_to(v, path)
+}
+
 fn value_to(v: &Value, path: &str) -> Result<PyObj> {
     Ok(match v {
         Value::None => PyObj::None,

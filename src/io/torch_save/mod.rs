@@ -45,7 +45,8 @@ pub(crate) mod writer;
 mod zip;
 
 pub use convert::{
-    model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, ModelStateDict,
+    model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, value_to_pyobj,
+    ModelStateDict,
 };
 pub use pyobj::PyObj;
 

@@ -1,0 +1,303 @@
+//! DCP side by side with PyTorch, in one run (issue: "PyTorch Distributed Checkpoint").
+//!
+//! PyTorch 2.13 (`benches/dcp_side_by_side.py`) writes the full state of a model with Adam
+//! state (`{"model", "optim"}`, as `get_state_dict` + `torch.save` hold it; by default about
+//! 100M parameters: 0.8 GB of Adam state, 1.2 GB in all) and converts it with
+//! `torch_save_to_dcp`. On that same DCP directory, in alternation, each run a fresh process:
+//! - consolidate: `fsdp::io::dcp::consolidate_to_torch` (what `fsdp-ckpt consolidate DCP_DIR
+//!   OUT.pt` does) against `dcp_to_torch_save`; both outputs must be equal (structure, key
+//!   order, bits), checked by PyTorch;
+//! - to DCP: `fsdp::io::dcp::torch_save_to_dcp` (`fsdp-ckpt convert IN.pt OUT_DIR --to dcp`)
+//!   against `torch_save_to_dcp`, and against a raw write + fsync of the directory's bytes.
+//!
+//! Peak RSS is each process's own high-water mark (VmHWM for the crate, ru_maxrss for
+//! PyTorch, interpreter included). Files live under `target/dcp-bench` and are removed at the
+//! end; the run needs about 6 GB of disk at the default size.
+//!
+//! `cargo bench --bench dcp [-- --embed ROWS --layers N --reps R]`
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+const CHILD_ENV: &str = "FSDP_DCP_BENCH_CHILD";
+
+fn main() {
+    if let Ok(spec) = std::env::var(CHILD_ENV) {
+        child(&spec);
+        return;
+    }
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str, default: usize| -> usize {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let (embed, layers, reps) = (arg("--embed", 32000), arg("--layers", 16), arg("--reps", 3));
+    let py = python();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/dcp-bench");
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).expect("bench directory");
+    let full = root.join("full.pt");
+    let dcp = root.join("dcp");
+    println!(
+        "dcp bench: {} cores, load average {}; model embed [{embed}, 1024] + {layers} x [1024, 4096] f32",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        loadavg()
+    );
+    python_run(
+        &py,
+        &[
+            "make",
+            &s(&full),
+            "--embed",
+            &embed.to_string(),
+            "--layers",
+            &layers.to_string(),
+        ],
+    );
+    python_timed(&py, &["to_dcp", &s(&full), &s(&dcp)]);
+    let dcp_bytes = dir_bytes(&dcp);
+    let largest = (embed * 1024 * 4) as u64;
+    let adam = 2 * (embed * 1024 + layers * 1024 * 4096) as u64 * 4;
+    println!(
+        "input: {} GB .pt; DCP directory {} GB ({} GB of Adam state); largest tensor {} MB",
+        gb(file_bytes(&full)),
+        gb(dcp_bytes),
+        gb(adam),
+        mb(largest)
+    );
+
+    let (mut ours, mut theirs) = (Runs::default(), Runs::default());
+    let (ours_pt, theirs_pt) = (root.join("ours.pt"), root.join("theirs.pt"));
+    for _ in 0..reps {
+        ours.push(crate_child("consolidate", &dcp, &ours_pt));
+        theirs.push(python_timed(&py, &["to_torch", &s(&dcp), &s(&theirs_pt)]));
+    }
+    python_run(&py, &["same", &s(&ours_pt), &s(&theirs_pt)]);
+    let _ = std::fs::remove_file(&ours_pt);
+    let _ = std::fs::remove_file(&theirs_pt);
+
+    let (mut ours_w, mut theirs_w, mut raw) = (Runs::default(), Runs::default(), Runs::default());
+    let (ours_dir, theirs_dir, raw_file) = (
+        root.join("ours-dcp"),
+        root.join("theirs-dcp"),
+        root.join("raw.bin"),
+    );
+    for _ in 0..reps {
+        let _ = std::fs::remove_dir_all(&ours_dir);
+        ours_w.push(crate_child("to_dcp", &full, &ours_dir));
+        let _ = std::fs::remove_dir_all(&theirs_dir);
+        theirs_w.push(python_timed(&py, &["to_dcp", &s(&full), &s(&theirs_dir)]));
+        raw.push((raw_write(&raw_file, dir_bytes(&ours_dir)), 0));
+        let _ = std::fs::remove_file(&raw_file);
+    }
+
+    println!();
+    println!(
+        "{:<34} {:>9} {:>9} {:>12}",
+        "operation (median of runs)", "seconds", "GB/s", "peak RSS MB"
+    );
+    let row = |name: &str, r: &Runs, bytes: u64| {
+        let t = r.median_secs();
+        println!(
+            "{name:<34} {t:>9.2} {:>9.3} {:>12}",
+            bytes as f64 / 1e9 / t,
+            r.peak_mb()
+        );
+    };
+    row("consolidate: fsdp", &ours, dcp_bytes);
+    row("consolidate: dcp_to_torch_save", &theirs, dcp_bytes);
+    row("to DCP: fsdp", &ours_w, dcp_bytes);
+    row("to DCP: torch_save_to_dcp", &theirs_w, dcp_bytes);
+    println!(
+        "{:<34} {:>9.2} {:>9.3}",
+        "raw write + fsync (same bytes)",
+        raw.median_secs(),
+        dcp_bytes as f64 / 1e9 / raw.median_secs()
+    );
+    println!();
+    let speedup = theirs.median_secs() / ours.median_secs();
+    let rss_cap = 2 * largest + 64 * 1024 * 1024;
+    println!(
+        "consolidate: {speedup:.1}x PyTorch (target >= 5x); peak RSS {} MB against the cap 2 x largest tensor + 64 MiB = {} MB ({})",
+        ours.peak_mb(),
+        mb(rss_cap),
+        if ours.peak() <= rss_cap { "within" } else { "OVER" }
+    );
+    println!(
+        "to DCP: {:.2}x raw write + fsync (target >= 0.5x), {:.1}x torch_save_to_dcp",
+        raw.median_secs() / ours_w.median_secs(),
+        theirs_w.median_secs() / ours_w.median_secs()
+    );
+    println!("runs (s): fsdp consolidate {:?}; dcp_to_torch_save {:?}; fsdp to DCP {:?}; torch_save_to_dcp {:?}; raw {:?}", ours.secs, theirs.secs, ours_w.secs, theirs_w.secs, raw.secs);
+    println!("load average after: {}", loadavg());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Seconds and peak RSS of each run.
+#[derive(Default)]
+struct Runs {
+    secs: Vec<f64>,
+    peaks: Vec<u64>,
+}
+
+impl Runs {
+    fn push(&mut self, (secs, peak): (f64, u64)) {
+        self.secs.push(secs);
+        self.peaks.push(peak);
+    }
+    fn median_secs(&self) -> f64 {
+        let mut v = self.secs.clone();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+    fn peak(&self) -> u64 {
+        self.peaks.iter().copied().max().unwrap_or(0)
+    }
+    fn peak_mb(&self) -> String {
+        mb(self.peak())
+    }
+}
+
+/// Child mode: one operation of the crate, then `CHILD seconds peak_rss`.
+fn child(spec: &str) {
+    let mut parts = spec.splitn(3, '\n');
+    let (op, input, output) = (
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+    );
+    let start = Instant::now();
+    match op {
+        "consolidate" => {
+            fsdp::io::dcp::consolidate_to_torch(Path::new(input), Path::new(output), |_| {})
+                .expect("consolidating the DCP directory");
+        }
+        "to_dcp" => {
+            fsdp::io::dcp::torch_save_to_dcp(Path::new(input), Path::new(output))
+                .expect("writing the DCP directory");
+        }
+        _ => panic!("unknown child op {op}"),
+    }
+    let secs = start.elapsed().as_secs_f64();
+    println!("CHILD {secs} {}", status_bytes("VmHWM:"));
+}
+
+fn crate_child(op: &str, input: &Path, output: &Path) -> (f64, u64) {
+    let out = Command::new(std::env::current_exe().expect("this bench"))
+        .env(
+            CHILD_ENV,
+            format!("{op}\n{}\n{}", input.display(), output.display()),
+        )
+        .output()
+        .expect("running the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CHILD "))
+        .unwrap_or_else(|| {
+            panic!(
+                "child {op} failed: {}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    let f: Vec<&str> = line.split_whitespace().collect();
+    (f[0].parse().unwrap(), f[1].parse().unwrap())
+}
+
+fn python_run(py: &Path, args: &[&str]) -> String {
+    let out = Command::new(py)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/dcp_side_by_side.py"))
+        .args(args)
+        .output()
+        .expect("running python");
+    assert!(
+        out.status.success(),
+        "python {args:?} failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A timed PyTorch run: (seconds, peak RSS) from its JSON line.
+fn python_timed(py: &Path, args: &[&str]) -> (f64, u64) {
+    let out = python_run(py, args);
+    let v: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json line");
+    (
+        v["seconds"].as_f64().unwrap(),
+        v["peak_rss"].as_u64().unwrap(),
+    )
+}
+
+fn python() -> PathBuf {
+    let p = std::env::var_os("FSDP_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
+    if !p.exists() {
+        eprintln!(
+            "dcp bench: no Python at {} — run scripts/setup-venv.sh",
+            p.display()
+        );
+        std::process::exit(2);
+    }
+    p
+}
+
+/// Seconds to write `bytes` in 1 MiB writes to a new file and fsync it.
+fn raw_write(path: &Path, bytes: u64) -> f64 {
+    use std::io::Write;
+    let buf = vec![7u8; 1 << 20];
+    let start = Instant::now();
+    let mut f = std::fs::File::create(path).expect("raw file");
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(buf.len() as u64) as usize;
+        f.write_all(&buf[..n]).expect("raw write");
+        left -= n as u64;
+    }
+    f.sync_all().expect("raw fsync");
+    start.elapsed().as_secs_f64()
+}
+
+fn status_bytes(field: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |k| k * 1024)
+}
+
+fn file_bytes(p: &Path) -> u64 {
+    std::fs::metadata(p).map_or(0, |m| m.len())
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .map(|rd| rd.flatten().map(|e| file_bytes(&e.path())).sum())
+        .unwrap_or(0)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+fn gb(b: u64) -> String {
+    format!("{:.2}", b as f64 / 1e9)
+}
+
+fn mb(b: u64) -> String {
+    format!("{:.0}", b as f64 / 1e6)
+}

@@ -1,0 +1,93 @@
+"""PyTorch's side of `cargo bench --bench dcp` (benches/dcp.rs).
+
+    python benches/dcp_side_by_side.py make OUT.pt --embed ROWS --layers N
+    python benches/dcp_side_by_side.py to_dcp IN.pt OUT_DIR       # torch_save_to_dcp
+    python benches/dcp_side_by_side.py to_torch DCP_DIR OUT.pt    # dcp_to_torch_save
+    python benches/dcp_side_by_side.py same A.pt B.pt             # equal structure and bits
+
+`make` writes what `get_state_dict` + `torch.save` would hold for a model with Adam state
+after one step: {"model": {fqn: weight}, "optim": {"state": {fqn: {step, exp_avg,
+exp_avg_sq}}, "param_groups": [...]}}, with an embedding of ROWS x 1024 and N layers of
+1024 x 4096 (f32). The timed modes print one JSON line: {"seconds": ..., "peak_rss": bytes},
+the peak being this process's ru_maxrss (the interpreter and torch included).
+"""
+import json
+import resource
+import sys
+import time
+
+import torch
+
+
+def peak_rss():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def make(out, embed, layers):
+    g = torch.Generator().manual_seed(0)
+    shapes = [("embed.weight", (embed, 1024))]
+    shapes += [(f"layers.{i}.weight", (1024, 4096)) for i in range(layers)]
+    model, state = {}, {}
+    for name, shape in shapes:
+        model[name] = torch.randn(shape, generator=g)
+        state[name] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.randn(shape, generator=g),
+            "exp_avg_sq": torch.rand(shape, generator=g),
+        }
+    groups = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+               "amsgrad": False, "params": [n for n, _ in shapes]}]
+    torch.save({"model": model, "optim": {"state": state, "param_groups": groups}}, out)
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_rss": peak_rss()}))
+
+
+def same(a, b):
+    x = torch.load(a, weights_only=True)
+    y = torch.load(b, weights_only=True)
+
+    def walk(u, v, path):
+        assert type(u) is type(v), f"{path}: {type(u)} vs {type(v)}"
+        if isinstance(u, dict):
+            assert list(u.keys()) == list(v.keys()), f"{path}: key order differs"
+            for k in u:
+                walk(u[k], v[k], f"{path}.{k}")
+        elif isinstance(u, (list, tuple)):
+            assert len(u) == len(v), f"{path}: length differs"
+            for i, (p, q) in enumerate(zip(u, v)):
+                walk(p, q, f"{path}[{i}]")
+        elif isinstance(u, torch.Tensor):
+            assert u.dtype == v.dtype and u.shape == v.shape, f"{path}: dtype/shape differ"
+            assert torch.equal(u.view(torch.uint8) if u.numel() else u,
+                               v.view(torch.uint8) if v.numel() else v), f"{path}: bits differ"
+        else:
+            assert u == v, f"{path}: {u!r} vs {v!r}"
+
+    walk(x, y, "")
+    print("same")
+
+
+def main():
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "make":
+        embed = int(args[args.index("--embed") + 1])
+        layers = int(args[args.index("--layers") + 1])
+        make(args[0], embed, layers)
+    elif mode == "to_dcp":
+        from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+        timed(torch_save_to_dcp, args[0], args[1])
+    elif mode == "to_torch":
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        timed(dcp_to_torch_save, args[0], args[1])
+    elif mode == "same":
+        same(args[0], args[1])
+    else:
+        sys.exit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    main()

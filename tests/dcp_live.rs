@@ -1,0 +1,488 @@
+//! Live ranks save and load PyTorch Distributed Checkpoint (DCP) directories collectively:
+//! `Fsdp::save_dcp` at one world size and wrapping, `Fsdp::load_dcp` at another, PyTorch-written
+//! fixtures loaded at any world size, and the failure cases (a rank failing mid-save, metadata
+//! disagreeing with the model).
+
+use fsdp::collectives::{ProcessGroup, ThreadGroup};
+use fsdp::io::dcp::{self, DcpCheckpoint};
+use fsdp::io::torch_save::{self, PyObj};
+use fsdp::{
+    DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
+    Value, WrapPolicy,
+};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The fixtures' `Net` (tests/golden/dcp/gen.py, untied, nothing frozen).
+fn net() -> ModelDesc {
+    let f = DType::F32;
+    ModelDesc::new()
+        .param("embed.weight", &[10, 4], f)
+        .param("net1.0.weight", &[10, 4], f)
+        .param("net1.0.bias", &[10], f)
+        .param("net2.0.weight", &[3, 10], f)
+        .param("net2.0.bias", &[3], f)
+        .param("head.weight", &[10, 3], f)
+        .param("out.weight", &[10, 4], f)
+}
+
+/// FSDP1 wrapping of every submodule then the root, flat or with original parameters.
+fn wrapping(orig: bool) -> WrapPolicy {
+    WrapPolicy::units(&["net1", "net2", ""]).with_orig_params(orig)
+}
+
+fn tensor(shape: &[usize], seed: f32) -> HostTensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| seed + i as f32 * 0.25).collect();
+    HostTensor::from_slice(&v, shape).unwrap()
+}
+
+/// A full Adam dict of `model` keyed by names: exp_avg, exp_avg_sq, 0-dim step, one group
+/// with every option torch 2.13's Adam has (`dcp.load` wants each key the loader holds).
+fn full_adam(model: &ModelDesc) -> OptimStateDict {
+    let mut sd = OptimStateDict::default();
+    for (i, p) in model.params.iter().enumerate() {
+        let mut st = ParamState::new();
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(3.0f32)));
+        st.insert("exp_avg".into(), Value::Tensor(tensor(&p.shape, i as f32)));
+        st.insert(
+            "exp_avg_sq".into(),
+            Value::Tensor(tensor(&p.shape, 100.0 + i as f32)),
+        );
+        sd.state.insert(ParamKey::Name(p.name.clone()), st);
+    }
+    let options = [
+        ("lr".to_string(), Value::Float(1e-3)),
+        (
+            "betas".to_string(),
+            Value::Tuple(vec![Value::Float(0.9), Value::Float(0.999)]),
+        ),
+        ("eps".to_string(), Value::Float(1e-8)),
+        ("weight_decay".to_string(), Value::Float(0.0)),
+        ("amsgrad".to_string(), Value::Bool(false)),
+        ("maximize".to_string(), Value::Bool(false)),
+        ("foreach".to_string(), Value::None),
+        ("capturable".to_string(), Value::Bool(false)),
+        ("differentiable".to_string(), Value::Bool(false)),
+        ("fused".to_string(), Value::None),
+        ("decoupled_weight_decay".to_string(), Value::Bool(false)),
+    ];
+    sd.param_groups = Some(vec![ParamGroup {
+        options: options.into_iter().collect(),
+        params: model
+            .params
+            .iter()
+            .map(|p| ParamKey::Name(p.name.clone()))
+            .collect(),
+    }]);
+    sd
+}
+
+/// Every rank of a `ws` group shards `full` under `policy` and saves it with `save_dcp`.
+fn save_live(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    ws: usize,
+    full: &OptimStateDict,
+    dir: &Path,
+) -> Vec<fsdp::Result<()>> {
+    ThreadGroup::run(ws, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(full, &params)?;
+        fsdp.save_dcp(&local, &params, None, dir)
+    })
+}
+
+/// Every rank of a `ws` group loads `dir` and compares with sharding `full` itself.
+#[track_caller]
+fn assert_loads_like(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    ws: usize,
+    full: &OptimStateDict,
+    dir: &Path,
+) {
+    let results = ThreadGroup::run(ws, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let loaded: OptimStateDict = fsdp
+            .load_dcp(dir, &params)
+            .unwrap_or_else(|e| panic!("rank {}: {e}", fsdp.rank()));
+        let expected = fsdp.shard_full_optim_state_dict(full, &params).unwrap();
+        (loaded, expected)
+    });
+    for (rank, (loaded, expected)) in results.iter().enumerate() {
+        assert_eq!(loaded, expected, "ws {ws} rank {rank}");
+    }
+}
+
+fn golden(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/dcp")
+        .join(p)
+}
+
+#[test]
+fn saved_by_live_ranks_at_two_and_three_loads_at_every_other_world_size_and_wrapping() {
+    let model = net();
+    let full = full_adam(&model);
+    for (ws, orig) in [(2, false), (3, true), (3, false), (2, true)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ckpt");
+        for r in save_live(&model, &wrapping(orig), ws, &full, &dir) {
+            r.unwrap();
+        }
+        // One data file per rank, every tensor tiled exactly once.
+        let report = dcp::verify(&dir).unwrap();
+        assert!(report.tensors > 0, "{report:?}");
+        for f in 0..ws {
+            assert!(dir.join(format!("__{f}_0.distcp")).is_file());
+        }
+        // The keys are get_state_dict's, at the original parameters' global shapes.
+        let ckpt = DcpCheckpoint::open(&dir).unwrap();
+        let t = ckpt
+            .read_tensor("optim.state.net2.0.weight.exp_avg")
+            .unwrap();
+        assert!(t.bit_eq(&tensor(&[3, 10], 3.0)));
+        for load_ws in [1, 2, 3, 4] {
+            for load_orig in [false, true] {
+                assert_loads_like(&model, &wrapping(load_orig), load_ws, &full, &dir);
+            }
+        }
+        // Consolidated, it is the full dict.
+        let optim = ckpt.load().unwrap().get("optim").cloned().unwrap();
+        let back = torch_save::optim_from_pyobj(optim).unwrap();
+        assert_eq!(back.state, full.state, "ws {ws} orig {orig}");
+    }
+}
+
+#[test]
+fn a_flat_shard_slice_is_written_as_boxes_of_the_original_parameter() {
+    // net1.0.weight (10x4) flattened with its bias into one flat parameter of 50 elements,
+    // cut at 25 on 2 ranks: rank 0 holds rows 0..6 and the first element of row 6, rank 1
+    // the rest of row 6 and rows 7..10.
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    for r in save_live(&model, &wrapping(false), 2, &full, &dir) {
+        r.unwrap();
+    }
+    let ckpt = DcpCheckpoint::open(&dir).unwrap();
+    let entry = ckpt
+        .metadata()
+        .entries
+        .iter()
+        .find(|e| e.key == "optim.state.net1.0.weight.exp_avg")
+        .unwrap();
+    let fsdp::io::dcp::EntryKind::Tensor(t) = &entry.kind else {
+        panic!("not a tensor")
+    };
+    assert_eq!(t.size, vec![10, 4]);
+    assert!(t.chunks.len() > 2, "{:?}", t.chunks);
+    assert!(
+        t.chunks.iter().any(|c| c.sizes[0] == 1 && c.sizes[1] < 4),
+        "{:?}",
+        t.chunks
+    );
+}
+
+#[test]
+fn model_parameters_saved_beside_the_state_consolidate_to_the_full_parameters() {
+    use fsdp::param_shards::{shard_tensors, synthetic_params};
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    for r in ThreadGroup::run(3, |pg| {
+        let fsdp = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        let values = synthetic_params(fsdp.layout());
+        let mine = shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values)?;
+        fsdp.save_dcp(&local, &params, Some(&mine), &dir)
+    }) {
+        r.unwrap();
+    }
+    let ckpt = DcpCheckpoint::open(&dir).unwrap();
+    // Nested as `{"model": ..., "optim": ...}`, the model first.
+    let top: Vec<String> = match ckpt.load().unwrap() {
+        PyObj::Dict(items) => items.iter().map(|(k, _)| format!("{k:?}")).collect(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(top.len(), 2);
+    assert!(
+        top[0].contains("model") && top[1].contains("optim"),
+        "{top:?}"
+    );
+    let layout = fsdp::flat_param::ModelLayout::new(&model, &wrapping(false), 3).unwrap();
+    for (p, want) in model.params.iter().zip(synthetic_params(&layout)) {
+        let got = ckpt.read_tensor(&format!("model.{}", p.name)).unwrap();
+        assert!(got.bit_eq(&want.unwrap()), "model.{}", p.name);
+    }
+}
+
+#[test]
+fn pytorch_written_fixtures_load_into_live_ranks_at_any_world_size() {
+    // The untied Net (fsdp1_orig_ws3 with net2 frozen); fsdp1_flat_ws4 and
+    // fsdp2_adamw_ws3_tied tie out.weight to embed.weight (the latter with two groups).
+    let cases = [
+        ("fsdp2_adam_ws4", false, false),
+        ("fsdp1_orig_ws3", true, false),
+        ("fsdp1_flat_ws4", false, true),
+        ("fsdp2_adamw_ws3_tied", false, true),
+    ];
+    for (name, frozen, tied) in cases {
+        let mut model = net();
+        if tied {
+            model.params.pop();
+            model = model.tie("out.weight", "embed.weight");
+        }
+        if frozen {
+            for p in &mut model.params {
+                if p.name.starts_with("net2.") {
+                    p.requires_grad = false;
+                }
+            }
+        }
+        let expected = torch_save::load(golden(name).join("expected.pt")).unwrap();
+        let optim = expected.get("optim").cloned().unwrap();
+        let full = torch_save::optim_from_pyobj(optim).unwrap();
+        for ws in [1, 2, 3, 5] {
+            for orig in [false, true] {
+                assert_loads_like(
+                    &model,
+                    &wrapping(orig),
+                    ws,
+                    &full,
+                    &golden(name).join("ckpt"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_failing_mid_save_leaves_no_directory_and_every_rank_gets_the_error() {
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let results = ThreadGroup::run(3, |pg| {
+        let rank = pg.rank();
+        let fsdp = Fsdp::new(&model, &wrapping(true), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let mut local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        if rank == 1 {
+            // Rank 1's state does not fit its shard: it fails while writing its file.
+            let st = local.state.values_mut().next().unwrap();
+            st.insert("exp_avg".into(), Value::Tensor(tensor(&[1000], 0.0)));
+        }
+        fsdp.save_dcp(&local, &params, None, &dir)
+    });
+    for (rank, r) in results.iter().enumerate() {
+        assert!(
+            matches!(r, Err(Error::ShapeMismatch { .. })),
+            "rank {rank}: {r:?}"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn a_non_empty_foreign_directory_is_refused_on_every_rank_and_left_alone() {
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("notes.txt"), b"keep").unwrap();
+    for r in save_live(&model, &wrapping(false), 2, &full, &dir) {
+        assert!(matches!(r, Err(Error::OutputRefused { .. })), "{r:?}");
+    }
+    assert_eq!(std::fs::read(dir.join("notes.txt")).unwrap(), b"keep");
+    // An earlier DCP directory is replaced whole.
+    let other = tmp.path().join("other");
+    for r in save_live(&model, &wrapping(false), 3, &full, &other) {
+        r.unwrap();
+    }
+    for r in save_live(&model, &wrapping(true), 2, &full, &other) {
+        r.unwrap();
+    }
+    assert!(!other.join("__2_0.distcp").exists());
+    assert_loads_like(&model, &wrapping(false), 3, &full, &other);
+}
+
+/// Loading `dir` on one rank of `model`.
+fn load_one(model: &ModelDesc, dir: &Path) -> fsdp::Result<OptimStateDict> {
+    ThreadGroup::run(1, |pg| {
+        let fsdp = Fsdp::new(model, &wrapping(false), Arc::new(pg))?;
+        fsdp.load_dcp(dir, &fsdp.optim_params())
+    })
+    .pop()
+    .unwrap()
+}
+
+#[track_caller]
+fn assert_names(err: &Error, key: &str) {
+    match err {
+        Error::DcpStorage { key: k, file, .. } => {
+            assert_eq!(k, key, "{err}");
+            assert_eq!(file, ".metadata", "{err}");
+        }
+        other => panic!("expected a DcpStorage error naming {key}, got {other:?}"),
+    }
+}
+
+#[test]
+fn metadata_disagreeing_with_the_model_names_the_key_and_the_file() {
+    let dir = golden("fsdp2_adam_ws4").join("ckpt");
+    // A model whose net1.0.weight has another shape.
+    let mut model = net();
+    model.params[1].shape = vec![4, 10];
+    let err = load_one(&model, &dir).unwrap_err();
+    assert_names(&err, "optim.state.net1.0.weight.exp_avg");
+    // A model without `out.weight`.
+    let mut model = net();
+    model.params.pop();
+    let err = load_one(&model, &dir).unwrap_err();
+    assert_names(&err, "optim.state.out.weight.exp_avg");
+    // A directory in which one parameter lacks a state the others have.
+    let mut full = full_adam(&net());
+    full.state[&ParamKey::Name("net2.0.bias".into())].shift_remove("exp_avg_sq");
+    let obj = PyObj::Dict(vec![(
+        PyObj::Str("optim".into()),
+        torch_save::optim_to_pyobj(&full).unwrap(),
+    )]);
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("missing");
+    dcp::save_dcp(&obj, &missing).unwrap();
+    let err = load_one(&net(), &missing).unwrap_err();
+    assert_names(&err, "optim.state.net2.0.bias.exp_avg_sq");
+}
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with PyTorch found: set FSDP_PYTHON or run scripts/setup-venv.sh"
+    );
+    venv
+}
+
+/// `{"optim": full}`, the nested dict `get_state_dict` + `dcp.save` would hold.
+fn optim_only(full: &OptimStateDict) -> PyObj {
+    PyObj::Dict(vec![(
+        PyObj::Str("optim".into()),
+        torch_save::optim_to_pyobj(full).unwrap(),
+    )])
+}
+
+#[test]
+fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_fsdp2() {
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n);
+    torch_save::save(&optim_only(&full), p("expected.pt")).unwrap();
+    // Live ranks: flat wrapping at 2 (with the model's parameters), original parameters at 3.
+    let layout = fsdp::flat_param::ModelLayout::new(&model, &wrapping(false), 2).unwrap();
+    let values = fsdp::param_shards::synthetic_params(&layout);
+    for r in ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        let mine = fsdp::param_shards::shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values)?;
+        fsdp.save_dcp(&local, &params, Some(&mine), p("live2"))
+    }) {
+        r.unwrap();
+    }
+    let model_values = model
+        .params
+        .iter()
+        .zip(&values)
+        .map(|(d, v)| {
+            (
+                PyObj::Str(d.name.clone()),
+                PyObj::Tensor(v.clone().unwrap()),
+            )
+        })
+        .collect();
+    let with_model = PyObj::Dict(vec![
+        (
+            PyObj::Str("optim".into()),
+            torch_save::optim_to_pyobj(&full).unwrap(),
+        ),
+        (PyObj::Str("model".into()), PyObj::Dict(model_values)),
+    ]);
+    torch_save::save(&with_model, p("expected_model.pt")).unwrap();
+    for r in save_live(&model, &wrapping(true), 3, &full, &p("live3")) {
+        r.unwrap();
+    }
+    // A full dict file, as torch_save_to_dcp converts it.
+    torch_save::save(&optim_only(&full), p("full.pt")).unwrap();
+    dcp::torch_save_to_dcp(&p("full.pt"), &p("from_pt")).unwrap();
+    // The crate's own checkpoint saved at 3, converted.
+    let opts = fsdp::checkpoint::SaveOptions::default();
+    for r in ThreadGroup::run(3, |pg| {
+        let fsdp = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        fsdp.save_optim_checkpoint(&local, &params, p("ckpt"), &opts)
+    }) {
+        r.unwrap();
+    }
+    let load_opts = fsdp::checkpoint::LoadOptions::default();
+    let from_ckpt = fsdp::checkpoint::load_full(&p("ckpt"), &load_opts).unwrap();
+    dcp::save_dcp(&optim_only(&from_ckpt), &p("from_ckpt")).unwrap();
+    let cases = [
+        ("live2", "expected_model.pt", "3", "fsdp2"),
+        ("live3", "expected.pt", "2", "fsdp1_flat"),
+        ("live2", "expected_model.pt", "3", "fsdp1_orig"),
+        ("from_pt", "expected.pt", "2", "fsdp2"),
+        ("from_ckpt", "expected.pt", "2", "fsdp1_flat"),
+    ];
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(golden("load_in_torch.py"));
+    for (dir, expected, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(p(expected)).arg(ws).arg(wrapper);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
+}
+
+#[test]
+fn with_hybrid_sharding_the_first_shard_group_writes_and_every_rank_commits() {
+    // 4 ranks in 2 shard groups of 2: ranks 2 and 3 hold replicas and write nothing.
+    let model = net();
+    let full = full_adam(&model);
+    let policy = wrapping(false).with_strategy(fsdp::model::ShardingStrategy::HybridShard);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    for r in ThreadGroup::run(4, |pg| {
+        let fsdp = Fsdp::new_hybrid(&model, &policy, Arc::new(pg), 2)?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        fsdp.save_dcp(&local, &params, None, &dir)
+    }) {
+        r.unwrap();
+    }
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, [".metadata", "__0_0.distcp", "__1_0.distcp"]);
+    assert_loads_like(&model, &wrapping(true), 3, &full, &dir);
+}
