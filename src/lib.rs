@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod collectives;
 pub mod error;
 pub mod flat_param;
+pub mod fully_shard;
 pub mod io;
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
@@ -14,7 +15,9 @@ pub mod model;
 pub mod offline;
 pub mod optim;
 pub mod optim_state;
+pub mod param_layout;
 pub mod param_shards;
+pub mod placement;
 pub mod tensor;
 
 mod fsdp;

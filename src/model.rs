@@ -252,14 +252,20 @@ impl ShardingStrategy {
     }
 }
 
-/// How the model is wrapped: FSDP units, ignored modules, `use_orig_params`, strategy.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How the model is wrapped: FSDP generation, units, ignored modules, `use_orig_params`,
+/// strategy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WrapPolicy {
-    /// Module prefixes wrapped as FSDP units, in wrap order (`""` is the root). A unit claims
-    /// its parameters before any unit that contains it, so nested units may be listed in any
-    /// order relative to their ancestors.
+    /// Module prefixes wrapped as FSDP units, in wrap order (`""` is the root). With FSDP1 a
+    /// unit claims its parameters before any unit that contains it, so nested units may be
+    /// listed in any order relative to their ancestors. With FSDP2 (`fsdp_version` 2) they are
+    /// the modules `fully_shard` was applied to, in application order (innermost first).
     pub units: Vec<String>,
+    /// Which FSDP: `1` for `FullyShardedDataParallel` (flat parameters, the default), `2` for
+    /// `fully_shard` (each parameter sharded on dim 0; see [`crate::param_layout`]).
+    #[serde(default = "default_fsdp_version")]
+    pub fsdp_version: u8,
     /// Module prefixes whose parameters FSDP ignores (their state passes through untouched).
     #[serde(default)]
     pub ignored_modules: Vec<String>,
@@ -271,6 +277,23 @@ pub struct WrapPolicy {
     pub sharding_strategy: ShardingStrategy,
 }
 
+fn default_fsdp_version() -> u8 {
+    1
+}
+
+impl Default for WrapPolicy {
+    /// No units, FSDP1, nothing ignored, flat parameters, `FULL_SHARD`.
+    fn default() -> Self {
+        WrapPolicy {
+            units: Vec::new(),
+            fsdp_version: default_fsdp_version(),
+            ignored_modules: Vec::new(),
+            use_orig_params: false,
+            sharding_strategy: ShardingStrategy::default(),
+        }
+    }
+}
+
 impl WrapPolicy {
     /// A policy wrapping the given units with default options.
     pub fn units<S: AsRef<str>>(units: &[S]) -> Self {
@@ -278,6 +301,20 @@ impl WrapPolicy {
             units: units.iter().map(|s| s.as_ref().to_string()).collect(),
             ..Default::default()
         }
+    }
+
+    /// An FSDP2 policy: `fully_shard` applied to `modules` in this order (innermost first, the
+    /// root `""` last), with default options.
+    pub fn fully_shard<S: AsRef<str>>(modules: &[S]) -> Self {
+        WrapPolicy {
+            fsdp_version: 2,
+            ..Self::units(modules)
+        }
+    }
+
+    /// Whether this policy describes FSDP2 (`fully_shard`).
+    pub fn is_fsdp2(&self) -> bool {
+        self.fsdp_version == 2
     }
 
     /// Sets `use_orig_params` (builder style).
@@ -298,8 +335,15 @@ impl WrapPolicy {
         self
     }
 
-    /// Checks that units are unique and that every unit and ignored module holds a parameter.
+    /// Checks that the FSDP version is 1 or 2, units are unique and every unit and ignored
+    /// module holds a parameter.
     pub fn validate(&self, model: &ModelDesc) -> Result<()> {
+        if !matches!(self.fsdp_version, 1 | 2) {
+            return Err(Error::InvalidModel(format!(
+                "fsdp_version {} is neither 1 (FullyShardedDataParallel) nor 2 (fully_shard)",
+                self.fsdp_version
+            )));
+        }
         let names = model.names_with_aliases();
         // Every module that contains some parameter name.
         let modules: std::collections::HashSet<&str> =

@@ -14,9 +14,9 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     &["error"],
     &["tensor"],
-    &["model"],
-    &["flat_param", "collectives"],
-    &["optim_state"],
+    &["model", "placement"],
+    &["flat_param", "param_layout", "collectives"],
+    &["optim_state", "fully_shard"],
     &["optim", "param_shards"],
     &["io"],
     &["checkpoint"],

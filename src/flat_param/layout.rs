@@ -325,6 +325,13 @@ impl ModelLayout {
         }
         model.validate()?;
         policy.validate(model)?;
+        if policy.is_fsdp2() {
+            return Err(Error::InvalidModel(
+                "the policy is FSDP2 (fsdp_version 2, fully_shard): it has no flat parameters; \
+                 use param_layout::ParamLayout"
+                    .into(),
+            ));
+        }
         let names = model.names_with_aliases();
         let ignored_modules: HashSet<&str> =
             policy.ignored_modules.iter().map(String::as_str).collect();

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod conformance;
+pub mod fsdp2;
 pub mod job;
 
 use fsdp::flat_param::ModelLayout;

@@ -41,6 +41,7 @@ pub fn main(scenario: &str) -> i32 {
     let world = Arc::new(world);
     match scenario {
         "collectives" => collectives(&world),
+        "fsdp2" => crate::common::fsdp2::run(world.as_ref(), "mpi"),
         "errors" => errors(&world),
         "matrix" => matrix(&world),
         "ckpt_save" => ckpt_save(&world),

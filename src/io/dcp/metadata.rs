@@ -22,14 +22,9 @@ pub enum PathItem {
     Index(usize),
 }
 
-/// A chunk of a tensor: the box `offsets .. offsets + sizes` of the global tensor.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Chunk {
-    /// Start of the box in every dimension.
-    pub offsets: Vec<usize>,
-    /// Extent of the box in every dimension.
-    pub sizes: Vec<usize>,
-}
+/// A chunk of a tensor: the box `offsets .. offsets + sizes` of the global tensor (the crate's
+/// one placement model's box).
+pub use crate::placement::Chunk;
 
 /// A tensor entry: its dtype, global shape and chunks.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
