@@ -3,6 +3,7 @@
     python benches/dcp_side_by_side.py make OUT.pt --embed ROWS --layers N
     python benches/dcp_side_by_side.py to_dcp IN.pt OUT_DIR       # torch_save_to_dcp
     python benches/dcp_side_by_side.py to_torch DCP_DIR OUT.pt    # dcp_to_torch_save
+    python benches/dcp_side_by_side.py to_torch_synced DCP_DIR OUT.pt  # ... then fsync OUT.pt
     python benches/dcp_side_by_side.py same A.pt B.pt             # equal structure and bits
 
 `make` writes what `get_state_dict` + `torch.save` would hold for a model with Adam state
@@ -12,6 +13,7 @@ exp_avg_sq}}, "param_groups": [...]}}, with an embedding of ROWS x 1024 and N la
 the peak being this process's ru_maxrss (the interpreter and torch included).
 """
 import json
+import os
 import resource
 import sys
 import time
@@ -83,6 +85,16 @@ def main():
     elif mode == "to_torch":
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
         timed(dcp_to_torch_save, args[0], args[1])
+    elif mode == "to_torch_synced":
+        # The same, made durable as the crate's output is (it fsyncs before its rename).
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        def synced(src, dst):
+            dcp_to_torch_save(src, dst)
+            with open(dst, "rb") as f:
+                os.fsync(f.fileno())
+
+        timed(synced, args[0], args[1])
     elif mode == "same":
         same(args[0], args[1])
     else:

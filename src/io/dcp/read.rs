@@ -353,9 +353,8 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
 /// first), so that their bytes, one after another, are the tensor's; `None` for another grid.
 /// The chunks must already be known to tile the shape.
 fn row_slabs<'c>(size: &[usize], chunks: &'c [Chunk]) -> Option<Vec<&'c Chunk>> {
-    let whole_rows = |c: &Chunk| {
-        c.sizes.get(1..) == size.get(1..) && c.offsets.iter().skip(1).all(|&o| o == 0)
-    };
+    let whole_rows =
+        |c: &Chunk| c.sizes.get(1..) == size.get(1..) && c.offsets.iter().skip(1).all(|&o| o == 0);
     if !chunks.iter().all(whole_rows) {
         return None;
     }
