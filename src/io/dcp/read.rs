@@ -178,13 +178,13 @@ impl DcpCheckpoint {
     /// chunk's shape.
     fn read_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<HostTensor> {
         let info = self.storage(key, Some(&chunk.offsets))?;
-        let raw = self.read_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
+        let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
         let at = format!(
             "chunk at {:?}, bytes {}..+{}",
             chunk.offsets, info.offset, info.length
         );
-        let obj = torch_save::load_from_bytes(&raw)
+        let obj = torch_save::load_from_file_range(path, info.offset, info.length)
             .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
         let PyObj::Tensor(t) = obj else {
             return Err(self.storage_err(

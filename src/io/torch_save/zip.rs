@@ -51,9 +51,11 @@ impl Source for SliceSource<'_> {
     }
 }
 
-/// An archive on disk.
+/// An archive on disk: the `len` bytes of `file` from `start` (a whole file, or an archive
+/// stored inside a larger one, as each chunk of a DCP data file is).
 pub(crate) struct FileSource {
     pub(crate) file: std::fs::File,
+    pub(crate) start: u64,
     pub(crate) len: u64,
 }
 
@@ -62,7 +64,7 @@ impl Source for FileSource {
         self.len
     }
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self.file.seek(SeekFrom::Start(offset))?;
+        self.file.seek(SeekFrom::Start(self.start + offset))?;
         self.file.read_exact(buf)
     }
 }
