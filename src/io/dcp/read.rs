@@ -381,9 +381,10 @@ fn skeleton(ckpt: &DcpCheckpoint) -> Result<(PyObj, HashMap<usize, usize>)> {
 /// Writes the DCP checkpoint in `dir` to `out` as the `torch.save` file
 /// `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, out)` writes: the same
 /// nested dict (keys in metadata order, string keys, lists, non-tensor values) with the same
-/// tensors bit for bit. Holds one assembled tensor in memory at a time; every chunk's range
-/// and tiling is checked before the output is created, which appears atomically. `progress`
-/// gets the tensor bytes written so far. Returns the tensor bytes written.
+/// tensors bit for bit. Chunks of whole rows (dim-0 shards) go out one chunk at a time, read
+/// straight from their file; other grids hold one assembled tensor at a time. Every chunk's
+/// range and tiling is checked before the output is created, which appears atomically.
+/// `progress` gets the tensor bytes written so far. Returns the tensor bytes written.
 pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
     let ckpt = DcpCheckpoint::open(dir)?;
     let (obj, stands_for) = skeleton(&ckpt)?;
