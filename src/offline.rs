@@ -43,12 +43,15 @@ use crate::fsdp::Fsdp;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use crate::param_layout::ParamLayout;
 use crate::tensor::HostTensor;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+
+mod fsdp2;
 
 /// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
 /// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
@@ -133,7 +136,17 @@ const RANK_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 impl DescFile {
     /// The layout at `world_size` (hybrid strategies are not supported offline).
+    ///
+    /// For an FSDP2 policy (`fsdp_version` 2), which has no flat parameters, it checks the
+    /// per-parameter layout ([`ParamLayout::new`]) and returns the model as the optimizer
+    /// sees it under `fully_shard`: every parameter under its own name, none flattened (the
+    /// model without FSDP1 units), so that [`OptimParams::of_model`] lists
+    /// `model.parameters()`.
     pub fn layout(&self, world_size: usize) -> Result<ModelLayout> {
+        if self.policy.is_fsdp2() {
+            ParamLayout::new(&self.model, &self.policy, world_size)?;
+            return ModelLayout::new(&self.model, &WrapPolicy::default(), world_size);
+        }
         if self.policy.sharding_strategy.is_hybrid() {
             return Err(Error::Unsupported(
                 "offline conversion of HYBRID_SHARD checkpoints (consolidate each shard group's files separately with FULL_SHARD)".into(),
@@ -324,6 +337,9 @@ pub fn check_local_dicts(spec: &DescFile, locals: &[OptimStateDict]) -> Result<(
             detail: "at least one rank's optimizer state dict is needed".into(),
         });
     }
+    if spec.policy.is_fsdp2() {
+        return fsdp2::check_local_dicts(spec, locals);
+    }
     let layout = spec.layout(locals.len())?;
     check_world_size(spec, &layout, locals)?;
     for (rank, osd) in locals.iter().enumerate() {
@@ -343,6 +359,9 @@ pub fn consolidate_local_dicts(
             files: 0,
             detail: "at least one rank's optimizer state dict is needed".into(),
         });
+    }
+    if spec.policy.is_fsdp2() {
+        return fsdp2::consolidate(spec, locals);
     }
     let ws = locals.len();
     let layout = spec.layout(ws)?;
@@ -366,6 +385,9 @@ pub fn shard_full_dict(
     full: &OptimStateDict,
     world_size: usize,
 ) -> Result<Vec<OptimStateDict>> {
+    if spec.policy.is_fsdp2() {
+        return fsdp2::shard(spec, full, world_size);
+    }
     let layout = spec.layout(world_size)?;
     (0..world_size)
         .map(|rank| {
