@@ -13,6 +13,10 @@
 //! Both check the input against the layout first, so that per-rank files saved at another
 //! world size give [`Error::WorldSizeMismatch`] naming the world sizes that would fit.
 //!
+//! With an FSDP2 policy (`fsdp_version` 2, `fully_shard`) all three entry points work on
+//! per-parameter dim-0 shards instead, as PyTorch's `get_optimizer_state_dict` /
+//! `set_optimizer_state_dict` with `full_state_dict=True` see them (private module `fsdp2`).
+//!
 //! ```
 //! use fsdp::offline::DescFile;
 //! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
@@ -329,7 +333,8 @@ fn check_state_shapes(
 /// consolidation: flat sizes against the layout at `locals.len()` ranks
 /// ([`Error::WorldSizeMismatch`] naming the world sizes that would fit), and every tensor
 /// state's dtype, and the shape of unmanaged and ignored parameters' state, against the
-/// description ([`Error::ShapeMismatch`], [`Error::DtypeMismatch`]).
+/// description ([`Error::ShapeMismatch`], [`Error::DtypeMismatch`]). For an FSDP2 policy,
+/// every sharded state must hold the rank's dim-0 rows, and every rank the keys rank 0 has.
 pub fn check_local_dicts(spec: &DescFile, locals: &[OptimStateDict]) -> Result<()> {
     if locals.is_empty() {
         return Err(Error::WorldSizeMismatch {
@@ -349,7 +354,9 @@ pub fn check_local_dicts(spec: &DescFile, locals: &[OptimStateDict]) -> Result<(
 }
 
 /// `FSDP.full_optim_state_dict` of a job whose ranks saved `locals` (index = rank): the full,
-/// name-keyed dict rank 0 would get. Runs one thread rank per dict.
+/// name-keyed dict rank 0 would get. Runs one thread rank per dict. For an FSDP2 policy:
+/// what `get_optimizer_state_dict(model, optim, full_state_dict=True)` returns, assembled
+/// from the ranks' `to_local()` shards (pure, no thread ranks).
 pub fn consolidate_local_dicts(
     spec: &DescFile,
     locals: &[OptimStateDict],
@@ -379,7 +386,9 @@ pub fn consolidate_local_dicts(
 }
 
 /// `FSDP.shard_full_optim_state_dict` on every rank of a `world_size`-rank job: each rank's
-/// flattened, sharded dict for its optimizer (index = rank). Pure: no communication.
+/// flattened, sharded dict for its optimizer (index = rank). Pure: no communication. For an
+/// FSDP2 policy: each rank's `optim.state_dict()` (DTensors as `to_local()`) after
+/// `set_optimizer_state_dict(model, optim, full, full_state_dict=True)`.
 pub fn shard_full_dict(
     spec: &DescFile,
     full: &OptimStateDict,

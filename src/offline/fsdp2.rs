@@ -564,3 +564,104 @@ fn tuples_to_lists(v: &Value) -> Value {
         other => other.clone(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{consolidate_local_dicts, shard_full_dict};
+    use super::*;
+    use crate::model::WrapPolicy;
+    use crate::tensor::DType;
+
+    /// `a` (5 rows) under `fully_shard`, a frozen weight, and a 0-dim `extra.scale` in an
+    /// ignored module (replicated, as PyTorch's `ignored_params` keep it).
+    fn spec(named: bool) -> DescFile {
+        let model = ModelDesc::new()
+            .param("a.weight", &[5, 2], DType::F32)
+            .frozen_param("a.norm", &[5], DType::F32)
+            .param("extra.scale", &[], DType::F32);
+        let mut spec = DescFile::new(
+            model,
+            WrapPolicy::fully_shard(&["a", ""]).with_ignored(&["extra"]),
+        );
+        let mut params = OptimParams::single(
+            ["a.weight", "a.norm", "extra.scale"]
+                .map(|n| OptimParam::Param(n.into()))
+                .to_vec(),
+        );
+        params.named = named;
+        spec.optim_params = Some(params);
+        spec
+    }
+
+    fn full() -> OptimStateDict {
+        let mut full = OptimStateDict::default();
+        let counting = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            HostTensor::from_slice(&v, shape).unwrap()
+        };
+        for (name, shape) in [("a.weight", vec![5, 2]), ("extra.scale", vec![])] {
+            let mut st = ParamState::new();
+            st.insert("step".into(), Value::Tensor(HostTensor::scalar(2.0f32)));
+            st.insert("exp_avg".into(), Value::Tensor(counting(&shape)));
+            full.state.insert(ParamKey::Name(name.into()), st);
+        }
+        let mut options = IndexMap::new();
+        options.insert("lr".into(), Value::Float(0.1));
+        full.param_groups = Some(vec![ParamGroup {
+            options,
+            params: ["a.weight", "a.norm", "extra.scale"]
+                .map(|n| ParamKey::Name(n.into()))
+                .to_vec(),
+        }]);
+        full
+    }
+
+    #[test]
+    fn ignored_scalar_stays_whole_frozen_has_no_state_and_a_named_optimizer_keys_by_fqn() {
+        let ranks = shard_full_dict(&spec(true), &full(), 3).unwrap();
+        // 5 rows on 3 ranks: 2, 2, 1.
+        let rows: Vec<Vec<usize>> = ranks
+            .iter()
+            .map(
+                |osd| match &osd.state[&ParamKey::Name("a.weight".into())]["exp_avg"] {
+                    Value::Tensor(t) => t.shape().to_vec(),
+                    other => panic!("{other:?}"),
+                },
+            )
+            .collect();
+        assert_eq!(rows, [vec![2, 2], vec![2, 2], vec![1, 2]]);
+        for osd in &ranks {
+            assert_eq!(osd.state.len(), 2, "the frozen a.norm has no state");
+            let scale = &osd.state[&ParamKey::Name("extra.scale".into())]["exp_avg"];
+            assert!(scale.same_scalar(&full().state[1]["exp_avg"]));
+        }
+        assert_eq!(
+            consolidate_local_dicts(&spec(true), &ranks).unwrap(),
+            full()
+        );
+    }
+
+    #[test]
+    fn flat_parameters_in_the_optimizer_are_refused_with_fsdp2() {
+        let mut s = spec(false);
+        s.optim_params = Some(OptimParams::single(vec![OptimParam::Flat("a".into())]));
+        let e = shard_full_dict(&s, &full(), 2).unwrap_err();
+        assert!(matches!(e, Error::WrongOptimParam { .. }), "{e}");
+    }
+
+    #[test]
+    fn an_unmanaged_state_of_another_shape_is_refused() {
+        let mut ranks = shard_full_dict(&spec(false), &full(), 2).unwrap();
+        ranks[1].state[1].insert(
+            "exp_avg".into(),
+            Value::Tensor(HostTensor::zeros(DType::F32, &[1])),
+        );
+        let e = consolidate_local_dicts(&spec(false), &ranks).unwrap_err();
+        assert!(
+            matches!(&e, Error::ShapeMismatch { context, .. } if context.contains("rank 1")
+                && context.contains("extra.scale")),
+            "{e}"
+        );
+    }
+}
