@@ -52,9 +52,16 @@ def _join(prefix: str, name: str) -> str:
 
 
 def _clean(name: str) -> str:
+    """A parameter name without FSDP's wrapper prefixes."""
     from torch.distributed.fsdp._common_utils import clean_tensor_name
 
     return clean_tensor_name(name)
+
+
+def _clean_module(name: str) -> str:
+    """A module name without FSDP's wrapper prefixes (also a trailing one: a wrapped module's
+    own name ends with ``_fsdp_wrapped_module``)."""
+    return _clean(name + ".")[:-1] if name else ""
 
 
 def _is_fsdp1(m) -> bool:
@@ -76,7 +83,7 @@ def _modules(root):
         if _is_fsdp1(m) or id(m) in seen:
             continue
         seen.add(id(m))
-        out.append((_clean(name), m))
+        out.append((_clean_module(name), m))
     return out
 
 
@@ -88,7 +95,7 @@ def _post_order_units(root, is_unit) -> List[str]:
         for child_name, child in m.named_children():
             walk(_join(prefix, child_name), child)
         if is_unit(m):
-            out.append(_clean(prefix))
+            out.append(_clean_module(prefix))
 
     walk("", root)
     return out
@@ -115,6 +122,8 @@ def _fsdp1_handles(root):
 
 def _fsdp1_model(root, modules) -> Dict[str, Any]:
     """FSDP1: flat parameters hide the original ones; their metadata names them."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
     names = {id(m): n for n, m in modules}
     managed: Dict[int, List[Dict[str, Any]]] = {}
     tied: Dict[str, str] = {}
@@ -137,7 +146,7 @@ def _fsdp1_model(root, modules) -> Dict[str, Any]:
         # Modules FSDP does not manage (ignored ones, or outside every unit) keep their
         # parameters as they are.
         for pname, p in m._parameters.items():
-            if p is None:
+            if p is None or isinstance(p, FlatParameter):
                 continue
             name = _join(prefix, pname)
             if id(p) in first_name:
