@@ -226,7 +226,9 @@ fn consolidate_sharded(
     output: PathBuf,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
-    run(py, progress, |p| ops::consolidate_sharded(&ranks, &output, p))
+    run(py, progress, |p| {
+        ops::consolidate_sharded(&ranks, &output, p)
+    })
 }
 
 #[pyfunction]
