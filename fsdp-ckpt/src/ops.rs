@@ -1,0 +1,708 @@
+//! The tool's operations as library calls, one per command: each takes paths and options,
+//! reports its phases through a [`Progress`], and returns what it did as a serializable
+//! value.
+//!
+//! The command line prints these values and draws the progress as bars; the Python package
+//! (`python/`) returns them as dicts and forwards the progress to a callback. Both run the
+//! same code, so a file the CLI writes and one `fsdp_ckpt.consolidate(...)` writes are the
+//! same file.
+
+use fsdp::checkpoint;
+use fsdp::io::dcp;
+use fsdp::io::inspect::Summary;
+use fsdp::io::output::{self, DirKind};
+use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
+use fsdp::io::{self, FileFormat};
+use fsdp::offline::{
+    check_local_dicts, check_rank_files, consolidate_local_dicts, shard_full_dict, DescFile,
+};
+use fsdp::{Error, OptimStateDict, Result};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What a phase's `total` counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Unit {
+    /// Bytes of tensor data.
+    Bytes,
+    /// Files (one per rank).
+    Files,
+}
+
+/// Where an operation reports its phases. Calls come from the thread running the operation;
+/// `Sync` so that a front end can run the operation on another thread (the Python package
+/// releases the GIL).
+pub trait Progress: Sync {
+    /// A phase begins: what it does, and its size when known.
+    fn start(&self, what: &str, total: Option<(u64, Unit)>);
+    /// `done` of the current phase's total is done.
+    fn update(&self, done: u64);
+    /// The current phase ended.
+    fn finish(&self);
+    /// Something the user should know that is not an error (e.g. a dead run's temporary was
+    /// removed).
+    fn note(&self, message: &str);
+}
+
+/// A [`Progress`] that reports nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Silent;
+
+impl Progress for Silent {
+    fn start(&self, _: &str, _: Option<(u64, Unit)>) {}
+    fn update(&self, _: u64) {}
+    fn finish(&self) {}
+    fn note(&self, _: &str) {}
+}
+
+/// Runs `f` as one phase of unknown size.
+fn step<T>(p: &dyn Progress, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    p.start(what, None);
+    let out = f();
+    p.finish();
+    out
+}
+
+/// What an operation that writes an output did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Written {
+    /// The command: `convert`, `consolidate`, `reshard`, …
+    pub operation: &'static str,
+    /// The output file or directory.
+    pub output: PathBuf,
+    /// Bytes of tensor data written.
+    pub tensor_bytes: u64,
+    /// Keys (state dicts) or tensors (files) written, when the operation counts them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<usize>,
+    /// The world size of the output (sharded outputs) or input (consolidations).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<usize>,
+    /// The line the command line prints on success.
+    pub message: String,
+}
+
+/// What `inspect` found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Inspection {
+    /// A torch.save or safetensors file.
+    File {
+        /// The file.
+        file: PathBuf,
+        /// Its format.
+        format: FileFormat,
+        /// What it holds.
+        summary: Summary,
+    },
+    /// The crate's sharded checkpoint directory (from its manifest).
+    Checkpoint(checkpoint::Summary),
+    /// A PyTorch DCP directory (from its `.metadata`).
+    Dcp(dcp::DcpSummary),
+}
+
+impl Inspection {
+    /// The machine-readable form (`inspect --json`).
+    pub fn to_json(&self) -> Result<serde_json::Value> {
+        let ser = |e: serde_json::Error| Error::Serialization {
+            what: "inspect summary".into(),
+            reason: e.to_string(),
+        };
+        match self {
+            Inspection::File {
+                file,
+                format,
+                summary,
+            } => {
+                let mut v = serde_json::to_value(summary).map_err(ser)?;
+                if let Some(m) = v.as_object_mut() {
+                    m.insert("file".into(), file.display().to_string().into());
+                    m.insert("format".into(), format.name().into());
+                }
+                Ok(v)
+            }
+            Inspection::Checkpoint(s) => serde_json::to_value(s).map_err(ser),
+            Inspection::Dcp(s) => serde_json::to_value(s).map_err(ser),
+        }
+    }
+}
+
+impl std::fmt::Display for Inspection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Inspection::File {
+                file,
+                format,
+                summary,
+            } => {
+                writeln!(f, "file: {} ({})", file.display(), format.name())?;
+                writeln!(f, "{summary}")
+            }
+            Inspection::Checkpoint(s) => writeln!(f, "{s}"),
+            Inspection::Dcp(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+/// What `verify` checked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "format", rename_all = "lowercase")]
+pub enum Verified {
+    /// The crate's checkpoint: every checksum block was read and matched.
+    Checkpoint {
+        /// The directory.
+        input: PathBuf,
+        /// Bytes of tensor state verified.
+        tensor_bytes: u64,
+    },
+    /// A DCP directory: every byte range, chunk header and the tiling of every tensor.
+    Dcp {
+        /// The directory.
+        input: PathBuf,
+        /// What was read.
+        #[serde(flatten)]
+        report: dcp::VerifyReport,
+    },
+}
+
+impl std::fmt::Display for Verified {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Verified::Checkpoint {
+                input,
+                tensor_bytes,
+            } => write!(
+                f,
+                "{}: OK ({tensor_bytes} bytes of tensor state verified)",
+                input.display()
+            ),
+            Verified::Dcp { input, report: r } => write!(
+                f,
+                "{}: OK ({} tensors in {} chunks, {} objects, {} bytes read)",
+                input.display(),
+                r.tensors,
+                r.chunks,
+                r.objects,
+                r.bytes_read
+            ),
+        }
+    }
+}
+
+/// Options of [`convert`] beyond its two paths.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvertOptions {
+    /// `None`: file to file, formats by extension. `Some("dcp")`: a DCP directory (from a
+    /// torch.save or safetensors file, or from the crate's checkpoint directory).
+    /// `Some("fsdp")`: the crate's checkpoint from a DCP directory (needs `model` and
+    /// `world_size`).
+    pub to: Option<String>,
+    /// With `to = "fsdp"`: the DESC.json describing the model and its wrapping.
+    pub model: Option<PathBuf>,
+    /// With `to = "fsdp"`: the number of ranks of the checkpoint to write.
+    pub world_size: Option<usize>,
+    /// Bytes that copies of non-contiguous tensors of a torch.save input may allocate beyond
+    /// the file's storage bytes.
+    pub max_expansion_bytes: u64,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            to: None,
+            model: None,
+            world_size: None,
+            max_expansion_bytes: io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES,
+        }
+    }
+}
+
+/// Options of [`consolidate_torch`] and [`shard_torch`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TorchOptions {
+    /// The optimizer is a named optimizer (state keyed by parameter names, not ids).
+    pub named_optimizer: bool,
+}
+
+fn load_spec(path: &Path, named: bool) -> Result<DescFile> {
+    let mut spec = DescFile::from_json_file(path)?;
+    if named {
+        if let Some(p) = &mut spec.optim_params {
+            p.named = true;
+        }
+        if let Some(per) = &mut spec.optim_params_per_rank {
+            per.iter_mut().for_each(|p| p.named = true);
+        }
+        if spec.optim_params.is_none() && spec.optim_params_per_rank.is_none() {
+            let layout = spec.layout(1)?;
+            let mut p = fsdp::OptimParams::of_model(&layout);
+            p.named = true;
+            spec.optim_params = Some(p);
+        }
+    }
+    Ok(spec)
+}
+
+/// A `WrapPolicy` from JSON: the policy itself, or a DESC.json's `policy`.
+fn read_policy(path: &Path) -> Result<fsdp::WrapPolicy> {
+    let bytes = output::read_small_file(path)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| Error::Serialization {
+            what: format!("policy file `{}`", path.display()),
+            reason: e.to_string(),
+        })?;
+    let policy = json.get("policy").cloned().unwrap_or(json);
+    serde_json::from_value(policy).map_err(|e| Error::Serialization {
+        what: format!("wrapping policy in `{}`", path.display()),
+        reason: e.to_string(),
+    })
+}
+
+fn load_optim(path: &Path) -> Result<OptimStateDict> {
+    optim_from_pyobj(io::load(path)?)
+}
+
+fn save_optim(osd: &OptimStateDict, path: &Path) -> Result<()> {
+    io::save(&optim_to_pyobj(osd)?, path)
+}
+
+/// Removes what killed earlier runs left beside `out` (putting back a previous `kind` output
+/// an interrupted install moved aside), saying so through `p`.
+fn clean_stale(p: &dyn Progress, out: &Path, kind: Option<DirKind>) -> Result<()> {
+    for c in output::clean_stale_temporaries(out, kind)? {
+        p.note(&c.to_string());
+    }
+    Ok(())
+}
+
+/// Reads every rank's optimizer state dict, in order, as one counted phase.
+fn read_rank_files(p: &dyn Progress, ranks: &[PathBuf]) -> Result<Vec<OptimStateDict>> {
+    p.start(
+        "reading rank files",
+        Some((ranks.len() as u64, Unit::Files)),
+    );
+    let mut dicts = Vec::with_capacity(ranks.len());
+    for (i, r) in ranks.iter().enumerate() {
+        match load_optim(r) {
+            Ok(d) => dicts.push(d),
+            Err(e) => {
+                p.finish();
+                return Err(e);
+            }
+        }
+        p.update(i as u64 + 1);
+    }
+    p.finish();
+    Ok(dicts)
+}
+
+/// `inspect PATH`: a summary of a state dict file (from its structure alone, never its tensor
+/// data), of the crate's checkpoint directory (its manifest), or of a DCP directory (its
+/// `.metadata`).
+pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
+    if dcp::is_dcp_dir(path) {
+        return Ok(Inspection::Dcp(dcp::summary(path)?));
+    }
+    if path.is_dir() {
+        return Ok(Inspection::Checkpoint(checkpoint::Summary::of_dir(path)?));
+    }
+    let format = FileFormat::from_path(path)?;
+    let summary = step(p, &format!("reading {}", path.display()), || {
+        Ok(match format {
+            FileFormat::TorchSave => Summary::of_headers(&io::torch_save::load_headers(path)?),
+            FileFormat::Safetensors => Summary::of(&io::load(path)?),
+        })
+    })?;
+    Ok(Inspection::File {
+        file: path.to_path_buf(),
+        format,
+        summary,
+    })
+}
+
+/// `verify DIR`: checks the crate's checkpoint directory (every checksum block) or a DCP
+/// directory (byte ranges, chunk headers, tiling) completely.
+pub fn verify(input: &Path, p: &dyn Progress) -> Result<Verified> {
+    step(p, "verifying", || {
+        Ok(if dcp::is_dcp_dir(input) {
+            Verified::Dcp {
+                input: input.to_path_buf(),
+                report: dcp::verify(input)?,
+            }
+        } else {
+            Verified::Checkpoint {
+                input: input.to_path_buf(),
+                tensor_bytes: checkpoint::verify(input)?,
+            }
+        })
+    })
+}
+
+/// `convert IN OUT [--to dcp|fsdp]`: between torch.save and safetensors (formats by
+/// extension; the dict comes back equal after a round trip), or to and from DCP directories.
+pub fn convert(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    p: &dyn Progress,
+) -> Result<Written> {
+    match opts.to.as_deref() {
+        None => convert_file(input, output, opts.max_expansion_bytes, p),
+        Some("fsdp") => dcp_to_fsdp(input, output, opts, p),
+        Some(to) if opts.model.is_some() || opts.world_size.is_some() => {
+            Err(Error::Unsupported(format!(
+                "convert --to {to} takes no --model or --world-size (they describe the checkpoint `--to fsdp` writes)"
+            )))
+        }
+        Some("dcp") => to_dcp(input, output, p),
+        Some(to) => Err(Error::Unsupported(format!(
+            "convert --to {to}: the formats are `dcp` and `fsdp`"
+        ))),
+    }
+}
+
+/// `convert IN OUT`, file to file.
+fn convert_file(
+    input: &Path,
+    output: &Path,
+    max_expansion_bytes: u64,
+    p: &dyn Progress,
+) -> Result<Written> {
+    FileFormat::from_path(output)?;
+    let opts = io::torch_save::LoadOptions {
+        max_expansion_bytes,
+    };
+    let obj = step(p, &format!("reading {}", input.display()), || {
+        io::load_with(input, &opts)
+    })?;
+    clean_stale(p, output, None)?;
+    step(p, &format!("writing {}", output.display()), || {
+        io::save(&obj, output)
+    })?;
+    let s = Summary::of(&obj);
+    Ok(Written {
+        operation: "convert",
+        output: output.to_path_buf(),
+        tensor_bytes: s.total_tensor_bytes as u64,
+        count: Some(s.tensor_count),
+        world_size: None,
+        message: format!(
+            "converted {} -> {}: {} tensors, {} bytes of tensor data",
+            input.display(),
+            output.display(),
+            s.tensor_count,
+            s.total_tensor_bytes
+        ),
+    })
+}
+
+/// `convert IN OUT_DIR --to dcp`, from a file or from the crate's checkpoint directory.
+fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
+    clean_stale(p, output, Some(dcp::DCP_DIR))?;
+    let written = step(p, "converting", || {
+        if input.is_dir() {
+            // The full optimizer state dict of the crate's sharded checkpoint.
+            let full = checkpoint::load_full(input, &checkpoint::LoadOptions::default())?;
+            dcp::save_dcp(&optim_to_pyobj(&full)?, output)
+        } else {
+            dcp::torch_save_to_dcp(input, output)
+        }
+    })?;
+    Ok(Written {
+        operation: "convert",
+        output: output.to_path_buf(),
+        tensor_bytes: written,
+        count: None,
+        world_size: None,
+        message: format!(
+            "converted {} -> DCP directory {}: {written} bytes of tensors",
+            input.display(),
+            output.display()
+        ),
+    })
+}
+
+/// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
+/// checkpoint of the DCP directory's optimizer state for N ranks of the described model.
+/// N threads act as the ranks: each loads its shard of the directory
+/// ([`fsdp::Fsdp::load_dcp`]) and they save the checkpoint collectively, as a live job
+/// would.
+fn dcp_to_fsdp(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let usage = |what: &str| {
+        Error::Unsupported(format!(
+            "convert {} {} --to fsdp needs {what} (the model description and wrapping, and the number of ranks to write for)",
+            input.display(),
+            output.display()
+        ))
+    };
+    let model = opts
+        .model
+        .as_deref()
+        .ok_or_else(|| usage("--model DESC.json"))?;
+    let ws = opts.world_size.ok_or_else(|| usage("--world-size N"))?;
+    if ws == 0 {
+        return Err(usage("a world size of at least 1"));
+    }
+    if !dcp::is_dcp_dir(input) {
+        return Err(Error::DcpMetadata {
+            file: input.join(".metadata").display().to_string(),
+            reason: "no such file: the input is not a DCP directory".into(),
+        });
+    }
+    let spec = DescFile::from_json_file(model)?;
+    output::check_not_overlapping(output, &[input, model])?;
+    let save = checkpoint::SaveOptions::default();
+    step(p, "converting", || {
+        let results = fsdp::collectives::ThreadGroup::run(ws, |pg| {
+            let f = fsdp::Fsdp::new(&spec.model, &spec.policy, std::sync::Arc::new(pg))?;
+            let params = f.optim_params();
+            // Every rank joins the save, so that a rank failing to load fails them all.
+            let local: Result<OptimStateDict> = f.load_dcp(input, &params);
+            let local =
+                fsdp::collectives::ProcessGroupExt::agree(f.process_group().as_ref(), local)?;
+            f.save_optim_checkpoint(&local, &params, output, &save)
+        });
+        results.into_iter().collect::<Result<Vec<()>>>()
+    })?;
+    let tensor_bytes = checkpoint::read_manifest(output)?.tensor_bytes();
+    Ok(Written {
+        operation: "convert",
+        output: output.to_path_buf(),
+        tensor_bytes,
+        count: None,
+        world_size: Some(ws),
+        message: format!(
+            "converted DCP directory {} -> checkpoint {} for {ws} ranks",
+            input.display(),
+            output.display()
+        ),
+    })
+}
+
+/// `consolidate IN OUT`: the full optimizer state dict of the crate's checkpoint directory,
+/// or the whole state of a DCP directory (what `dcp_to_torch_save` writes), streamed to
+/// `.safetensors` or `.pt` with bounded memory.
+pub fn consolidate(input: &Path, out: &Path, p: &dyn Progress) -> Result<Written> {
+    let format = FileFormat::from_path(out)?;
+    output::check_not_overlapping(out, &[input])?;
+    let is_dcp = dcp::is_dcp_dir(input);
+    let total = if is_dcp {
+        dcp::summary(input)?.tensor_bytes
+    } else {
+        checkpoint::read_manifest(input)?.tensor_bytes()
+    };
+    clean_stale(p, out, None)?;
+    p.start("consolidating", Some((total, Unit::Bytes)));
+    let to = |b| p.update(b);
+    let written = match (is_dcp, format) {
+        (true, FileFormat::Safetensors) => dcp::consolidate_to_safetensors(input, out, to),
+        (true, _) => dcp::consolidate_to_torch(input, out, to),
+        (false, FileFormat::Safetensors) => checkpoint::consolidate_to_safetensors(input, out, to),
+        (false, _) => checkpoint::consolidate_to_torch(input, out, to),
+    };
+    p.finish();
+    let written = written?;
+    let what = if is_dcp { "DCP checkpoint " } else { "" };
+    Ok(Written {
+        operation: "consolidate",
+        output: out.to_path_buf(),
+        tensor_bytes: written,
+        count: None,
+        world_size: None,
+        message: format!(
+            "consolidated {what}{} -> {}: {written} bytes of {}",
+            input.display(),
+            out.display(),
+            if is_dcp { "tensors" } else { "tensor state" }
+        ),
+    })
+}
+
+/// `reshard IN OUT --world-size M [--policy P]`: the crate's checkpoint rewritten for another
+/// world size and optionally another wrapping policy (a JSON `WrapPolicy`, or a DESC.json
+/// whose `policy` is used), streamed with bounded memory.
+pub fn reshard(
+    input: &Path,
+    out: &Path,
+    world_size: usize,
+    policy: Option<&Path>,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let policy = policy.map(read_policy).transpose()?;
+    let saved = checkpoint::read_manifest(input)?;
+    output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
+    clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))?;
+    let total = saved.tensor_bytes() + saved.model_param_bytes();
+    p.start("resharding", Some((total, Unit::Bytes)));
+    let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), |b| p.update(b));
+    p.finish();
+    let copied = copied?;
+    Ok(Written {
+        operation: "reshard",
+        output: out.to_path_buf(),
+        tensor_bytes: copied,
+        count: None,
+        world_size: Some(world_size),
+        message: format!(
+            "resharded {} -> {} for {world_size} ranks: {copied} bytes of tensor state",
+            input.display(),
+            out.display()
+        ),
+    })
+}
+
+/// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2
+/// `DTensor`) into the full dict.
+pub fn consolidate_sharded(ranks: &[PathBuf], output: &Path, p: &dyn Progress) -> Result<Written> {
+    FileFormat::from_path(output)?;
+    let inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
+    output::check_not_overlapping(output, &inputs)?;
+    let dicts = read_rank_files(p, ranks)?;
+    let full = fsdp::offline::consolidate_sharded(&dicts)?;
+    drop(dicts);
+    clean_stale(p, output, None)?;
+    step(p, &format!("writing {}", output.display()), || {
+        save_optim(&full, output)
+    })?;
+    Ok(Written {
+        operation: "consolidate_sharded",
+        output: output.to_path_buf(),
+        tensor_bytes: full.tensor_bytes() as u64,
+        count: Some(full.state.len()),
+        world_size: Some(ranks.len()),
+        message: format!(
+            "consolidated {} sharded ranks into {}: {} keys, {} bytes of tensor state",
+            ranks.len(),
+            output.display(),
+            full.state.len(),
+            full.tensor_bytes()
+        ),
+    })
+}
+
+/// `consolidate-torch --model DESC RANK… -o FULL`: every rank's local `optim.state_dict()`
+/// into the dict `FSDP.full_optim_state_dict` returns.
+pub fn consolidate_torch(
+    model: &Path,
+    ranks: &[PathBuf],
+    output: &Path,
+    opts: &TorchOptions,
+    p: &dyn Progress,
+) -> Result<Written> {
+    FileFormat::from_path(output)?;
+    let mut inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
+    inputs.push(model);
+    output::check_not_overlapping(output, &inputs)?;
+    let spec = load_spec(model, opts.named_optimizer)?;
+    // Fail on a model description that does not fit this world size before reading.
+    spec.layout(ranks.len())?;
+    let locals = read_rank_files(p, ranks)?;
+    // Sizes first (their message names the world sizes that would fit), then the files.
+    check_local_dicts(&spec, &locals)?;
+    check_rank_files(ranks)?;
+    let full = step(p, &format!("consolidating {} ranks", ranks.len()), || {
+        consolidate_local_dicts(&spec, &locals)
+    })?;
+    drop(locals);
+    clean_stale(p, output, None)?;
+    step(p, &format!("writing {}", output.display()), || {
+        save_optim(&full, output)
+    })?;
+    Ok(Written {
+        operation: "consolidate_torch",
+        output: output.to_path_buf(),
+        tensor_bytes: full.tensor_bytes() as u64,
+        count: Some(full.state.len()),
+        world_size: Some(ranks.len()),
+        message: format!(
+            "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
+            ranks.len(),
+            output.display(),
+            full.state.len(),
+            full.tensor_bytes()
+        ),
+    })
+}
+
+/// `shard-torch --model DESC FULL --world-size N -o DIR`: the local dict each rank's optimizer
+/// loads (`FSDP.shard_full_optim_state_dict`), written as `DIR/rank{r}.{ext}` (`ext`: `pt`,
+/// `pth` or `safetensors`). The rank files are written into a temporary sibling of DIR with
+/// a marker naming them, then installed as one directory.
+pub fn shard_torch(
+    model: &Path,
+    full: &Path,
+    ws: usize,
+    out: &Path,
+    ext: &str,
+    opts: &TorchOptions,
+    p: &dyn Progress,
+) -> Result<Written> {
+    if !["pt", "pth", "safetensors"].contains(&ext) {
+        return Err(Error::Unsupported(format!(
+            "rank file extension `{ext}` (use pt, pth or safetensors)"
+        )));
+    }
+    let spec = load_spec(model, opts.named_optimizer)?;
+    spec.layout(ws)?;
+    let full_osd = step(p, &format!("reading {}", full.display()), || {
+        load_optim(full)
+    })?;
+    let locals = step(p, &format!("sharding for {ws} ranks"), || {
+        shard_full_dict(&spec, &full_osd, ws)
+    })?;
+    output::check_dir_output(out, DirKind::SHARD_TORCH, &[full, model])?;
+    clean_stale(p, out, Some(DirKind::SHARD_TORCH))?;
+    let tmp = output::make_tmp_dir(out)?;
+    let written = write_rank_files(p, &locals, &tmp, ext)
+        .and_then(|()| output::install_dir(&tmp, out, DirKind::SHARD_TORCH));
+    if written.is_err() {
+        output::discard_tmp_dir(&tmp);
+    }
+    written?;
+    Ok(Written {
+        operation: "shard_torch",
+        output: out.to_path_buf(),
+        tensor_bytes: locals.iter().map(|l| l.tensor_bytes() as u64).sum(),
+        count: Some(ws),
+        world_size: Some(ws),
+        message: format!(
+            "wrote {ws} rank files to {}/rank{{0..{}}}.{ext}",
+            out.display(),
+            ws - 1
+        ),
+    })
+}
+
+/// Writes `rank{r}.{ext}` for every rank and the shard-torch marker into `dir`, synced.
+fn write_rank_files(
+    p: &dyn Progress,
+    locals: &[OptimStateDict],
+    dir: &Path,
+    ext: &str,
+) -> Result<()> {
+    p.start(
+        "writing rank files",
+        Some((locals.len() as u64, Unit::Files)),
+    );
+    let mut names = Vec::with_capacity(locals.len());
+    for (r, osd) in locals.iter().enumerate() {
+        let name = format!("rank{r}.{ext}");
+        if let Err(e) = save_optim(osd, &dir.join(&name)) {
+            p.finish();
+            return Err(e);
+        }
+        names.push(name);
+        p.update(r as u64 + 1);
+    }
+    p.finish();
+    output::write_synced(
+        &dir.join(output::SHARD_TORCH_MARKER),
+        &output::shard_torch_marker(&names),
+    )?;
+    output::sync_dir(dir)
+}

@@ -1,0 +1,314 @@
+//! `get_optimizer_state_dict` / `set_optimizer_state_dict` (`fsdp::state_dict`) on thread
+//! ranks, over FSDP2 (`FullyShardedModel`) and FSDP1 (`Fsdp`): full and sharded dicts,
+//! `cpu_offload`, `broadcast_from_rank0`, loading at another world size, the
+//! `_verify_osd_by_load` round trip, and the errors every rank must see together.
+
+use fsdp::collectives::{ProcessGroup, ThreadGroup};
+use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+use fsdp::{
+    DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
+    Value, WrapPolicy,
+};
+use std::sync::Arc;
+
+/// A model FSDP2 shards unevenly: 10 embedding rows (3, 3, 3, 1 on 4 ranks), a 2-row
+/// parameter (fewer rows than ranks), a bf16 block, a frozen norm, an output head tied to the
+/// embedding, and a scalar outside every unit (`extra.scale`, replicated).
+fn model() -> ModelDesc {
+    let f = DType::F32;
+    ModelDesc::new()
+        .param("embed.weight", &[10, 4], f)
+        .param("layers.0.weight", &[6, 4], f)
+        .param("layers.0.bias", &[2], f)
+        .frozen_param("layers.0.norm.weight", &[6], f)
+        .param("layers.1.weight", &[5, 6], DType::BF16)
+        .param("layers.1.bias", &[5], DType::BF16)
+        .param("extra.scale", &[3], f)
+        .tie("head.weight", "embed.weight")
+}
+
+fn fsdp2_policy() -> WrapPolicy {
+    let mut p = WrapPolicy::units(&["layers.0", "layers.1", ""]);
+    p.fsdp_version = 2;
+    p.ignored_modules = vec!["extra".into()];
+    p
+}
+
+fn tensor(shape: &[usize], dtype: DType, salt: usize) -> HostTensor {
+    let n: usize = shape.iter().product();
+    let values: Vec<f64> = (0..n)
+        .map(|i| ((i * 7 + salt * 13) % 23) as f64 - 11.5)
+        .collect();
+    let t = HostTensor::from_slice(&values, shape).unwrap();
+    let bytes = fsdp::fully_shard::cast(t.as_bytes(), DType::F64, dtype).unwrap();
+    HostTensor::from_bytes(dtype, shape, &bytes).unwrap()
+}
+
+/// The full, name-keyed Adam dict of `model()` (no state for the frozen parameter), as
+/// `get_optimizer_state_dict(full_state_dict=True)` returns it.
+fn full_adam() -> OptimStateDict {
+    let mut full = OptimStateDict::default();
+    let mut names = Vec::new();
+    for (i, p) in model().params.iter().enumerate() {
+        names.push(ParamKey::Name(p.name.clone()));
+        if !p.requires_grad {
+            continue;
+        }
+        let mut st = ParamState::new();
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(3.0f32)));
+        st.insert(
+            "exp_avg".into(),
+            Value::Tensor(tensor(&p.shape, p.dtype, i)),
+        );
+        st.insert(
+            "exp_avg_sq".into(),
+            Value::Tensor(tensor(&p.shape, p.dtype, i + 50)),
+        );
+        full.state.insert(ParamKey::Name(p.name.clone()), st);
+    }
+    let mut options = indexmap::IndexMap::new();
+    options.insert("lr".to_string(), Value::Float(0.01));
+    options.insert("amsgrad".to_string(), Value::Bool(false));
+    full.param_groups = Some(vec![ParamGroup {
+        options,
+        params: names,
+    }]);
+    full
+}
+
+fn fsdp2(pg: impl ProcessGroup + 'static) -> FullyShardedModel {
+    FullyShardedModel::new(&model(), &fsdp2_policy(), Arc::new(pg)).unwrap()
+}
+
+fn assert_bits_eq(a: &OptimStateDict, b: &OptimStateDict, what: &str) {
+    assert_eq!(
+        a.state.keys().collect::<Vec<_>>(),
+        b.state.keys().collect::<Vec<_>>(),
+        "{what}: keys"
+    );
+    for (k, sa) in &a.state {
+        let sb = &b.state[k];
+        assert_eq!(
+            sa.keys().collect::<Vec<_>>(),
+            sb.keys().collect::<Vec<_>>(),
+            "{what}: {k}"
+        );
+        for (n, va) in sa {
+            match (va, &sb[n]) {
+                (Value::Tensor(x), Value::Tensor(y)) => assert!(x.bit_eq(y), "{what}: {k}.{n}"),
+                (x, y) => assert_eq!(x, y, "{what}: {k}.{n}"),
+            }
+        }
+    }
+    assert_eq!(a.param_groups, b.param_groups, "{what}: param groups");
+}
+
+#[test]
+fn fsdp2_full_dict_loads_on_every_rank_and_gathers_back_bit_for_bit_at_ws_2_3_4() {
+    let full = full_adam();
+    for ws in [2, 3, 4] {
+        let results = ThreadGroup::run(ws, |pg| {
+            let m = fsdp2(pg);
+            let params = m.optim_params();
+            let local =
+                m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+            // Each sharded state holds this rank's rows: 10 rows on 4 ranks give 3, 3, 3, 1.
+            let emb = &local.state[&ParamKey::Id(0)]["exp_avg"];
+            let Value::Tensor(emb) = emb else {
+                panic!("a tensor")
+            };
+            assert_eq!(
+                emb.shape()[0],
+                fsdp::param_layout::chunk_rows(10, ws, m.rank()).len()
+            );
+            let back = m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())?;
+            m.verify_optim_state_dict_by_load(&local, &params)?;
+            Ok::<_, Error>(back)
+        });
+        for (r, back) in results.into_iter().enumerate() {
+            assert_bits_eq(&back.unwrap(), &full, &format!("ws {ws} rank {r}"));
+        }
+    }
+}
+
+#[test]
+fn fsdp2_cpu_offload_gives_the_full_dict_to_rank_0_only() {
+    let full = full_adam();
+    let results = ThreadGroup::run(3, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        let opts = StateDictOptions {
+            cpu_offload: true,
+            ..StateDictOptions::full()
+        };
+        m.get_optimizer_state_dict(&local, &params, &opts)
+    });
+    let mut results = results.into_iter();
+    assert_bits_eq(&results.next().unwrap().unwrap(), &full, "rank 0");
+    for other in results {
+        let other = other.unwrap();
+        assert!(other.state.is_empty() && other.param_groups.is_none());
+    }
+}
+
+#[test]
+fn fsdp2_broadcast_from_rank0_gives_each_rank_what_it_would_slice_itself() {
+    let full = full_adam();
+    let results = ThreadGroup::run(4, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let sliced = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        let opts = StateDictOptions {
+            broadcast_from_rank0: true,
+            ..StateDictOptions::full()
+        };
+        let mine = (m.rank() == 0).then_some(&full);
+        let received = m.set_optimizer_state_dict(mine, &params, &opts)?;
+        Ok::<_, Error>((sliced, received))
+    });
+    for (r, res) in results.into_iter().enumerate() {
+        let (sliced, received) = res.unwrap();
+        assert_bits_eq(&received, &sliced, &format!("rank {r}"));
+    }
+}
+
+#[test]
+fn fsdp2_sharded_dict_round_trips_and_reloads_at_another_world_size_through_the_full_dict() {
+    let full = full_adam();
+    // Save at 4 ranks (sharded, as DCP would write it), load back at 4.
+    let results = ThreadGroup::run(4, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        let sharded = m.get_optimizer_state_dict(&local, &params, &StateDictOptions::default())?;
+        assert!(matches!(
+            sharded.state[&ParamKey::Name("embed.weight".into())]["exp_avg"],
+            Value::Sharded(_)
+        ));
+        let again =
+            m.set_optimizer_state_dict(Some(&sharded), &params, &StateDictOptions::default())?;
+        assert_bits_eq(&again, &local, &format!("rank {}", m.rank()));
+        m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
+    });
+    let at4 = results.into_iter().next().unwrap().unwrap();
+    // The full dict of 4 ranks loads at 3 and gathers back the same.
+    let results = ThreadGroup::run(3, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let local = m.set_optimizer_state_dict(Some(&at4), &params, &StateDictOptions::full())?;
+        m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
+    });
+    for back in results {
+        assert_bits_eq(&back.unwrap(), &full, "4 -> 3 ranks");
+    }
+}
+
+#[test]
+fn fsdp2_sharded_dict_of_another_world_size_is_refused_on_every_rank() {
+    let full = full_adam();
+    let sharded_at_2 = ThreadGroup::run(2, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        m.get_optimizer_state_dict(&local, &params, &StateDictOptions::default())
+    });
+    let sharded_at_2: Vec<_> = sharded_at_2.into_iter().map(Result::unwrap).collect();
+    let results = ThreadGroup::run(3, |pg| {
+        let m = fsdp2(pg);
+        let mine = &sharded_at_2[m.rank().min(1)];
+        m.set_optimizer_state_dict(Some(mine), &m.optim_params(), &StateDictOptions::default())
+    });
+    for r in results {
+        assert!(matches!(r, Err(Error::ShardedMismatch { .. })), "{r:?}");
+    }
+}
+
+#[test]
+fn fsdp2_bad_options_and_inputs_are_typed_errors_on_every_rank() {
+    let full = full_adam();
+    let results = ThreadGroup::run(2, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let bad = StateDictOptions {
+            broadcast_from_rank0: true,
+            ..StateDictOptions::default()
+        };
+        assert!(matches!(
+            m.set_optimizer_state_dict(Some(&full), &params, &bad),
+            Err(Error::InvalidArgument { .. })
+        ));
+        // Strict: a trained parameter without state.
+        let mut missing = full.clone();
+        missing
+            .state
+            .shift_remove(&ParamKey::Name("layers.0.bias".into()));
+        let strict = m.set_optimizer_state_dict(Some(&missing), &params, &StateDictOptions::full());
+        assert!(
+            matches!(strict, Err(Error::MissingState { ref param, .. }) if param.contains("layers.0.bias")),
+            "{strict:?}"
+        );
+        let lenient = StateDictOptions {
+            strict: false,
+            ..StateDictOptions::full()
+        };
+        assert!(m
+            .set_optimizer_state_dict(Some(&missing), &params, &lenient)
+            .is_ok());
+        // Rank 1 holds another optimizer's state: a state name rank 0 lacks.
+        let mut local =
+            m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        if m.rank() == 1 {
+            let st = local.state.get_mut(&ParamKey::Id(0)).unwrap();
+            let v = st["exp_avg"].clone();
+            st.insert("momentum_buffer".into(), v);
+        }
+        let differ = m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full());
+        assert!(
+            matches!(differ, Err(Error::PlanMismatch { .. })),
+            "{differ:?}"
+        );
+        // A key that is not an id of the optimizer, on rank 0 only: every rank fails.
+        let mut unknown =
+            m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        if m.rank() == 0 {
+            let st = unknown.state[&ParamKey::Id(0)].clone();
+            unknown.state.insert(ParamKey::Id(99), st);
+        }
+        let r = m.get_optimizer_state_dict(&unknown, &params, &StateDictOptions::full());
+        assert!(matches!(r, Err(Error::InvalidParamGroups { .. })), "{r:?}");
+        Ok::<_, Error>(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
+
+#[test]
+fn fsdp1_get_and_set_are_full_optim_state_dict_and_its_scatter() {
+    let desc = model();
+    // The frozen norm shares a unit with trained parameters: original parameters.
+    let mut policy = WrapPolicy::units(&["layers.0", "layers.1", ""]);
+    policy.use_orig_params = true;
+    let full = full_adam();
+    let results = ThreadGroup::run(3, |pg| {
+        let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
+        let params = f.optim_params();
+        let local = f.shard_full_optim_state_dict(&full, &params)?;
+        let opts = StateDictOptions {
+            broadcast_from_rank0: true,
+            ..StateDictOptions::full()
+        };
+        let mine = (f.rank() == 0).then_some(&full);
+        let received = f.set_optimizer_state_dict(mine, &params, &opts)?;
+        assert_bits_eq(&received, &local, &format!("rank {}", f.rank()));
+        let got = f.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())?;
+        let theirs = f.full_optim_state_dict(&local, &params, false)?.unwrap();
+        assert_bits_eq(&got, &theirs, "get_optimizer_state_dict");
+        f.verify_optim_state_dict_by_load(&local, &params)?;
+        Ok::<_, Error>(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
