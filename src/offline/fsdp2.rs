@@ -83,14 +83,23 @@ impl RankParams {
     }
 }
 
-/// The layout at `world_size` and what every rank's optimizer holds.
-fn plan(spec: &DescFile, world_size: usize) -> Result<(ParamLayout, Vec<RankParams>)> {
+/// The layout at `world_size` and what the optimizers of `ranks` hold (index = rank).
+fn plan_ranks(
+    spec: &DescFile,
+    world_size: usize,
+    ranks: std::ops::Range<usize>,
+) -> Result<(ParamLayout, Vec<RankParams>)> {
     let layout = ParamLayout::new(&spec.model, &spec.policy, world_size)?;
     let view = spec.layout(world_size)?;
-    let ranks = (0..world_size)
+    let ranks = ranks
         .map(|r| RankParams::new(&spec.model, &spec.optim_params_for(&view, r)?))
         .collect::<Result<_>>()?;
     Ok((layout, ranks))
+}
+
+/// The layout at `world_size` and what every rank's optimizer holds.
+fn plan(spec: &DescFile, world_size: usize) -> Result<(ParamLayout, Vec<RankParams>)> {
+    plan_ranks(spec, world_size, 0..world_size)
 }
 
 /// The state of `p` sharded on dim 0: a positive-dim tensor state of a sharded parameter
@@ -237,7 +246,7 @@ fn world_size_error(spec: &DescFile, locals: &[OptimStateDict], detail: String) 
     let fits: Vec<usize> = (1..=MAX_SUGGESTED_WORLD_SIZE)
         .filter(|&ws| ws != locals.len())
         .filter(|&ws| {
-            plan(spec, ws).is_ok_and(|(layout, ranks)| {
+            plan_ranks(spec, ws, 0..1).is_ok_and(|(layout, ranks)| {
                 rows_misfit(&layout, 0, &locals[0], &ranks[0]).is_none()
             })
         })
@@ -317,13 +326,13 @@ pub(super) fn consolidate(spec: &DescFile, locals: &[OptimStateDict]) -> Result<
                     .iter()
                     .enumerate()
                     .map(|(rank, osd)| match &osd.state[key][name] {
-                        Value::Tensor(t) => Ok(t.clone()),
+                        Value::Tensor(t) if t.dim() > 0 => Ok(t.clone()),
                         other => Err(Error::ShardedMismatch {
                             rank,
                             key: key.to_string(),
                             state: name.clone(),
                             reason: format!(
-                                "rank 0 holds rows of a tensor, this rank {}",
+                                "rank 0 holds rows of a positive-dim tensor, this rank a {}",
                                 other.kind()
                             ),
                         }),
@@ -648,6 +657,17 @@ mod tests {
         s.optim_params = Some(OptimParams::single(vec![OptimParam::Flat("a".into())]));
         let e = shard_full_dict(&s, &full(), 2).unwrap_err();
         assert!(matches!(e, Error::WrongOptimParam { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_rank_with_a_scalar_where_rank_0_has_rows_is_refused_naming_it() {
+        let mut ranks = shard_full_dict(&spec(false), &full(), 2).unwrap();
+        ranks[1].state[0].insert("exp_avg".into(), Value::Tensor(HostTensor::scalar(1.0f32)));
+        let e = consolidate_local_dicts(&spec(false), &ranks).unwrap_err();
+        assert!(
+            matches!(&e, Error::ShardedMismatch { rank: 1, state, .. } if state == "exp_avg"),
+            "{e}"
+        );
     }
 
     #[test]
