@@ -254,7 +254,32 @@ impl OptimStateDictApi for FullyShardedModel {
             // Every rank learns the first error, so that none goes on alone.
             self.pg.agree(local)?
         };
-        self.pg.agree(self.to_optimizer(local, params, opts.strict))
+        let mut loaded = self
+            .pg
+            .agree(self.to_optimizer(local, params, opts.strict))?;
+        if opts.full_state_dict {
+            // PyTorch loads a full dict into an FSDP2 model by flattening and unflattening it
+            // (`_flatten_state_dict`), which turns every tuple into a list: the optimizer's
+            // `betas` come back as `[0.9, 0.999]` (checked against PyTorch 2.13,
+            // tests/fsdp2_state_dict_golden.rs).
+            for g in loaded.param_groups.iter_mut().flatten() {
+                g.options.values_mut().for_each(tuples_as_lists);
+            }
+        }
+        Ok(loaded)
+    }
+}
+
+/// `v` with every tuple, at any depth, made a list.
+fn tuples_as_lists<T>(v: &mut Value<T>) {
+    match v {
+        Value::Tuple(items) => {
+            let mut items = std::mem::take(items);
+            items.iter_mut().for_each(tuples_as_lists);
+            *v = Value::List(items);
+        }
+        Value::List(items) => items.iter_mut().for_each(tuples_as_lists),
+        _ => {}
     }
 }
 
