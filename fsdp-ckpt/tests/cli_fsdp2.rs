@@ -135,6 +135,50 @@ fn shard_then_consolidate_gives_back_the_full_dict() {
     }
 }
 
+#[test]
+fn a_named_optimizer_keys_every_rank_by_fqn_and_consolidates_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let desc = fixture("sgd", "desc.json");
+    let full = fixture("sgd", "ws3/full.pt");
+    let shards = dir.path().join("named");
+    ok(&run(&[
+        &"shard-torch",
+        &"--model",
+        &desc,
+        &full,
+        &"--world-size",
+        &"2",
+        &"-o",
+        &shards,
+        &"--named-optimizer",
+    ]));
+    let rank1 = load(&shards.join("rank1.pt"));
+    let keys: Vec<String> = rank1.state.keys().map(|k| k.to_string()).collect();
+    assert_eq!(
+        keys.first().map(String::as_str),
+        Some("'small'"),
+        "{keys:?}"
+    );
+    assert_eq!(
+        keys.len(),
+        11,
+        "every trained parameter, the frozen norm.weight not: {keys:?}"
+    );
+    let back = dir.path().join("back.pt");
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![&"consolidate-torch", &"--model", &desc];
+    let ranks: Vec<PathBuf> = (0..2).map(|r| shards.join(format!("rank{r}.pt"))).collect();
+    for r in &ranks {
+        args.push(r);
+    }
+    args.extend([
+        &"-o" as &dyn AsRef<std::ffi::OsStr>,
+        &back,
+        &"--named-optimizer",
+    ]);
+    ok(&run(&args));
+    same(&load(&back), &load(&full), "named round trip");
+}
+
 // ----- errors: typed messages naming rank, parameter and sizes, exit code 1, no panic -----
 
 /// Copies of the ws-3 Adam rank files into `dir`, rank `r` edited by `edit`.
