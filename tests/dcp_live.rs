@@ -1,7 +1,8 @@
 //! Live ranks save and load PyTorch Distributed Checkpoint (DCP) directories collectively:
 //! `Fsdp::save_dcp` at one world size and wrapping, `Fsdp::load_dcp` at another, PyTorch-written
 //! fixtures loaded at any world size, and the failure cases (a rank failing mid-save, metadata
-//! disagreeing with the model).
+//! disagreeing with the model); the same for FSDP2 ranks (`FullyShardedModel`), including
+//! FSDP1-written directories loaded into FSDP2.
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::io::dcp::{self, DcpCheckpoint};
@@ -485,4 +486,86 @@ fn with_hybrid_sharding_the_first_shard_group_writes_and_every_rank_commits() {
     files.sort();
     assert_eq!(files, [".metadata", "__0_0.distcp", "__1_0.distcp"]);
     assert_loads_like(&model, &wrapping(true), 3, &full, &dir);
+}
+
+/// `gen.py`'s FSDP2 wrapping: `fully_shard` on net1, net2, then the root.
+fn fsdp2_wrapping() -> WrapPolicy {
+    WrapPolicy::fully_shard(&["net1", "net2", ""])
+}
+
+#[test]
+fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_sizes() {
+    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n);
+    torch_save::save(&optim_only(&full), p("expected.pt")).unwrap();
+    // 4 FSDP2 ranks (10 rows: 3, 3, 3, 1; 3 rows: 1, 1, 1, 0) each write their own rows.
+    for r in ThreadGroup::run(4, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let params = m.optim_params();
+        let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        m.save_dcp(&local, &params, p("fsdp2_ws4"))
+    }) {
+        r.unwrap();
+    }
+    let cases = [
+        ("fsdp2_ws4", "3", "fsdp2"),
+        ("fsdp2_ws4", "2", "fsdp1_flat"),
+    ];
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(golden("load_in_torch.py"));
+    for (dir, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(p("expected.pt")).arg(ws).arg(wrapper);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
+}
+
+#[test]
+fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_world_size() {
+    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+    let model = net();
+    // PyTorch's FSDP2 directory saved at 4 ranks, loaded at 3 and 1: the full dict gathered
+    // back is the one dcp_to_torch_save wrote.
+    let fixture = golden("fsdp2_adam_ws4");
+    let expected = torch_save::load(fixture.join("expected.pt")).unwrap();
+    let want = torch_save::optim_from_pyobj(expected.get("optim").cloned().unwrap()).unwrap();
+    for ws in [3, 1] {
+        let results = ThreadGroup::run(ws, |pg| {
+            let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+            let params = m.optim_params();
+            let local: OptimStateDict = m.load_dcp(fixture.join("ckpt"), &params)?;
+            m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
+        });
+        for (rank, got) in results.into_iter().enumerate() {
+            let got = got.unwrap();
+            assert_eq!(got.state, want.state, "ws {ws} rank {rank}");
+        }
+    }
+    // A directory FSDP1 ranks wrote (flat parameters, 2 ranks) into FSDP2 at 3 ranks.
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("fsdp1_ws2");
+    for r in save_live(&model, &wrapping(false), 2, &full, &dir) {
+        r.unwrap();
+    }
+    let results = ThreadGroup::run(3, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let params = m.optim_params();
+        let local: OptimStateDict = m.load_dcp(&dir, &params)?;
+        let sliced = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        Ok::<_, fsdp::Error>((local, sliced))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (local, sliced) = r.unwrap();
+        assert_eq!(local, sliced, "FSDP1 ws 2 -> FSDP2 ws 3, rank {rank}");
+    }
 }

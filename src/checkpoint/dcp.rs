@@ -106,18 +106,45 @@ pub fn save_dcp<T: Tensor>(
     model: Option<&[Option<T>]>,
     dir: &Path,
 ) -> Result<()> {
-    let pg = ctx.pg;
+    save_protocol(ctx.pg.as_ref(), dir, |tmp| {
+        if ctx.writes_files {
+            write_rank(ctx, osd, params, model, tmp).map(Some)
+        } else {
+            Ok(None)
+        }
+    })
+}
+
+/// Saves a name-keyed sharded optimizer state dict (what `get_optimizer_state_dict` gives
+/// without `full_state_dict`: each [`Value::Sharded`] state this rank's box of the whole
+/// tensor; anything else the same on every rank) as the DCP directory `dir`, as
+/// `dcp.save({"optim": osd})` does. Each rank writes its boxes; rank 0 also writes the values
+/// stored whole and the param groups. Collective over `pg`; the protocol and the replace rule
+/// are [`save_dcp`]'s.
+pub fn save_sharded_dcp<T: Tensor>(
+    pg: &dyn crate::collectives::ProcessGroup,
+    osd: &OptimStateDict<T>,
+    dir: &Path,
+) -> Result<()> {
+    save_protocol(pg, dir, |tmp| {
+        write_sharded_rank(pg.rank(), osd, tmp).map(Some)
+    })
+}
+
+/// The save protocol: rank 0 prepares the temporary directory, every rank writes its part
+/// (`write`, `None` for a rank that writes nothing), the reports are all-gathered with the
+/// first error agreed, rank 0 commits; every rank returns rank 0's outcome.
+fn save_protocol(
+    pg: &dyn crate::collectives::ProcessGroup,
+    dir: &Path,
+    write: impl FnOnce(&Path) -> Result<Option<RankChunks>>,
+) -> Result<()> {
     let rank = pg.rank();
     // 1. Rank 0 creates the temporary directory beside `dir`.
     let tmp = (rank == 0).then(|| prepare(dir));
     let tmp: PathBuf = pg.broadcast_agreed(tmp.as_ref(), 0)?;
     // 2. Each writer writes its data file; every rank learns the first failure.
-    let mine = if ctx.writes_files {
-        write_rank(ctx, osd, params, model, &tmp).map(Some)
-    } else {
-        Ok(None)
-    };
-    let reports = pg.all_gather_agreed(mine);
+    let reports = pg.all_gather_agreed(write(&tmp));
     // 3. Rank 0 writes `.metadata` last and renames the directory into place.
     let outcome = (rank == 0).then(|| {
         let result = reports.and_then(|r| commit(r.into_iter().flatten().collect(), &tmp, dir));
@@ -127,6 +154,99 @@ pub fn save_dcp<T: Tensor>(
         result
     });
     pg.broadcast_agreed(outcome.as_ref(), 0)
+}
+
+/// Writes `__{rank}_0.distcp` for [`save_sharded_dcp`].
+fn write_sharded_rank<T: Tensor>(
+    rank: usize,
+    osd: &OptimStateDict<T>,
+    tmp: &Path,
+) -> Result<RankChunks> {
+    let mut out = DataFile::create(tmp, rank)?;
+    let mut keys = Keys::default();
+    for (k, st) in &osd.state {
+        for (name, v) in st {
+            let s = Slot::State(key_name(k), name.clone());
+            match v {
+                Value::Sharded(sh) => {
+                    // A rank without rows of this tensor knows no dtype: the others report it.
+                    let Some(t) = &sh.local else { continue };
+                    let kind = Kind::Tensor {
+                        dtype: t.dtype(),
+                        shape: sh.global_shape.clone(),
+                    };
+                    let ki = keys.get(&s, kind);
+                    if t.numel() > 0 {
+                        let c = Chunk {
+                            offsets: sh.offsets.clone(),
+                            sizes: t.shape(),
+                        };
+                        let bytes = torch_save::save_to_bytes(&PyObj::Tensor(t.to_host()?))?;
+                        out.push(ki, c, &bytes)?;
+                    }
+                }
+                other if rank == 0 => {
+                    let h = other.try_map(&mut |t: &T| t.to_host())?;
+                    let ki = keys.get(&s, whole_kind(&h));
+                    out.write_whole(ki, &s.key(), &h)?;
+                }
+                _ => {}
+            }
+        }
+    }
+    if rank == 0 {
+        for (i, g) in osd.param_groups.iter().flatten().enumerate() {
+            let g = g.try_map(&mut |t: &T| t.to_host())?;
+            for (option, v) in &g.options {
+                let s = Slot::Group(i, option.clone());
+                let ki = keys.get(&s, whole_kind(v));
+                out.write_whole(ki, &s.key(), v)?;
+            }
+            let names = g.params.iter().map(|p| PyObj::Str(key_name(p))).collect();
+            let ki = keys.get(&Slot::Group(i, "params".into()), Kind::Object);
+            out.write_obj(ki, &PyObj::List(names))?;
+        }
+    }
+    out.finish(keys.list)
+}
+
+/// The optimizer state of a DCP directory one parameter at a time, reading only that
+/// parameter's entries: calls `each(fqn, state)` in metadata order (state names as stored),
+/// then returns the param groups (parameters by name). Memory: one parameter's whole state.
+pub fn read_optim_by_param(
+    dir: &Path,
+    mut each: impl FnMut(&str, ParamState) -> Result<()>,
+) -> Result<Option<Vec<crate::optim_state::ParamGroup>>> {
+    let ckpt = DcpCheckpoint::open(dir)?;
+    let mut order: Vec<String> = Vec::new();
+    let mut by_fqn: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut groups = Vec::new();
+    for (i, e) in ckpt.metadata().entries.iter().enumerate() {
+        match e.path.as_deref() {
+            Some([PathItem::Key(a), PathItem::Key(b), PathItem::Key(fqn), _])
+                if a == "optim" && b == "state" =>
+            {
+                let at = by_fqn.entry(fqn.clone()).or_default();
+                if at.is_empty() {
+                    order.push(fqn.clone());
+                }
+                at.push(i);
+            }
+            Some([PathItem::Key(a), PathItem::Key(b), ..])
+                if a == "optim" && b == "param_groups" =>
+            {
+                groups.push(i)
+            }
+            _ => {}
+        }
+    }
+    for fqn in &order {
+        let mut one = read_optim(&ckpt, dir, &by_fqn[fqn])?;
+        if let Some((_, st)) = one.state.pop() {
+            each(fqn, st)?;
+        }
+    }
+    Ok(read_optim(&ckpt, dir, &groups)?.param_groups)
 }
 
 /// Removes stale temporaries, checks the replace rule, creates the temporary sibling.

@@ -117,6 +117,54 @@ impl FullyShardedModel {
             .reshape(&shape)
     }
 
+    /// `dcp.save({"optim": get_optimizer_state_dict(model, optim)})`: this rank's local
+    /// optimizer state as its part of the DCP directory `dir` (each rank writes only its
+    /// rows; `.metadata` last, the directory renamed into place). Collective. PyTorch's
+    /// `dcp.load` + `set_optimizer_state_dict` load it into FSDP1 or FSDP2 at any world size.
+    pub fn save_dcp<T: Tensor>(
+        &self,
+        optim: &OptimStateDict<T>,
+        params: &OptimParams,
+        dir: impl AsRef<std::path::Path>,
+    ) -> Result<()> {
+        let sharded = self.get_optimizer_state_dict(optim, params, &StateDictOptions::default())?;
+        crate::checkpoint::save_sharded_dcp(self.pg.as_ref(), &sharded, dir.as_ref())
+    }
+
+    /// The local optimizer state dict (for the optimizer holding `params`) from the optimizer
+    /// state of a DCP directory saved by any FSDP generation at any world size: each
+    /// parameter's state is read whole, one parameter at a time, and this rank keeps its
+    /// rows. Collective: every rank returns the lowest failing rank's error.
+    pub fn load_dcp<T: Tensor>(
+        &self,
+        dir: impl AsRef<std::path::Path>,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        let read = || -> Result<OptimStateDict<T>> {
+            let mut state = IndexMap::new();
+            let groups = crate::checkpoint::read_optim_by_param(dir.as_ref(), |fqn, st| {
+                let st = crate::optim_state::map_state(&st, &mut |t: &HostTensor| {
+                    T::from_host(t.clone())
+                })?;
+                state.insert(ParamKey::Name(fqn.to_string()), st);
+                Ok(())
+            })?;
+            let groups = groups
+                .map(|gs| {
+                    gs.iter()
+                        .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .transpose()?;
+            self.slice_full(&OptimStateDict {
+                state,
+                param_groups: groups,
+            })
+        };
+        let local = self.pg.agree(read())?;
+        self.pg.agree(self.to_optimizer(local, params, true))
+    }
+
     fn param(&self, name: &str, op: &str) -> Result<&ShardedParam> {
         self.by_name
             .get(name)
