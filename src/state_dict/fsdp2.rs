@@ -443,9 +443,9 @@ impl FullyShardedModel {
     }
 
     /// The whole tensor of a sharded state from every rank's local rows: each rank sends its
-    /// rows padded to the uniform chunk size (as FSDP2's all-gather does), and the first
-    /// `dim0` rows of the result are the tensor. To every rank, or to rank 0 only (`None`
-    /// elsewhere).
+    /// rows padded to the uniform chunk size (as FSDP2's all-gather does) straight into the
+    /// output's buffer, whose first `dim0` rows are the tensor. To every rank, or to rank 0
+    /// only (`None` elsewhere).
     fn gather_rows<T: Tensor>(
         &self,
         p: &ShardedParam,
@@ -454,25 +454,32 @@ impl FullyShardedModel {
     ) -> Result<Option<T>> {
         let ws = self.world_size();
         let dtype = local.dtype();
-        let row_bytes = p.row_numel() * dtype.size();
-        let chunk = chunk_size(p.shape[0], ws) * row_bytes;
-        let mut send = local.to_host()?.as_bytes().to_vec();
-        send.resize(chunk, 0);
-        let mut recv = vec![0u8; chunk * ws];
-        if to_rank0 {
-            let root = self.rank() == 0;
-            self.pg
-                .gather_into(&send, root.then_some(&mut recv[..]), 0)?;
-            if !root {
-                return Ok(None);
-            }
+        let c = chunk_size(p.shape[0], ws);
+        let host = local.to_host()?;
+        let send = padded_rows(host.as_bytes(), c * p.row_numel() * dtype.size());
+        let receives = !to_rank0 || self.rank() == 0;
+        let mut padded_shape = p.shape.clone();
+        padded_shape[0] = c * ws;
+        let gathered = if receives {
+            Some(HostTensor::filled_by(dtype, &padded_shape, |recv| {
+                if to_rank0 {
+                    self.pg.gather_into(&send, Some(recv), 0)
+                } else {
+                    self.pg.all_gather_into(&send, recv)
+                }
+            })?)
         } else {
-            self.pg.all_gather_into(&send, &mut recv)?;
-        }
-        recv.truncate(p.shape[0] * row_bytes);
-        Ok(Some(T::from_host(HostTensor::from_bytes(
-            dtype, &p.shape, &recv,
-        )?)?))
+            self.pg.gather_into(&send, None, 0)?;
+            None
+        };
+        gathered
+            .map(|g| {
+                let whole = g
+                    .narrow_flat(0, p.shape[0] * p.row_numel())?
+                    .reshape(&p.shape)?;
+                T::from_host(whole)
+            })
+            .transpose()
     }
 
     /// The sharded form: every sharded state as this rank's piece of the whole tensor.
@@ -653,7 +660,8 @@ impl FullyShardedModel {
     }
 
     /// This rank's rows of a sharded state rank 0 holds whole (`full`, on rank 0 only): rank
-    /// 0 scatters padded chunks; each rank keeps its rows.
+    /// 0 scatters each rank's chunk (slices of the tensor; only a partial last chunk and
+    /// empty ones are padded copies) into a buffer whose first rows are the local tensor.
     fn scatter_rows<T: Tensor>(
         &self,
         p: &ShardedParam,
@@ -667,25 +675,26 @@ impl FullyShardedModel {
             Some(Value::Tensor(t)) => Some(t.to_host()?),
             _ => None,
         };
-        let mut padded = Vec::new();
-        let parts: Option<Vec<&[u8]>> = host.as_ref().map(|h| {
-            padded = h.as_bytes().to_vec();
-            padded.resize(chunk * ws, 0);
-            padded.chunks(chunk.max(1)).take(ws).collect::<Vec<_>>()
+        let parts: Option<Vec<std::borrow::Cow<'_, [u8]>>> = host.as_ref().map(|h| {
+            let bytes = h.as_bytes();
+            (0..ws)
+                .map(|r| {
+                    let at = (r * chunk).min(bytes.len());
+                    padded_rows(&bytes[at..(at + chunk).min(bytes.len())], chunk)
+                })
+                .collect()
         });
-        let parts = parts.map(|mut v| {
-            v.resize(ws, &[][..]);
-            v
-        });
-        let mut recv = vec![0u8; chunk];
-        self.pg.scatter_into(parts.as_deref(), &mut recv, 0)?;
+        let refs: Option<Vec<&[u8]>> = parts.as_ref().map(|v| v.iter().map(|c| &**c).collect());
+        let mut shape = p.shape.clone();
+        shape[0] = chunk_size(p.shape[0], ws);
+        let recv = HostTensor::filled_by(dtype, &shape, |recv| {
+            self.pg.scatter_into(refs.as_deref(), recv, 0)
+        })?;
         let rows = p.rows(self.rank());
-        recv.truncate(rows.len() * row_bytes);
-        T::from_host(HostTensor::from_bytes(
-            dtype,
-            &p.local_shape(self.rank()),
-            &recv,
-        )?)
+        let local = recv
+            .narrow_flat(0, rows.len() * p.row_numel())?
+            .reshape(&p.local_shape(self.rank()))?;
+        T::from_host(local)
     }
 
     /// The name-keyed local dict as the optimizer holding `params` loads it: keys are its
@@ -764,6 +773,17 @@ impl FullyShardedModel {
             param_groups: Some(groups),
         })
     }
+}
+
+/// `bytes` padded with zeros to `len` (borrowed when already that long).
+fn padded_rows(bytes: &[u8], len: usize) -> std::borrow::Cow<'_, [u8]> {
+    if bytes.len() == len {
+        return std::borrow::Cow::Borrowed(bytes);
+    }
+    let mut v = Vec::with_capacity(len);
+    v.extend_from_slice(&bytes[..bytes.len().min(len)]);
+    v.resize(len, 0);
+    std::borrow::Cow::Owned(v)
 }
 
 fn key_name(k: &ParamKey, op: &str, rank: usize) -> Result<String> {
