@@ -26,7 +26,7 @@
 //! Run: `cargo bench --bench state_dict` (needs `.venv` with torch 2.13, or `FSDP_PYTHON`).
 
 mod common;
-use common::full_adam_state;
+use common::{full_adam_state, loadavg, reset_hwm, status_bytes};
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
@@ -59,19 +59,6 @@ fn env_usize(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn status_bytes(field: &str) -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|k| k * 1024)
-        .unwrap_or(0)
-}
-
-fn reset_hwm() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
 /// Child mode: `reps` calls of `op` on two thread ranks; prints each repetition's seconds
@@ -170,12 +157,6 @@ fn python() -> PathBuf {
     std::env::var_os("FSDP_PYTHON")
         .map(PathBuf::from)
         .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"))
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
 }
 
 fn main() {

