@@ -660,40 +660,46 @@ impl FullyShardedModel {
     }
 
     /// This rank's rows of a sharded state rank 0 holds whole (`full`, on rank 0 only): rank
-    /// 0 scatters each rank's chunk (slices of the tensor; only a partial last chunk and
-    /// empty ones are padded copies) into a buffer whose first rows are the local tensor.
+    /// 0 sends each other rank exactly its rows, slices of the tensor, received straight into
+    /// that rank's local tensor; rank 0 keeps a view of its own rows (sharing the full dict's
+    /// storage, as `shard_full_optim_state_dict`'s results do), so no byte of its part is
+    /// copied.
     fn scatter_rows<T: Tensor>(
         &self,
         p: &ShardedParam,
         dtype: DType,
         full: Option<&Value<T>>,
     ) -> Result<T> {
-        let ws = self.world_size();
+        let rank = self.rank();
         let row_bytes = p.row_numel() * dtype.size();
-        let chunk = chunk_size(p.shape[0], ws) * row_bytes;
         let host = match full {
-            Some(Value::Tensor(t)) => Some(t.to_host()?),
+            Some(Value::Tensor(t)) if rank == 0 => Some(t.to_host()?),
             _ => None,
         };
-        let parts: Option<Vec<std::borrow::Cow<'_, [u8]>>> = host.as_ref().map(|h| {
+        let parts: Option<Vec<&[u8]>> = host.as_ref().map(|h| {
             let bytes = h.as_bytes();
-            (0..ws)
-                .map(|r| {
-                    let at = (r * chunk).min(bytes.len());
-                    padded_rows(&bytes[at..(at + chunk).min(bytes.len())], chunk)
+            (0..self.world_size())
+                .map(|r| match r {
+                    0 => &[][..],
+                    _ => {
+                        let rows = p.rows(r);
+                        &bytes[rows.start * row_bytes..rows.end * row_bytes]
+                    }
                 })
                 .collect()
         });
-        let refs: Option<Vec<&[u8]>> = parts.as_ref().map(|v| v.iter().map(|c| &**c).collect());
-        let mut shape = p.shape.clone();
-        shape[0] = chunk_size(p.shape[0], ws);
-        let recv = HostTensor::filled_by(dtype, &shape, |recv| {
-            self.pg.scatter_into(refs.as_deref(), recv, 0)
-        })?;
-        let rows = p.rows(self.rank());
-        let local = recv
-            .narrow_flat(0, rows.len() * p.row_numel())?
-            .reshape(&p.local_shape(self.rank()))?;
+        let rows = p.rows(rank);
+        let shape = p.local_shape(rank);
+        let local = match &host {
+            Some(h) => {
+                self.pg.scatter_into(parts.as_deref(), &mut [], 0)?;
+                h.narrow_flat(rows.start * p.row_numel(), rows.len() * p.row_numel())?
+                    .reshape(&shape)?
+            }
+            None => {
+                HostTensor::filled_by(dtype, &shape, |recv| self.pg.scatter_into(None, recv, 0))?
+            }
+        };
         T::from_host(local)
     }
 
