@@ -312,3 +312,104 @@ fn fsdp1_get_and_set_are_full_optim_state_dict_and_its_scatter() {
         r.unwrap();
     }
 }
+
+/// The whole parameters of `model()` in model order, as `model.state_dict()` holds them
+/// (first names only).
+fn full_params() -> indexmap::IndexMap<String, Value> {
+    model()
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            (
+                p.name.clone(),
+                Value::Tensor(tensor(&p.shape, p.dtype, 100 + i)),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn fsdp2_model_state_dict_loads_gathers_and_reloads_in_every_form_at_ws_3() {
+    let full = full_params();
+    let results = ThreadGroup::run(3, |pg| {
+        let m = fsdp2(pg);
+        let local: Vec<HostTensor> = m
+            .set_model_state_dict(Some(&full), &StateDictOptions::full())?
+            .into_iter()
+            .map(Option::unwrap)
+            .collect();
+        // Whole tensors back on every rank, or on rank 0 only with cpu_offload.
+        let back = m.get_model_state_dict(&local, &StateDictOptions::full())?;
+        let offload = StateDictOptions {
+            cpu_offload: true,
+            ..StateDictOptions::full()
+        };
+        let rank0 = m.get_model_state_dict(&local, &offload)?;
+        // Sharded, and loaded back.
+        let sharded = m.get_model_state_dict(&local, &StateDictOptions::default())?;
+        let again = m.set_model_state_dict(Some(&sharded), &StateDictOptions::default())?;
+        // broadcast_from_rank0 gives the same rows.
+        let bcast = StateDictOptions {
+            broadcast_from_rank0: true,
+            ..StateDictOptions::full()
+        };
+        let received = m.set_model_state_dict((m.rank() == 0).then_some(&full), &bcast)?;
+        // ignore_frozen_params leaves the frozen norm out.
+        let trained = StateDictOptions {
+            ignore_frozen_params: true,
+            ..StateDictOptions::full()
+        };
+        let without_frozen = m.get_model_state_dict(&local, &trained)?;
+        assert!(!without_frozen.contains_key("layers.0.norm.weight"));
+        for (i, t) in local.iter().enumerate() {
+            assert!(
+                again[i].as_ref().unwrap().bit_eq(t),
+                "sharded round trip {i}"
+            );
+            assert!(received[i].as_ref().unwrap().bit_eq(t), "broadcast {i}");
+        }
+        Ok::<_, Error>((m.rank(), back, rank0))
+    });
+    for r in results {
+        let (rank, back, rank0) = r.unwrap();
+        assert_eq!(
+            back.keys().collect::<Vec<_>>(),
+            full.keys().collect::<Vec<_>>()
+        );
+        for (k, v) in &full {
+            let (Value::Tensor(a), Value::Tensor(b)) = (v, &back[k]) else {
+                panic!("{k}")
+            };
+            assert!(a.bit_eq(b), "rank {rank} {k}");
+        }
+        assert_eq!(rank0.is_empty(), rank != 0, "rank {rank}");
+    }
+}
+
+#[test]
+fn fsdp2_model_state_dict_refuses_missing_parameters_and_wrong_local_tensors() {
+    let mut full = full_params();
+    full.shift_remove("layers.1.bias");
+    let results = ThreadGroup::run(2, |pg| {
+        let m = fsdp2(pg);
+        let strict = m.set_model_state_dict(Some(&full), &StateDictOptions::full());
+        assert!(
+            matches!(strict, Err(Error::MissingState { ref param, .. }) if param.contains("layers.1.bias")),
+            "{strict:?}"
+        );
+        let lenient = StateDictOptions {
+            strict: false,
+            ..StateDictOptions::full()
+        };
+        let local = m.set_model_state_dict(Some(&full), &lenient)?;
+        assert!(local[5].is_none() && local[4].is_some());
+        let too_few: Vec<HostTensor> = local.iter().flatten().cloned().collect();
+        let r = m.get_model_state_dict(&too_few, &StateDictOptions::full());
+        assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+        Ok::<_, Error>(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
