@@ -500,18 +500,62 @@ fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_s
     let full = full_adam(&model);
     let tmp = tempfile::tempdir().unwrap();
     let p = |n: &str| tmp.path().join(n);
+    // The model's parameters too: `dcp.save({"model": ..., "optim": ...})`.
+    let params_full: indexmap::IndexMap<String, Value> = model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            (
+                d.name.clone(),
+                Value::Tensor(tensor(&d.shape, 1000.0 + i as f32)),
+            )
+        })
+        .collect();
     // 4 FSDP2 ranks (10 rows: 3, 3, 3, 1; 3 rows: 1, 1, 1, 0) each write their own rows.
     let saved = ThreadGroup::run(4, |pg| {
         let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
         let params = m.optim_params();
         let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
-        m.save_dcp(&local, &params, p("fsdp2_ws4"))?;
+        let weights: Vec<HostTensor> = m
+            .set_model_state_dict(Some(&params_full), &StateDictOptions::full())?
+            .into_iter()
+            .map(Option::unwrap)
+            .collect();
+        m.save_dcp(&local, &params, Some(&weights), p("fsdp2_ws4"))?;
         m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
     });
     // What PyTorch loads must be get_state_dict(full_state_dict=True) of the saving run
     // (whose optimizer, loaded from a full dict, holds `betas` as a list, as PyTorch's does).
     let saving_run = saved.into_iter().next().unwrap().unwrap();
-    torch_save::save(&optim_only(&saving_run), p("expected.pt")).unwrap();
+    let weights = params_full
+        .iter()
+        .map(|(k, v)| {
+            let Value::Tensor(t) = v else { unreachable!() };
+            (PyObj::Str(k.clone()), PyObj::Tensor(t.clone()))
+        })
+        .collect();
+    let expected = PyObj::Dict(vec![
+        (
+            PyObj::Str("optim".into()),
+            torch_save::optim_to_pyobj(&saving_run).unwrap(),
+        ),
+        (PyObj::Str("model".into()), PyObj::Dict(weights)),
+    ]);
+    torch_save::save(&expected, p("expected.pt")).unwrap();
+    // The crate's own ranks read the parameters back at another world size.
+    let back = ThreadGroup::run(3, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let loaded: Vec<HostTensor> = m.load_model_dcp(p("fsdp2_ws4"))?;
+        let want = m.set_model_state_dict(Some(&params_full), &StateDictOptions::full())?;
+        for (a, b) in loaded.iter().zip(&want) {
+            assert!(a.bit_eq(b.as_ref().unwrap()), "rank {}", m.rank());
+        }
+        Ok::<_, fsdp::Error>(())
+    });
+    for r in back {
+        r.unwrap();
+    }
     let cases = [
         ("fsdp2_ws4", "3", "fsdp2"),
         ("fsdp2_ws4", "2", "fsdp1_flat"),
@@ -550,6 +594,21 @@ fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_wo
         for (rank, got) in results.into_iter().enumerate() {
             let got = got.unwrap();
             assert_eq!(got.state, want.state, "ws {ws} rank {rank}");
+        }
+    }
+    // Its model parameters too.
+    let want_model = expected.get("model").cloned().unwrap();
+    let results = ThreadGroup::run(3, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let local: Vec<HostTensor> = m.load_model_dcp(fixture.join("ckpt"))?;
+        m.get_model_state_dict(&local, &StateDictOptions::full())
+    });
+    for got in results {
+        for (k, v) in got.unwrap() {
+            let (Value::Tensor(t), Some(PyObj::Tensor(w))) = (v, want_model.get(&k)) else {
+                panic!("{k}")
+            };
+            assert!(t.bit_eq(w), "model.{k}");
         }
     }
     // A directory FSDP1 ranks wrote (flat parameters, 2 ranks) into FSDP2 at 3 ranks.

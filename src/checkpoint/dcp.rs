@@ -121,13 +121,17 @@ pub fn save_dcp<T: Tensor>(
 /// `dcp.save({"optim": osd})` does. Each rank writes its boxes; rank 0 also writes the values
 /// stored whole and the param groups. Collective over `pg`; the protocol and the replace rule
 /// are [`save_dcp`]'s.
+///
+/// `model`, when given, is a sharded model state dict (`{fqn: value}`, as
+/// `get_model_state_dict` gives it) saved beside, under `model.<fqn>`.
 pub fn save_sharded_dcp<T: Tensor>(
     pg: &dyn crate::collectives::ProcessGroup,
     osd: &OptimStateDict<T>,
+    model: Option<&indexmap::IndexMap<String, Value<T>>>,
     dir: &Path,
 ) -> Result<()> {
     save_protocol(pg, dir, |tmp| {
-        write_sharded_rank(pg.rank(), osd, tmp).map(Some)
+        write_sharded_rank(pg.rank(), osd, model, tmp).map(Some)
     })
 }
 
@@ -160,6 +164,7 @@ fn save_protocol(
 fn write_sharded_rank<T: Tensor>(
     rank: usize,
     osd: &OptimStateDict<T>,
+    model: Option<&indexmap::IndexMap<String, Value<T>>>,
     tmp: &Path,
 ) -> Result<RankChunks> {
     let mut out = DataFile::create(tmp, rank)?;
@@ -167,32 +172,11 @@ fn write_sharded_rank<T: Tensor>(
     for (k, st) in &osd.state {
         for (name, v) in st {
             let s = Slot::State(key_name(k), name.clone());
-            match v {
-                Value::Sharded(sh) => {
-                    // A rank without rows of this tensor knows no dtype: the others report it.
-                    let Some(t) = &sh.local else { continue };
-                    let kind = Kind::Tensor {
-                        dtype: t.dtype(),
-                        shape: sh.global_shape.clone(),
-                    };
-                    let ki = keys.get(&s, kind);
-                    if t.numel() > 0 {
-                        let c = Chunk {
-                            offsets: sh.offsets.clone(),
-                            sizes: t.shape(),
-                        };
-                        let bytes = torch_save::save_to_bytes(&PyObj::Tensor(t.to_host()?))?;
-                        out.push(ki, c, &bytes)?;
-                    }
-                }
-                other if rank == 0 => {
-                    let h = other.try_map(&mut |t: &T| t.to_host())?;
-                    let ki = keys.get(&s, whole_kind(&h));
-                    out.write_whole(ki, &s.key(), &h)?;
-                }
-                _ => {}
-            }
+            write_sharded_value(rank, &s, v, &mut out, &mut keys)?;
         }
+    }
+    for (fqn, v) in model.into_iter().flatten() {
+        write_sharded_value(rank, &Slot::Model(fqn.clone()), v, &mut out, &mut keys)?;
     }
     if rank == 0 {
         let groups = osd
@@ -204,6 +188,43 @@ fn write_sharded_rank<T: Tensor>(
         write_param_groups(&groups, &mut out, &mut keys)?;
     }
     out.finish(keys.list)
+}
+
+/// One value of a sharded dict: this rank's box of a [`Value::Sharded`] tensor, or (on rank 0)
+/// a value stored whole.
+fn write_sharded_value<T: Tensor>(
+    rank: usize,
+    s: &Slot,
+    v: &Value<T>,
+    out: &mut DataFile,
+    keys: &mut Keys,
+) -> Result<()> {
+    match v {
+        Value::Sharded(sh) => {
+            // A rank without rows of this tensor knows no dtype: the others report it.
+            let Some(t) = &sh.local else { return Ok(()) };
+            let kind = Kind::Tensor {
+                dtype: t.dtype(),
+                shape: sh.global_shape.clone(),
+            };
+            let ki = keys.get(s, kind);
+            if t.numel() > 0 {
+                let c = Chunk {
+                    offsets: sh.offsets.clone(),
+                    sizes: t.shape(),
+                };
+                let bytes = torch_save::save_to_bytes(&PyObj::Tensor(t.to_host()?))?;
+                out.push(ki, c, &bytes)?;
+            }
+            Ok(())
+        }
+        other if rank == 0 => {
+            let h = other.try_map(&mut |t: &T| t.to_host())?;
+            let ki = keys.get(s, whole_kind(&h));
+            out.write_whole(ki, &s.key(), &h)
+        }
+        _ => Ok(()),
+    }
 }
 
 /// The optimizer state of a DCP directory one parameter at a time, reading only that

@@ -121,14 +121,58 @@ impl FullyShardedModel {
     /// optimizer state as its part of the DCP directory `dir` (each rank writes only its
     /// rows; `.metadata` last, the directory renamed into place). Collective. PyTorch's
     /// `dcp.load` + `set_optimizer_state_dict` load it into FSDP1 or FSDP2 at any world size.
+    ///
+    /// `model`, when given, is this rank's parameters (as
+    /// [`FullyShardedModel::get_model_state_dict`] takes them), saved beside under
+    /// `model.<fqn>`, as `dcp.save({"model": ..., "optim": ...})` of `get_state_dict` does.
     pub fn save_dcp<T: Tensor>(
         &self,
         optim: &OptimStateDict<T>,
         params: &OptimParams,
+        model: Option<&[T]>,
         dir: impl AsRef<std::path::Path>,
     ) -> Result<()> {
         let sharded = self.get_optimizer_state_dict(optim, params, &StateDictOptions::default())?;
-        crate::checkpoint::save_sharded_dcp(self.pg.as_ref(), &sharded, dir.as_ref())
+        let model = model
+            .map(|m| self.get_model_state_dict(m, &StateDictOptions::default()))
+            .transpose()?;
+        crate::checkpoint::save_sharded_dcp(
+            self.pg.as_ref(),
+            &sharded,
+            model.as_ref(),
+            dir.as_ref(),
+        )
+    }
+
+    /// This rank's parameters (as [`FullyShardedModel::get_model_state_dict`] gives them)
+    /// from the `model.<fqn>` entries of a DCP directory of any FSDP generation and world size:
+    /// each parameter read whole, one at a time, and cut to this rank's rows. A parameter the
+    /// directory lacks is an error ([`Error::MissingState`]). Collective.
+    pub fn load_model_dcp<T: Tensor>(&self, dir: impl AsRef<std::path::Path>) -> Result<Vec<T>> {
+        let read = || -> Result<Vec<T>> {
+            let ckpt = crate::io::dcp::DcpCheckpoint::open(dir.as_ref())?;
+            self.layout
+                .params
+                .iter()
+                .map(|p| {
+                    let key = format!("model.{}", p.name);
+                    if ckpt.entry(&key).is_none() {
+                        return Err(Error::MissingState {
+                            context: format!(
+                                "loading the model from DCP directory `{}` on rank {}",
+                                dir.as_ref().display(),
+                                self.rank()
+                            ),
+                            param: format!("`{}`", p.name),
+                            state: String::new(),
+                        });
+                    }
+                    let whole = T::from_host(ckpt.read_tensor(&key)?)?;
+                    self.local_rows(&p.name, &whole)
+                })
+                .collect()
+        };
+        self.pg.agree(read())
     }
 
     /// The local optimizer state dict (for the optimizer holding `params`) from the optimizer
