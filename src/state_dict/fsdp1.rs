@@ -4,7 +4,7 @@
 //! or `SHARDED_STATE_DICT`.
 
 use super::{OptimStateDictApi, StateDictOptions};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fsdp::Fsdp;
 use crate::optim_state::{OptimParams, OptimStateDict};
 use crate::tensor::Tensor;
@@ -54,11 +54,7 @@ impl OptimStateDictApi for Fsdp {
         };
         match osd {
             Some(_) => result,
-            None => Err(Error::InvalidArgument {
-                op: op.into(),
-                rank: self.rank(),
-                reason: "this rank must pass the dict (only broadcast_from_rank0 lets ranks other than 0 pass none)".into(),
-            }),
+            None => Err(super::missing_dict(op, self.rank())),
         }
     }
 }

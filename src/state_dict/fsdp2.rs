@@ -285,11 +285,7 @@ impl FullyShardedModel {
         let local = if opts.full_state_dict && opts.broadcast_from_rank0 {
             self.receive_from_rank0(osd.as_ref())?
         } else {
-            let mine = osd.ok_or_else(|| Error::InvalidArgument {
-                op: OP.into(),
-                rank: self.rank(),
-                reason: "this rank must pass the dict (only broadcast_from_rank0 lets ranks other than 0 pass none)".into(),
-            });
+            let mine = osd.ok_or_else(|| super::missing_dict(OP, self.rank()));
             let local = mine.and_then(|osd| {
                 if opts.full_state_dict {
                     self.slice_full(&osd)
@@ -470,11 +466,7 @@ impl OptimStateDictApi for FullyShardedModel {
         let local = if opts.full_state_dict && opts.broadcast_from_rank0 {
             self.receive_from_rank0(osd)?
         } else {
-            let osd = osd.ok_or_else(|| Error::InvalidArgument {
-                op: SET.into(),
-                rank: self.rank(),
-                reason: "this rank must pass the dict (only broadcast_from_rank0 lets ranks other than 0 pass none)".into(),
-            });
+            let osd = osd.ok_or_else(|| super::missing_dict(SET, self.rank()));
             let local = osd.and_then(|osd| {
                 if opts.full_state_dict {
                     self.slice_full(osd)

@@ -89,6 +89,16 @@ impl StateDictOptions {
     }
 }
 
+/// A rank passed no dict where it must (only `broadcast_from_rank0` lets ranks other than 0
+/// pass none).
+fn missing_dict(op: &str, rank: usize) -> Error {
+    Error::InvalidArgument {
+        op: op.into(),
+        rank,
+        reason: "this rank must pass the dict (only broadcast_from_rank0 lets ranks other than 0 pass none)".into(),
+    }
+}
+
 /// `get_optimizer_state_dict` / `set_optimizer_state_dict` on one rank of a wrapped model.
 /// Every method is collective: all ranks call it with the same options.
 pub trait OptimStateDictApi {
