@@ -495,7 +495,7 @@ fn fsdp2_wrapping() -> WrapPolicy {
 
 #[test]
 fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_sizes() {
-    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
     let model = net();
     let full = full_adam(&model);
     let tmp = tempfile::tempdir().unwrap();
@@ -577,7 +577,7 @@ fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_s
 
 #[test]
 fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_world_size() {
-    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
     let model = net();
     // PyTorch's FSDP2 directory saved at 4 ranks, loaded at 3 and 1: the full dict gathered
     // back is the one dcp_to_torch_save wrote.
@@ -640,4 +640,93 @@ fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_wo
             Value::Float(1e-3)
         );
     }
+}
+
+#[test]
+fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_models() {
+    use fsdp::state_dict::StateDictOptions;
+    use fsdp::state_dict::{FullyShardedModel, ModelStateDict, OptimStateDictApi, StateDictApi};
+    // gen.py's Net(tied=True): `out.weight` is `embed.weight`, so `model.state_dict()` and
+    // PyTorch's `dcp.load` want both names.
+    let mut model = net();
+    model.params.pop();
+    let model = model.tie("out.weight", "embed.weight");
+    let full = full_adam(&model);
+    let weights: ModelStateDict = model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let t = tensor(&d.shape, 1000.0 + i as f32);
+            (d.name.clone(), Value::Tensor(t))
+        })
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n);
+    let full_opts = StateDictOptions::full();
+    // FSDP2 at 4 ranks and FSDP1 (flat parameters) at 2 load both dicts with set_state_dict,
+    // save them as DCP and report the full optimizer dict PyTorch must find.
+    let fsdp2 = ThreadGroup::run(4, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let params = m.optim_params();
+        let (local, osd) = m.set_state_dict(Some(&weights), Some(&full), &params, &full_opts)?;
+        let local: Vec<HostTensor> = local.into_iter().map(Option::unwrap).collect();
+        m.save_dcp(&osd, &params, Some(&local), p("fsdp2_ws4"))?;
+        m.get_optimizer_state_dict(&osd, &params, &full_opts)
+    });
+    let fsdp1 = ThreadGroup::run(2, |pg| {
+        let f = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = f.optim_params();
+        let (local, osd) = f.set_state_dict(Some(&weights), Some(&full), &params, &full_opts)?;
+        f.save_dcp(&osd, &params, Some(&local), p("fsdp1_ws2"))?;
+        f.get_optimizer_state_dict(&osd, &params, &full_opts)
+    });
+    let mut with_alias: Vec<(PyObj, PyObj)> = weights
+        .iter()
+        .map(|(k, v)| {
+            let Value::Tensor(t) = v else { unreachable!() };
+            (PyObj::Str(k.clone()), PyObj::Tensor(t.clone()))
+        })
+        .collect();
+    with_alias.push((PyObj::Str("out.weight".into()), with_alias[0].1.clone()));
+    for (name, saved) in [("fsdp2", fsdp2), ("fsdp1", fsdp1)] {
+        let optim = saved.into_iter().next().unwrap().unwrap();
+        let expected = PyObj::Dict(vec![
+            (
+                PyObj::Str("optim".into()),
+                torch_save::optim_to_pyobj(&optim).unwrap(),
+            ),
+            (PyObj::Str("model".into()), PyObj::Dict(with_alias.clone())),
+        ]);
+        torch_save::save(&expected, p(&format!("{name}.pt"))).unwrap();
+        // Both names are in the directory.
+        let dir = p(if name == "fsdp2" {
+            "fsdp2_ws4"
+        } else {
+            "fsdp1_ws2"
+        });
+        let ckpt = dcp::DcpCheckpoint::open(&dir).unwrap();
+        let a = ckpt.read_tensor("model.out.weight").unwrap();
+        assert!(
+            a.bit_eq(&ckpt.read_tensor("model.embed.weight").unwrap()),
+            "{name}"
+        );
+    }
+    let cases = [
+        ("fsdp2_ws4", "fsdp2.pt", "3", "fsdp1_orig+tied"),
+        ("fsdp1_ws2", "fsdp1.pt", "3", "fsdp2+tied"),
+    ];
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(golden("load_in_torch.py"));
+    for (dir, expected, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(p(expected)).arg(ws).arg(wrapper);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
 }

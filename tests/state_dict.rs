@@ -1,10 +1,13 @@
-//! `get_optimizer_state_dict` / `set_optimizer_state_dict` (`fsdp::state_dict`) on thread
-//! ranks, over FSDP2 (`FullyShardedModel`) and FSDP1 (`Fsdp`): full and sharded dicts,
+//! `get_optimizer_state_dict` / `set_optimizer_state_dict`, their model counterparts and
+//! `get_state_dict` / `set_state_dict` (`fsdp::state_dict`) on thread ranks, over FSDP2
+//! (`FullyShardedModel`) and FSDP1 (`Fsdp`): full and sharded dicts,
 //! `cpu_offload`, `broadcast_from_rank0`, loading at another world size, the
 //! `_verify_osd_by_load` round trip, and the errors every rank must see together.
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
-use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+use fsdp::state_dict::{
+    FullyShardedModel, ModelStateDict, OptimStateDictApi, StateDictApi, StateDictOptions,
+};
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
     Value, WrapPolicy,
@@ -373,10 +376,9 @@ fn fsdp2_model_state_dict_loads_gathers_and_reloads_in_every_form_at_ws_3() {
     });
     for r in results {
         let (rank, back, rank0) = r.unwrap();
-        assert_eq!(
-            back.keys().collect::<Vec<_>>(),
-            full.keys().collect::<Vec<_>>()
-        );
+        // Model order, then the tied alias, as `model.state_dict()` lists it.
+        assert_eq!(back.keys().collect::<Vec<_>>(), full_keys_with_alias());
+        assert!(back["head.weight"] == back["embed.weight"]);
         for (k, v) in &full {
             let (Value::Tensor(a), Value::Tensor(b)) = (v, &back[k]) else {
                 panic!("{k}")
@@ -411,5 +413,255 @@ fn fsdp2_model_state_dict_refuses_missing_parameters_and_wrong_local_tensors() {
     });
     for r in results {
         r.unwrap();
+    }
+}
+
+/// `full_params()`'s keys and then the tied head, as `get_model_state_dict` lists them.
+fn full_keys_with_alias() -> Vec<&'static str> {
+    vec![
+        "embed.weight",
+        "layers.0.weight",
+        "layers.0.bias",
+        "layers.0.norm.weight",
+        "layers.1.weight",
+        "layers.1.bias",
+        "extra.scale",
+        "head.weight",
+    ]
+}
+
+/// FSDP1 wrappings of `model()`: flat parameters (the frozen norm trained, since a flat
+/// parameter's members share `requires_grad`) and original parameters (norm frozen).
+fn fsdp1_cases() -> Vec<(ModelDesc, WrapPolicy)> {
+    let mut unfrozen = model();
+    for p in &mut unfrozen.params {
+        p.requires_grad = true;
+    }
+    let mut flat = WrapPolicy::units(&["layers.0", "layers.1", ""]);
+    flat.ignored_modules = vec!["extra".into()];
+    let mut orig = flat.clone();
+    orig.use_orig_params = true;
+    vec![(unfrozen, flat), (model(), orig)]
+}
+
+/// This rank's rows of `t` as `torch.chunk(t, ws)[rank]` cuts them.
+fn chunk_rows(t: &HostTensor, ws: usize, rank: usize) -> (usize, HostTensor) {
+    let shape = t.shape();
+    let row: usize = shape[1..].iter().product();
+    let c = shape[0].div_ceil(ws);
+    let (a, b) = ((rank * c).min(shape[0]), ((rank + 1) * c).min(shape[0]));
+    let mut local = shape.to_vec();
+    local[0] = b - a;
+    let piece = t.narrow_flat(a * row, (b - a) * row).unwrap();
+    (a, piece.reshape(&local).unwrap())
+}
+
+#[test]
+fn fsdp1_model_state_dict_loads_gathers_chunks_and_reloads_like_shard_tensors_at_ws_3() {
+    let full = full_params();
+    let whole: Vec<Option<HostTensor>> = full
+        .values()
+        .map(|v| match v {
+            Value::Tensor(t) => Some(t.clone()),
+            _ => unreachable!(),
+        })
+        .collect();
+    for (desc, policy) in fsdp1_cases() {
+        let results = ThreadGroup::run(3, |pg| {
+            let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
+            let (rank, params) = (f.rank(), f.optim_params());
+            // Loading the full dict gives what shard_tensors cuts (padding zero-filled).
+            let local: Vec<HostTensor> = f
+                .set_model_state_dict(Some(&full), &StateDictOptions::full())?
+                .into_iter()
+                .map(Option::unwrap)
+                .collect();
+            let cut = fsdp::param_shards::shard_tensors(f.layout(), rank, &params, &whole)?;
+            for (id, (got, want)) in local.iter().zip(&cut).enumerate() {
+                match want {
+                    Some(w) => assert!(got.bit_eq(w), "rank {rank} id {id}"),
+                    None => assert_eq!(got.numel(), 0, "rank {rank} id {id}"),
+                }
+            }
+            // Whole tensors back on every rank; on rank 0 only with cpu_offload.
+            let back = f.get_model_state_dict(&local, &StateDictOptions::full())?;
+            let offload = StateDictOptions {
+                cpu_offload: true,
+                ..StateDictOptions::full()
+            };
+            let rank0 = f.get_model_state_dict(&local, &offload)?;
+            // Sharded: each parameter's torch.chunk rows; loads back to the same tensors.
+            let sharded = f.get_model_state_dict(&local, &StateDictOptions::default())?;
+            let again = f.set_model_state_dict(Some(&sharded), &StateDictOptions::default())?;
+            // broadcast_from_rank0: the same tensors from rank 0's dict alone.
+            let bcast = StateDictOptions {
+                broadcast_from_rank0: true,
+                ..StateDictOptions::full()
+            };
+            let received = f.set_model_state_dict((rank == 0).then_some(&full), &bcast)?;
+            for (id, t) in local.iter().enumerate() {
+                assert!(again[id].as_ref().unwrap().bit_eq(t), "sharded {id}");
+                assert!(received[id].as_ref().unwrap().bit_eq(t), "broadcast {id}");
+            }
+            Ok::<_, Error>((rank, back, rank0, sharded))
+        });
+        for r in results {
+            let (rank, back, rank0, sharded) = r.unwrap();
+            assert_eq!(back.keys().collect::<Vec<_>>(), full_keys_with_alias());
+            assert_eq!(rank0.is_empty(), rank != 0, "rank {rank}");
+            for (k, v) in &full {
+                let Value::Tensor(want) = v else { panic!() };
+                let Value::Tensor(got) = &back[k] else {
+                    panic!("{k}")
+                };
+                assert!(got.bit_eq(want), "rank {rank} full {k}");
+                match &sharded[k] {
+                    // The ignored module's scalar stays whole on every rank.
+                    Value::Tensor(t) => assert!(k == "extra.scale" && t.bit_eq(want), "{k}"),
+                    Value::Sharded(sh) => {
+                        let (start, rows) = chunk_rows(want, 3, rank);
+                        assert_eq!(sh.global_shape, want.shape(), "{k}");
+                        assert_eq!(sh.offsets[0], start, "rank {rank} {k}");
+                        match &sh.local {
+                            Some(t) => assert!(t.bit_eq(&rows), "rank {rank} chunk of {k}"),
+                            None => assert_eq!(rows.numel(), 0, "rank {rank} {k}"),
+                        }
+                    }
+                    other => panic!("{k}: {other:?}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fsdp1_model_state_dict_refuses_a_missing_parameter_unless_not_strict() {
+    let mut full = full_params();
+    full.shift_remove("layers.1.bias");
+    for (desc, policy) in fsdp1_cases() {
+        let orig = policy.use_orig_params;
+        let results = ThreadGroup::run(2, |pg| {
+            let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
+            // Only rank 0 holds the dict: every rank gets rank 0's error.
+            let bcast = StateDictOptions {
+                broadcast_from_rank0: true,
+                ..StateDictOptions::full()
+            };
+            let strict = f.set_model_state_dict((f.rank() == 0).then_some(&full), &bcast);
+            assert!(
+                matches!(strict, Err(Error::MissingState { ref param, .. }) if param.contains("layers.1.bias")),
+                "rank {}: {strict:?}",
+                f.rank()
+            );
+            let lenient = StateDictOptions {
+                strict: false,
+                ..StateDictOptions::full()
+            };
+            let local = f.set_model_state_dict(Some(&full), &lenient)?;
+            let names: Vec<Vec<String>> = f
+                .layout()
+                .local_params(&f.optim_params())?
+                .into_iter()
+                .map(|l| l.skey.names)
+                .collect();
+            for (id, members) in names.iter().enumerate() {
+                // A flat parameter missing a member is left alone; with original parameters
+                // only the missing one is (a rank holding none of it gets its empty view).
+                let what = format!("orig {orig} id {id} {members:?}");
+                if members.iter().any(|m| m == "layers.1.bias") {
+                    let empty_view = |t: &HostTensor| orig && t.numel() == 0;
+                    assert!(local[id].as_ref().is_none_or(empty_view), "{what}");
+                } else {
+                    assert!(local[id].is_some(), "{what}");
+                }
+            }
+            let too_few = vec![HostTensor::scalar(1.0f32)];
+            let r = f.get_model_state_dict(&too_few, &StateDictOptions::full());
+            assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+            Ok::<_, Error>(())
+        });
+        for r in results {
+            r.unwrap();
+        }
+    }
+}
+
+#[test]
+fn get_and_set_state_dict_move_model_and_optimizer_from_fsdp1_at_3_to_fsdp2_at_2_and_back() {
+    // FSDP1 (original parameters, 3 ranks) -> full model and optimizer dicts on rank 0 ->
+    // FSDP2 (2 ranks) by broadcast_from_rank0 -> full dicts again, equal bit for bit.
+    let (desc, policy) = fsdp1_cases().pop().unwrap();
+    let (full_model, full_optim) = (full_params(), full_adam());
+    let offload = StateDictOptions {
+        cpu_offload: true,
+        ..StateDictOptions::full()
+    };
+    let from_fsdp1 = ThreadGroup::run(3, |pg| {
+        let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
+        let params = f.optim_params();
+        let (local, osd) = f.set_state_dict(
+            Some(&full_model),
+            Some(&full_optim),
+            &params,
+            &StateDictOptions::full(),
+        )?;
+        let local: Vec<HostTensor> = local.into_iter().map(Option::unwrap).collect();
+        f.get_state_dict(&local, &osd, &params, &offload)
+    });
+    let mut from_fsdp1 = from_fsdp1.into_iter().map(Result::unwrap);
+    let (model1, optim1) = from_fsdp1.next().unwrap();
+    assert!(from_fsdp1.all(|(m, o)| m.is_empty() && o.state.is_empty()));
+    let bcast = StateDictOptions {
+        broadcast_from_rank0: true,
+        ..StateDictOptions::full()
+    };
+    let from_fsdp2 = ThreadGroup::run(2, |pg| {
+        let m = fsdp2(pg);
+        let params = m.optim_params();
+        let rank0 = m.rank() == 0;
+        let (local, osd) = m.set_state_dict(
+            rank0.then_some(&model1),
+            rank0.then_some(&optim1),
+            &params,
+            &bcast,
+        )?;
+        let local: Vec<HostTensor> = local.into_iter().map(Option::unwrap).collect();
+        m.get_state_dict(&local, &osd, &params, &offload)
+    });
+    let (model2, optim2) = from_fsdp2.into_iter().next().unwrap().unwrap();
+    assert_model_bits_eq(&model1, &model2);
+    assert_model_bits_eq(&with_alias(&full_model), &model1);
+    // The same dicts; key orders follow each generation's parameter order.
+    assert_bits_eq(
+        &sorted(&optim1),
+        &sorted(&optim2),
+        "FSDP1 ws 3 -> FSDP2 ws 2",
+    );
+    assert_bits_eq(&sorted(&full_optim), &sorted(&optim1), "full -> FSDP1 ws 3");
+}
+
+/// `d` with its state and each group's parameters in name order.
+fn sorted(d: &OptimStateDict) -> OptimStateDict {
+    let mut d = d.clone();
+    d.state.sort_keys();
+    for g in d.param_groups.iter_mut().flatten() {
+        g.params.sort();
+    }
+    d
+}
+
+fn with_alias(full: &ModelStateDict) -> ModelStateDict {
+    let mut out = full.clone();
+    out.insert("head.weight".into(), full["embed.weight"].clone());
+    out
+}
+
+fn assert_model_bits_eq(a: &ModelStateDict, b: &ModelStateDict) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, v) in a {
+        let (Value::Tensor(x), Value::Tensor(y)) = (v, &b[k]) else {
+            panic!("{k}")
+        };
+        assert!(x.bit_eq(y), "{k}");
     }
 }

@@ -304,6 +304,18 @@ fn write_rank<T: Tensor>(
     plan_pieces(layout, lr, &saved, &mut report, &mut plan)?;
     let n_optim = report.len();
     plan_pieces(layout, lr, &model_saved, &mut report, &mut plan)?;
+    let aliases_of = |s: &Slot| -> Vec<Slot> {
+        match s {
+            Slot::Model(fqn) => layout
+                .model
+                .tied
+                .iter()
+                .filter(|(_, primary)| *primary == fqn)
+                .map(|(alias, _)| Slot::Model(alias.clone()))
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
     let slot = |k: usize, name: &str| {
         let fqn = report[k].0.names[0].clone();
         if k >= n_optim {
@@ -325,6 +337,9 @@ fn write_rank<T: Tensor>(
                 LocalValue::Value(v) => whole_kind(v),
             };
             let s = slot(k, name);
+            for alias in aliases_of(&s) {
+                keys.get(&alias, kind.clone());
+            }
             let ki = keys.get(&s, kind);
             // A rank may hold no element of a parameter yet its scalar state; each holder
             // writes its (tiny, equal) copy and rank 0 records the lowest rank's.
@@ -338,8 +353,15 @@ fn write_rank<T: Tensor>(
         let (name, LocalValue::Tensor { dtype, shape, .. }) = &report[k].1[si] else {
             continue;
         };
-        let ki = keys.index[&slot(k, name)];
-        out.write_boxes(ki, *dtype, shape, start, len, plan.data[i])?;
+        let s = slot(k, name);
+        // A tied parameter's boxes go under each of its names, as `model.state_dict()` lists
+        // it under each (PyTorch writes the bytes once per key too).
+        for ki in std::iter::once(&s)
+            .chain(&aliases_of(&s))
+            .map(|s| keys.index[s])
+        {
+            out.write_boxes(ki, *dtype, shape, start, len, plan.data[i])?;
+        }
     }
     if lr == 0 {
         write_dict_parts(layout, &local, osd, &mut out, &mut keys)?;

@@ -7,7 +7,7 @@
 //! sharded parameter, tensors of its local rows: `[rows, ...]`, `[0, ...]` on a rank the
 //! chunking leaves none.
 
-use super::{OptimStateDictApi, StateDictOptions};
+use super::{with_tied_aliases, ModelStateDict, OptimStateDictApi, StateDictApi, StateDictOptions};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::model::{ModelDesc, WrapPolicy};
@@ -31,6 +31,8 @@ pub struct FullyShardedModel {
     layout: ParamLayout,
     /// First name or tied alias -> index in `layout.params`.
     by_name: HashMap<String, usize>,
+    /// Tied alias -> first name.
+    tied: BTreeMap<String, String>,
     pg: Arc<dyn ProcessGroup>,
 }
 
@@ -63,6 +65,7 @@ impl FullyShardedModel {
         Ok(FullyShardedModel {
             layout,
             by_name,
+            tied: model.tied.clone(),
             pg,
         })
     }
@@ -209,117 +212,6 @@ impl FullyShardedModel {
         self.pg.agree(self.to_optimizer(local, params, true))
     }
 
-    /// `get_model_state_dict(model, options)`: this rank's parameters `local` (one per
-    /// parameter of [`ParamLayout::params`], in that order: its rows, `[0, ...]` on a rank
-    /// without rows, the whole tensor for an unmanaged one) as `{fqn: value}` in model order,
-    /// tied aliases under their first name only. Sharded: each managed parameter as
-    /// [`Value::Sharded`] (this rank's rows of the global shape). `full_state_dict`: whole
-    /// tensors (on rank 0 only with `cpu_offload`, gathered there; an empty dict elsewhere).
-    /// `ignore_frozen_params` leaves parameters without `requires_grad` out. Collective.
-    pub fn get_model_state_dict<T: Tensor>(
-        &self,
-        local: &[T],
-        opts: &StateDictOptions,
-    ) -> Result<IndexMap<String, Value<T>>> {
-        const OP: &str = "get_model_state_dict";
-        opts.check(OP, self.rank())?;
-        self.agree(self.check_local_params(local, OP))?;
-        let to_rank0 = opts.full_state_dict && opts.cpu_offload && self.world_size() > 1;
-        let mut out = IndexMap::with_capacity(local.len());
-        for (p, t) in self.layout.params.iter().zip(local) {
-            if opts.ignore_frozen_params && !p.requires_grad {
-                continue;
-            }
-            let v = if !p.is_sharded() {
-                Value::Tensor(t.clone())
-            } else if opts.full_state_dict {
-                match self.gather_rows(p, t, to_rank0)? {
-                    Some(whole) => Value::Tensor(whole),
-                    None => continue,
-                }
-            } else {
-                let rows = p.rows(self.rank());
-                let mut offsets = vec![0; p.shape.len()];
-                offsets[0] = rows.start;
-                Value::Sharded(ShardedTensor {
-                    global_shape: p.shape.clone(),
-                    offsets,
-                    local: (!rows.is_empty()).then(|| t.clone()),
-                })
-            };
-            out.insert(p.name.clone(), v);
-        }
-        if to_rank0 && self.rank() != 0 {
-            // PyTorch's offloaded full dict is `{}` on the other ranks.
-            out.clear();
-        }
-        Ok(out)
-    }
-
-    /// `set_model_state_dict(model, sd, options)`: this rank's parameters (as
-    /// [`FullyShardedModel::get_model_state_dict`] takes them) from a model state dict made
-    /// with the same `full_state_dict` (full: at any world size; with `broadcast_from_rank0`
-    /// only rank 0 passes it). Keys may be first names or tied aliases. With `strict`, a
-    /// parameter the dict lacks is an error ([`Error::MissingState`]); without, the
-    /// parameter comes back as `None`. Collective.
-    pub fn set_model_state_dict<T: Tensor>(
-        &self,
-        sd: Option<&IndexMap<String, Value<T>>>,
-        opts: &StateDictOptions,
-    ) -> Result<Vec<Option<T>>> {
-        const OP: &str = "set_model_state_dict";
-        opts.check(OP, self.rank())?;
-        // The model dict as an optimizer dict of one state per parameter (`param`), so that
-        // the optimizer paths slice, scatter and check it.
-        let as_osd = |sd: &IndexMap<String, Value<T>>| OptimStateDict {
-            state: sd
-                .iter()
-                .map(|(k, v)| {
-                    let st: ParamState<T> = [("param".to_string(), v.clone())].into();
-                    (ParamKey::Name(k.clone()), st)
-                })
-                .collect(),
-            param_groups: None,
-        };
-        let osd = sd.map(as_osd);
-        let local = if opts.full_state_dict && opts.broadcast_from_rank0 {
-            self.receive_from_rank0(osd.as_ref())?
-        } else {
-            let mine = osd.ok_or_else(|| super::missing_dict(OP, self.rank()));
-            let local = mine.and_then(|osd| {
-                if opts.full_state_dict {
-                    self.slice_full(&osd)
-                } else {
-                    self.unshard(&osd)
-                }
-            });
-            self.pg.agree(local)?
-        };
-        let mut by_param: HashMap<usize, T> = HashMap::new();
-        for (k, mut st) in local.state {
-            let i = self.by_name[&key_name(&k, OP, self.rank())?];
-            if let Some(Value::Tensor(t)) = st.shift_remove("param") {
-                by_param.insert(i, t);
-            }
-        }
-        let out: Result<Vec<Option<T>>> = self
-            .layout
-            .params
-            .iter()
-            .enumerate()
-            .map(|(i, p)| match by_param.remove(&i) {
-                Some(t) => Ok(Some(t)),
-                None if opts.strict => Err(Error::MissingState {
-                    context: format!("{OP} on rank {} (strict)", self.rank()),
-                    param: format!("`{}`", p.name),
-                    state: String::new(),
-                }),
-                None => Ok(None),
-            })
-            .collect();
-        self.pg.agree(out)
-    }
-
     /// Checks one local tensor per parameter, each of this rank's shape.
     fn check_local_params<T: Tensor>(&self, local: &[T], op: &str) -> Result<()> {
         if local.len() != self.layout.params.len() {
@@ -411,6 +303,110 @@ struct Moved {
     param: usize,
     state: String,
     dtype: DType,
+}
+
+/// The model state dict over FSDP2: the optimizer paths' slicing, gathering and scattering,
+/// with each parameter as a one-state entry (`param`).
+impl StateDictApi for FullyShardedModel {
+    fn get_model_state_dict<T: Tensor>(
+        &self,
+        local: &[T],
+        opts: &StateDictOptions,
+    ) -> Result<ModelStateDict<T>> {
+        const OP: &str = "get_model_state_dict";
+        opts.check(OP, self.rank())?;
+        self.agree(self.check_local_params(local, OP))?;
+        let to_rank0 = opts.full_state_dict && opts.cpu_offload && self.world_size() > 1;
+        let mut out = IndexMap::with_capacity(local.len());
+        for (p, t) in self.layout.params.iter().zip(local) {
+            if opts.ignore_frozen_params && !p.requires_grad {
+                continue;
+            }
+            let v = if !p.is_sharded() {
+                Value::Tensor(t.clone())
+            } else if opts.full_state_dict {
+                match self.gather_rows(p, t, to_rank0)? {
+                    Some(whole) => Value::Tensor(whole),
+                    None => continue,
+                }
+            } else {
+                let rows = p.rows(self.rank());
+                let mut offsets = vec![0; p.shape.len()];
+                offsets[0] = rows.start;
+                Value::Sharded(ShardedTensor {
+                    global_shape: p.shape.clone(),
+                    offsets,
+                    local: (!rows.is_empty()).then(|| t.clone()),
+                })
+            };
+            out.insert(p.name.clone(), v);
+        }
+        if to_rank0 && self.rank() != 0 {
+            // PyTorch's offloaded full dict is `{}` on the other ranks.
+            out.clear();
+        }
+        Ok(with_tied_aliases(out, &self.tied))
+    }
+
+    fn set_model_state_dict<T: Tensor>(
+        &self,
+        sd: Option<&ModelStateDict<T>>,
+        opts: &StateDictOptions,
+    ) -> Result<Vec<Option<T>>> {
+        const OP: &str = "set_model_state_dict";
+        opts.check(OP, self.rank())?;
+        // The model dict as an optimizer dict of one state per parameter (`param`), so that
+        // the optimizer paths slice, scatter and check it.
+        // A tied alias given beside its parameter holds the same value: loaded once.
+        let as_osd = |sd: &ModelStateDict<T>| OptimStateDict {
+            state: sd
+                .iter()
+                .filter(|(k, _)| !self.tied.get(*k).is_some_and(|p| sd.contains_key(p)))
+                .map(|(k, v)| {
+                    let st: ParamState<T> = [("param".to_string(), v.clone())].into();
+                    (ParamKey::Name(k.clone()), st)
+                })
+                .collect(),
+            param_groups: None,
+        };
+        let osd = sd.map(as_osd);
+        let local = if opts.full_state_dict && opts.broadcast_from_rank0 {
+            self.receive_from_rank0(osd.as_ref())?
+        } else {
+            let mine = osd.ok_or_else(|| super::missing_dict(OP, self.rank()));
+            let local = mine.and_then(|osd| {
+                if opts.full_state_dict {
+                    self.slice_full(&osd)
+                } else {
+                    self.unshard(&osd)
+                }
+            });
+            self.pg.agree(local)?
+        };
+        let mut by_param: HashMap<usize, T> = HashMap::new();
+        for (k, mut st) in local.state {
+            let i = self.by_name[&key_name(&k, OP, self.rank())?];
+            if let Some(Value::Tensor(t)) = st.shift_remove("param") {
+                by_param.insert(i, t);
+            }
+        }
+        let out: Result<Vec<Option<T>>> = self
+            .layout
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match by_param.remove(&i) {
+                Some(t) => Ok(Some(t)),
+                None if opts.strict => Err(Error::MissingState {
+                    context: format!("{OP} on rank {} (strict)", self.rank()),
+                    param: format!("`{}`", p.name),
+                    state: String::new(),
+                }),
+                None => Ok(None),
+            })
+            .collect();
+        self.pg.agree(out)
+    }
 }
 
 impl OptimStateDictApi for FullyShardedModel {

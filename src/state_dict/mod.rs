@@ -23,8 +23,15 @@ pub use fsdp2::FullyShardedModel;
 
 use crate::error::{Error, Result};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamKey, Value};
-use crate::tensor::Tensor;
+use crate::tensor::{HostTensor, Tensor};
+use indexmap::IndexMap;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A model state dict, `model.state_dict()` as `get_model_state_dict` returns it: `{fqn:
+/// value}` in `named_parameters()` order, then each tied alias (as `model.state_dict()` lists
+/// it, under every name) holding its parameter's value.
+pub type ModelStateDict<T = HostTensor> = IndexMap<String, Value<T>>;
 
 /// `StateDictOptions`: how `get_*` and `set_*` work. `Default` is PyTorch's default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,6 +155,86 @@ pub trait OptimStateDictApi {
             }),
         }
     }
+}
+
+/// `get_state_dict` / `set_state_dict` and their model halves, over FSDP1 ([`crate::Fsdp`])
+/// and FSDP2 ([`FullyShardedModel`]) alike. Every method is collective.
+///
+/// A rank's parameters are its local tensors: for FSDP2 one per parameter of
+/// [`crate::param_layout::ParamLayout::params`] (its dim-0 rows), for FSDP1 one per id of
+/// [`crate::Fsdp::optim_params`] (a flat shard per flat parameter, padding included; the
+/// local view per original parameter with `use_orig_params`). Either way the whole tensor
+/// of a parameter FSDP does not manage.
+pub trait StateDictApi: OptimStateDictApi {
+    /// `get_model_state_dict(model, options)`: this rank's parameters `local` as a model
+    /// state dict. Sharded: each managed parameter as [`Value::Sharded`], this rank's dim-0
+    /// chunk (`torch.chunk` rows) of the global shape, as FSDP2's DTensors and FSDP1's
+    /// `SHARDED_STATE_DICT` hold it. `full_state_dict`: whole tensors (on rank 0 only with
+    /// `cpu_offload`, an empty dict elsewhere). `ignore_frozen_params` leaves parameters
+    /// without `requires_grad` out.
+    fn get_model_state_dict<T: Tensor>(
+        &self,
+        local: &[T],
+        opts: &StateDictOptions,
+    ) -> Result<ModelStateDict<T>>;
+
+    /// `set_model_state_dict(model, sd, options)`: this rank's parameters (as
+    /// [`StateDictApi::get_model_state_dict`] takes them) from a model dict made with the same
+    /// `full_state_dict` (full: at any world size and, for FSDP1, wrapping; with
+    /// `broadcast_from_rank0` only rank 0 passes it). Keys are first names or tied aliases.
+    /// With `strict`, a parameter the dict lacks is an error ([`Error::MissingState`]);
+    /// without, its tensor comes back `None` (for FSDP1 without `use_orig_params`, the whole
+    /// flat parameter it belongs to; with them, an empty view on a rank holding none of it).
+    fn set_model_state_dict<T: Tensor>(
+        &self,
+        sd: Option<&ModelStateDict<T>>,
+        opts: &StateDictOptions,
+    ) -> Result<Vec<Option<T>>>;
+
+    /// `get_state_dict(model, optimizers, options)`: the model and optimizer state dicts of
+    /// this rank's parameters `local` and local optimizer dict `optim` (keyed by ids of
+    /// `params`), as `dcp.save({"model": ..., "optim": ...})` takes them.
+    fn get_state_dict<T: Tensor>(
+        &self,
+        local: &[T],
+        optim: &OptimStateDict<T>,
+        params: &OptimParams,
+        opts: &StateDictOptions,
+    ) -> Result<(ModelStateDict<T>, OptimStateDict<T>)> {
+        let model = self.get_model_state_dict(local, opts)?;
+        let optim = self.get_optimizer_state_dict(optim, params, opts)?;
+        Ok((model, optim))
+    }
+
+    /// `set_state_dict(model, optimizers, model_state_dict, optim_state_dict, options)`:
+    /// this rank's parameters and the local dict its optimizer (holding `params`) loads.
+    /// With `broadcast_from_rank0`, ranks other than 0 pass `None` for both.
+    fn set_state_dict<T: Tensor>(
+        &self,
+        model: Option<&ModelStateDict<T>>,
+        optim: Option<&OptimStateDict<T>>,
+        params: &OptimParams,
+        opts: &StateDictOptions,
+    ) -> Result<(Vec<Option<T>>, OptimStateDict<T>)> {
+        let local = self.set_model_state_dict(model, opts)?;
+        let optim = self.set_optimizer_state_dict(optim, params, opts)?;
+        Ok((local, optim))
+    }
+}
+
+/// `out` (first names, model order) with every tied alias of a parameter it holds added
+/// after them, sharing the parameter's value, as `model.state_dict()` lists shared
+/// parameters under each name.
+fn with_tied_aliases<T: Tensor>(
+    mut out: ModelStateDict<T>,
+    tied: &BTreeMap<String, String>,
+) -> ModelStateDict<T> {
+    for (alias, primary) in tied {
+        if let Some(v) = out.get(primary).cloned() {
+            out.insert(alias.clone(), v);
+        }
+    }
+    out
 }
 
 /// The first difference between two local dicts, ignoring orders.
