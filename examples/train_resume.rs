@@ -471,19 +471,12 @@ impl Trainer for Rank {
 
     fn train_step(&mut self) -> BoxResult<f64> {
         self.gather_params()?;
-        for v in &mut self.vars {
-            v.zero_grad();
-        }
         let batch = local_batch(self.step, self.fsdp.rank(), self.fsdp.world_size());
-        let loss = self.gpt.loss(&batch);
-        loss.backward();
+        let loss = forward_backward(&self.gpt, &mut self.vars, &batch)?;
         let grads = self.reduce_grads()?;
         self.adam.step(&mut self.shards, &grads)?;
         self.step += 1;
-        let mut global = f64::try_from(&loss)?.to_ne_bytes();
-        self.pg()
-            .all_reduce(&mut global, DType::F64, ReduceOp::Avg)?;
-        Ok(f64::from_ne_bytes(global))
+        global_mean(self.pg(), loss)
     }
 
     /// Saves the sharded checkpoint: Adam's state and this rank's parameter shards.
@@ -523,6 +516,25 @@ impl Trainer for Rank {
         self.adam.load_state_dict(&osd)?;
         Ok(())
     }
+}
+
+/// Zeroes the model's gradients, then runs forward and backward on `batch`; returns the mean
+/// loss (before the update).
+fn forward_backward(gpt: &Gpt, vars: &mut [Tensor], batch: &Tensor) -> BoxResult<f64> {
+    for v in vars.iter_mut() {
+        v.zero_grad();
+    }
+    let loss = gpt.loss(batch);
+    loss.backward();
+    Ok(f64::try_from(&loss)?)
+}
+
+/// The mean of every rank's `local` loss: the global mean loss (equal micro-batches on every
+/// rank). Collective.
+fn global_mean(pg: &dyn ProcessGroup, local: f64) -> BoxResult<f64> {
+    let mut global = local.to_ne_bytes();
+    pg.all_reduce(&mut global, DType::F64, ReduceOp::Avg)?;
+    Ok(f64::from_ne_bytes(global))
 }
 
 /// Adam's `step`, the same for every parameter: the number of steps taken.
@@ -565,14 +577,16 @@ fn write_var(var: &Tensor, value: &HostTensor) -> BoxResult<()> {
 /// What one rank does.
 #[derive(Clone, Debug)]
 enum Phase {
-    /// Train `steps` steps from the initial values wrapped by [`train_policy`], saving a checkpoint
-    /// into `ckpt` after step `save_at`.
+    /// Train `steps` steps from the initial values wrapped by the generation's train policy
+    /// ([`train_policy`], [`fsdp2::train_policy`]), saving a checkpoint into `ckpt` after step
+    /// `save_at`.
     Train {
         steps: usize,
         save_at: usize,
         ckpt: PathBuf,
     },
-    /// Load the checkpoint in `ckpt` wrapped by [`resume_policy`] and train up to step `steps`.
+    /// Load the checkpoint in `ckpt` wrapped by the generation's resume policy
+    /// ([`resume_policy`], [`fsdp2::resume_policy`]) and train up to step `steps`.
     Resume { steps: usize, ckpt: PathBuf },
 }
 

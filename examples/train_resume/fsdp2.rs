@@ -4,15 +4,16 @@
 //! checkpoint (model and optimizer) that PyTorch's `dcp.load` + `set_state_dict` read too.
 
 use super::{
-    build_model, grad_host, optimizer_step, to_host, write_var, BoxResult, Gpt, Trainer, LR,
+    build_model, forward_backward, global_mean, grad_host, local_batch, optimizer_step, to_host,
+    write_var, BoxResult, Gpt, Trainer, LR,
 };
-use fsdp::collectives::{ProcessGroup, ReduceOp};
+use fsdp::collectives::ProcessGroup;
 use fsdp::fully_shard::{
     foreach_all_gather, foreach_all_gather_copy_out, foreach_reduce, ReduceOptions,
 };
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::param_layout::ShardedParam;
-use fsdp::{DType, FullyShardedModel, HostTensor, OptimParams, OptimStateDict, WrapPolicy};
+use fsdp::{FullyShardedModel, HostTensor, OptimParams, OptimStateDict, WrapPolicy};
 use std::path::Path;
 use std::sync::Arc;
 use tch::Tensor;
@@ -147,19 +148,12 @@ impl Trainer for Rank2 {
 
     fn train_step(&mut self) -> BoxResult<f64> {
         self.gather_params()?;
-        for v in &mut self.vars {
-            v.zero_grad();
-        }
-        let batch = super::local_batch(self.step, self.model.rank(), self.model.world_size());
-        let loss = self.gpt.loss(&batch);
-        loss.backward();
+        let batch = local_batch(self.step, self.model.rank(), self.model.world_size());
+        let loss = forward_backward(&self.gpt, &mut self.vars, &batch)?;
         let grads = self.reduce_grads()?;
         self.adam.step(&mut self.shards, &grads)?;
         self.step += 1;
-        let mut global = f64::try_from(&loss)?.to_ne_bytes();
-        self.pg()
-            .all_reduce(&mut global, DType::F64, ReduceOp::Avg)?;
-        Ok(f64::from_ne_bytes(global))
+        global_mean(self.pg(), loss)
     }
 
     /// `dcp.save({"model": ..., "optim": ...})` of `get_state_dict`: Adam's state and this
