@@ -74,9 +74,11 @@
 //! First calls, saving under load, and Δ: see README.md, "Side-by-side with PyTorch".
 
 mod common;
+#[path = "side_by_side/mpi.rs"]
+mod mpi_column;
 use common::{deep_copy, filled};
 
-use fsdp::collectives::{ThreadGroup, ThreadProcessGroup};
+use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
     StateDictType, Value, WrapPolicy,
@@ -196,14 +198,16 @@ struct RankState {
     full0: Option<OptimStateDict>,
 }
 
+/// Prepares one rank over any process group: the thread column's rank threads and the MPI
+/// column's processes run this same function, and then the same [`run_op`].
 fn prepare_rank(
-    pg: ThreadProcessGroup,
+    pg: Arc<dyn ProcessGroup>,
     model: &ModelDesc,
     policy: &WrapPolicy,
     full: &OptimStateDict,
     ops: &[Op],
 ) -> RankState {
-    let mut fsdp = Fsdp::new(model, policy, Arc::new(pg)).expect("Fsdp::new");
+    let mut fsdp = Fsdp::new(model, policy, pg).expect("Fsdp::new");
     let params = fsdp.optim_params();
     let local = deep_copy(
         &fsdp
@@ -232,6 +236,7 @@ fn prepare_rank(
     }
 }
 
+/// One rank's part of `op` (the body both columns time).
 fn run_op(st: &RankState, op: Op, inputs: &Inputs) {
     let rank = st.fsdp.rank();
     match op {
@@ -285,7 +290,7 @@ impl Cluster {
                 save_path.clone(),
             );
             threads.push(thread::spawn(move || {
-                let st = prepare_rank(pg, &model, &policy, &full, &OPS);
+                let st = prepare_rank(Arc::new(pg), &model, &policy, &full, &OPS);
                 let inputs = Inputs {
                     full: Some(full),
                     save_path,
@@ -362,7 +367,7 @@ fn child(op: Op, layers: usize, save_path: PathBuf) {
                 save_path.clone(),
             );
             thread::spawn(move || {
-                let st = prepare_rank(pg, &model, &policy, &full, &[op]);
+                let st = prepare_rank(Arc::new(pg), &model, &policy, &full, &[op]);
                 let inputs = Inputs {
                     full: keep_full.then_some(full),
                     save_path,
@@ -434,6 +439,28 @@ fn run_child(op: Op, layers: usize, save_path: &Path) -> ChildResult {
     }
 }
 
+/// Median of PyTorch's repetitions of one op (`p` = its entry in the Python side's JSON).
+fn py_median(p: &serde_json::Value) -> f64 {
+    median(
+        p["times"]
+            .as_array()
+            .expect("PyTorch's times")
+            .iter()
+            .map(|x| x.as_f64().expect("a time"))
+            .collect(),
+    )
+}
+
+/// PyTorch's per-rank figure `key` (bytes) of one op.
+fn py_per_rank(p: &serde_json::Value, key: &str) -> Vec<u64> {
+    p[key]
+        .as_array()
+        .expect("PyTorch's per-rank figures")
+        .iter()
+        .map(|x| x.as_u64().expect("bytes"))
+        .collect()
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -484,6 +511,10 @@ fn main() {
         .map(PathBuf::from)
         .unwrap_or(target)
         .join("side_by_side");
+    if let Ok(spec) = std::env::var(mpi_column::WORKER_ENV) {
+        mpi_column::worker(&spec);
+        return;
+    }
     if let Ok(spec) = std::env::var("FSDP_SBS_CHILD") {
         let mut it = spec.splitn(3, ',');
         let op = Op::parse(it.next().unwrap());
@@ -650,6 +681,12 @@ fn main() {
             .collect();
         let _ = std::fs::remove_file(&save_path);
 
+        // The crate's ranks as MPI processes (one mpirun launch per op).
+        let load_mpi = loadavg();
+        let mpi_save = dir.join(format!("mpi_full_optim_{layers}.pt"));
+        let mpi = mpi_column::column(layers, reps, save_reps, &mpi_save);
+        let load_mpi = format!("{load_mpi} before, {} after", loadavg());
+
         println!(
             "crate measured at load {load_rs}; full dict: {bytes} tensor bytes; crate file {file_bytes} B, PyTorch file {} B",
             pyres["save_file_bytes"]
@@ -686,21 +723,8 @@ fn main() {
                 p["peak_delta"],
                 p["rss_before"]
             ));
-            let py_t = median(
-                p["times"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect(),
-            );
-            let sum = |k: &str| -> u64 {
-                p[k].as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_u64().unwrap())
-                    .sum()
-            };
+            let py_t = py_median(p);
+            let sum = |k: &str| -> u64 { py_per_rank(p, k).iter().sum() };
             let (py_peak, py_delta) = (sum("peak_rss"), sum("peak_delta"));
             let c = &children[i];
             let rs_t = crate_med[i];
@@ -752,17 +776,25 @@ fn main() {
         for r in py_reps {
             println!("{r}");
         }
+        let mpi_rows = mpi_column::print_table(&mpi, &pyres, &crate_med, numel, &load_mpi);
         summaries.push((
             layers,
             rows,
+            mpi_rows,
             bytes as f64 / memcpy / 1e9,
             file_bytes as f64 / write / 1e9,
         ));
     }
     println!("\nMarkdown (params | op | PyTorch | crate | speed-up | PyTorch peak / Δ | crate peak / Δ | targets):");
-    for (layers, rows, m, w) in &summaries {
+    for (layers, rows, _, m, w) in &summaries {
         println!("<!-- {layers} layers: memcpy {m:.2} GB/s, write+fsync {w:.2} GB/s -->");
         for r in rows {
+            println!("{r}");
+        }
+    }
+    println!("\nMarkdown, MPI column ({}):", mpi_column::MARKDOWN_HEADER);
+    for (_, _, mpi_rows, _, _) in &summaries {
+        for r in mpi_rows {
             println!("{r}");
         }
     }
