@@ -1,9 +1,12 @@
 //! Side by side with PyTorch: the same synthetic model's Adam state through real PyTorch 2.13
-//! FSDP (CPU, gloo, two processes; `benches/pytorch_side_by_side.py`) and through this crate
-//! (two thread ranks), in one run.
+//! FSDP (CPU, gloo, two processes; `benches/pytorch_side_by_side.py`) and through this crate,
+//! with its two ranks as threads of one process and, built with `mpi`, as two MPI processes,
+//! in one run.
 //!
 //! Run: `cargo bench --bench side_by_side` (needs `.venv/bin/python` with torch 2.13, from
-//! `scripts/setup-venv.sh`, or a Python named by `FSDP_PYTHON`). `SBS_LAYERS=16,64` picks the
+//! `scripts/setup-venv.sh`, or a Python named by `FSDP_PYTHON`); `cargo bench --features mpi
+//! --bench side_by_side` adds the MPI column (needs Open MPI's `mpirun`; without the feature
+//! the column says it was not built). `SBS_LAYERS=16,64` picks the
 //! sizes, `SBS_REPS=5` the repetitions, `SBS_SAVE_REPS=9` those of saving and of the raw
 //! write+fsync baseline (writes vary most on a shared disk).
 //!
@@ -53,6 +56,20 @@
 //! (PyTorch's allocator reuses memory already resident from earlier work, so its Δ can be
 //! smaller than the output it creates; the crate's Δ for consolidation and SHARDED load is its
 //! output).
+//!
+//! **MPI column** (feature `mpi`; `side_by_side/mpi.rs`): the same four ops with the crate's two
+//! ranks as two processes, `mpirun --allow-run-as-root --oversubscribe -np 2` on this binary
+//! (one launch per op, `MpiProcessGroup`), running the thread column's own per-rank functions
+//! (`prepare_rank`, `run_op`, over `Arc<dyn ProcessGroup>`). Each process holds what one
+//! PyTorch process holds: its rank's state and, for `shard_full`, its own full dict. Time: on
+//! rank 0 from a barrier before each call to a barrier after it; the median of the same
+//! repetitions; "cold" is the first call in the fresh processes. Peak RSS: VmHWM after the
+//! cold call (reset through `clear_refs` just before it), per process; the table shows the max
+//! and the sum and judges the max against PyTorch's largest process. A counting wrapper around
+//! the `MpiProcessGroup` gives rank 0's collectives per call (calls, send + receive bytes,
+//! seconds inside them; the rest of the wall time is copies and planning), and a baseline
+//! gathers the full dict's bytes to rank 0 with bare `gather_into` calls (one call, and as many
+//! as consolidation makes).
 //!
 //! Files go to `target/side_by_side/`.
 //!

@@ -2,7 +2,9 @@
 # Reproduces every figure in BENCHMARKS.md: the optimizer-state, checkpoint and side-by-side
 # benchmarks in one run, each headed by the machine, its load average and the date, so that the
 # numbers carry their conditions. Needs .venv (PyTorch 2.13) for the side-by-side run; installs
-# it when missing. Extra arguments name a subset: `scripts/bench.sh checkpoint`.
+# it when missing. Extra arguments name a subset: `scripts/bench.sh checkpoint`. When `mpirun`
+# exists, the side-by-side bench is built with `mpi` and adds its MPI column (the crate's ranks
+# as processes); without it that column says it was not built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
@@ -15,6 +17,10 @@ conditions() {
 }
 for b in "${benches[@]}"; do
     conditions "$b (before)"
-    cargo bench --bench "$b"
+    if [ "$b" = side_by_side ] && command -v mpirun >/dev/null; then
+        cargo bench --features mpi --bench "$b"
+    else
+        cargo bench --bench "$b"
+    fi
     conditions "$b (after)"
 done

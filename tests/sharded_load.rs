@@ -2,13 +2,14 @@
 //! directly from the ranks holding the row chunks (`scatter::load_sharded`); it must give
 //! exactly what gathering whole tensors and flattening gives, and what the optimizer held.
 
-use fsdp::collectives::ThreadGroup;
+use fsdp::collectives::{ProcessGroup, ThreadGroup, ThreadProcessGroup};
 use fsdp::optim_state::flatten_optim_state_dict;
 use fsdp::optim_state::gather_sharded;
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, StateDictType, Value,
     WrapPolicy,
 };
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Odd shapes: uneven row chunks, members with fewer rows than ranks, padded shards, a unit
@@ -123,4 +124,94 @@ fn sharded_load_with_a_member_without_state() {
         check(ws, Some("a.b"));
         check(ws, Some("b.w"));
     }
+}
+
+/// Forwards to a thread rank and counts its `scatter_into` calls.
+struct CountingScatters {
+    inner: ThreadProcessGroup,
+    scatters: AtomicUsize,
+}
+
+impl ProcessGroup for CountingScatters {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn all_gather_into(&self, send: &[u8], recv: &mut [u8]) -> fsdp::Result<()> {
+        self.inner.all_gather_into(send, recv)
+    }
+    fn broadcast(&self, buf: &mut [u8], root: usize) -> fsdp::Result<()> {
+        self.inner.broadcast(buf, root)
+    }
+    fn all_gather_bytes(&self, send: &[u8]) -> fsdp::Result<Vec<Vec<u8>>> {
+        self.inner.all_gather_bytes(send)
+    }
+    fn broadcast_bytes(&self, send: Option<&[u8]>, root: usize) -> fsdp::Result<Vec<u8>> {
+        self.inner.broadcast_bytes(send, root)
+    }
+    fn gather_into(&self, send: &[u8], recv: Option<&mut [u8]>, root: usize) -> fsdp::Result<()> {
+        self.inner.gather_into(send, recv, root)
+    }
+    fn scatter_into(
+        &self,
+        send: Option<&[&[u8]]>,
+        recv: &mut [u8],
+        root: usize,
+    ) -> fsdp::Result<()> {
+        self.scatters.fetch_add(1, Ordering::Relaxed);
+        self.inner.scatter_into(send, recv, root)
+    }
+    fn barrier(&self) -> fsdp::Result<()> {
+        self.inner.barrier()
+    }
+    fn new_subgroup(&self, ranks: &[usize]) -> fsdp::Result<Option<Arc<dyn ProcessGroup>>> {
+        self.inner.new_subgroup(ranks)
+    }
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+}
+
+/// Loads the SHARDED dict of one unit `a` at world size 2 and returns how many `scatter_into`
+/// calls each rank made, checking that the result is what the optimizer held.
+fn scatters_of_sharded_load(model: ModelDesc) -> Vec<usize> {
+    let policy = WrapPolicy::units(&["a"]);
+    let full = Arc::new(full_state(&model));
+    ThreadGroup::run(2, |pg| {
+        let pg = Arc::new(CountingScatters {
+            inner: pg,
+            scatters: AtomicUsize::new(0),
+        });
+        let mut fsdp = Fsdp::new(&model, &policy, pg.clone()).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        fsdp.set_state_dict_type(StateDictType::Sharded, None)
+            .unwrap();
+        let sharded = fsdp.optim_state_dict(&local, &params).unwrap().unwrap();
+        pg.scatters.store(0, Ordering::Relaxed);
+        let loaded = fsdp
+            .optim_state_dict_to_load(Some(&sharded), &params)
+            .unwrap();
+        same(&loaded, &local, &format!("rank {}", fsdp.rank()));
+        pg.scatters.load(Ordering::Relaxed)
+    })
+}
+
+#[test]
+fn sharded_load_copies_row_chunks_inside_the_own_shard_without_a_collective() {
+    // [4, 3] at 2 ranks: each flat shard is exactly its rank's 2-row chunk, so nothing moves
+    // between ranks and no rank joins a scatter.
+    let aligned = ModelDesc::new().param("a.w", &[4, 3], DType::F32);
+    assert_eq!(scatters_of_sharded_load(aligned), vec![0, 0]);
+    // [4, 3] + [2]: the shards split at element 7 (inside row 2 of `w`), so per tensor state
+    // rank 1's chunk of `w` (1 element goes to rank 0) and rank 0's chunk of `b` (rank 1 holds
+    // all of `b`) cross ranks: 2 scatters for each of exp_avg and exp_avg_sq; the other two
+    // chunks stay with their holders and are copied locally.
+    let straddling =
+        ModelDesc::new()
+            .param("a.w", &[4, 3], DType::F32)
+            .param("a.b", &[2], DType::F32);
+    assert_eq!(scatters_of_sharded_load(straddling), vec![4, 4]);
 }

@@ -48,10 +48,23 @@ pub struct OpResult {
     pub reset_ok: bool,
     /// Rank 0's collectives over all warm repetitions, by collective name.
     pub traffic: BTreeMap<String, Traffic>,
-    /// Consolidation only: the baseline of one `gather_into` of the same bytes to rank 0 (each
-    /// rank sending half the full dict's tensor bytes, warm buffers), median seconds, barrier
-    /// to barrier, and the bytes the root receives.
-    pub gather_baseline: Option<(f64, u64)>,
+    /// Consolidation only: what MPI alone takes to gather the same bytes.
+    pub gather_baseline: Option<GatherBaseline>,
+}
+
+/// `gather_into` of the full dict's tensor bytes to rank 0 (each rank sending its share from
+/// a warm buffer into the root's warm buffer), barrier to barrier, median: what MPI itself
+/// moves, without the crate's planning or copies.
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
+pub struct GatherBaseline {
+    /// Bytes the root ends with.
+    pub bytes: u64,
+    /// Seconds in one call.
+    pub one_call: f64,
+    /// As many equal calls as the consolidation made `gather_into` calls.
+    pub calls: u64,
+    /// Seconds in that many calls.
+    pub in_calls: f64,
 }
 
 impl OpResult {
@@ -225,21 +238,24 @@ fn timed(world: &dyn ProcessGroup, st: &RankState, op: Op, inputs: &Inputs) -> f
     start.elapsed().as_secs_f64()
 }
 
-/// Median seconds of one `gather_into` to rank 0 of `total` bytes (each rank sends its
-/// share from a warm buffer into the root's warm buffer), barrier to barrier: what MPI itself
-/// moves, without the crate's planning or copies.
+/// Median seconds (over `reps`) to gather `total` bytes to rank 0 in `calls` equal
+/// `gather_into` calls (see [`GatherBaseline`]).
 #[cfg(feature = "mpi")]
-fn gather_baseline(world: &dyn ProcessGroup, total: usize, reps: usize) -> f64 {
+fn gather_baseline(world: &dyn ProcessGroup, total: usize, calls: usize, reps: usize) -> f64 {
     let ws = world.world_size();
-    let send = vec![1u8; total / ws];
+    let per_call = total / ws / calls;
+    let send = vec![1u8; per_call * calls];
     let mut recv = (world.rank() == 0).then(|| vec![0u8; send.len() * ws]);
     let times = (0..reps.max(1))
         .map(|_| {
             world.barrier().expect("barrier before");
             let start = Instant::now();
-            world
-                .gather_into(&send, recv.as_deref_mut(), 0)
-                .expect("baseline gather");
+            for (i, part) in send.chunks_exact(per_call).enumerate() {
+                let recv = recv
+                    .as_deref_mut()
+                    .map(|r| &mut r[i * per_call * ws..(i + 1) * per_call * ws]);
+                world.gather_into(part, recv, 0).expect("baseline gather");
+            }
             world.barrier().expect("barrier after");
             start.elapsed().as_secs_f64()
         })
@@ -284,10 +300,13 @@ pub fn worker(spec: &str) {
     drop(st);
     drop(inputs);
     let gather_baseline = (op == Op::Consolidate).then(|| {
-        (
-            gather_baseline(&*world, full_bytes, reps),
-            full_bytes as u64,
-        )
+        let calls = traffic.get("gather_into").map_or(0, |t| t.calls) / reps.max(1) as u64;
+        GatherBaseline {
+            bytes: full_bytes as u64,
+            one_call: gather_baseline(&*world, full_bytes, 1, reps),
+            calls,
+            in_calls: gather_baseline(&*world, full_bytes, calls.max(1) as usize, reps),
+        }
     });
     let per_rank = world
         .all_gather_object(&(before, peak, reset_ok))
@@ -465,12 +484,17 @@ pub fn print_table(
             t.secs,
         ));
     }
-    if let Some((secs, bytes)) = results.iter().find_map(|r| r.gather_baseline) {
+    if let Some(b) = results.iter().find_map(|r| r.gather_baseline) {
         println!(
-            "MPI baseline: one gather_into of the full dict's {} tensor bytes to rank 0 \
-             (warm buffers, no crate code): {secs:.3} s ({:.2} GB/s)",
-            bytes,
-            bytes as f64 / secs / 1e9
+            "MPI baseline: gathering the full dict's {} tensor bytes to rank 0 with \
+             gather_into (warm buffers, no crate code): one call {:.3} s ({:.2} GB/s); {} \
+             equal calls (as many as consolidation makes) {:.3} s ({:.2} GB/s)",
+            b.bytes,
+            b.one_call,
+            b.bytes as f64 / b.one_call / 1e9,
+            b.calls,
+            b.in_calls,
+            b.bytes as f64 / b.in_calls / 1e9,
         );
     }
     println!("MPI detail (rank 0, per warm call; bytes = send + receive buffers):");

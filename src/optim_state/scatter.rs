@@ -654,6 +654,16 @@ fn receive_direct<T: Tensor>(
                 if needs.iter().all(Option::is_none) {
                     continue;
                 }
+                if needs.iter().enumerate().all(|(r, n)| r == q || n.is_none()) {
+                    // Only q needs its own bytes: every rank sees that from the same agreed
+                    // plan, so all skip the collective and q copies locally (one round trip
+                    // fewer for each row chunk that lies wholly in its holder's flat shard).
+                    if let (true, Some((d, o, l))) = (q == rank, needs[rank]) {
+                        let src = local.as_ref().map_or(&[][..], |t| t.as_bytes());
+                        copy_own_piece(src, o * es, &mut dst[d * es..(d + l) * es], &e.key)?;
+                    }
+                    continue;
+                }
                 let mut empty: [u8; 0] = [];
                 let recv: &mut [u8] = match needs[rank] {
                     Some((d, _, l)) => &mut dst[d * es..(d + l) * es],
@@ -673,6 +683,19 @@ fn receive_direct<T: Tensor>(
         }
         Ok(())
     })
+}
+
+/// Copies this rank's own piece of a member's row chunk (`src` from byte `at`) into `dst`.
+fn copy_own_piece(src: &[u8], at: usize, dst: &mut [u8], key: &ParamKey) -> Result<()> {
+    let piece = src.get(at..at + dst.len()).ok_or_else(|| {
+        Error::Internal(format!(
+            "the local chunk of {key} has {} bytes, the plan reads {} from byte {at}",
+            src.len(),
+            dst.len()
+        ))
+    })?;
+    dst.copy_from_slice(piece);
+    Ok(())
 }
 
 /// The flattening source of [`load_sharded`]: the shards received directly, and the rest cut
