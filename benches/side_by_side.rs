@@ -69,7 +69,8 @@
 //! the `MpiProcessGroup` gives rank 0's collectives per call (calls, send + receive bytes,
 //! seconds inside them; the rest of the wall time is copies and planning), and a baseline
 //! gathers the full dict's bytes to rank 0 with bare `gather_into` calls (one call, and as many
-//! as consolidation makes).
+//! as consolidation makes). The launches pass `--mca mpi_yield_when_idle 1` (`SBS_MPI_YIELD`
+//! overrides it): ranks that spin while waiting steal the shared cores from each other.
 //!
 //! Files go to `target/side_by_side/`.
 //!

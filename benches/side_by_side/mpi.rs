@@ -12,6 +12,9 @@
 //! collective, the calls, the payload bytes (send plus receive buffers of this rank) and the
 //! time spent inside them, so the table can tell time in MPI transfers from time in copies and
 //! planning (the rest of the wall time).
+// Without `mpi` only the stubs (`column`, `worker`) and the table run; the measuring half is
+// still compiled, so that it stays checked.
+#![cfg_attr(not(feature = "mpi"), allow(dead_code, unused_imports))]
 
 use super::{model, prepare_rank, reset_hwm, run_op, status_bytes, Inputs, Op, RankState, WORLD};
 use fsdp::collectives::{ProcessGroup, ReduceOp};
@@ -349,6 +352,14 @@ pub fn column(_layers: usize, _reps: usize, _save_reps: usize, _save_path: &Path
     Column::NotBuilt
 }
 
+/// Open MPI's `mpi_yield_when_idle` for the launches: `SBS_MPI_YIELD`, default 1. A waiting
+/// rank that spins (0) takes a core from the rank it waits for whenever the cores are shared
+/// (2 cores, other jobs running): on this machine under load every collective then costs
+/// about a scheduler time slice, 2-4x the whole op's time with yielding.
+pub fn yield_when_idle() -> String {
+    std::env::var("SBS_MPI_YIELD").unwrap_or_else(|_| "1".into())
+}
+
 /// `mpirun -np 2` on this executable as a worker measuring `op`.
 #[cfg(feature = "mpi")]
 fn launch(op: Op, layers: usize, reps: usize, save_path: &Path) -> Result<OpResult, String> {
@@ -362,6 +373,7 @@ fn launch(op: Op, layers: usize, reps: usize, save_path: &Path) -> Result<OpResu
         .args(["--timeout", "3600"])
         // Containers usually forbid the cross-memory-attach single copy (as tests/mpi.rs).
         .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+        .args(["--mca", "mpi_yield_when_idle", &yield_when_idle()])
         .args(["-x", WORKER_ENV])
         .arg(&exe)
         .env(WORKER_ENV, spec)
@@ -422,7 +434,8 @@ pub fn print_table(
     };
     println!(
         "MPI column: the crate's {WORLD} ranks as {WORLD} processes (mpirun, MpiProcessGroup), \
-         one launch per op, load {load}; clear_refs reset ok: {}",
+         one launch per op, mpi_yield_when_idle {}, load {load}; clear_refs reset ok: {}",
+        yield_when_idle(),
         results.iter().all(|r| r.reset_ok)
     );
     println!(
