@@ -314,7 +314,11 @@ fn copy_in_kernel(src: &Path, dst: &Path) -> f64 {
                     0,
                 )
             };
-            assert!(n >= 0, "copy_file_range: {}", std::io::Error::last_os_error());
+            assert!(
+                n >= 0,
+                "copy_file_range: {}",
+                std::io::Error::last_os_error()
+            );
             if n == 0 {
                 break;
             }
@@ -454,7 +458,9 @@ fn cpu_secs() -> f64 {
 fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
     match op {
         "load" => load_once(src).1,
-        "reshard" => checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {}).expect("offline reshard"),
+        "reshard" => {
+            checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {}).expect("offline reshard")
+        }
         "consolidate" => checkpoint::consolidate_to_safetensors(src, dst, |_| {})
             .expect("streaming consolidation"),
         "consolidate-pt" => checkpoint::consolidate_to_torch(src, dst, |_| {})
@@ -546,7 +552,12 @@ fn run_child(args: &[&str]) -> ChildRun {
     };
     let calls = fields("CALL ")
         .iter()
-        .map(|f| (f[0].parse().expect("seconds"), f[1].parse().expect("seconds")))
+        .map(|f| {
+            (
+                f[0].parse().expect("seconds"),
+                f[1].parse().expect("seconds"),
+            )
+        })
         .collect();
     let f = fields("CHILD ")
         .pop()
@@ -787,27 +798,35 @@ fn main() {
         reps,
         calls,
     };
-    let load = op_phase("load", &ckpt4, Path::new(""), &files);
+    // `CKPT_BENCH_OPS=load,consolidate` runs a subset (save always runs: it writes the
+    // checkpoint the others read).
+    let wanted = std::env::var("CKPT_BENCH_OPS").unwrap_or_default();
+    let wanted = |op: &str| wanted.is_empty() || wanted.split(',').any(|w| w == op);
     let ckpt2 = root.join("ckpt-ws2");
-    let reshard = op_phase("reshard", &ckpt4, &ckpt2, &files);
-    checkpoint::verify(&ckpt2).expect("the resharded checkpoint verifies");
-    let _ = std::fs::remove_dir_all(&ckpt2);
     let full_out = root.join("full.safetensors");
-    let consolidate = op_phase("consolidate", &ckpt4, &full_out, &files);
-    let _ = std::fs::remove_file(&full_out);
     let full_pt = root.join("full.pt");
-    let consolidate_pt = op_phase("consolidate-pt", &ckpt4, &full_pt, &files);
-    let _ = std::fs::remove_file(&full_pt);
+    let mut ops = Vec::new();
+    for (op, dst) in [
+        ("load", Path::new("")),
+        ("reshard", &ckpt2),
+        ("consolidate", &full_out),
+        ("consolidate-pt", &full_pt),
+    ] {
+        if wanted(op) {
+            ops.push((op, op_phase(op, &ckpt4, dst, &files)));
+        }
+        if op == "reshard" && ckpt2.exists() {
+            checkpoint::verify(&ckpt2).expect("the resharded checkpoint verifies");
+        }
+        let _ = std::fs::remove_dir_all(dst);
+        let _ = std::fs::remove_file(dst);
+    }
     println!("load average at end: {}", load_average());
 
-    let ops = [
-        ("load", &load),
-        ("reshard", &reshard),
-        ("consolidate", &consolidate),
-        ("consolidate-pt", &consolidate_pt),
-    ];
+    let ops: Vec<(&str, &OpRuns)> = ops.iter().map(|(op, o)| (*op, o)).collect();
     summary(bytes, reps, (&save, &rw), &ops);
-    memory_summary(largest_state, &ops[1..]);
+    let offline: Vec<(&str, &OpRuns)> = ops.iter().copied().filter(|o| o.0 != "load").collect();
+    memory_summary(largest_state, &offline);
     let _ = std::fs::remove_dir_all(&root);
 }
 
@@ -857,7 +876,14 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
             if r >= target { "met" } else { "MISSED" }
         );
     };
-    row("save", save.median(), None, "raw write+fsync", rw.median(), 0.5);
+    row(
+        "save",
+        save.median(),
+        None,
+        "raw write+fsync",
+        rw.median(),
+        0.5,
+    );
     for (op, o) in ops {
         let (c, w) = (o.cold.median(), Some(o.warm.median()));
         if *op == "load" {
@@ -871,7 +897,7 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
     println!("(ratio = baseline seconds / op seconds: 1.0 = as fast as the baseline; targets: save and load >= 0.5, reshard and consolidation >= 0.7 against max(read, write) and best copy)");
     println!();
     println!("copies of the same bytes (median s, GB/s), before the operations:");
-    for (op, o) in &ops[1..] {
+    for (op, o) in ops.iter().filter(|o| o.0 != "load") {
         let b = &o.base;
         let mut line = format!(
             "  before {op:<15} read {:.2} ({:.2}), write+fsync {:.2} ({:.2})",
