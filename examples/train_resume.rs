@@ -35,6 +35,20 @@
 //!
 //! Options: `--steps N` (default 60), `--save-at K` (default 30); `--world-size` sets the
 //! number of thread ranks (under a launcher the launcher decides).
+//!
+//! **FSDP2** (`--fsdp 2`; the default is `--fsdp 1`, the flat parameters above): the same model
+//! trained as PyTorch's `fully_shard` trains it (see `train_resume/fsdp2.rs`). Each parameter is
+//! sharded on dim 0 (`torch.chunk` rows per rank, [`fsdp::param_layout`]); the units are the
+//! modules `fully_shard` was applied to (`WrapPolicy::fully_shard`). Every step, each unit's
+//! parameters are unsharded by FSDP2's all-gather (`foreach_all_gather` and copy-out), each
+//! unit's gradients are sharded by FSDP2's reduce-scatter (`foreach_reduce`, averaging as
+//! `_get_gradient_divide_factors` picks for fp32), and Adam steps the local rows. At step K the
+//! ranks save a DCP checkpoint, model and optimizer (`FullyShardedModel::save_dcp`), which the
+//! resume phase loads at another world size and wrapping (`load_model_dcp`, `load_dcp`), and
+//! which PyTorch loads too: with `--phase train --fsdp 2` the curve file also holds the batches
+//! of the steps after K, and `examples/train_resume_torch.py CKPT CURVE` continues the run in a
+//! real PyTorch FSDP2 model and compares its losses with these (`scripts/run-example-fsdp2.sh`
+//! runs all three).
 
 use fsdp::checkpoint::{LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ReduceOp, ThreadGroup};
@@ -43,13 +57,17 @@ use fsdp::libtorch::{model_desc_from_var_store_in_order, var_store_params_in_ord
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::param_shards::shard_tensors;
 use fsdp::{
-    DType, Fsdp, HostTensor, OptimParam, OptimParams, OptimStateDict, TchTensor, Value, WrapPolicy,
+    DType, Fsdp, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, TchTensor, Value,
+    WrapPolicy,
 };
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
+
+#[path = "train_resume/fsdp2.rs"]
+mod fsdp2;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type BoxResult<T> = std::result::Result<T, BoxError>;
@@ -299,23 +317,30 @@ struct Rank {
 /// generator, which thread ranks share.
 static INIT: Mutex<()> = Mutex::new(());
 
+/// Builds the model with identical initial values on every rank: the model, its description
+/// and its `VarStore` variables in model order ([`Gpt::param_order`]).
+fn build_model() -> BoxResult<(Gpt, ModelDesc, Vec<Tensor>)> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let gpt = {
+        let _seeded = INIT.lock().unwrap_or_else(|e| e.into_inner());
+        tch::manual_seed(INIT_SEED);
+        Gpt::new(&vs.root())
+    };
+    let order = Gpt::param_order();
+    let model = model_desc_from_var_store_in_order(&vs, &order)?;
+    let vars: Vec<Tensor> = var_store_params_in_order(&vs, &order)?
+        .params
+        .into_iter()
+        .map(|(_, t)| t)
+        .collect();
+    Ok((gpt, model, vars))
+}
+
 impl Rank {
     /// Builds the model (identical initial values on every rank), wraps it with `policy` over
     /// `pg` and cuts this rank's shards of the initial values.
     fn new(pg: Arc<dyn ProcessGroup>, policy: &WrapPolicy) -> BoxResult<Rank> {
-        let vs = nn::VarStore::new(Device::Cpu);
-        let gpt = {
-            let _seeded = INIT.lock().unwrap_or_else(|e| e.into_inner());
-            tch::manual_seed(INIT_SEED);
-            Gpt::new(&vs.root())
-        };
-        let order = Gpt::param_order();
-        let model = model_desc_from_var_store_in_order(&vs, &order)?;
-        let vars: Vec<Tensor> = var_store_params_in_order(&vs, &order)?
-            .params
-            .into_iter()
-            .map(|(_, t)| t)
-            .collect();
+        let (gpt, model, vars) = build_model()?;
         let fsdp = Fsdp::new(&model, policy, pg)?;
         let params = fsdp.optim_params();
         let slots = params
@@ -421,23 +446,37 @@ impl Rank {
             })
             .collect()
     }
+}
+
+/// One rank's training loop body, FSDP1 ([`Rank`]) or FSDP2 ([`fsdp2::Rank2`]).
+trait Trainer {
+    /// Optimizer steps taken (the data position).
+    fn step(&self) -> usize;
 
     /// One training step; returns the global mean loss (before the update).
+    fn train_step(&mut self) -> BoxResult<f64>;
+
+    /// Saves the checkpoint into `dir`. Collective.
+    fn save(&self, dir: &Path) -> BoxResult<()>;
+
+    /// Loads the checkpoint in `dir` (saved at any world size and wrapping) and the step
+    /// count. Collective.
+    fn load(&mut self, dir: &Path) -> BoxResult<()>;
+}
+
+impl Trainer for Rank {
+    fn step(&self) -> usize {
+        self.step
+    }
+
     fn train_step(&mut self) -> BoxResult<f64> {
         self.gather_params()?;
-        for v in &mut self.vars {
-            v.zero_grad();
-        }
         let batch = local_batch(self.step, self.fsdp.rank(), self.fsdp.world_size());
-        let loss = self.gpt.loss(&batch);
-        loss.backward();
+        let loss = forward_backward(&self.gpt, &mut self.vars, &batch)?;
         let grads = self.reduce_grads()?;
         self.adam.step(&mut self.shards, &grads)?;
         self.step += 1;
-        let mut global = f64::try_from(&loss)?.to_ne_bytes();
-        self.pg()
-            .all_reduce(&mut global, DType::F64, ReduceOp::Avg)?;
-        Ok(f64::from_ne_bytes(global))
+        global_mean(self.pg(), loss)
     }
 
     /// Saves the sharded checkpoint: Adam's state and this rank's parameter shards.
@@ -477,6 +516,25 @@ impl Rank {
         self.adam.load_state_dict(&osd)?;
         Ok(())
     }
+}
+
+/// Zeroes the model's gradients, then runs forward and backward on `batch`; returns the mean
+/// loss (before the update).
+fn forward_backward(gpt: &Gpt, vars: &mut [Tensor], batch: &Tensor) -> BoxResult<f64> {
+    for v in vars.iter_mut() {
+        v.zero_grad();
+    }
+    let loss = gpt.loss(batch);
+    loss.backward();
+    Ok(f64::try_from(&loss)?)
+}
+
+/// The mean of every rank's `local` loss: the global mean loss (equal micro-batches on every
+/// rank). Collective.
+fn global_mean(pg: &dyn ProcessGroup, local: f64) -> BoxResult<f64> {
+    let mut global = local.to_ne_bytes();
+    pg.all_reduce(&mut global, DType::F64, ReduceOp::Avg)?;
+    Ok(f64::from_ne_bytes(global))
 }
 
 /// Adam's `step`, the same for every parameter: the number of steps taken.
@@ -519,20 +577,22 @@ fn write_var(var: &Tensor, value: &HostTensor) -> BoxResult<()> {
 /// What one rank does.
 #[derive(Clone, Debug)]
 enum Phase {
-    /// Train `steps` steps from the initial values wrapped by [`train_policy`], saving a checkpoint
-    /// into `ckpt` after step `save_at`.
+    /// Train `steps` steps from the initial values wrapped by the generation's train policy
+    /// ([`train_policy`], [`fsdp2::train_policy`]), saving a checkpoint into `ckpt` after step
+    /// `save_at`.
     Train {
         steps: usize,
         save_at: usize,
         ckpt: PathBuf,
     },
-    /// Load the checkpoint in `ckpt` wrapped by [`resume_policy`] and train up to step `steps`.
+    /// Load the checkpoint in `ckpt` wrapped by the generation's resume policy
+    /// ([`resume_policy`], [`fsdp2::resume_policy`]) and train up to step `steps`.
     Resume { steps: usize, ckpt: PathBuf },
 }
 
 /// The per-rank body, the same on thread ranks and one process per rank: returns
 /// `(step, global loss)` for every step it trained (steps count from 1).
-fn run_rank(pg: Arc<dyn ProcessGroup>, phase: &Phase) -> BoxResult<Curve> {
+fn run_rank(pg: Arc<dyn ProcessGroup>, phase: &Phase, generation: Generation) -> BoxResult<Curve> {
     let mut curve = Vec::new();
     match phase {
         Phase::Train {
@@ -540,25 +600,77 @@ fn run_rank(pg: Arc<dyn ProcessGroup>, phase: &Phase) -> BoxResult<Curve> {
             save_at,
             ckpt,
         } => {
-            let mut rank = Rank::new(pg, &train_policy())?;
+            let mut rank = generation.trainer(pg, &generation.train_policy())?;
             for _ in 0..*steps {
                 let loss = rank.train_step()?;
-                curve.push((rank.step, loss));
-                if rank.step == *save_at {
+                curve.push((rank.step(), loss));
+                if rank.step() == *save_at {
                     rank.save(ckpt)?;
                 }
             }
         }
         Phase::Resume { steps, ckpt } => {
-            let mut rank = Rank::new(pg, &resume_policy())?;
+            let mut rank = generation.trainer(pg, &generation.resume_policy())?;
             rank.load(ckpt)?;
-            while rank.step < *steps {
+            while rank.step() < *steps {
                 let loss = rank.train_step()?;
-                curve.push((rank.step, loss));
+                curve.push((rank.step(), loss));
             }
         }
     }
     Ok(curve)
+}
+
+/// Which FSDP the example trains with (`--fsdp 1` or `--fsdp 2`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Generation {
+    /// `FullyShardedDataParallel`: flat parameters, a sharded checkpoint of the crate's format.
+    Fsdp1,
+    /// `fully_shard`: per-parameter dim-0 shards, a DCP checkpoint PyTorch loads.
+    Fsdp2,
+}
+
+impl Generation {
+    fn parse(s: &str) -> BoxResult<Generation> {
+        match s {
+            "1" => Ok(Generation::Fsdp1),
+            "2" => Ok(Generation::Fsdp2),
+            other => Err(format!("--fsdp takes 1 or 2, not `{other}`").into()),
+        }
+    }
+
+    fn version(self) -> u8 {
+        match self {
+            Generation::Fsdp1 => 1,
+            Generation::Fsdp2 => 2,
+        }
+    }
+
+    fn train_policy(self) -> WrapPolicy {
+        match self {
+            Generation::Fsdp1 => train_policy(),
+            Generation::Fsdp2 => fsdp2::train_policy(),
+        }
+    }
+
+    fn resume_policy(self) -> WrapPolicy {
+        match self {
+            Generation::Fsdp1 => resume_policy(),
+            Generation::Fsdp2 => fsdp2::resume_policy(),
+        }
+    }
+
+    /// A rank wrapped with `policy`, at its initial values.
+    fn trainer(
+        self,
+        pg: Arc<dyn ProcessGroup>,
+        policy: &WrapPolicy,
+    ) -> BoxResult<Box<dyn Trainer>> {
+        Ok(match self {
+            Generation::Fsdp1 => Box::new(Rank::new(pg, policy)?),
+            Generation::Fsdp2 => Box::new(fsdp2::Rank2::new(pg, policy)?),
+        })
+    }
 }
 
 /// The process group when a launcher started one process per rank; `None` means "use thread
@@ -593,10 +705,10 @@ struct PhaseResult {
 
 /// Runs `phase` on every rank: in this process as one rank of the launcher's group, or on
 /// `threads` thread ranks.
-fn run_phase(phase: &Phase, threads: usize) -> BoxResult<PhaseResult> {
+fn run_phase(phase: &Phase, threads: usize, generation: Generation) -> BoxResult<PhaseResult> {
     if let Some(world) = launcher_world()? {
         let (rank0, world_size) = (world.rank() == 0, world.world_size());
-        let curve = run_rank(world, phase)?;
+        let curve = run_rank(world, phase, generation)?;
         return Ok(PhaseResult {
             curve,
             rank0,
@@ -608,7 +720,7 @@ fn run_phase(phase: &Phase, threads: usize) -> BoxResult<PhaseResult> {
             format!("the world size must divide the global batch of {GLOBAL_BATCH}").into(),
         );
     }
-    let mut curves = ThreadGroup::run(threads, |pg| run_rank(Arc::new(pg), phase))
+    let mut curves = ThreadGroup::run(threads, |pg| run_rank(Arc::new(pg), phase, generation))
         .into_iter()
         .collect::<BoxResult<Vec<_>>>()?;
     Ok(PhaseResult {
@@ -621,17 +733,66 @@ fn run_phase(phase: &Phase, threads: usize) -> BoxResult<PhaseResult> {
 // ---------------------------------------------------------------------------------------------
 // Curves
 
-fn write_curve(path: &Path, world_size: usize, curve: &[(usize, f64)]) -> BoxResult<()> {
-    let json = serde_json::json!({ "world_size": world_size, "losses": curve });
+/// Writes the training run's curve as JSON: `world_size`, `fsdp_version` and `losses`
+/// (`[step, loss]` pairs), plus the fields of `extra` (an object) if given.
+fn write_curve(
+    path: &Path,
+    world_size: usize,
+    generation: Generation,
+    curve: &[(usize, f64)],
+    extra: Option<serde_json::Value>,
+) -> BoxResult<()> {
+    let mut json = serde_json::json!({
+        "world_size": world_size,
+        "fsdp_version": generation.version(),
+        "losses": curve,
+    });
+    if let (Some(obj), Some(serde_json::Value::Object(more))) = (json.as_object_mut(), extra) {
+        obj.extend(more);
+    }
     std::fs::write(path, serde_json::to_string_pretty(&json)?)?;
     Ok(())
 }
 
-/// The world size and curve [`write_curve`] wrote.
-fn read_curve(path: &Path) -> BoxResult<(usize, Curve)> {
+/// What `examples/train_resume_torch.py` needs to continue an FSDP2 run in PyTorch from the
+/// checkpoint after step `save_at`: the model's sizes, the optimizer's learning rate, the
+/// modules to apply `fully_shard` to (those of [`fsdp2::resume_policy`], in order), and the
+/// global batch of every step after the checkpoint (`batches[i]`: `step` as the curve counts
+/// it, from 1, and its `GLOBAL_BATCH` sequences, of which rank `r` of `ws` takes sequences
+/// `r * GLOBAL_BATCH / ws ..`, as [`local_batch`] does). The batches are written out rather
+/// than regenerated in Python so that both sides train on the same tokens by construction.
+fn torch_continuation(save_at: usize, steps: usize) -> serde_json::Value {
+    let batches: Vec<serde_json::Value> = (save_at + 1..=steps)
+        .map(|step| {
+            // Curve step `step` trains on the data of step index `step - 1` (see `train_step`).
+            let sequences: Vec<Vec<i64>> =
+                (0..GLOBAL_BATCH).map(|i| sequence(step - 1, i)).collect();
+            serde_json::json!({ "step": step, "sequences": sequences })
+        })
+        .collect();
+    serde_json::json!({
+        "save_at": save_at,
+        "global_batch": GLOBAL_BATCH,
+        "lr": LR,
+        "model": {
+            "vocab": VOCAB,
+            "d_model": D_MODEL,
+            "heads": HEADS,
+            "context": CONTEXT,
+            "layers": LAYERS,
+        },
+        "fully_shard": fsdp2::resume_policy().units,
+        "batches": batches,
+    })
+}
+
+/// The world size, FSDP generation and curve [`write_curve`] wrote.
+fn read_curve(path: &Path) -> BoxResult<(usize, Generation, Curve)> {
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path)?)?;
+    let version = json["fsdp_version"].as_u64().unwrap_or(1);
     Ok((
         serde_json::from_value(json["world_size"].clone())?,
+        Generation::parse(&version.to_string())?,
         serde_json::from_value(json["losses"].clone())?,
     ))
 }
@@ -704,6 +865,7 @@ struct Args {
     world_size: Option<usize>,
     steps: usize,
     save_at: usize,
+    generation: Generation,
 }
 
 fn parse_args() -> BoxResult<Args> {
@@ -714,6 +876,7 @@ fn parse_args() -> BoxResult<Args> {
         world_size: None,
         steps: DEFAULT_STEPS,
         save_at: DEFAULT_SAVE_AT,
+        generation: Generation::Fsdp1,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -725,10 +888,11 @@ fn parse_args() -> BoxResult<Args> {
             "--world-size" => args.world_size = Some(value()?.parse()?),
             "--steps" => args.steps = value()?.parse()?,
             "--save-at" => args.save_at = value()?.parse()?,
+            "--fsdp" => args.generation = Generation::parse(&value()?)?,
             "-h" | "--help" => {
                 println!(
                     "usage: train_resume [--phase train|resume --ckpt DIR --curve FILE] \
-                     [--world-size N] [--steps N] [--save-at K]"
+                     [--world-size N] [--steps N] [--save-at K] [--fsdp 1|2]"
                 );
                 std::process::exit(0);
             }
@@ -763,10 +927,13 @@ fn main() -> BoxResult<()> {
             let tmp = tempfile::tempdir()?;
             let ckpt = args.ckpt.clone().unwrap_or_else(|| tmp.path().join("ckpt"));
             let (train_ws, resume_ws) = (args.world_size.unwrap_or(4), 2);
+            let generation = args.generation;
             println!(
-                "training {} steps on {train_ws} thread ranks (units {:?}), checkpoint after step {}",
+                "FSDP{}: training {} steps on {train_ws} thread ranks (units {:?}), checkpoint \
+                 after step {}",
+                generation.version(),
                 args.steps,
-                train_policy().units,
+                generation.train_policy().units,
                 args.save_at
             );
             let train = Phase::Train {
@@ -774,8 +941,8 @@ fn main() -> BoxResult<()> {
                 save_at: args.save_at,
                 ckpt: ckpt.clone(),
             };
-            let uninterrupted = run_phase(&train, train_ws)?.curve;
-            let p = resume_policy();
+            let uninterrupted = run_phase(&train, train_ws, generation)?.curve;
+            let p = generation.resume_policy();
             println!(
                 "resuming on {resume_ws} thread ranks (units {:?}, ignored {:?})",
                 p.units, p.ignored_modules
@@ -784,7 +951,7 @@ fn main() -> BoxResult<()> {
                 steps: args.steps,
                 ckpt,
             };
-            let resumed = run_phase(&resume, resume_ws)?.curve;
+            let resumed = run_phase(&resume, resume_ws, generation)?.curve;
             compare(&uninterrupted, &resumed, (train_ws, resume_ws))?;
             true
         }
@@ -797,9 +964,17 @@ fn main() -> BoxResult<()> {
                 save_at: args.save_at,
                 ckpt,
             };
-            let done = run_phase(&phase, ws)?;
+            let done = run_phase(&phase, ws, args.generation)?;
             if done.rank0 {
-                write_curve(&curve_file, done.world_size, &done.curve)?;
+                let extra = (args.generation == Generation::Fsdp2)
+                    .then(|| torch_continuation(args.save_at, args.steps));
+                write_curve(
+                    &curve_file,
+                    done.world_size,
+                    args.generation,
+                    &done.curve,
+                    extra,
+                )?;
                 for (step, loss) in &done.curve {
                     println!("step {step:>3}  loss {loss:.9}");
                 }
@@ -810,12 +985,20 @@ fn main() -> BoxResult<()> {
             let ckpt = need(&args.ckpt, "--ckpt DIR")?;
             let curve_file = need(&args.curve, "--curve FILE")?;
             let ws = args.world_size.unwrap_or(2);
-            let (train_ws, uninterrupted) = read_curve(&curve_file)?;
+            let (train_ws, trained_with, uninterrupted) = read_curve(&curve_file)?;
+            if trained_with != args.generation {
+                return Err(format!(
+                    "{} was trained with --fsdp {}; resume it with the same",
+                    curve_file.display(),
+                    trained_with.version()
+                )
+                .into());
+            }
             let phase = Phase::Resume {
                 steps: uninterrupted.last().map_or(0, |c| c.0),
                 ckpt,
             };
-            let done = run_phase(&phase, ws)?;
+            let done = run_phase(&phase, ws, args.generation)?;
             if done.rank0 {
                 compare(&uninterrupted, &done.curve, (train_ws, done.world_size))?;
             }

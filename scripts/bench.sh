@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
 benches=("$@")
-[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side dcp)
+[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side dcp state_dict)
 conditions() {
     echo "== $1: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB," \
         "load average $(cut -d' ' -f1-3 /proc/loadavg), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

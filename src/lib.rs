@@ -18,6 +18,7 @@ pub mod optim_state;
 pub mod param_layout;
 pub mod param_shards;
 pub mod placement;
+pub mod state_dict;
 pub mod tensor;
 
 mod fsdp;
@@ -31,6 +32,7 @@ pub use offline::DescFile;
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };
+pub use state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use tensor::TchTensor;

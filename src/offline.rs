@@ -13,6 +13,10 @@
 //! Both check the input against the layout first, so that per-rank files saved at another
 //! world size give [`Error::WorldSizeMismatch`] naming the world sizes that would fit.
 //!
+//! With an FSDP2 policy (`fsdp_version` 2, `fully_shard`) all three entry points work on
+//! per-parameter dim-0 shards instead, as PyTorch's `get_optimizer_state_dict` /
+//! `set_optimizer_state_dict` with `full_state_dict=True` see them (private module `fsdp2`).
+//!
 //! ```
 //! use fsdp::offline::DescFile;
 //! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
@@ -43,12 +47,15 @@ use crate::fsdp::Fsdp;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
+use crate::param_layout::ParamLayout;
 use crate::tensor::HostTensor;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+
+mod fsdp2;
 
 /// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
 /// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
@@ -133,7 +140,17 @@ const RANK_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 
 impl DescFile {
     /// The layout at `world_size` (hybrid strategies are not supported offline).
+    ///
+    /// For an FSDP2 policy (`fsdp_version` 2), which has no flat parameters, it checks the
+    /// per-parameter layout ([`ParamLayout::new`]) and returns the model as the optimizer
+    /// sees it under `fully_shard`: every parameter under its own name, none flattened (the
+    /// model without FSDP1 units), so that [`OptimParams::of_model`] lists
+    /// `model.parameters()`.
     pub fn layout(&self, world_size: usize) -> Result<ModelLayout> {
+        if self.policy.is_fsdp2() {
+            ParamLayout::new(&self.model, &self.policy, world_size)?;
+            return ModelLayout::new(&self.model, &WrapPolicy::default(), world_size);
+        }
         if self.policy.sharding_strategy.is_hybrid() {
             return Err(Error::Unsupported(
                 "offline conversion of HYBRID_SHARD checkpoints (consolidate each shard group's files separately with FULL_SHARD)".into(),
@@ -316,13 +333,17 @@ fn check_state_shapes(
 /// consolidation: flat sizes against the layout at `locals.len()` ranks
 /// ([`Error::WorldSizeMismatch`] naming the world sizes that would fit), and every tensor
 /// state's dtype, and the shape of unmanaged and ignored parameters' state, against the
-/// description ([`Error::ShapeMismatch`], [`Error::DtypeMismatch`]).
+/// description ([`Error::ShapeMismatch`], [`Error::DtypeMismatch`]). For an FSDP2 policy,
+/// every sharded state must hold the rank's dim-0 rows, and every rank the keys rank 0 has.
 pub fn check_local_dicts(spec: &DescFile, locals: &[OptimStateDict]) -> Result<()> {
     if locals.is_empty() {
         return Err(Error::WorldSizeMismatch {
             files: 0,
             detail: "at least one rank's optimizer state dict is needed".into(),
         });
+    }
+    if spec.policy.is_fsdp2() {
+        return fsdp2::check_local_dicts(spec, locals);
     }
     let layout = spec.layout(locals.len())?;
     check_world_size(spec, &layout, locals)?;
@@ -333,7 +354,9 @@ pub fn check_local_dicts(spec: &DescFile, locals: &[OptimStateDict]) -> Result<(
 }
 
 /// `FSDP.full_optim_state_dict` of a job whose ranks saved `locals` (index = rank): the full,
-/// name-keyed dict rank 0 would get. Runs one thread rank per dict.
+/// name-keyed dict rank 0 would get. Runs one thread rank per dict. For an FSDP2 policy:
+/// what `get_optimizer_state_dict(model, optim, full_state_dict=True)` returns, assembled
+/// from the ranks' `to_local()` shards (pure, no thread ranks).
 pub fn consolidate_local_dicts(
     spec: &DescFile,
     locals: &[OptimStateDict],
@@ -343,6 +366,9 @@ pub fn consolidate_local_dicts(
             files: 0,
             detail: "at least one rank's optimizer state dict is needed".into(),
         });
+    }
+    if spec.policy.is_fsdp2() {
+        return fsdp2::consolidate(spec, locals);
     }
     let ws = locals.len();
     let layout = spec.layout(ws)?;
@@ -360,12 +386,17 @@ pub fn consolidate_local_dicts(
 }
 
 /// `FSDP.shard_full_optim_state_dict` on every rank of a `world_size`-rank job: each rank's
-/// flattened, sharded dict for its optimizer (index = rank). Pure: no communication.
+/// flattened, sharded dict for its optimizer (index = rank). Pure: no communication. For an
+/// FSDP2 policy: each rank's `optim.state_dict()` (DTensors as `to_local()`) after
+/// `set_optimizer_state_dict(model, optim, full, full_state_dict=True)`.
 pub fn shard_full_dict(
     spec: &DescFile,
     full: &OptimStateDict,
     world_size: usize,
 ) -> Result<Vec<OptimStateDict>> {
+    if spec.policy.is_fsdp2() {
+        return fsdp2::shard(spec, full, world_size);
+    }
     let layout = spec.layout(world_size)?;
     (0..world_size)
         .map(|rank| {

@@ -158,6 +158,25 @@ fn scatter_into_sends_each_rank_its_own_length_and_parts_may_alias() {
 }
 
 #[test]
+fn a_scatter_where_the_root_keeps_nothing_delivers_every_byte_of_the_large_parts() {
+    // As FSDP2's broadcast_from_rank0 scatters: the root receives an empty part and the
+    // others large, uneven ones; the ranks share the copying, across part boundaries.
+    for world_size in 2..=4 {
+        let len_of = |r: usize| if r == 0 { 0 } else { 4099 * r + 17 };
+        let parts: Vec<Vec<u8>> = (0..world_size).map(|r| payload(r, len_of(r))).collect();
+        let received = ThreadGroup::run(world_size, |pg| {
+            let mut recv = vec![0u8; len_of(pg.rank())];
+            let views: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+            let send = (pg.rank() == 0).then_some(&views[..]);
+            pg.scatter_into(send, &mut recv, 0).map(|()| recv)
+        });
+        for (rank, recv) in received.into_iter().enumerate() {
+            assert_eq!(recv.unwrap(), parts[rank], "world size {world_size}, rank {rank}");
+        }
+    }
+}
+
+#[test]
 fn a_scatter_part_that_does_not_fit_its_receiver_fails_every_rank_naming_it() {
     let results = ThreadGroup::run_with_timeout(3, LONG, |pg| {
         let parts: Vec<&[u8]> = vec![&[1, 2], &[3, 4, 5], &[6, 7]];

@@ -1,7 +1,8 @@
 //! Live ranks save and load PyTorch Distributed Checkpoint (DCP) directories collectively:
 //! `Fsdp::save_dcp` at one world size and wrapping, `Fsdp::load_dcp` at another, PyTorch-written
 //! fixtures loaded at any world size, and the failure cases (a rank failing mid-save, metadata
-//! disagreeing with the model).
+//! disagreeing with the model); the same for FSDP2 ranks (`FullyShardedModel`), including
+//! FSDP1-written directories loaded into FSDP2.
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::io::dcp::{self, DcpCheckpoint};
@@ -485,4 +486,247 @@ fn with_hybrid_sharding_the_first_shard_group_writes_and_every_rank_commits() {
     files.sort();
     assert_eq!(files, [".metadata", "__0_0.distcp", "__1_0.distcp"]);
     assert_loads_like(&model, &wrapping(true), 3, &full, &dir);
+}
+
+/// `gen.py`'s FSDP2 wrapping: `fully_shard` on net1, net2, then the root.
+fn fsdp2_wrapping() -> WrapPolicy {
+    WrapPolicy::fully_shard(&["net1", "net2", ""])
+}
+
+#[test]
+fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_sizes() {
+    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
+    let model = net();
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n);
+    // The model's parameters too: `dcp.save({"model": ..., "optim": ...})`.
+    let params_full: indexmap::IndexMap<String, Value> = model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            (
+                d.name.clone(),
+                Value::Tensor(tensor(&d.shape, 1000.0 + i as f32)),
+            )
+        })
+        .collect();
+    // 4 FSDP2 ranks (10 rows: 3, 3, 3, 1; 3 rows: 1, 1, 1, 0) each write their own rows.
+    let saved = ThreadGroup::run(4, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let params = m.optim_params();
+        let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        let weights: Vec<HostTensor> = m
+            .set_model_state_dict(Some(&params_full), &StateDictOptions::full())?
+            .into_iter()
+            .map(Option::unwrap)
+            .collect();
+        m.save_dcp(&local, &params, Some(&weights), p("fsdp2_ws4"))?;
+        m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
+    });
+    // What PyTorch loads must be get_state_dict(full_state_dict=True) of the saving run
+    // (whose optimizer, loaded from a full dict, holds `betas` as a list, as PyTorch's does).
+    let saving_run = saved.into_iter().next().unwrap().unwrap();
+    let weights = params_full
+        .iter()
+        .map(|(k, v)| {
+            let Value::Tensor(t) = v else { unreachable!() };
+            (PyObj::Str(k.clone()), PyObj::Tensor(t.clone()))
+        })
+        .collect();
+    let expected = PyObj::Dict(vec![
+        (
+            PyObj::Str("optim".into()),
+            torch_save::optim_to_pyobj(&saving_run).unwrap(),
+        ),
+        (PyObj::Str("model".into()), PyObj::Dict(weights)),
+    ]);
+    torch_save::save(&expected, p("expected.pt")).unwrap();
+    // The crate's own ranks read the parameters back at another world size.
+    let back = ThreadGroup::run(3, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let loaded: Vec<HostTensor> = m.load_model_dcp(p("fsdp2_ws4"))?;
+        let want = m.set_model_state_dict(Some(&params_full), &StateDictOptions::full())?;
+        for (a, b) in loaded.iter().zip(&want) {
+            assert!(a.bit_eq(b.as_ref().unwrap()), "rank {}", m.rank());
+        }
+        Ok::<_, fsdp::Error>(())
+    });
+    for r in back {
+        r.unwrap();
+    }
+    let cases = [
+        ("fsdp2_ws4", "3", "fsdp2"),
+        ("fsdp2_ws4", "2", "fsdp1_flat"),
+    ];
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(golden("load_in_torch.py"));
+    for (dir, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(p("expected.pt")).arg(ws).arg(wrapper);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
+}
+
+#[test]
+fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_world_size() {
+    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
+    let model = net();
+    // PyTorch's FSDP2 directory saved at 4 ranks, loaded at 3 and 1: the full dict gathered
+    // back is the one dcp_to_torch_save wrote.
+    let fixture = golden("fsdp2_adam_ws4");
+    let expected = torch_save::load(fixture.join("expected.pt")).unwrap();
+    let want = torch_save::optim_from_pyobj(expected.get("optim").cloned().unwrap()).unwrap();
+    for ws in [3, 1] {
+        let results = ThreadGroup::run(ws, |pg| {
+            let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+            let params = m.optim_params();
+            let local: OptimStateDict = m.load_dcp(fixture.join("ckpt"), &params)?;
+            m.get_optimizer_state_dict(&local, &params, &StateDictOptions::full())
+        });
+        for (rank, got) in results.into_iter().enumerate() {
+            let got = got.unwrap();
+            assert_eq!(got.state, want.state, "ws {ws} rank {rank}");
+        }
+    }
+    // Its model parameters too.
+    let want_model = expected.get("model").cloned().unwrap();
+    let results = ThreadGroup::run(3, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let local: Vec<HostTensor> = m.load_model_dcp(fixture.join("ckpt"))?;
+        m.get_model_state_dict(&local, &StateDictOptions::full())
+    });
+    for got in results {
+        for (k, v) in got.unwrap() {
+            let (Value::Tensor(t), Some(PyObj::Tensor(w))) = (v, want_model.get(&k)) else {
+                panic!("{k}")
+            };
+            assert!(t.bit_eq(w), "model.{k}");
+        }
+    }
+    // A directory FSDP1 ranks wrote (flat parameters, 2 ranks) into FSDP2 at 3 ranks.
+    let full = full_adam(&model);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("fsdp1_ws2");
+    for r in save_live(&model, &wrapping(false), 2, &full, &dir) {
+        r.unwrap();
+    }
+    let results = ThreadGroup::run(3, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let params = m.optim_params();
+        let local: OptimStateDict = m.load_dcp(&dir, &params)?;
+        let sliced = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
+        Ok::<_, fsdp::Error>((local, sliced))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        // The same state and groups; options as stored (a DCP load keeps `betas` a tuple, as
+        // PyTorch's sharded path does; loading a full dict makes it a list).
+        let (local, sliced) = r.unwrap();
+        assert_eq!(
+            local.state, sliced.state,
+            "FSDP1 ws 2 -> FSDP2 ws 3, rank {rank}"
+        );
+        let params = |d: &OptimStateDict| d.param_groups.as_ref().unwrap()[0].params.clone();
+        assert_eq!(params(&local), params(&sliced));
+        assert_eq!(
+            local.param_groups.as_ref().unwrap()[0].options["lr"],
+            Value::Float(1e-3)
+        );
+    }
+}
+
+#[test]
+fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_models() {
+    use fsdp::state_dict::StateDictOptions;
+    use fsdp::state_dict::{FullyShardedModel, ModelStateDict, OptimStateDictApi, StateDictApi};
+    // gen.py's Net(tied=True): `out.weight` is `embed.weight`, so `model.state_dict()` and
+    // PyTorch's `dcp.load` want both names.
+    let mut model = net();
+    model.params.pop();
+    let model = model.tie("out.weight", "embed.weight");
+    let full = full_adam(&model);
+    let weights: ModelStateDict = model
+        .params
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let t = tensor(&d.shape, 1000.0 + i as f32);
+            (d.name.clone(), Value::Tensor(t))
+        })
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |n: &str| tmp.path().join(n);
+    let full_opts = StateDictOptions::full();
+    // FSDP2 at 4 ranks and FSDP1 (flat parameters) at 2 load both dicts with set_state_dict,
+    // save them as DCP and report the full optimizer dict PyTorch must find.
+    let fsdp2 = ThreadGroup::run(4, |pg| {
+        let m = FullyShardedModel::new(&model, &fsdp2_wrapping(), Arc::new(pg))?;
+        let params = m.optim_params();
+        let (local, osd) = m.set_state_dict(Some(&weights), Some(&full), &params, &full_opts)?;
+        let local: Vec<HostTensor> = local.into_iter().map(Option::unwrap).collect();
+        m.save_dcp(&osd, &params, Some(&local), p("fsdp2_ws4"))?;
+        m.get_optimizer_state_dict(&osd, &params, &full_opts)
+    });
+    let fsdp1 = ThreadGroup::run(2, |pg| {
+        let f = Fsdp::new(&model, &wrapping(false), Arc::new(pg))?;
+        let params = f.optim_params();
+        let (local, osd) = f.set_state_dict(Some(&weights), Some(&full), &params, &full_opts)?;
+        f.save_dcp(&osd, &params, Some(&local), p("fsdp1_ws2"))?;
+        f.get_optimizer_state_dict(&osd, &params, &full_opts)
+    });
+    let mut with_alias: Vec<(PyObj, PyObj)> = weights
+        .iter()
+        .map(|(k, v)| {
+            let Value::Tensor(t) = v else { unreachable!() };
+            (PyObj::Str(k.clone()), PyObj::Tensor(t.clone()))
+        })
+        .collect();
+    with_alias.push((PyObj::Str("out.weight".into()), with_alias[0].1.clone()));
+    for (name, saved) in [("fsdp2", fsdp2), ("fsdp1", fsdp1)] {
+        let optim = saved.into_iter().next().unwrap().unwrap();
+        let expected = PyObj::Dict(vec![
+            (
+                PyObj::Str("optim".into()),
+                torch_save::optim_to_pyobj(&optim).unwrap(),
+            ),
+            (PyObj::Str("model".into()), PyObj::Dict(with_alias.clone())),
+        ]);
+        torch_save::save(&expected, p(&format!("{name}.pt"))).unwrap();
+        // Both names are in the directory.
+        let dir = p(if name == "fsdp2" {
+            "fsdp2_ws4"
+        } else {
+            "fsdp1_ws2"
+        });
+        let ckpt = dcp::DcpCheckpoint::open(&dir).unwrap();
+        let a = ckpt.read_tensor("model.out.weight").unwrap();
+        assert!(
+            a.bit_eq(&ckpt.read_tensor("model.embed.weight").unwrap()),
+            "{name}"
+        );
+    }
+    let cases = [
+        ("fsdp2_ws4", "fsdp2.pt", "3", "fsdp1_orig+tied"),
+        ("fsdp1_ws2", "fsdp1.pt", "3", "fsdp2+tied"),
+    ];
+    let mut cmd = std::process::Command::new(python());
+    cmd.arg(golden("load_in_torch.py"));
+    for (dir, expected, ws, wrapper) in cases {
+        cmd.arg(p(dir)).arg(p(expected)).arg(ws).arg(wrapper);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
 }

@@ -21,6 +21,7 @@ const LAYERS: &[&[&str]] = &[
     &["io"],
     &["checkpoint"],
     &["fsdp"],
+    &["state_dict"],
     &["offline", "libtorch"],
 ];
 

@@ -54,3 +54,25 @@ pub fn deep_copy(osd: &OptimStateDict) -> OptimStateDict {
     osd.try_map(|t: &HostTensor| HostTensor::from_bytes(t.dtype(), t.shape(), t.as_bytes()))
         .expect("copying a host tensor")
 }
+
+/// A field of `/proc/self/status` (`VmRSS:`, `VmHWM:`) in bytes; 0 when unreadable.
+pub fn status_bytes(field: &str) -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|k| k * 1024)
+        .unwrap_or(0)
+}
+
+/// Resets this process's VmHWM to its current RSS (Linux `clear_refs` 5); whether it worked.
+pub fn reset_hwm() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// The 1-, 5- and 15-minute load averages.
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}

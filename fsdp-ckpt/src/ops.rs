@@ -565,19 +565,37 @@ pub fn consolidate_sharded(ranks: &[PathBuf], output: &Path, p: &dyn Progress) -
     let dicts = read_rank_files(p, ranks)?;
     let full = fsdp::offline::consolidate_sharded(&dicts)?;
     drop(dicts);
+    write_full(
+        p,
+        &full,
+        output,
+        ranks.len(),
+        "consolidate_sharded",
+        "sharded ranks",
+    )
+}
+
+/// Writes a consolidated dict of `ranks` ranks to `output`; the report of `operation`.
+fn write_full(
+    p: &dyn Progress,
+    full: &OptimStateDict,
+    output: &Path,
+    ranks: usize,
+    operation: &'static str,
+    what: &str,
+) -> Result<Written> {
     clean_stale(p, output, None)?;
     step(p, &format!("writing {}", output.display()), || {
-        save_optim(&full, output)
+        save_optim(full, output)
     })?;
     Ok(Written {
-        operation: "consolidate_sharded",
+        operation,
         output: output.to_path_buf(),
         tensor_bytes: full.tensor_bytes() as u64,
         count: Some(full.state.len()),
-        world_size: Some(ranks.len()),
+        world_size: Some(ranks),
         message: format!(
-            "consolidated {} sharded ranks into {}: {} keys, {} bytes of tensor state",
-            ranks.len(),
+            "consolidated {ranks} {what} into {}: {} keys, {} bytes of tensor state",
             output.display(),
             full.state.len(),
             full.tensor_bytes()
@@ -609,24 +627,7 @@ pub fn consolidate_torch(
         consolidate_local_dicts(&spec, &locals)
     })?;
     drop(locals);
-    clean_stale(p, output, None)?;
-    step(p, &format!("writing {}", output.display()), || {
-        save_optim(&full, output)
-    })?;
-    Ok(Written {
-        operation: "consolidate_torch",
-        output: output.to_path_buf(),
-        tensor_bytes: full.tensor_bytes() as u64,
-        count: Some(full.state.len()),
-        world_size: Some(ranks.len()),
-        message: format!(
-            "consolidated {} ranks into {}: {} keys, {} bytes of tensor state",
-            ranks.len(),
-            output.display(),
-            full.state.len(),
-            full.tensor_bytes()
-        ),
-    })
+    write_full(p, &full, output, ranks.len(), "consolidate_torch", "ranks")
 }
 
 /// `shard-torch --model DESC FULL --world-size N -o DIR`: the local dict each rank's optimizer

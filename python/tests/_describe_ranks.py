@@ -102,3 +102,15 @@ def fsdp_ckpt_model(rank, ws, port, use_orig, out):
         fsdp_ckpt.write_desc(out, model, optim)
     finally:
         dist.destroy_process_group()
+
+
+def fsdp2_optim(rank, ws, port, name, out):
+    """`tests/golden/fsdp2/gen_optim.py`'s model and optimizer `name`, FSDP2."""
+    gen = golden_module("fsdp2/gen_optim.py", "golden_fsdp2_gen_optim")
+    init(rank, ws, port)
+    try:
+        model = gen.wrapped(ws)
+        optim = gen.make_optimizer(name, model)
+        fsdp_ckpt.write_desc(out, model, optim)
+    finally:
+        dist.destroy_process_group()

@@ -107,6 +107,25 @@ def test_write_desc_of_an_fsdp2_model_matches_the_fully_shard_golden(tmp_path):
     assert written["optim_params_per_rank"] == [{"groups": [trained], "named": False}] * 2
 
 
+@pytest.mark.parametrize("name", ["adam_amsgrad", "adamw", "sgd"])
+@pytest.mark.parametrize("ws", [2, 3])
+def test_write_desc_of_fsdp2_ranks_consolidates_their_files_to_get_optimizer_state_dict(name, ws, tmp_path):
+    case = GOLDEN / "fsdp2" / "optim" / name
+    out = tmp_path / "desc.json"
+    spawn(_describe_ranks.fsdp2_optim, ws, name, str(out), outputs=[out])
+    written = json.loads(out.read_text())
+    golden = json.loads((case / "desc.json").read_text())
+    assert written["model"] == golden["model"]
+    assert written["policy"] == {"ignored_modules": [], **golden["policy"]}
+    everything = {"groups": [[{"Param": p["name"]} for p in golden["model"]["params"]]], "named": False}
+    assert written["optim_params_per_rank"] == [golden.get("optim_params", everything)] * ws
+    # The rank files PyTorch saved (to_local() shards), consolidated with the written
+    # description: get_optimizer_state_dict(full_state_dict=True), bit for bit.
+    full = tmp_path / "full.pt"
+    fsdp_ckpt.consolidate_torch(out, [case / f"ws{ws}" / f"rank{r}.pt" for r in range(ws)], full)
+    same(load(case / f"ws{ws}" / "full.pt"), load(full))
+
+
 def test_an_optimizer_tensor_outside_the_model_fails_every_rank_and_writes_nothing(tmp_path):
     out = tmp_path / "desc.json"
     outcomes = [Path(f"{out}.rank{r}") for r in range(2)]

@@ -106,18 +106,49 @@ pub fn save_dcp<T: Tensor>(
     model: Option<&[Option<T>]>,
     dir: &Path,
 ) -> Result<()> {
-    let pg = ctx.pg;
+    save_protocol(ctx.pg.as_ref(), dir, |tmp| {
+        if ctx.writes_files {
+            write_rank(ctx, osd, params, model, tmp).map(Some)
+        } else {
+            Ok(None)
+        }
+    })
+}
+
+/// Saves a name-keyed sharded optimizer state dict (what `get_optimizer_state_dict` gives
+/// without `full_state_dict`: each [`Value::Sharded`] state this rank's box of the whole
+/// tensor; anything else the same on every rank) as the DCP directory `dir`, as
+/// `dcp.save({"optim": osd})` does. Each rank writes its boxes; rank 0 also writes the values
+/// stored whole and the param groups. Collective over `pg`; the protocol and the replace rule
+/// are [`save_dcp`]'s.
+///
+/// `model`, when given, is a sharded model state dict (`{fqn: value}`, as
+/// `get_model_state_dict` gives it) saved beside, under `model.<fqn>`.
+pub fn save_sharded_dcp<T: Tensor>(
+    pg: &dyn crate::collectives::ProcessGroup,
+    osd: &OptimStateDict<T>,
+    model: Option<&indexmap::IndexMap<String, Value<T>>>,
+    dir: &Path,
+) -> Result<()> {
+    save_protocol(pg, dir, |tmp| {
+        write_sharded_rank(pg.rank(), osd, model, tmp).map(Some)
+    })
+}
+
+/// The save protocol: rank 0 prepares the temporary directory, every rank writes its part
+/// (`write`, `None` for a rank that writes nothing), the reports are all-gathered with the
+/// first error agreed, rank 0 commits; every rank returns rank 0's outcome.
+fn save_protocol(
+    pg: &dyn crate::collectives::ProcessGroup,
+    dir: &Path,
+    write: impl FnOnce(&Path) -> Result<Option<RankChunks>>,
+) -> Result<()> {
     let rank = pg.rank();
     // 1. Rank 0 creates the temporary directory beside `dir`.
     let tmp = (rank == 0).then(|| prepare(dir));
     let tmp: PathBuf = pg.broadcast_agreed(tmp.as_ref(), 0)?;
     // 2. Each writer writes its data file; every rank learns the first failure.
-    let mine = if ctx.writes_files {
-        write_rank(ctx, osd, params, model, &tmp).map(Some)
-    } else {
-        Ok(None)
-    };
-    let reports = pg.all_gather_agreed(mine);
+    let reports = pg.all_gather_agreed(write(&tmp));
     // 3. Rank 0 writes `.metadata` last and renames the directory into place.
     let outcome = (rank == 0).then(|| {
         let result = reports.and_then(|r| commit(r.into_iter().flatten().collect(), &tmp, dir));
@@ -127,6 +158,112 @@ pub fn save_dcp<T: Tensor>(
         result
     });
     pg.broadcast_agreed(outcome.as_ref(), 0)
+}
+
+/// Writes `__{rank}_0.distcp` for [`save_sharded_dcp`].
+fn write_sharded_rank<T: Tensor>(
+    rank: usize,
+    osd: &OptimStateDict<T>,
+    model: Option<&indexmap::IndexMap<String, Value<T>>>,
+    tmp: &Path,
+) -> Result<RankChunks> {
+    let mut out = DataFile::create(tmp, rank)?;
+    let mut keys = Keys::default();
+    for (k, st) in &osd.state {
+        for (name, v) in st {
+            let s = Slot::State(key_name(k), name.clone());
+            write_sharded_value(rank, &s, v, &mut out, &mut keys)?;
+        }
+    }
+    for (fqn, v) in model.into_iter().flatten() {
+        write_sharded_value(rank, &Slot::Model(fqn.clone()), v, &mut out, &mut keys)?;
+    }
+    if rank == 0 {
+        let groups = osd
+            .param_groups
+            .iter()
+            .flatten()
+            .map(|g| g.try_map(&mut |t: &T| t.to_host()))
+            .collect::<Result<Vec<_>>>()?;
+        write_param_groups(&groups, &mut out, &mut keys)?;
+    }
+    out.finish(keys.list)
+}
+
+/// One value of a sharded dict: this rank's box of a [`Value::Sharded`] tensor, or (on rank 0)
+/// a value stored whole.
+fn write_sharded_value<T: Tensor>(
+    rank: usize,
+    s: &Slot,
+    v: &Value<T>,
+    out: &mut DataFile,
+    keys: &mut Keys,
+) -> Result<()> {
+    match v {
+        Value::Sharded(sh) => {
+            // A rank without rows of this tensor knows no dtype: the others report it.
+            let Some(t) = &sh.local else { return Ok(()) };
+            let kind = Kind::Tensor {
+                dtype: t.dtype(),
+                shape: sh.global_shape.clone(),
+            };
+            let ki = keys.get(s, kind);
+            if t.numel() > 0 {
+                let c = Chunk {
+                    offsets: sh.offsets.clone(),
+                    sizes: t.shape(),
+                };
+                let bytes = torch_save::save_to_bytes(&PyObj::Tensor(t.to_host()?))?;
+                out.push(ki, c, &bytes)?;
+            }
+            Ok(())
+        }
+        other if rank == 0 => {
+            let h = other.try_map(&mut |t: &T| t.to_host())?;
+            let ki = keys.get(s, whole_kind(&h));
+            out.write_whole(ki, &s.key(), &h)
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The optimizer state of a DCP directory one parameter at a time, reading only that
+/// parameter's entries: calls `each(fqn, state)` in metadata order (state names as stored),
+/// then returns the param groups (parameters by name). Memory: one parameter's whole state.
+pub fn read_optim_by_param(
+    dir: &Path,
+    mut each: impl FnMut(&str, ParamState) -> Result<()>,
+) -> Result<Option<Vec<crate::optim_state::ParamGroup>>> {
+    let ckpt = DcpCheckpoint::open(dir)?;
+    let mut order: Vec<String> = Vec::new();
+    let mut by_fqn: HashMap<String, Vec<usize>> = HashMap::new();
+    let mut groups = Vec::new();
+    for (i, e) in ckpt.metadata().entries.iter().enumerate() {
+        match e.path.as_deref() {
+            Some([PathItem::Key(a), PathItem::Key(b), PathItem::Key(fqn), _])
+                if a == "optim" && b == "state" =>
+            {
+                let at = by_fqn.entry(fqn.clone()).or_default();
+                if at.is_empty() {
+                    order.push(fqn.clone());
+                }
+                at.push(i);
+            }
+            Some([PathItem::Key(a), PathItem::Key(b), ..])
+                if a == "optim" && b == "param_groups" =>
+            {
+                groups.push(i)
+            }
+            _ => {}
+        }
+    }
+    for fqn in &order {
+        let mut one = read_optim(&ckpt, dir, &by_fqn[fqn])?;
+        if let Some((_, st)) = one.state.pop() {
+            each(fqn, st)?;
+        }
+    }
+    Ok(read_optim(&ckpt, dir, &groups)?.param_groups)
 }
 
 /// Removes stale temporaries, checks the replace rule, creates the temporary sibling.
@@ -167,6 +304,18 @@ fn write_rank<T: Tensor>(
     plan_pieces(layout, lr, &saved, &mut report, &mut plan)?;
     let n_optim = report.len();
     plan_pieces(layout, lr, &model_saved, &mut report, &mut plan)?;
+    let aliases_of = |s: &Slot| -> Vec<Slot> {
+        match s {
+            Slot::Model(fqn) => layout
+                .model
+                .tied
+                .iter()
+                .filter(|(_, primary)| *primary == fqn)
+                .map(|(alias, _)| Slot::Model(alias.clone()))
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
     let slot = |k: usize, name: &str| {
         let fqn = report[k].0.names[0].clone();
         if k >= n_optim {
@@ -188,6 +337,9 @@ fn write_rank<T: Tensor>(
                 LocalValue::Value(v) => whole_kind(v),
             };
             let s = slot(k, name);
+            for alias in aliases_of(&s) {
+                keys.get(&alias, kind.clone());
+            }
             let ki = keys.get(&s, kind);
             // A rank may hold no element of a parameter yet its scalar state; each holder
             // writes its (tiny, equal) copy and rank 0 records the lowest rank's.
@@ -201,8 +353,15 @@ fn write_rank<T: Tensor>(
         let (name, LocalValue::Tensor { dtype, shape, .. }) = &report[k].1[si] else {
             continue;
         };
-        let ki = keys.index[&slot(k, name)];
-        out.write_boxes(ki, *dtype, shape, start, len, plan.data[i])?;
+        let s = slot(k, name);
+        // A tied parameter's boxes go under each of its names, as `model.state_dict()` lists
+        // it under each (PyTorch writes the bytes once per key too).
+        for ki in std::iter::once(&s)
+            .chain(&aliases_of(&s))
+            .map(|s| keys.index[s])
+        {
+            out.write_boxes(ki, *dtype, shape, start, len, plan.data[i])?;
+        }
     }
     if lr == 0 {
         write_dict_parts(layout, &local, osd, &mut out, &mut keys)?;
@@ -265,7 +424,16 @@ fn write_dict_parts<T: Tensor>(
             out.write_whole(ki, &s.key(), v)?;
         }
     }
-    for (i, g) in parts.param_groups.iter().flatten().enumerate() {
+    write_param_groups(parts.param_groups.as_deref().unwrap_or_default(), out, keys)
+}
+
+/// The param groups as `optim.param_groups.<i>.<option>` values and a `params` list of names.
+fn write_param_groups(
+    groups: &[crate::optim_state::ParamGroup<HostTensor>],
+    out: &mut DataFile,
+    keys: &mut Keys,
+) -> Result<()> {
+    for (i, g) in groups.iter().enumerate() {
         for (option, v) in &g.options {
             let s = Slot::Group(i, option.clone());
             let ki = keys.get(&s, whole_kind(v));

@@ -33,7 +33,7 @@ mod stream;
 mod summary;
 
 pub use background::{BackgroundSaver, SaveMode};
-pub use dcp::{load_dcp, save_dcp};
+pub use dcp::{load_dcp, read_optim_by_param, save_dcp, save_sharded_dcp};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,

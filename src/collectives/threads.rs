@@ -334,8 +334,10 @@ impl ProcessGroup for ThreadProcessGroup {
         })
     }
 
-    /// Every rank copies its own part out of the root's buffers, so the copies run in
-    /// parallel.
+    /// The ranks share the copying: the root's parts, laid end to end, are cut into one equal
+    /// byte range per rank, and each rank copies its range into the receivers' buffers. So the
+    /// root, which often keeps its own part in place and receives nothing, copies as much as
+    /// any peer, and a large part is copied by every rank at once.
     fn scatter_into(&self, send: Option<&[&[u8]]>, recv: &mut [u8], root: usize) -> Result<()> {
         let ws = self.world_size();
         let op = Call::ScatterInto {
@@ -348,6 +350,7 @@ impl ProcessGroup for ThreadProcessGroup {
                 .and(args::scatter_root(send.map(<[&[u8]]>::len), is_root, ws));
         let mut publish = Publish {
             recv_len: recv.len(),
+            recv: RawMut::new(recv),
             ..Publish::default()
         };
         if let (true, Ok(()), Some(parts)) = (is_root, &valid, send) {
@@ -356,7 +359,20 @@ impl ProcessGroup for ThreadProcessGroup {
         let rank = self.rank;
         // Part lengths were matched against every receive buffer at arrival.
         self.collective(op, publish, valid, |round| {
-            recv.copy_from_slice(round.part_of(root, rank))
+            let lens: Vec<usize> = (0..ws).map(|q| round.part_of(root, q).len()).collect();
+            let (lo, hi) = share_of(lens.iter().sum(), ws, rank);
+            let mut start = 0;
+            for (q, len) in lens.into_iter().enumerate() {
+                let (a, b) = (lo.max(start), hi.min(start + len));
+                if a < b {
+                    // Shares are disjoint, so so are the ranges ranks write.
+                    let (from, n) = (a - start, b - a);
+                    round
+                        .recv_range_of(q, from, n)
+                        .copy_from_slice(&round.part_of(root, q)[from..from + n]);
+                }
+                start += len;
+            }
         })
     }
 
@@ -437,6 +453,13 @@ impl ThreadProcessGroup {
     }
 }
 
+/// Rank `rank`'s byte range `[lo, hi)` of `total` bytes copied by `ws` ranks together:
+/// consecutive equal shares (the last ones shorter or empty).
+fn share_of(total: usize, ws: usize, rank: usize) -> (usize, usize) {
+    let share = total.div_ceil(ws.max(1));
+    ((rank * share).min(total), ((rank + 1) * share).min(total))
+}
+
 /// A send buffer published by a rank for the current round.
 #[derive(Clone, Copy)]
 struct RawBytes {
@@ -468,7 +491,8 @@ impl Default for RawBytes {
     }
 }
 
-/// A receive buffer that peers write into (the root's buffer of `gather_into`).
+/// A receive buffer that peers write into (the root's buffer of `gather_into`, every
+/// receiver's of `scatter_into`).
 #[derive(Clone, Copy)]
 struct RawMut {
     ptr: *mut u8,
@@ -531,7 +555,7 @@ impl Round {
     }
 
     /// Bytes `[start, start + len)` of the buffer `root` receives into in this round
-    /// (`gather_into`). Each rank of the round must ask for a range no other rank asks for.
+    /// (`gather_into`, `scatter_into`). Each rank of the round must ask for a range no other rank asks for.
     ///
     /// # Panics
     ///

@@ -4,7 +4,8 @@
 
 WRAPPER is `fsdp2` (`fully_shard`), `fsdp1_flat` or `fsdp1_orig` (FSDP1 with
 `use_orig_params` False or True), wrapping `gen.py`'s `Net` (untied, nothing frozen) as
-`gen.py` does. For each case, WS gloo ranks on CPU each build the model and an Adam
+`gen.py` does; a `+tied` suffix (e.g. `fsdp2+tied`) takes the `Net` whose `out.weight` is
+`embed.weight`. For each case, WS gloo ranks on CPU each build the model and an Adam
 optimizer, take `get_optimizer_state_dict` (sharded), `dcp.load` the directory into it and
 `set_optimizer_state_dict` it. EXPECTED.pt holds `{"optim": the full optimizer dict (keyed by
 names) the crate saved}` and, when the directory holds the model too, `"model": {fqn:
@@ -84,7 +85,8 @@ def worker(rank, ws, port, ckpt, expected, wrapper, out):
     torch.manual_seed(1)
     try:
         want = torch.load(expected, weights_only=True)
-        model = wrap(wrapper, Net(False, False), ws)
+        kind, _, tied = wrapper.partition("+")
+        model = wrap(kind, Net(tied == "tied", False), ws)
         optim = torch.optim.Adam(model.parameters(), lr=0.5)
         state = {"optim": get_optimizer_state_dict(model, optim)}
         if "model" in want:
