@@ -404,4 +404,30 @@ mod tests {
             assert_eq!(c.bytes().as_ptr() as usize % 8, 0, "8-byte aligned");
         }
     }
+
+    #[test]
+    fn buffers_for_reads_and_for_overwrite_hold_what_is_written_at_every_size() {
+        // Fresh mappings for reads are placed without the 2 MiB alignment and huge-page advice
+        // of the others; both must still be whole, writable and 8-byte aligned.
+        for len in [
+            0,
+            1,
+            MAPPED_THRESHOLD,
+            2 * 1024 * 1024 + 4097,
+            5 * 1024 * 1024,
+        ] {
+            for mut s in [Storage::for_reads(len), Storage::for_overwrite(len)] {
+                assert_eq!(s.len(), len);
+                for (i, b) in s.bytes_mut().iter_mut().enumerate() {
+                    *b = (i % 253) as u8;
+                }
+                assert!(s
+                    .bytes()
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i % 253) as u8));
+                assert_eq!(s.bytes().as_ptr() as usize % 8, 0, "length {len}");
+            }
+        }
+    }
 }
