@@ -228,9 +228,12 @@ fn raw_read(path: &Path) -> f64 {
     secs
 }
 
+/// A timed copy of one file into another: seconds.
+type CopyFn = fn(&Path, &Path) -> f64;
+
 /// Ways to copy one file into another (then `fsync` it): the best of them is what this machine
 /// can do for an operation that reads every byte and writes it out again.
-const COPIES: [(&str, fn(&Path, &Path) -> f64); 4] = [
+const COPIES: [(&str, CopyFn); 4] = [
     ("copy 1MiB", |s, d| copy_chunked(s, d, CHUNK, false)),
     ("copy 16MiB+wb", |s, d| copy_chunked(s, d, 16 * CHUNK, true)),
     ("copy_file_range", copy_in_kernel),
