@@ -617,7 +617,10 @@ mod tests {
     #[test]
     fn a_state_of_another_dtype_than_the_description_is_named_in_local_and_full_dicts() {
         let as_f64 = |osd: &mut OptimStateDict| {
-            let st = osd.state.get_mut(&ParamKey::Name("a.weight".into())).unwrap();
+            let st = osd
+                .state
+                .get_mut(&ParamKey::Name("a.weight".into()))
+                .unwrap();
             let Some(Value::Tensor(t)) = st.get("exp_avg") else {
                 panic!("exp_avg")
             };
