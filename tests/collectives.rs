@@ -171,7 +171,11 @@ fn a_scatter_where_the_root_keeps_nothing_delivers_every_byte_of_the_large_parts
             pg.scatter_into(send, &mut recv, 0).map(|()| recv)
         });
         for (rank, recv) in received.into_iter().enumerate() {
-            assert_eq!(recv.unwrap(), parts[rank], "world size {world_size}, rank {rank}");
+            assert_eq!(
+                recv.unwrap(),
+                parts[rank],
+                "world size {world_size}, rank {rank}"
+            );
         }
     }
 }

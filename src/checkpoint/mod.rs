@@ -39,7 +39,7 @@ pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKPOINT_DIR, CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
-pub use reshard::{reshard, reshard_with};
+pub use reshard::{reshard, reshard_in_group, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
 pub use summary::{FileSummary, Summary};
