@@ -361,8 +361,8 @@ mod launcher {
         Ok(None)
     }
 
-    /// Runs a command as one process of `pg`: `reshard` splits its work across the
-    /// processes; any other command runs on process 0 alone while the others wait for its
+    /// Runs a command as one process of `pg`: `reshard`, and `consolidate` of the crate's
+    /// checkpoint to `.safetensors`, split their work across the processes; any other command runs on process 0 alone while the others wait for its
     /// outcome. Only process 0 draws progress and prints; every process returns the same
     /// error.
     pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
@@ -382,6 +382,9 @@ mod launcher {
                 pg,
                 &p,
             ),
+            Command::Consolidate { input, output } if ops::consolidate_splits(&input, &output) => {
+                ops::consolidate_in_group(&input, &output, pg, &p)
+            }
             _ => return on_root_alone(cli, pg),
         };
         let written = written?;

@@ -596,6 +596,56 @@ pub fn reshard_in_group(
     })
 }
 
+/// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from
+/// the crate's checkpoint directory to `.safetensors` (a file whose layout is known before
+/// any byte is written). Other consolidations run on one process.
+pub fn consolidate_splits(input: &Path, out: &Path) -> bool {
+    !dcp::is_dcp_dir(input) && matches!(FileFormat::from_path(out), Ok(FileFormat::Safetensors))
+}
+
+/// [`consolidate`] of the crate's checkpoint directory to `.safetensors` as one process of a
+/// job (`mpirun -np N fsdp-ckpt consolidate …`; see [`consolidate_splits`]): every process
+/// of `pg` calls it with the same arguments and writes its share of the file's byte ranges
+/// ([`checkpoint::consolidate_to_safetensors_in_group`]); process 0 installs it. The file
+/// is byte for byte what [`consolidate`] writes; a failure on any process fails all of them
+/// with the same error and leaves `out` as it was. `p` reports this process's share.
+pub fn consolidate_in_group(
+    input: &Path,
+    out: &Path,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    if !consolidate_splits(input, out) {
+        return Err(Error::Unsupported(format!(
+            "consolidate {} {} split across processes: only the crate's checkpoint directory to .safetensors splits",
+            input.display(),
+            out.display()
+        )));
+    }
+    on_root(pg, || {
+        output::check_not_overlapping(out, &[input])?;
+        clean_stale(p, out, None)
+    })?;
+    pg.agree(checkpoint::read_manifest(input))?;
+    p.start("consolidating (this process's share)", None);
+    let written = checkpoint::consolidate_to_safetensors_in_group(input, out, pg, |b| p.update(b));
+    p.finish();
+    let written = written?;
+    Ok(Written {
+        operation: "consolidate",
+        output: out.to_path_buf(),
+        tensor_bytes: written,
+        count: None,
+        world_size: None,
+        message: format!(
+            "consolidated {} -> {} on {} processes: {written} bytes of tensor state",
+            input.display(),
+            out.display(),
+            pg.world_size()
+        ),
+    })
+}
+
 /// Runs `f` on process 0 of `pg` and gives every process its value or its error.
 fn on_root<T: Serialize + serde::de::DeserializeOwned>(
     pg: &dyn ProcessGroup,

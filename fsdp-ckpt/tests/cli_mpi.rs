@@ -40,7 +40,22 @@ fn main() {
         }),
         (
             "reshard_failing_on_one_process_fails_all_with_one_error_np2",
-            reshard_failure_on_process_1,
+            || failure_on_process_1("reshard"),
+        ),
+        (
+            "consolidate_safetensors_np2_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(2, "safetensors"),
+        ),
+        (
+            "consolidate_safetensors_np3_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(3, "safetensors"),
+        ),
+        ("consolidate_pt_np2_runs_on_process_0_alone", || {
+            consolidate_matches_single_process(2, "pt")
+        }),
+        (
+            "consolidate_failing_on_one_process_fails_all_with_one_error_np2",
+            || failure_on_process_1("consolidate"),
         ),
     ];
     let selected: Vec<_> = cases
@@ -228,11 +243,41 @@ fn reshard_matches_single_process(np: usize) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// A corrupt block that only process 1 reads (the end of input rank 7's file, which output
-/// rank 1 of 2 holds): both processes fail with the error the tool alone gives, and neither
-/// the output nor a temporary is left.
-fn reshard_failure_on_process_1() {
-    let root = scratch("reshard-fail");
+/// The 8-rank checkpoint consolidated to `full.EXT` by the tool alone and by N processes
+/// (in two directories: a torch.save archive is named after its file): the same file, byte
+/// for byte (`.safetensors` is split across the processes, `.pt` is written by process 0
+/// alone).
+fn consolidate_matches_single_process(np: usize, ext: &str) {
+    let root = scratch(&format!("consolidate-{ext}-np{np}"));
+    let ckpt = root.join("ckpt8");
+    saved_checkpoint(&ckpt, 8);
+    let alone = root.join("alone").join(format!("full.{ext}"));
+    let job = root.join("job").join(format!("full.{ext}"));
+    std::fs::create_dir(root.join("alone")).unwrap();
+    std::fs::create_dir(root.join("job")).unwrap();
+    tool::ok(&tool::run(&[&"consolidate", &ckpt, &alone]));
+    let outcome = mpirun(np, &[&"consolidate", &ckpt, &job]);
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "consolidate at {np} processes failed: {}",
+        outcome.describe()
+    );
+    assert!(
+        std::fs::read(&alone).unwrap() == std::fs::read(&job).unwrap(),
+        "{ext} differs between 1 and {np} processes"
+    );
+    assert_eq!(outcome.stderr.matches("consolidated ").count(), 1);
+    let full = format!("full.{ext}");
+    assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
+    assert_eq!(names_in(&root.join("job")), [full.as_str()]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A corrupt block that only process 1 reads (the end of input rank 7's file: output rank 1
+/// of 2 holds it, and the consolidated file's last tensors): every process fails with the
+/// error the tool alone gives, and neither the output nor a temporary is left.
+fn failure_on_process_1(command: &str) {
+    let root = scratch(&format!("{command}-fail"));
     let ckpt = root.join("ckpt8");
     saved_checkpoint(&ckpt, 8);
     let file = ckpt.join("rank7.safetensors");
@@ -240,12 +285,29 @@ fn reshard_failure_on_process_1() {
     let last = bytes.len() - 3;
     bytes[last] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
-    let out = root.join("out");
+    let (out, args): (PathBuf, Vec<std::ffi::OsString>) = if command == "reshard" {
+        let out = root.join("out");
+        let args = vec![
+            "reshard".into(),
+            ckpt.clone().into(),
+            out.clone().into(),
+            "--world-size".into(),
+            "2".into(),
+        ];
+        (out, args)
+    } else {
+        let out = root.join("out.safetensors");
+        (
+            out.clone(),
+            vec!["consolidate".into(), ckpt.clone().into(), out.into()],
+        )
+    };
+    let args: Vec<&dyn AsRef<OsStr>> = args.iter().map(|s| s as &dyn AsRef<OsStr>).collect();
     let alone = tool::fails(
-        &tool::run(&[&"reshard", &ckpt, &out, &"--world-size", &"2"]),
+        &tool::run(&args),
         &["rank7.safetensors", "fails its checksum"],
     );
-    let outcome = mpirun(2, &[&"reshard", &ckpt, &out, &"--world-size", &"2"]);
+    let outcome = mpirun(2, &args);
     assert!(
         outcome.status.is_some_and(|s| !s.success()),
         "{}",

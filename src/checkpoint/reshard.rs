@@ -121,7 +121,7 @@ pub fn reshard_in_group(
     let policy = policy.unwrap_or(&old.policy).clone();
     let layout = pg.agree(ModelLayout::new(&old.model, &policy, world_size))?;
     let job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
-    let tmp = on_root(pg, || super::prepare_output(dst, &[src]))?;
+    let tmp = super::on_root(pg, || super::prepare_output(dst, &[src]))?;
     let mut job = job;
     // Copying: each process writes its share of the rank files.
     let mine = (pg.rank()..world_size)
@@ -136,7 +136,7 @@ pub fn reshard_in_group(
             let copied = all.iter().map(|(_, c)| c).sum::<u64>();
             let mut files: Vec<RankWritten> = all.into_iter().flat_map(|(f, _)| f).collect();
             files.sort_by_key(|w| w.rank);
-            on_root(pg, || {
+            super::on_root(pg, || {
                 let done = job.commit(&tmp, files).and_then(|()| install(&tmp, dst));
                 done.map(|()| copied)
             })
@@ -147,18 +147,6 @@ pub fn reshard_in_group(
         crate::io::output::discard_tmp_dir(&tmp);
     }
     committed
-}
-
-/// Runs `f` on process 0 of `pg` and gives every process its value or its error.
-fn on_root<T: Serialize + serde::de::DeserializeOwned>(
-    pg: &dyn ProcessGroup,
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    if pg.rank() == 0 {
-        pg.broadcast_agreed(Some(&f()), 0)
-    } else {
-        pg.broadcast_agreed(None, 0)
-    }
 }
 
 /// One offline reshard in progress: the saved records, where each goes in the new layout,
