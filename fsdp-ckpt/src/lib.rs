@@ -326,7 +326,7 @@ fn run_alone(cli: Cli) -> Result<()> {
         } => ops::reshard(&input, &output, world_size as usize, policy.as_deref(), &p)?,
         Command::Consolidate { input, output } => ops::consolidate(&input, &output, &p)?,
     };
-    eprintln!("{}", written.message);
+    eprint_line(&written.message);
     Ok(())
 }
 
