@@ -317,13 +317,7 @@ fn check_state_shapes(
                     });
                 }
             }
-            if t.dtype() != dtype {
-                return Err(Error::DtypeMismatch {
-                    context: format!("{} (the model description's dtype)", context()),
-                    expected: dtype.to_string(),
-                    found: t.dtype().to_string(),
-                });
-            }
+            check_dtype(t.dtype(), dtype, context)?;
         }
     }
     Ok(())
@@ -801,4 +795,21 @@ mod tests {
             1
         );
     }
+}
+
+/// A state tensor of dtype `found` where the model description says `expected`: an error
+/// naming where (`context`).
+fn check_dtype(
+    found: crate::tensor::DType,
+    expected: crate::tensor::DType,
+    context: impl FnOnce() -> String,
+) -> Result<()> {
+    if found == expected {
+        return Ok(());
+    }
+    Err(Error::DtypeMismatch {
+        context: format!("{} (the model description's dtype)", context()),
+        expected: expected.to_string(),
+        found: found.to_string(),
+    })
 }

@@ -448,19 +448,7 @@ fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_
         ("from_pt", "expected.pt", "2", "fsdp2"),
         ("from_ckpt", "expected.pt", "2", "fsdp1_flat"),
     ];
-    let mut cmd = std::process::Command::new(python());
-    cmd.arg(golden("load_in_torch.py"));
-    for (dir, expected, ws, wrapper) in cases {
-        cmd.arg(p(dir)).arg(p(expected)).arg(ws).arg(wrapper);
-    }
-    let out = cmd.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
+    load_in_torch(cases.map(|(dir, expected, ws, wrapper)| (p(dir), p(expected), ws, wrapper)));
 }
 
 #[test]
@@ -560,19 +548,7 @@ fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_s
         ("fsdp2_ws4", "3", "fsdp2"),
         ("fsdp2_ws4", "2", "fsdp1_flat"),
     ];
-    let mut cmd = std::process::Command::new(python());
-    cmd.arg(golden("load_in_torch.py"));
-    for (dir, ws, wrapper) in cases {
-        cmd.arg(p(dir)).arg(p("expected.pt")).arg(ws).arg(wrapper);
-    }
-    let out = cmd.output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
+    load_in_torch(cases.map(|(dir, ws, wrapper)| (p(dir), p("expected.pt"), ws, wrapper)));
 }
 
 #[test]
@@ -716,10 +692,16 @@ fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_mo
         ("fsdp2_ws4", "fsdp2.pt", "3", "fsdp1_orig+tied"),
         ("fsdp1_ws2", "fsdp1.pt", "3", "fsdp2+tied"),
     ];
+    load_in_torch(cases.map(|(dir, expected, ws, wrapper)| (p(dir), p(expected), ws, wrapper)));
+}
+
+/// Runs `load_in_torch.py` on `(directory, expected dict file, world size, wrapper)` cases:
+/// PyTorch loads each directory into that wrapping and finds the expected dicts.
+fn load_in_torch<const N: usize>(cases: [(PathBuf, PathBuf, &str, &str); N]) {
     let mut cmd = std::process::Command::new(python());
     cmd.arg(golden("load_in_torch.py"));
-    for (dir, expected, ws, wrapper) in cases {
-        cmd.arg(p(dir)).arg(p(expected)).arg(ws).arg(wrapper);
+    for (dir, expected, ws, wrapper) in &cases {
+        cmd.arg(dir).arg(expected).arg(ws).arg(wrapper);
     }
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -728,5 +710,5 @@ fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_mo
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(stdout.matches(": ok").count(), cases.len(), "{stdout}");
+    assert_eq!(stdout.matches(": ok").count(), N, "{stdout}");
 }

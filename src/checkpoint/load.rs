@@ -249,7 +249,7 @@ impl<'m> Reader<'m> {
         start: usize,
     ) -> Result<HostTensor> {
         let size = dtype.size();
-        HostTensor::filled_by(dtype, shape, |dst| {
+        HostTensor::filled_by_reads(dtype, shape, |dst| {
             self.read_range(tensor, pieces, size, start, dst)
         })
     }
@@ -396,7 +396,7 @@ impl CheckpointSource<'_> {
         let size = dtype.size();
         let pieces = fl.shard_pieces(self.rank);
         let reader = &mut self.reader;
-        HostTensor::filled_by(dtype, &[fl.shard_numel()], |dst| {
+        HostTensor::filled_by_reads(dtype, &[fl.shard_numel()], |dst| {
             let mut pos = 0;
             for piece in &pieces {
                 let (len, member) = match *piece {

@@ -299,13 +299,7 @@ fn check_shapes_and_dtypes(
                     found: t.shape().to_vec(),
                 });
             }
-            if t.dtype() != p.dtype {
-                return Err(Error::DtypeMismatch {
-                    context: format!("{} (the model description's dtype)", context()),
-                    expected: p.dtype.to_string(),
-                    found: t.dtype().to_string(),
-                });
-            }
+            super::check_dtype(t.dtype(), p.dtype, context)?;
         }
     }
     Ok(())
@@ -473,13 +467,7 @@ fn check_full_states(layout: &ParamLayout, full: &OptimStateDict, by_name: &[usi
                     found: t.shape().to_vec(),
                 });
             }
-            if t.dtype() != p.dtype {
-                return Err(Error::DtypeMismatch {
-                    context: format!("{} (the model description's dtype)", context()),
-                    expected: p.dtype.to_string(),
-                    found: t.dtype().to_string(),
-                });
-            }
+            super::check_dtype(t.dtype(), p.dtype, context)?;
         }
     }
     Ok(())
@@ -624,6 +612,37 @@ mod tests {
                 .to_vec(),
         }]);
         full
+    }
+
+    #[test]
+    fn a_state_of_another_dtype_than_the_description_is_named_in_local_and_full_dicts() {
+        let as_f64 = |osd: &mut OptimStateDict| {
+            let st = osd
+                .state
+                .get_mut(&ParamKey::Name("a.weight".into()))
+                .unwrap();
+            let Some(Value::Tensor(t)) = st.get("exp_avg") else {
+                panic!("exp_avg")
+            };
+            let v: Vec<f64> = vec![0.0; t.numel()];
+            let wide = HostTensor::from_slice(&v, t.shape()).unwrap();
+            st.insert("exp_avg".into(), Value::Tensor(wide));
+        };
+        let mut ranks = shard_full_dict(&spec(true), &full(), 2).unwrap();
+        as_f64(&mut ranks[1]);
+        let mut wide_full = full();
+        as_f64(&mut wide_full);
+        for err in [
+            consolidate_local_dicts(&spec(true), &ranks).unwrap_err(),
+            shard_full_dict(&spec(true), &wide_full, 2).unwrap_err(),
+        ] {
+            assert!(
+                matches!(&err, Error::DtypeMismatch { context, expected, found }
+                    if context.contains("a.weight") && context.contains("exp_avg")
+                        && expected == "torch.float32" && found == "torch.float64"),
+                "{err:?}"
+            );
+        }
     }
 
     #[test]

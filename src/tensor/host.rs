@@ -45,7 +45,26 @@ impl HostTensor {
         fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
     ) -> std::result::Result<Self, E> {
         let nbytes = numel_of(shape) * dtype.size();
-        let mut storage = Storage::for_overwrite(nbytes);
+        Self::with_storage(dtype, shape, Storage::for_overwrite(nbytes), fill)
+    }
+
+    /// [`HostTensor::filled_by`] for a `fill` that reads the bytes from files (a checkpoint
+    /// load): a fresh buffer is mapped in small pages ([`Storage::for_reads`] says why).
+    pub(crate) fn filled_by_reads<E>(
+        dtype: DType,
+        shape: &[usize],
+        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
+        let nbytes = numel_of(shape) * dtype.size();
+        Self::with_storage(dtype, shape, Storage::for_reads(nbytes), fill)
+    }
+
+    fn with_storage<E>(
+        dtype: DType,
+        shape: &[usize],
+        mut storage: Storage,
+        fill: impl FnOnce(&mut [u8]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
         fill(storage.bytes_mut())?;
         Ok(HostTensor {
             dtype,

@@ -6,7 +6,9 @@
 //! page clear per page — is most of the cost of creating it: copying 800 MB into fresh 4 KiB
 //! pages ran at a tenth of `memcpy` speed on the benchmark host. Two remedies:
 //! - mapping 2 MiB-aligned and advising `MADV_HUGEPAGE` turns 512 faults into one (PyTorch's
-//!   CPU allocator gives the same advice under `THP_MEM_ALLOC_ENABLE`);
+//!   CPU allocator gives the same advice under `THP_MEM_ALLOC_ENABLE`). Buffers that reads
+//!   from files fill ([`Storage::for_reads`]) are the exception: a fresh huge page can cost
+//!   more than the disk read it receives (see there);
 //! - a dropped large buffer is kept in a process-wide cache, bounded by
 //!   [`set_buffer_cache_limit`], and reused by the next allocation of about its size, so a job
 //!   that checkpoints repeatedly pays the page faults once (the idea of PyTorch's caching
@@ -32,19 +34,30 @@ enum Buf {
 impl Storage {
     /// `nbytes` zero bytes.
     pub(crate) fn zeroed(nbytes: usize) -> Self {
-        Self::new(nbytes, true)
+        Self::new(nbytes, true, true)
     }
 
     /// `nbytes` bytes of unspecified (but initialised) content, for a caller that overwrites
     /// all of them: a recycled buffer keeps what its previous tensor held.
     pub(crate) fn for_overwrite(nbytes: usize) -> Self {
-        Self::new(nbytes, false)
+        Self::new(nbytes, false, true)
     }
 
-    fn new(nbytes: usize, zero: bool) -> Self {
+    /// [`Storage::for_overwrite`] for bytes that reads from files will fill (a checkpoint
+    /// load): a fresh mapping gets no huge-page advice. Such a load is paced by the disk, and
+    /// its first touch of fresh memory is what makes the first call in a process slower than
+    /// later ones (which reuse cached buffers): on the benchmark VM, the first load of a 2 GiB
+    /// checkpoint took about twice as long in huge pages as in 4 KiB pages (the kernel hands
+    /// out huge pages from free memory the hypervisor has reclaimed, and each one is faulted
+    /// back in whole), while later loads ran alike.
+    pub(crate) fn for_reads(nbytes: usize) -> Self {
+        Self::new(nbytes, false, false)
+    }
+
+    fn new(nbytes: usize, zero: bool, huge: bool) -> Self {
         #[cfg(target_os = "linux")]
         if nbytes >= MAPPED_THRESHOLD {
-            if let Some(m) = mapped::take(nbytes, zero) {
+            if let Some(m) = mapped::take(nbytes, zero, huge) {
                 return Storage {
                     buf: Buf::Mapped(m),
                     nbytes,
@@ -219,8 +232,9 @@ mod mapped {
     }
 
     /// A mapping for `len` bytes: a cached one of about that size (zeroed if `zero`), else a
-    /// fresh one. `None` when the kernel refuses a fresh mapping.
-    pub(super) fn take(len: usize, zero: bool) -> Option<Mapping> {
+    /// fresh one (advised into huge pages if `huge`). `None` when the kernel refuses a fresh
+    /// mapping.
+    pub(super) fn take(len: usize, zero: bool, huge: bool) -> Option<Mapping> {
         let need = len.checked_next_multiple_of(page_size())?;
         // Reuse a mapping at most an eighth larger than needed.
         let reused = cache().take_fit(need, need.saturating_add(need / 8));
@@ -232,7 +246,7 @@ mod mapped {
                 }
                 Some(m)
             }
-            None => Mapping::new(len),
+            None => Mapping::new(len, huge),
         }
     }
 
@@ -265,7 +279,8 @@ mod mapped {
         cache().shrink_to(0);
     }
 
-    /// An anonymous private mapping that starts on a 2 MiB boundary, advised into huge pages.
+    /// An anonymous private mapping; one that can hold a huge page starts on a 2 MiB boundary
+    /// and is advised into huge pages, unless made for reads ([`super::Storage::for_reads`]).
     pub(super) struct Mapping {
         ptr: NonNull<u8>,
         /// Requested length in bytes.
@@ -286,12 +301,13 @@ mod mapped {
     }
 
     impl Mapping {
-        /// `len` zero bytes, or `None` if the kernel refuses the mapping (the caller falls back
-        /// to the heap, which then reports a failure the usual way).
-        fn new(len: usize) -> Option<Self> {
+        /// `len` zero bytes (in huge pages if `huge` and large enough), or `None` if the kernel
+        /// refuses the mapping (the caller falls back to the heap, which then reports a failure
+        /// the usual way).
+        fn new(len: usize, huge: bool) -> Option<Self> {
             let mapped = len.checked_next_multiple_of(page_size())?;
             // Only a buffer that can hold a huge page is worth aligning to one.
-            let huge = mapped >= HUGE_PAGE;
+            let huge = huge && mapped >= HUGE_PAGE;
             let reserve = mapped.checked_add(if huge { HUGE_PAGE } else { 0 })?;
             // SAFETY: a fresh anonymous mapping; no existing memory is affected.
             let base = unsafe {
@@ -386,6 +402,32 @@ mod tests {
                 .enumerate()
                 .all(|(i, &b)| b == (i % 251) as u8));
             assert_eq!(c.bytes().as_ptr() as usize % 8, 0, "8-byte aligned");
+        }
+    }
+
+    #[test]
+    fn buffers_for_reads_and_for_overwrite_hold_what_is_written_at_every_size() {
+        // Fresh mappings for reads are placed without the 2 MiB alignment and huge-page advice
+        // of the others; both must still be whole, writable and 8-byte aligned.
+        for len in [
+            0,
+            1,
+            MAPPED_THRESHOLD,
+            2 * 1024 * 1024 + 4097,
+            5 * 1024 * 1024,
+        ] {
+            for mut s in [Storage::for_reads(len), Storage::for_overwrite(len)] {
+                assert_eq!(s.len(), len);
+                for (i, b) in s.bytes_mut().iter_mut().enumerate() {
+                    *b = (i % 253) as u8;
+                }
+                assert!(s
+                    .bytes()
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == (i % 253) as u8));
+                assert_eq!(s.bytes().as_ptr() as usize % 8, 0, "length {len}");
+            }
         }
     }
 }
