@@ -131,22 +131,28 @@ pub fn reshard_in_group(
         .map(|files| (files, job.copied));
     let gathered = pg.all_gather_agreed(mine);
     // Commit, on process 0 once all succeeded; every process learns its outcome.
-    let committed = match gathered {
+    match gathered {
         Ok(all) => {
             let copied = all.iter().map(|(_, c)| c).sum::<u64>();
             let mut files: Vec<RankWritten> = all.into_iter().flat_map(|(f, _)| f).collect();
             files.sort_by_key(|w| w.rank);
             super::on_root(pg, || {
-                let done = job.commit(&tmp, files).and_then(|()| install(&tmp, dst));
-                done.map(|()| copied)
+                // As in `reshard_with`: a failed install leaves its temporary to the next
+                // run's cleanup (it may hold the previous checkpoint moved aside).
+                if let Err(e) = job.commit(&tmp, files) {
+                    crate::io::output::discard_tmp_dir(&tmp);
+                    return Err(e);
+                }
+                install(&tmp, dst).map(|()| copied)
             })
         }
-        Err(e) => Err(e),
-    };
-    if committed.is_err() && pg.rank() == 0 {
-        crate::io::output::discard_tmp_dir(&tmp);
+        Err(e) => {
+            if pg.rank() == 0 {
+                crate::io::output::discard_tmp_dir(&tmp);
+            }
+            Err(e)
+        }
     }
-    committed
 }
 
 /// One offline reshard in progress: the saved records, where each goes in the new layout,
