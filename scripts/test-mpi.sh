@@ -3,6 +3,7 @@
 #
 #   scripts/test-mpi.sh                 # install Open MPI if missing, clippy, multi-process tests
 #   scripts/test-mpi.sh collectives     # extra arguments filter the cases of tests/mpi.rs
+#                                       # and fsdp-ckpt/tests/cli_mpi.rs
 #
 # Needs Debian's libopenmpi-dev and openmpi-bin (MPI headers, libmpi, mpirun) and libclang-dev
 # (bindgen in mpi-sys); they are installed with apt-get when missing (root, non-interactive).
@@ -28,6 +29,9 @@ fi
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
 
 cargo clippy --all-targets --features mpi -- -D warnings
+cargo clippy -p fsdp-ckpt --all-targets --features mpi -- -D warnings
 # The backend's unit tests (descriptors, round plans), then the multi-process tests.
 cargo test --features mpi --lib collectives::mpi::
 cargo test --features mpi --test mpi -- "$@"
+# fsdp-ckpt as an MPI job (reshard, consolidate) against the single-process output.
+cargo test -p fsdp-ckpt --features mpi --test cli_mpi -- "$@"

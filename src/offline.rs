@@ -758,6 +758,23 @@ fn equal_files(a: &Path, b: &Path) -> Result<bool> {
     }
 }
 
+/// A state tensor of dtype `found` where the model description says `expected`: an error
+/// naming where (`context`).
+fn check_dtype(
+    found: crate::tensor::DType,
+    expected: crate::tensor::DType,
+    context: impl FnOnce() -> String,
+) -> Result<()> {
+    if found == expected {
+        return Ok(());
+    }
+    Err(Error::DtypeMismatch {
+        context: format!("{} (the model description's dtype)", context()),
+        expected: expected.to_string(),
+        found: found.to_string(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -795,21 +812,4 @@ mod tests {
             1
         );
     }
-}
-
-/// A state tensor of dtype `found` where the model description says `expected`: an error
-/// naming where (`context`).
-fn check_dtype(
-    found: crate::tensor::DType,
-    expected: crate::tensor::DType,
-    context: impl FnOnce() -> String,
-) -> Result<()> {
-    if found == expected {
-        return Ok(());
-    }
-    Err(Error::DtypeMismatch {
-        context: format!("{} (the model description's dtype)", context()),
-        expected: expected.to_string(),
-        found: found.to_string(),
-    })
 }

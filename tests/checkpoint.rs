@@ -697,6 +697,80 @@ fn streaming_consolidation_to_torch_save_names_a_corrupt_block_and_leaves_no_fil
     assert!(left.is_empty(), "temporary files left: {left:?}");
 }
 
+// ----- offline tools split across processes -----
+
+/// Each process's outcome of a run over thread "processes", all required to succeed.
+fn all_ok(results: Vec<fsdp::Result<u64>>) -> Vec<u64> {
+    results.into_iter().map(Result::unwrap).collect()
+}
+
+#[test]
+fn reshard_and_consolidation_split_across_3_processes_write_the_single_process_bytes() {
+    let (root, src) = saved();
+    let alt = common::wrap_alt();
+    let alone = root.path().join("alone");
+    let split = root.path().join("split");
+    let copied = checkpoint::reshard(&src, &alone, 3, Some(&alt), |_| {}).unwrap();
+    let each = all_ok(ThreadGroup::run(3, |pg| {
+        checkpoint::reshard_in_group(&src, &split, 3, Some(&alt), &pg, |_| {})
+    }));
+    assert_eq!(
+        each, [copied; 3],
+        "every process reports the bytes all copied"
+    );
+    assert!(contents(&alone) == contents(&split), "the same directory");
+
+    // Same file name in two directories: the comparison is of the bytes alone.
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let written =
+        checkpoint::consolidate_to_safetensors(&split, &a.join("full.safetensors"), |_| {})
+            .unwrap();
+    let each = all_ok(ThreadGroup::run(3, |pg| {
+        checkpoint::consolidate_to_safetensors_in_group(
+            &split,
+            &b.join("full.safetensors"),
+            &pg,
+            |_| {},
+        )
+    }));
+    assert_eq!(each, [written; 3]);
+    assert!(contents(&a) == contents(&b), "the same .safetensors file");
+}
+
+#[test]
+fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_no_output() {
+    // The end of input rank 1's file: at 2 processes and the same layout, process 1 reads it
+    // for output rank 1.
+    let (root, src) = saved();
+    let file = src.join("rank1.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let out = root.path().join("out");
+    let alone = checkpoint::reshard(&src, &out, 2, None, |_| {}).unwrap_err();
+    assert!(matches!(alone, Error::CheckpointCorrupt { .. }), "{alone}");
+    for e in ThreadGroup::run(2, |pg| {
+        checkpoint::reshard_in_group(&src, &out, 2, None, &pg, |_| {})
+    }) {
+        assert_eq!(e.unwrap_err(), alone);
+    }
+    let full = root.path().join("full.safetensors");
+    let alone = checkpoint::consolidate_to_safetensors(&src, &full, |_| {}).unwrap_err();
+    for e in ThreadGroup::run(2, |pg| {
+        checkpoint::consolidate_to_safetensors_in_group(&src, &full, &pg, |_| {})
+    }) {
+        assert_eq!(e.unwrap_err(), alone);
+    }
+    let left: Vec<String> = std::fs::read_dir(root.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["ckpt"], "no output and no temporary");
+}
+
 // ----- background saves -----
 
 use fsdp::checkpoint::{BackgroundSaver, SaveMode};

@@ -226,7 +226,44 @@ fn print_json(value: &serde_json::Value) {
     );
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// Runs the command and prints its error as `error: ...`; returns the exit status.
+fn run(cli: Cli) -> u8 {
+    let world = match launcher::world() {
+        Ok(world) => world,
+        Err(e) => return report(Err(e)),
+    };
+    match world {
+        Some(world) => {
+            let status = report(launcher::run_in(cli, world.as_ref()));
+            // mpirun ends the whole job as soon as one process exits with a failure: every
+            // process prints its error before any leaves.
+            let _ = world.barrier();
+            status
+        }
+        None => report(run_alone(cli)),
+    }
+}
+
+/// The exit status of `outcome`, its error printed.
+fn report(outcome: Result<()>) -> u8 {
+    match outcome {
+        Ok(()) => 0,
+        Err(e) => {
+            eprint_line(&format!("error: {e}"));
+            1
+        }
+    }
+}
+
+/// Prints `line` on stderr in one write, so that a launcher forwarding the output of many
+/// processes (`mpirun --tag-output`) keeps it whole.
+fn eprint_line(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
+/// Runs a command in this process alone, as without a launcher.
+fn run_alone(cli: Cli) -> Result<()> {
     let p = Bars::new(cli.quiet);
     let written = match cli.command {
         Command::Inspect { file, json } => {
@@ -289,8 +326,82 @@ fn run(cli: Cli) -> Result<()> {
         } => ops::reshard(&input, &output, world_size as usize, policy.as_deref(), &p)?,
         Command::Consolidate { input, output } => ops::consolidate(&input, &output, &p)?,
     };
-    eprintln!("{}", written.message);
+    eprint_line(&written.message);
     Ok(())
+}
+
+/// Running as an MPI job (`mpirun -np N fsdp-ckpt …`, the binary built with the `mpi`
+/// feature): the launcher is detected from its environment, nothing changes on the command
+/// line.
+mod launcher {
+    use super::*;
+    use fsdp::collectives::{ProcessGroup, ProcessGroupExt};
+
+    /// The number of processes a launcher started (Open MPI's `OMPI_COMM_WORLD_SIZE`, MPICH
+    /// Hydra's `PMI_SIZE`), when this process was started by one.
+    #[cfg_attr(not(feature = "mpi"), allow(dead_code))]
+    fn launched_size() -> Option<usize> {
+        ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok())
+            .and_then(|n| n.trim().parse().ok())
+    }
+
+    /// The job's process group when a launcher started more than one process and the tool
+    /// was built with `mpi`; `None` runs the command in this process alone, as without a
+    /// launcher (a single process under `mpirun -np 1` never initializes MPI).
+    pub(super) fn world() -> Result<Option<Box<dyn ProcessGroup>>> {
+        #[cfg(feature = "mpi")]
+        if launched_size().is_some_and(|n| n > 1) {
+            let world = fsdp::collectives::MpiProcessGroup::world()?;
+            if world.world_size() > 1 {
+                return Ok(Some(Box::new(world)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Runs a command as one process of `pg`: `reshard`, and `consolidate` of the crate's
+    /// checkpoint to `.safetensors`, split their work across the processes; any other command runs on process 0 alone while the others wait for its
+    /// outcome. Only process 0 draws progress and prints; every process returns the same
+    /// error.
+    pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
+        let root = pg.rank() == 0;
+        let p = Bars::new(cli.quiet || !root);
+        let written = match cli.command {
+            Command::Reshard {
+                input,
+                output,
+                world_size,
+                policy,
+            } => ops::reshard_in_group(
+                &input,
+                &output,
+                world_size as usize,
+                policy.as_deref(),
+                pg,
+                &p,
+            ),
+            Command::Consolidate { input, output } if ops::consolidate_splits(&input, &output) => {
+                ops::consolidate_in_group(&input, &output, pg, &p)
+            }
+            _ => return on_root_alone(cli, pg),
+        };
+        let written = written?;
+        if root {
+            eprint_line(&written.message);
+        }
+        Ok(())
+    }
+
+    /// Runs `cli` on process 0 only; every process gets its outcome.
+    fn on_root_alone(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
+        if pg.rank() == 0 {
+            pg.broadcast_agreed(Some(&run_alone(cli)), 0)
+        } else {
+            pg.broadcast_agreed(None, 0)
+        }
+    }
 }
 
 /// Runs the tool on a command line (`args[0]` is the program name) and returns its exit
@@ -311,13 +422,7 @@ where
             return u8::try_from(e.exit_code()).unwrap_or(2);
         }
     };
-    match run(cli) {
-        Ok(()) => 0,
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
-    }
+    run(cli)
 }
 
 #[cfg(test)]

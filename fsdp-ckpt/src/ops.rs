@@ -8,6 +8,7 @@
 //! same file.
 
 use fsdp::checkpoint;
+use fsdp::collectives::{ProcessGroup, ProcessGroupExt};
 use fsdp::io::dcp;
 use fsdp::io::inspect::Summary;
 use fsdp::io::output::{self, DirKind};
@@ -554,6 +555,107 @@ pub fn reshard(
             out.display()
         ),
     })
+}
+
+/// [`reshard`] as one process of a job (`mpirun -np N fsdp-ckpt reshard …`): every process
+/// of `pg` calls it with the same arguments and writes its share of the output rank files
+/// ([`checkpoint::reshard_in_group`]); process 0 commits. The output is byte for byte what
+/// [`reshard`] writes; a failure on any process fails all of them with the same error and
+/// leaves `out` as it was. `p` reports this process's share.
+pub fn reshard_in_group(
+    input: &Path,
+    out: &Path,
+    world_size: usize,
+    policy: Option<&Path>,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let policy = pg.agree(policy.map(read_policy).transpose())?;
+    pg.agree(checkpoint::read_manifest(input))?;
+    on_root(pg, || {
+        output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
+        clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))
+    })?;
+    p.start("resharding (this process's share)", None);
+    let copied =
+        checkpoint::reshard_in_group(input, out, world_size, policy.as_ref(), pg, |b| p.update(b));
+    p.finish();
+    let copied = copied?;
+    Ok(Written {
+        operation: "reshard",
+        output: out.to_path_buf(),
+        tensor_bytes: copied,
+        count: None,
+        world_size: Some(world_size),
+        message: format!(
+            "resharded {} -> {} for {world_size} ranks on {} processes: {copied} bytes of tensor state",
+            input.display(),
+            out.display(),
+            pg.world_size()
+        ),
+    })
+}
+
+/// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from
+/// the crate's checkpoint directory to `.safetensors` (a file whose layout is known before
+/// any byte is written). Other consolidations run on one process.
+pub fn consolidate_splits(input: &Path, out: &Path) -> bool {
+    !dcp::is_dcp_dir(input) && matches!(FileFormat::from_path(out), Ok(FileFormat::Safetensors))
+}
+
+/// [`consolidate`] of the crate's checkpoint directory to `.safetensors` as one process of a
+/// job (`mpirun -np N fsdp-ckpt consolidate …`; see [`consolidate_splits`]): every process
+/// of `pg` calls it with the same arguments and writes its share of the file's byte ranges
+/// ([`checkpoint::consolidate_to_safetensors_in_group`]); process 0 installs it. The file
+/// is byte for byte what [`consolidate`] writes; a failure on any process fails all of them
+/// with the same error and leaves `out` as it was. `p` reports this process's share.
+pub fn consolidate_in_group(
+    input: &Path,
+    out: &Path,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    if !consolidate_splits(input, out) {
+        return Err(Error::Unsupported(format!(
+            "consolidate {} {} split across processes: only the crate's checkpoint directory to .safetensors splits",
+            input.display(),
+            out.display()
+        )));
+    }
+    on_root(pg, || {
+        output::check_not_overlapping(out, &[input])?;
+        clean_stale(p, out, None)
+    })?;
+    pg.agree(checkpoint::read_manifest(input))?;
+    p.start("consolidating (this process's share)", None);
+    let written = checkpoint::consolidate_to_safetensors_in_group(input, out, pg, |b| p.update(b));
+    p.finish();
+    let written = written?;
+    Ok(Written {
+        operation: "consolidate",
+        output: out.to_path_buf(),
+        tensor_bytes: written,
+        count: None,
+        world_size: None,
+        message: format!(
+            "consolidated {} -> {} on {} processes: {written} bytes of tensor state",
+            input.display(),
+            out.display(),
+            pg.world_size()
+        ),
+    })
+}
+
+/// Runs `f` on process 0 of `pg` and gives every process its value or its error.
+fn on_root<T: Serialize + serde::de::DeserializeOwned>(
+    pg: &dyn ProcessGroup,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    if pg.rank() == 0 {
+        pg.broadcast_agreed(Some(&f()), 0)
+    } else {
+        pg.broadcast_agreed(None, 0)
+    }
 }
 
 /// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2

@@ -39,9 +39,11 @@ pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKPOINT_DIR, CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
-pub use reshard::{reshard, reshard_with};
+pub use reshard::{reshard, reshard_in_group, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
-pub use stream::{consolidate_to_safetensors, consolidate_to_torch};
+pub use stream::{
+    consolidate_to_safetensors, consolidate_to_safetensors_in_group, consolidate_to_torch,
+};
 pub use summary::{FileSummary, Summary};
 
 use crate::collectives::ProcessGroup;
@@ -149,6 +151,19 @@ pub(crate) fn prepare_output(dir: &Path, inputs: &[&Path]) -> Result<std::path::
     output::clean_stale_temporaries(dir, Some(CHECKPOINT_DIR))?;
     output::check_dir_output(dir, CHECKPOINT_DIR, inputs)?;
     output::make_tmp_dir(dir)
+}
+
+/// Runs `f` on process 0 of `pg` and gives every process its value or its error.
+fn on_root<T: serde::Serialize + serde::de::DeserializeOwned>(
+    pg: &dyn ProcessGroup,
+    f: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    use crate::collectives::ProcessGroupExt;
+    if pg.rank() == 0 {
+        pg.broadcast_agreed(Some(&f()), 0)
+    } else {
+        pg.broadcast_agreed(None, 0)
+    }
 }
 
 #[cfg(test)]

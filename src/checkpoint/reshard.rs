@@ -9,10 +9,12 @@ use super::manifest::{
 };
 use super::save::{CrashPoint, SaveOptions};
 use super::{install, sync_dir, COMMIT};
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
 use crate::io::container::{self, Entry};
 use crate::model::WrapPolicy;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -95,6 +97,64 @@ pub fn reshard_with(
     }
 }
 
+/// [`reshard`] split across the processes of `pg` (each one runs it with the same
+/// arguments; the paths must name the same directories on every process, e.g. on a shared
+/// filesystem). Output rank file `r` is written by process `r % pg.world_size()`, which reads
+/// only the byte ranges of `src` that file needs; process 0 creates the temporary directory,
+/// and once every process reported its files written, writes the manifest and the commit
+/// marker and installs the directory. The result is byte for byte what [`reshard`] writes.
+///
+/// A failure on any process (an unreadable input, a full disk) fails every process with the
+/// error of the lowest failing one, and `dst` is left as it was. `progress` gets this process's
+/// tensor bytes copied so far; the return value is the tensor bytes copied by all of them.
+pub fn reshard_in_group(
+    src: &Path,
+    dst: &Path,
+    world_size: usize,
+    policy: Option<&WrapPolicy>,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    let opts = SaveOptions::default();
+    // Planning, on every process: the same inputs give the same plan or the same error.
+    let old = pg.agree(read_manifest(src))?;
+    let policy = policy.unwrap_or(&old.policy).clone();
+    let layout = pg.agree(ModelLayout::new(&old.model, &policy, world_size))?;
+    let job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
+    let tmp = super::on_root(pg, || super::prepare_output(dst, &[src]))?;
+    let mut job = job;
+    // Copying: each process writes its share of the rank files.
+    let mine = (pg.rank()..world_size)
+        .step_by(pg.world_size())
+        .map(|rank| job.write_rank_file(rank, &tmp))
+        .collect::<Result<Vec<_>>>()
+        .map(|files| (files, job.copied));
+    let gathered = pg.all_gather_agreed(mine);
+    // Commit, on process 0 once all succeeded; every process learns its outcome.
+    match gathered {
+        Ok(all) => {
+            let copied = all.iter().map(|(_, c)| c).sum::<u64>();
+            let mut files: Vec<RankWritten> = all.into_iter().flat_map(|(f, _)| f).collect();
+            files.sort_by_key(|w| w.rank);
+            super::on_root(pg, || {
+                // As in `reshard_with`: a failed install leaves its temporary to the next
+                // run's cleanup (it may hold the previous checkpoint moved aside).
+                if let Err(e) = job.commit(&tmp, files) {
+                    crate::io::output::discard_tmp_dir(&tmp);
+                    return Err(e);
+                }
+                install(&tmp, dst).map(|()| copied)
+            })
+        }
+        Err(e) => {
+            if pg.rank() == 0 {
+                crate::io::output::discard_tmp_dir(&tmp);
+            }
+            Err(e)
+        }
+    }
+}
+
 /// One offline reshard in progress: the saved records, where each goes in the new layout,
 /// and the new records whose pieces accumulate as the rank files are written.
 struct Reshard<'a, P> {
@@ -164,6 +224,25 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         let files = (0..self.layout.world_size)
             .map(|rank| self.write_rank_file(rank, tmp))
             .collect::<Result<Vec<_>>>()?;
+        self.commit(tmp, files)
+    }
+
+    /// Records the pieces of the written rank files `files` (all of them, in rank order), then
+    /// writes the manifest and the commit marker into `tmp`.
+    fn commit(&mut self, tmp: &Path, files: Vec<RankWritten>) -> Result<()> {
+        let mut records = Vec::with_capacity(files.len());
+        for written in files {
+            for (ri, si, piece) in written.pieces {
+                if let Some((_, StoredValue::Tensor { pieces, .. })) = self
+                    .new_params
+                    .get_mut(ri)
+                    .and_then(|r| r.states.get_mut(si))
+                {
+                    pieces.push(piece);
+                }
+            }
+            records.push(written.file);
+        }
         for rec in &mut self.new_params {
             for (_, v) in &mut rec.states {
                 if let StoredValue::Tensor { pieces, .. } = v {
@@ -177,7 +256,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         let manifest = Manifest {
             policy: self.layout.policy.clone(),
             world_size: self.layout.world_size,
-            files,
+            files: records,
             params,
             model_params,
             ..self.old.clone()
@@ -222,8 +301,8 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         (entries, wanted)
     }
 
-    /// Writes `rank{rank}.safetensors` into `tmp`, recording its pieces in the new records.
-    fn write_rank_file(&mut self, rank: usize, tmp: &Path) -> Result<FileRecord> {
+    /// Writes `rank{rank}.safetensors` into `tmp`; returns its record and pieces.
+    fn write_rank_file(&mut self, rank: usize, tmp: &Path) -> Result<RankWritten> {
         let (entries, wanted) = self.rank_entries(rank);
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), super::FORMAT.to_string());
@@ -243,17 +322,17 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         out.w
             .write_all(&header)
             .map_err(Error::io("writing", &path))?;
+        let mut pieces = Vec::with_capacity(wanted.len());
         for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
             let crc32c = self.copy_piece(&mut out, ri, si, start, len)?;
-            if let StoredValue::Tensor { pieces, .. } = &mut self.new_params[ri].states[si].1 {
-                pieces.push(Piece {
-                    file: rank,
-                    start,
-                    len,
-                    offset,
-                    crc32c,
-                });
-            }
+            let piece = Piece {
+                file: rank,
+                start,
+                len,
+                offset,
+                crc32c,
+            };
+            pieces.push((ri, si, piece));
         }
         let file = out
             .w
@@ -261,12 +340,13 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
         file.sync_all().map_err(Error::io("syncing", &path))?;
         let len = file.metadata().map_err(Error::io("reading", &path))?.len();
-        Ok(FileRecord {
+        let file = FileRecord {
             name,
             len,
             header_len: header.len() as u64,
             header_crc32c: crc32c::crc32c(&header),
-        })
+        };
+        Ok(RankWritten { rank, file, pieces })
     }
 
     /// Copies elements `start..start + len` of state `si` of record `ri` into `out`, one
@@ -320,6 +400,16 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
 
 /// A piece a new rank file holds: (record, state, first element, element count).
 type Wanted = (usize, usize, usize, usize);
+
+/// One written rank file: its record and its pieces as (record, state, piece), which the
+/// writing process hands to the committing one.
+#[derive(Debug, Serialize, Deserialize)]
+struct RankWritten {
+    /// The output rank the file belongs to.
+    rank: usize,
+    file: FileRecord,
+    pieces: Vec<(usize, usize, Piece)>,
+}
 
 /// A rank file being written.
 struct RankFile<'p> {

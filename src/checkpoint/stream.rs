@@ -3,6 +3,7 @@
 
 use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership};
 use crate::io::container::{self, Entry};
@@ -120,37 +121,15 @@ pub fn consolidate_to_safetensors(
 ) -> Result<u64> {
     prepare_output(dir, out)?;
     let sk = Skeleton::new(dir)?;
-    let (tensors, meta) = crate::io::safetensors::parts(&sk.obj);
-    let entries: Vec<Entry> = tensors
-        .iter()
-        .map(|(name, t)| match sk.stored(t) {
-            Some((_, dtype, shape, _)) => {
-                let numel: usize = shape.iter().product();
-                Entry {
-                    name: name.clone(),
-                    dtype,
-                    shape: shape.to_vec(),
-                    nbytes: (numel * dtype.size()) as u64,
-                }
-            }
-            None => Entry {
-                name: name.clone(),
-                dtype: t.dtype(),
-                shape: t.shape().to_vec(),
-                nbytes: t.nbytes() as u64,
-            },
-        })
-        .collect();
-    let meta: BTreeMap<String, String> = meta.into_iter().collect();
-    let (header, _) = container::header(&entries, &meta)?;
+    let plan = SafetensorsPlan::new(&sk)?;
     let mut written = 0u64;
     crate::io::output::write_file_atomic(out, |w, tmp| {
         let err = crate::io::output::tmp_io_err("writing", out, tmp);
-        w.write_all(&header).map_err(&err)?;
+        w.write_all(&plan.header).map_err(&err)?;
         let mut writeback = super::Writeback::new(0);
         let mut reader = Reader::new(dir, &sk.manifest, true);
         let mut block = Vec::new();
-        for (_, t) in &tensors {
+        for (_, t) in &plan.tensors {
             let Some(stored) = sk.stored(t) else {
                 w.write_all(t.as_bytes()).map_err(&err)?;
                 continue;
@@ -165,6 +144,147 @@ pub fn consolidate_to_safetensors(
         }
         Ok(())
     })?;
+    Ok(written)
+}
+
+/// The layout of a consolidated `.safetensors` file, known before any byte is written: its
+/// tensors in file order (stored states as placeholders), the header, and where each
+/// tensor's data starts.
+struct SafetensorsPlan<'s> {
+    tensors: Vec<(String, &'s HostTensor)>,
+    header: Vec<u8>,
+    /// File offset of each tensor's data.
+    starts: Vec<u64>,
+    /// Bytes of each tensor's data.
+    lens: Vec<u64>,
+}
+
+impl<'s> SafetensorsPlan<'s> {
+    fn new(sk: &'s Skeleton) -> Result<Self> {
+        let (tensors, meta) = crate::io::safetensors::parts(&sk.obj);
+        let entries: Vec<Entry> = tensors
+            .iter()
+            .map(|(name, t)| match sk.stored(t) {
+                Some((_, dtype, shape, _)) => {
+                    let numel: usize = shape.iter().product();
+                    Entry {
+                        name: name.clone(),
+                        dtype,
+                        shape: shape.to_vec(),
+                        nbytes: (numel * dtype.size()) as u64,
+                    }
+                }
+                None => Entry {
+                    name: name.clone(),
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                    nbytes: t.nbytes() as u64,
+                },
+            })
+            .collect();
+        let meta: BTreeMap<String, String> = meta.into_iter().collect();
+        let (header, starts) = container::header(&entries, &meta)?;
+        Ok(SafetensorsPlan {
+            tensors,
+            starts,
+            lens: entries.iter().map(|e| e.nbytes).collect(),
+            header,
+        })
+    }
+
+    /// The file's length.
+    fn file_len(&self) -> u64 {
+        self.header.len() as u64 + self.lens.iter().sum::<u64>()
+    }
+
+    /// The process of `ws` that writes tensor `i`: the data is cut into `ws` spans of equal
+    /// bytes, and each tensor goes to the process whose span holds its first byte.
+    fn writer_of(&self, i: usize, ws: usize) -> usize {
+        let data = self.lens.iter().sum::<u64>().max(1) as u128;
+        let from = (self.starts[i] - self.header.len() as u64) as u128;
+        ((from * ws as u128 / data) as usize).min(ws - 1)
+    }
+}
+
+/// [`consolidate_to_safetensors`] split across the processes of `pg` (each one calls it with
+/// the same arguments; the paths must name the same files on every process, e.g. on a shared
+/// filesystem). The file's layout is planned before any byte is written: process 0 creates
+/// the temporary file at its full length, each process writes the data of its share of the
+/// tensors (about `1 / pg.world_size()` of the bytes, reading only the blocks it needs) at
+/// their planned offsets and syncs, and once all succeeded, process 0 writes the header,
+/// syncs and renames. The file is byte for byte what [`consolidate_to_safetensors`] writes.
+///
+/// A failure on any process fails every process with the error of the lowest failing one,
+/// and `out` is left as it was. `progress` gets this process's tensor bytes written so far;
+/// the return value is the tensor bytes written by all of them.
+pub fn consolidate_to_safetensors_in_group(
+    dir: &Path,
+    out: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    super::on_root(pg, || prepare_output(dir, out))?;
+    let sk = pg.agree(Skeleton::new(dir))?;
+    let plan = pg.agree(SafetensorsPlan::new(&sk))?;
+    let tmp = super::on_root(pg, || {
+        crate::io::output::create_planned_file(out, plan.file_len())
+    })?;
+    let mine = write_share(dir, out, &tmp, &sk, &plan, pg, progress);
+    let committed = match pg.all_gather_agreed(mine) {
+        Ok(all) => super::on_root(pg, || {
+            crate::io::output::finish_planned_file(&tmp, out)?;
+            Ok(all.iter().sum::<u64>())
+        }),
+        Err(e) => Err(e),
+    };
+    if committed.is_err() && pg.rank() == 0 {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    committed
+}
+
+/// Writes this process's share of the planned file `tmp` (process 0 also writes the
+/// header) and syncs it; returns the tensor bytes written.
+fn write_share(
+    dir: &Path,
+    out: &Path,
+    tmp: &Path,
+    sk: &Skeleton,
+    plan: &SafetensorsPlan<'_>,
+    pg: &dyn ProcessGroup,
+    mut progress: impl FnMut(u64),
+) -> Result<u64> {
+    use std::os::unix::fs::FileExt;
+    let err = crate::io::output::tmp_io_err("writing", out, tmp);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(tmp)
+        .map_err(crate::io::output::tmp_io_err("opening", out, tmp))?;
+    if pg.rank() == 0 {
+        file.write_all_at(&plan.header, 0).map_err(&err)?;
+    }
+    let mut reader = Reader::new(dir, &sk.manifest, true);
+    let mut block = Vec::new();
+    let mut written = 0u64;
+    for (i, (_, t)) in plan.tensors.iter().enumerate() {
+        if plan.writer_of(i, pg.world_size()) != pg.rank() {
+            continue;
+        }
+        let mut at = plan.starts[i];
+        let Some(stored) = sk.stored(t) else {
+            file.write_all_at(t.as_bytes(), at).map_err(&err)?;
+            continue;
+        };
+        stream_state(&mut reader, stored, &mut block, &mut |bytes| {
+            file.write_all_at(bytes, at).map_err(&err)?;
+            at += bytes.len() as u64;
+            written += bytes.len() as u64;
+            progress(written);
+            Ok(())
+        })?;
+    }
+    file.sync_all()
+        .map_err(crate::io::output::tmp_io_err("syncing", out, tmp))?;
     Ok(written)
 }
 

@@ -775,6 +775,34 @@ pub fn write_file_atomic(
     result
 }
 
+/// Creates a fresh temporary sibling of `out` (`.NAME.PID.N.tmp`) of `len` bytes (zeros),
+/// for writers that fill planned byte ranges of one output from several processes
+/// ([`finish_planned_file`] installs it; remove it on failure).
+pub fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
+    let tmp = tmp_file_path(out)?;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .map_err(tmp_io_err("creating", out, &tmp))?;
+    if let Err(e) = file.set_len(len) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(tmp_io_err("sizing", out, &tmp)(e));
+    }
+    Ok(tmp)
+}
+
+/// Puts the planned file `tmp` (every byte range written and synced by its writers) at `out`:
+/// syncs it, renames it into place and syncs the directory, as [`write_file_atomic`] does.
+pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
+    let (parent, _) = split(out)?;
+    let file = File::open(tmp).map_err(tmp_io_err("opening", out, tmp))?;
+    file.sync_all().map_err(tmp_io_err("syncing", out, tmp))?;
+    drop(file);
+    std::fs::rename(tmp, out).map_err(Error::io("renaming into place", out))?;
+    sync_dir(&parent)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,328 @@
+//! `fsdp-ckpt` as an MPI job (feature `mpi`): `mpirun -np N fsdp-ckpt reshard …` and
+//! `consolidate` split the work across N processes and write exactly the bytes a
+//! single-process run writes; a failure on one process fails every process with the same
+//! error and leaves no output.
+//!
+//! This target has its own `main` (`harness = false`): it builds a small checkpoint with
+//! thread ranks, runs the tool alone for the reference output, then under
+//! `mpirun --allow-run-as-root --oversubscribe -np N` (each launch bounded by a timeout, which
+//! fails the case). A missing `mpirun` fails every case loudly. Positional arguments filter
+//! cases by substring.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+mod tool;
+
+use common::job::{run_job, Outcome};
+use common::{nested_model, wrap, wrap_alt};
+use fsdp::collectives::ThreadGroup;
+use fsdp::{Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value};
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn main() {
+    let filters: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let cases: Vec<(&str, fn())> = vec![
+        ("reshard_np1_is_the_single_process_run", || {
+            reshard_matches_single_process(1)
+        }),
+        ("reshard_np2_writes_the_single_process_bytes", || {
+            reshard_matches_single_process(2)
+        }),
+        ("reshard_np3_writes_the_single_process_bytes", || {
+            reshard_matches_single_process(3)
+        }),
+        (
+            "reshard_failing_on_one_process_fails_all_with_one_error_np2",
+            || failure_on_process_1("reshard"),
+        ),
+        (
+            "consolidate_safetensors_np2_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(2, "safetensors"),
+        ),
+        (
+            "consolidate_safetensors_np3_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(3, "safetensors"),
+        ),
+        ("consolidate_pt_np2_runs_on_process_0_alone", || {
+            consolidate_matches_single_process(2, "pt")
+        }),
+        (
+            "consolidate_failing_on_one_process_fails_all_with_one_error_np2",
+            || failure_on_process_1("consolidate"),
+        ),
+    ];
+    let selected: Vec<_> = cases
+        .into_iter()
+        .filter(|(n, _)| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str())))
+        .collect();
+    println!("\nrunning {} tests", selected.len());
+    let mut failed = Vec::new();
+    for (name, case) in &selected {
+        let start = Instant::now();
+        let outcome = std::panic::catch_unwind(case);
+        let secs = start.elapsed().as_secs_f64();
+        if outcome.is_ok() {
+            println!("test {name} ... ok ({secs:.1}s)");
+        } else {
+            println!("test {name} ... FAILED ({secs:.1}s)");
+            failed.push(*name);
+        }
+    }
+    if failed.is_empty() {
+        println!("\ntest result: ok. {} passed; 0 failed\n", selected.len());
+    } else {
+        println!("\nfailures:\n    {}", failed.join("\n    "));
+        println!(
+            "\ntest result: FAILED. {} passed; {} failed\n",
+            selected.len() - failed.len(),
+            failed.len()
+        );
+        std::process::exit(101);
+    }
+}
+
+/// A full Adam state of `model` with distinct values per element.
+fn full_adam(model: &ModelDesc) -> OptimStateDict {
+    let mut full = OptimStateDict::default();
+    for (i, p) in model.params.iter().enumerate() {
+        if !p.requires_grad {
+            continue;
+        }
+        let n = p.numel();
+        let avg: Vec<f32> = (0..n).map(|j| (i * 1000 + j) as f32 * 0.001).collect();
+        let sq: Vec<f32> = (0..n).map(|j| ((i + j) as f32).sqrt()).collect();
+        let mut st = ParamState::new();
+        st.insert(
+            "exp_avg".into(),
+            Value::Tensor(HostTensor::from_slice(&avg, &p.shape).unwrap()),
+        );
+        st.insert(
+            "exp_avg_sq".into(),
+            Value::Tensor(HostTensor::from_slice(&sq, &p.shape).unwrap()),
+        );
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(7.0f32)));
+        full.state.insert(ParamKey::Name(p.name.clone()), st);
+    }
+    let mut options = indexmap::IndexMap::new();
+    options.insert("lr".into(), Value::Float(1e-3));
+    full.param_groups = Some(vec![fsdp::ParamGroup {
+        options,
+        params: full.state.keys().cloned().collect(),
+    }]);
+    full
+}
+
+/// A fresh directory under cargo's temporary directory for this target (kept small).
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("cli_mpi")
+        .join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The nested model's Adam state saved as a checkpoint of `ws` thread ranks at `dir`.
+fn saved_checkpoint(dir: &Path, ws: usize) {
+    let model = nested_model();
+    let full = full_adam(&model);
+    for r in ThreadGroup::run(ws, |pg| {
+        let fsdp = Fsdp::new(&model, &wrap(false), Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        fsdp.save_optim_checkpoint(&local, &params, dir, &Default::default())
+    }) {
+        r.unwrap();
+    }
+}
+
+/// `fsdp-ckpt --quiet ARGS` under `mpirun -np N`, every output line tagged with its rank.
+fn mpirun(np: usize, args: &[&dyn AsRef<OsStr>]) -> Outcome {
+    let probe = Command::new("mpirun").arg("--version").output();
+    assert!(
+        probe.as_ref().is_ok_and(|o| o.status.success()),
+        "mpirun not found or not working ({probe:?}): these tests need Open MPI \
+         (Debian: apt-get install openmpi-bin libopenmpi-dev)"
+    );
+    let limit = Duration::from_secs(120);
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--tag-output",
+        "-np",
+    ])
+    .arg(np.to_string())
+    .arg("--timeout")
+    .arg((limit.as_secs() + 30).to_string())
+    .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+    .arg(tool::BIN)
+    .arg("--quiet");
+    for a in args {
+        cmd.arg(a.as_ref());
+    }
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
+    run_job(cmd, limit)
+}
+
+/// Every file of `dir` (names sorted) with its bytes.
+fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The entries of `dir` (to see that no temporary was left behind).
+fn names_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// A checkpoint of 8 ranks resharded for 3 ranks under the other wrapping: N processes
+/// write the same directory, byte for byte, as the tool alone.
+fn reshard_matches_single_process(np: usize) {
+    let root = scratch(&format!("reshard-np{np}"));
+    let ckpt = root.join("ckpt8");
+    saved_checkpoint(&ckpt, 8);
+    let policy = root.join("alt.json");
+    std::fs::write(&policy, serde_json::to_string(&wrap_alt()).unwrap()).unwrap();
+    let alone = root.join("alone");
+    let job = root.join("job");
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        vec![
+            "reshard".into(),
+            ckpt.clone().into(),
+            out.into(),
+            "--world-size".into(),
+            "3".into(),
+            "--policy".into(),
+            policy.clone().into(),
+        ]
+    };
+    let a = args(&alone);
+    let a: Vec<&dyn AsRef<OsStr>> = a.iter().map(|s| s as &dyn AsRef<OsStr>).collect();
+    tool::ok(&tool::run(&a));
+    let j = args(&job);
+    let j: Vec<&dyn AsRef<OsStr>> = j.iter().map(|s| s as &dyn AsRef<OsStr>).collect();
+    let outcome = mpirun(np, &j);
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "reshard at {np} processes failed: {}",
+        outcome.describe()
+    );
+    let (want, got) = (files_of(&alone), files_of(&job));
+    let names = |v: &[(String, Vec<u8>)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(&got), names(&want), "the same files");
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        assert!(w == g, "{name} differs between 1 and {np} processes");
+    }
+    // Only process 0 reports, once.
+    let reports = outcome.stderr.matches("resharded ").count();
+    assert_eq!(reports, 1, "{}", outcome.describe());
+    assert_eq!(names_in(&root), ["alone", "alt.json", "ckpt8", "job"]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// The 8-rank checkpoint consolidated to `full.EXT` by the tool alone and by N processes
+/// (in two directories: a torch.save archive is named after its file): the same file, byte
+/// for byte (`.safetensors` is split across the processes, `.pt` is written by process 0
+/// alone).
+fn consolidate_matches_single_process(np: usize, ext: &str) {
+    let root = scratch(&format!("consolidate-{ext}-np{np}"));
+    let ckpt = root.join("ckpt8");
+    saved_checkpoint(&ckpt, 8);
+    let alone = root.join("alone").join(format!("full.{ext}"));
+    let job = root.join("job").join(format!("full.{ext}"));
+    std::fs::create_dir(root.join("alone")).unwrap();
+    std::fs::create_dir(root.join("job")).unwrap();
+    tool::ok(&tool::run(&[&"consolidate", &ckpt, &alone]));
+    let outcome = mpirun(np, &[&"consolidate", &ckpt, &job]);
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "consolidate at {np} processes failed: {}",
+        outcome.describe()
+    );
+    assert!(
+        std::fs::read(&alone).unwrap() == std::fs::read(&job).unwrap(),
+        "{ext} differs between 1 and {np} processes"
+    );
+    assert_eq!(outcome.stderr.matches("consolidated ").count(), 1);
+    let full = format!("full.{ext}");
+    assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
+    assert_eq!(names_in(&root.join("job")), [full.as_str()]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// A corrupt block that only process 1 reads (the end of input rank 7's file: output rank 1
+/// of 2 holds it, and the consolidated file's last tensors): every process fails with the
+/// error the tool alone gives, and neither the output nor a temporary is left.
+fn failure_on_process_1(command: &str) {
+    let root = scratch(&format!("{command}-fail"));
+    let ckpt = root.join("ckpt8");
+    saved_checkpoint(&ckpt, 8);
+    let file = ckpt.join("rank7.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let (out, args): (PathBuf, Vec<std::ffi::OsString>) = if command == "reshard" {
+        let out = root.join("out");
+        let args = vec![
+            "reshard".into(),
+            ckpt.clone().into(),
+            out.clone().into(),
+            "--world-size".into(),
+            "2".into(),
+        ];
+        (out, args)
+    } else {
+        let out = root.join("out.safetensors");
+        (
+            out.clone(),
+            vec!["consolidate".into(), ckpt.clone().into(), out.into()],
+        )
+    };
+    let args: Vec<&dyn AsRef<OsStr>> = args.iter().map(|s| s as &dyn AsRef<OsStr>).collect();
+    let alone = tool::fails(
+        &tool::run(&args),
+        &["rank7.safetensors", "fails its checksum"],
+    );
+    let outcome = mpirun(2, &args);
+    assert!(
+        outcome.status.is_some_and(|s| !s.success()),
+        "{}",
+        outcome.describe()
+    );
+    for rank in 0..2 {
+        let line = format!("[1,{rank}]<stderr>:{}", alone.trim_end());
+        assert!(
+            outcome.stderr.lines().any(|l| l == line),
+            "process {rank} does not report the single-process error `{}`: {}",
+            alone.trim_end(),
+            outcome.describe()
+        );
+    }
+    assert!(!out.exists(), "no output on failure");
+    assert_eq!(names_in(&root), ["ckpt8"], "no temporary left behind");
+    std::fs::remove_dir_all(&root).unwrap();
+}
