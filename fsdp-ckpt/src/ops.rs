@@ -572,7 +572,7 @@ pub fn reshard_in_group(
 ) -> Result<Written> {
     let policy = pg.agree(policy.map(read_policy).transpose())?;
     pg.agree(checkpoint::read_manifest(input))?;
-    on_root(pg, || {
+    pg.on_root(|| {
         output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
         clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))
     })?;
@@ -622,7 +622,7 @@ pub fn consolidate_in_group(
             out.display()
         )));
     }
-    on_root(pg, || {
+    pg.on_root(|| {
         output::check_not_overlapping(out, &[input])?;
         clean_stale(p, out, None)
     })?;
@@ -644,18 +644,6 @@ pub fn consolidate_in_group(
             pg.world_size()
         ),
     })
-}
-
-/// Runs `f` on process 0 of `pg` and gives every process its value or its error.
-fn on_root<T: Serialize + serde::de::DeserializeOwned>(
-    pg: &dyn ProcessGroup,
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    if pg.rank() == 0 {
-        pg.broadcast_agreed(Some(&f()), 0)
-    } else {
-        pg.broadcast_agreed(None, 0)
-    }
 }
 
 /// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2

@@ -153,19 +153,6 @@ pub(crate) fn prepare_output(dir: &Path, inputs: &[&Path]) -> Result<std::path::
     output::make_tmp_dir(dir)
 }
 
-/// Runs `f` on process 0 of `pg` and gives every process its value or its error.
-fn on_root<T: serde::Serialize + serde::de::DeserializeOwned>(
-    pg: &dyn ProcessGroup,
-    f: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    use crate::collectives::ProcessGroupExt;
-    if pg.rank() == 0 {
-        pg.broadcast_agreed(Some(&f()), 0)
-    } else {
-        pg.broadcast_agreed(None, 0)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -121,7 +121,7 @@ pub fn reshard_in_group(
     let policy = policy.unwrap_or(&old.policy).clone();
     let layout = pg.agree(ModelLayout::new(&old.model, &policy, world_size))?;
     let job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
-    let tmp = super::on_root(pg, || super::prepare_output(dst, &[src]))?;
+    let tmp = pg.on_root(|| super::prepare_output(dst, &[src]))?;
     let mut job = job;
     // Copying: each process writes its share of the rank files.
     let mine = (pg.rank()..world_size)
@@ -136,7 +136,7 @@ pub fn reshard_in_group(
             let copied = all.iter().map(|(_, c)| c).sum::<u64>();
             let mut files: Vec<RankWritten> = all.into_iter().flat_map(|(f, _)| f).collect();
             files.sort_by_key(|w| w.rank);
-            super::on_root(pg, || {
+            pg.on_root(|| {
                 // As in `reshard_with`: a failed install leaves its temporary to the next
                 // run's cleanup (it may hold the previous checkpoint moved aside).
                 if let Err(e) = job.commit(&tmp, files) {

@@ -223,15 +223,13 @@ pub fn consolidate_to_safetensors_in_group(
     pg: &dyn ProcessGroup,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
-    super::on_root(pg, || prepare_output(dir, out))?;
+    pg.on_root(|| prepare_output(dir, out))?;
     let sk = pg.agree(Skeleton::new(dir))?;
     let plan = pg.agree(SafetensorsPlan::new(&sk))?;
-    let tmp = super::on_root(pg, || {
-        crate::io::output::create_planned_file(out, plan.file_len())
-    })?;
+    let tmp = pg.on_root(|| crate::io::output::create_planned_file(out, plan.file_len()))?;
     let mine = write_share(dir, out, &tmp, &sk, &plan, pg, progress);
     let committed = match pg.all_gather_agreed(mine) {
-        Ok(all) => super::on_root(pg, || {
+        Ok(all) => pg.on_root(|| {
             crate::io::output::finish_planned_file(&tmp, out)?;
             Ok(all.iter().sum::<u64>())
         }),

@@ -201,6 +201,16 @@ pub trait ProcessGroupExt: ProcessGroup {
     ) -> Result<T> {
         self.broadcast_object(outcome, root)?
     }
+
+    /// Runs `f` on rank 0 alone (the others wait) and gives every rank its value, or its
+    /// error: work one process must do for all, such as preparing a shared output.
+    fn on_root<T: Serialize + DeserializeOwned>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.rank() == 0 {
+            self.broadcast_agreed(Some(&f()), 0)
+        } else {
+            self.broadcast_agreed(None, 0)
+        }
+    }
 }
 
 impl<P: ProcessGroup + ?Sized> ProcessGroupExt for P {}
@@ -318,6 +328,28 @@ mod tests {
                     Err(failure(1))
                 } else {
                     Ok(10)
+                };
+                assert_eq!(result, want, "failing {failing:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn on_root_runs_the_work_on_rank_0_alone_and_every_rank_gets_its_outcome() {
+        for failing in [&[][..], &[0]] {
+            let calls = std::sync::atomic::AtomicUsize::new(0);
+            let results = ThreadGroup::run(3, |pg| {
+                pg.on_root(|| {
+                    calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    outcome(0, failing)
+                })
+            });
+            assert_eq!(calls.into_inner(), 1, "failing {failing:?}");
+            for result in results {
+                let want = if failing == [0] {
+                    Err(failure(0))
+                } else {
+                    Ok(0)
                 };
                 assert_eq!(result, want, "failing {failing:?}");
             }
