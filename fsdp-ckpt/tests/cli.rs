@@ -6,14 +6,11 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use common::{nested_model, transformer_model, transformer_policy, wrap};
+use common::{full_adam, nested_model, transformer_model, transformer_policy, wrap};
 use fsdp::collectives::ThreadGroup;
 use fsdp::io::torch_save::{self, optim_to_pyobj};
 use fsdp::offline::DescFile;
-use fsdp::{
-    DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
-    WrapPolicy,
-};
+use fsdp::{DType, Fsdp, ModelDesc, OptimStateDict, WrapPolicy};
 use indexmap::IndexMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -162,44 +159,6 @@ fn convert_round_trips_and_python_safetensors_reads_the_tensors() {
 }
 
 // ----- consolidate-torch and shard-torch against thread ranks -----
-
-/// A full Adam state for every trained parameter, keyed by name, with one param group.
-fn full_adam(model: &ModelDesc) -> OptimStateDict {
-    let mut full = OptimStateDict::default();
-    let mut names = vec![];
-    for (i, p) in model.params.iter().enumerate() {
-        if !p.requires_grad {
-            continue;
-        }
-        let n = p.numel();
-        let avg: Vec<f32> = (0..n).map(|j| (i * 1000 + j) as f32 * 0.001).collect();
-        let sq: Vec<f32> = (0..n).map(|j| ((i + j) as f32).sqrt()).collect();
-        let mut st = ParamState::new();
-        st.insert(
-            "exp_avg".into(),
-            Value::Tensor(HostTensor::from_slice(&avg, &p.shape).unwrap()),
-        );
-        st.insert(
-            "exp_avg_sq".into(),
-            Value::Tensor(HostTensor::from_slice(&sq, &p.shape).unwrap()),
-        );
-        st.insert("step".into(), Value::Tensor(HostTensor::scalar(7.0f32)));
-        full.state.insert(ParamKey::Name(p.name.clone()), st);
-        names.push(ParamKey::Name(p.name.clone()));
-    }
-    let mut options = IndexMap::new();
-    options.insert("lr".into(), Value::Float(1e-3));
-    options.insert(
-        "betas".into(),
-        Value::Tuple(vec![Value::Float(0.9), Value::Float(0.999)]),
-    );
-    options.insert("eps".into(), Value::Float(1e-8));
-    full.param_groups = Some(vec![ParamGroup {
-        options,
-        params: names,
-    }]);
-    full
-}
 
 /// Each rank's local dict (`shard_full_optim_state_dict` on thread ranks) and the dict
 /// `full_optim_state_dict` gives from them.

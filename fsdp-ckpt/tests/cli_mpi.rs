@@ -14,9 +14,9 @@ mod common;
 mod tool;
 
 use common::job::{run_job, Outcome};
-use common::{nested_model, wrap, wrap_alt};
+use common::{full_adam, nested_model, wrap, wrap_alt};
 use fsdp::collectives::ThreadGroup;
-use fsdp::{Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value};
+use fsdp::Fsdp;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -86,37 +86,6 @@ fn main() {
         );
         std::process::exit(101);
     }
-}
-
-/// A full Adam state of `model` with distinct values per element.
-fn full_adam(model: &ModelDesc) -> OptimStateDict {
-    let mut full = OptimStateDict::default();
-    for (i, p) in model.params.iter().enumerate() {
-        if !p.requires_grad {
-            continue;
-        }
-        let n = p.numel();
-        let avg: Vec<f32> = (0..n).map(|j| (i * 1000 + j) as f32 * 0.001).collect();
-        let sq: Vec<f32> = (0..n).map(|j| ((i + j) as f32).sqrt()).collect();
-        let mut st = ParamState::new();
-        st.insert(
-            "exp_avg".into(),
-            Value::Tensor(HostTensor::from_slice(&avg, &p.shape).unwrap()),
-        );
-        st.insert(
-            "exp_avg_sq".into(),
-            Value::Tensor(HostTensor::from_slice(&sq, &p.shape).unwrap()),
-        );
-        st.insert("step".into(), Value::Tensor(HostTensor::scalar(7.0f32)));
-        full.state.insert(ParamKey::Name(p.name.clone()), st);
-    }
-    let mut options = indexmap::IndexMap::new();
-    options.insert("lr".into(), Value::Float(1e-3));
-    full.param_groups = Some(vec![fsdp::ParamGroup {
-        options,
-        params: full.state.keys().cloned().collect(),
-    }]);
-    full
 }
 
 /// A fresh directory under cargo's temporary directory for this target (kept small).

@@ -10,8 +10,8 @@ use fsdp::flat_param::ModelLayout;
 use fsdp::optim::{Adam, AdamConfig, Optimizer};
 use fsdp::param_shards::{shard_tensors, synthetic_grads, synthetic_params};
 use fsdp::{
-    DType, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, ParamKey, Value,
-    WrapPolicy,
+    DType, HostTensor, ModelDesc, OptimParam, OptimParams, OptimStateDict, ParamKey, ParamState,
+    Value, WrapPolicy,
 };
 
 /// `NestedModel` of the PyTorch test: blocks of `BlockA`/`BlockB` with biases, in
@@ -275,4 +275,43 @@ pub fn make_adam(input: &OptimParams) -> Box<dyn Optimizer> {
             .unwrap();
     }
     Box::new(adam)
+}
+
+/// A full Adam state (`exp_avg`, `exp_avg_sq`, `step`) for every trained parameter of `model`,
+/// keyed by name, with distinct values per element and one param group (`lr`, `betas`, `eps`).
+pub fn full_adam(model: &ModelDesc) -> OptimStateDict {
+    let mut full = OptimStateDict::default();
+    let mut names = vec![];
+    for (i, p) in model.params.iter().enumerate() {
+        if !p.requires_grad {
+            continue;
+        }
+        let n = p.numel();
+        let avg: Vec<f32> = (0..n).map(|j| (i * 1000 + j) as f32 * 0.001).collect();
+        let sq: Vec<f32> = (0..n).map(|j| ((i + j) as f32).sqrt()).collect();
+        let mut st = ParamState::new();
+        st.insert(
+            "exp_avg".into(),
+            Value::Tensor(HostTensor::from_slice(&avg, &p.shape).unwrap()),
+        );
+        st.insert(
+            "exp_avg_sq".into(),
+            Value::Tensor(HostTensor::from_slice(&sq, &p.shape).unwrap()),
+        );
+        st.insert("step".into(), Value::Tensor(HostTensor::scalar(7.0f32)));
+        full.state.insert(ParamKey::Name(p.name.clone()), st);
+        names.push(ParamKey::Name(p.name.clone()));
+    }
+    let mut options = indexmap::IndexMap::new();
+    options.insert("lr".into(), Value::Float(1e-3));
+    options.insert(
+        "betas".into(),
+        Value::Tuple(vec![Value::Float(0.9), Value::Float(0.999)]),
+    );
+    options.insert("eps".into(), Value::Float(1e-8));
+    full.param_groups = Some(vec![fsdp::ParamGroup {
+        options,
+        params: names,
+    }]);
+    full
 }
