@@ -110,6 +110,14 @@ impl ModelDesc {
         self
     }
 
+    /// The tied aliases of the parameter named `primary`, in name order.
+    pub fn aliases_of<'a>(&'a self, primary: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.tied
+            .iter()
+            .filter(move |(_, p)| p.as_str() == primary)
+            .map(|(alias, _)| alias.as_str())
+    }
+
     /// Index of the parameter with this primary name or alias.
     pub fn index_of(&self, name: &str) -> Option<usize> {
         let primary = self.tied.get(name).map(String::as_str).unwrap_or(name);
@@ -384,6 +392,22 @@ mod tests {
         assert!(!prefix_contains("block1.weight", "block1.weight"));
         assert_eq!(module_of("a.b.c"), "a.b");
         assert_eq!(module_of("bias"), "");
+    }
+
+    #[test]
+    fn aliases_of_a_parameter_are_its_tied_names_in_name_order() {
+        let m = ModelDesc::new()
+            .param("embed.weight", &[4, 2], DType::F32)
+            .param("other.weight", &[2], DType::F32)
+            .tie("out.weight", "embed.weight")
+            .tie("head.weight", "embed.weight");
+        let of = |name| m.aliases_of(name).collect::<Vec<_>>();
+        assert_eq!(of("embed.weight"), ["head.weight", "out.weight"]);
+        assert!(of("other.weight").is_empty());
+        assert!(
+            of("out.weight").is_empty(),
+            "an alias has no aliases of its own"
+        );
     }
 
     #[test]

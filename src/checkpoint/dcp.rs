@@ -304,17 +304,18 @@ fn write_rank<T: Tensor>(
     plan_pieces(layout, lr, &saved, &mut report, &mut plan)?;
     let n_optim = report.len();
     plan_pieces(layout, lr, &model_saved, &mut report, &mut plan)?;
-    let aliases_of = |s: &Slot| -> Vec<Slot> {
-        match s {
+    // A tied parameter is written under each of its names, as `model.state_dict()` lists it
+    // under each (PyTorch writes the bytes once per key too): the slot, then its aliases.
+    let names_of = |s: Slot| -> Vec<Slot> {
+        let aliases: Vec<Slot> = match &s {
             Slot::Model(fqn) => layout
                 .model
-                .tied
-                .iter()
-                .filter(|(_, primary)| *primary == fqn)
-                .map(|(alias, _)| Slot::Model(alias.clone()))
+                .aliases_of(fqn)
+                .map(|a| Slot::Model(a.to_string()))
                 .collect(),
             _ => Vec::new(),
-        }
+        };
+        std::iter::once(s).chain(aliases).collect()
     };
     let slot = |k: usize, name: &str| {
         let fqn = report[k].0.names[0].clone();
@@ -336,15 +337,13 @@ fn write_rank<T: Tensor>(
                 },
                 LocalValue::Value(v) => whole_kind(v),
             };
-            let s = slot(k, name);
-            for alias in aliases_of(&s) {
-                keys.get(&alias, kind.clone());
-            }
-            let ki = keys.get(&s, kind);
-            // A rank may hold no element of a parameter yet its scalar state; each holder
-            // writes its (tiny, equal) copy and rank 0 records the lowest rank's.
-            if let LocalValue::Value(v) = v {
-                out.write_whole(ki, &s.key(), v)?;
+            for s in names_of(slot(k, name)) {
+                let ki = keys.get(&s, kind.clone());
+                // A rank may hold no element of a parameter yet its scalar state; each holder
+                // writes its (tiny, equal) copy and rank 0 records the lowest rank's.
+                if let LocalValue::Value(v) = v {
+                    out.write_whole(ki, &s.key(), v)?;
+                }
             }
         }
     }
@@ -353,14 +352,8 @@ fn write_rank<T: Tensor>(
         let (name, LocalValue::Tensor { dtype, shape, .. }) = &report[k].1[si] else {
             continue;
         };
-        let s = slot(k, name);
-        // A tied parameter's boxes go under each of its names, as `model.state_dict()` lists
-        // it under each (PyTorch writes the bytes once per key too).
-        for ki in std::iter::once(&s)
-            .chain(&aliases_of(&s))
-            .map(|s| keys.index[s])
-        {
-            out.write_boxes(ki, *dtype, shape, start, len, plan.data[i])?;
+        for s in names_of(slot(k, name)) {
+            out.write_boxes(keys.index[&s], *dtype, shape, start, len, plan.data[i])?;
         }
     }
     if lr == 0 {

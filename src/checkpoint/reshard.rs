@@ -120,9 +120,8 @@ pub fn reshard_in_group(
     let old = pg.agree(read_manifest(src))?;
     let policy = policy.unwrap_or(&old.policy).clone();
     let layout = pg.agree(ModelLayout::new(&old.model, &policy, world_size))?;
-    let job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
+    let mut job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
     let tmp = pg.on_root(|| super::prepare_output(dst, &[src]))?;
-    let mut job = job;
     // Copying: each process writes its share of the rank files.
     let mine = (pg.rank()..world_size)
         .step_by(pg.world_size())

@@ -195,13 +195,8 @@ impl Fsdp {
     ) -> Result<OptimStateDict<T>> {
         let model = &self.layout().model;
         let lookup = |name: &str| {
-            sd.get(name).or_else(|| {
-                model
-                    .tied
-                    .iter()
-                    .find(|(_, primary)| primary.as_str() == name)
-                    .and_then(|(alias, _)| sd.get(alias))
-            })
+            sd.get(name)
+                .or_else(|| model.aliases_of(name).find_map(|a| sd.get(a)))
         };
         let mut state = IndexMap::new();
         for id in self.id_params(params)? {
