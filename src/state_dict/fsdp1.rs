@@ -132,16 +132,16 @@ impl StateDictApi for Fsdp {
     ) -> Result<Vec<Option<T>>> {
         const OP: &str = "set_model_state_dict";
         let params = self.optim_params();
+        let ids = self.id_params(&params)?;
         // Every rank holding a dict checks it before any bytes move.
         let osd = sd
-            .map(|sd| self.model_dict_as_optim(sd, &params, opts, OP))
+            .map(|sd| self.model_dict_as_optim(sd, &ids, opts, OP))
             .transpose();
         let osd = self.world_process_group().agree(osd)?;
         let local = self.set_optimizer_state_dict(osd.as_ref(), &params, opts)?;
         // An original parameter of which this rank holds nothing: its empty local view.
-        let mut out = self
-            .id_params(&params)?
-            .into_iter()
+        let mut out = ids
+            .iter()
             .map(|id| id.empty_here.map(|dtype| T::zeros(dtype, &[0])).transpose())
             .collect::<Result<Vec<Option<T>>>>()?;
         for (k, mut st) in local.state {
@@ -164,19 +164,13 @@ fn param_state<T: Tensor>(v: Value<T>) -> ParamState<T> {
 
 /// Param groups without options holding the ids of `params`, group by group.
 fn id_groups<T>(params: &OptimParams) -> Vec<ParamGroup<T>> {
-    let mut id = 0;
+    let mut ids = (0..).map(ParamKey::Id);
     params
         .groups
         .iter()
         .map(|g| ParamGroup {
             options: Default::default(),
-            params: g
-                .iter()
-                .map(|_| {
-                    id += 1;
-                    ParamKey::Id(id - 1)
-                })
-                .collect(),
+            params: ids.by_ref().take(g.len()).collect(),
         })
         .collect()
 }
@@ -189,7 +183,7 @@ impl Fsdp {
     fn model_dict_as_optim<T: Tensor>(
         &self,
         sd: &ModelStateDict<T>,
-        params: &OptimParams,
+        ids: &[IdParams],
         opts: &StateDictOptions,
         op: &str,
     ) -> Result<OptimStateDict<T>> {
@@ -199,7 +193,7 @@ impl Fsdp {
                 .or_else(|| model.aliases_of(name).find_map(|a| sd.get(a)))
         };
         let mut state = IndexMap::new();
-        for id in self.id_params(params)? {
+        for id in ids {
             let values: Vec<_> = id.names.iter().map(|n| (n, lookup(n))).collect();
             if let Some((missing, _)) = values.iter().find(|(_, v)| v.is_none()) {
                 if opts.strict {
