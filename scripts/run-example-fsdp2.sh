@@ -17,12 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/setup-venv.sh
-venv="$(pwd)/.venv"
-export PATH="$venv/bin:$PATH"
-export VIRTUAL_ENV="$venv"
-export LIBTORCH_USE_PYTORCH=1
-export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+. scripts/tch-env.sh
 
 cargo build --profile test --features tch --example train_resume
 target="$(realpath "${CARGO_TARGET_DIR:-target}")"

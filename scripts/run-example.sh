@@ -15,12 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/setup-venv.sh
-venv="$(pwd)/.venv"
-export PATH="$venv/bin:$PATH"
-export VIRTUAL_ENV="$venv"
-export LIBTORCH_USE_PYTORCH=1
-export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+. scripts/tch-env.sh
 
 if [ "${1:-}" != "--mpi" ]; then
     exec cargo run --profile test --features tch --example train_resume -- "$@"
