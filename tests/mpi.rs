@@ -18,6 +18,7 @@ mod common;
 #[path = "mpi/worker.rs"]
 mod worker;
 
+use common::harness::Case;
 use common::job::{run_job, Outcome};
 use std::path::Path;
 use std::process::Command;
@@ -32,50 +33,8 @@ fn main() {
     if let Ok(scenario) = std::env::var(WORKER_ENV) {
         std::process::exit(worker::main(&scenario));
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
-    let cases = cases();
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in &cases {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let selected: Vec<_> = cases
-        .into_iter()
-        .filter(|(name, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str())))
-        .collect();
-    println!("\nrunning {} tests", selected.len());
-    let mut failed = Vec::new();
-    for (name, case) in selected.iter() {
-        let start = Instant::now();
-        let outcome = std::panic::catch_unwind(case);
-        let secs = start.elapsed().as_secs_f64();
-        match outcome {
-            Ok(()) => println!("test {name} ... ok ({secs:.1}s)"),
-            Err(_) => {
-                println!("test {name} ... FAILED ({secs:.1}s)");
-                failed.push(*name);
-            }
-        }
-    }
-    let passed = selected.len() - failed.len();
-    if failed.is_empty() {
-        println!("\ntest result: ok. {passed} passed; 0 failed\n");
-    } else {
-        println!("\nfailures:");
-        for name in &failed {
-            println!("    {name}");
-        }
-        println!(
-            "\ntest result: FAILED. {passed} passed; {} failed\n",
-            failed.len()
-        );
-        std::process::exit(101);
-    }
+    common::harness::run(&cases());
 }
-
-type Case = fn();
 
 fn cases() -> Vec<(&'static str, Case)> {
     vec![

@@ -36,47 +36,12 @@ fn main() {
     if let Ok(scenario) = std::env::var(WORKER_ENV) {
         std::process::exit(worker(&scenario));
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let filters: Vec<&String> = args.iter().filter(|a| !a.starts_with('-')).collect();
     let cases: [(&str, fn()); 3] = [
         ("two_ranks_rendezvous_through_the_agent_store", two_ranks),
         ("a_restarted_worker_group_reads_no_stale_bytes", restart),
         ("harness_times_out_a_hanging_job", harness_times_out),
     ];
-    if args.iter().any(|a| a == "--list") {
-        for (name, _) in &cases {
-            println!("{name}: test");
-        }
-        return;
-    }
-    let selected: Vec<_> = cases
-        .iter()
-        .filter(|(name, _)| filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str())))
-        .collect();
-    println!("\nrunning {} tests", selected.len());
-    let mut failed = Vec::new();
-    for (name, case) in selected.iter() {
-        let start = Instant::now();
-        let outcome = std::panic::catch_unwind(case);
-        let secs = start.elapsed().as_secs_f64();
-        if outcome.is_ok() {
-            println!("test {name} ... ok ({secs:.1}s)");
-        } else {
-            println!("test {name} ... FAILED ({secs:.1}s)");
-            failed.push(*name);
-        }
-    }
-    let passed = selected.len() - failed.len();
-    if failed.is_empty() {
-        println!("\ntest result: ok. {passed} passed; 0 failed\n");
-    } else {
-        println!("\nfailures:\n    {}", failed.join("\n    "));
-        println!(
-            "\ntest result: FAILED. {passed} passed; {} failed\n",
-            failed.len()
-        );
-        std::process::exit(101);
-    }
+    common::harness::run(&cases);
 }
 
 // ----- worker -----

@@ -21,13 +21,9 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn main() {
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
     let cases: Vec<(&str, fn())> = vec![
         ("reshard_np1_is_the_single_process_run", || {
             reshard_matches_single_process(1)
@@ -58,34 +54,7 @@ fn main() {
             || failure_on_process_1("consolidate"),
         ),
     ];
-    let selected: Vec<_> = cases
-        .into_iter()
-        .filter(|(n, _)| filters.is_empty() || filters.iter().any(|f| n.contains(f.as_str())))
-        .collect();
-    println!("\nrunning {} tests", selected.len());
-    let mut failed = Vec::new();
-    for (name, case) in &selected {
-        let start = Instant::now();
-        let outcome = std::panic::catch_unwind(case);
-        let secs = start.elapsed().as_secs_f64();
-        if outcome.is_ok() {
-            println!("test {name} ... ok ({secs:.1}s)");
-        } else {
-            println!("test {name} ... FAILED ({secs:.1}s)");
-            failed.push(*name);
-        }
-    }
-    if failed.is_empty() {
-        println!("\ntest result: ok. {} passed; 0 failed\n", selected.len());
-    } else {
-        println!("\nfailures:\n    {}", failed.join("\n    "));
-        println!(
-            "\ntest result: FAILED. {} passed; {} failed\n",
-            selected.len() - failed.len(),
-            failed.len()
-        );
-        std::process::exit(101);
-    }
+    common::harness::run(&cases);
 }
 
 /// A fresh directory under cargo's temporary directory for this target (kept small).

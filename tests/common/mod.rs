@@ -4,6 +4,7 @@
 
 pub mod conformance;
 pub mod fsdp2;
+pub mod harness;
 pub mod job;
 
 use fsdp::flat_param::ModelLayout;
