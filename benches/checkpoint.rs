@@ -61,7 +61,7 @@
 //! Run: `cargo bench --bench checkpoint`.
 
 mod common;
-use common::full_adam_state;
+use common::{evict, full_adam_state, raw_read, raw_write};
 
 use fsdp::checkpoint::{self, LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
@@ -112,26 +112,6 @@ fn load_policy() -> WrapPolicy {
 
 // ---------------------------------------------------------------------------------------------
 // Page cache and memory figures (Linux).
-
-/// Evicts `path`'s pages from the page cache (a file, or every file in a directory). The
-/// pages must be clean (synced) to go.
-fn evict(path: &Path) {
-    if path.is_dir() {
-        for e in std::fs::read_dir(path).expect("listing a checkpoint directory") {
-            evict(&e.expect("a directory entry").path());
-        }
-        return;
-    }
-    let f = File::open(path).expect("opening a file to evict");
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        // SAFETY: a valid open descriptor; advice only.
-        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-        assert_eq!(rc, 0, "posix_fadvise on {}", path.display());
-    }
-    drop(f);
-}
 
 /// (resident, total) pages of `path` (a file, or every file in a directory) in the page cache.
 fn resident_pages(path: &Path) -> (usize, usize) {
@@ -199,43 +179,6 @@ fn vm_hwm_kib() -> u64 {
 
 // ---------------------------------------------------------------------------------------------
 // Raw baselines.
-
-fn raw_write(path: &Path, bytes: u64) -> f64 {
-    let mut buf = vec![0u8; CHUNK];
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = (i * 31 % 251) as u8;
-    }
-    let _ = std::fs::remove_file(path);
-    let start = Instant::now();
-    let mut f = File::create(path).expect("creating the raw file");
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(CHUNK as u64) as usize;
-        f.write_all(&buf[..n]).expect("writing the raw file");
-        left -= n as u64;
-    }
-    f.sync_all().expect("syncing the raw file");
-    drop(f);
-    start.elapsed().as_secs_f64()
-}
-
-fn raw_read(path: &Path) -> f64 {
-    let mut buf = vec![0u8; CHUNK];
-    let start = Instant::now();
-    let mut f = File::open(path).expect("opening the raw file");
-    let mut total = 0u64;
-    loop {
-        let n = f.read(&mut buf).expect("reading the raw file");
-        if n == 0 {
-            break;
-        }
-        total += n as u64;
-    }
-    std::hint::black_box(&buf);
-    let secs = start.elapsed().as_secs_f64();
-    assert!(total > 0);
-    secs
-}
 
 /// A timed copy of one file into another: seconds.
 type CopyFn = fn(&Path, &Path) -> f64;

@@ -17,7 +17,10 @@
 //!
 //! `cargo bench --bench dcp [-- --embed ROWS --layers N --reps R]`
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{disk_bytes, loadavg, raw_write, status_bytes, venv_python};
+
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
@@ -37,7 +40,7 @@ fn main() {
             .unwrap_or(default)
     };
     let (embed, layers, reps) = (arg("--embed", 32000), arg("--layers", 16), arg("--reps", 3));
-    let py = python();
+    let py = venv_python("dcp bench");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/dcp-bench");
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).expect("bench directory");
@@ -60,12 +63,12 @@ fn main() {
         ],
     );
     python_timed(&py, &["to_dcp", &s(&full), &s(&dcp)]);
-    let dcp_bytes = dir_bytes(&dcp);
+    let dcp_bytes = disk_bytes(&dcp);
     let largest = (embed * 1024 * 4) as u64;
     let adam = 2 * (embed * 1024 + layers * 1024 * 4096) as u64 * 4;
     println!(
         "input: {} GB .pt; DCP directory {} GB ({} GB of Adam state); largest tensor {} MB",
-        gb(file_bytes(&full)),
+        gb(disk_bytes(&full)),
         gb(dcp_bytes),
         gb(adam),
         mb(largest)
@@ -98,7 +101,7 @@ fn main() {
         ours_w.push(crate_child("to_dcp", &full, &ours_dir));
         let _ = std::fs::remove_dir_all(&theirs_dir);
         theirs_w.push(python_timed(&py, &["to_dcp", &s(&full), &s(&theirs_dir)]));
-        raw.push((raw_write(&raw_file, dir_bytes(&ours_dir)), 0));
+        raw.push((raw_write(&raw_file, disk_bytes(&ours_dir)), 0));
         let _ = std::fs::remove_file(&raw_file);
     }
 
@@ -243,61 +246,6 @@ fn python_timed(py: &Path, args: &[&str]) -> (f64, u64) {
         v["seconds"].as_f64().unwrap(),
         v["peak_rss"].as_u64().unwrap(),
     )
-}
-
-fn python() -> PathBuf {
-    let p = std::env::var_os("FSDP_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
-    if !p.exists() {
-        eprintln!(
-            "dcp bench: no Python at {} — run scripts/setup-venv.sh",
-            p.display()
-        );
-        std::process::exit(2);
-    }
-    p
-}
-
-/// Seconds to write `bytes` in 1 MiB writes to a new file and fsync it.
-fn raw_write(path: &Path, bytes: u64) -> f64 {
-    use std::io::Write;
-    let buf = vec![7u8; 1 << 20];
-    let start = Instant::now();
-    let mut f = std::fs::File::create(path).expect("raw file");
-    let mut left = bytes;
-    while left > 0 {
-        let n = left.min(buf.len() as u64) as usize;
-        f.write_all(&buf[..n]).expect("raw write");
-        left -= n as u64;
-    }
-    f.sync_all().expect("raw fsync");
-    start.elapsed().as_secs_f64()
-}
-
-fn status_bytes(field: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |k| k * 1024)
-}
-
-fn file_bytes(p: &Path) -> u64 {
-    std::fs::metadata(p).map_or(0, |m| m.len())
-}
-
-fn dir_bytes(p: &Path) -> u64 {
-    std::fs::read_dir(p)
-        .map(|rd| rd.flatten().map(|e| file_bytes(&e.path())).sum())
-        .unwrap_or(0)
-}
-
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
 }
 
 fn s(p: &Path) -> String {

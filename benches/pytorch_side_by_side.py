@@ -25,6 +25,11 @@ holds every repetition in seconds):
   dict (made once, untimed, with `rank0_only=False`)
 * `save`: on rank 0, `torch.save(full, path)` then `os.fsync` of the file (rank 1 waits);
   the file from the previous repetition is removed first, untimed
+* `consolidate_save` (only when named in `--ops`; `cargo bench --bench scale` runs it alone):
+  `consolidate`, then rank 0 saves and fsyncs the full dict as `save` does: a consolidated
+  checkpoint file from the live sharded state
+
+`--ops` (comma-separated, default the first four) picks the operations run, in the order above.
 
 Each operation's input (the sharded dict, the full dict) exists only while that operation is
 measured; otherwise each process holds its FSDP model (flat parameter shards) and optimizer.
@@ -161,13 +166,24 @@ def worker(rank, args, port, out_path):
                 os.fsync(f.fileno())
         return None
 
+    def op_consolidate_save():
+        full = FSDP.full_optim_state_dict(model, optim, rank0_only=True)
+        if rank == 0:
+            with open(path, "wb") as f:
+                torch.save(full, f)
+                f.flush()
+                os.fsync(f.fileno())
+        return None
+
     # (name, prepare, op, keep the input for the next op)
     ops = [
         ("consolidate", None, op_consolidate, False),
         ("sharded_load", prep_sharded_load, op_sharded_load, False),
         ("shard_full", prep_full, op_shard_full, True),
         ("save", None, op_save, False),
+        ("consolidate_save", None, op_consolidate_save, False),
     ]
+    ops = [op for op in ops if op[0] in args.ops.split(",")]
     results = {}
     tensor_bytes = 0
     for name, prep, fn, keep in ops:
@@ -207,8 +223,8 @@ def worker(rank, args, port, out_path):
         if not keep:
             held.clear()
         gc.collect()
-    file_size = os.path.getsize(path) if rank == 0 else 0
-    if rank == 0:
+    file_size = os.path.getsize(path) if rank == 0 and os.path.exists(path) else 0
+    if rank == 0 and os.path.exists(path):
         os.remove(path)
 
     gathered = [None, None]
@@ -251,6 +267,7 @@ def main():
     ap.add_argument("--save-reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dir", default=".")
+    ap.add_argument("--ops", default="consolidate,sharded_load,shard_full,save")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
 

@@ -94,7 +94,7 @@
 mod common;
 #[path = "side_by_side/mpi.rs"]
 mod mpi_column;
-use common::{deep_copy, filled};
+use common::{deep_copy, filled, venv_python};
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::{
@@ -490,21 +490,6 @@ fn loadavg() -> String {
         .unwrap_or_else(|_| "?".into())
 }
 
-fn python() -> PathBuf {
-    let p = std::env::var_os("FSDP_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"));
-    if !p.exists() {
-        eprintln!(
-            "side_by_side: no Python at {} — run scripts/setup-venv.sh (creates .venv with \
-             torch 2.13) or set FSDP_PYTHON to a Python with torch==2.13.0",
-            p.display()
-        );
-        std::process::exit(2);
-    }
-    p
-}
-
 fn gb(b: u64) -> String {
     format!("{:.2}", b as f64 / 1e9)
 }
@@ -540,7 +525,7 @@ fn main() {
         child(op, layers, PathBuf::from(it.next().unwrap()));
         return;
     }
-    let py = python();
+    let py = venv_python("side_by_side");
     std::fs::create_dir_all(&dir).expect("creating the bench directory");
     let layer_counts: Vec<usize> = std::env::var("SBS_LAYERS")
         .unwrap_or_else(|_| "16,64".into())

@@ -29,12 +29,12 @@
 //! Run: `cargo bench --bench state_dict` (needs `.venv` with torch 2.13, or `FSDP_PYTHON`).
 
 mod common;
-use common::{full_adam_state, loadavg, reset_hwm, status_bytes};
+use common::{full_adam_state, loadavg, reset_hwm, status_bytes, venv_python};
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
 use fsdp::{DType, ModelDesc, OptimStateDict, WrapPolicy};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::Instant;
@@ -155,12 +155,6 @@ fn median(v: &[f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn python() -> PathBuf {
-    std::env::var_os("FSDP_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python"))
-}
-
 fn main() {
     if let Ok(spec) = std::env::var(CHILD_ENV) {
         let f: Vec<&str> = spec.split(',').collect();
@@ -174,7 +168,7 @@ fn main() {
         loadavg()
     );
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/state_dict_side_by_side.py");
-    let out = Command::new(python())
+    let out = Command::new(venv_python("state_dict bench"))
         .arg(script)
         .args(["--layers", &layers.to_string(), "--reps", &reps.to_string()])
         .output()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Reproduces every figure in BENCHMARKS.md: the optimizer-state, checkpoint and side-by-side
-# benchmarks in one run, each headed by the machine, its load average and the date, so that the
+# Reproduces every figure in BENCHMARKS.md: every benchmark (optimizer-state transforms,
+# checkpoints, the three side-by-side runs with PyTorch, and the scale run) in one go,
+# each headed by the machine, its load average and the date, so that the
 # numbers carry their conditions. Needs .venv (PyTorch 2.13) for the side-by-side run; installs
 # it when missing. Extra arguments name a subset: `scripts/bench.sh checkpoint`. When `mpirun`
 # exists, the side-by-side bench is built with `mpi` and adds its MPI column (the crate's ranks
@@ -9,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
 benches=("$@")
-[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side dcp state_dict)
+[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side dcp state_dict scale)
 conditions() {
     echo "== $1: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB," \
         "load average $(cut -d' ' -f1-3 /proc/loadavg), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"

@@ -76,3 +76,98 @@ pub fn loadavg() -> String {
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".into())
 }
+
+/// Chunk of the raw file baselines.
+const RAW_CHUNK: usize = 1 << 20;
+
+/// Evicts `path`'s pages from the page cache (a file, or every file in a directory), so the
+/// next read comes from the disk. The pages must be clean (synced) to go.
+pub fn evict(path: &std::path::Path) {
+    if path.is_dir() {
+        for e in std::fs::read_dir(path).expect("listing a directory to evict") {
+            evict(&e.expect("a directory entry").path());
+        }
+        return;
+    }
+    let f = std::fs::File::open(path).expect("opening a file to evict");
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a valid open descriptor; advice only.
+        let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(rc, 0, "posix_fadvise on {}", path.display());
+    }
+    drop(f);
+}
+
+/// Seconds to write `bytes` to a new file `path` in 1 MiB writes from one reused buffer, then
+/// fsync it: the machine's raw durable write of that many bytes.
+pub fn raw_write(path: &std::path::Path, bytes: u64) -> f64 {
+    use std::io::Write;
+    let mut buf = vec![0u8; RAW_CHUNK];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (i * 31 % 251) as u8;
+    }
+    let _ = std::fs::remove_file(path);
+    let start = std::time::Instant::now();
+    let mut f = std::fs::File::create(path).expect("creating the raw file");
+    let mut left = bytes;
+    while left > 0 {
+        let n = left.min(RAW_CHUNK as u64) as usize;
+        f.write_all(&buf[..n]).expect("writing the raw file");
+        left -= n as u64;
+    }
+    f.sync_all().expect("syncing the raw file");
+    drop(f);
+    start.elapsed().as_secs_f64()
+}
+
+/// Seconds to read all of `path` in 1 MiB reads into one reused buffer (evict it first for a
+/// read from the disk).
+pub fn raw_read(path: &std::path::Path) -> f64 {
+    use std::io::Read;
+    let mut buf = vec![0u8; RAW_CHUNK];
+    let start = std::time::Instant::now();
+    let mut f = std::fs::File::open(path).expect("opening the raw file");
+    let mut total = 0u64;
+    loop {
+        let n = f.read(&mut buf).expect("reading the raw file");
+        if n == 0 {
+            break;
+        }
+        total += n as u64;
+    }
+    std::hint::black_box(&buf);
+    let secs = start.elapsed().as_secs_f64();
+    assert!(total > 0, "{} is empty", path.display());
+    secs
+}
+
+/// Bytes of the file `p`, or of the files directly in the directory `p`; 0 when unreadable.
+pub fn disk_bytes(p: &std::path::Path) -> u64 {
+    if p.is_dir() {
+        return std::fs::read_dir(p)
+            .map(|rd| rd.flatten().map(|e| disk_bytes(&e.path())).sum())
+            .unwrap_or(0);
+    }
+    std::fs::metadata(p).map_or(0, |m| m.len())
+}
+
+/// The Python with PyTorch 2.13 the side-by-side benches run: `FSDP_PYTHON`, else `.venv`'s.
+/// Exits with a hint when it is missing (`bench` names the caller).
+pub fn venv_python(bench: &str) -> std::path::PathBuf {
+    let p = std::env::var_os("FSDP_PYTHON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python")
+        });
+    if !p.exists() {
+        eprintln!(
+            "{bench}: no Python at {} — run scripts/setup-venv.sh (creates .venv with torch \
+             2.13) or set FSDP_PYTHON to a Python with torch==2.13.0",
+            p.display()
+        );
+        std::process::exit(2);
+    }
+    p
+}

@@ -1,0 +1,520 @@
+//! Offline checkpoint work at real scale, up to a billion parameters, beside PyTorch 2.13 in
+//! the same run (issue 16, part 2).
+//!
+//! The model: `units` FSDP units `layers.{i}` of `weight` [1024, 4096] + `bias` [1024]
+//! (4,195,328 parameters each), `use_orig_params=False`, Adam state after one step: 8 bytes of
+//! state per parameter (`exp_avg`, `exp_avg_sq`, f32) plus a `step` per parameter. The default
+//! sizes are 6, 24, 96 and 239 units: 25.2M, 100.7M, 402.8M and 1,002.7M parameters, 0.20 to
+//! 8.02 GB of Adam state.
+//!
+//! Per size, a child process (this binary re-run with `--child`) saves the state of two thread
+//! ranks twice: as the crate's sharded checkpoint (`Fsdp::save_optim_checkpoint`) and as a DCP
+//! directory (`Fsdp::save_dcp`, one `__{rank}_0.distcp` per rank, what PyTorch's
+//! `get_state_dict` + `dcp.save` of an FSDP1 model write). Then, each in a fresh process with
+//! its input evicted from the page cache first (a cold call: the job that consolidates once):
+//! - `consolidate .pt`: `checkpoint::consolidate_to_torch` (`fsdp-ckpt consolidate CKPT
+//!   OUT.pt`), streaming;
+//! - `consolidate .safetensors`: `checkpoint::consolidate_to_safetensors`;
+//! - `reshard 2 -> 3`: `checkpoint::reshard` (its output is verified afterwards, untimed);
+//! - `DCP consolidate`: `io::dcp::consolidate_to_torch` of the DCP directory (`fsdp-ckpt
+//!   consolidate DCP_DIR OUT.pt`);
+//! - PyTorch `dcp_to_torch_save` of the same DCP directory, then an fsync of its output (the
+//!   crate's outputs are durable before they appear), `benches/dcp_side_by_side.py`. At 100M
+//!   parameters and below PyTorch also checks that both consolidated files are equal
+//!   (structure, key order, bits); above, holding both in memory would not fit;
+//! - PyTorch FSDP1 (two gloo processes, `benches/pytorch_side_by_side.py --ops
+//!   consolidate_save`): `full_optim_state_dict(rank0_only=True)` of the live model, then
+//!   `torch.save` + fsync on rank 0. PyTorch has no offline consolidation of FSDP1's flat
+//!   shards; this is how its users get one file, and it starts from memory where the crate
+//!   reads its input from disk. Its setup (building the model, one Adam step) is untimed.
+//!
+//! A PyTorch job that fails (out of memory: the kernel kills it) is reported with its exit
+//! status and not run at larger sizes. Baselines, right before each size's operations: a raw
+//! 1 MiB write + fsync and a cold raw read of the Adam state's byte count (no operation that
+//! reads and durably writes every byte can beat `max(read, write)`).
+//!
+//! Peak RSS is each process's high-water mark (`VmHWM` for the crate's children, the sum of
+//! both ranks' for PyTorch FSDP1, `ru_maxrss` for `dcp_to_torch_save`), interpreter and
+//! libraries included.
+//!
+//! Files live under `target/scale-bench/` and are removed as each operation ends and at the
+//! end: at 1B parameters at most about 33 GB at once (checkpoint 8 GB, DCP directory 8 GB,
+//! two outputs of 8 GB, or the raw baseline file). The bench needs about 17 GB of memory at 1B
+//! (the state is built in memory once to be saved) and runs for about 10 minutes at the
+//! default sizes on the 2-core VM.
+//!
+//! Run: `cargo bench --bench scale` (`SCALE_BENCH_UNITS=6,24` for other sizes; needs `.venv`).
+
+mod common;
+use common::{
+    disk_bytes, evict, full_adam_state, loadavg, raw_read, raw_write, status_bytes, venv_python,
+};
+
+use fsdp::checkpoint::{self, SaveOptions};
+use fsdp::collectives::{ProcessGroup, ThreadGroup};
+use fsdp::{DType, Fsdp, ModelDesc, WrapPolicy};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// World size of the saved state (PyTorch's FSDP1 run uses the same).
+const WS: usize = 2;
+const RESHARD_WS: usize = 3;
+const OUT: usize = 1024;
+const IN: usize = 4096;
+const DEFAULT_UNITS: &str = "6,24,96,239";
+/// Sizes (parameters) up to which PyTorch also checks the two DCP consolidations equal.
+const CHECK_EQUAL_UP_TO: usize = 150_000_000;
+
+fn model(units: usize) -> ModelDesc {
+    let mut m = ModelDesc::new();
+    for i in 0..units {
+        m = m
+            .param(&format!("layers.{i}.weight"), &[OUT, IN], DType::F32)
+            .param(&format!("layers.{i}.bias"), &[OUT], DType::F32);
+    }
+    m
+}
+
+fn policy(units: usize) -> WrapPolicy {
+    let units: Vec<String> = (0..units).map(|i| format!("layers.{i}")).collect();
+    WrapPolicy::units(&units)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Children: one job per fresh process.
+
+/// `--child make UNITS CKPT DCP`: saves the state at world size [`WS`] as both inputs.
+/// `--child OP SRC DST`: one cold call of a crate operation. Each prints `CHILD <seconds>
+/// <cpu seconds> <peak RSS bytes>`.
+fn child(args: &[String]) {
+    let (op, a, b) = (args[0].as_str(), Path::new(&args[1]), Path::new(&args[2]));
+    if op != "make" {
+        evict(a);
+    }
+    let cpu = cpu_secs();
+    let start = Instant::now();
+    match op {
+        "make" => make(
+            args[1].parse().expect("a unit count"),
+            b,
+            Path::new(&args[3]),
+        ),
+        _ => run_op(op, a, b),
+    }
+    println!(
+        "CHILD {} {} {}",
+        start.elapsed().as_secs_f64(),
+        cpu_secs() - cpu,
+        status_bytes("VmHWM:")
+    );
+}
+
+fn run_op(op: &str, src: &Path, dst: &Path) {
+    match op {
+        "consolidate-pt" => checkpoint::consolidate_to_torch(src, dst, |_| {})
+            .map(drop)
+            .expect("consolidate_to_torch"),
+        "consolidate-st" => checkpoint::consolidate_to_safetensors(src, dst, |_| {})
+            .map(drop)
+            .expect("consolidate_to_safetensors"),
+        "reshard" => checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {})
+            .map(drop)
+            .expect("reshard"),
+        "dcp-consolidate" => fsdp::io::dcp::consolidate_to_torch(src, dst, |_| {})
+            .map(drop)
+            .expect("DCP consolidate_to_torch"),
+        other => panic!("unknown child op {other}"),
+    }
+}
+
+/// Builds the full Adam state of `units` units, shards it over [`WS`] thread ranks and saves
+/// it as the crate's checkpoint `ckpt` and the DCP directory `dcp`.
+fn make(units: usize, ckpt: &Path, dcp: &Path) {
+    fsdp::tensor::set_buffer_cache_limit(0);
+    let (model, policy) = (model(units), policy(units));
+    let full = Mutex::new(Some(Arc::new(full_adam_state(&model))));
+    ThreadGroup::run(WS, |pg| {
+        let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
+        let fsdp = Fsdp::new(&model, &policy, pg.clone()).expect("Fsdp::new");
+        let params = fsdp.optim_params();
+        let local = {
+            let full = full.lock().unwrap().clone().expect("the full dict");
+            fsdp.shard_full_optim_state_dict(&full, &params)
+                .expect("shard_full_optim_state_dict")
+        };
+        pg.barrier().expect("barrier");
+        if pg.rank() == 0 {
+            full.lock().unwrap().take();
+        }
+        fsdp.save_optim_checkpoint(&local, &params, ckpt, &SaveOptions::default())
+            .expect("save_optim_checkpoint");
+        fsdp.save_dcp(&local, &params, None, dcp).expect("save_dcp");
+    });
+}
+
+/// User + system CPU seconds of this process so far.
+fn cpu_secs() -> f64 {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 * 1e-6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+/// What a timed job gave: seconds and peak RSS, or why it failed.
+enum Outcome {
+    Ran { secs: f64, cpu: f64, peak: u64 },
+    Failed(String),
+    NotRun(String),
+}
+
+fn crate_child(args: &[&str]) -> Outcome {
+    let out = Command::new(std::env::current_exe().expect("this bench"))
+        .arg("--child")
+        .args(args)
+        .output()
+        .expect("running a child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout.lines().find_map(|l| l.strip_prefix("CHILD ")) {
+        Some(line) => {
+            let f: Vec<f64> = line
+                .split_whitespace()
+                .map(|v| v.parse().expect("a number"))
+                .collect();
+            Outcome::Ran {
+                secs: f[0],
+                cpu: f[1],
+                peak: f[2] as u64,
+            }
+        }
+        None => panic!(
+            "child {args:?} failed: {}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+}
+
+/// Runs a PyTorch script; its last stdout line is JSON, read by `parse`.
+fn python_job(
+    py: &Path,
+    script: &str,
+    args: &[&str],
+    parse: fn(&serde_json::Value) -> Outcome,
+) -> Outcome {
+    let out = Command::new(py)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("benches")
+                .join(script),
+        )
+        .args(args)
+        .output()
+        .expect("running python");
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Outcome::Failed(format!("{} ({last})", out.status));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(text.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{script} printed no JSON ({e}): {text}"));
+    parse(&v)
+}
+
+// ---------------------------------------------------------------------------------------------
+// One size.
+
+struct Row {
+    units: usize,
+    params: usize,
+    bytes: u64,
+    raw_write: f64,
+    raw_read: f64,
+    make_secs: f64,
+    ops: Vec<(&'static str, Outcome)>,
+}
+
+const CRATE_OPS: [(&str, &str); 4] = [
+    ("consolidate-pt", "consolidate .pt"),
+    ("consolidate-st", "consolidate .safetensors"),
+    ("reshard", "reshard 2 -> 3"),
+    ("dcp-consolidate", "DCP consolidate (.pt)"),
+];
+
+fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usize>; 2]) -> Row {
+    let model = model(units);
+    let params = model.numel();
+    let bytes = (params * 2 * 4) as u64;
+    let (ckpt, dcp) = (root.join("ckpt"), root.join("dcp"));
+    println!(
+        "\n== {units} units, {params} parameters, {:.2} GB of Adam state; load average {}",
+        bytes as f64 / 1e9,
+        loadavg()
+    );
+    let make_secs = match crate_child(&["make", &units.to_string(), &s(&ckpt), &s(&dcp)]) {
+        Outcome::Ran { secs, peak, .. } => {
+            println!(
+                "  inputs saved in {secs:.1} s (peak RSS {:.2} GB): checkpoint {:.2} GB, DCP {:.2} GB",
+                peak as f64 / 1e9,
+                disk_bytes(&ckpt) as f64 / 1e9,
+                disk_bytes(&dcp) as f64 / 1e9
+            );
+            secs
+        }
+        _ => unreachable!("crate_child panics on failure"),
+    };
+
+    let raw = root.join("raw.bin");
+    let rw = raw_write(&raw, bytes);
+    evict(&raw);
+    let rr = raw_read(&raw);
+    let _ = std::fs::remove_file(&raw);
+    println!("  raw write+fsync {rw:.2} s, raw read (cold) {rr:.2} s");
+
+    let mut ops = Vec::new();
+    let dcp_pt = root.join("dcp.pt");
+    for (op, label) in CRATE_OPS {
+        let (src, dst) = match op {
+            "dcp-consolidate" => (&dcp, dcp_pt.clone()),
+            "reshard" => (&ckpt, root.join("ckpt3")),
+            "consolidate-st" => (&ckpt, root.join("full.safetensors")),
+            _ => (&ckpt, root.join("full.pt")),
+        };
+        let o = crate_child(&[op, &s(src), &s(&dst)]);
+        report(label, bytes, &o);
+        if op == "reshard" {
+            checkpoint::verify(&dst).expect("the resharded checkpoint verifies");
+        }
+        if op != "dcp-consolidate" {
+            remove(&dst);
+        }
+        ops.push((label, o));
+    }
+
+    // PyTorch: dcp_to_torch_save of the same directory.
+    let theirs = root.join("theirs.pt");
+    let o = torch_job(&mut torch_failed[0], params, || {
+        evict(&dcp);
+        python_job(
+            py,
+            "dcp_side_by_side.py",
+            &["to_torch_synced", &s(&dcp), &s(&theirs)],
+            |v| Outcome::Ran {
+                secs: v["seconds"].as_f64().expect("seconds"),
+                cpu: f64::NAN,
+                peak: v["peak_rss"].as_u64().expect("peak_rss"),
+            },
+        )
+    });
+    report("PyTorch dcp_to_torch_save + fsync", bytes, &o);
+    if matches!(o, Outcome::Ran { .. }) && params <= CHECK_EQUAL_UP_TO {
+        let same = Command::new(py)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/dcp_side_by_side.py"))
+            .args(["same", &s(&dcp_pt), &s(&theirs)])
+            .output()
+            .expect("running python");
+        assert!(
+            same.status.success(),
+            "the crate's and PyTorch's DCP consolidations differ: {}",
+            String::from_utf8_lossy(&same.stderr)
+        );
+        println!("  PyTorch: both DCP consolidations are equal (structure, key order, bits)");
+    }
+    ops.push(("PyTorch dcp_to_torch_save + fsync", o));
+    remove(&theirs);
+    remove(&dcp_pt);
+    remove(&dcp);
+
+    // PyTorch FSDP1: consolidate the live sharded state and save it.
+    let o = torch_job(&mut torch_failed[1], params, || {
+        python_job(
+            py,
+            "pytorch_side_by_side.py",
+            &[
+                "--layers",
+                &units.to_string(),
+                "--out",
+                &OUT.to_string(),
+                "--inp",
+                &IN.to_string(),
+                "--reps",
+                "1",
+                "--ops",
+                "consolidate_save",
+                "--dir",
+                &s(root),
+            ],
+            |v| {
+                let op = &v["ops"]["consolidate_save"];
+                Outcome::Ran {
+                    secs: op["times"][0].as_f64().expect("seconds"),
+                    cpu: f64::NAN,
+                    peak: op["peak_rss"]
+                        .as_array()
+                        .expect("per-rank peaks")
+                        .iter()
+                        .map(|p| p.as_u64().expect("bytes"))
+                        .sum(),
+                }
+            },
+        )
+    });
+    report(
+        "PyTorch FSDP1 full_optim_state_dict + torch.save + fsync",
+        bytes,
+        &o,
+    );
+    ops.push(("PyTorch FSDP1 full_optim_state_dict + save", o));
+    remove(&ckpt);
+    Row {
+        units,
+        params,
+        bytes,
+        raw_write: rw,
+        raw_read: rr,
+        make_secs,
+        ops,
+    }
+}
+
+/// Runs a PyTorch job unless it already failed at a smaller size (`failed_at`, which a failure
+/// here sets).
+fn torch_job(
+    failed_at: &mut Option<usize>,
+    params: usize,
+    job: impl FnOnce() -> Outcome,
+) -> Outcome {
+    if let Some(at) = *failed_at {
+        return Outcome::NotRun(format!("failed at {:.1}M parameters", at as f64 / 1e6));
+    }
+    let o = job();
+    if matches!(o, Outcome::Failed(_)) {
+        *failed_at = Some(params);
+    }
+    o
+}
+
+fn report(label: &str, bytes: u64, o: &Outcome) {
+    match o {
+        Outcome::Ran { secs, cpu, peak } => println!(
+            "  {label}: {secs:.2} s, {:.2} GB/s,{} peak RSS {:.0} MB",
+            bytes as f64 / secs / 1e9,
+            if cpu.is_nan() {
+                String::new()
+            } else {
+                format!(" CPU {cpu:.2} s,")
+            },
+            *peak as f64 / 1e6
+        ),
+        Outcome::Failed(why) => println!("  {label}: FAILED: {why}"),
+        Outcome::NotRun(why) => println!("  {label}: not run ({why})"),
+    }
+}
+
+fn remove(p: &Path) {
+    let _ = std::fs::remove_dir_all(p);
+    let _ = std::fs::remove_file(p);
+}
+
+fn s(p: &Path) -> String {
+    p.display().to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Summary.
+
+fn summary(rows: &[Row]) {
+    println!("\n## Summary (seconds; GB/s of Adam state; peak RSS MB)\n");
+    println!("| params | Adam GB | raw write+fsync s | raw read s | operation | seconds | GB/s | vs max(read, write) | peak RSS MB |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows {
+        let floor = r.raw_write.max(r.raw_read);
+        for (label, o) in &r.ops {
+            let cells = match o {
+                Outcome::Ran { secs, peak, .. } => format!(
+                    "{secs:.2} | {:.2} | {:.2} | {:.0}",
+                    r.bytes as f64 / secs / 1e9,
+                    floor / secs,
+                    *peak as f64 / 1e6
+                ),
+                Outcome::Failed(why) => format!("failed: {why} | | | "),
+                Outcome::NotRun(why) => format!("not run: {why} | | | "),
+            };
+            println!(
+                "| {:.1}M | {:.2} | {:.2} | {:.2} | {label} | {cells} |",
+                r.params as f64 / 1e6,
+                r.bytes as f64 / 1e9,
+                r.raw_write,
+                r.raw_read
+            );
+        }
+    }
+    println!("\n## Linearity: seconds per GB of Adam state, each size against the largest\n");
+    let last = rows.last().expect("a size");
+    for (i, (label, _)) in last.ops.iter().enumerate() {
+        let per_gb: Vec<String> = rows
+            .iter()
+            .map(|r| match &r.ops[i].1 {
+                Outcome::Ran { secs, .. } => {
+                    let mine = secs / (r.bytes as f64 / 1e9);
+                    match &last.ops[i].1 {
+                        Outcome::Ran { secs: l, .. } => format!(
+                            "{:.1}M: {mine:.2} s/GB ({:.2}x)",
+                            r.params as f64 / 1e6,
+                            mine / (l / (last.bytes as f64 / 1e9))
+                        ),
+                        _ => format!("{:.1}M: {mine:.2} s/GB", r.params as f64 / 1e6),
+                    }
+                }
+                _ => format!("{:.1}M: -", r.params as f64 / 1e6),
+            })
+            .collect();
+        println!("* {label}: {}", per_gb.join("; "));
+    }
+    let made: Vec<String> = rows
+        .iter()
+        .map(|r| format!("{} units {:.1} s", r.units, r.make_secs))
+        .collect();
+    println!(
+        "\n(inputs built and saved, untimed above: {})",
+        made.join(", ")
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(i) = args.iter().position(|a| a == "--child") {
+        child(&args[i + 1..]);
+        return;
+    }
+    let units: Vec<usize> = std::env::var("SCALE_BENCH_UNITS")
+        .unwrap_or_else(|_| DEFAULT_UNITS.into())
+        .split(',')
+        .map(|u| u.trim().parse().expect("SCALE_BENCH_UNITS: unit counts"))
+        .collect();
+    let py = venv_python("scale bench");
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/scale-bench");
+    remove(&root);
+    std::fs::create_dir_all(&root).expect("creating target/scale-bench");
+    println!(
+        "scale bench: {} cores, load average {}; units {units:?} of [{OUT}, {IN}] + [{OUT}], world size {WS}",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        loadavg()
+    );
+    let mut torch_failed = [None, None];
+    let rows: Vec<Row> = units
+        .iter()
+        .map(|&u| run_size(&root, &py, u, &mut torch_failed))
+        .collect();
+    println!("\nload average at end: {}", loadavg());
+    summary(&rows);
+    remove(&root);
+}
