@@ -43,6 +43,11 @@
 //! (the state is built in memory once to be saved) and runs for about 10 minutes at the
 //! default sizes on the 2-core VM.
 //!
+//! With `SCALE_BENCH_TOOL` naming an `fsdp-ckpt` built with `mpi` (`scripts/bench.sh` builds one
+//! and sets it when `mpirun` exists), the tool's `reshard` and `consolidate CKPT
+//! OUT.safetensors` also run as MPI jobs of 1, 2 and 4 processes (`SCALE_BENCH_NP`), timed
+//! from outside, `mpirun` included (issue 16, part 6).
+//!
 //! Run: `cargo bench --bench scale` (`SCALE_BENCH_UNITS=6,24` for other sizes; needs `.venv`).
 
 mod common;
@@ -239,7 +244,7 @@ struct Row {
     raw_write: f64,
     raw_read: f64,
     make_secs: f64,
-    ops: Vec<(&'static str, Outcome)>,
+    ops: Vec<(String, Outcome)>,
 }
 
 const CRATE_OPS: [(&str, &str); 4] = [
@@ -296,7 +301,29 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         if op != "dcp-consolidate" {
             remove(&dst);
         }
-        ops.push((label, o));
+        ops.push((label.to_string(), o));
+    }
+
+    if let Some((tool, nps)) = mpi_tool() {
+        for &np in &nps {
+            for (what, dst, extra) in [
+                ("reshard", root.join("ckpt3"), Some("--world-size")),
+                ("consolidate", root.join("full.safetensors"), None),
+            ] {
+                let mut args = vec![what.to_string(), s(&ckpt), s(&dst)];
+                if let Some(flag) = extra {
+                    args.extend([flag.to_string(), RESHARD_WS.to_string()]);
+                }
+                let o = tool_job(&tool, np, &args, &ckpt);
+                let label = match what {
+                    "reshard" => format!("fsdp-ckpt reshard 2 -> 3, mpirun -np {np}"),
+                    _ => format!("fsdp-ckpt consolidate .safetensors, mpirun -np {np}"),
+                };
+                report(&label, bytes, &o);
+                remove(&dst);
+                ops.push((label, o));
+            }
+        }
     }
 
     // PyTorch: dcp_to_torch_save of the same directory.
@@ -328,7 +355,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         );
         println!("  PyTorch: both DCP consolidations are equal (structure, key order, bits)");
     }
-    ops.push(("PyTorch dcp_to_torch_save + fsync", o));
+    ops.push(("PyTorch dcp_to_torch_save + fsync".into(), o));
     remove(&theirs);
     remove(&dcp_pt);
     remove(&dcp);
@@ -372,7 +399,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         bytes,
         &o,
     );
-    ops.push(("PyTorch FSDP1 full_optim_state_dict + save", o));
+    ops.push(("PyTorch FSDP1 full_optim_state_dict + save".into(), o));
     remove(&ckpt);
     Row {
         units,
@@ -382,6 +409,56 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         raw_read: rr,
         make_secs,
         ops,
+    }
+}
+
+/// The `fsdp-ckpt` executable built with `mpi` (`SCALE_BENCH_TOOL`, which `scripts/bench.sh`
+/// sets) and the process counts to run it with (`SCALE_BENCH_NP`, default 1,2,4), when it
+/// and `mpirun` exist.
+fn mpi_tool() -> Option<(PathBuf, Vec<usize>)> {
+    let tool = PathBuf::from(std::env::var_os("SCALE_BENCH_TOOL")?);
+    let has_mpirun = Command::new("mpirun").arg("--version").output().is_ok();
+    if !tool.exists() || !has_mpirun {
+        return None;
+    }
+    let nps = std::env::var("SCALE_BENCH_NP")
+        .unwrap_or_else(|_| "1,2,4".into())
+        .split(',')
+        .map(|n| n.trim().parse().expect("SCALE_BENCH_NP: process counts"))
+        .collect();
+    Some((tool, nps))
+}
+
+/// `mpirun -np NP fsdp-ckpt ARGS` on the input `src` (evicted first), wall clock from outside
+/// (mpirun's start and end included); its peak memory is not measured.
+fn tool_job(tool: &Path, np: usize, args: &[String], src: &Path) -> Outcome {
+    evict(src);
+    let start = Instant::now();
+    let out = Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &np.to_string(),
+        ])
+        .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+        .args(["--mca", "mpi_yield_when_idle", "1"])
+        .arg(tool)
+        .args(args)
+        .output()
+        .expect("running mpirun");
+    let secs = start.elapsed().as_secs_f64();
+    if !out.status.success() {
+        return Outcome::Failed(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Outcome::Ran {
+        secs,
+        cpu: f64::NAN,
+        peak: 0,
     }
 }
 
@@ -405,14 +482,18 @@ fn torch_job(
 fn report(label: &str, bytes: u64, o: &Outcome) {
     match o {
         Outcome::Ran { secs, cpu, peak } => println!(
-            "  {label}: {secs:.2} s, {:.2} GB/s,{} peak RSS {:.0} MB",
+            "  {label}: {secs:.2} s, {:.2} GB/s,{} peak RSS {}",
             bytes as f64 / secs / 1e9,
             if cpu.is_nan() {
                 String::new()
             } else {
                 format!(" CPU {cpu:.2} s,")
             },
-            *peak as f64 / 1e6
+            if *peak == 0 {
+                "not measured".to_string()
+            } else {
+                format!("{:.0} MB", *peak as f64 / 1e6)
+            }
         ),
         Outcome::Failed(why) => println!("  {label}: FAILED: {why}"),
         Outcome::NotRun(why) => println!("  {label}: not run ({why})"),
@@ -440,10 +521,14 @@ fn summary(rows: &[Row]) {
         for (label, o) in &r.ops {
             let cells = match o {
                 Outcome::Ran { secs, peak, .. } => format!(
-                    "{secs:.2} | {:.2} | {:.2} | {:.0}",
+                    "{secs:.2} | {:.2} | {:.2} | {}",
                     r.bytes as f64 / secs / 1e9,
                     floor / secs,
-                    *peak as f64 / 1e6
+                    if *peak == 0 {
+                        "—".to_string()
+                    } else {
+                        format!("{:.0}", *peak as f64 / 1e6)
+                    }
                 ),
                 Outcome::Failed(why) => format!("failed: {why} | | | "),
                 Outcome::NotRun(why) => format!("not run: {why} | | | "),

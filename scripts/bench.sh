@@ -5,7 +5,8 @@
 # numbers carry their conditions. Needs .venv (PyTorch 2.13) for the side-by-side run; installs
 # it when missing. Extra arguments name a subset: `scripts/bench.sh checkpoint`. When `mpirun`
 # exists, the side-by-side bench is built with `mpi` and adds its MPI column (the crate's ranks
-# as processes); without it that column says it was not built.
+# as processes) and the scale bench also times `mpirun -np 1|2|4 fsdp-ckpt`; without it that
+# column says it was not built and the scale bench leaves the tool out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
@@ -20,6 +21,10 @@ for b in "${benches[@]}"; do
     conditions "$b (before)"
     if [ "$b" = side_by_side ] && command -v mpirun >/dev/null; then
         cargo bench --features mpi --bench "$b"
+    elif [ "$b" = scale ] && command -v mpirun >/dev/null; then
+        # The tool as an MPI job at 1, 2 and 4 processes beside the single-process library calls.
+        cargo build --release -p fsdp-ckpt --features mpi
+        SCALE_BENCH_TOOL="$PWD/target/release/fsdp-ckpt" cargo bench --bench "$b"
     else
         cargo bench --bench "$b"
     fi
