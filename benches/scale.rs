@@ -244,6 +244,8 @@ struct Row {
     raw_write: f64,
     raw_read: f64,
     make_secs: f64,
+    /// The most bytes under the bench directory at once, sampled before each removal.
+    disk_peak: u64,
     ops: Vec<(String, Outcome)>,
 }
 
@@ -281,6 +283,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
     let rw = raw_write(&raw, bytes);
     evict(&raw);
     let rr = raw_read(&raw);
+    let mut disk_peak = disk_bytes(root);
     let _ = std::fs::remove_file(&raw);
     println!("  raw write+fsync {rw:.2} s, raw read (cold) {rr:.2} s");
 
@@ -299,6 +302,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
             checkpoint::verify(&dst).expect("the resharded checkpoint verifies");
         }
         if op != "dcp-consolidate" {
+            disk_peak = disk_peak.max(disk_bytes(root));
             remove(&dst);
         }
         ops.push((label.to_string(), o));
@@ -320,6 +324,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
                     _ => format!("fsdp-ckpt consolidate .safetensors, mpirun -np {np}"),
                 };
                 report(&label, bytes, &o);
+                disk_peak = disk_peak.max(disk_bytes(root));
                 remove(&dst);
                 ops.push((label, o));
             }
@@ -356,6 +361,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         println!("  PyTorch: both DCP consolidations are equal (structure, key order, bits)");
     }
     ops.push(("PyTorch dcp_to_torch_save + fsync".into(), o));
+    disk_peak = disk_peak.max(disk_bytes(root));
     remove(&theirs);
     remove(&dcp_pt);
     remove(&dcp);
@@ -408,6 +414,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         raw_write: rw,
         raw_read: rr,
         make_secs,
+        disk_peak,
         ops,
     }
 }
@@ -566,12 +573,16 @@ fn summary(rows: &[Row]) {
     }
     let made: Vec<String> = rows
         .iter()
-        .map(|r| format!("{} units {:.1} s", r.units, r.make_secs))
+        .map(|r| {
+            format!(
+                "{} units: built and saved in {:.1} s, at most {:.1} GB on disk",
+                r.units,
+                r.make_secs,
+                r.disk_peak as f64 / 1e9
+            )
+        })
         .collect();
-    println!(
-        "\n(inputs built and saved, untimed above: {})",
-        made.join(", ")
-    );
+    println!("\n(inputs, untimed above; disk: {})", made.join("; "));
 }
 
 fn main() {
