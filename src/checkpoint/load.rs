@@ -45,6 +45,11 @@ pub(super) struct Reader<'m> {
     cached: Option<(usize, u64, usize)>,
     /// Bytes read from the data files so far (the read-ahead paces itself by it).
     consumed: Arc<AtomicU64>,
+    /// Whether pages read are dropped from the page cache as the reads move on (offline
+    /// streams, which read every byte once).
+    drop_behind: bool,
+    /// Per data file, the offset below which its pages have been dropped.
+    dropped_to: Vec<u64>,
 }
 
 impl<'m> Reader<'m> {
@@ -57,6 +62,28 @@ impl<'m> Reader<'m> {
             scratch: Vec::new(),
             cached: None,
             consumed: Arc::new(AtomicU64::new(0)),
+            drop_behind: false,
+            dropped_to: vec![0; manifest.files.len()],
+        }
+    }
+
+    /// This reader, dropping the pages it has read from the page cache (see
+    /// [`crate::io::output::Writeback`] for why): for offline streams that read each byte once.
+    pub(super) fn dropping_behind(mut self) -> Self {
+        self.drop_behind = true;
+        self
+    }
+
+    /// Drops file `fi`'s pages below `end` (a read just ended there), down to a 2 MiB
+    /// boundary: the page cache keeps a file in naturally aligned folios of up to 2 MiB and
+    /// `POSIX_FADV_DONTNEED` skips a folio it covers only in part, so dropping exactly the
+    /// checksum blocks read left up to half of them cached.
+    fn drop_read_pages(&mut self, fi: usize, end: u64) {
+        const FOLIO: u64 = 2 << 20;
+        let (from, upto) = (self.dropped_to[fi], end / FOLIO * FOLIO);
+        if let (true, Some(Some(f))) = (upto > from, self.files.get(fi)) {
+            crate::io::output::drop_cached_pages(f, from, upto - from);
+            self.dropped_to[fi] = upto;
         }
     }
 
@@ -236,6 +263,15 @@ impl<'m> Reader<'m> {
             }
             result
         };
+        if result.is_ok() && self.drop_behind {
+            // Up to the end of what was read: the checksum blocks (or, unverified, the bytes).
+            let hi = if self.verify {
+                (byte_lo + out.len()).div_ceil(CHECKSUM_BLOCK) * CHECKSUM_BLOCK
+            } else {
+                byte_lo + out.len()
+            };
+            self.drop_read_pages(fi, p.offset + hi.min(piece_bytes) as u64);
+        }
         result.map_err(|reason| self.corrupt(fi, tensor, reason))
     }
 
@@ -261,6 +297,20 @@ struct CheckpointSource<'m> {
     /// Target parameter index → the record of its state.
     records: HashMap<usize, &'m ParamRecord>,
     rank: usize,
+}
+
+impl Drop for Reader<'_> {
+    /// A dropping-behind reader leaves none of its files' pages cached.
+    fn drop(&mut self) {
+        if self.drop_behind {
+            for (f, &from) in self.files.iter().zip(&self.dropped_to) {
+                if let Some(f) = f {
+                    // Length 0: to the end of the file.
+                    crate::io::output::drop_cached_pages(f, from, 0);
+                }
+            }
+        }
+    }
 }
 
 fn present(v: &StoredValue) -> bool {
@@ -657,7 +707,7 @@ pub(super) fn consolidated_order(st: ParamState, orig: bool) -> ParamState {
 /// parameters). Returns the bytes of tensor data checked.
 pub fn verify(dir: &Path) -> Result<u64> {
     let manifest = read_manifest(dir)?;
-    let mut reader = Reader::new(dir, &manifest, true);
+    let mut reader = Reader::new(dir, &manifest, true).dropping_behind();
     for (i, _) in manifest.files.iter().enumerate() {
         reader.file(i, "(header)")?;
     }

@@ -80,62 +80,8 @@ impl std::fmt::Debug for GroupContext<'_> {
     }
 }
 
-/// How many written bytes [`Writeback`] lets pile up before it starts writing them back.
-pub(crate) const WRITEBACK_CHUNK: usize = 32 << 20;
-
-/// Starts the write-back of a file's dirty pages as it is written (`sync_file_range` with
-/// `SYNC_FILE_RANGE_WRITE`, which does not wait), so the disk works while the writer copies the
-/// next bytes and the final `fsync` finds little left to do. Without it the kernel starts
-/// writing a large file back only at `fsync` (or when dirty memory reaches its background
-/// threshold), and copying and writing happen one after the other. Durability still comes
-/// from the final `sync_all`; this is only a hint, and errors are ignored.
-pub(crate) struct Writeback {
-    /// Offset of the first byte not yet handed to write-back.
-    start: u64,
-    /// Bytes written after `start`.
-    pending: u64,
-}
-
-impl Writeback {
-    /// Write-back tracking for a file whose next write lands at byte `offset`.
-    pub(crate) fn new(offset: u64) -> Self {
-        Writeback {
-            start: offset,
-            pending: 0,
-        }
-    }
-
-    /// Records `len` more bytes written to `file`, and hands them to write-back once
-    /// [`WRITEBACK_CHUNK`] bytes have piled up.
-    pub(crate) fn wrote(&mut self, file: &std::fs::File, len: u64) {
-        self.pending += len;
-        if self.pending >= WRITEBACK_CHUNK as u64 {
-            start_writeback(file, self.start, self.pending);
-            self.start += self.pending;
-            self.pending = 0;
-        }
-    }
-}
-
-#[cfg(target_os = "linux")]
-fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (
-        libc::off64_t::try_from(offset),
-        libc::off64_t::try_from(len),
-    ) else {
-        return;
-    };
-    // SAFETY: a valid open descriptor; no memory is passed.
-    unsafe {
-        libc::sync_file_range(file.as_raw_fd(), off, len, libc::SYNC_FILE_RANGE_WRITE);
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn start_writeback(_: &std::fs::File, _: u64, _: u64) {}
-
 pub(crate) use crate::io::output::sync_dir;
+pub(crate) use crate::io::output::{Writeback, WRITEBACK_CHUNK};
 
 /// Puts the complete checkpoint `tmp` at `dir` under the replace rule of
 /// [`crate::io::output::check_dir_output`] (see [`crate::io::output::install_dir`]).

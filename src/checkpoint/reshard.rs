@@ -204,7 +204,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             all,
             params,
             new_params,
-            reader: Reader::new(src, old, true),
+            reader: Reader::new(src, old, true).dropping_behind(),
             block: Vec::new(),
             copied: 0,
         })
@@ -429,7 +429,9 @@ impl RankFile<'_> {
         self.w
             .write_all(bytes)
             .map_err(Error::io("writing", self.path))?;
-        self.writeback.wrote(self.w.get_ref(), bytes.len() as u64);
+        self.writeback
+            .wrote(self.w.get_ref(), bytes.len() as u64)
+            .map_err(Error::io("writing", self.path))?;
         self.copied += bytes.len() as u64;
         Ok(self.crash_mid_file && self.copied * 2 >= self.total)
     }

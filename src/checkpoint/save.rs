@@ -309,7 +309,9 @@ fn write_data_file(
         // In slices, so that the disk writes one slice back while the next is copied.
         for slice in bytes.chunks(super::WRITEBACK_CHUNK) {
             file.write_all(slice).map_err(Error::io("writing", &path))?;
-            writeback.wrote(&file, slice.len() as u64);
+            writeback
+                .wrote(&file, slice.len() as u64)
+                .map_err(Error::io("writing", &path))?;
         }
         written += bytes.len() as u64;
         let (k, state, start, len) = plan.at[i];

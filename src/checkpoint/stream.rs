@@ -126,8 +126,7 @@ pub fn consolidate_to_safetensors(
     crate::io::output::write_file_atomic(out, |w, tmp| {
         let err = crate::io::output::tmp_io_err("writing", out, tmp);
         w.write_all(&plan.header).map_err(&err)?;
-        let mut writeback = super::Writeback::new(0);
-        let mut reader = Reader::new(dir, &sk.manifest, true);
+        let mut reader = Reader::new(dir, &sk.manifest, true).dropping_behind();
         let mut block = Vec::new();
         for (_, t) in &plan.tensors {
             let Some(stored) = sk.stored(t) else {
@@ -136,7 +135,6 @@ pub fn consolidate_to_safetensors(
             };
             stream_state(&mut reader, stored, &mut block, &mut |bytes| {
                 w.write_all(bytes).map_err(&err)?;
-                writeback.wrote(w.get_ref(), bytes.len() as u64);
                 written += bytes.len() as u64;
                 progress(written);
                 Ok(())
@@ -261,7 +259,7 @@ fn write_share(
     if pg.rank() == 0 {
         file.write_all_at(&plan.header, 0).map_err(&err)?;
     }
-    let mut reader = Reader::new(dir, &sk.manifest, true);
+    let mut reader = Reader::new(dir, &sk.manifest, true).dropping_behind();
     let mut block = Vec::new();
     let mut written = 0u64;
     for (i, (_, t)) in plan.tensors.iter().enumerate() {
@@ -304,7 +302,7 @@ pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -
     let sk = Skeleton::new(dir)?;
     let mut lazy = Streamed {
         out,
-        reader: Reader::new(dir, &sk.manifest, true),
+        reader: Reader::new(dir, &sk.manifest, true).dropping_behind(),
         skeleton: &sk,
         block: Vec::new(),
         written: 0,

@@ -20,6 +20,9 @@ pub struct DcpCheckpoint {
     metadata: Metadata,
     /// `relative_path` → (the file, its length), or why it is unusable.
     files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
+    /// With drop-behind (offline streams that read each chunk once), per data file the offset
+    /// below which its pages have been dropped from the page cache.
+    dropped_to: Option<std::sync::Mutex<HashMap<PathBuf, u64>>>,
 }
 
 impl DcpCheckpoint {
@@ -43,7 +46,35 @@ impl DcpCheckpoint {
             dir,
             metadata,
             files,
+            dropped_to: None,
         })
+    }
+
+    /// This checkpoint, dropping the data-file pages it has read from the page cache as the
+    /// reads move on, and the rest when it is dropped (see [`crate::io::output::Writeback`]
+    /// for why): for offline streams that read each chunk once.
+    fn dropping_behind(mut self) -> Self {
+        self.dropped_to = Some(Default::default());
+        self
+    }
+
+    /// Drops `path`'s pages below `end` (a chunk read just ended there), down to a 2 MiB
+    /// boundary: `POSIX_FADV_DONTNEED` skips a page-cache folio (up to 2 MiB, naturally
+    /// aligned) it covers only in part.
+    fn drop_read_pages(&self, path: &Path, end: u64) {
+        const FOLIO: u64 = 2 << 20;
+        let Some(dropped) = &self.dropped_to else {
+            return;
+        };
+        let mut dropped = dropped.lock().unwrap_or_else(|e| e.into_inner());
+        let from = dropped.entry(path.to_path_buf()).or_insert(0);
+        let upto = end / FOLIO * FOLIO;
+        if upto > *from {
+            if let Ok(f) = File::open(path) {
+                crate::io::output::drop_cached_pages(&f, *from, upto - *from);
+                *from = upto;
+            }
+        }
     }
 
     /// The parsed `.metadata`.
@@ -186,6 +217,7 @@ impl DcpCheckpoint {
         );
         let obj = torch_save::load_from_file_range(path, info.offset, info.length)
             .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
+        self.drop_read_pages(path, info.offset + info.length);
         let PyObj::Tensor(t) = obj else {
             return Err(self.storage_err(
                 key,
@@ -261,6 +293,22 @@ fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
     volume(sizes)
         .and_then(|n| n.checked_mul(dtype.size()))
         .map_or(u64::MAX, |n| n as u64)
+}
+
+impl Drop for DcpCheckpoint {
+    /// A dropping-behind checkpoint leaves none of the data files it read cached.
+    fn drop(&mut self) {
+        let Some(dropped) = &self.dropped_to else {
+            return;
+        };
+        let dropped = dropped.lock().unwrap_or_else(|e| e.into_inner());
+        for (path, &from) in dropped.iter() {
+            if let Ok(f) = File::open(path) {
+                // Length 0: to the end of the file.
+                crate::io::output::drop_cached_pages(&f, from, 0);
+            }
+        }
+    }
 }
 
 /// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
@@ -386,7 +434,7 @@ fn skeleton(ckpt: &DcpCheckpoint) -> Result<(PyObj, HashMap<usize, usize>)> {
 /// range and tiling is checked before the output is created, which appears atomically.
 /// `progress` gets the tensor bytes written so far. Returns the tensor bytes written.
 pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
-    let ckpt = DcpCheckpoint::open(dir)?;
+    let ckpt = DcpCheckpoint::open(dir)?.dropping_behind();
     let (obj, stands_for) = skeleton(&ckpt)?;
     let mut lazy = Streamed {
         ckpt: &ckpt,
@@ -407,7 +455,7 @@ pub fn consolidate_to_safetensors(
     out: &Path,
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
-    let ckpt = DcpCheckpoint::open(dir)?;
+    let ckpt = DcpCheckpoint::open(dir)?.dropping_behind();
     let (obj, stands_for) = skeleton(&ckpt)?;
     let (tensors, meta) = crate::io::safetensors::parts(&obj);
     // (name, entry index) of every tensor, in file order.
@@ -488,7 +536,7 @@ pub struct VerifyReport {
 /// non-tensor value parses. The first problem is returned as a typed error naming the key
 /// and file.
 pub fn verify(dir: &Path) -> Result<VerifyReport> {
-    let ckpt = DcpCheckpoint::open(dir)?;
+    let ckpt = DcpCheckpoint::open(dir)?.dropping_behind();
     let mut r = VerifyReport::default();
     for e in &ckpt.metadata.entries {
         match &e.kind {

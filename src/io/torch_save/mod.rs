@@ -51,6 +51,7 @@ pub use convert::{
 pub use pyobj::PyObj;
 
 use crate::error::{Error, Result};
+use crate::io::output::StreamedFile;
 use crate::optim_state::OptimStateDict;
 use crate::tensor::{DType, HostTensor};
 use std::fs::{File, OpenOptions};
@@ -337,7 +338,7 @@ impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
 /// to `path`; the temporary file is removed on failure.
 pub(crate) fn write_atomic(
     path: &Path,
-    write: impl FnOnce(BufWriter<File>) -> Result<BufWriter<File>>,
+    write: impl FnOnce(BufWriter<StreamedFile>) -> Result<BufWriter<StreamedFile>>,
 ) -> Result<()> {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -369,10 +370,11 @@ pub(crate) fn write_atomic(
         .open(&tmp)
         .map_err(Error::io("creating", &tmp))?;
     let result = (|| {
-        let w = write(BufWriter::with_capacity(1 << 20, file))?;
+        let w = write(BufWriter::with_capacity(1 << 20, StreamedFile::new(file)))?;
         let file = w
             .into_inner()
-            .map_err(|e| Error::io("writing", &tmp)(e.into_error()))?;
+            .map_err(|e| Error::io("writing", &tmp)(e.into_error()))?
+            .into_file();
         file.sync_all().map_err(Error::io("syncing", &tmp))?;
         drop(file);
         std::fs::rename(&tmp, path).map_err(Error::io("renaming into place", path))?;
