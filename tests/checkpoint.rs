@@ -1171,3 +1171,129 @@ fn a_flipped_byte_in_a_parameter_piece_is_caught_naming_the_parameter() {
     // Optimizer state does not share those bytes, so it still loads.
     load_rank0(&dir).unwrap();
 }
+
+/// Bytes of `path` in the page cache (`mincore` over a read-only mapping).
+fn cached_bytes(path: &Path) -> u64 {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    if len == 0 {
+        return 0;
+    }
+    // SAFETY: plain sysconf query.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
+    let mut vec = vec![0u8; len.div_ceil(page)];
+    // SAFETY: a read-only shared mapping of an open file, unmapped below; mincore writes one
+    // byte per page into `vec`, which has that many.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        assert_eq!(libc::mincore(p, len, vec.as_mut_ptr()), 0);
+        libc::munmap(p, len);
+    }
+    (vec.iter().filter(|&&b| b & 1 != 0).count() * page) as u64
+}
+
+/// Whether the filesystem under `dir` drops clean pages on `POSIX_FADV_DONTNEED` (tmpfs
+/// cannot: its pages are the file).
+fn drops_clean_pages(dir: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    let probe = dir.join("probe");
+    std::fs::write(&probe, vec![1u8; 1 << 20]).unwrap();
+    let f = std::fs::File::open(&probe).unwrap();
+    f.sync_all().unwrap();
+    // SAFETY: a valid open descriptor; advice only.
+    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    let dropped = cached_bytes(&probe) == 0;
+    std::fs::remove_file(&probe).unwrap();
+    dropped
+}
+
+#[test]
+fn offline_consolidation_and_verify_leave_neither_input_nor_output_in_the_page_cache() {
+    // World size 2, one unit of a [4096, 4096] weight: 128 MiB of Adam state, 64 MiB per rank
+    // file, so reads cross the 2 MiB folios the readers drop to, and the output spans four of
+    // the 32 MiB chunks its writer retires.
+    const MIB: u64 = 1 << 20;
+    // What may stay cached of an input: the partial 2 MiB folios where a reader's run of
+    // reads jumps (without drop-behind, all 64 MiB stay).
+    const LEFT: u64 = 4 * MIB;
+    let model = ModelDesc::new().param("w", &[4096, 4096], DType::F32);
+    let policy = WrapPolicy::units(&[""]);
+    let full = full_adam(&model, 1.0);
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    for r in save_at(&model, &policy, 2, &full, &dir, &SaveOptions::default()) {
+        r.unwrap();
+    }
+    let inputs = [dir.join("rank0.safetensors"), dir.join("rank1.safetensors")];
+    let out = root.path().join("full.safetensors");
+    checkpoint::consolidate_to_safetensors(&dir, &out, |_| {}).unwrap();
+    let drops = drops_clean_pages(root.path());
+    if drops {
+        for input in &inputs {
+            let cached = cached_bytes(input);
+            assert!(
+                cached <= LEFT,
+                "{cached} bytes of {} stayed cached",
+                input.display()
+            );
+        }
+        // The chunk still in flight, the last bytes and partial folios at most: not 128 MiB.
+        let cached = cached_bytes(&out);
+        assert!(
+            cached <= 80 * MIB,
+            "{cached} bytes of the output stayed cached"
+        );
+    } else {
+        eprintln!("this filesystem keeps dropped pages (tmpfs?): only the bytes are checked");
+    }
+    let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
+    common::assert_same_state(&streamed, &full, "consolidated through drop-behind");
+
+    // Rank 0's file pulled back into the page cache: verify reads it once more and drops it.
+    std::fs::read(&inputs[0]).unwrap();
+    assert_eq!(verify(&dir).unwrap(), 128 * MIB);
+    if drops {
+        assert!(
+            cached_bytes(&inputs[0]) <= LEFT,
+            "verify left its input cached"
+        );
+    }
+
+    // The same state as a DCP directory, consolidated to a torch.save file.
+    let dcp = root.path().join("dcp");
+    for r in ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &policy, Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params)?;
+        fsdp.save_dcp(&local, &params, None, &dcp)
+    }) {
+        r.unwrap();
+    }
+    let pt = root.path().join("full.pt");
+    fsdp::io::dcp::consolidate_to_torch(&dcp, &pt, |_| {}).unwrap();
+    if drops {
+        for rank in 0..2 {
+            let data = dcp.join(format!("__{rank}_0.distcp"));
+            let cached = cached_bytes(&data);
+            assert!(
+                cached <= LEFT,
+                "{cached} bytes of {} stayed cached",
+                data.display()
+            );
+        }
+        let cached = cached_bytes(&pt);
+        assert!(
+            cached <= 80 * MIB,
+            "{cached} bytes of the .pt output stayed cached"
+        );
+    }
+}

@@ -45,11 +45,9 @@ pub(super) struct Reader<'m> {
     cached: Option<(usize, u64, usize)>,
     /// Bytes read from the data files so far (the read-ahead paces itself by it).
     consumed: Arc<AtomicU64>,
-    /// Whether pages read are dropped from the page cache as the reads move on (offline
-    /// streams, which read every byte once).
-    drop_behind: bool,
-    /// Per data file, the offset below which its pages have been dropped.
-    dropped_to: Vec<u64>,
+    /// With drop-behind (offline streams, which read every byte once), what this reader has
+    /// read of each data file, by index.
+    drop_behind: Option<crate::io::output::DropBehind<usize>>,
 }
 
 impl<'m> Reader<'m> {
@@ -62,29 +60,15 @@ impl<'m> Reader<'m> {
             scratch: Vec::new(),
             cached: None,
             consumed: Arc::new(AtomicU64::new(0)),
-            drop_behind: false,
-            dropped_to: vec![0; manifest.files.len()],
+            drop_behind: None,
         }
     }
 
-    /// This reader, dropping the pages it has read from the page cache (see
-    /// [`crate::io::output::Writeback`] for why): for offline streams that read each byte once.
+    /// This reader, dropping the pages it has read from the page cache
+    /// ([`crate::io::output::DropBehind`]): for offline streams that read each byte once.
     pub(super) fn dropping_behind(mut self) -> Self {
-        self.drop_behind = true;
+        self.drop_behind = Some(Default::default());
         self
-    }
-
-    /// Drops file `fi`'s pages below `end` (a read just ended there), down to a 2 MiB
-    /// boundary: the page cache keeps a file in naturally aligned folios of up to 2 MiB and
-    /// `POSIX_FADV_DONTNEED` skips a folio it covers only in part, so dropping exactly the
-    /// checksum blocks read left up to half of them cached.
-    fn drop_read_pages(&mut self, fi: usize, end: u64) {
-        const FOLIO: u64 = 2 << 20;
-        let (from, upto) = (self.dropped_to[fi], end / FOLIO * FOLIO);
-        if let (true, Some(Some(f))) = (upto > from, self.files.get(fi)) {
-            crate::io::output::drop_cached_pages(f, from, upto - from);
-            self.dropped_to[fi] = upto;
-        }
     }
 
     fn corrupt(&self, file: usize, tensor: &str, reason: String) -> Error {
@@ -131,6 +115,10 @@ impl<'m> Reader<'m> {
                         tensor,
                         "the safetensors header fails its checksum".into(),
                     ));
+                }
+                if let Some(dropper) = self.drop_behind.as_mut() {
+                    // The data follows the header: one run from byte 0.
+                    dropper.read(i, &f, 0, rec.header_len);
                 }
             }
             self.files[i] = Some(f);
@@ -263,14 +251,16 @@ impl<'m> Reader<'m> {
             }
             result
         };
-        if result.is_ok() && self.drop_behind {
-            // Up to the end of what was read: the checksum blocks (or, unverified, the bytes).
-            let hi = if self.verify {
-                (byte_lo + out.len()).div_ceil(CHECKSUM_BLOCK) * CHECKSUM_BLOCK
+        if let (Ok(()), Some(dropper)) = (&result, self.drop_behind.as_mut()) {
+            // What was read: the checksum blocks around the range (or, unverified, the bytes).
+            let (lo, hi) = if self.verify {
+                let lo = byte_lo / CHECKSUM_BLOCK * CHECKSUM_BLOCK;
+                let hi = (byte_lo + out.len()).div_ceil(CHECKSUM_BLOCK) * CHECKSUM_BLOCK;
+                (lo, hi.min(piece_bytes))
             } else {
-                byte_lo + out.len()
+                (byte_lo, byte_lo + out.len())
             };
-            self.drop_read_pages(fi, p.offset + hi.min(piece_bytes) as u64);
+            dropper.read(fi, f, p.offset + lo as u64, p.offset + hi as u64);
         }
         result.map_err(|reason| self.corrupt(fi, tensor, reason))
     }
@@ -300,13 +290,12 @@ struct CheckpointSource<'m> {
 }
 
 impl Drop for Reader<'_> {
-    /// A dropping-behind reader leaves none of its files' pages cached.
+    /// A dropping-behind reader leaves at most the partial folios between its runs cached.
     fn drop(&mut self) {
-        if self.drop_behind {
-            for (f, &from) in self.files.iter().zip(&self.dropped_to) {
+        if let Some(dropper) = self.drop_behind.as_mut() {
+            for (i, f) in self.files.iter().enumerate() {
                 if let Some(f) = f {
-                    // Length 0: to the end of the file.
-                    crate::io::output::drop_cached_pages(f, from, 0);
+                    dropper.finish(&i, f);
                 }
             }
         }

@@ -260,6 +260,7 @@ fn write_share(
         file.write_all_at(&plan.header, 0).map_err(&err)?;
     }
     let mut reader = Reader::new(dir, &sk.manifest, true).dropping_behind();
+    let mut writeback = super::Writeback::new(0);
     let mut block = Vec::new();
     let mut written = 0u64;
     for (i, (_, t)) in plan.tensors.iter().enumerate() {
@@ -273,6 +274,9 @@ fn write_share(
         };
         stream_state(&mut reader, stored, &mut block, &mut |bytes| {
             file.write_all_at(bytes, at).map_err(&err)?;
+            writeback
+                .wrote_at(&file, at, bytes.len() as u64)
+                .map_err(&err)?;
             at += bytes.len() as u64;
             written += bytes.len() as u64;
             progress(written);

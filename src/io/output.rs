@@ -839,11 +839,31 @@ impl Writeback {
         }
     }
 
-    /// Records `len` more bytes written to `file`; once [`WRITEBACK_CHUNK`] bytes have piled
-    /// up, hands them to write-back and retires the chunk before them.
+    /// Records `len` more bytes written to `file` right after the last ones; once
+    /// [`WRITEBACK_CHUNK`] bytes have piled up, hands them to write-back.
     pub(crate) fn wrote(&mut self, file: &File, len: u64) -> std::io::Result<()> {
         self.pending += len;
-        if self.pending < WRITEBACK_CHUNK as u64 {
+        if self.pending >= WRITEBACK_CHUNK as u64 {
+            self.hand_off(file)?;
+        }
+        Ok(())
+    }
+
+    /// [`Writeback::wrote`] for a writer that writes ranges anywhere in the file (a share of a
+    /// planned file): a range that does not follow the last one hands the pending bytes to
+    /// write-back first.
+    pub(crate) fn wrote_at(&mut self, file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+        if offset != self.start + self.pending {
+            self.hand_off(file)?;
+            self.start = offset;
+        }
+        self.wrote(file, len)
+    }
+
+    /// Starts the write-back of the pending bytes, after waiting for the range handed off
+    /// before them and dropping its pages.
+    fn hand_off(&mut self, file: &File) -> std::io::Result<()> {
+        if self.pending == 0 {
             return Ok(());
         }
         if let Some((offset, len)) = self.in_flight.take() {
@@ -888,6 +908,65 @@ impl std::io::Write for StreamedFile {
 
     fn flush(&mut self) -> std::io::Result<()> {
         self.file.flush()
+    }
+}
+
+/// Drop-behind for a reader that reads each byte once (see [`Writeback`] for why): it drops
+/// the pages of what it has read from the page cache, run by run. A read that starts where
+/// the reader's last read of that file ended (or less than a folio after it) extends the run;
+/// pages are dropped from the run's first whole folio up to the last whole folio read, since
+/// the page cache holds a file in naturally aligned folios of up to 2 MiB and
+/// `POSIX_FADV_DONTNEED` skips a folio it covers in part. So pages another reader of the same
+/// file is about to use (a reshard reads one source file for several outputs) are not
+/// dropped, except at most a folio at the end of each run when the reader finishes.
+#[derive(Debug, Default)]
+pub(crate) struct DropBehind<K> {
+    /// Per file, the current run of reads.
+    runs: std::collections::HashMap<K, Run>,
+}
+
+/// A run of reads of one file: bytes `start..end` read, pages below `dropped` dropped.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    start: u64,
+    dropped: u64,
+    end: u64,
+}
+
+/// The largest page-cache folio (a PMD-sized huge page).
+const FOLIO: u64 = 2 << 20;
+
+impl<K: std::hash::Hash + Eq> DropBehind<K> {
+    /// Records that bytes `start..end` of `file` (known as `key`) were read, and drops what
+    /// the reads of it have covered whole.
+    pub(crate) fn read(&mut self, key: K, file: &File, start: u64, end: u64) {
+        let fresh = Run {
+            start,
+            dropped: start.next_multiple_of(FOLIO),
+            end,
+        };
+        let run = self.runs.entry(key).or_insert(fresh);
+        if start < run.start || start >= run.end + FOLIO {
+            // A jump: the old run keeps its partial folios, a new run begins.
+            *run = fresh;
+        }
+        run.end = run.end.max(end);
+        let upto = run.end / FOLIO * FOLIO;
+        if upto > run.dropped {
+            drop_cached_pages(file, run.dropped, upto - run.dropped);
+            run.dropped = upto;
+        }
+    }
+
+    /// The reader is done with `file` (`key`): drops the rest of its last run, the folio
+    /// holding its end included.
+    pub(crate) fn finish(&mut self, key: &K, file: &File) {
+        if let Some(run) = self.runs.remove(key) {
+            let upto = run.end.next_multiple_of(FOLIO);
+            if upto > run.dropped {
+                drop_cached_pages(file, run.dropped, upto - run.dropped);
+            }
+        }
     }
 }
 

@@ -20,9 +20,9 @@ pub struct DcpCheckpoint {
     metadata: Metadata,
     /// `relative_path` → (the file, its length), or why it is unusable.
     files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
-    /// With drop-behind (offline streams that read each chunk once), per data file the offset
-    /// below which its pages have been dropped from the page cache.
-    dropped_to: Option<std::sync::Mutex<HashMap<PathBuf, u64>>>,
+    /// With drop-behind (offline streams that read each chunk once), what has been read of
+    /// each data file.
+    drop_behind: Option<std::sync::Mutex<crate::io::output::DropBehind<PathBuf>>>,
 }
 
 impl DcpCheckpoint {
@@ -46,34 +46,25 @@ impl DcpCheckpoint {
             dir,
             metadata,
             files,
-            dropped_to: None,
+            drop_behind: None,
         })
     }
 
-    /// This checkpoint, dropping the data-file pages it has read from the page cache as the
-    /// reads move on, and the rest when it is dropped (see [`crate::io::output::Writeback`]
-    /// for why): for offline streams that read each chunk once.
+    /// This checkpoint, dropping the data-file pages it has read from the page cache
+    /// ([`crate::io::output::DropBehind`]): for offline streams that read each chunk once.
     fn dropping_behind(mut self) -> Self {
-        self.dropped_to = Some(Default::default());
+        self.drop_behind = Some(Default::default());
         self
     }
 
-    /// Drops `path`'s pages below `end` (a chunk read just ended there), down to a 2 MiB
-    /// boundary: `POSIX_FADV_DONTNEED` skips a page-cache folio (up to 2 MiB, naturally
-    /// aligned) it covers only in part.
-    fn drop_read_pages(&self, path: &Path, end: u64) {
-        const FOLIO: u64 = 2 << 20;
-        let Some(dropped) = &self.dropped_to else {
+    /// Records a chunk read of `path` (bytes `start..end`) for drop-behind.
+    fn drop_read_pages(&self, path: &Path, start: u64, end: u64) {
+        let Some(dropper) = &self.drop_behind else {
             return;
         };
-        let mut dropped = dropped.lock().unwrap_or_else(|e| e.into_inner());
-        let from = dropped.entry(path.to_path_buf()).or_insert(0);
-        let upto = end / FOLIO * FOLIO;
-        if upto > *from {
-            if let Ok(f) = File::open(path) {
-                crate::io::output::drop_cached_pages(&f, *from, upto - *from);
-                *from = upto;
-            }
+        if let Ok(f) = File::open(path) {
+            let mut dropper = dropper.lock().unwrap_or_else(|e| e.into_inner());
+            dropper.read(path.to_path_buf(), &f, start, end);
         }
     }
 
@@ -217,7 +208,7 @@ impl DcpCheckpoint {
         );
         let obj = torch_save::load_from_file_range(path, info.offset, info.length)
             .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
-        self.drop_read_pages(path, info.offset + info.length);
+        self.drop_read_pages(path, info.offset, info.offset + info.length);
         let PyObj::Tensor(t) = obj else {
             return Err(self.storage_err(
                 key,
@@ -296,16 +287,21 @@ fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
 }
 
 impl Drop for DcpCheckpoint {
-    /// A dropping-behind checkpoint leaves none of the data files it read cached.
+    /// A dropping-behind checkpoint leaves at most the partial folios between its runs of
+    /// reads cached.
     fn drop(&mut self) {
-        let Some(dropped) = &self.dropped_to else {
+        let Some(dropper) = self.drop_behind.as_mut() else {
             return;
         };
-        let dropped = dropped.lock().unwrap_or_else(|e| e.into_inner());
-        for (path, &from) in dropped.iter() {
+        let dropper = dropper.get_mut().unwrap_or_else(|e| e.into_inner());
+        for path in self
+            .files
+            .values()
+            .filter_map(|f| f.as_ref().ok())
+            .map(|f| &f.0)
+        {
             if let Ok(f) = File::open(path) {
-                // Length 0: to the end of the file.
-                crate::io::output::drop_cached_pages(&f, from, 0);
+                dropper.finish(path, &f);
             }
         }
     }
