@@ -98,22 +98,3 @@ pub(crate) fn prepare_output(dir: &Path, inputs: &[&Path]) -> Result<std::path::
     output::check_dir_output(dir, CHECKPOINT_DIR, inputs)?;
     output::make_tmp_dir(dir)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn writeback_hands_over_whole_chunks_and_keeps_the_rest_pending() {
-        let dir = tempfile::tempdir().unwrap();
-        let file = std::fs::File::create(dir.path().join("f")).unwrap();
-        let mut wb = Writeback::new(100);
-        let chunk = WRITEBACK_CHUNK as u64;
-        wb.wrote(&file, chunk - 1);
-        assert_eq!((wb.start, wb.pending), (100, chunk - 1));
-        wb.wrote(&file, 2);
-        assert_eq!((wb.start, wb.pending), (100 + chunk + 1, 0));
-        wb.wrote(&file, 5);
-        assert_eq!((wb.start, wb.pending), (100 + chunk + 1, 5));
-    }
-}

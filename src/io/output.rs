@@ -1041,6 +1041,65 @@ mod tests {
     use super::*;
 
     #[test]
+    fn writeback_hands_over_whole_chunks_and_retires_the_one_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = std::fs::File::create(dir.path().join("f")).unwrap();
+        let mut wb = Writeback::new(100);
+        let chunk = WRITEBACK_CHUNK as u64;
+        wb.wrote(&file, chunk - 1).unwrap();
+        assert_eq!((wb.start, wb.pending, wb.in_flight), (100, chunk - 1, None));
+        wb.wrote(&file, 2).unwrap();
+        let first = Some((100, chunk + 1));
+        assert_eq!(
+            (wb.start, wb.pending, wb.in_flight),
+            (100 + chunk + 1, 0, first)
+        );
+        wb.wrote(&file, 5).unwrap();
+        assert_eq!(
+            (wb.start, wb.pending, wb.in_flight),
+            (100 + chunk + 1, 5, first)
+        );
+        // A range elsewhere (a planned file's next share) hands the 5 pending bytes over,
+        // retiring the first chunk.
+        wb.wrote_at(&file, 10 * chunk, 7).unwrap();
+        let second = Some((100 + chunk + 1, 5));
+        assert_eq!(
+            (wb.start, wb.pending, wb.in_flight),
+            (10 * chunk, 7, second)
+        );
+        wb.wrote_at(&file, 10 * chunk + 7, 1).unwrap();
+        assert_eq!(
+            (wb.start, wb.pending, wb.in_flight),
+            (10 * chunk, 8, second)
+        );
+    }
+
+    #[test]
+    fn a_reader_drops_only_its_own_runs_of_reads_folio_aligned() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = std::fs::File::create(dir.path().join("f")).unwrap();
+        let mut db = DropBehind::default();
+        const MIB: u64 = 1 << 20;
+        db.read(0usize, &file, 3 * MIB, 5 * MIB);
+        let run = |db: &DropBehind<usize>| {
+            let r = db.runs[&0];
+            (r.start, r.dropped, r.end)
+        };
+        // From the first whole folio (4 MiB) up to the last whole one read (4 MiB): nothing.
+        assert_eq!(run(&db), (3 * MIB, 4 * MIB, 5 * MIB));
+        db.read(0, &file, 5 * MIB, 9 * MIB);
+        assert_eq!(run(&db), (3 * MIB, 8 * MIB, 9 * MIB));
+        // Less than a folio after the run's end still continues it.
+        db.read(0, &file, 10 * MIB, 11 * MIB);
+        assert_eq!(run(&db), (3 * MIB, 10 * MIB, 11 * MIB));
+        // A jump back (another part of the file) begins a new run.
+        db.read(0, &file, MIB, 2 * MIB);
+        assert_eq!(run(&db), (MIB, 2 * MIB, 2 * MIB));
+        db.finish(&0, &file);
+        assert!(db.runs.is_empty());
+    }
+
+    #[test]
     fn temporary_names_are_recognised_only_for_their_output() {
         assert_eq!(parse_temp(".ck.tmp-42-1700", "ck"), Some(Temp::Dir(42)));
         assert_eq!(parse_temp(".ck.old-42-1700", "ck"), Some(Temp::Aside(42)));
