@@ -878,7 +878,8 @@ impl Writeback {
     }
 }
 
-/// A file written front to back through [`Writeback`]: what the single-file writers
+/// A file written front to back, handed to the disk every 32 MiB and dropped from the page
+/// cache once written (write-back and drop-behind): what the single-file writers
 /// ([`write_file_atomic`], `torch.save` files) write through, under their `BufWriter`.
 pub struct StreamedFile {
     file: File,
