@@ -61,7 +61,7 @@
 //! Run: `cargo bench --bench checkpoint`.
 
 mod common;
-use common::{evict, full_adam_state, raw_read, raw_write};
+use common::{evict, full_adam_state, raw_read, raw_write, shard_and_release};
 
 use fsdp::checkpoint::{self, LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
@@ -571,15 +571,8 @@ fn save_phase(ckpt4: &Path, raw: &Path, bytes: u64, reps: usize) -> (Timing, Tim
         let rank = pg.rank();
         let fsdp = Fsdp::new(&model, &policy, pg.clone()).expect("Fsdp::new");
         let params = fsdp.optim_params();
-        let local = {
-            let full = full.lock().unwrap().clone().expect("the full dict");
-            fsdp.shard_full_optim_state_dict(&full, &params)
-                .expect("shard_full_optim_state_dict")
-        };
-        pg.barrier().expect("barrier");
+        let local = shard_and_release(&fsdp, pg.as_ref(), &full, &params);
         if rank == 0 {
-            // Whatever the local shards do not share is freed here.
-            full.lock().unwrap().take();
             println!(
                 "world size {SAVE_WS}: local state built; peak RSS so far {:.2} GiB",
                 vm_hwm_kib() as f64 / MIB

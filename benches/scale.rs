@@ -52,7 +52,8 @@
 
 mod common;
 use common::{
-    disk_bytes, evict, full_adam_state, loadavg, raw_read, raw_write, status_bytes, venv_python,
+    disk_bytes, evict, full_adam_state, loadavg, raw_read, raw_write, shard_and_release,
+    status_bytes, venv_python,
 };
 
 use fsdp::checkpoint::{self, SaveOptions};
@@ -144,15 +145,7 @@ fn make(units: usize, ckpt: &Path, dcp: &Path) {
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
         let fsdp = Fsdp::new(&model, &policy, pg.clone()).expect("Fsdp::new");
         let params = fsdp.optim_params();
-        let local = {
-            let full = full.lock().unwrap().clone().expect("the full dict");
-            fsdp.shard_full_optim_state_dict(&full, &params)
-                .expect("shard_full_optim_state_dict")
-        };
-        pg.barrier().expect("barrier");
-        if pg.rank() == 0 {
-            full.lock().unwrap().take();
-        }
+        let local = shard_and_release(&fsdp, pg.as_ref(), &full, &params);
         fsdp.save_optim_checkpoint(&local, &params, ckpt, &SaveOptions::default())
             .expect("save_optim_checkpoint");
         fsdp.save_dcp(&local, &params, None, dcp).expect("save_dcp");

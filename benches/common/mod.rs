@@ -1,8 +1,13 @@
 //! Synthetic optimizer state shared by the benches.
 #![allow(dead_code)] // each bench uses a different subset
 
-use fsdp::{DType, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+use fsdp::collectives::ProcessGroup;
+use fsdp::{
+    DType, Fsdp, HostTensor, ModelDesc, OptimParams, OptimStateDict, ParamGroup, ParamKey,
+    ParamState, Value,
+};
 use indexmap::IndexMap;
+use std::sync::{Arc, Mutex};
 
 /// A parameter-shaped f32 tensor with cheap deterministic values.
 pub fn filled(shape: &[usize], seed: f32) -> HostTensor {
@@ -170,4 +175,25 @@ pub fn venv_python(bench: &str) -> std::path::PathBuf {
         std::process::exit(2);
     }
     p
+}
+
+/// This rank's `shard_full_optim_state_dict` of the full dict in `full`, which rank 0 then
+/// takes out (once every rank has its shard), so that only what the shards share with it stays
+/// in memory. Collective over `pg`.
+pub fn shard_and_release(
+    fsdp: &Fsdp,
+    pg: &dyn ProcessGroup,
+    full: &Mutex<Option<Arc<OptimStateDict>>>,
+    params: &OptimParams,
+) -> OptimStateDict {
+    let local = {
+        let full = full.lock().unwrap().clone().expect("the full dict");
+        fsdp.shard_full_optim_state_dict(&full, params)
+            .expect("shard_full_optim_state_dict")
+    };
+    pg.barrier().expect("barrier");
+    if pg.rank() == 0 {
+        full.lock().unwrap().take();
+    }
+    local
 }

@@ -971,15 +971,18 @@ impl<K: std::hash::Hash + Eq> DropBehind<K> {
     }
 }
 
+/// `offset` and `len` as the kernel's file offsets, when they fit.
+#[cfg(target_os = "linux")]
+fn file_range(offset: u64, len: u64) -> Option<(libc::off64_t, libc::off64_t)> {
+    Some((offset.try_into().ok()?, len.try_into().ok()?))
+}
+
 /// Hands `len` bytes of `file` at `offset` to write-back without waiting (a hint; errors
 /// surface at the wait or the final `fsync`).
 #[cfg(target_os = "linux")]
 fn start_writeback(file: &File, offset: u64, len: u64) {
     use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (
-        libc::off64_t::try_from(offset),
-        libc::off64_t::try_from(len),
-    ) else {
+    let Some((off, len)) = file_range(offset, len) else {
         return;
     };
     // SAFETY: a valid open descriptor; no memory is passed.
@@ -995,10 +998,7 @@ fn start_writeback(_: &File, _: u64, _: u64) {}
 #[cfg(target_os = "linux")]
 fn wait_writeback(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (
-        libc::off64_t::try_from(offset),
-        libc::off64_t::try_from(len),
-    ) else {
+    let Some((off, len)) = file_range(offset, len) else {
         return Ok(());
     };
     let flags = libc::SYNC_FILE_RANGE_WAIT_BEFORE
@@ -1022,10 +1022,7 @@ fn wait_writeback(_: &File, _: u64, _: u64) -> std::io::Result<()> {
 #[cfg(target_os = "linux")]
 pub(crate) fn drop_cached_pages(file: &File, offset: u64, len: u64) {
     use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (
-        libc::off64_t::try_from(offset),
-        libc::off64_t::try_from(len),
-    ) else {
+    let Some((off, len)) = file_range(offset, len) else {
         return;
     };
     // SAFETY: a valid open descriptor; advice only.
