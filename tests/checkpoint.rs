@@ -740,6 +740,31 @@ fn reshard_and_consolidation_split_across_3_processes_write_the_single_process_b
 }
 
 #[test]
+fn torch_save_consolidation_split_across_1_to_5_processes_writes_the_single_process_bytes() {
+    // 2 → 3 ranks under another wrapping: states of uneven sizes, some split by ranks; at 5
+    // processes some write no storage at all.
+    let (root, src) = saved();
+    let (a, b) = (root.path().join("a"), root.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    let alone = a.join("full.pt");
+    let written = checkpoint::consolidate_to_torch(&src, &alone, |_| {}).unwrap();
+    let expected = std::fs::read(&alone).unwrap();
+    for ws in 1..=5 {
+        let split = b.join("full.pt");
+        let each = all_ok(ThreadGroup::run(ws, |pg| {
+            checkpoint::consolidate_to_torch_in_group(&src, &split, &pg, |_| {})
+        }));
+        assert_eq!(each, vec![written; ws], "{ws} processes");
+        assert!(
+            std::fs::read(&split).unwrap() == expected,
+            "{ws} processes: not the single-process file"
+        );
+        std::fs::remove_file(&split).unwrap();
+    }
+}
+
+#[test]
 fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_no_output() {
     // The end of input rank 1's file: at 2 processes and the same layout, process 1 reads it
     // for output rank 1.
@@ -761,6 +786,13 @@ fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_
     let alone = checkpoint::consolidate_to_safetensors(&src, &full, |_| {}).unwrap_err();
     for e in ThreadGroup::run(2, |pg| {
         checkpoint::consolidate_to_safetensors_in_group(&src, &full, &pg, |_| {})
+    }) {
+        assert_eq!(e.unwrap_err(), alone);
+    }
+    let full = root.path().join("full.pt");
+    let alone = checkpoint::consolidate_to_torch(&src, &full, |_| {}).unwrap_err();
+    for e in ThreadGroup::run(2, |pg| {
+        checkpoint::consolidate_to_torch_in_group(&src, &full, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }

@@ -1,6 +1,7 @@
 //! DCP directories written by real PyTorch 2.13 (`tests/golden/dcp/gen.py`): read,
 //! consolidated into what `dcp_to_torch_save` writes, verified, and refused when hostile.
 
+use fsdp::collectives::ThreadGroup;
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::Error;
@@ -64,6 +65,34 @@ fn every_fixture_consolidates_to_what_dcp_to_torch_save_wrote() {
             ckpt.load().unwrap().bit_eq(&expected),
             "{name}: load() differs"
         );
+    }
+}
+
+#[test]
+fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file() {
+    // Row slabs (FSDP2, FSDP1 dim-0 shards) and a 2-D grid (assembled whole) alike.
+    for name in SCENARIOS {
+        let ckpt = golden(name).join("ckpt");
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+        std::fs::create_dir(&a).unwrap();
+        std::fs::create_dir(&b).unwrap();
+        let written = dcp::consolidate_to_torch(&ckpt, &a.join("out.pt"), |_| {}).unwrap();
+        let expected = std::fs::read(a.join("out.pt")).unwrap();
+        for ws in 1..=4 {
+            let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
+                dcp::consolidate_to_torch_in_group(&ckpt, &b.join("out.pt"), &pg, |_| {})
+            })
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+            assert_eq!(each, vec![written; ws], "{name}, {ws} processes");
+            assert!(
+                std::fs::read(b.join("out.pt")).unwrap() == expected,
+                "{name}, {ws} processes: not the single-process file"
+            );
+            std::fs::remove_file(b.join("out.pt")).unwrap();
+        }
     }
 }
 
@@ -186,6 +215,11 @@ fn hostile(case: &str, prepare: impl FnOnce(&Path)) -> Error {
     let out = tmp.path().join("out.pt");
     let err2 = dcp::consolidate_to_torch(&dir, &out, |_| {}).unwrap_err();
     assert_eq!(err, err2, "{case}");
+    for e in ThreadGroup::run(2, |pg| {
+        dcp::consolidate_to_torch_in_group(&dir, &out, &pg, |_| {})
+    }) {
+        assert_eq!(e.unwrap_err(), err, "{case}: split across 2 processes");
+    }
     assert!(!out.exists(), "{case}: an output was left behind");
     err
 }

@@ -362,8 +362,9 @@ mod launcher {
     }
 
     /// Runs a command as one process of `pg`: `reshard`, and `consolidate` of the crate's
-    /// checkpoint to `.safetensors`, split their work across the processes; any other command runs on process 0 alone while the others wait for its
-    /// outcome. Only process 0 draws progress and prints; every process returns the same
+    /// checkpoint (to either format) or of a DCP directory to `.pt`, split their work across
+    /// the processes ([`ops::consolidate_splits`]); any other command runs on process 0 alone
+    /// while the others wait for its outcome. Only process 0 draws progress and prints; every process returns the same
     /// error.
     pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
         let root = pg.rank() == 0;

@@ -597,18 +597,25 @@ pub fn reshard_in_group(
 }
 
 /// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from
-/// the crate's checkpoint directory to `.safetensors` (a file whose layout is known before
-/// any byte is written). Other consolidations run on one process.
+/// the crate's checkpoint directory to either format, and from a DCP directory to a
+/// `torch.save` file (files whose layout is known before any byte is written). A DCP
+/// directory to `.safetensors` runs on one process.
 pub fn consolidate_splits(input: &Path, out: &Path) -> bool {
-    !dcp::is_dcp_dir(input) && matches!(FileFormat::from_path(out), Ok(FileFormat::Safetensors))
+    match FileFormat::from_path(out) {
+        Ok(FileFormat::Safetensors) => !dcp::is_dcp_dir(input),
+        Ok(_) => true,
+        Err(_) => false,
+    }
 }
 
-/// [`consolidate`] of the crate's checkpoint directory to `.safetensors` as one process of a
-/// job (`mpirun -np N fsdp-ckpt consolidate …`; see [`consolidate_splits`]): every process
-/// of `pg` calls it with the same arguments and writes its share of the file's byte ranges
-/// ([`checkpoint::consolidate_to_safetensors_in_group`]); process 0 installs it. The file
-/// is byte for byte what [`consolidate`] writes; a failure on any process fails all of them
-/// with the same error and leaves `out` as it was. `p` reports this process's share.
+/// [`consolidate`] as one process of a job (`mpirun -np N fsdp-ckpt consolidate …`; see
+/// [`consolidate_splits`]): every process of `pg` calls it with the same arguments and
+/// writes its share of the file's byte ranges
+/// ([`checkpoint::consolidate_to_safetensors_in_group`],
+/// [`checkpoint::consolidate_to_torch_in_group`], [`dcp::consolidate_to_torch_in_group`]);
+/// process 0 installs it. The file is byte for byte what [`consolidate`] writes; a failure
+/// on any process fails all of them with the same error and leaves `out` as it was. `p`
+/// reports this process's share.
 pub fn consolidate_in_group(
     input: &Path,
     out: &Path,
@@ -617,7 +624,7 @@ pub fn consolidate_in_group(
 ) -> Result<Written> {
     if !consolidate_splits(input, out) {
         return Err(Error::Unsupported(format!(
-            "consolidate {} {} split across processes: only the crate's checkpoint directory to .safetensors splits",
+            "consolidate {} {} split across processes: a DCP directory to .safetensors runs on one process",
             input.display(),
             out.display()
         )));
@@ -626,11 +633,22 @@ pub fn consolidate_in_group(
         output::check_not_overlapping(out, &[input])?;
         clean_stale(p, out, None)
     })?;
-    pg.agree(checkpoint::read_manifest(input))?;
+    let is_dcp = dcp::is_dcp_dir(input);
+    if !is_dcp {
+        pg.agree(checkpoint::read_manifest(input))?;
+    }
     p.start("consolidating (this process's share)", None);
-    let written = checkpoint::consolidate_to_safetensors_in_group(input, out, pg, |b| p.update(b));
+    let to = |b| p.update(b);
+    let written = match (is_dcp, FileFormat::from_path(out)?) {
+        (true, _) => dcp::consolidate_to_torch_in_group(input, out, pg, to),
+        (false, FileFormat::Safetensors) => {
+            checkpoint::consolidate_to_safetensors_in_group(input, out, pg, to)
+        }
+        (false, _) => checkpoint::consolidate_to_torch_in_group(input, out, pg, to),
+    };
     p.finish();
     let written = written?;
+    let what = if is_dcp { "DCP checkpoint " } else { "" };
     Ok(Written {
         operation: "consolidate",
         output: out.to_path_buf(),
@@ -638,10 +656,11 @@ pub fn consolidate_in_group(
         count: None,
         world_size: None,
         message: format!(
-            "consolidated {} -> {} on {} processes: {written} bytes of tensor state",
+            "consolidated {what}{} -> {} on {} processes: {written} bytes of {}",
             input.display(),
             out.display(),
-            pg.world_size()
+            pg.world_size(),
+            if is_dcp { "tensors" } else { "tensor state" }
         ),
     })
 }

@@ -40,18 +40,37 @@ fn main() {
         ),
         (
             "consolidate_safetensors_np2_writes_the_single_process_bytes",
-            || consolidate_matches_single_process(2, "safetensors"),
+            || consolidate_matches_single_process(2, Input::Checkpoint, "safetensors"),
         ),
         (
             "consolidate_safetensors_np3_writes_the_single_process_bytes",
-            || consolidate_matches_single_process(3, "safetensors"),
+            || consolidate_matches_single_process(3, Input::Checkpoint, "safetensors"),
         ),
-        ("consolidate_pt_np2_runs_on_process_0_alone", || {
-            consolidate_matches_single_process(2, "pt")
+        ("consolidate_pt_np2_writes_the_single_process_bytes", || {
+            consolidate_matches_single_process(2, Input::Checkpoint, "pt")
         }),
+        ("consolidate_pt_np3_writes_the_single_process_bytes", || {
+            consolidate_matches_single_process(3, Input::Checkpoint, "pt")
+        }),
+        (
+            "consolidate_dcp_pt_np2_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(2, Input::Dcp, "pt"),
+        ),
+        (
+            "consolidate_dcp_pt_np3_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(3, Input::Dcp, "pt"),
+        ),
+        (
+            "consolidate_dcp_safetensors_np2_runs_on_process_0_alone",
+            || consolidate_matches_single_process(2, Input::Dcp, "safetensors"),
+        ),
         (
             "consolidate_failing_on_one_process_fails_all_with_one_error_np2",
             || failure_on_process_1("consolidate"),
+        ),
+        (
+            "consolidate_pt_failing_on_one_process_fails_all_with_one_error_np2",
+            || failure_on_process_1("consolidate-pt"),
         ),
     ];
     common::harness::run(&cases);
@@ -181,14 +200,38 @@ fn reshard_matches_single_process(np: usize) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// The 8-rank checkpoint consolidated to `full.EXT` by the tool alone and by N processes
-/// (in two directories: a torch.save archive is named after its file): the same file, byte
-/// for byte (`.safetensors` is split across the processes, `.pt` is written by process 0
-/// alone).
-fn consolidate_matches_single_process(np: usize, ext: &str) {
-    let root = scratch(&format!("consolidate-{ext}-np{np}"));
-    let ckpt = root.join("ckpt8");
-    saved_checkpoint(&ckpt, 8);
+/// What `consolidate` reads.
+#[derive(Clone, Copy)]
+enum Input {
+    /// The crate's checkpoint of 8 ranks (`saved_checkpoint`).
+    Checkpoint,
+    /// PyTorch 2.13's DCP directory of FSDP2 at 4 ranks (`tests/golden/dcp/fsdp2_adam_ws4`).
+    Dcp,
+}
+
+/// `input` consolidated to `full.EXT` by the tool alone and by N processes (in two
+/// directories: a torch.save archive is named after its file): the same file, byte for byte
+/// (split across the processes, except a DCP directory to `.safetensors`, which process 0
+/// writes alone).
+fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
+    let from = match input {
+        Input::Checkpoint => "ckpt",
+        Input::Dcp => "dcp",
+    };
+    let root = scratch(&format!("consolidate-{from}-{ext}-np{np}"));
+    let ckpt = root.join("in");
+    match input {
+        Input::Checkpoint => saved_checkpoint(&ckpt, 8),
+        Input::Dcp => {
+            let golden = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/golden/dcp/fsdp2_adam_ws4/ckpt");
+            std::fs::create_dir(&ckpt).unwrap();
+            for e in std::fs::read_dir(golden).unwrap() {
+                let e = e.unwrap();
+                std::fs::copy(e.path(), ckpt.join(e.file_name())).unwrap();
+            }
+        }
+    }
     let alone = root.join("alone").join(format!("full.{ext}"));
     let job = root.join("job").join(format!("full.{ext}"));
     std::fs::create_dir(root.join("alone")).unwrap();
@@ -205,8 +248,15 @@ fn consolidate_matches_single_process(np: usize, ext: &str) {
         "{ext} differs between 1 and {np} processes"
     );
     assert_eq!(outcome.stderr.matches("consolidated ").count(), 1);
+    let split = !(matches!(input, Input::Dcp) && ext == "safetensors");
+    assert_eq!(
+        outcome.stderr.contains(&format!("on {np} processes")),
+        split,
+        "split across the processes: {split}; {}",
+        outcome.describe()
+    );
     let full = format!("full.{ext}");
-    assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
+    assert_eq!(names_in(&root), ["alone", "in", "job"]);
     assert_eq!(names_in(&root.join("job")), [full.as_str()]);
     std::fs::remove_dir_all(&root).unwrap();
 }
@@ -234,7 +284,12 @@ fn failure_on_process_1(command: &str) {
         ];
         (out, args)
     } else {
-        let out = root.join("out.safetensors");
+        let ext = if command == "consolidate-pt" {
+            "pt"
+        } else {
+            "safetensors"
+        };
+        let out = root.join(format!("out.{ext}"));
         (
             out.clone(),
             vec!["consolidate".into(), ckpt.clone().into(), out.into()],

@@ -198,9 +198,9 @@ impl<'s> SafetensorsPlan<'s> {
     /// The process of `ws` that writes tensor `i`: the data is cut into `ws` spans of equal
     /// bytes, and each tensor goes to the process whose span holds its first byte.
     fn writer_of(&self, i: usize, ws: usize) -> usize {
-        let data = self.lens.iter().sum::<u64>().max(1) as u128;
-        let from = (self.starts[i] - self.header.len() as u64) as u128;
-        ((from * ws as u128 / data) as usize).min(ws - 1)
+        let data = self.lens.iter().sum::<u64>();
+        let from = self.starts[i] - self.header.len() as u64;
+        crate::io::output::writer_of(from, data, ws)
     }
 }
 
@@ -224,27 +224,26 @@ pub fn consolidate_to_safetensors_in_group(
     pg.on_root(|| prepare_output(dir, out))?;
     let sk = pg.agree(Skeleton::new(dir))?;
     let plan = pg.agree(SafetensorsPlan::new(&sk))?;
-    let tmp = pg.on_root(|| crate::io::output::create_planned_file(out, plan.file_len()))?;
-    let mine = write_share(dir, out, &tmp, &sk, &plan, pg, progress);
-    let committed = match pg.all_gather_agreed(mine) {
-        Ok(all) => pg.on_root(|| {
-            crate::io::output::finish_planned_file(&tmp, out)?;
-            Ok(all.iter().sum::<u64>())
-        }),
-        Err(e) => Err(e),
-    };
-    if committed.is_err() && pg.rank() == 0 {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    committed
+    let written = crate::io::output::write_planned_in_group(
+        out,
+        plan.file_len(),
+        pg,
+        |file, tmp| write_share(dir, (out, tmp), file, &sk, &plan, pg, progress),
+        |file, tmp, _| {
+            use std::os::unix::fs::FileExt;
+            let err = crate::io::output::tmp_io_err("writing", out, tmp);
+            file.write_all_at(&plan.header, 0).map_err(err)
+        },
+    )?;
+    Ok(written.iter().sum())
 }
 
-/// Writes this process's share of the planned file `tmp` (process 0 also writes the
-/// header) and syncs it; returns the tensor bytes written.
+/// Writes this process's share of the tensors of the planned file `file`; returns the
+/// tensor bytes written.
 fn write_share(
     dir: &Path,
-    out: &Path,
-    tmp: &Path,
+    (out, tmp): (&Path, &Path),
+    file: &std::fs::File,
     sk: &Skeleton,
     plan: &SafetensorsPlan<'_>,
     pg: &dyn ProcessGroup,
@@ -252,13 +251,6 @@ fn write_share(
 ) -> Result<u64> {
     use std::os::unix::fs::FileExt;
     let err = crate::io::output::tmp_io_err("writing", out, tmp);
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(tmp)
-        .map_err(crate::io::output::tmp_io_err("opening", out, tmp))?;
-    if pg.rank() == 0 {
-        file.write_all_at(&plan.header, 0).map_err(&err)?;
-    }
     let mut reader = Reader::new(dir, &sk.manifest, true).dropping_behind();
     let mut writeback = super::Writeback::new(0);
     let mut block = Vec::new();
@@ -275,7 +267,7 @@ fn write_share(
         stream_state(&mut reader, stored, &mut block, &mut |bytes| {
             file.write_all_at(bytes, at).map_err(&err)?;
             writeback
-                .wrote_at(&file, at, bytes.len() as u64)
+                .wrote_at(file, at, bytes.len() as u64)
                 .map_err(&err)?;
             at += bytes.len() as u64;
             written += bytes.len() as u64;
@@ -283,8 +275,6 @@ fn write_share(
             Ok(())
         })?;
     }
-    file.sync_all()
-        .map_err(crate::io::output::tmp_io_err("syncing", out, tmp))?;
     Ok(written)
 }
 
@@ -304,16 +294,32 @@ fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
 pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
     prepare_output(dir, out)?;
     let sk = Skeleton::new(dir)?;
-    let mut lazy = Streamed {
-        out,
-        reader: Reader::new(dir, &sk.manifest, true).dropping_behind(),
-        skeleton: &sk,
-        block: Vec::new(),
-        written: 0,
-        progress,
-    };
+    let mut lazy = Streamed::new(dir, out, &sk, progress);
     crate::io::torch_save::save_streaming(&sk.obj, out, &mut lazy)?;
     Ok(lazy.written)
+}
+
+/// [`consolidate_to_torch`] split across the processes of `pg` (each one calls it with the
+/// same arguments; the paths must name the same files on every process, e.g. on a shared
+/// filesystem): each process streams about `1 / pg.world_size()` of the states' bytes into
+/// their planned places in the file, reading only the blocks it needs, and process 0 writes
+/// the rest of the archive and installs it
+/// ([`crate::io::torch_save::save_streaming_in_group`]). The file is byte for byte what
+/// [`consolidate_to_torch`] writes.
+///
+/// A failure on any process fails every process with the error of the lowest failing one,
+/// and `out` is left as it was. `progress` gets this process's tensor bytes written so far;
+/// the return value is the tensor bytes written by all of them.
+pub fn consolidate_to_torch_in_group(
+    dir: &Path,
+    out: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    pg.on_root(|| prepare_output(dir, out))?;
+    let sk = pg.agree(Skeleton::new(dir))?;
+    let mut lazy = Streamed::new(dir, out, &sk, progress);
+    crate::io::torch_save::save_streaming_in_group(&sk.obj, out, &mut lazy, pg)
 }
 
 /// The placeholders of a [`Skeleton`], streamed from the checkpoint into a `torch.save` file.
@@ -325,6 +331,21 @@ struct Streamed<'s, P> {
     block: Vec<u8>,
     written: u64,
     progress: P,
+}
+
+impl<'s, P> Streamed<'s, P> {
+    /// Streams `skeleton`'s states from the checkpoint in `dir`, dropping what it has read
+    /// from the page cache; `out` names the output in messages.
+    fn new(dir: &'s Path, out: &'s Path, skeleton: &'s Skeleton, progress: P) -> Self {
+        Streamed {
+            out,
+            reader: Reader::new(dir, &skeleton.manifest, true).dropping_behind(),
+            skeleton,
+            block: Vec::new(),
+            written: 0,
+            progress,
+        }
+    }
 }
 
 impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {

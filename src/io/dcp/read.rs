@@ -442,6 +442,33 @@ pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -
     Ok(lazy.written)
 }
 
+/// [`consolidate_to_torch`] split across the processes of `pg` (each one calls it with the
+/// same arguments; the paths must name the same files on every process, e.g. on a shared
+/// filesystem): every process checks the checkpoint, then streams about
+/// `1 / pg.world_size()` of the tensors' bytes into their planned places in the file, and
+/// process 0 writes the rest of the archive and installs it
+/// ([`torch_save::save_streaming_in_group`]). The file is byte for byte what
+/// [`consolidate_to_torch`] writes. A failure on any process fails every process with the
+/// lowest failing one's error, and `out` is left as it was. `progress` gets this process's
+/// tensor bytes written so far; the return value is the tensor bytes written by all of them.
+pub fn consolidate_to_torch_in_group(
+    dir: &Path,
+    out: &Path,
+    pg: &dyn crate::collectives::ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    use crate::collectives::ProcessGroupExt;
+    let ckpt = pg.agree(DcpCheckpoint::open(dir))?.dropping_behind();
+    let (obj, stands_for) = pg.agree(skeleton(&ckpt))?;
+    let mut lazy = Streamed {
+        ckpt: &ckpt,
+        stands_for,
+        written: 0,
+        progress,
+    };
+    torch_save::save_streaming_in_group(&obj, out, &mut lazy, pg)
+}
+
 /// [`consolidate_to_torch`] to a `.safetensors` file in the crate's mapping
 /// ([`crate::io::safetensors`]): the nested dict's structure in `__metadata__`, the tensors
 /// by their path, streamed one assembled tensor at a time after every chunk was checked.

@@ -54,6 +54,7 @@ use crate::error::{Error, Result};
 use crate::io::output::StreamedFile;
 use crate::optim_state::OptimStateDict;
 use crate::tensor::{DType, HostTensor};
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::BufWriter;
 use std::path::Path;
@@ -199,14 +200,115 @@ pub(crate) fn save_streaming(
     path: &Path,
     lazy: &mut dyn writer::LazyTensors,
 ) -> Result<()> {
-    let archive = path
-        .file_stem()
+    let archive = archive_name(path);
+    let name = path.display().to_string();
+    write_atomic(path, |w| writer::write_with(obj, &archive, &name, w, lazy))
+}
+
+/// The archive folder inside the zip PyTorch uses for `path`: the file's stem.
+fn archive_name(path: &Path) -> String {
+    path.file_stem()
         .and_then(|s| s.to_str())
         .filter(|s| !s.is_empty())
         .unwrap_or("archive")
-        .to_string();
+        .to_string()
+}
+
+/// [`save_streaming`] split across the processes of `pg`, each calling it with the same
+/// object and path (the same file for all, e.g. on a shared filesystem): the archive's layout
+/// is planned first ([`writer::PlannedArchive`]), each process streams its share of the lazy
+/// storages (about `1 / pg.world_size()` of their bytes) into their places, and process 0
+/// writes the rest once it has every storage's CRC-32, then installs the file atomically. The
+/// file is byte for byte what [`save_streaming`] writes. A failure on any process fails every
+/// process with the lowest failing one's error and leaves `path` as it was. Returns the lazy
+/// storages' bytes written by all processes.
+pub(crate) fn save_streaming_in_group(
+    obj: &PyObj,
+    path: &Path,
+    lazy: &mut dyn writer::LazyTensors,
+    pg: &dyn crate::collectives::ProcessGroup,
+) -> Result<u64> {
+    use crate::collectives::ProcessGroupExt;
+    let archive = archive_name(path);
     let name = path.display().to_string();
-    write_atomic(path, |w| writer::write_with(obj, &archive, &name, w, lazy))
+    let plan = pg.agree(writer::PlannedArchive::new(obj, &archive, &name, lazy))?;
+    let reports = crate::io::output::write_planned_in_group(
+        path,
+        plan.file_len(),
+        pg,
+        |file, tmp| write_lazy_share(&plan, lazy, file, (path, tmp), pg),
+        |file, _, all| {
+            let crcs: HashMap<usize, u32> = all.iter().flatten().copied().collect();
+            plan.write_frame(file, &crcs)
+        },
+    )?;
+    Ok(reports.iter().flatten().map(|&(i, _)| plan.span(i).1).sum())
+}
+
+/// Streams this process's share of `plan`'s lazy storages into their places in `file`;
+/// returns (storage index, CRC-32 of its data) of each.
+fn write_lazy_share(
+    plan: &writer::PlannedArchive<'_>,
+    lazy: &mut dyn writer::LazyTensors,
+    file: &std::fs::File,
+    (out, tmp): (&Path, &Path),
+    pg: &dyn crate::collectives::ProcessGroup,
+) -> Result<Vec<(usize, u32)>> {
+    use std::os::unix::fs::FileExt;
+    let lazy_storages: Vec<usize> = (0..plan.storages())
+        .filter(|&i| plan.lazy(i).is_some())
+        .collect();
+    let Some(&first) = lazy_storages.first() else {
+        return Ok(Vec::new());
+    };
+    let from = plan.span(first).0;
+    let data = plan.file_len() - from;
+    let mut writeback = crate::io::output::Writeback::new(0);
+    let mut crcs = Vec::new();
+    for i in lazy_storages {
+        let (start, len) = plan.span(i);
+        if crate::io::output::writer_of(start - from, data, pg.world_size()) != pg.rank() {
+            continue;
+        }
+        let (mut at, end) = (start, start + len);
+        let mut crc = crc32fast::Hasher::new();
+        let placeholder = plan.lazy(i).expect("filtered to lazy storages");
+        // The sink's own failure, reported against the temporary it writes (the stream's
+        // error names its input or nothing).
+        let mut failed: Option<std::io::Error> = None;
+        let streamed = lazy.stream(placeholder, &mut |chunk| {
+            let mut put = || -> std::io::Result<()> {
+                if at + chunk.len() as u64 > end {
+                    return Err(std::io::Error::other(format!(
+                        "storage {i} streamed more than its {len} planned bytes"
+                    )));
+                }
+                file.write_all_at(chunk, at)?;
+                writeback.wrote_at(file, at, chunk.len() as u64)
+            };
+            put().map_err(|e| {
+                let kind = e.kind();
+                failed = Some(e);
+                std::io::Error::from(kind)
+            })?;
+            crc.update(chunk);
+            at += chunk.len() as u64;
+            Ok(())
+        });
+        if let Some(e) = failed {
+            return Err(crate::io::output::tmp_io_err("writing", out, tmp)(e));
+        }
+        streamed?;
+        if at != end {
+            return Err(Error::Internal(format!(
+                "storage {i} of {} streamed {} of its {len} planned bytes",
+                out.display(),
+                at - start
+            )));
+        }
+        crcs.push((i, crc.finalize()));
+    }
+    Ok(crcs)
 }
 
 /// Serializes `obj` as a `torch.save` archive in memory (archive folder `archive`).

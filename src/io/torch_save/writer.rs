@@ -3,7 +3,7 @@
 
 use super::pickle::{contiguous_strides, MAX_DEPTH};
 use super::pyobj::{encode_long, PyObj};
-use super::zip::ZipWriter;
+use super::zip::{Positioned, ZipWriter};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, HostTensor};
 use std::collections::HashMap;
@@ -64,8 +64,18 @@ impl LazyTensors for Eager {
 enum StorageData<'a> {
     /// Held in memory.
     Bytes(&'a [u8]),
-    /// A lazy placeholder's, streamed when written.
-    Lazy(&'a HostTensor),
+    /// A lazy placeholder's (the real data's length), streamed when written.
+    Lazy(&'a HostTensor, u64),
+}
+
+impl StorageData<'_> {
+    /// Bytes of the storage's data.
+    fn len(&self) -> u64 {
+        match self {
+            StorageData::Bytes(b) => b.len() as u64,
+            StorageData::Lazy(_, len) => *len,
+        }
+    }
 }
 
 /// The bytes of one storage to write, as a range of a tensor's buffer.
@@ -233,7 +243,7 @@ impl<'a> StoragePlan<'a> {
             .iter()
             .filter_map(|s| {
                 let data = match s.lazy {
-                    Some(_) => StorageData::Lazy(s.owner),
+                    Some(_) => StorageData::Lazy(s.owner, (s.end - s.start) as u64),
                     None => StorageData::Bytes(&s.owner.storage_bytes()[s.start..s.end]),
                 };
                 s.key.map(|k| (k, data))
@@ -555,59 +565,189 @@ pub(crate) fn write_with<W: Write>(
     out: W,
     lazy: &mut dyn LazyTensors,
 ) -> Result<W> {
-    let plan = StoragePlan::new(obj, lazy)?;
-    let mut p = Pickler {
-        out: vec![0x80, 2],
-        next_memo: 0,
-        strings: HashMap::new(),
-        globals: HashMap::new(),
-        plan,
-    };
-    p.obj(obj)?;
-    p.out.push(b'.');
-    let storages = p.plan.in_key_order();
-    let io = |e: std::io::Error| Error::Io {
-        op: "writing".into(),
-        path: file.to_string(),
-        source: e.into(),
-    };
-    let mut z = ZipWriter::new(out);
-    z.entry(&format!("{archive}/data.pkl"), &[&p.out])
-        .map_err(io)?;
-    z.entry(&format!("{archive}/.format_version"), &[b"1"])
-        .map_err(io)?;
-    z.entry(&format!("{archive}/.storage_alignment"), &[b"64"])
-        .map_err(io)?;
-    z.entry(&format!("{archive}/byteorder"), &[b"little"])
-        .map_err(io)?;
-    let mut all = crc32fast::Hasher::new();
-    for (key, data) in &storages {
-        let name = format!("{archive}/data/{key}");
+    let a = Archive::new(obj, archive, file, lazy)?;
+    let io = a.io_err();
+    a.write(ZipWriter::new(out), |z, _, data| {
         let mut one = crc32fast::Hasher::new();
         match data {
             StorageData::Bytes(bytes) => {
                 one.update(bytes);
-                z.entry_with_crc(&name, &[bytes], one.clone().finalize())
-                    .map_err(io)?;
+                z.data(bytes).map_err(io)?;
             }
-            StorageData::Lazy(t) => {
-                z.begin_entry(&name).map_err(io)?;
-                lazy.stream(t, &mut |chunk| {
-                    one.update(chunk);
-                    z.data(chunk)
-                })?;
-                z.end_entry(one.clone().finalize()).map_err(io)?;
-            }
+            StorageData::Lazy(t, _) => lazy.stream(t, &mut |chunk| {
+                one.update(chunk);
+                z.data(chunk)
+            })?,
         }
-        all.combine(&one);
+        Ok(one)
+    })
+}
+
+/// An object ready to be written as a `torch.save` archive: its pickle and its storages in
+/// key order (the order of their records).
+struct Archive<'a> {
+    /// The folder inside the zip.
+    name: &'a str,
+    /// The destination, for messages.
+    file: &'a str,
+    pickle: Vec<u8>,
+    storages: Vec<(usize, StorageData<'a>)>,
+}
+
+impl<'a> Archive<'a> {
+    fn new(obj: &'a PyObj, name: &'a str, file: &'a str, lazy: &dyn LazyTensors) -> Result<Self> {
+        let plan = StoragePlan::new(obj, lazy)?;
+        let mut p = Pickler {
+            out: vec![0x80, 2],
+            next_memo: 0,
+            strings: HashMap::new(),
+            globals: HashMap::new(),
+            plan,
+        };
+        p.obj(obj)?;
+        p.out.push(b'.');
+        let storages = p.plan.in_key_order();
+        Ok(Archive {
+            name,
+            file,
+            pickle: p.out,
+            storages,
+        })
     }
-    z.entry(&format!("{archive}/version"), &[b"3\n"])
-        .map_err(io)?;
-    let id = serialization_id(&p.out, all);
-    z.entry(
-        &format!("{archive}/.data/serialization_id"),
-        &[id.as_bytes()],
-    )
-    .map_err(io)?;
-    z.finish().map_err(io)
+
+    fn io_err(&self) -> impl Fn(std::io::Error) -> Error + Copy + '_ {
+        move |e: std::io::Error| Error::Io {
+            op: "writing".into(),
+            path: self.file.to_string(),
+            source: e.into(),
+        }
+    }
+
+    /// Writes the archive's records through `z`, PyTorch's order: the pickle, the format
+    /// records, the storages, the version and the serialization id. `data` writes (or steps
+    /// over) the data of storage `i` of [`Archive::storages`] and returns its CRC-32 state.
+    fn write<W: Write>(
+        &self,
+        mut z: ZipWriter<W>,
+        mut data: impl FnMut(&mut ZipWriter<W>, usize, &StorageData<'a>) -> Result<crc32fast::Hasher>,
+    ) -> Result<W> {
+        let io = self.io_err();
+        let name = self.name;
+        z.entry(&format!("{name}/data.pkl"), &[&self.pickle])
+            .map_err(io)?;
+        z.entry(&format!("{name}/.format_version"), &[b"1"])
+            .map_err(io)?;
+        z.entry(&format!("{name}/.storage_alignment"), &[b"64"])
+            .map_err(io)?;
+        z.entry(&format!("{name}/byteorder"), &[b"little"])
+            .map_err(io)?;
+        let mut all = crc32fast::Hasher::new();
+        for (i, (key, storage)) in self.storages.iter().enumerate() {
+            z.begin_entry(&format!("{name}/data/{key}")).map_err(io)?;
+            let one = data(&mut z, i, storage)?;
+            z.end_entry(one.clone().finalize()).map_err(io)?;
+            all.combine(&one);
+        }
+        z.entry(&format!("{name}/version"), &[b"3\n"]).map_err(io)?;
+        let id = serialization_id(&self.pickle, all);
+        z.entry(&format!("{name}/.data/serialization_id"), &[id.as_bytes()])
+            .map_err(io)?;
+        z.finish().map_err(io)
+    }
+}
+
+/// A `torch.save` archive whose layout is fixed before any byte is written: where each
+/// storage's data goes and how long the file is. The processes of a job can then write the
+/// lazy storages' data at once, each its own ([`PlannedArchive::span`]), and one process
+/// everything else once it knows their CRC-32s ([`PlannedArchive::write_frame`]). The file is
+/// byte for byte what [`write_with`] writes.
+pub(crate) struct PlannedArchive<'a> {
+    archive: Archive<'a>,
+    /// File offset and length of each storage's data, in key order.
+    spans: Vec<(u64, u64)>,
+    file_len: u64,
+}
+
+impl<'a> PlannedArchive<'a> {
+    /// Plans `obj` as an archive named `archive`, with `lazy`'s placeholders at their real
+    /// shapes; `file` names the destination in messages.
+    pub(crate) fn new(
+        obj: &'a PyObj,
+        archive: &'a str,
+        file: &'a str,
+        lazy: &dyn LazyTensors,
+    ) -> Result<Self> {
+        let archive = Archive::new(obj, archive, file, lazy)?;
+        let io = archive.io_err();
+        let mut spans = Vec::with_capacity(archive.storages.len());
+        let counted = archive.write(ZipWriter::new(Positioned::nowhere()), |z, _, data| {
+            spans.push((z.position(), data.len()));
+            z.skip_data(data.len()).map_err(io)?;
+            Ok(crc32fast::Hasher::new())
+        })?;
+        let file_len = counted.position();
+        Ok(PlannedArchive {
+            archive,
+            spans,
+            file_len,
+        })
+    }
+
+    /// The file's length.
+    pub(crate) fn file_len(&self) -> u64 {
+        self.file_len
+    }
+
+    /// How many storages the archive has.
+    pub(crate) fn storages(&self) -> usize {
+        self.spans.len()
+    }
+
+    /// The lazy placeholder storage `i` holds the bytes of, or `None` for an in-memory
+    /// storage (which [`PlannedArchive::write_frame`] writes).
+    pub(crate) fn lazy(&self, i: usize) -> Option<&'a HostTensor> {
+        match self.archive.storages[i].1 {
+            StorageData::Lazy(t, _) => Some(t),
+            StorageData::Bytes(_) => None,
+        }
+    }
+
+    /// File offset and length of storage `i`'s data.
+    pub(crate) fn span(&self, i: usize) -> (u64, u64) {
+        self.spans[i]
+    }
+
+    /// Writes everything but the lazy storages' data into `file` (at least
+    /// [`PlannedArchive::file_len`] long): the records, every entry's header and data
+    /// descriptor, the in-memory storages and the central directory. `crcs` holds the CRC-32
+    /// of each lazy storage's data by storage index.
+    pub(crate) fn write_frame(
+        &self,
+        file: &std::fs::File,
+        crcs: &HashMap<usize, u32>,
+    ) -> Result<()> {
+        let io = self.archive.io_err();
+        self.archive.write(
+            ZipWriter::new(Positioned::into_file(file)),
+            |z, i, data| match data {
+                StorageData::Bytes(bytes) => {
+                    z.data(bytes).map_err(io)?;
+                    let mut one = crc32fast::Hasher::new();
+                    one.update(bytes);
+                    Ok(one)
+                }
+                StorageData::Lazy(_, len) => {
+                    let crc = *crcs.get(&i).ok_or_else(|| {
+                        Error::Internal(format!(
+                            "no CRC-32 for storage {i} of the planned archive {}",
+                            self.archive.file
+                        ))
+                    })?;
+                    z.skip_data(*len).map_err(io)?;
+                    Ok(crc32fast::Hasher::new_with_initial_len(crc, *len))
+                }
+            },
+        )?;
+        Ok(())
+    }
 }

@@ -424,6 +424,60 @@ impl<S: Source> ZipReader<S> {
     }
 }
 
+/// A [`Write`] at a position of a file that can also step over bytes written by someone else
+/// (another process of a job), or of no file at all: planning where everything goes.
+pub(crate) struct Positioned<'f> {
+    file: Option<&'f std::fs::File>,
+    pos: u64,
+}
+
+impl<'f> Positioned<'f> {
+    /// Writes into `file` from its start.
+    pub(crate) fn into_file(file: &'f std::fs::File) -> Self {
+        Positioned {
+            file: Some(file),
+            pos: 0,
+        }
+    }
+
+    /// Writes nowhere: only counts.
+    pub(crate) fn nowhere() -> Self {
+        Positioned { file: None, pos: 0 }
+    }
+
+    /// Where the next byte goes.
+    pub(crate) fn position(&self) -> u64 {
+        self.pos
+    }
+}
+
+impl Write for Positioned<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if let Some(f) = self.file {
+            std::os::unix::fs::FileExt::write_all_at(f, buf, self.pos)?;
+        }
+        self.pos += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl ZipWriter<Positioned<'_>> {
+    /// Data of the entry in progress that is not written here: `len` bytes, which another
+    /// writer puts at [`ZipWriter::position`].
+    pub(crate) fn skip_data(&mut self, len: u64) -> std::io::Result<()> {
+        if self.open.is_none() {
+            return Err(std::io::Error::other("zip entry data outside an entry"));
+        }
+        self.out.pos += len;
+        self.pos += len;
+        Ok(())
+    }
+}
+
 /// Writes a stored-only, aligned zip archive entry by entry.
 pub(crate) struct ZipWriter<W: Write> {
     out: W,
@@ -494,6 +548,12 @@ impl<W: Write> ZipWriter<W> {
         self.put(&h)?;
         self.open = Some((name.to_string(), header, self.pos));
         Ok(())
+    }
+
+    /// Where the next byte goes: after [`ZipWriter::begin_entry`], where the entry's data
+    /// starts.
+    pub(crate) fn position(&self) -> u64 {
+        self.pos
     }
 
     /// Data of the entry [`ZipWriter::begin_entry`] started.
