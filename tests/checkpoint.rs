@@ -1249,7 +1249,7 @@ fn drops_clean_pages(dir: &Path) -> bool {
 }
 
 #[test]
-fn offline_consolidation_and_verify_leave_neither_input_nor_output_in_the_page_cache() {
+fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_the_page_cache() {
     // World size 2, one unit of a [4096, 4096] weight: 128 MiB of Adam state, 64 MiB per rank
     // file, so reads cross the 2 MiB folios the readers drop to, and the output spans four of
     // the 32 MiB chunks its writer retires.
@@ -1299,6 +1299,25 @@ fn offline_consolidation_and_verify_leave_neither_input_nor_output_in_the_page_c
             "verify left its input cached"
         );
     }
+
+    // Resharded 2 -> 3: the checksum block around each old shard's 2/3 point is read by two
+    // new ranks; it stays cached until the second has read it, then goes like the rest.
+    for input in &inputs {
+        std::fs::read(input).unwrap();
+    }
+    let resharded = root.path().join("ckpt3");
+    checkpoint::reshard(&dir, &resharded, 3, None, |_| {}).unwrap();
+    if drops {
+        for input in &inputs {
+            let cached = cached_bytes(input);
+            assert!(
+                cached <= LEFT,
+                "reshard left {cached} bytes of {} cached",
+                input.display()
+            );
+        }
+    }
+    assert_eq!(verify(&resharded).unwrap(), 128 * MIB);
 
     // The same state as a DCP directory, consolidated to a torch.save file.
     let dcp = root.path().join("dcp");

@@ -123,10 +123,9 @@ pub fn reshard_in_group(
     let mut job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
     let tmp = pg.on_root(|| super::prepare_output(dst, &[src]))?;
     // Copying: each process writes its share of the rank files.
-    let mine = (pg.rank()..world_size)
-        .step_by(pg.world_size())
-        .map(|rank| job.write_rank_file(rank, &tmp))
-        .collect::<Result<Vec<_>>>()
+    let ranks: Vec<usize> = (pg.rank()..world_size).step_by(pg.world_size()).collect();
+    let mine = job
+        .write_rank_files(&ranks, &tmp)
         .map(|files| (files, job.copied));
     let gathered = pg.all_gather_agreed(mine);
     // Commit, on process 0 once all succeeded; every process learns its outcome.
@@ -204,7 +203,9 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             all,
             params,
             new_params,
-            reader: Reader::new(src, old, true).dropping_behind(),
+            // Not the reader's own drop-behind: blocks split between two new ranks are read
+            // twice, and `release` drops each block after its last reader.
+            reader: Reader::new(src, old, true),
             block: Vec::new(),
             copied: 0,
         })
@@ -220,10 +221,58 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
     /// Writes every rank file, then the manifest and the commit marker, into `tmp`.
     fn write_all(&mut self, tmp: &Path) -> Result<()> {
         self.crash_at(CrashPoint::BeforeData)?;
-        let files = (0..self.layout.world_size)
-            .map(|rank| self.write_rank_file(rank, tmp))
-            .collect::<Result<Vec<_>>>()?;
+        let ranks: Vec<usize> = (0..self.layout.world_size).collect();
+        let files = self.write_rank_files(&ranks, tmp)?;
         self.commit(tmp, files)
+    }
+
+    /// Writes the rank files of `ranks`, in that order, into `tmp`. The input's pages leave
+    /// the page cache once no later rank file of `ranks` reads them: a block split between
+    /// two new ranks is read the second time from memory, and an offline job does not leave
+    /// the whole input cached (which, at the size of the machine's memory, costs the next
+    /// reads their time in reclaim).
+    fn write_rank_files(&mut self, ranks: &[usize], tmp: &Path) -> Result<Vec<RankWritten>> {
+        let reads: Vec<Vec<(usize, u64, u64)>> =
+            ranks.iter().map(|&r| self.input_spans(r)).collect();
+        let mut files = Vec::with_capacity(ranks.len());
+        for (k, &rank) in ranks.iter().enumerate() {
+            files.push(self.write_rank_file(rank, tmp)?);
+            self.release(&reads[k], &reads[k + 1..]);
+        }
+        Ok(files)
+    }
+
+    /// The byte ranges of the input files that writing rank `rank`'s file reads: (file,
+    /// first byte, end), whole checksum blocks.
+    fn input_spans(&self, rank: usize) -> Vec<(usize, u64, u64)> {
+        let (_, wanted) = self.rank_entries(rank);
+        let mut spans = Vec::new();
+        for (ri, si, start, len) in wanted {
+            if let (_, StoredValue::Tensor { dtype, pieces, .. }) = &self.all[ri].states[si] {
+                spans.extend(self.reader.spans(pieces, dtype.size(), start, len));
+            }
+        }
+        spans
+    }
+
+    /// Drops from the page cache what `done` read of the input files, except what a rank
+    /// file still to be written (`later`) reads.
+    fn release(&self, done: &[(usize, u64, u64)], later: &[Vec<(usize, u64, u64)>]) {
+        /// Per input file: the byte ranges read, and those still to be read.
+        type ReadAndKeep = (Vec<(u64, u64)>, Vec<(u64, u64)>);
+        let mut by_file: BTreeMap<usize, ReadAndKeep> = BTreeMap::new();
+        for &(f, lo, hi) in done {
+            by_file.entry(f).or_default().0.push((lo, hi));
+        }
+        for &(f, lo, hi) in later.iter().flatten() {
+            if let Some((_, keep)) = by_file.get_mut(&f) {
+                keep.push((lo, hi));
+            }
+        }
+        for (f, (read, keep)) in by_file {
+            let ranges = crate::io::output::droppable(&read, &keep);
+            self.reader.drop_pages(f, &ranges);
+        }
     }
 
     /// Records the pieces of the written rank files `files` (all of them, in rank order), then
