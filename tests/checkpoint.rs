@@ -765,6 +765,50 @@ fn torch_save_consolidation_split_across_1_to_5_processes_writes_the_single_proc
 }
 
 #[test]
+fn conversion_to_dcp_streams_what_the_in_memory_writer_wrote_and_splits_across_1_to_4_processes() {
+    // The nested model's Adam state at 8 ranks: the DCP directory of its full dict, written
+    // from the loaded dict (in memory), streamed from the checkpoint, and by N processes.
+    let (root, src) = saved();
+    let data = |dir: &Path| std::fs::read(dir.join("__0_0.distcp")).unwrap();
+    let loaded = |dir: &Path| {
+        fsdp::io::dcp::DcpCheckpoint::open(dir)
+            .unwrap()
+            .load()
+            .unwrap()
+    };
+    let in_memory = root.path().join("in-memory");
+    let full = checkpoint::load_full(&src, &Default::default()).unwrap();
+    let obj = fsdp::io::torch_save::optim_to_pyobj(&full).unwrap();
+    fsdp::io::dcp::save_dcp(&obj, &in_memory).unwrap();
+    let streamed = root.path().join("streamed");
+    let written = checkpoint::convert_to_dcp(&src, &streamed, |_| {}).unwrap();
+    assert_eq!(written, full.tensor_bytes() as u64);
+    assert!(data(&streamed) == data(&in_memory), "the same data file");
+    assert!(
+        loaded(&streamed).bit_eq(&obj),
+        "dcp.load gives the full dict"
+    );
+    for ws in 1..=4 {
+        let split = root.path().join(format!("split{ws}"));
+        let each = all_ok(ThreadGroup::run(ws, |pg| {
+            checkpoint::convert_to_dcp_in_group(&src, &split, &pg, |_| {})
+        }));
+        assert_eq!(each, vec![written; ws], "{ws} processes");
+        assert!(
+            data(&split) == data(&in_memory),
+            "{ws} processes: the data file"
+        );
+        assert!(loaded(&split).bit_eq(&obj), "{ws} processes: the dict");
+        let mut names: Vec<String> = std::fs::read_dir(&split)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".metadata", "__0_0.distcp"]);
+    }
+}
+
+#[test]
 fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_no_output() {
     // The end of input rank 1's file: at 2 processes and the same layout, process 1 reads it
     // for output rank 1.
@@ -793,6 +837,13 @@ fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_
     let alone = checkpoint::consolidate_to_torch(&src, &full, |_| {}).unwrap_err();
     for e in ThreadGroup::run(2, |pg| {
         checkpoint::consolidate_to_torch_in_group(&src, &full, &pg, |_| {})
+    }) {
+        assert_eq!(e.unwrap_err(), alone);
+    }
+    let dcp = root.path().join("dcp");
+    let alone = checkpoint::convert_to_dcp(&src, &dcp, |_| {}).unwrap_err();
+    for e in ThreadGroup::run(2, |pg| {
+        checkpoint::convert_to_dcp_in_group(&src, &dcp, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }

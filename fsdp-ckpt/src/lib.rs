@@ -361,10 +361,11 @@ mod launcher {
         Ok(None)
     }
 
-    /// Runs a command as one process of `pg`: `reshard`, and `consolidate` of the crate's
-    /// checkpoint (to either format) or of a DCP directory to `.pt`, split their work across
-    /// the processes ([`ops::consolidate_splits`]); any other command runs on process 0 alone
-    /// while the others wait for its outcome. Only process 0 draws progress and prints; every process returns the same
+    /// Runs a command as one process of `pg`: `reshard`, `consolidate` of the crate's
+    /// checkpoint (to either format) or of a DCP directory to `.pt`
+    /// ([`ops::consolidate_splits`]), and `convert` of the crate's checkpoint `--to dcp`
+    /// ([`ops::convert_splits`]) split their work across the processes; any other command runs
+    /// on process 0 alone while the others wait for its outcome. Only process 0 draws progress and prints; every process returns the same
     /// error.
     pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
         let root = pg.rank() == 0;
@@ -385,6 +386,25 @@ mod launcher {
             ),
             Command::Consolidate { input, output } if ops::consolidate_splits(&input, &output) => {
                 ops::consolidate_in_group(&input, &output, pg, &p)
+            }
+            Command::Convert {
+                ref input,
+                ref output,
+                max_expansion_bytes,
+                ref to,
+                ref model,
+                world_size,
+            } => {
+                let opts = ops::ConvertOptions {
+                    to: to.clone(),
+                    model: model.clone(),
+                    world_size: world_size.map(|n| n as usize),
+                    max_expansion_bytes,
+                };
+                if !ops::convert_splits(input, &opts) {
+                    return on_root_alone(cli, pg);
+                }
+                ops::convert_in_group(input, output, &opts, pg, &p)
             }
             _ => return on_root_alone(cli, pg),
         };

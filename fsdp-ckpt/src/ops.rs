@@ -402,9 +402,8 @@ fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
     clean_stale(p, output, Some(dcp::DCP_DIR))?;
     let written = step(p, "converting", || {
         if input.is_dir() {
-            // The full optimizer state dict of the crate's sharded checkpoint.
-            let full = checkpoint::load_full(input, &checkpoint::LoadOptions::default())?;
-            dcp::save_dcp(&optim_to_pyobj(&full)?, output)
+            // The full optimizer state dict of the crate's sharded checkpoint, streamed.
+            checkpoint::convert_to_dcp(input, output, |_| {})
         } else {
             dcp::torch_save_to_dcp(input, output)
         }
@@ -421,6 +420,58 @@ fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
             output.display()
         ),
     })
+}
+
+/// `convert CKPT_DIR OUT_DIR --to dcp` as one process of a job (`mpirun -np N fsdp-ckpt
+/// convert …`; see [`convert_splits`]): every process of `pg` calls it with the same
+/// arguments and writes its share of the tensors into the one data file
+/// ([`checkpoint::convert_to_dcp_in_group`]); process 0 writes `.metadata` and installs the
+/// directory. The data file is byte for byte what [`convert`] writes; a failure on any
+/// process fails all of them with the same error and leaves `output` as it was.
+pub fn convert_in_group(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    if !convert_splits(input, opts) {
+        return Err(Error::Unsupported(format!(
+            "convert {} {} split across processes: only the crate's checkpoint directory --to dcp splits",
+            input.display(),
+            output.display()
+        )));
+    }
+    pg.agree(checkpoint::read_manifest(input))?;
+    pg.on_root(|| clean_stale(p, output, Some(dcp::DCP_DIR)))?;
+    p.start("converting (this process's share)", None);
+    let written = checkpoint::convert_to_dcp_in_group(input, output, pg, |b| p.update(b));
+    p.finish();
+    let written = written?;
+    Ok(Written {
+        operation: "convert",
+        output: output.to_path_buf(),
+        tensor_bytes: written,
+        count: None,
+        world_size: None,
+        message: format!(
+            "converted {} -> DCP directory {} on {} processes: {written} bytes of tensors",
+            input.display(),
+            output.display(),
+            pg.world_size()
+        ),
+    })
+}
+
+/// Whether `convert INPUT …` splits its work across the processes of a job: the crate's
+/// checkpoint directory `--to dcp` (a data file whose layout is known before any byte is
+/// written). The other conversions run on one process.
+pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
+    opts.to.as_deref() == Some("dcp")
+        && opts.model.is_none()
+        && opts.world_size.is_none()
+        && input.is_dir()
+        && !dcp::is_dcp_dir(input)
 }
 
 /// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded

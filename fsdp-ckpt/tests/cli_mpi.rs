@@ -65,6 +65,18 @@ fn main() {
             || consolidate_matches_single_process(2, Input::Dcp, "safetensors"),
         ),
         (
+            "convert_to_dcp_np2_writes_the_single_process_data_file",
+            || convert_to_dcp_matches_single_process(2),
+        ),
+        (
+            "convert_to_dcp_np3_writes_the_single_process_data_file",
+            || convert_to_dcp_matches_single_process(3),
+        ),
+        (
+            "convert_to_dcp_failing_on_one_process_fails_all_with_one_error_np2",
+            || failure_on_process_1("convert"),
+        ),
+        (
             "consolidate_failing_on_one_process_fails_all_with_one_error_np2",
             || failure_on_process_1("consolidate"),
         ),
@@ -261,6 +273,37 @@ fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// The 8-rank checkpoint converted to a DCP directory by the tool alone and by N processes:
+/// the same data file byte for byte (`.metadata` differs only in its random save id) and the
+/// same state once loaded.
+fn convert_to_dcp_matches_single_process(np: usize) {
+    let root = scratch(&format!("convert-dcp-np{np}"));
+    let ckpt = root.join("ckpt8");
+    saved_checkpoint(&ckpt, 8);
+    let (alone, job) = (root.join("alone"), root.join("job"));
+    tool::ok(&tool::run(&[&"convert", &ckpt, &alone, &"--to", &"dcp"]));
+    let outcome = mpirun(np, &[&"convert", &ckpt, &job, &"--to", &"dcp"]);
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "convert at {np} processes failed: {}",
+        outcome.describe()
+    );
+    let data = |dir: &Path| std::fs::read(dir.join("__0_0.distcp")).unwrap();
+    assert!(data(&alone) == data(&job), "the data file differs");
+    let load = |dir: &Path| {
+        fsdp::io::dcp::DcpCheckpoint::open(dir)
+            .unwrap()
+            .load()
+            .unwrap()
+    };
+    assert!(load(&alone).bit_eq(&load(&job)), "the loaded state differs");
+    assert_eq!(outcome.stderr.matches("converted ").count(), 1);
+    assert!(outcome.stderr.contains(&format!("on {np} processes")));
+    assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
+    assert_eq!(names_in(&job), [".metadata", "__0_0.distcp"]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A corrupt block that only process 1 reads (the end of input rank 7's file: output rank 1
 /// of 2 holds it, and the consolidated file's last tensors): every process fails with the
 /// error the tool alone gives, and neither the output nor a temporary is left.
@@ -281,6 +324,16 @@ fn failure_on_process_1(command: &str) {
             out.clone().into(),
             "--world-size".into(),
             "2".into(),
+        ];
+        (out, args)
+    } else if command == "convert" {
+        let out = root.join("out");
+        let args = vec![
+            "convert".into(),
+            ckpt.clone().into(),
+            out.clone().into(),
+            "--to".into(),
+            "dcp".into(),
         ];
         (out, args)
     } else {

@@ -43,7 +43,7 @@ pub use reshard::{reshard, reshard_in_group, reshard_with};
 pub use save::{save, CrashPoint, SaveOptions};
 pub use stream::{
     consolidate_to_safetensors, consolidate_to_safetensors_in_group, consolidate_to_torch,
-    consolidate_to_torch_in_group,
+    consolidate_to_torch_in_group, convert_to_dcp, convert_to_dcp_in_group,
 };
 pub use summary::{FileSummary, Summary};
 

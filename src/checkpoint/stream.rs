@@ -286,6 +286,13 @@ fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// [`prepare_output`] for a DCP directory `out`.
+fn prepare_dcp_output(dir: &Path, out: &Path) -> Result<()> {
+    crate::io::output::check_not_overlapping(out, &[dir])?;
+    crate::io::output::clean_stale_temporaries(out, Some(crate::io::dcp::DCP_DIR))?;
+    Ok(())
+}
+
 /// [`consolidate_to_safetensors`] to a `torch.save` file instead: `torch.load(out)` gives what
 /// `FSDP.full_optim_state_dict` returned when the checkpoint was saved, byte for byte the file
 /// `torch_save::save_optim_state_dict(&load_full(dir)?, out)` writes, but streamed one
@@ -320,6 +327,38 @@ pub fn consolidate_to_torch_in_group(
     let sk = pg.agree(Skeleton::new(dir))?;
     let mut lazy = Streamed::new(dir, out, &sk, progress);
     crate::io::torch_save::save_streaming_in_group(&sk.obj, out, &mut lazy, pg)
+}
+
+/// Writes the full dict of the checkpoint in `dir` as the DCP directory `out`, what
+/// `torch_save_to_dcp` makes of the file [`consolidate_to_torch`] writes (`dcp.load` into
+/// `{"state": …, "param_groups": …}` gives `full_optim_state_dict`'s dict), streamed one
+/// checksum block at a time: memory stays bounded whatever the model size. Every block read
+/// is verified; the directory appears atomically. Returns the tensor bytes written.
+pub fn convert_to_dcp(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
+    prepare_dcp_output(dir, out)?;
+    let sk = Skeleton::new(dir)?;
+    let mut lazy = Streamed::new(dir, out, &sk, progress);
+    crate::io::dcp::save_dcp_streaming(&sk.obj, out, &mut lazy)
+}
+
+/// [`convert_to_dcp`] split across the processes of `pg` (each one calls it with the same
+/// arguments; the paths must name the same directories on every process): each process
+/// writes about `1 / pg.world_size()` of the tensors' bytes into the one data file, reading
+/// only the blocks it needs, and process 0 writes `.metadata` and installs the directory
+/// ([`crate::io::dcp`]'s planned writer). The data file is byte for byte what
+/// [`convert_to_dcp`] writes. A failure on any process fails every process with the lowest
+/// failing one's error and leaves `out` as it was. `progress` gets this process's tensor
+/// bytes; the return value is the tensor bytes of the whole directory.
+pub fn convert_to_dcp_in_group(
+    dir: &Path,
+    out: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    pg.on_root(|| prepare_dcp_output(dir, out))?;
+    let sk = pg.agree(Skeleton::new(dir))?;
+    let mut lazy = Streamed::new(dir, out, &sk, progress);
+    crate::io::dcp::save_dcp_in_group(&sk.obj, out, &mut lazy, pg)
 }
 
 /// The placeholders of a [`Skeleton`], streamed from the checkpoint into a `torch.save` file.

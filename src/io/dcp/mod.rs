@@ -36,6 +36,7 @@ pub use read::{
 };
 
 pub use write::save_dcp;
+pub(crate) use write::{save_dcp_in_group, save_dcp_streaming};
 
 use crate::error::Result;
 use std::path::Path;

@@ -6,7 +6,7 @@
 use super::metadata::PathItem;
 use super::pickler::{Record, StoredChunk};
 use crate::error::{Error, IoError, Result};
-use crate::io::torch_save::{self, PyObj};
+use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::DType;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -123,24 +123,262 @@ fn visit<'a>(
     Ok(())
 }
 
-/// Where one item landed in the data file.
+/// Where one item lands in the data file.
 struct Stored<'a> {
-    /// Position in traversal order (the order of `state_dict_metadata`).
-    order: usize,
     item: Item<'a>,
+    /// A tensor's dtype and real shape (a lazy placeholder's stands for a larger tensor).
+    tensor: Option<(DType, Vec<usize>)>,
     offset: u64,
     length: u64,
 }
+
+/// The data file of a DCP directory, planned before any byte is written: every flattened
+/// value's archive and its byte range. Non-tensor values come first, then tensors, each in
+/// traversal order (as PyTorch's writer orders them); [`DataPlan::stored`] keeps traversal
+/// order, which `.metadata` lists.
+struct DataPlan<'a> {
+    stored: Vec<Stored<'a>>,
+    /// Indices of `stored` in file order.
+    file_order: Vec<usize>,
+    /// The archives of the non-tensor values (small), by index of `stored`.
+    objects: std::collections::HashMap<usize, Vec<u8>>,
+    len: u64,
+    tensor_bytes: u64,
+}
+
+impl<'a> DataPlan<'a> {
+    fn new(items: Vec<Item<'a>>, lazy: &dyn LazyTensors) -> Result<Self> {
+        let mut stored: Vec<Stored<'a>> = items
+            .into_iter()
+            .map(|item| {
+                let tensor = match item.value {
+                    PyObj::Tensor(t) => Some((
+                        t.dtype(),
+                        lazy.shape_of(t).unwrap_or_else(|| t.shape().to_vec()),
+                    )),
+                    _ => None,
+                };
+                Stored {
+                    item,
+                    tensor,
+                    offset: 0,
+                    length: 0,
+                }
+            })
+            .collect();
+        let (mut objects_first, tensors): (Vec<usize>, Vec<usize>) =
+            (0..stored.len()).partition(|&i| stored[i].tensor.is_none());
+        objects_first.extend(tensors);
+        let mut objects = std::collections::HashMap::new();
+        let (mut at, mut tensor_bytes) = (0u64, 0u64);
+        for &i in &objects_first {
+            let s = &mut stored[i];
+            s.offset = at;
+            s.length = match &s.tensor {
+                Some((dtype, shape)) => {
+                    tensor_bytes += (shape.iter().product::<usize>() * dtype.size()) as u64;
+                    torch_save::archive_len(s.item.value, ARCHIVE, lazy)?
+                }
+                None => {
+                    let bytes = torch_save::save_to_bytes(s.item.value)?;
+                    let len = bytes.len() as u64;
+                    objects.insert(i, bytes);
+                    len
+                }
+            };
+            at += s.length;
+        }
+        Ok(DataPlan {
+            stored,
+            file_order: objects_first,
+            objects,
+            len: at,
+            tensor_bytes,
+        })
+    }
+
+    /// Writes the archives of `stored[i]` for every `i` of `which` into the data file `file`
+    /// (`path`, for messages), each at its planned range.
+    fn write(
+        &self,
+        file: &File,
+        path: &Path,
+        which: impl Iterator<Item = usize>,
+        lazy: &mut dyn LazyTensors,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let name = path.display().to_string();
+        for i in which {
+            let s = &self.stored[i];
+            let end = match self.objects.get(&i) {
+                Some(bytes) => {
+                    file.write_all_at(bytes, s.offset)
+                        .map_err(|e| io_err("writing", path, e))?;
+                    s.offset + bytes.len() as u64
+                }
+                None => torch_save::write_archive_at(
+                    s.item.value,
+                    ARCHIVE,
+                    file,
+                    s.offset,
+                    &name,
+                    lazy,
+                )?,
+            };
+            if end != s.offset + s.length {
+                return Err(Error::Internal(format!(
+                    "`{}` took {} bytes of {name}, {} were planned",
+                    s.item.key,
+                    end - s.offset,
+                    s.length
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The values process `rank` of `world_size` writes: the tensors whose archive starts in
+    /// its equal share of the tensor bytes, and on process 0 the non-tensor values too.
+    fn share(&self, rank: usize, world_size: usize) -> Vec<usize> {
+        let first = self
+            .file_order
+            .iter()
+            .find(|&&i| self.stored[i].tensor.is_some())
+            .map_or(self.len, |&i| self.stored[i].offset);
+        self.file_order
+            .iter()
+            .copied()
+            .filter(|&i| {
+                let s = &self.stored[i];
+                let writer = match s.tensor {
+                    Some(_) => {
+                        crate::io::output::writer_of(s.offset - first, self.len - first, world_size)
+                    }
+                    None => 0,
+                };
+                writer == rank
+            })
+            .collect()
+    }
+
+    /// Creates the data file in the temporary directory `tmp` at its planned length.
+    fn create(&self, tmp: &Path) -> Result<File> {
+        let path = tmp.join(DATA_FILE);
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(|e| io_err("creating", &path, e))?;
+        file.set_len(self.len)
+            .map_err(|e| io_err("sizing", &path, e))?;
+        Ok(file)
+    }
+
+    /// With every archive in `tmp`'s data file written and synced: writes `.metadata` (the
+    /// checkpoint id `name`), syncs and renames `tmp` to `out`.
+    fn commit(&self, tmp: &Path, out: &Path, name: &str) -> Result<()> {
+        let origins = origins(&self.stored);
+        let md = super::pickler::metadata_pickle(&stored_view(&self.stored, &origins), name)?;
+        write_synced(&tmp.join(".metadata"), &md)?;
+        sync_dir(tmp)?;
+        std::fs::rename(tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
+        sync_dir(
+            out.parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new(".")),
+        )
+    }
+}
+
+/// The folder name of each value's `torch.save` archive (what `torch.save` to a buffer uses).
+const ARCHIVE: &str = "archive";
 
 /// Writes the DCP directory for `obj` (a state dict) at `out`, which must be missing or an
 /// empty directory: into a temporary sibling, data file first and `.metadata` last, each
 /// synced, then renamed into place. `storage_meta.checkpoint_id` is `out`'s last component.
 /// Returns the bytes of tensor data written.
 pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
+    save_dcp_streaming(obj, out, &mut torch_save::writer::Eager)
+}
+
+/// [`save_dcp`] of an object whose tensors `lazy` recognizes are placeholders, streamed by it
+/// into the data file (see [`LazyTensors`]): memory stays at what `lazy` holds, whatever the
+/// tensors' size, and the data file's pages leave the page cache as they are written.
+pub(crate) fn save_dcp_streaming(
+    obj: &PyObj,
+    out: &Path,
+    lazy: &mut dyn LazyTensors,
+) -> Result<u64> {
     let items = flatten(obj)?;
     check_target(out)?;
-    let name = out
-        .file_name()
+    let name = dir_name(out)?;
+    let plan = DataPlan::new(items, lazy)?;
+    // A temporary sibling named as every writer of the crate names one, so that
+    // `output::clean_stale_temporaries` recognises it if this process is killed.
+    let tmp = crate::io::output::make_tmp_dir(out)?;
+    let result = (|| {
+        let file = plan.create(&tmp)?;
+        let path = tmp.join(DATA_FILE);
+        plan.write(&file, &path, plan.file_order.iter().copied(), lazy)?;
+        file.sync_all().map_err(|e| io_err("syncing", &path, e))?;
+        plan.commit(&tmp, out, &name)
+    })();
+    if result.is_err() {
+        crate::io::output::discard_tmp_dir(&tmp);
+    }
+    result.map(|()| plan.tensor_bytes)
+}
+
+/// [`save_dcp_streaming`] split across the processes of `pg`, each calling it with the same
+/// object and path (the same directory for all, e.g. on a shared filesystem): process 0
+/// creates the temporary directory and the data file at its planned length, each process
+/// writes the archives of its share of the tensors (about `1 / pg.world_size()` of their
+/// bytes; process 0 also the non-tensor values) and syncs, and once all succeeded process 0
+/// writes `.metadata` and renames the directory into place. The data file is byte for byte
+/// the one [`save_dcp_streaming`] writes (`.metadata` differs only in its random save id). A
+/// failure on any process fails every process with the lowest failing one's error and leaves
+/// `out` as it was. Returns the tensor bytes written by all processes.
+pub(crate) fn save_dcp_in_group(
+    obj: &PyObj,
+    out: &Path,
+    lazy: &mut dyn LazyTensors,
+    pg: &dyn crate::collectives::ProcessGroup,
+) -> Result<u64> {
+    use crate::collectives::ProcessGroupExt;
+    let items = pg.agree(flatten(obj))?;
+    let name = pg.agree(dir_name(out))?;
+    let plan = pg.agree(DataPlan::new(items, lazy))?;
+    let tmp = pg.on_root(|| {
+        check_target(out)?;
+        let tmp = crate::io::output::make_tmp_dir(out)?;
+        if let Err(e) = plan.create(&tmp) {
+            crate::io::output::discard_tmp_dir(&tmp);
+            return Err(e);
+        }
+        Ok(tmp)
+    })?;
+    let path = tmp.join(DATA_FILE);
+    let mine = OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .map_err(|e| io_err("opening", &path, e))
+        .and_then(|file| {
+            let share = plan.share(pg.rank(), pg.world_size());
+            plan.write(&file, &path, share.into_iter(), lazy)?;
+            file.sync_all().map_err(|e| io_err("syncing", &path, e))
+        });
+    let committed = pg
+        .all_gather_agreed(mine)
+        .and_then(|_| pg.on_root(|| plan.commit(&tmp, out, &name)));
+    if committed.is_err() && pg.rank() == 0 {
+        crate::io::output::discard_tmp_dir(&tmp);
+    }
+    committed.map(|()| plan.tensor_bytes)
+}
+
+/// `out`'s last component: the checkpoint id `.metadata` records.
+fn dir_name(out: &Path) -> Result<String> {
+    out.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .ok_or_else(|| {
             io_err(
@@ -151,28 +389,7 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
                     "the path has no directory name",
                 ),
             )
-        })?;
-    // A temporary sibling named as every writer of the crate names one, so that
-    // `output::clean_stale_temporaries` recognises it if this process is killed.
-    let tmp = crate::io::output::make_tmp_dir(out)?;
-    let result = (|| {
-        let (stored, tensor_bytes) = write_data(&tmp.join(DATA_FILE), items)?;
-        let origins = origins(&stored);
-        let md = super::pickler::metadata_pickle(&stored_view(&stored, &origins), &name)?;
-        write_synced(&tmp.join(".metadata"), &md)?;
-        sync_dir(&tmp)?;
-        std::fs::rename(&tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
-        sync_dir(
-            out.parent()
-                .filter(|p| !p.as_os_str().is_empty())
-                .unwrap_or(Path::new(".")),
-        )?;
-        Ok(tensor_bytes)
-    })();
-    if result.is_err() {
-        crate::io::output::discard_tmp_dir(&tmp);
-    }
-    result
+        })
 }
 
 /// The view of stored items the pickler needs: each value whole, as one chunk at the origin.
@@ -181,10 +398,10 @@ fn stored_view<'s>(stored: &'s [Stored<'_>], origins: &'s [Vec<usize>]) -> Vec<R
         .iter()
         .zip(origins)
         .map(|(s, origin)| {
-            let tensor = match s.item.value {
-                PyObj::Tensor(t) => Some((t.dtype(), t.shape())),
-                _ => None,
-            };
+            let tensor = s
+                .tensor
+                .as_ref()
+                .map(|(dtype, shape)| (*dtype, shape.as_slice()));
             Record {
                 key: &s.item.key,
                 path: &s.item.path,
@@ -205,9 +422,9 @@ fn stored_view<'s>(stored: &'s [Stored<'_>], origins: &'s [Vec<usize>]) -> Vec<R
 fn origins(stored: &[Stored<'_>]) -> Vec<Vec<usize>> {
     stored
         .iter()
-        .map(|s| match s.item.value {
-            PyObj::Tensor(t) => vec![0; t.shape().len()],
-            _ => Vec::new(),
+        .map(|s| match &s.tensor {
+            Some((_, shape)) => vec![0; shape.len()],
+            None => Vec::new(),
         })
         .collect()
 }
@@ -240,48 +457,6 @@ fn check_target(out: &Path) -> Result<()> {
             ),
         )),
     }
-}
-
-/// Writes every non-tensor value, then every tensor, each as its own `torch.save` archive,
-/// into `path` (as PyTorch's writer orders them). Returns the items with their ranges and
-/// the tensor bytes.
-fn write_data<'a>(path: &Path, items: Vec<Item<'a>>) -> Result<(Vec<Stored<'a>>, u64)> {
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .map_err(|e| io_err("creating", path, e))?;
-    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-    let (objects, tensors): (Vec<_>, Vec<_>) = items
-        .into_iter()
-        .enumerate()
-        .partition(|(_, it)| !matches!(it.value, PyObj::Tensor(_)));
-    let mut at = 0u64;
-    let mut tensor_bytes = 0u64;
-    let mut stored = Vec::new();
-    for (order, item) in objects.into_iter().chain(tensors) {
-        if let PyObj::Tensor(t) = item.value {
-            tensor_bytes += t.nbytes() as u64;
-        }
-        let bytes = torch_save::save_to_bytes(item.value)?;
-        w.write_all(&bytes)
-            .map_err(|e| io_err("writing", path, e))?;
-        let length = bytes.len() as u64;
-        stored.push(Stored {
-            order,
-            item,
-            offset: at,
-            length,
-        });
-        at += length;
-    }
-    let file = w
-        .into_inner()
-        .map_err(|e| io_err("writing", path, e.into_error()))?;
-    file.sync_all().map_err(|e| io_err("syncing", path, e))?;
-    // The metadata lists keys in traversal order, whatever the order in the file.
-    stored.sort_by_key(|s| s.order);
-    Ok((stored, tensor_bytes))
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {

@@ -205,6 +205,32 @@ pub(crate) fn save_streaming(
     write_atomic(path, |w| writer::write_with(obj, &archive, &name, w, lazy))
 }
 
+/// The length of the archive named `archive` that [`save`] writes for `obj`, whose tensors
+/// `lazy` recognizes count at their real size: known before any byte is written.
+pub(crate) fn archive_len(
+    obj: &PyObj,
+    archive: &str,
+    lazy: &dyn writer::LazyTensors,
+) -> Result<u64> {
+    Ok(writer::PlannedArchive::new(obj, archive, MEMORY, lazy)?.file_len())
+}
+
+/// Writes `obj` as the archive named `archive` into `file` from byte `offset` on (the same
+/// bytes [`archive_len`] counted), `lazy` streaming its placeholders; the pages are handed
+/// to the disk and dropped from the page cache as they are written. `name` names the file in
+/// messages. Returns the offset after the archive.
+pub(crate) fn write_archive_at(
+    obj: &PyObj,
+    archive: &str,
+    file: &File,
+    offset: u64,
+    name: &str,
+    lazy: &mut dyn writer::LazyTensors,
+) -> Result<u64> {
+    let w = zip::Positioned::streaming_into(file, offset);
+    Ok(writer::write_with(obj, archive, name, w, lazy)?.position())
+}
+
 /// The archive folder inside the zip PyTorch uses for `path`: the file's stem.
 fn archive_name(path: &Path) -> String {
     path.file_stem()

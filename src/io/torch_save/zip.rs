@@ -429,6 +429,8 @@ impl<S: Source> ZipReader<S> {
 pub(crate) struct Positioned<'f> {
     file: Option<&'f std::fs::File>,
     pos: u64,
+    /// Hands what is written to the disk as it goes and drops it from the page cache.
+    writeback: Option<crate::io::output::Writeback>,
 }
 
 impl<'f> Positioned<'f> {
@@ -437,12 +439,27 @@ impl<'f> Positioned<'f> {
         Positioned {
             file: Some(file),
             pos: 0,
+            writeback: None,
+        }
+    }
+
+    /// Writes into `file` from byte `offset` on, with write-back and drop-behind
+    /// ([`crate::io::output::Writeback`]): for data that is not read again.
+    pub(crate) fn streaming_into(file: &'f std::fs::File, offset: u64) -> Self {
+        Positioned {
+            file: Some(file),
+            pos: offset,
+            writeback: Some(crate::io::output::Writeback::new(offset)),
         }
     }
 
     /// Writes nowhere: only counts.
     pub(crate) fn nowhere() -> Self {
-        Positioned { file: None, pos: 0 }
+        Positioned {
+            file: None,
+            pos: 0,
+            writeback: None,
+        }
     }
 
     /// Where the next byte goes.
@@ -455,6 +472,9 @@ impl Write for Positioned<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         if let Some(f) = self.file {
             std::os::unix::fs::FileExt::write_all_at(f, buf, self.pos)?;
+            if let Some(wb) = self.writeback.as_mut() {
+                wb.wrote_at(f, self.pos, buf.len() as u64)?;
+            }
         }
         self.pos += buf.len() as u64;
         Ok(buf.len())
