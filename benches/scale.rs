@@ -16,6 +16,8 @@
 //!   OUT.pt`), streaming;
 //! - `consolidate .safetensors`: `checkpoint::consolidate_to_safetensors`;
 //! - `reshard 2 -> 3`: `checkpoint::reshard` (its output is verified afterwards, untimed);
+//! - `convert to DCP`: `checkpoint::convert_to_dcp` (`fsdp-ckpt convert CKPT OUT --to dcp`),
+//!   streaming;
 //! - `DCP consolidate`: `io::dcp::consolidate_to_torch` of the DCP directory (`fsdp-ckpt
 //!   consolidate DCP_DIR OUT.pt`);
 //! - PyTorch `dcp_to_torch_save` of the same DCP directory, then an fsync of its output (the
@@ -44,9 +46,10 @@
 //! default sizes on the 2-core VM.
 //!
 //! With `SCALE_BENCH_TOOL` naming an `fsdp-ckpt` built with `mpi` (`scripts/bench.sh` builds one
-//! and sets it when `mpirun` exists), the tool's `reshard` and `consolidate CKPT
-//! OUT.safetensors` also run as MPI jobs of 1, 2 and 4 processes (`SCALE_BENCH_NP`), timed
-//! from outside, `mpirun` included (issue 16, part 6).
+//! and sets it when `mpirun` exists), the tool's `reshard`, `consolidate CKPT OUT.safetensors`,
+//! `consolidate CKPT OUT.pt`, `convert CKPT OUT --to dcp` and `consolidate DCP_DIR OUT.pt`
+//! also run as MPI jobs of 1, 2 and 4 processes (`SCALE_BENCH_NP`), timed from outside,
+//! `mpirun` included (issue 16, part 6).
 //!
 //! Run: `cargo bench --bench scale` (`SCALE_BENCH_UNITS=6,24` for other sizes; needs `.venv`).
 
@@ -128,6 +131,9 @@ fn run_op(op: &str, src: &Path, dst: &Path) {
         "reshard" => checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {})
             .map(drop)
             .expect("reshard"),
+        "convert-dcp" => checkpoint::convert_to_dcp(src, dst, |_| {})
+            .map(drop)
+            .expect("convert_to_dcp"),
         "dcp-consolidate" => fsdp::io::dcp::consolidate_to_torch(src, dst, |_| {})
             .map(drop)
             .expect("DCP consolidate_to_torch"),
@@ -242,10 +248,11 @@ struct Row {
     ops: Vec<(String, Outcome)>,
 }
 
-const CRATE_OPS: [(&str, &str); 4] = [
+const CRATE_OPS: [(&str, &str); 5] = [
     ("consolidate-pt", "consolidate .pt"),
     ("consolidate-st", "consolidate .safetensors"),
     ("reshard", "reshard 2 -> 3"),
+    ("convert-dcp", "convert to DCP"),
     ("dcp-consolidate", "DCP consolidate (.pt)"),
 ];
 
@@ -286,6 +293,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         let (src, dst) = match op {
             "dcp-consolidate" => (&dcp, dcp_pt.clone()),
             "reshard" => (&ckpt, root.join("ckpt3")),
+            "convert-dcp" => (&ckpt, root.join("converted")),
             "consolidate-st" => (&ckpt, root.join("full.safetensors")),
             _ => (&ckpt, root.join("full.pt")),
         };
@@ -303,19 +311,39 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
 
     if let Some((tool, nps)) = mpi_tool() {
         for &np in &nps {
-            for (what, dst, extra) in [
-                ("reshard", root.join("ckpt3"), Some("--world-size")),
-                ("consolidate", root.join("full.safetensors"), None),
+            for (label, src, dst, args) in [
+                (
+                    "reshard 2 -> 3",
+                    &ckpt,
+                    root.join("ckpt3"),
+                    &["--world-size", "3"][..],
+                ),
+                (
+                    "consolidate .safetensors",
+                    &ckpt,
+                    root.join("full.safetensors"),
+                    &[],
+                ),
+                ("consolidate .pt", &ckpt, root.join("full.pt"), &[]),
+                (
+                    "convert to DCP",
+                    &ckpt,
+                    root.join("converted"),
+                    &["--to", "dcp"],
+                ),
+                ("DCP consolidate (.pt)", &dcp, root.join("dcp-np.pt"), &[]),
             ] {
-                let mut args = vec![what.to_string(), s(&ckpt), s(&dst)];
-                if let Some(flag) = extra {
-                    args.extend([flag.to_string(), RESHARD_WS.to_string()]);
-                }
-                let o = tool_job(&tool, np, &args, &ckpt);
-                let label = match what {
-                    "reshard" => format!("fsdp-ckpt reshard 2 -> 3, mpirun -np {np}"),
-                    _ => format!("fsdp-ckpt consolidate .safetensors, mpirun -np {np}"),
+                let what = if args.first() == Some(&"--to") {
+                    "convert"
+                } else if label.starts_with("reshard") {
+                    "reshard"
+                } else {
+                    "consolidate"
                 };
+                let mut argv = vec![what.to_string(), s(src), s(&dst)];
+                argv.extend(args.iter().map(|a| a.to_string()));
+                let o = tool_job(&tool, np, &argv, src);
+                let label = format!("fsdp-ckpt {label}, mpirun -np {np}");
                 report(&label, bytes, &o);
                 disk_peak = disk_peak.max(disk_bytes(root));
                 remove(&dst);

@@ -69,7 +69,7 @@ fn every_fixture_consolidates_to_what_dcp_to_torch_save_wrote() {
 }
 
 #[test]
-fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file() {
+fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file_in_either_format() {
     // Row slabs (FSDP2, FSDP1 dim-0 shards) and a 2-D grid (assembled whole) alike.
     for name in SCENARIOS {
         let ckpt = golden(name).join("ckpt");
@@ -79,6 +79,27 @@ fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file() {
         std::fs::create_dir(&b).unwrap();
         let written = dcp::consolidate_to_torch(&ckpt, &a.join("out.pt"), |_| {}).unwrap();
         let expected = std::fs::read(a.join("out.pt")).unwrap();
+        let st = a.join("out.safetensors");
+        assert_eq!(
+            dcp::consolidate_to_safetensors(&ckpt, &st, |_| {}).unwrap(),
+            written
+        );
+        let expected_st = std::fs::read(&st).unwrap();
+        for ws in 1..=4 {
+            let split = b.join("out.safetensors");
+            let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
+                dcp::consolidate_to_safetensors_in_group(&ckpt, &split, &pg, |_| {})
+            })
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+            assert_eq!(each, vec![written; ws], "{name}, {ws} processes");
+            assert!(
+                std::fs::read(&split).unwrap() == expected_st,
+                "{name}, {ws} processes: not the single-process .safetensors file"
+            );
+            std::fs::remove_file(&split).unwrap();
+        }
         for ws in 1..=4 {
             let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
                 dcp::consolidate_to_torch_in_group(&ckpt, &b.join("out.pt"), &pg, |_| {})

@@ -362,11 +362,11 @@ mod launcher {
     }
 
     /// Runs a command as one process of `pg`: `reshard`, `consolidate` of the crate's
-    /// checkpoint (to either format) or of a DCP directory to `.pt`
-    /// ([`ops::consolidate_splits`]), and `convert` of the crate's checkpoint `--to dcp`
+    /// checkpoint or of a DCP directory (to either format; [`ops::consolidate_splits`]), and
+    /// `convert` of the crate's checkpoint `--to dcp`
     /// ([`ops::convert_splits`]) split their work across the processes; any other command runs
-    /// on process 0 alone while the others wait for its outcome. Only process 0 draws progress and prints; every process returns the same
-    /// error.
+    /// on process 0 alone while the others wait for its outcome. Only process 0 draws progress
+    /// and prints; every process returns the same error.
     pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
         let root = pg.rank() == 0;
         let p = Bars::new(cli.quiet || !root);

@@ -648,22 +648,18 @@ pub fn reshard_in_group(
 }
 
 /// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from
-/// the crate's checkpoint directory to either format, and from a DCP directory to a
-/// `torch.save` file (files whose layout is known before any byte is written). A DCP
-/// directory to `.safetensors` runs on one process.
-pub fn consolidate_splits(input: &Path, out: &Path) -> bool {
-    match FileFormat::from_path(out) {
-        Ok(FileFormat::Safetensors) => !dcp::is_dcp_dir(input),
-        Ok(_) => true,
-        Err(_) => false,
-    }
+/// the crate's checkpoint directory or a DCP directory to either format (files whose layout
+/// is known before any byte is written), that is whenever `OUTPUT`'s format is known.
+pub fn consolidate_splits(_input: &Path, out: &Path) -> bool {
+    FileFormat::from_path(out).is_ok()
 }
 
 /// [`consolidate`] as one process of a job (`mpirun -np N fsdp-ckpt consolidate …`; see
 /// [`consolidate_splits`]): every process of `pg` calls it with the same arguments and
 /// writes its share of the file's byte ranges
 /// ([`checkpoint::consolidate_to_safetensors_in_group`],
-/// [`checkpoint::consolidate_to_torch_in_group`], [`dcp::consolidate_to_torch_in_group`]);
+/// [`checkpoint::consolidate_to_torch_in_group`],
+/// [`dcp::consolidate_to_safetensors_in_group`], [`dcp::consolidate_to_torch_in_group`]);
 /// process 0 installs it. The file is byte for byte what [`consolidate`] writes; a failure
 /// on any process fails all of them with the same error and leaves `out` as it was. `p`
 /// reports this process's share.
@@ -673,13 +669,7 @@ pub fn consolidate_in_group(
     pg: &dyn ProcessGroup,
     p: &dyn Progress,
 ) -> Result<Written> {
-    if !consolidate_splits(input, out) {
-        return Err(Error::Unsupported(format!(
-            "consolidate {} {} split across processes: a DCP directory to .safetensors runs on one process",
-            input.display(),
-            out.display()
-        )));
-    }
+    let format = FileFormat::from_path(out)?;
     pg.on_root(|| {
         output::check_not_overlapping(out, &[input])?;
         clean_stale(p, out, None)
@@ -690,7 +680,10 @@ pub fn consolidate_in_group(
     }
     p.start("consolidating (this process's share)", None);
     let to = |b| p.update(b);
-    let written = match (is_dcp, FileFormat::from_path(out)?) {
+    let written = match (is_dcp, format) {
+        (true, FileFormat::Safetensors) => {
+            dcp::consolidate_to_safetensors_in_group(input, out, pg, to)
+        }
         (true, _) => dcp::consolidate_to_torch_in_group(input, out, pg, to),
         (false, FileFormat::Safetensors) => {
             checkpoint::consolidate_to_safetensors_in_group(input, out, pg, to)

@@ -61,8 +61,12 @@ fn main() {
             || consolidate_matches_single_process(3, Input::Dcp, "pt"),
         ),
         (
-            "consolidate_dcp_safetensors_np2_runs_on_process_0_alone",
+            "consolidate_dcp_safetensors_np2_writes_the_single_process_bytes",
             || consolidate_matches_single_process(2, Input::Dcp, "safetensors"),
+        ),
+        (
+            "consolidate_dcp_safetensors_np3_writes_the_single_process_bytes",
+            || consolidate_matches_single_process(3, Input::Dcp, "safetensors"),
         ),
         (
             "convert_to_dcp_np2_writes_the_single_process_data_file",
@@ -221,10 +225,9 @@ enum Input {
     Dcp,
 }
 
-/// `input` consolidated to `full.EXT` by the tool alone and by N processes (in two
-/// directories: a torch.save archive is named after its file): the same file, byte for byte
-/// (split across the processes, except a DCP directory to `.safetensors`, which process 0
-/// writes alone).
+/// `input` consolidated to `full.EXT` by the tool alone and by N processes, split across
+/// them (in two directories: a torch.save archive is named after its file): the same file,
+/// byte for byte.
 fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
     let from = match input {
         Input::Checkpoint => "ckpt",
@@ -260,11 +263,9 @@ fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
         "{ext} differs between 1 and {np} processes"
     );
     assert_eq!(outcome.stderr.matches("consolidated ").count(), 1);
-    let split = !(matches!(input, Input::Dcp) && ext == "safetensors");
-    assert_eq!(
+    assert!(
         outcome.stderr.contains(&format!("on {np} processes")),
-        split,
-        "split across the processes: {split}; {}",
+        "not split across the processes: {}",
         outcome.describe()
     );
     let full = format!("full.{ext}");

@@ -479,14 +479,7 @@ pub fn consolidate_to_safetensors(
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
     let ckpt = DcpCheckpoint::open(dir)?.dropping_behind();
-    let (obj, stands_for) = skeleton(&ckpt)?;
-    let (tensors, meta) = crate::io::safetensors::parts(&obj);
-    // (name, entry index) of every tensor, in file order.
-    let order: Vec<(String, usize)> = tensors
-        .iter()
-        .filter_map(|(name, t)| stands_for.get(&t.storage_id()).map(|&i| (name.clone(), i)))
-        .collect();
-    let header = safetensors_header(&ckpt, &order, meta.into_iter().collect())?;
+    let (order, header) = safetensors_plan(&ckpt)?;
     let mut written = 0u64;
     crate::io::torch_save::write_atomic(out, |mut w| {
         let io = |e: std::io::Error| Error::Io {
@@ -504,6 +497,78 @@ pub fn consolidate_to_safetensors(
         Ok(w)
     })?;
     Ok(written)
+}
+
+/// The tensors of a consolidated `.safetensors` file in file order: (name, entry index) of
+/// each.
+type FileOrder = Vec<(String, usize)>;
+
+/// The tensors of the consolidated `.safetensors` file in file order, and its header.
+fn safetensors_plan(ckpt: &DcpCheckpoint) -> Result<(FileOrder, Vec<u8>)> {
+    let (obj, stands_for) = skeleton(ckpt)?;
+    let (tensors, meta) = crate::io::safetensors::parts(&obj);
+    let order: Vec<(String, usize)> = tensors
+        .iter()
+        .filter_map(|(name, t)| stands_for.get(&t.storage_id()).map(|&i| (name.clone(), i)))
+        .collect();
+    let header = safetensors_header(ckpt, &order, meta.into_iter().collect())?;
+    Ok((order, header))
+}
+
+/// [`consolidate_to_safetensors`] split across the processes of `pg` (each one calls it with
+/// the same arguments; the paths must name the same files on every process): each process
+/// assembles and writes about `1 / pg.world_size()` of the tensors' bytes at their planned
+/// offsets, and process 0 writes the header and installs the file
+/// ([`crate::io::output::write_planned_in_group`]). The file is byte for byte what
+/// [`consolidate_to_safetensors`] writes; a failure on any process fails every process with
+/// the lowest failing one's error, and `out` is left as it was. `progress` gets this
+/// process's tensor bytes; the return value is the tensor bytes written by all of them.
+pub fn consolidate_to_safetensors_in_group(
+    dir: &Path,
+    out: &Path,
+    pg: &dyn crate::collectives::ProcessGroup,
+    mut progress: impl FnMut(u64),
+) -> Result<u64> {
+    use crate::collectives::ProcessGroupExt;
+    use std::os::unix::fs::FileExt;
+    let ckpt = pg.agree(DcpCheckpoint::open(dir))?.dropping_behind();
+    let (order, header) = pg.agree(safetensors_plan(&ckpt))?;
+    let lens: Vec<u64> = order
+        .iter()
+        .map(|(_, i)| {
+            ckpt.plan_tensor(&ckpt.metadata.entries[*i].key)
+                .map(|n| n as u64)
+        })
+        .collect::<Result<_>>()?;
+    let data: u64 = lens.iter().sum();
+    let written = crate::io::output::write_planned_in_group(
+        out,
+        header.len() as u64 + data,
+        pg,
+        |file, tmp| {
+            let err = crate::io::output::tmp_io_err("writing", out, tmp);
+            let mut writeback = crate::io::output::Writeback::new(0);
+            let (mut at, mut written) = (0u64, 0u64);
+            for ((_, i), len) in order.iter().zip(&lens) {
+                let mine = crate::io::output::writer_of(at, data, pg.world_size()) == pg.rank();
+                if mine {
+                    let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
+                    let offset = header.len() as u64 + at;
+                    file.write_all_at(t.as_bytes(), offset).map_err(&err)?;
+                    writeback.wrote_at(file, offset, *len).map_err(&err)?;
+                    written += len;
+                    progress(written);
+                }
+                at += len;
+            }
+            Ok(written)
+        },
+        |file, tmp, _| {
+            let err = crate::io::output::tmp_io_err("writing", out, tmp);
+            file.write_all_at(&header, 0).map_err(err)
+        },
+    )?;
+    Ok(written.iter().sum())
 }
 
 /// The safetensors header (length prefix included, padded to 8 bytes) for the tensors of
