@@ -200,18 +200,28 @@ fn scatters_of_sharded_load(model: ModelDesc) -> Vec<usize> {
 }
 
 #[test]
-fn sharded_load_copies_row_chunks_inside_the_own_shard_without_a_collective() {
+fn sharded_load_copies_own_row_chunks_locally_and_moves_the_rest_in_one_scatter_per_holder() {
     // [4, 3] at 2 ranks: each flat shard is exactly its rank's 2-row chunk, so nothing moves
     // between ranks and no rank joins a scatter.
     let aligned = ModelDesc::new().param("a.w", &[4, 3], DType::F32);
     assert_eq!(scatters_of_sharded_load(aligned), vec![0, 0]);
     // [4, 3] + [2]: the shards split at element 7 (inside row 2 of `w`), so per tensor state
     // rank 1's chunk of `w` (1 element goes to rank 0) and rank 0's chunk of `b` (rank 1 holds
-    // all of `b`) cross ranks: 2 scatters for each of exp_avg and exp_avg_sq; the other two
-    // chunks stay with their holders and are copied locally.
+    // all of `b`) cross ranks; the other two chunks stay with their holders and are copied
+    // locally. Both states' pieces travel together: one scatter from each holding rank.
     let straddling =
         ModelDesc::new()
             .param("a.w", &[4, 3], DType::F32)
             .param("a.b", &[2], DType::F32);
-    assert_eq!(scatters_of_sharded_load(straddling), vec![4, 4]);
+    assert_eq!(scatters_of_sharded_load(straddling), vec![2, 2]);
+    // Eight such units' worth of members in one unit: still one scatter per holding rank.
+    let mut many = ModelDesc::new();
+    for i in 0..8 {
+        many = many.param(&format!("a.w{i}"), &[4, 3], DType::F32).param(
+            &format!("a.b{i}"),
+            &[3],
+            DType::F32,
+        );
+    }
+    assert_eq!(scatters_of_sharded_load(many), vec![2, 2]);
 }

@@ -265,6 +265,20 @@ pub enum ShardPiece {
     Padding(usize),
 }
 
+impl ShardPiece {
+    /// Number of elements of the shard this piece covers.
+    pub fn len(&self) -> usize {
+        match *self {
+            ShardPiece::Member { len, .. } | ShardPiece::Padding(len) => len,
+        }
+    }
+
+    /// Whether the piece covers no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// What manages a model parameter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Ownership {

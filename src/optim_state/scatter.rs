@@ -479,8 +479,8 @@ fn member_place(pieces: &[ShardPiece], m: usize) -> Option<(usize, usize, usize)
 /// Same result as [`gather_sharded`] followed by [`super::flatten_optim_state_dict`], without
 /// gathering whole tensors: for each flat parameter and tensor state whose members are all
 /// row-sharded (the usual case), every rank receives only the element ranges of its own flat
-/// shard, straight from the ranks holding them (one `scatter_into` per member, state and
-/// holding rank), into one buffer that becomes the state. Anything else (unmanaged parameters,
+/// shard, straight from the ranks holding them (one `scatter_into` per holding rank that
+/// sends anything, for all states at once), into one buffer per state that becomes it. Anything else (unmanaged parameters,
 /// `use_orig_params=True`, incomplete or inconsistent states, whose errors the flattening then
 /// reports) is gathered whole first, as before.
 pub fn load_sharded<T: Tensor>(
@@ -495,8 +495,8 @@ pub fn load_sharded<T: Tensor>(
     // ranks run the same collectives.
     let (direct, plans) = plan_direct_loads(layout, &entries, &chunks);
     let mut buffers: HashMap<(usize, String), T> = HashMap::new();
-    for plan in plans {
-        let buf = receive_direct(layout, pg, sharded, &entries, &chunks, &plan)?;
+    let received = receive_direct(layout, pg, sharded, &entries, &chunks, &plans)?;
+    for (plan, buf) in plans.iter().zip(received) {
         buffers.insert((plan.flat, plan.state.to_string()), T::from_host(buf)?);
     }
     // The rest is gathered whole, as `gather_sharded` does.
@@ -599,103 +599,182 @@ fn plan_direct_loads<'e>(
     (direct, plans)
 }
 
-/// Receives this rank's flat shard of one planned state straight from the ranks holding its
-/// elements: one `scatter_into` per member and holding rank, padding zero-filled.
+/// One piece of a row chunk on its way into a flat shard: bytes `src..src + len` of rank
+/// `from`'s local chunk of sharded entry `entry` go to bytes `dst..dst + len` of rank `to`'s
+/// buffer for planned state `plan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Move {
+    from: usize,
+    to: usize,
+    plan: usize,
+    entry: usize,
+    src: usize,
+    dst: usize,
+    len: usize,
+}
+
+/// Every piece every rank receives of the planned states, in plan order (pure: the same on
+/// every rank, from what all of them agreed on).
+fn plan_moves(
+    layout: &ModelLayout,
+    chunks: &[Vec<ChunkDesc>],
+    plans: &[DirectLoad<'_>],
+) -> Vec<Move> {
+    let ws = chunks.len();
+    let mut moves = Vec::new();
+    for (p, plan) in plans.iter().enumerate() {
+        let fl = &layout.flat_params[plan.flat];
+        let es = plan.dtype.size();
+        let pieces: Vec<Vec<ShardPiece>> = (0..ws).map(|r| fl.shard_pieces(r)).collect();
+        for &(entry, m) in &plan.members {
+            for (from, held) in chunks.iter().enumerate() {
+                let (_, first, n) = held[entry];
+                for (to, theirs) in pieces.iter().enumerate() {
+                    let Some((off, start, len)) = member_place(theirs, m) else {
+                        continue;
+                    };
+                    let (lo, hi) = (start.max(first), (start + len).min(first + n));
+                    if lo < hi {
+                        moves.push(Move {
+                            from,
+                            to,
+                            plan: p,
+                            entry,
+                            src: (lo - first) * es,
+                            dst: (off + lo - start) * es,
+                            len: (hi - lo) * es,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    moves
+}
+
+/// Receives this rank's flat shard of every planned state straight from the ranks holding
+/// its elements: the pieces a rank holds itself are copied locally, and the others move in
+/// one `scatter_into` per holding rank that sends anything, whose part for each rank is the
+/// concatenation of every piece that rank gets from it (at most `world_size` round trips and
+/// large messages, whatever the number of states). Padding is zero-filled. An inconsistency
+/// found on any rank fails every rank with the same error, after the collectives.
 fn receive_direct<T: Tensor>(
     layout: &ModelLayout,
     pg: &dyn ProcessGroup,
     sharded: &OptimStateDict<T>,
     entries: &[ShardedEntry],
     chunks: &[Vec<ChunkDesc>],
-    plan: &DirectLoad<'_>,
-) -> Result<HostTensor> {
+    plans: &[DirectLoad<'_>],
+) -> Result<Vec<HostTensor>> {
     let (rank, ws) = (pg.rank(), pg.world_size());
-    let fl = &layout.flat_params[plan.flat];
-    let es = plan.dtype.size();
-    let pieces: Vec<Vec<ShardPiece>> = (0..ws).map(|r| fl.shard_pieces(r)).collect();
-    let total: usize = pieces[rank]
+    let moves = plan_moves(layout, chunks, plans);
+    let mut failed: Option<Error> = None;
+    let mut locals: HashMap<usize, HostTensor> = HashMap::new();
+    let held: std::collections::BTreeSet<usize> = moves
         .iter()
-        .map(|p| match *p {
-            ShardPiece::Member { len, .. } | ShardPiece::Padding(len) => len,
+        .filter(|m| m.from == rank)
+        .map(|m| m.entry)
+        .collect();
+    for entry in held {
+        match local_chunk(sharded, &entries[entry]) {
+            Ok(Some(t)) => drop(locals.insert(entry, t)),
+            Ok(None) => {}
+            Err(e) => failed = failed.or(Some(e)),
+        }
+    }
+    let piece = |m: &Move| -> Result<&[u8]> {
+        let src = locals.get(&m.entry).map_or(&[][..], |t| t.as_bytes());
+        src.get(m.src..m.src + m.len).ok_or_else(|| {
+            Error::Internal(format!(
+                "the local chunk of {} has {} bytes, the plan reads {} from byte {}",
+                entries[m.entry].key,
+                src.len(),
+                m.len,
+                m.src
+            ))
         })
-        .sum();
-    HostTensor::filled_by(plan.dtype, &[total], |dst| -> Result<()> {
-        let mut at = 0;
-        for p in &pieces[rank] {
-            match *p {
-                ShardPiece::Padding(len) => {
+    };
+    let mut own: Vec<Vec<&Move>> = vec![Vec::new(); plans.len()];
+    for m in moves.iter().filter(|m| m.from == rank && m.to == rank) {
+        own[m.plan].push(m);
+    }
+    // Each buffer's padding zeroed and this rank's own pieces copied in; the rounds below
+    // write the rest (every element of a planned state lies in some chunk).
+    let mut bufs = Vec::with_capacity(plans.len());
+    for (plan, own) in plans.iter().zip(&own) {
+        let es = plan.dtype.size();
+        let mine = layout.flat_params[plan.flat].shard_pieces(rank);
+        let total: usize = mine.iter().map(ShardPiece::len).sum();
+        let buf = HostTensor::filled_by(plan.dtype, &[total], |dst| -> Result<()> {
+            let mut at = 0;
+            for p in &mine {
+                if let ShardPiece::Padding(len) = *p {
                     dst[at * es..(at + len) * es].fill(0);
-                    at += len;
                 }
-                ShardPiece::Member { len, .. } => at += len,
+                at += p.len();
+            }
+            for m in own {
+                dst[m.dst..m.dst + m.len].copy_from_slice(piece(m)?);
+            }
+            Ok(())
+        });
+        match buf {
+            Ok(b) => bufs.push(b),
+            Err(e) => {
+                failed = failed.or(Some(e));
+                bufs.push(HostTensor::zeros(plan.dtype, &[total]));
             }
         }
-        for &(i, m) in &plan.members {
-            let e = &entries[i];
-            let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
-                return Err(Error::Internal(format!(
-                    "state `{}` of {} was planned as sharded but is not",
-                    e.state, e.key
-                )));
-            };
-            let local = s.local.as_ref().map(|t| t.to_host()).transpose()?;
-            for (q, qc) in chunks.iter().enumerate() {
-                let (_, qfirst, qn) = qc[i];
-                // (offset in rank r's shard, offset in q's chunk, length) r needs from q.
-                let needs: Vec<Option<(usize, usize, usize)>> = pieces
-                    .iter()
-                    .map(|pr| {
-                        let (off, start, len) = member_place(pr, m)?;
-                        let lo = start.max(qfirst);
-                        let hi = (start + len).min(qfirst + qn);
-                        (lo < hi).then(|| (off + lo - start, lo - qfirst, hi - lo))
-                    })
-                    .collect();
-                if needs.iter().all(Option::is_none) {
-                    continue;
-                }
-                if needs.iter().enumerate().all(|(r, n)| r == q || n.is_none()) {
-                    // Only q needs its own bytes: every rank sees that from the same agreed
-                    // plan, so all skip the collective and q copies locally (one round trip
-                    // fewer for each row chunk that lies wholly in its holder's flat shard).
-                    if let (true, Some((d, o, l))) = (q == rank, needs[rank]) {
-                        let src = local.as_ref().map_or(&[][..], |t| t.as_bytes());
-                        copy_own_piece(src, o * es, &mut dst[d * es..(d + l) * es], &e.key)?;
+    }
+    // One round per holding rank that sends anything to another rank.
+    for q in 0..ws {
+        let sends: Vec<&Move> = moves.iter().filter(|m| m.from == q && m.to != q).collect();
+        if sends.is_empty() {
+            continue;
+        }
+        let incoming: usize = sends.iter().filter(|m| m.to == rank).map(|m| m.len).sum();
+        let mut staging = vec![0u8; incoming];
+        if q == rank {
+            let mut parts: Vec<Vec<u8>> = vec![Vec::new(); ws];
+            for m in &sends {
+                match piece(m) {
+                    Ok(src) => parts[m.to].extend_from_slice(src),
+                    // Zeros keep the collective whole; the error fails every rank below.
+                    Err(e) => {
+                        let part = &mut parts[m.to];
+                        part.resize(part.len() + m.len, 0);
+                        failed = failed.or(Some(e));
                     }
-                    continue;
-                }
-                let mut empty: [u8; 0] = [];
-                let recv: &mut [u8] = match needs[rank] {
-                    Some((d, _, l)) => &mut dst[d * es..(d + l) * es],
-                    None => &mut empty,
-                };
-                if q == rank {
-                    let src = local.as_ref().map_or(&[][..], |t| t.as_bytes());
-                    let parts: Vec<&[u8]> = needs
-                        .iter()
-                        .map(|n| n.map_or(&[][..], |(_, o, l)| &src[o * es..(o + l) * es]))
-                        .collect();
-                    pg.scatter_into(Some(&parts), recv, q)?;
-                } else {
-                    pg.scatter_into(None, recv, q)?;
                 }
             }
+            let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+            pg.scatter_into(Some(&parts), &mut staging, q)?;
+        } else {
+            pg.scatter_into(None, &mut staging, q)?;
         }
-        Ok(())
-    })
+        let mut at = 0;
+        for m in sends.iter().filter(|m| m.to == rank) {
+            bufs[m.plan].bytes_mut()[m.dst..m.dst + m.len]
+                .copy_from_slice(&staging[at..at + m.len]);
+            at += m.len;
+        }
+    }
+    pg.agree(failed.map_or(Ok(()), Err))?;
+    Ok(bufs)
 }
 
-/// Copies this rank's own piece of a member's row chunk (`src` from byte `at`) into `dst`.
-fn copy_own_piece(src: &[u8], at: usize, dst: &mut [u8], key: &ParamKey) -> Result<()> {
-    let piece = src.get(at..at + dst.len()).ok_or_else(|| {
-        Error::Internal(format!(
-            "the local chunk of {key} has {} bytes, the plan reads {} from byte {at}",
-            src.len(),
-            dst.len()
-        ))
-    })?;
-    dst.copy_from_slice(piece);
-    Ok(())
+/// This rank's local chunk of sharded entry `e`, if it holds one.
+fn local_chunk<T: Tensor>(
+    sharded: &OptimStateDict<T>,
+    e: &ShardedEntry,
+) -> Result<Option<HostTensor>> {
+    let Value::Sharded(s) = &sharded.state[&e.key][e.state.as_str()] else {
+        return Err(Error::Internal(format!(
+            "state `{}` of {} was planned as sharded but is not",
+            e.state, e.key
+        )));
+    };
+    s.local.as_ref().map(|t| t.to_host()).transpose()
 }
 
 /// The flattening source of [`load_sharded`]: the shards received directly, and the rest cut
