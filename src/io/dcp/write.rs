@@ -208,6 +208,7 @@ impl<'a> DataPlan<'a> {
     ) -> Result<()> {
         use std::os::unix::fs::FileExt;
         let name = path.display().to_string();
+        let mut writeback = crate::io::output::Writeback::new(0);
         for i in which {
             let s = &self.stored[i];
             let end = match self.objects.get(&i) {
@@ -219,8 +220,8 @@ impl<'a> DataPlan<'a> {
                 None => torch_save::write_archive_at(
                     s.item.value,
                     ARCHIVE,
-                    file,
-                    s.offset,
+                    (file, s.offset),
+                    &mut writeback,
                     &name,
                     lazy,
                 )?,

@@ -216,18 +216,18 @@ pub(crate) fn archive_len(
 }
 
 /// Writes `obj` as the archive named `archive` into `file` from byte `offset` on (the same
-/// bytes [`archive_len`] counted), `lazy` streaming its placeholders; the pages are handed
-/// to the disk and dropped from the page cache as they are written. `name` names the file in
-/// messages. Returns the offset after the archive.
+/// bytes [`archive_len`] counted), `lazy` streaming its placeholders; `writeback` hands the
+/// pages to the disk and drops them from the page cache as they are written. `name` names the
+/// file in messages. Returns the offset after the archive.
 pub(crate) fn write_archive_at(
     obj: &PyObj,
     archive: &str,
-    file: &File,
-    offset: u64,
+    (file, offset): (&File, u64),
+    writeback: &mut crate::io::output::Writeback,
     name: &str,
     lazy: &mut dyn writer::LazyTensors,
 ) -> Result<u64> {
-    let w = zip::Positioned::streaming_into(file, offset);
+    let w = zip::Positioned::streaming_into(file, offset, writeback);
     Ok(writer::write_with(obj, archive, name, w, lazy)?.position())
 }
 

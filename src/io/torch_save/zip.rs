@@ -430,7 +430,7 @@ pub(crate) struct Positioned<'f> {
     file: Option<&'f std::fs::File>,
     pos: u64,
     /// Hands what is written to the disk as it goes and drops it from the page cache.
-    writeback: Option<crate::io::output::Writeback>,
+    writeback: Option<&'f mut crate::io::output::Writeback>,
 }
 
 impl<'f> Positioned<'f> {
@@ -443,13 +443,18 @@ impl<'f> Positioned<'f> {
         }
     }
 
-    /// Writes into `file` from byte `offset` on, with write-back and drop-behind
-    /// ([`crate::io::output::Writeback`]): for data that is not read again.
-    pub(crate) fn streaming_into(file: &'f std::fs::File, offset: u64) -> Self {
+    /// Writes into `file` from byte `offset` on, with write-back and drop-behind through
+    /// `writeback` ([`crate::io::output::Writeback`], which one writer keeps across the ranges
+    /// it writes): for data that is not read again.
+    pub(crate) fn streaming_into(
+        file: &'f std::fs::File,
+        offset: u64,
+        writeback: &'f mut crate::io::output::Writeback,
+    ) -> Self {
         Positioned {
             file: Some(file),
             pos: offset,
-            writeback: Some(crate::io::output::Writeback::new(offset)),
+            writeback: Some(writeback),
         }
     }
 
