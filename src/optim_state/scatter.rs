@@ -666,7 +666,7 @@ fn receive_direct<T: Tensor>(
     chunks: &[Vec<ChunkDesc>],
     plans: &[DirectLoad<'_>],
 ) -> Result<Vec<HostTensor>> {
-    let (rank, ws) = (pg.rank(), pg.world_size());
+    let rank = pg.rank();
     let moves = plan_moves(layout, chunks, plans);
     let mut failed: Option<Error> = None;
     let mut locals: HashMap<usize, HostTensor> = HashMap::new();
@@ -682,18 +682,7 @@ fn receive_direct<T: Tensor>(
             Err(e) => failed = failed.or(Some(e)),
         }
     }
-    let piece = |m: &Move| -> Result<&[u8]> {
-        let src = locals.get(&m.entry).map_or(&[][..], |t| t.as_bytes());
-        src.get(m.src..m.src + m.len).ok_or_else(|| {
-            Error::Internal(format!(
-                "the local chunk of {} has {} bytes, the plan reads {} from byte {}",
-                entries[m.entry].key,
-                src.len(),
-                m.len,
-                m.src
-            ))
-        })
-    };
+    let piece = |m: &Move| local_piece(&locals, entries, m);
     let mut own: Vec<Vec<&Move>> = vec![Vec::new(); plans.len()];
     for m in moves.iter().filter(|m| m.from == rank && m.to == rank) {
         own[m.plan].push(m);
@@ -726,7 +715,24 @@ fn receive_direct<T: Tensor>(
             }
         }
     }
-    // One round per holding rank that sends anything to another rank.
+    let missing = move_pieces(pg, &moves, (&locals, entries), &mut bufs)?;
+    pg.agree(failed.or(missing).map_or(Ok(()), Err))?;
+    Ok(bufs)
+}
+
+/// The rounds of [`receive_direct`]: one `scatter_into` per holding rank that sends anything
+/// to another rank, its part for each rank the concatenation of that rank's pieces, which
+/// land in `bufs`. A collective's failure is the error (every rank sees it); a piece missing
+/// from this rank's local chunks is sent as zeros, so that the collectives
+/// stay whole, and its error is returned as `Ok(Some(_))` for the caller to share.
+fn move_pieces(
+    pg: &dyn ProcessGroup,
+    moves: &[Move],
+    (locals, entries): (&HashMap<usize, HostTensor>, &[ShardedEntry]),
+    bufs: &mut [HostTensor],
+) -> Result<Option<Error>> {
+    let (rank, ws) = (pg.rank(), pg.world_size());
+    let mut failed: Option<Error> = None;
     for q in 0..ws {
         let sends: Vec<&Move> = moves.iter().filter(|m| m.from == q && m.to != q).collect();
         if sends.is_empty() {
@@ -737,11 +743,10 @@ fn receive_direct<T: Tensor>(
         if q == rank {
             let mut parts: Vec<Vec<u8>> = vec![Vec::new(); ws];
             for m in &sends {
-                match piece(m) {
-                    Ok(src) => parts[m.to].extend_from_slice(src),
-                    // Zeros keep the collective whole; the error fails every rank below.
+                let part = &mut parts[m.to];
+                match local_piece(locals, entries, m) {
+                    Ok(src) => part.extend_from_slice(src),
                     Err(e) => {
-                        let part = &mut parts[m.to];
                         part.resize(part.len() + m.len, 0);
                         failed = failed.or(Some(e));
                     }
@@ -759,8 +764,25 @@ fn receive_direct<T: Tensor>(
             at += m.len;
         }
     }
-    pg.agree(failed.map_or(Ok(()), Err))?;
-    Ok(bufs)
+    Ok(failed)
+}
+
+/// The bytes move `m` sends from this rank's local chunks `locals` (by entry index).
+fn local_piece<'l>(
+    locals: &'l HashMap<usize, HostTensor>,
+    entries: &[ShardedEntry],
+    m: &Move,
+) -> Result<&'l [u8]> {
+    let src = locals.get(&m.entry).map_or(&[][..], |t| t.as_bytes());
+    src.get(m.src..m.src + m.len).ok_or_else(|| {
+        Error::Internal(format!(
+            "the local chunk of {} has {} bytes, the plan reads {} from byte {}",
+            entries[m.entry].key,
+            src.len(),
+            m.len,
+            m.src
+        ))
+    })
 }
 
 /// This rank's local chunk of sharded entry `e`, if it holds one.
