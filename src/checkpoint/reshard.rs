@@ -18,7 +18,11 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+/// How many new rank files one pass over the input writes at once (each an open file with a
+/// 1 MiB buffer).
+const FILES_PER_PASS: usize = 16;
 
 /// The element range of parameter `param` that rank `rank` of `layout` holds, if any.
 fn range_of(layout: &ModelLayout, param: usize, rank: usize) -> Option<(usize, usize)> {
@@ -203,8 +207,8 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             all,
             params,
             new_params,
-            // Not the reader's own drop-behind: blocks split between two new ranks are read
-            // twice, and `release` drops each block after its last reader.
+            // Not the reader's own drop-behind: a block split between two passes is read by
+            // both, and `release` drops each block after its last pass.
             reader: Reader::new(src, old, true),
             block: Vec::new(),
             copied: 0,
@@ -226,17 +230,19 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         self.commit(tmp, files)
     }
 
-    /// Writes the rank files of `ranks`, in that order, into `tmp`. The input's pages leave
-    /// the page cache once no later rank file of `ranks` reads them: a block split between
-    /// two new ranks is read the second time from memory, and an offline job does not leave
-    /// the whole input cached (which, at the size of the machine's memory, costs the next
-    /// reads their time in reclaim).
+    /// Writes the rank files of `ranks` into `tmp`, [`FILES_PER_PASS`] of them per pass over
+    /// the input ([`Reshard::write_pass`]). The input's pages leave the page cache once no
+    /// later pass reads them: a block split between two passes is read the second time from
+    /// memory, and an offline job does not leave the whole input cached (which, at the size
+    /// of the machine's memory, costs the next reads their time in reclaim).
     fn write_rank_files(&mut self, ranks: &[usize], tmp: &Path) -> Result<Vec<RankWritten>> {
-        let reads: Vec<Vec<(usize, u64, u64)>> =
-            ranks.iter().map(|&r| self.input_spans(r)).collect();
+        let reads: Vec<Vec<(usize, u64, u64)>> = ranks
+            .chunks(FILES_PER_PASS)
+            .map(|pass| pass.iter().flat_map(|&r| self.input_spans(r)).collect())
+            .collect();
         let mut files = Vec::with_capacity(ranks.len());
-        for (k, &rank) in ranks.iter().enumerate() {
-            files.push(self.write_rank_file(rank, tmp)?);
+        for (k, pass) in ranks.chunks(FILES_PER_PASS).enumerate() {
+            files.extend(self.write_pass(pass, tmp)?);
             self.release(&reads[k], &reads[k + 1..]);
         }
         Ok(files)
@@ -349,8 +355,41 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         (entries, wanted)
     }
 
-    /// Writes `rank{rank}.safetensors` into `tmp`; returns its record and pieces.
-    fn write_rank_file(&mut self, rank: usize, tmp: &Path) -> Result<RankWritten> {
+    /// Writes the rank files of `ranks` in one pass over the saved records: per tensor state,
+    /// the ranges of those ranks one after another, so that the input is read front to back
+    /// and a checksum block split between two of the files is read once.
+    fn write_pass(&mut self, ranks: &[usize], tmp: &Path) -> Result<Vec<RankWritten>> {
+        let mut open = ranks
+            .iter()
+            .map(|&rank| self.open_rank_file(rank, tmp))
+            .collect::<Result<Vec<_>>>()?;
+        for ri in 0..self.all.len() {
+            for si in 0..self.all[ri].states.len() {
+                for f in &mut open {
+                    let Some(&(wri, wsi, start, len)) = f.wanted.get(f.pieces.len()) else {
+                        continue;
+                    };
+                    if (wri, wsi) != (ri, si) {
+                        continue;
+                    }
+                    let crc32c = self.copy_piece(&mut f.out, ri, si, start, len)?;
+                    let offset = f.offsets[f.pieces.len()];
+                    let piece = Piece {
+                        file: f.rank,
+                        start,
+                        len,
+                        offset,
+                        crc32c,
+                    };
+                    f.pieces.push((ri, si, piece));
+                }
+            }
+        }
+        open.into_iter().map(OpenRankFile::finish).collect()
+    }
+
+    /// Creates `rank{rank}.safetensors` in `tmp` and writes its header.
+    fn open_rank_file(&self, rank: usize, tmp: &Path) -> Result<OpenRankFile> {
         let (entries, wanted) = self.rank_entries(rank);
         let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), super::FORMAT.to_string());
@@ -361,7 +400,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         let file = File::create(&path).map_err(Error::io("creating", &path))?;
         let mut out = RankFile {
             w: BufWriter::with_capacity(1 << 20, file),
-            path: &path,
+            path,
             writeback: super::Writeback::new(0),
             total: entries.iter().map(|e| e.nbytes).sum(),
             copied: 0,
@@ -369,32 +408,16 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         };
         out.w
             .write_all(&header)
-            .map_err(Error::io("writing", &path))?;
-        let mut pieces = Vec::with_capacity(wanted.len());
-        for (&(ri, si, start, len), &offset) in wanted.iter().zip(&offsets) {
-            let crc32c = self.copy_piece(&mut out, ri, si, start, len)?;
-            let piece = Piece {
-                file: rank,
-                start,
-                len,
-                offset,
-                crc32c,
-            };
-            pieces.push((ri, si, piece));
-        }
-        let file = out
-            .w
-            .into_inner()
-            .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
-        file.sync_all().map_err(Error::io("syncing", &path))?;
-        let len = file.metadata().map_err(Error::io("reading", &path))?.len();
-        let file = FileRecord {
+            .map_err(Error::io("writing", &out.path))?;
+        Ok(OpenRankFile {
+            rank,
             name,
-            len,
-            header_len: header.len() as u64,
-            header_crc32c: crc32c::crc32c(&header),
-        };
-        Ok(RankWritten { rank, file, pieces })
+            pieces: Vec::with_capacity(wanted.len()),
+            wanted,
+            offsets,
+            header,
+            out,
+        })
     }
 
     /// Copies elements `start..start + len` of state `si` of record `ri` into `out`, one
@@ -405,7 +428,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
     /// their chunks.
     fn copy_piece(
         &mut self,
-        out: &mut RankFile<'_>,
+        out: &mut RankFile,
         ri: usize,
         si: usize,
         start: usize,
@@ -438,7 +461,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             self.copied += self.block.len() as u64;
             (self.progress)(self.copied);
             if out.write(&self.block)? {
-                out.w.flush().map_err(Error::io("writing", out.path))?;
+                out.w.flush().map_err(Error::io("writing", &out.path))?;
                 self.crash_at(CrashPoint::MidFile)?;
             }
         }
@@ -460,9 +483,9 @@ struct RankWritten {
 }
 
 /// A rank file being written.
-struct RankFile<'p> {
+struct RankFile {
     w: BufWriter<File>,
-    path: &'p Path,
+    path: PathBuf,
     writeback: super::Writeback,
     /// Data bytes the file will hold.
     total: u64,
@@ -472,17 +495,55 @@ struct RankFile<'p> {
     crash_mid_file: bool,
 }
 
-impl RankFile<'_> {
+impl RankFile {
     /// Appends `bytes`; returns whether the file is now half written (the crash point).
     fn write(&mut self, bytes: &[u8]) -> Result<bool> {
         self.w
             .write_all(bytes)
-            .map_err(Error::io("writing", self.path))?;
+            .map_err(Error::io("writing", &self.path))?;
         self.writeback
             .wrote(self.w.get_ref(), bytes.len() as u64)
-            .map_err(Error::io("writing", self.path))?;
+            .map_err(Error::io("writing", &self.path))?;
         self.copied += bytes.len() as u64;
         Ok(self.crash_mid_file && self.copied * 2 >= self.total)
+    }
+}
+
+/// A rank file open during a pass: what it holds, in file order, and the pieces written.
+struct OpenRankFile {
+    rank: usize,
+    name: String,
+    /// The pieces it holds, in file order, and the byte offset of each.
+    wanted: Vec<Wanted>,
+    offsets: Vec<u64>,
+    /// The pieces written so far (the next one to write is `wanted[pieces.len()]`).
+    pieces: Vec<(usize, usize, Piece)>,
+    header: Vec<u8>,
+    out: RankFile,
+}
+
+impl OpenRankFile {
+    /// Flushes and syncs the file; its record and pieces.
+    fn finish(self) -> Result<RankWritten> {
+        let path = self.out.path;
+        let file = self
+            .out
+            .w
+            .into_inner()
+            .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
+        file.sync_all().map_err(Error::io("syncing", &path))?;
+        let len = file.metadata().map_err(Error::io("reading", &path))?.len();
+        let file = FileRecord {
+            name: self.name,
+            len,
+            header_len: self.header.len() as u64,
+            header_crc32c: crc32c::crc32c(&self.header),
+        };
+        Ok(RankWritten {
+            rank: self.rank,
+            file,
+            pieces: self.pieces,
+        })
     }
 }
 
