@@ -71,45 +71,6 @@ impl<'m> Reader<'m> {
         self
     }
 
-    /// Drops the cached pages of byte ranges `ranges` of data file `file`, if this reader
-    /// has it open (for a reader whose owner knows what it will read again; see
-    /// [`crate::io::output::droppable`]).
-    pub(super) fn drop_pages(&self, file: usize, ranges: &[(u64, u64)]) {
-        if let Some(Some(f)) = self.files.get(file) {
-            for &(lo, hi) in ranges {
-                crate::io::output::drop_cached_pages(f, lo, hi - lo);
-            }
-        }
-    }
-
-    /// The byte range of the data files that reading elements `[start, start + len)` of a
-    /// state stored as `pieces` (of `size`-byte elements) touches, per piece: whole checksum
-    /// blocks when verifying, as [`Reader::read_range`] reads them. (file, first byte, end).
-    pub(super) fn spans(
-        &self,
-        pieces: &[Piece],
-        size: usize,
-        start: usize,
-        len: usize,
-    ) -> Vec<(usize, u64, u64)> {
-        let end = start + len;
-        pieces
-            .iter()
-            .filter_map(|p| {
-                let (lo, hi) = (start.max(p.start), end.min(p.start + p.len));
-                if lo >= hi {
-                    return None;
-                }
-                let (mut blo, mut bhi) = ((lo - p.start) * size, (hi - p.start) * size);
-                if self.verify {
-                    blo = blo / CHECKSUM_BLOCK * CHECKSUM_BLOCK;
-                    bhi = bhi.next_multiple_of(CHECKSUM_BLOCK).min(p.len * size);
-                }
-                Some((p.file, p.offset + blo as u64, p.offset + bhi as u64))
-            })
-            .collect()
-    }
-
     fn corrupt(&self, file: usize, tensor: &str, reason: String) -> Error {
         Error::CheckpointCorrupt {
             file: self

@@ -207,9 +207,11 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             all,
             params,
             new_params,
-            // Not the reader's own drop-behind: a block split between two passes is read by
-            // both, and `release` drops each block after its last pass.
-            reader: Reader::new(src, old, true),
+            // One pass reads the input front to back (per file), so the reader's own
+            // drop-behind follows it; a block split between two new ranks of one pass is
+            // read once (the reader keeps the last block), one split between two passes is
+            // read again from disk.
+            reader: Reader::new(src, old, true).dropping_behind(),
             block: Vec::new(),
             copied: 0,
         })
@@ -231,54 +233,13 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
     }
 
     /// Writes the rank files of `ranks` into `tmp`, [`FILES_PER_PASS`] of them per pass over
-    /// the input ([`Reshard::write_pass`]). The input's pages leave the page cache once no
-    /// later pass reads them: a block split between two passes is read the second time from
-    /// memory, and an offline job does not leave the whole input cached (which, at the size
-    /// of the machine's memory, costs the next reads their time in reclaim).
+    /// the input ([`Reshard::write_pass`]).
     fn write_rank_files(&mut self, ranks: &[usize], tmp: &Path) -> Result<Vec<RankWritten>> {
-        let reads: Vec<Vec<(usize, u64, u64)>> = ranks
-            .chunks(FILES_PER_PASS)
-            .map(|pass| pass.iter().flat_map(|&r| self.input_spans(r)).collect())
-            .collect();
         let mut files = Vec::with_capacity(ranks.len());
-        for (k, pass) in ranks.chunks(FILES_PER_PASS).enumerate() {
+        for pass in ranks.chunks(FILES_PER_PASS) {
             files.extend(self.write_pass(pass, tmp)?);
-            self.release(&reads[k], &reads[k + 1..]);
         }
         Ok(files)
-    }
-
-    /// The byte ranges of the input files that writing rank `rank`'s file reads: (file,
-    /// first byte, end), whole checksum blocks.
-    fn input_spans(&self, rank: usize) -> Vec<(usize, u64, u64)> {
-        let (_, wanted) = self.rank_entries(rank);
-        let mut spans = Vec::new();
-        for (ri, si, start, len) in wanted {
-            if let (_, StoredValue::Tensor { dtype, pieces, .. }) = &self.all[ri].states[si] {
-                spans.extend(self.reader.spans(pieces, dtype.size(), start, len));
-            }
-        }
-        spans
-    }
-
-    /// Drops from the page cache what `done` read of the input files, except what a rank
-    /// file still to be written (`later`) reads.
-    fn release(&self, done: &[(usize, u64, u64)], later: &[Vec<(usize, u64, u64)>]) {
-        /// Per input file: the byte ranges read, and those still to be read.
-        type ReadAndKeep = (Vec<(u64, u64)>, Vec<(u64, u64)>);
-        let mut by_file: BTreeMap<usize, ReadAndKeep> = BTreeMap::new();
-        for &(f, lo, hi) in done {
-            by_file.entry(f).or_default().0.push((lo, hi));
-        }
-        for &(f, lo, hi) in later.iter().flatten() {
-            if let Some((_, keep)) = by_file.get_mut(&f) {
-                keep.push((lo, hi));
-            }
-        }
-        for (f, (read, keep)) in by_file {
-            let ranges = crate::io::output::droppable(&read, &keep);
-            self.reader.drop_pages(f, &ranges);
-        }
     }
 
     /// Records the pieces of the written rank files `files` (all of them, in rank order), then

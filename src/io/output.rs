@@ -1019,54 +1019,6 @@ impl<K: std::hash::Hash + Eq> DropBehind<K> {
     }
 }
 
-/// The byte ranges of a file whose cached pages a reader that has read `done` and will still
-/// read `keep` can drop: `done` widened to whole folios (so that no partly covered folio is
-/// left behind), merged, minus `keep` widened the same way (so that nothing still to be read
-/// is dropped). Sorted and disjoint.
-pub(crate) fn droppable(done: &[(u64, u64)], keep: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let widen = |ranges: &[(u64, u64)]| -> Vec<(u64, u64)> {
-        let mut v: Vec<(u64, u64)> = ranges
-            .iter()
-            .filter(|(lo, hi)| hi > lo)
-            .map(|&(lo, hi)| (lo / FOLIO * FOLIO, hi.next_multiple_of(FOLIO)))
-            .collect();
-        v.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(v.len());
-        for (lo, hi) in v {
-            match merged.last_mut() {
-                Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
-                _ => merged.push((lo, hi)),
-            }
-        }
-        merged
-    };
-    let keep = widen(keep);
-    let mut out = Vec::new();
-    let mut k = 0;
-    for (mut lo, hi) in widen(done) {
-        while k < keep.len() && keep[k].1 <= lo {
-            k += 1;
-        }
-        let mut j = k;
-        while lo < hi {
-            match keep.get(j) {
-                Some(&(klo, khi)) if klo < hi => {
-                    if klo > lo {
-                        out.push((lo, klo));
-                    }
-                    lo = lo.max(khi);
-                    j += 1;
-                }
-                _ => {
-                    out.push((lo, hi));
-                    lo = hi;
-                }
-            }
-        }
-    }
-    out
-}
-
 /// `offset` and `len` as the kernel's file offsets, when they fit.
 #[cfg(target_os = "linux")]
 fn file_range(offset: u64, len: u64) -> Option<(libc::off64_t, libc::off64_t)> {
@@ -1133,31 +1085,6 @@ pub(crate) fn drop_cached_pages(_: &File, _: u64, _: u64) {}
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn droppable_widens_what_was_read_to_folios_and_spares_the_folios_still_to_be_read() {
-        const M: u64 = 1 << 20;
-        // Read 1..9 MiB and 12..13 MiB; 6.5..7 MiB will be read again.
-        let got = droppable(&[(M, 9 * M), (12 * M, 13 * M)], &[(6 * M + M / 2, 7 * M)]);
-        assert_eq!(got, [(0, 6 * M), (8 * M, 10 * M), (12 * M, 14 * M)]);
-        // Nothing still to be read: everything read, whole folios.
-        assert_eq!(droppable(&[(3 * M, 5 * M)], &[]), [(2 * M, 6 * M)]);
-        // Everything still to be read: nothing.
-        assert_eq!(droppable(&[(3 * M, 5 * M)], &[(0, 20 * M)]), []);
-        // Touching and overlapping reads merge; empty ranges count for nothing.
-        assert_eq!(
-            droppable(
-                &[(4 * M, 6 * M), (0, 4 * M), (5 * M, 5 * M)],
-                &[(9 * M, 9 * M)]
-            ),
-            [(0, 6 * M)]
-        );
-        // Two kept ranges inside one read range.
-        assert_eq!(
-            droppable(&[(0, 20 * M)], &[(4 * M, 5 * M), (10 * M, 11 * M)]),
-            [(0, 4 * M), (6 * M, 10 * M), (12 * M, 20 * M)]
-        );
-    }
 
     #[test]
     fn writeback_hands_over_whole_chunks_and_retires_the_one_before() {
