@@ -4,7 +4,7 @@
 use fsdp::collectives::ThreadGroup;
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
-use fsdp::Error;
+use fsdp::{Error, HostTensor};
 use std::path::{Path, PathBuf};
 
 const SCENARIOS: [&str; 6] = [
@@ -377,6 +377,85 @@ fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
         String::from_utf8_lossy(&res.stdout),
         String::from_utf8_lossy(&res.stderr)
     );
+}
+
+/// The data file of the DCP directory `dir`.
+fn data_file(dir: &Path) -> Vec<u8> {
+    std::fs::read(dir.join("__0_0.distcp")).unwrap()
+}
+
+#[test]
+fn torch_save_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_to_4_processes() {
+    for name in SCENARIOS {
+        let input = golden(name).join("expected.pt");
+        let tmp = tempfile::tempdir().unwrap();
+        let in_memory = tmp.path().join("in-memory");
+        let written = dcp::save_dcp(&torch_save::load(&input).unwrap(), &in_memory).unwrap();
+        let streamed = tmp.path().join("streamed");
+        assert_eq!(dcp::torch_save_to_dcp(&input, &streamed).unwrap(), written);
+        assert!(
+            data_file(&streamed) == data_file(&in_memory),
+            "{name}: the streamed data file differs"
+        );
+        for ws in 1..=4 {
+            let split = tmp.path().join(format!("split{ws}"));
+            for r in ThreadGroup::run(ws, |pg| {
+                dcp::torch_save_to_dcp_in_group(&input, &split, &pg)
+            }) {
+                assert_eq!(r.unwrap(), written, "{name}, {ws} processes");
+            }
+            assert!(
+                data_file(&split) == data_file(&in_memory),
+                "{name}, {ws} processes: the data file differs"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_file_of_views_into_one_storage_converts_the_ordinary_way_and_a_corrupt_storage_fails() {
+    // Two halves of one buffer: views, not whole storages, so nothing is streamed.
+    let whole = HostTensor::from_vec1(&(0..64).map(|i| i as f32).collect::<Vec<_>>());
+    let views = PyObj::Dict(vec![
+        (
+            PyObj::Str("a".into()),
+            PyObj::Tensor(whole.narrow_flat(0, 32).unwrap()),
+        ),
+        (
+            PyObj::Str("b".into()),
+            PyObj::Tensor(whole.narrow_flat(32, 32).unwrap()),
+        ),
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("views.pt");
+    torch_save::save(&views, &input).unwrap();
+    for ws in [1, 2] {
+        let out = tmp.path().join(format!("views{ws}"));
+        for r in ThreadGroup::run(ws, |pg| dcp::torch_save_to_dcp_in_group(&input, &out, &pg)) {
+            assert_eq!(r.unwrap(), 256);
+        }
+        let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
+        assert!(back.bit_eq(&views), "{ws} processes");
+    }
+
+    // A flipped byte inside a streamed storage: its CRC-32 fails, nothing is installed.
+    let input = tmp.path().join("whole.pt");
+    let obj = PyObj::Dict(vec![(PyObj::Str("w".into()), PyObj::Tensor(whole.clone()))]);
+    torch_save::save(&obj, &input).unwrap();
+    let mut bytes = std::fs::read(&input).unwrap();
+    let at = bytes
+        .windows(4)
+        .position(|w| w == 5.0f32.to_le_bytes())
+        .unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(&input, &bytes).unwrap();
+    let out = tmp.path().join("corrupt");
+    let alone = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+    assert!(alone.to_string().contains("CRC-32"), "{alone}");
+    for r in ThreadGroup::run(2, |pg| dcp::torch_save_to_dcp_in_group(&input, &out, &pg)) {
+        assert_eq!(r.unwrap_err(), alone);
+    }
+    assert!(!out.exists(), "no output");
 }
 
 #[test]

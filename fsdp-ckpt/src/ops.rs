@@ -422,12 +422,13 @@ fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
     })
 }
 
-/// `convert CKPT_DIR OUT_DIR --to dcp` as one process of a job (`mpirun -np N fsdp-ckpt
-/// convert …`; see [`convert_splits`]): every process of `pg` calls it with the same
-/// arguments and writes its share of the tensors into the one data file
-/// ([`checkpoint::convert_to_dcp_in_group`]); process 0 writes `.metadata` and installs the
-/// directory. The data file is byte for byte what [`convert`] writes; a failure on any
-/// process fails all of them with the same error and leaves `output` as it was.
+/// `convert IN OUT_DIR --to dcp` as one process of a job (`mpirun -np N fsdp-ckpt convert
+/// …`; see [`convert_splits`]): every process of `pg` calls it with the same arguments and
+/// writes its share of the tensors into the one data file
+/// ([`checkpoint::convert_to_dcp_in_group`] for the crate's checkpoint directory,
+/// [`dcp::torch_save_to_dcp_in_group`] for a file); process 0 writes `.metadata` and
+/// installs the directory. The data file is byte for byte what [`convert`] writes; a failure
+/// on any process fails all of them with the same error and leaves `output` as it was.
 pub fn convert_in_group(
     input: &Path,
     output: &Path,
@@ -437,15 +438,22 @@ pub fn convert_in_group(
 ) -> Result<Written> {
     if !convert_splits(input, opts) {
         return Err(Error::Unsupported(format!(
-            "convert {} {} split across processes: only the crate's checkpoint directory --to dcp splits",
+            "convert {} {} split across processes: only --to dcp from a file or the crate's checkpoint directory splits",
             input.display(),
             output.display()
         )));
     }
-    pg.agree(checkpoint::read_manifest(input))?;
+    let from_checkpoint = input.is_dir();
+    if from_checkpoint {
+        pg.agree(checkpoint::read_manifest(input))?;
+    }
     pg.on_root(|| clean_stale(p, output, Some(dcp::DCP_DIR)))?;
     p.start("converting (this process's share)", None);
-    let written = checkpoint::convert_to_dcp_in_group(input, output, pg, |b| p.update(b));
+    let written = if from_checkpoint {
+        checkpoint::convert_to_dcp_in_group(input, output, pg, |b| p.update(b))
+    } else {
+        dcp::torch_save_to_dcp_in_group(input, output, pg)
+    };
     p.finish();
     let written = written?;
     Ok(Written {
@@ -455,7 +463,7 @@ pub fn convert_in_group(
         count: None,
         world_size: None,
         message: format!(
-            "converted {} -> DCP directory {} on {} processes: {written} bytes of tensors",
+            "converted {} -> DCP directory {} as a job of {} processes: {written} bytes of tensors",
             input.display(),
             output.display(),
             pg.world_size()
@@ -463,14 +471,14 @@ pub fn convert_in_group(
     })
 }
 
-/// Whether `convert INPUT …` splits its work across the processes of a job: the crate's
-/// checkpoint directory `--to dcp` (a data file whose layout is known before any byte is
-/// written). The other conversions run on one process.
+/// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
+/// the crate's checkpoint directory or from a file (a data file whose layout is known before
+/// any byte is written; a file whose tensors are views into shared storages is converted by
+/// process 0 alone). File-to-file conversions and `--to fsdp` run on one process.
 pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
     opts.to.as_deref() == Some("dcp")
         && opts.model.is_none()
         && opts.world_size.is_none()
-        && input.is_dir()
         && !dcp::is_dcp_dir(input)
 }
 

@@ -274,9 +274,9 @@ fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// The 8-rank checkpoint converted to a DCP directory by the tool alone and by N processes:
-/// the same data file byte for byte (`.metadata` differs only in its random save id) and the
-/// same state once loaded.
+/// The 8-rank checkpoint, and its consolidated `.pt` file, converted to a DCP directory by
+/// the tool alone and by N processes: the same data file byte for byte (`.metadata` differs
+/// only in its random save id) and the same state once loaded.
 fn convert_to_dcp_matches_single_process(np: usize) {
     let root = scratch(&format!("convert-dcp-np{np}"));
     let ckpt = root.join("ckpt8");
@@ -299,9 +299,29 @@ fn convert_to_dcp_matches_single_process(np: usize) {
     };
     assert!(load(&alone).bit_eq(&load(&job)), "the loaded state differs");
     assert_eq!(outcome.stderr.matches("converted ").count(), 1);
-    assert!(outcome.stderr.contains(&format!("on {np} processes")));
+    assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
     assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
     assert_eq!(names_in(&job), [".metadata", "__0_0.distcp"]);
+
+    // From the consolidated torch.save file: the same again.
+    let full = root.join("full.pt");
+    tool::ok(&tool::run(&[&"consolidate", &ckpt, &full]));
+    let (alone, job) = (root.join("alone-pt"), root.join("job-pt"));
+    tool::ok(&tool::run(&[&"convert", &full, &alone, &"--to", &"dcp"]));
+    let outcome = mpirun(np, &[&"convert", &full, &job, &"--to", &"dcp"]);
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "convert of a .pt at {np} processes failed: {}",
+        outcome.describe()
+    );
+    assert!(
+        data(&alone) == data(&job),
+        "the data file differs (.pt input)"
+    );
+    assert!(
+        load(&alone).bit_eq(&load(&job)),
+        "the loaded state differs (.pt input)"
+    );
     std::fs::remove_dir_all(&root).unwrap();
 }
 

@@ -40,6 +40,7 @@ pub use write::save_dcp;
 pub(crate) use write::{save_dcp_in_group, save_dcp_streaming};
 
 use crate::error::Result;
+use crate::io::torch_save::FileTensors;
 use std::path::Path;
 
 /// What a DCP directory is for the replace rule of [`crate::io::output::check_dir_output`]:
@@ -76,6 +77,45 @@ pub fn is_dcp_dir(dir: &Path) -> bool {
 /// directory `out`, as `torch.distributed.checkpoint.format_utils.torch_save_to_dcp(input,
 /// out)` does; see [`save_dcp`]. Returns the tensor bytes written.
 pub fn torch_save_to_dcp(input: &Path, out: &Path) -> Result<u64> {
+    if let Some(headers) = streamable_headers(input)? {
+        if let Some(mut lazy) = FileTensors::open(input, &headers, out)? {
+            return save_dcp_streaming(&headers.obj, out, &mut lazy);
+        }
+    }
     let obj = crate::io::load(input)?;
     save_dcp(&obj, out)
+}
+
+/// [`torch_save_to_dcp`] split across the processes of `pg`, each calling it with the same
+/// paths (the same files for all, e.g. on a shared filesystem): from a `torch.save` file
+/// whose every tensor is its whole storage (what `torch.save` of a state dict writes), each
+/// process streams its share of the tensors from the input into the one data file and process
+/// 0 writes `.metadata` and installs the directory (the data file is byte for byte the
+/// single-process one); any other input is converted by process 0 alone. A failure on any
+/// process fails every process with the lowest failing one's error, and `out` is left as it
+/// was. Returns the tensor bytes written.
+pub fn torch_save_to_dcp_in_group(
+    input: &Path,
+    out: &Path,
+    pg: &dyn crate::collectives::ProcessGroup,
+) -> Result<u64> {
+    use crate::collectives::ProcessGroupExt;
+    let headers = pg.agree(streamable_headers(input))?;
+    let lazy = match &headers {
+        Some(h) => pg.agree(FileTensors::open(input, h, out))?,
+        None => None,
+    };
+    match (lazy, &headers) {
+        (Some(mut lazy), Some(h)) => save_dcp_in_group(&h.obj, out, &mut lazy, pg),
+        _ => pg.on_root(|| save_dcp(&crate::io::load(input)?, out)),
+    }
+}
+
+/// The headers of `input` when it is a `torch.save` file (by its extension), read without
+/// tensor data; `None` for a `.safetensors` file.
+fn streamable_headers(input: &Path) -> Result<Option<crate::io::torch_save::Headers>> {
+    match crate::io::FileFormat::from_path(input)? {
+        crate::io::FileFormat::Safetensors => Ok(None),
+        _ => crate::io::torch_save::load_headers(input).map(Some),
+    }
 }

@@ -94,6 +94,8 @@ pub struct Headers {
     /// dtype (their real shape is [`Headers::shape`]); smaller ones are read.
     pub obj: PyObj,
     shapes: std::collections::HashMap<usize, Vec<usize>>,
+    /// The storage key of each placeholder that is its whole storage.
+    whole: std::collections::HashMap<usize, String>,
 }
 
 impl Headers {
@@ -132,6 +134,7 @@ pub fn load_headers(path: impl AsRef<Path>) -> Result<Headers> {
     Ok(Headers {
         obj: u.obj,
         shapes: u.shapes,
+        whole: u.whole,
     })
 }
 
@@ -170,6 +173,84 @@ pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> 
         max_expansion_bytes: LoadOptions::default().max_expansion_bytes,
     };
     Ok(read_archive(&name, src, mode)?.obj)
+}
+
+/// The placeholders of a [`Headers`] read from the `torch.save` file `path`, streamed
+/// from the file one chunk at a time when the archive is written (each placeholder's storage
+/// entry, its CRC-32 checked at its end; the pages read are dropped from the page cache). Only
+/// for headers whose every placeholder is its whole storage ([`FileTensors::open`] checks).
+pub(crate) struct FileTensors<'h> {
+    headers: &'h Headers,
+    zip: ZipReader<FileSource>,
+    prefix: String,
+    /// The output being written, for messages.
+    out: &'h Path,
+}
+
+/// Bytes [`FileTensors`] reads and hands on at a time.
+const STREAM_CHUNK: usize = 4 << 20;
+
+impl<'h> FileTensors<'h> {
+    /// Streams `headers`' placeholders from the file `path` they were read from, writing
+    /// `out`; `None` when a placeholder is not its whole storage (a view into a larger or
+    /// shared storage, a non-contiguous one), which must be read the ordinary way.
+    pub(crate) fn open(path: &Path, headers: &'h Headers, out: &'h Path) -> Result<Option<Self>> {
+        if headers
+            .shapes
+            .keys()
+            .any(|id| !headers.whole.contains_key(id))
+        {
+            return Ok(None);
+        }
+        let (name, src) = open(path)?;
+        let zip = ZipReader::new(&name, src)?;
+        let prefix = archive_prefix(&zip, &name)?;
+        Ok(Some(FileTensors {
+            headers,
+            zip,
+            prefix,
+            out,
+        }))
+    }
+}
+
+impl writer::LazyTensors for FileTensors<'_> {
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        self.headers.shapes.get(&t.storage_id()).cloned()
+    }
+
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        let Some(key) = self.headers.whole.get(&t.storage_id()) else {
+            return Ok(());
+        };
+        let name = format!("{}data/{key}", self.prefix);
+        let entry = self
+            .zip
+            .entry(&name)
+            .cloned()
+            .ok_or_else(|| Error::MissingArchiveEntry {
+                file: self.zip.file().to_string(),
+                entry: name.clone(),
+            })?;
+        let start = self.zip.data_start(&entry)?;
+        let mut crc = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; STREAM_CHUNK.min(entry.size as usize)];
+        let mut at = 0u64;
+        while at < entry.size {
+            let n = STREAM_CHUNK.min((entry.size - at) as usize);
+            self.zip.read_part(&entry, start + at, &mut buf[..n])?;
+            crc.update(&buf[..n]);
+            sink(&buf[..n]).map_err(Error::io("writing", self.out))?;
+            at += n as u64;
+        }
+        self.zip.check_crc(&entry, start, crc.finalize())?;
+        self.zip.drop_cached(start, entry.size);
+        Ok(())
+    }
 }
 
 /// Reads the object saved in a `torch.save` archive held in memory.
@@ -367,26 +448,7 @@ pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Re
 
 fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pickle::Unpickled> {
     let mut zip = ZipReader::new(file, src)?;
-    // PyTorch names the archive folder after the first entry's.
-    let prefix = match zip.entries().first() {
-        Some(e) => match e.name.find('/') {
-            Some(i) => e.name[..=i].to_string(),
-            None => {
-                return Err(Error::TorchSaveArchive {
-                    file: file.to_string(),
-                    entry: Some(e.name.clone()),
-                    offset: 0,
-                    reason: "entries are not inside an archive folder".into(),
-                })
-            }
-        },
-        None => {
-            return Err(Error::MissingArchiveEntry {
-                file: file.to_string(),
-                entry: "<archive>/data.pkl".into(),
-            })
-        }
-    };
+    let prefix = archive_prefix(&zip, file)?;
     if let Some(order) = zip.read_entry(&format!("{prefix}byteorder"))? {
         if order != b"little" {
             return Err(Error::UnsupportedByteOrder {
@@ -404,6 +466,25 @@ fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pic
         })?;
     let mut store = ArchiveStorages { zip, prefix, file };
     pickle::unpickle(file, &pkl, &mut store, mode)
+}
+
+/// The archive folder of `zip` with its `/` (PyTorch names it after the first entry's).
+fn archive_prefix<S: Source>(zip: &ZipReader<S>, file: &str) -> Result<String> {
+    match zip.entries().first() {
+        Some(e) => match e.name.find('/') {
+            Some(i) => Ok(e.name[..=i].to_string()),
+            None => Err(Error::TorchSaveArchive {
+                file: file.to_string(),
+                entry: Some(e.name.clone()),
+                offset: 0,
+                reason: "entries are not inside an archive folder".into(),
+            }),
+        },
+        None => Err(Error::MissingArchiveEntry {
+            file: file.to_string(),
+            entry: "<archive>/data.pkl".into(),
+        }),
+    }
 }
 
 /// The `data/<key>` entries of an archive, as the pickle VM's storages.

@@ -59,6 +59,14 @@ pub(crate) struct FileSource {
     pub(crate) len: u64,
 }
 
+impl ZipReader<FileSource> {
+    /// Drops `len` bytes of the file at `offset` (of the source) from the page cache: for a
+    /// reader that reads each byte once.
+    pub(crate) fn drop_cached(&self, offset: u64, len: u64) {
+        crate::io::output::drop_cached_pages(&self.src.file, self.src.start + offset, len);
+    }
+}
+
 impl Source for FileSource {
     fn len(&self) -> u64 {
         self.len
@@ -366,6 +374,14 @@ impl<S: Source> ZipReader<S> {
         if buf.len() as u64 != entry.size {
             return Err(self.err(Some(name), entry.header, "internal: buffer size".into()));
         }
+        let start = self.data_start(entry)?;
+        self.read(start, buf, Some(name))?;
+        self.check_crc(entry, start, crc32fast::hash(buf))
+    }
+
+    /// Where `entry`'s data starts in the source (after its local header).
+    pub(crate) fn data_start(&mut self, entry: &Entry) -> Result<u64> {
+        let name = entry.name.as_str();
         let mut h = [0u8; LOCAL_HEADER_LEN as usize];
         self.read(entry.header, &mut h, Some(name))?;
         if le32(&h, 0) != LOCAL_SIG {
@@ -375,13 +391,21 @@ impl<S: Source> ZipReader<S> {
                 "bad local header signature".into(),
             ));
         }
-        let start =
-            entry.header + LOCAL_HEADER_LEN + u64::from(le16(&h, 26)) + u64::from(le16(&h, 28));
-        self.read(start, buf, Some(name))?;
-        let crc = crc32fast::hash(buf);
+        Ok(entry.header + LOCAL_HEADER_LEN + u64::from(le16(&h, 26)) + u64::from(le16(&h, 28)))
+    }
+
+    /// Reads `buf.len()` bytes at `offset` of the source, part of `entry`'s data (for
+    /// messages): a reader of an entry in chunks, which checks the CRC-32 of the whole with
+    /// [`ZipReader::check_crc`].
+    pub(crate) fn read_part(&mut self, entry: &Entry, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.read(offset, buf, Some(entry.name.as_str()))
+    }
+
+    /// Checks that `crc` (of the data starting at `start`) is `entry`'s stored CRC-32.
+    pub(crate) fn check_crc(&self, entry: &Entry, start: u64, crc: u32) -> Result<()> {
         if crc != entry.crc {
             return Err(self.err(
-                Some(name),
+                Some(entry.name.as_str()),
                 start,
                 format!(
                     "CRC-32 mismatch: stored {:08x}, computed {crc:08x}",

@@ -47,6 +47,10 @@ pub(crate) struct Unpickled {
     pub obj: PyObj,
     /// In [`Mode::Headers`]: the real shape of each placeholder, by its storage identity.
     pub shapes: HashMap<usize, Vec<usize>>,
+    /// In [`Mode::Headers`]: the storage key of each placeholder whose tensor is the whole
+    /// of its storage, contiguous and of the storage's own dtype (its bytes are the storage
+    /// entry's, so it can be streamed from the archive).
+    pub whole: HashMap<usize, String>,
 }
 
 /// The callables and classes a stream may name.
@@ -148,6 +152,8 @@ struct Tensors<'l> {
     copied: u64,
     /// Real shapes of placeholders ([`Mode::Headers`]).
     shapes: HashMap<usize, Vec<usize>>,
+    /// Storage keys of the placeholders that are their whole storage ([`Unpickled::whole`]).
+    whole: HashMap<usize, String>,
 }
 
 /// Hashable identity of a dict key, for Python's replace-on-equal-key semantics.
@@ -315,6 +321,7 @@ pub(crate) fn unpickle(
             storage_bytes: 0,
             copied: 0,
             shapes: HashMap::new(),
+            whole: HashMap::new(),
         }),
     };
     let result = vm.run()?;
@@ -323,7 +330,8 @@ pub(crate) fn unpickle(
     let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
     let obj = vm.to_pyobj(&result, &Path::Root, 0, &mut budget)?;
     let shapes = std::mem::take(&mut vm.tensors.borrow_mut().shapes);
-    Ok(Unpickled { obj, shapes })
+    let whole = std::mem::take(&mut vm.tensors.borrow_mut().whole);
+    Ok(Unpickled { obj, shapes, whole })
 }
 
 struct Vm<'a, 'l> {
@@ -1093,6 +1101,25 @@ impl Vm<'_, '_> {
         Ok(numel)
     }
 
+    /// Whether `view` is the whole of its storage: contiguous from element 0 to the end, in
+    /// the storage's own dtype (an untyped storage counts in bytes).
+    fn is_whole_storage(&self, view: &View) -> bool {
+        let contiguous = view
+            .size
+            .iter()
+            .zip(&view.stride)
+            .zip(contiguous_strides(&view.size))
+            .all(|((&d, &s), c)| d == 1 || s == c);
+        let Some(&(dtype, numel)) = self.storages.get(&view.key) else {
+            return false;
+        };
+        let storage_bytes = numel * dtype.unwrap_or(DType::U8).size();
+        contiguous
+            && view.offset == 0
+            && dtype.is_none_or(|d| d == view.dtype)
+            && view.numel * view.dtype.size() == storage_bytes
+    }
+
     /// The tensor `view` describes, at `path` in the result: in [`Mode::Headers`] a
     /// placeholder unless it has at most one element; else a zero-copy view of its storage
     /// when contiguous, and a contiguous copy (within the expansion budget) when not.
@@ -1106,6 +1133,9 @@ impl Vm<'_, '_> {
             Mode::Headers if view.numel > 1 => {
                 let p = HostTensor::zeros(view.dtype, &[0]);
                 ts.shapes.insert(p.storage_id(), view.size.clone());
+                if self.is_whole_storage(view) {
+                    ts.whole.insert(p.storage_id(), view.key.to_string());
+                }
                 p
             }
             _ if view.numel == 0 => HostTensor::zeros(view.dtype, &view.size),
