@@ -227,15 +227,7 @@ impl writer::LazyTensors for FileTensors<'_> {
         let Some(key) = self.headers.whole.get(&t.storage_id()) else {
             return Ok(());
         };
-        let name = format!("{}data/{key}", self.prefix);
-        let entry = self
-            .zip
-            .entry(&name)
-            .cloned()
-            .ok_or_else(|| Error::MissingArchiveEntry {
-                file: self.zip.file().to_string(),
-                entry: name.clone(),
-            })?;
+        let entry = storage_entry(&self.zip, &self.prefix, key)?;
         let start = self.zip.data_start(&entry)?;
         let mut crc = crc32fast::Hasher::new();
         let mut buf = vec![0u8; STREAM_CHUNK.min(entry.size as usize)];
@@ -487,6 +479,17 @@ fn archive_prefix<S: Source>(zip: &ZipReader<S>, file: &str) -> Result<String> {
     }
 }
 
+/// The entry `<prefix>data/<key>` of `zip`: storage `key`'s data.
+fn storage_entry<S: Source>(zip: &ZipReader<S>, prefix: &str, key: &str) -> Result<zip::Entry> {
+    let name = format!("{prefix}data/{key}");
+    zip.entry(&name)
+        .cloned()
+        .ok_or_else(|| Error::MissingArchiveEntry {
+            file: zip.file().to_string(),
+            entry: name,
+        })
+}
+
 /// The `data/<key>` entries of an archive, as the pickle VM's storages.
 struct ArchiveStorages<'f, S: Source> {
     zip: ZipReader<S>,
@@ -530,15 +533,7 @@ impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
     }
 
     fn read(&mut self, key: &str, dtype: DType, numel: usize) -> Result<HostTensor> {
-        let name = format!("{}data/{key}", self.prefix);
-        let entry = self
-            .zip
-            .entry(&name)
-            .cloned()
-            .ok_or_else(|| Error::MissingArchiveEntry {
-                file: self.zip.file().to_string(),
-                entry: name.clone(),
-            })?;
+        let entry = storage_entry(&self.zip, &self.prefix, key)?;
         HostTensor::filled_by(dtype, &[numel], |buf| self.zip.read_entry_into(&entry, buf))
     }
 }

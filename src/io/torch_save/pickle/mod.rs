@@ -112,6 +112,17 @@ struct View {
     numel: usize,
 }
 
+impl View {
+    /// Whether the view's elements lie one after another in row-major order.
+    fn is_contiguous(&self) -> bool {
+        self.size
+            .iter()
+            .zip(&self.stride)
+            .zip(contiguous_strides(&self.size))
+            .all(|((&d, &s), c)| d == 1 || s == c)
+    }
+}
+
 /// A tensor's place in the result, rendered only for error messages.
 enum Path<'p> {
     Root,
@@ -1104,17 +1115,11 @@ impl Vm<'_, '_> {
     /// Whether `view` is the whole of its storage: contiguous from element 0 to the end, in
     /// the storage's own dtype (an untyped storage counts in bytes).
     fn is_whole_storage(&self, view: &View) -> bool {
-        let contiguous = view
-            .size
-            .iter()
-            .zip(&view.stride)
-            .zip(contiguous_strides(&view.size))
-            .all(|((&d, &s), c)| d == 1 || s == c);
         let Some(&(dtype, numel)) = self.storages.get(&view.key) else {
             return false;
         };
         let storage_bytes = numel * dtype.unwrap_or(DType::U8).size();
-        contiguous
+        view.is_contiguous()
             && view.offset == 0
             && dtype.is_none_or(|d| d == view.dtype)
             && view.numel * view.dtype.size() == storage_bytes
@@ -1153,13 +1158,7 @@ impl Vm<'_, '_> {
                         s
                     }
                 };
-                let contiguous = view
-                    .size
-                    .iter()
-                    .zip(&view.stride)
-                    .zip(contiguous_strides(&view.size))
-                    .all(|((&d, &s), c)| d == 1 || s == c);
-                if contiguous {
+                if view.is_contiguous() {
                     storage
                         .narrow_flat(view.offset, view.numel)?
                         .reshape(&view.size)?
