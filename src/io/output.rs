@@ -808,9 +808,9 @@ pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
 /// (`len` bytes): process 0 creates the temporary beside `out`, every process runs `share` on
 /// it (writing its own byte ranges; the temporary's path is for messages) and syncs it, and
 /// once all of them succeeded process 0 runs `finish` with every process's report, in rank
-/// order (writing what is left), and
-/// installs the file. A failure anywhere fails every process with the lowest failing one's
-/// error, removes the temporary and leaves `out` as it was. Returns the reports.
+/// order (writing what is left), and installs the file. A failure anywhere fails every
+/// process with the lowest failing one's error, removes the temporary and leaves `out` as it
+/// was. Returns the reports.
 pub(crate) fn write_planned_in_group<T: serde::Serialize + serde::de::DeserializeOwned>(
     out: &Path,
     len: u64,

@@ -509,15 +509,8 @@ impl<S: Source> ArchiveStorages<'_, S> {
 
 impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
     fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()> {
-        let name = format!("{}data/{key}", self.prefix);
-        let entry = self
-            .zip
-            .entry(&name)
-            .ok_or_else(|| Error::MissingArchiveEntry {
-                file: self.zip.file().to_string(),
-                entry: name.clone(),
-            })?;
-        let size = entry.size;
+        let entry = storage_entry(&self.zip, &self.prefix, key)?;
+        let (name, size) = (entry.name, entry.size);
         let nbytes = numel.checked_mul(dtype.size()).ok_or_else(|| {
             self.storage_err(key, format!("{numel} elements of {dtype} overflow"))
         })?;
