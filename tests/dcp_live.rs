@@ -2,7 +2,8 @@
 //! `Fsdp::save_dcp` at one world size and wrapping, `Fsdp::load_dcp` at another, PyTorch-written
 //! fixtures loaded at any world size, and the failure cases (a rank failing mid-save, metadata
 //! disagreeing with the model); the same for FSDP2 ranks (`FullyShardedModel`), including
-//! FSDP1-written directories loaded into FSDP2.
+//! FSDP1-written directories loaded into FSDP2; and the offline conversion of a DCP directory
+//! into the crate's checkpoint, which must write what live ranks loading and saving write.
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::io::dcp::{self, DcpCheckpoint};
@@ -235,18 +236,7 @@ fn pytorch_written_fixtures_load_into_live_ranks_at_any_world_size() {
         ("fsdp2_adamw_ws3_tied", false, true),
     ];
     for (name, frozen, tied) in cases {
-        let mut model = net();
-        if tied {
-            model.params.pop();
-            model = model.tie("out.weight", "embed.weight");
-        }
-        if frozen {
-            for p in &mut model.params {
-                if p.name.starts_with("net2.") {
-                    p.requires_grad = false;
-                }
-            }
-        }
+        let model = fixture_model(frozen, tied);
         let expected = torch_save::load(golden(name).join("expected.pt")).unwrap();
         let optim = expected.get("optim").cloned().unwrap();
         let full = torch_save::optim_from_pyobj(optim).unwrap();
@@ -711,4 +701,125 @@ fn load_in_torch<const N: usize>(cases: [(PathBuf, PathBuf, &str, &str); N]) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(stdout.matches(": ok").count(), N, "{stdout}");
+}
+
+/// Every file of the directory `dir` (names sorted) with its bytes.
+fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// `ws` live ranks load the DCP directory `dir` and save the crate's checkpoint at `out`.
+fn convert_live(model: &ModelDesc, policy: &WrapPolicy, ws: usize, dir: &Path, out: &Path) {
+    for r in ThreadGroup::run(ws, |pg| {
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg))?;
+        let params = fsdp.optim_params();
+        let local: OptimStateDict = fsdp.load_dcp(dir, &params)?;
+        fsdp.save_optim_checkpoint(&local, &params, out, &Default::default())
+    }) {
+        r.unwrap();
+    }
+}
+
+/// The fixture models of `pytorch_written_fixtures_load_into_live_ranks_at_any_world_size`.
+fn fixture_model(frozen: bool, tied: bool) -> ModelDesc {
+    let mut model = net();
+    if tied {
+        model.params.pop();
+        model = model.tie("out.weight", "embed.weight");
+    }
+    if frozen {
+        for p in &mut model.params {
+            if p.name.starts_with("net2.") {
+                p.requires_grad = false;
+            }
+        }
+    }
+    model
+}
+
+#[test]
+fn converting_pytorch_fixtures_offline_writes_what_live_ranks_loading_and_saving_write() {
+    use fsdp::checkpoint::{dcp_to_checkpoint, dcp_to_checkpoint_in_group};
+    use fsdp::flat_param::ModelLayout;
+    let cases = [
+        ("fsdp2_adam_ws4", false, false),
+        ("fsdp1_orig_ws3", true, false),
+        ("fsdp1_flat_ws4", false, true),
+        ("fsdp2_adamw_ws3_tied", false, true),
+    ];
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, frozen, tied) in cases {
+        let model = fixture_model(frozen, tied);
+        let input = golden(name).join("ckpt");
+        for ws in [1, 3, 5] {
+            for orig in [false, true] {
+                let what = format!("{name} for {ws} ranks, use_orig_params={orig}");
+                let live = tmp.path().join("live");
+                convert_live(&model, &wrapping(orig), ws, &input, &live);
+                let layout = ModelLayout::new(&model, &wrapping(orig), ws).unwrap();
+                let offline = tmp.path().join("offline");
+                dcp_to_checkpoint(&input, &offline, &layout).unwrap();
+                assert!(files_of(&live) == files_of(&offline), "{what}: offline");
+                // Split across 2 and 4 processes (threads here): ranks r % N on process N.
+                for n in [2, 4] {
+                    let split = tmp.path().join(format!("split{n}"));
+                    for r in ThreadGroup::run(n, |pg| {
+                        dcp_to_checkpoint_in_group(&input, &split, &layout, &pg)
+                    }) {
+                        r.unwrap();
+                    }
+                    assert!(files_of(&live) == files_of(&split), "{what}: {n} processes");
+                    std::fs::remove_dir_all(&split).unwrap();
+                }
+                std::fs::remove_dir_all(&live).unwrap();
+                std::fs::remove_dir_all(&offline).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn an_offline_conversion_failing_on_one_process_fails_every_process_and_leaves_nothing() {
+    use fsdp::checkpoint::dcp_to_checkpoint_in_group;
+    use fsdp::flat_param::ModelLayout;
+    let tmp = tempfile::tempdir().unwrap();
+    // A copy of a PyTorch fixture whose data file lost its last bytes.
+    let input = tmp.path().join("dcp");
+    std::fs::create_dir(&input).unwrap();
+    for e in std::fs::read_dir(golden("fsdp2_adam_ws4/ckpt")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), input.join(e.file_name())).unwrap();
+    }
+    let data = input.join("__3_0.distcp");
+    let bytes = std::fs::read(&data).unwrap();
+    std::fs::write(&data, &bytes[..bytes.len() - 100]).unwrap();
+    // One output rank on a job of 3: process 0 converts it and fails, 1 and 2 have nothing.
+    let layout = ModelLayout::new(&fixture_model(false, false), &wrapping(false), 1).unwrap();
+    let out = tmp.path().join("out");
+    let results = ThreadGroup::run(3, |pg| {
+        dcp_to_checkpoint_in_group(&input, &out, &layout, &pg)
+    });
+    let first = results[0].clone().unwrap_err();
+    assert!(first.to_string().contains("__3_0.distcp"), "{first}");
+    for (p, r) in results.iter().enumerate() {
+        assert_eq!(r.as_ref().unwrap_err(), &first, "process {p}");
+    }
+    assert!(!out.exists());
+    let mut left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["dcp"], "no temporary left behind");
 }

@@ -422,13 +422,16 @@ fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
     })
 }
 
-/// `convert IN OUT_DIR --to dcp` as one process of a job (`mpirun -np N fsdp-ckpt convert
-/// …`; see [`convert_splits`]): every process of `pg` calls it with the same arguments and
-/// writes its share of the tensors into the one data file
+/// `convert IN OUT_DIR --to dcp|fsdp` as one process of a job (`mpirun -np N fsdp-ckpt
+/// convert …`; see [`convert_splits`]): every process of `pg` calls it with the same
+/// arguments. `--to dcp`: each writes its share of the tensors into the one data file
 /// ([`checkpoint::convert_to_dcp_in_group`] for the crate's checkpoint directory,
 /// [`dcp::torch_save_to_dcp_in_group`] for a file); process 0 writes `.metadata` and
-/// installs the directory. The data file is byte for byte what [`convert`] writes; a failure
-/// on any process fails all of them with the same error and leaves `output` as it was.
+/// installs the directory. `--to fsdp`: each writes its share of the rank files
+/// ([`checkpoint::dcp_to_checkpoint_in_group`]); process 0 writes the manifest and commits.
+/// The output is byte for byte what [`convert`] writes (a DCP directory's `.metadata`
+/// differs only in its random save id); a failure on any process fails all of them with the
+/// same error and leaves `output` as it was.
 pub fn convert_in_group(
     input: &Path,
     output: &Path,
@@ -438,10 +441,13 @@ pub fn convert_in_group(
 ) -> Result<Written> {
     if !convert_splits(input, opts) {
         return Err(Error::Unsupported(format!(
-            "convert {} {} split across processes: only --to dcp from a file or the crate's checkpoint directory splits",
+            "convert {} {} split across processes: only --to dcp (from a file or the crate's checkpoint directory) and --to fsdp split",
             input.display(),
             output.display()
         )));
+    }
+    if opts.to.as_deref() == Some("fsdp") {
+        return dcp_to_fsdp_in_group(input, output, opts, pg, p);
     }
     let from_checkpoint = input.is_dir();
     if from_checkpoint {
@@ -474,25 +480,57 @@ pub fn convert_in_group(
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
 /// the crate's checkpoint directory or from a file (a data file whose layout is known before
 /// any byte is written; a file whose tensors are views into shared storages is converted by
-/// process 0 alone). File-to-file conversions and `--to fsdp` run on one process.
+/// process 0 alone), and `--to fsdp` (each process writes its share of the rank files).
+/// File-to-file conversions run on one process.
 pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
-    opts.to.as_deref() == Some("dcp")
-        && opts.model.is_none()
-        && opts.world_size.is_none()
-        && !dcp::is_dcp_dir(input)
+    match opts.to.as_deref() {
+        Some("dcp") => opts.model.is_none() && opts.world_size.is_none() && !dcp::is_dcp_dir(input),
+        Some("fsdp") => true,
+        _ => false,
+    }
 }
 
 /// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
-/// checkpoint of the DCP directory's optimizer state for N ranks of the described model.
-/// N threads act as the ranks: each loads its shard of the directory
-/// ([`fsdp::Fsdp::load_dcp`]) and they save the checkpoint collectively, as a live job
-/// would.
+/// checkpoint of the DCP directory's optimizer state for N ranks of the described model, as
+/// N live ranks loading their shards ([`fsdp::Fsdp::load_dcp`]) and saving would write it,
+/// written one rank at a time ([`checkpoint::dcp_to_checkpoint`]).
 fn dcp_to_fsdp(
     input: &Path,
     output: &Path,
     opts: &ConvertOptions,
     p: &dyn Progress,
 ) -> Result<Written> {
+    let layout = fsdp_target(input, output, opts)?;
+    step(p, "converting", || {
+        checkpoint::dcp_to_checkpoint(input, output, &layout)
+    })?;
+    fsdp_written(input, output, layout.world_size, None)
+}
+
+/// [`dcp_to_fsdp`] as one process of a job ([`checkpoint::dcp_to_checkpoint_in_group`]):
+/// output rank `r` is written by process `r % N`, process 0 commits.
+fn dcp_to_fsdp_in_group(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let layout = pg.agree(fsdp_target(input, output, opts))?;
+    p.start("converting (this process's ranks)", None);
+    let done = checkpoint::dcp_to_checkpoint_in_group(input, output, &layout, pg);
+    p.finish();
+    done?;
+    fsdp_written(input, output, layout.world_size, Some(pg.world_size()))
+}
+
+/// The layout `convert --to fsdp` writes for, from its options, once the input is known to
+/// be a DCP directory and the output to overlap neither input.
+fn fsdp_target(
+    input: &Path,
+    output: &Path,
+    opts: &ConvertOptions,
+) -> Result<fsdp::flat_param::ModelLayout> {
     let usage = |what: &str| {
         Error::Unsupported(format!(
             "convert {} {} --to fsdp needs {what} (the model description and wrapping, and the number of ranks to write for)",
@@ -516,20 +554,18 @@ fn dcp_to_fsdp(
     }
     let spec = DescFile::from_json_file(model)?;
     output::check_not_overlapping(output, &[input, model])?;
-    let save = checkpoint::SaveOptions::default();
-    step(p, "converting", || {
-        let results = fsdp::collectives::ThreadGroup::run(ws, |pg| {
-            let f = fsdp::Fsdp::new(&spec.model, &spec.policy, std::sync::Arc::new(pg))?;
-            let params = f.optim_params();
-            // Every rank joins the save, so that a rank failing to load fails them all.
-            let local: Result<OptimStateDict> = f.load_dcp(input, &params);
-            let local =
-                fsdp::collectives::ProcessGroupExt::agree(f.process_group().as_ref(), local)?;
-            f.save_optim_checkpoint(&local, &params, output, &save)
-        });
-        results.into_iter().collect::<Result<Vec<()>>>()
-    })?;
+    fsdp::flat_param::ModelLayout::new(&spec.model, &spec.policy, ws)
+}
+
+/// The report of `convert --to fsdp` (`processes`: the job's size when split).
+fn fsdp_written(
+    input: &Path,
+    output: &Path,
+    ws: usize,
+    processes: Option<usize>,
+) -> Result<Written> {
     let tensor_bytes = checkpoint::read_manifest(output)?.tensor_bytes();
+    let job = processes.map_or(String::new(), |n| format!(" as a job of {n} processes"));
     Ok(Written {
         operation: "convert",
         output: output.to_path_buf(),
@@ -537,7 +573,7 @@ fn dcp_to_fsdp(
         count: None,
         world_size: Some(ws),
         message: format!(
-            "converted DCP directory {} -> checkpoint {} for {ws} ranks",
+            "converted DCP directory {} -> checkpoint {} for {ws} ranks{job}",
             input.display(),
             output.display()
         ),

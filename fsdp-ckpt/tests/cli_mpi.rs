@@ -1,7 +1,7 @@
-//! `fsdp-ckpt` as an MPI job (feature `mpi`): `mpirun -np N fsdp-ckpt reshard …` and
-//! `consolidate` split the work across N processes and write exactly the bytes a
-//! single-process run writes; a failure on one process fails every process with the same
-//! error and leaves no output.
+//! `fsdp-ckpt` as an MPI job (feature `mpi`): `mpirun -np N fsdp-ckpt reshard …`,
+//! `consolidate` and `convert` (`--to dcp`, `--to fsdp`) split the work across N processes
+//! and write exactly the bytes a single-process run writes; a failure on one process fails
+//! every process with the same error and leaves no output.
 //!
 //! This target has its own `main` (`harness = false`): it builds a small checkpoint with
 //! thread ranks, runs the tool alone for the reference output, then under
@@ -75,6 +75,14 @@ fn main() {
         (
             "convert_to_dcp_np3_writes_the_single_process_data_file",
             || convert_to_dcp_matches_single_process(3),
+        ),
+        (
+            "convert_dcp_to_fsdp_np2_writes_the_single_process_bytes",
+            || convert_to_fsdp_matches_single_process(2),
+        ),
+        (
+            "convert_dcp_to_fsdp_np3_writes_the_single_process_bytes",
+            || convert_to_fsdp_matches_single_process(3),
         ),
         (
             "convert_to_dcp_failing_on_one_process_fails_all_with_one_error_np2",
@@ -325,6 +333,56 @@ fn convert_to_dcp_matches_single_process(np: usize) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// PyTorch's FSDP2 DCP fixture (tests/golden/dcp) converted to the crate's checkpoint for 5
+/// ranks by the tool alone and by N processes: the same files, byte for byte.
+fn convert_to_fsdp_matches_single_process(np: usize) {
+    use fsdp::offline::DescFile;
+    use fsdp::{DType, ModelDesc, WrapPolicy};
+    let root = scratch(&format!("convert-fsdp-np{np}"));
+    let input =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/dcp/fsdp2_adam_ws4/ckpt");
+    // gen.py's Net, wrapped as FSDP1 wraps it: net1, net2, the root.
+    let f = DType::F32;
+    let model = ModelDesc::new()
+        .param("embed.weight", &[10, 4], f)
+        .param("net1.0.weight", &[10, 4], f)
+        .param("net1.0.bias", &[10], f)
+        .param("net2.0.weight", &[3, 10], f)
+        .param("net2.0.bias", &[3], f)
+        .param("head.weight", &[10, 3], f)
+        .param("out.weight", &[10, 4], f);
+    let desc = root.join("desc.json");
+    let policy = WrapPolicy::units(&["net1", "net2", ""]);
+    std::fs::write(&desc, DescFile::new(model, policy).to_json()).unwrap();
+    let (alone, job) = (root.join("alone"), root.join("job"));
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        vec![
+            "convert".into(),
+            input.clone().into(),
+            out.into(),
+            "--to".into(),
+            "fsdp".into(),
+            "--model".into(),
+            desc.clone().into(),
+            "--world-size".into(),
+            "5".into(),
+        ]
+    };
+    let (alone_args, job_args) = (args(&alone), args(&job));
+    tool::ok(&tool::run(&as_refs(&alone_args)));
+    let outcome = mpirun(np, &as_refs(&job_args));
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "convert --to fsdp at {np} processes failed: {}",
+        outcome.describe()
+    );
+    assert!(files_of(&alone) == files_of(&job), "the checkpoints differ");
+    assert_eq!(outcome.stderr.matches("converted ").count(), 1);
+    assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
+    assert_eq!(names_in(&root), ["alone", "desc.json", "job"]);
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 /// A corrupt block that only process 1 reads (the end of input rank 7's file: output rank 1
 /// of 2 holds it, and the consolidated file's last tensors): every process fails with the
 /// error the tool alone gives, and neither the output nor a temporary is left.
@@ -369,7 +427,7 @@ fn failure_on_process_1(command: &str) {
             vec!["consolidate".into(), ckpt.clone().into(), out.into()],
         )
     };
-    let args: Vec<&dyn AsRef<OsStr>> = args.iter().map(|s| s as &dyn AsRef<OsStr>).collect();
+    let args = as_refs(&args);
     let alone = tool::fails(
         &tool::run(&args),
         &["rank7.safetensors", "fails its checksum"],
@@ -392,4 +450,9 @@ fn failure_on_process_1(command: &str) {
     assert!(!out.exists(), "no output on failure");
     assert_eq!(names_in(&root), ["ckpt8"], "no temporary left behind");
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// `args` as the argument list [`mpirun`] and `tool::run` take.
+fn as_refs(args: &[std::ffi::OsString]) -> Vec<&dyn AsRef<OsStr>> {
+    args.iter().map(|s| s as &dyn AsRef<OsStr>).collect()
 }

@@ -24,6 +24,7 @@
 
 mod background;
 mod dcp;
+mod from_dcp;
 mod load;
 mod manifest;
 mod prefetch;
@@ -34,6 +35,7 @@ mod summary;
 
 pub use background::{BackgroundSaver, SaveMode};
 pub use dcp::{load_dcp, read_optim_by_param, save_dcp, save_sharded_dcp};
+pub use from_dcp::{dcp_to_checkpoint, dcp_to_checkpoint_in_group};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
     block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,

@@ -574,8 +574,12 @@ pub(super) fn dict_parts<T: Tensor>(
     })
 }
 
-/// Every rank's report, in rank order: `None` for a rank that writes no file.
-pub(super) type Reports = Vec<Option<(RankReport, Option<DictParts>)>>;
+/// One rank's report (with the dict-level parts on layout rank 0), `None` for a rank that
+/// writes no file.
+pub(super) type Report = Option<(RankReport, Option<DictParts>)>;
+
+/// Every rank's report, in rank order.
+pub(super) type Reports = Vec<Report>;
 
 pub(super) fn commit(
     layout: &ModelLayout,
