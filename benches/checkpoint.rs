@@ -19,7 +19,13 @@
 //! - `consolidate`: `checkpoint::consolidate_to_safetensors` of the world-size-4 checkpoint.
 //! - `consolidate-pt`: `checkpoint::consolidate_to_torch` (a `torch.save` file).
 //!
-//! `CKPT_BENCH_OPS=load,reshard` runs a subset of the last four (saving always runs: the
+//! - `load-no-read-ahead`, `load-unverified`: `load` with `LoadOptions::read_ahead` or
+//!   `LoadOptions::verify` off, to measure each one's share (issue 16, part 3), beside
+//!   whole-file reads of the same bytes (4 MiB `pread`s into fresh memory, straight or through
+//!   a bounce buffer, and with `O_DIRECT`) measured before each `load` child. The three loads'
+//!   repetitions are interleaved, so that drift in the disk's speed hits them alike.
+//!
+//! `CKPT_BENCH_OPS=load,reshard` runs a subset of the last six (saving always runs: the
 //! others read its checkpoint). Each of them runs in `CKPT_BENCH_REPS` fresh child processes
 //! (this binary re-executed with `--child`), each making `CKPT_BENCH_CALLS` calls (default 3,
 //! at least 2) with the files to read evicted and the output removed before each, untimed. The
@@ -185,6 +191,81 @@ type CopyFn = fn(&Path, &Path) -> f64;
 
 /// Ways to copy one file into another (then `fsync` it): the best of them is what this machine
 /// can do for an operation that reads every byte and writes it out again.
+/// Whole-file reads that isolate the steps of loading at disk speed (issue 16, part 3), each
+/// returning whether it ran:
+/// - `pread fresh`: 4 MiB `pread`s straight into one fresh allocation of the file's size
+///   (what the loader does: read into the destination tensors, first touch included);
+/// - `pread via bounce`: the same reads into one reused 4 MiB buffer, each copied into the
+///   fresh allocation (an intermediate buffer: the difference is what reading straight into
+///   the destination saves);
+/// - `O_DIRECT`: 4 MiB reads into one aligned buffer with the page cache skipped (what
+///   aligned pieces read with `O_DIRECT` could reach; `false` where the filesystem refuses it).
+const LOAD_STEPS: [(&str, ReadFn); 3] = [
+    ("pread fresh", |p| read_into_fresh(p, false)),
+    ("pread via bounce", |p| read_into_fresh(p, true)),
+    ("O_DIRECT", read_direct),
+];
+
+/// A whole-file read of [`LOAD_STEPS`]: whether it ran.
+type ReadFn = fn(&Path) -> bool;
+
+/// Size of the reads of [`LOAD_STEPS`].
+const STEP_READ: usize = 4 << 20;
+
+fn read_into_fresh(path: &Path, bounce: bool) -> bool {
+    use std::os::unix::fs::FileExt;
+    let f = File::open(path).expect("opening the raw file");
+    let len = f.metadata().expect("stat").len() as usize;
+    let mut dst: Vec<u8> = vec![0; len];
+    let mut buf = vec![0u8; if bounce { STEP_READ } else { 0 }];
+    for (i, chunk) in dst.chunks_mut(STEP_READ).enumerate() {
+        let at = (i * STEP_READ) as u64;
+        if bounce {
+            let b = &mut buf[..chunk.len()];
+            f.read_exact_at(b, at).expect("reading the raw file");
+            chunk.copy_from_slice(b);
+        } else {
+            f.read_exact_at(chunk, at).expect("reading the raw file");
+        }
+    }
+    std::hint::black_box(&dst);
+    true
+}
+
+fn read_direct(path: &Path) -> bool {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let Ok(f) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    else {
+        return false;
+    };
+    let len = f.metadata().expect("stat").len();
+    let mut raw = vec![0u8; STEP_READ + 4096];
+    let skip = raw.as_ptr().align_offset(4096);
+    let buf = &mut raw[skip..skip + STEP_READ];
+    let mut at = 0u64;
+    while at < len {
+        match f.read_at(buf, at) {
+            Ok(0) => break,
+            Ok(n) => at += n as u64,
+            Err(_) => return false,
+        }
+    }
+    std::hint::black_box(&buf);
+    true
+}
+
+/// The load variants, measured interleaved ([`load_phases`]).
+const LOADS: [&str; 3] = ["load", "load-no-read-ahead", "load-unverified"];
+
+/// Whether `op` is one of the load variants (`load`, `load-no-read-ahead`,
+/// `load-unverified`).
+fn is_load(op: &str) -> bool {
+    op.starts_with("load")
+}
+
 const COPIES: [(&str, CopyFn); 4] = [
     ("copy 1MiB", |s, d| copy_chunked(s, d, CHUNK, false)),
     ("copy 16MiB+wb", |s, d| copy_chunked(s, d, 16 * CHUNK, true)),
@@ -336,9 +417,37 @@ struct Baselines {
     read: Timing,
     write: Timing,
     copies: Vec<Timing>,
+    /// Before `load`: the reads of [`LOAD_STEPS`], by name.
+    steps: Vec<(&'static str, WallCpu)>,
+}
+
+/// Wall and CPU seconds of repeated runs.
+#[derive(Default, Clone)]
+struct WallCpu {
+    wall: Timing,
+    cpu: Timing,
 }
 
 impl Baselines {
+    /// The reads of [`LOAD_STEPS`] of the file `raw`, each after evicting it.
+    fn load_steps(&mut self, raw: &Path) {
+        if self.steps.is_empty() {
+            self.steps = LOAD_STEPS
+                .iter()
+                .map(|(name, _)| (*name, WallCpu::default()))
+                .collect();
+        }
+        for ((_, read), (_, runs)) in LOAD_STEPS.iter().zip(&mut self.steps) {
+            evict(raw);
+            let cpu = cpu_secs();
+            let start = Instant::now();
+            if read(raw) {
+                runs.wall.push(start.elapsed().as_secs_f64());
+                runs.cpu.push(cpu_secs() - cpu);
+            }
+        }
+    }
+
     fn run(&mut self, raw: &Path, raw2: &Path, bytes: u64, report: bool) {
         evict_checked(raw, "raw read", report);
         self.read.push(raw_read(raw));
@@ -412,7 +521,21 @@ fn cpu_secs() -> f64 {
 /// One call of `op` on the checkpoint `src` (output `dst`); returns the tensor bytes it moved.
 fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
     match op {
-        "load" => load_once(src).1,
+        "load" => load_once(src, &LoadOptions::default()).1,
+        "load-no-read-ahead" => {
+            let opts = LoadOptions {
+                read_ahead: false,
+                ..Default::default()
+            };
+            load_once(src, &opts).1
+        }
+        "load-unverified" => {
+            let opts = LoadOptions {
+                verify: false,
+                ..Default::default()
+            };
+            load_once(src, &opts).1
+        }
         "reshard" => {
             checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {}).expect("offline reshard")
         }
@@ -424,10 +547,10 @@ fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
     }
 }
 
-/// `LOAD_WS` thread ranks load the checkpoint `src` under [`load_policy`], verification on,
-/// timed barrier to barrier; returns (seconds, tensor bytes loaded). The loaded state is
-/// dropped before returning (its buffers go to the crate's buffer cache).
-fn load_once(src: &Path) -> (f64, u64) {
+/// `LOAD_WS` thread ranks load the checkpoint `src` under [`load_policy`] with `opts`, timed
+/// barrier to barrier; returns (seconds, tensor bytes loaded). The loaded state is dropped
+/// before returning (its buffers go to the crate's buffer cache).
+fn load_once(src: &Path, opts: &LoadOptions) -> (f64, u64) {
     let (model, lpolicy) = (model(), load_policy());
     let out = ThreadGroup::run(LOAD_WS, |pg| {
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
@@ -436,7 +559,7 @@ fn load_once(src: &Path) -> (f64, u64) {
         pg.barrier().expect("barrier");
         let start = Instant::now();
         let osd: OptimStateDict = fsdp
-            .load_optim_checkpoint(src, &params, &LoadOptions { verify: true })
+            .load_optim_checkpoint(src, &params, opts)
             .expect("load_optim_checkpoint");
         pg.barrier().expect("barrier");
         let secs = start.elapsed().as_secs_f64();
@@ -460,7 +583,7 @@ fn child(args: &[String]) {
     let mut bytes = 0;
     for _ in 0..calls {
         evict(&src);
-        if op != "load" {
+        if !is_load(op) {
             let _ = std::fs::remove_dir_all(&dst);
             let _ = std::fs::remove_file(&dst);
         }
@@ -599,6 +722,7 @@ fn save_phase(ckpt4: &Path, raw: &Path, bytes: u64, reps: usize) -> (Timing, Tim
 
 /// An operation's runs: cold calls (the first of each child), warm ones (the others), the
 /// children's figures, and the baselines measured right before each child.
+#[derive(Default)]
 struct OpRuns {
     cold: Timing,
     warm: Timing,
@@ -616,36 +740,64 @@ struct BenchFiles<'p> {
 }
 
 /// `reps` children of `calls` calls each of `op` on `src` (output `dst`); before each child,
-/// the baselines: raw read only for `load`, all of [`Baselines`] otherwise.
+/// the baselines: raw read only for the loads, all of [`Baselines`] otherwise.
 fn op_phase(op: &str, src: &Path, dst: &Path, f: &BenchFiles<'_>) -> OpRuns {
-    let mut o = OpRuns {
-        cold: Timing::default(),
-        warm: Timing::default(),
-        runs: Vec::new(),
-        base: Baselines::default(),
-    };
+    let mut o = OpRuns::default();
     for i in 0..f.reps {
-        if op == "load" {
-            evict_checked(f.raw, "raw read", i == 0);
-            o.base.read.push(raw_read(f.raw));
-        } else {
-            o.base.run(f.raw, f.raw2, f.bytes, i == 0);
-        }
-        if i == 0 {
-            evict_checked(src, op, true);
-        }
-        let calls = f.calls.to_string();
-        let path = |p: &'_ Path| p.to_str().expect("utf-8 path").to_string();
-        let (s, d) = (path(src), path(dst));
-        let r = run_child(&[op, &calls, &s, &d]);
-        // A load's shards are padded to the world size: at least the checkpoint's bytes.
-        assert!(r.bytes == f.bytes || (op == "load" && r.bytes >= f.bytes));
-        o.cold.push(r.calls[0].0);
-        for c in &r.calls[1..] {
-            o.warm.push(c.0);
-        }
-        o.runs.push(r);
+        op_rep(op, src, dst, f, i, &mut o);
     }
+    print_runs(op, f, &o);
+    o
+}
+
+/// The load variants `ops` on `src`, their repetitions interleaved (repetition `i` of each,
+/// then `i + 1`), so that drift in the shared disk's speed hits them alike.
+fn load_phases(
+    ops: &[&'static str],
+    src: &Path,
+    f: &BenchFiles<'_>,
+) -> Vec<(&'static str, OpRuns)> {
+    let mut runs: Vec<(&str, OpRuns)> = ops.iter().map(|op| (*op, OpRuns::default())).collect();
+    for i in 0..f.reps {
+        for (op, o) in &mut runs {
+            op_rep(op, src, Path::new(""), f, i, o);
+        }
+    }
+    for (op, o) in &runs {
+        print_runs(op, f, o);
+    }
+    runs
+}
+
+/// Repetition `i` of `op`: its baselines, then one child of `f.calls` calls.
+fn op_rep(op: &str, src: &Path, dst: &Path, f: &BenchFiles<'_>, i: usize, o: &mut OpRuns) {
+    if is_load(op) {
+        evict_checked(f.raw, "raw read", i == 0);
+        o.base.read.push(raw_read(f.raw));
+        if op == "load" {
+            o.base.load_steps(f.raw);
+        }
+    } else {
+        o.base.run(f.raw, f.raw2, f.bytes, i == 0);
+    }
+    if i == 0 {
+        evict_checked(src, op, true);
+    }
+    let calls = f.calls.to_string();
+    let path = |p: &'_ Path| p.to_str().expect("utf-8 path").to_string();
+    let (s, d) = (path(src), path(dst));
+    let r = run_child(&[op, &calls, &s, &d]);
+    // A load's shards are padded to the world size: at least the checkpoint's bytes.
+    assert!(r.bytes == f.bytes || (is_load(op) && r.bytes >= f.bytes));
+    o.cold.push(r.calls[0].0);
+    for c in &r.calls[1..] {
+        o.warm.push(c.0);
+    }
+    o.runs.push(r);
+}
+
+/// Prints `op`'s calls, children and baselines.
+fn print_runs(op: &str, f: &BenchFiles<'_>, o: &OpRuns) {
     println!(
         "{op}: cold (s) {}; warm (s) {}",
         o.cold.list(),
@@ -667,6 +819,9 @@ fn op_phase(op: &str, src: &Path, dst: &Path, f: &BenchFiles<'_>) -> OpRuns {
     }
     let b = &o.base;
     print!("  baselines (s): raw read {}", b.read.list());
+    for (name, run) in b.steps.iter() {
+        print!("; {name} {}", run.wall.list());
+    }
     if !b.write.0.is_empty() {
         print!("; raw write+fsync {}", b.write.list());
         for ((name, _), t) in COPIES.iter().zip(&b.copies) {
@@ -674,7 +829,6 @@ fn op_phase(op: &str, src: &Path, dst: &Path, f: &BenchFiles<'_>) -> OpRuns {
         }
     }
     println!();
-    o
 }
 
 fn load_average() -> String {
@@ -753,9 +907,9 @@ fn main() {
     let ckpt2 = root.join("ckpt-ws2");
     let full_out = root.join("full.safetensors");
     let full_pt = root.join("full.pt");
-    let mut ops = Vec::new();
+    let loads: Vec<&str> = LOADS.into_iter().filter(|op| wanted(op)).collect();
+    let mut ops = load_phases(&loads, &ckpt4, &files);
     for (op, dst) in [
-        ("load", Path::new("")),
         ("reshard", &ckpt2),
         ("consolidate", &full_out),
         ("consolidate-pt", &full_pt),
@@ -773,7 +927,7 @@ fn main() {
 
     let ops: Vec<(&str, &OpRuns)> = ops.iter().map(|(op, o)| (*op, o)).collect();
     summary(bytes, reps, (&save, &rw), &ops);
-    let offline: Vec<(&str, &OpRuns)> = ops.iter().copied().filter(|o| o.0 != "load").collect();
+    let offline: Vec<(&str, &OpRuns)> = ops.iter().copied().filter(|o| !is_load(o.0)).collect();
     memory_summary(largest_state, &offline);
     let _ = std::fs::remove_dir_all(&root);
 }
@@ -797,7 +951,7 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
     for (op, o) in ops {
         let (c, w) = (o.cold.median(), o.warm.median());
         let target = match *op {
-            "reshard" => "",
+            "reshard" | "load-no-read-ahead" | "load-unverified" => "",
             _ if c / w <= 1.5 => "met",
             _ => "MISSED",
         };
@@ -838,14 +992,18 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
             row(op, c, w, "raw read", o.base.read.median(), 0.5);
             continue;
         }
+        if is_load(op) {
+            continue;
+        }
         row(op, c, w, "max(read, write)", o.base.floor().median(), 0.7);
         row(op, c, w, "best copy", o.base.best_copy().median(), 0.7);
         row(op, c, w, "copy 1MiB (old)", o.base.copies[0].median(), 0.5);
     }
     println!("(ratio = baseline seconds / op seconds: 1.0 = as fast as the baseline; targets: save and load >= 0.5, reshard and consolidation >= 0.7 against max(read, write) and best copy)");
+    load_steps_summary(bytes, ops);
     println!();
     println!("copies of the same bytes (median s, GB/s), before the operations:");
-    for (op, o) in ops.iter().filter(|o| o.0 != "load") {
+    for (op, o) in ops.iter().filter(|o| !is_load(o.0)) {
         let b = &o.base;
         let mut line = format!(
             "  before {op:<15} read {:.2} ({:.2}), write+fsync {:.2} ({:.2})",
@@ -859,6 +1017,60 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
         }
         println!("{line}");
     }
+}
+
+/// Loading step by step: each load variant against the raw read measured before its
+/// children, with CPU seconds per call, then the whole-file reads of [`LOAD_STEPS`].
+fn load_steps_summary(bytes: u64, ops: &[(&str, &OpRuns)]) {
+    let loads: Vec<&(&str, &OpRuns)> = ops.iter().filter(|o| is_load(o.0)).collect();
+    if loads.is_empty() {
+        return;
+    }
+    println!();
+    println!("loading step by step (medians; CPU = seconds of CPU per call, all threads):");
+    println!(
+        "{:<19} {:>7} {:>7} {:>8} {:>8} {:>10} {:>17}",
+        "variant", "cold s", "warm s", "cold CPU", "warm CPU", "raw read s", "ratio cold(warm)"
+    );
+    for (op, o) in &loads {
+        let cpu = |warm: bool| {
+            let mut t = Timing::default();
+            for r in &o.runs {
+                for (i, c) in r.calls.iter().enumerate() {
+                    if (i > 0) == warm {
+                        t.push(c.1);
+                    }
+                }
+            }
+            t.median()
+        };
+        let (c, w, b) = (o.cold.median(), o.warm.median(), o.base.read.median());
+        println!(
+            "{op:<19} {c:>7.2} {w:>7.2} {:>8.2} {:>8.2} {b:>10.2} {:>10.2} ({:.2})",
+            cpu(false),
+            cpu(true),
+            ratio(c, b),
+            ratio(w, b)
+        );
+    }
+    println!("(load-no-read-ahead - load = the read-ahead's gain, which also overlaps the checksums with the disk; load - load-unverified = what the checksums cost)");
+    let Some((_, o)) = loads.iter().find(|o| o.0 == "load") else {
+        return;
+    };
+    println!("whole-file reads of the same bytes, each after evicting the file (median wall s, GB/s, CPU s):");
+    for (name, run) in &o.base.steps {
+        if run.wall.0.is_empty() {
+            println!("  {name:<17} not supported here");
+            continue;
+        }
+        println!(
+            "  {name:<17} {:.2} s ({:.2} GB/s), {:.2} s CPU",
+            run.wall.median(),
+            gbs(bytes, run.wall.median()),
+            run.cpu.median()
+        );
+    }
+    println!("(pread via bounce - pread fresh = what reading straight into the destination saves; O_DIRECT = reading without the page cache)");
 }
 
 fn memory_summary(largest_state: u64, ops: &[(&str, &OpRuns)]) {

@@ -80,11 +80,30 @@ fn load_at(
     full: &OptimStateDict,
     dir: &Path,
 ) -> Vec<(OptimStateDict, OptimStateDict)> {
+    load_with(
+        model,
+        policy,
+        world_size,
+        full,
+        dir,
+        &LoadOptions::default(),
+    )
+}
+
+/// [`load_at`] with load options.
+fn load_with(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    world_size: usize,
+    full: &OptimStateDict,
+    dir: &Path,
+    opts: &LoadOptions,
+) -> Vec<(OptimStateDict, OptimStateDict)> {
     ThreadGroup::run(world_size, |pg| {
         let fsdp = Fsdp::new(model, policy, Arc::new(pg)).unwrap();
         let params = fsdp.optim_params();
         let loaded = fsdp
-            .load_optim_checkpoint(dir, &params, &LoadOptions::default())
+            .load_optim_checkpoint(dir, &params, opts)
             .unwrap_or_else(|e| panic!("rank {}: {e}", fsdp.rank()));
         let expected = fsdp.shard_full_optim_state_dict(full, &params).unwrap();
         (loaded, expected)
@@ -117,6 +136,39 @@ fn assert_identical(a: &OptimStateDict, b: &OptimStateDict, what: &str) {
 
 fn tmp() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
+}
+
+#[test]
+fn loading_with_or_without_read_ahead_and_verification_gives_the_same_shards() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 3.0);
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    for r in save_at(
+        &model,
+        &common::wrap(false),
+        3,
+        &full,
+        &dir,
+        &SaveOptions::default(),
+    ) {
+        r.unwrap();
+    }
+    for load_ws in [2, 5] {
+        for read_ahead in [true, false] {
+            for verify in [true, false] {
+                let opts = LoadOptions { verify, read_ahead };
+                let loaded = load_with(&model, &common::wrap_alt(), load_ws, &full, &dir, &opts);
+                for (rank, (loaded, expected)) in loaded.iter().enumerate() {
+                    assert_identical(
+                        loaded,
+                        expected,
+                        &format!("loaded at {load_ws}, rank {rank}, {opts:?}"),
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]

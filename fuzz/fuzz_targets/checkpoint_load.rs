@@ -41,7 +41,13 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let _ = verify(&dir);
-    let _ = load_full(&dir, &LoadOptions { verify: false });
+    let _ = load_full(
+        &dir,
+        &LoadOptions {
+            verify: false,
+            ..Default::default()
+        },
+    );
     let Ok(m) = read_manifest(&dir) else {
         return;
     };
@@ -55,7 +61,10 @@ fuzz_target!(|data: &[u8]| {
         let params = OptimParams::of_model(&layout);
         for rank in 0..ws {
             for verify in [true, false] {
-                let opts = LoadOptions { verify };
+                let opts = LoadOptions {
+                    verify,
+                    ..Default::default()
+                };
                 let _ = load::<HostTensor>(&dir, &layout, rank, &params, &opts);
                 let _ = load_model_params::<HostTensor>(&dir, &layout, rank, &opts);
             }

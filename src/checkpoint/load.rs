@@ -23,11 +23,18 @@ use std::sync::Arc;
 pub struct LoadOptions {
     /// Check the CRC-32C of every block read (default `true`).
     pub verify: bool,
+    /// Have a thread ask the kernel for the rank's next byte ranges (64 MiB ahead) while the
+    /// reader copies and checksums, so the disk works meanwhile (default `true`; see
+    /// BENCHMARKS.md for its measured gain). Off, every block read waits for the disk.
+    pub read_ahead: bool,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { verify: true }
+        LoadOptions {
+            verify: true,
+            read_ahead: true,
+        }
     }
 }
 
@@ -408,8 +415,16 @@ impl<T: Tensor> ShardSource<T> for CheckpointSource<'_> {
 
 impl CheckpointSource<'_> {
     /// Runs `work` on this source while a thread reads this rank's ranges ahead (see
-    /// [`super::prefetch`]).
-    fn with_read_ahead<R>(&mut self, layout: &ModelLayout, work: impl FnOnce(&mut Self) -> R) -> R {
+    /// [`super::prefetch`]); without read-ahead (`on` false), just runs it.
+    fn with_read_ahead<R>(
+        &mut self,
+        layout: &ModelLayout,
+        on: bool,
+        work: impl FnOnce(&mut Self) -> R,
+    ) -> R {
+        if !on {
+            return work(self);
+        }
         let ranges = prefetch::planned_reads(layout, self.rank, &self.records);
         let names: Vec<String> = self
             .reader
@@ -540,7 +555,7 @@ pub fn load<T: Tensor>(
             Ok((k.clone(), st))
         })
         .collect::<Result<Vec<_>>>()?;
-    src.with_read_ahead(layout, |src| {
+    src.with_read_ahead(layout, opts.read_ahead, |src| {
         flatten_from_source(layout, src, groups.as_deref(), user, params)
     })
 }
@@ -583,7 +598,7 @@ pub fn load_model_params<T: Tensor>(
         rank,
     };
     let params = OptimParams::of_model(layout);
-    let mut osd: OptimStateDict<T> = src.with_read_ahead(layout, |src| {
+    let mut osd: OptimStateDict<T> = src.with_read_ahead(layout, opts.read_ahead, |src| {
         flatten_from_source(layout, src, None, Vec::new(), &params)
     })?;
     let local = layout.local_params(&params)?;
