@@ -413,6 +413,105 @@ fn torch_save_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_t
 }
 
 #[test]
+fn safetensors_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_to_4_processes() {
+    let tmp = tempfile::tempdir().unwrap();
+    // The crate's own safetensors of every fixture, and one written by another tool (no
+    // object metadata: an ordered dict of its tensors by name).
+    let mut inputs = Vec::new();
+    for name in SCENARIOS {
+        let input = tmp.path().join(format!("{name}.safetensors"));
+        let obj = torch_save::load(golden(name).join("expected.pt")).unwrap();
+        fsdp::io::safetensors::save(&obj, &input).unwrap();
+        inputs.push(input);
+    }
+    let plain = tmp.path().join("plain.safetensors");
+    let a: Vec<u8> = (0..96u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let b: Vec<u8> = 7.5f32.to_le_bytes().to_vec();
+    let views = [
+        (
+            "w",
+            ::safetensors::tensor::TensorView::new(::safetensors::Dtype::F32, vec![8, 12], &a)
+                .unwrap(),
+        ),
+        (
+            "step",
+            ::safetensors::tensor::TensorView::new(::safetensors::Dtype::F32, vec![], &b).unwrap(),
+        ),
+    ];
+    std::fs::write(&plain, ::safetensors::serialize(views, None).unwrap()).unwrap();
+    inputs.push(plain);
+    for input in &inputs {
+        let what = input.file_name().unwrap().to_string_lossy().into_owned();
+        let in_memory = tmp.path().join("in-memory");
+        let obj = fsdp::io::safetensors::load(input).unwrap();
+        let written = dcp::save_dcp(&obj, &in_memory).unwrap();
+        let streamed = tmp.path().join("streamed");
+        assert_eq!(dcp::torch_save_to_dcp(input, &streamed).unwrap(), written);
+        assert!(
+            data_file(&streamed) == data_file(&in_memory),
+            "{what}: the streamed data file differs"
+        );
+        let load = |dir: &Path| DcpCheckpoint::open(dir).unwrap().load().unwrap();
+        assert!(
+            load(&streamed).bit_eq(&load(&in_memory)),
+            "{what}: the state read back differs"
+        );
+        for ws in 1..=4 {
+            let split = tmp.path().join(format!("split{ws}"));
+            for r in ThreadGroup::run(ws, |pg| dcp::torch_save_to_dcp_in_group(input, &split, &pg))
+            {
+                assert_eq!(r.unwrap(), written, "{what}, {ws} processes");
+            }
+            assert!(
+                data_file(&split) == data_file(&in_memory),
+                "{what}, {ws} processes: the data file differs"
+            );
+            std::fs::remove_dir_all(&split).unwrap();
+        }
+        std::fs::remove_dir_all(&in_memory).unwrap();
+        std::fs::remove_dir_all(&streamed).unwrap();
+    }
+}
+
+#[test]
+fn a_truncated_or_lying_safetensors_file_fails_on_every_process_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let obj = torch_save::load(golden(SCENARIOS[0]).join("expected.pt")).unwrap();
+    let good = fsdp::io::safetensors::save_to_bytes(&obj).unwrap();
+    let n = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let mut huge = good.clone();
+    huge[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
+    let mut bad_json = good.clone();
+    bad_json[8] = b'[';
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        ("truncated", good[..good.len() - 4].to_vec(), "truncated"),
+        (
+            "padded",
+            [good.as_slice(), &[0; 4]].concat(),
+            "truncated or padded",
+        ),
+        ("header longer than the file", huge, "does not fit the file"),
+        ("header not JSON", bad_json, "invalid header"),
+    ];
+    assert!(n > 0);
+    for (what, bytes, reason) in cases {
+        let input = tmp.path().join("bad.safetensors");
+        std::fs::write(&input, &bytes).unwrap();
+        let out = tmp.path().join("out");
+        let alone = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+        let text = alone.to_string();
+        assert!(
+            text.contains("bad.safetensors") && text.contains(reason),
+            "{what}: {text}"
+        );
+        for r in ThreadGroup::run(2, |pg| dcp::torch_save_to_dcp_in_group(&input, &out, &pg)) {
+            assert_eq!(r.unwrap_err(), alone, "{what}");
+        }
+        assert!(!out.exists(), "{what}: no output");
+    }
+}
+
+#[test]
 fn a_file_of_views_into_one_storage_converts_the_ordinary_way_and_a_corrupt_storage_fails() {
     // Two halves of one buffer: views, not whole storages, so nothing is streamed.
     let whole = HostTensor::from_vec1(&(0..64).map(|i| i as f32).collect::<Vec<_>>());

@@ -479,7 +479,7 @@ pub fn convert_in_group(
 
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
 /// the crate's checkpoint directory or from a file (a data file whose layout is known before
-/// any byte is written; a file whose tensors are views into shared storages is converted by
+/// any byte is written; a `.pt` whose tensors are views into shared storages is converted by
 /// process 0 alone), and `--to fsdp` (each process writes its share of the rank files).
 /// File-to-file conversions run on one process.
 pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {

@@ -410,22 +410,171 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
 }
 
 fn read(file: &str, bytes: &[u8]) -> Result<PyObj> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| st_err(file, e))?;
-    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| st_err(file, e))?;
+    let (n, header) = SafeTensors::read_metadata(bytes).map_err(|e| st_err(file, e))?;
+    let data = &bytes[8 + n..];
+    build(file, &header, |_, info, dtype| {
+        let (s, e) = info.data_offsets;
+        HostTensor::from_bytes(dtype, &info.shape, &data[s..e]).map_err(|e| e.to_string())
+    })
+}
+
+/// The structure of a `.safetensors` file without its tensor data ([`load_headers`]).
+pub(crate) struct Headers {
+    /// The object. Tensors of more than one element are empty placeholders of the right
+    /// dtype; smaller ones are read.
+    pub(crate) obj: PyObj,
+    /// Per placeholder (by storage id): its real shape and its bytes' range in the file.
+    placed: HashMap<usize, (Vec<usize>, std::ops::Range<u64>)>,
+}
+
+/// Reads the header of the `.safetensors` file at `path` (checked as [`load`] checks it:
+/// tensor byte ranges that tile the data exactly, which ends where the file does) and the
+/// object it describes, with placeholders for tensors of more than one element: what
+/// [`FileTensors`] streams. Memory holds the header, not the tensors.
+pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
+    use std::os::unix::fs::FileExt;
+    let file = path.display().to_string();
+    let f = open_input(path)?;
+    let len = f.metadata().map_err(Error::io("reading", path))?.len();
+    let mut n = [0u8; 8];
+    f.read_exact_at(&mut n, 0)
+        .map_err(|_| st_err(&file, "the file is shorter than the 8-byte header length"))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || n + 8 > len {
+        return Err(st_err(
+            &file,
+            format!(
+                "the header length {n} does not fit the file ({len} bytes; at most {MAX_HEADER})"
+            ),
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact_at(&mut header, 8)
+        .map_err(Error::io("reading", path))?;
+    let md: ::safetensors::tensor::Metadata = serde_json::from_slice(&header)
+        .map_err(|e| st_err(&file, format!("invalid header: {e}")))?;
+    let data_start = 8 + n;
+    if data_start + md.data_len() as u64 != len {
+        return Err(st_err(
+            &file,
+            format!(
+                "the tensors take {} bytes after the header, the file has {} (truncated or padded)",
+                md.data_len(),
+                len - data_start
+            ),
+        ));
+    }
+    let mut placed = HashMap::new();
+    let obj = build(&file, &md, |_, info, dtype| {
+        let (s, e) = info.data_offsets;
+        let range = data_start + s as u64..data_start + e as u64;
+        if info.shape.iter().product::<usize>() <= 1 {
+            let mut bytes = vec![0u8; e - s];
+            f.read_exact_at(&mut bytes, range.start)
+                .map_err(|e| format!("cannot read it: {e}"))?;
+            return HostTensor::from_bytes(dtype, &info.shape, &bytes).map_err(|e| e.to_string());
+        }
+        let p = HostTensor::zeros(dtype, &[0]);
+        placed.insert(p.storage_id(), (info.shape.clone(), range));
+        Ok(p)
+    })?;
+    Ok(Headers { obj, placed })
+}
+
+/// The regular file `path`, opened for reading.
+fn open_input(path: &Path) -> Result<std::fs::File> {
+    crate::io::output::open_regular(path)
+        .map_err(std::io::Error::from)
+        .map_err(Error::io("reading", path))
+}
+
+/// The largest header [`load_headers`] reads (the `safetensors` crate's limit).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// The placeholders of a [`Headers`] streamed from the `.safetensors` file they were read
+/// from, 4 MiB at a time, each tensor's pages dropped from the page cache once read.
+pub(crate) struct FileTensors<'h> {
+    headers: &'h Headers,
+    file: std::fs::File,
+    path: &'h Path,
+    /// The output being written, for messages.
+    out: &'h Path,
+}
+
+impl<'h> FileTensors<'h> {
+    /// Streams `headers`' placeholders from the file `path` they were read from, writing `out`.
+    pub(crate) fn open(path: &'h Path, headers: &'h Headers, out: &'h Path) -> Result<Self> {
+        let file = open_input(path)?;
+        Ok(FileTensors {
+            headers,
+            file,
+            path,
+            out,
+        })
+    }
+}
+
+/// Bytes [`FileTensors`] reads and hands on at a time.
+const STREAM_CHUNK: u64 = 4 << 20;
+
+impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        self.headers
+            .placed
+            .get(&t.storage_id())
+            .map(|(s, _)| s.clone())
+    }
+
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let Some((_, range)) = self.headers.placed.get(&t.storage_id()) else {
+            return Ok(());
+        };
+        let mut buf = vec![0u8; STREAM_CHUNK.min(range.end - range.start) as usize];
+        let mut at = range.start;
+        while at < range.end {
+            let n = STREAM_CHUNK.min(range.end - at) as usize;
+            self.file
+                .read_exact_at(&mut buf[..n], at)
+                .map_err(Error::io("reading", self.path))?;
+            sink(&buf[..n]).map_err(Error::io("writing", self.out))?;
+            at += n as u64;
+        }
+        crate::io::output::drop_cached_pages(&self.file, range.start, range.end - range.start);
+        Ok(())
+    }
+}
+
+/// The object of a safetensors file from its header, each tensor made by `tensor` (name,
+/// info, dtype; an error is a reason, reported with the file and tensor).
+fn build(
+    file: &str,
+    header: &::safetensors::tensor::Metadata,
+    mut tensor: impl FnMut(
+        &str,
+        &::safetensors::tensor::TensorInfo,
+        DType,
+    ) -> std::result::Result<HostTensor, String>,
+) -> Result<PyObj> {
     let mut tensors: HashMap<String, HostTensor> = HashMap::new();
-    for (name, view) in st.iter() {
-        let dtype = from_st_dtype(view.dtype()).ok_or_else(|| {
+    for name in header.offset_keys() {
+        let info = header.info(&name).expect("a name of the header");
+        let dtype = from_st_dtype(info.dtype).ok_or_else(|| {
             st_err(
                 file,
                 format!(
                     "tensor `{name}` has dtype {:?}, which is not supported",
-                    view.dtype()
+                    info.dtype
                 ),
             )
         })?;
-        let t = HostTensor::from_bytes(dtype, view.shape(), view.data())
+        let t = tensor(&name, info, dtype)
             .map_err(|e| st_err(file, format!("tensor `{name}`: {e}")))?;
-        tensors.insert(name.to_string(), t);
+        tensors.insert(name, t);
     }
     let skeleton = header.metadata().as_ref().and_then(|m| m.get(OBJECT_KEY));
     let Some(skeleton) = skeleton else {

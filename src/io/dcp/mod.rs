@@ -40,7 +40,9 @@ pub use write::save_dcp;
 pub(crate) use write::{save_dcp_in_group, save_dcp_streaming};
 
 use crate::error::Result;
-use crate::io::torch_save::FileTensors;
+use crate::io::safetensors::FileTensors as SafetensorsTensors;
+use crate::io::torch_save::writer::LazyTensors;
+use crate::io::torch_save::FileTensors as TorchSaveTensors;
 use std::path::Path;
 
 /// What a DCP directory is for the replace rule of [`crate::io::output::check_dir_output`]:
@@ -75,47 +77,77 @@ pub fn is_dcp_dir(dir: &Path) -> bool {
 
 /// Writes the state dict in the `torch.save` (or `.safetensors`) file `input` as the DCP
 /// directory `out`, as `torch.distributed.checkpoint.format_utils.torch_save_to_dcp(input,
-/// out)` does; see [`save_dcp`]. Returns the tensor bytes written.
+/// out)` does; see [`save_dcp`]. The tensors are streamed from the file (memory holds one
+/// 4 MiB chunk) for a `.safetensors` file and for a `torch.save` file whose every tensor is
+/// its whole storage (what `torch.save` of a state dict writes); a `torch.save` file with
+/// views into shared storages is read into memory first. Returns the tensor bytes written.
 pub fn torch_save_to_dcp(input: &Path, out: &Path) -> Result<u64> {
-    if let Some(headers) = streamable_headers(input)? {
-        if let Some(mut lazy) = FileTensors::open(input, &headers, out)? {
-            return save_dcp_streaming(&headers.obj, out, &mut lazy);
-        }
+    let headers = Headers::read(input)?;
+    let streamer = headers.streamer(input, out)?;
+    match streamer {
+        Some(mut lazy) => save_dcp_streaming(headers.obj(), out, lazy.as_mut()),
+        None => save_dcp(&crate::io::load(input)?, out),
     }
-    let obj = crate::io::load(input)?;
-    save_dcp(&obj, out)
 }
 
 /// [`torch_save_to_dcp`] split across the processes of `pg`, each calling it with the same
-/// paths (the same files for all, e.g. on a shared filesystem): from a `torch.save` file
-/// whose every tensor is its whole storage (what `torch.save` of a state dict writes), each
-/// process streams its share of the tensors from the input into the one data file and process
-/// 0 writes `.metadata` and installs the directory (the data file is byte for byte the
-/// single-process one); any other input is converted by process 0 alone. A failure on any
-/// process fails every process with the lowest failing one's error, and `out` is left as it
-/// was. Returns the tensor bytes written.
+/// paths (the same files for all, e.g. on a shared filesystem): when the tensors stream from
+/// the input (see [`torch_save_to_dcp`]), each process streams its share of them into the
+/// one data file and process 0 writes `.metadata` and installs the directory (the data file
+/// is byte for byte the single-process one); a `torch.save` file with views into shared
+/// storages is converted by process 0 alone. A failure on any process fails every process
+/// with the lowest failing one's error, and `out` is left as it was. Returns the tensor bytes
+/// written.
 pub fn torch_save_to_dcp_in_group(
     input: &Path,
     out: &Path,
     pg: &dyn crate::collectives::ProcessGroup,
 ) -> Result<u64> {
     use crate::collectives::ProcessGroupExt;
-    let headers = pg.agree(streamable_headers(input))?;
-    let lazy = match &headers {
-        Some(h) => pg.agree(FileTensors::open(input, h, out))?,
-        None => None,
-    };
-    match (lazy, &headers) {
-        (Some(mut lazy), Some(h)) => save_dcp_in_group(&h.obj, out, &mut lazy, pg),
-        _ => pg.on_root(|| save_dcp(&crate::io::load(input)?, out)),
+    let headers = pg.agree(Headers::read(input))?;
+    let streamer = pg.agree(headers.streamer(input, out))?;
+    match streamer {
+        Some(mut lazy) => save_dcp_in_group(headers.obj(), out, lazy.as_mut(), pg),
+        None => pg.on_root(|| save_dcp(&crate::io::load(input)?, out)),
     }
 }
 
-/// The headers of `input` when it is a `torch.save` file (by its extension), read without
-/// tensor data; `None` for a `.safetensors` file.
-fn streamable_headers(input: &Path) -> Result<Option<crate::io::torch_save::Headers>> {
-    match crate::io::FileFormat::from_path(input)? {
-        crate::io::FileFormat::Safetensors => Ok(None),
-        _ => crate::io::torch_save::load_headers(input).map(Some),
+/// A state dict file's structure read without its tensor data, by format (the extension).
+enum Headers {
+    TorchSave(crate::io::torch_save::Headers),
+    Safetensors(crate::io::safetensors::Headers),
+}
+
+impl Headers {
+    fn read(input: &Path) -> Result<Self> {
+        Ok(match crate::io::FileFormat::from_path(input)? {
+            crate::io::FileFormat::Safetensors => {
+                Headers::Safetensors(crate::io::safetensors::load_headers(input)?)
+            }
+            _ => Headers::TorchSave(crate::io::torch_save::load_headers(input)?),
+        })
+    }
+
+    /// The object, with placeholders for the tensors the streamer streams.
+    fn obj(&self) -> &crate::io::torch_save::PyObj {
+        match self {
+            Headers::TorchSave(h) => &h.obj,
+            Headers::Safetensors(h) => &h.obj,
+        }
+    }
+
+    /// What streams the placeholders' bytes from `input` while `out` is written; `None` when
+    /// they cannot be streamed (a `torch.save` tensor that is not its whole storage).
+    fn streamer<'h>(
+        &'h self,
+        input: &'h Path,
+        out: &'h Path,
+    ) -> Result<Option<Box<dyn LazyTensors + 'h>>> {
+        Ok(match self {
+            Headers::TorchSave(h) => {
+                TorchSaveTensors::open(input, h, out)?.map(|t| Box::new(t) as Box<dyn LazyTensors>)
+            }
+            Headers::Safetensors(h) => Some(Box::new(SafetensorsTensors::open(input, h, out)?)),
+        })
     }
 }
