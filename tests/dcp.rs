@@ -577,3 +577,38 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     dcp::torch_save_to_dcp(&input, &out).unwrap();
     assert!(dcp::is_dcp_dir(&out));
 }
+
+#[test]
+fn a_flat_range_read_alone_equals_the_same_range_of_the_whole_tensor() {
+    // Row slabs (FSDP1 and FSDP2 dim-0 shards) and a 2-D grid of DTensor chunks.
+    for name in SCENARIOS {
+        let ckpt = DcpCheckpoint::open(golden(name).join("ckpt")).unwrap();
+        for e in &ckpt.metadata().entries {
+            let dcp::EntryKind::Tensor(t) = &e.kind else {
+                continue;
+            };
+            if t.size.is_empty() {
+                continue;
+            }
+            let whole = ckpt.read_tensor(&e.key).unwrap();
+            let n = whole.numel();
+            let mut ranges = vec![(0, n), (0, 0), (n, 0), (n / 3, n / 2), (n - 1, 1)];
+            ranges.extend(
+                (0..n)
+                    .step_by(n.div_ceil(5).max(1))
+                    .map(|s| (s, (n - s).min(7))),
+            );
+            for (start, len) in ranges {
+                let part = ckpt.read_flat_range(&e.key, start, len).unwrap();
+                assert_eq!(part.shape(), [len], "{name} {}", e.key);
+                assert!(
+                    part.bit_eq(&whole.narrow_flat(start, len).unwrap()),
+                    "{name} {} elements {start}..+{len}",
+                    e.key
+                );
+            }
+            let err = ckpt.read_flat_range(&e.key, n, 1).unwrap_err();
+            assert!(err.to_string().contains("outside the tensor"), "{err}");
+        }
+    }
+}

@@ -25,7 +25,8 @@ use crate::flat_param::ModelLayout;
 use crate::io::dcp::{self, Chunk, DcpCheckpoint, EntryKind, PathItem, Record, StoredChunk};
 use crate::io::torch_save::{self, PyObj};
 use crate::optim_state::flatten::{
-    flat_param_state_for_rank, flatten_from_source, orig_param_state_for_rank, ShardSource,
+    flat_param_state_with, flatten_from_source, flatten_tensor_parts, orig_param_state_for_rank,
+    ShardSource,
 };
 use crate::optim_state::{OptimParams, OptimStateDict, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
@@ -649,8 +650,8 @@ fn commit(reports: Vec<RankChunks>, tmp: &Path, dir: &Path) -> Result<()> {
 /// `optim.state` key must name a parameter, tensor states must have its global shape, and
 /// every parameter with state must have every state name the others have
 /// ([`Error::DcpStorage`] naming key and `.metadata`). Parameters are read one flat
-/// parameter (or original parameter) at a time, so memory holds one parameter's full state
-/// beside the result. No communication.
+/// parameter (or original parameter) at a time, and of each only the chunks holding the
+/// rank's element ranges ([`DcpCheckpoint::read_flat_range`]). No communication.
 pub fn load_dcp<T: Tensor>(
     dir: &Path,
     layout: &ModelLayout,
@@ -697,49 +698,115 @@ struct DcpSource<'c> {
 }
 
 impl DcpSource<'_> {
-    /// The full dict holding only the state of `fqns` (those the directory has state for).
-    fn dict_of<T: Tensor>(&self, fqns: &[&str]) -> Result<OptimStateDict<T>> {
+    /// The dict holding only the state of `fqns` (those the directory has state for): whole,
+    /// or with `ranges`, each positive-dim tensor state of `fqns[i]` only elements
+    /// `ranges[i].0..+ranges[i].1` of its flattening, as a 1-D tensor, read alone
+    /// ([`DcpCheckpoint::read_flat_range`]).
+    fn dict_of<T: Tensor>(
+        &self,
+        fqns: &[&str],
+        ranges: Option<&[(usize, usize)]>,
+    ) -> Result<OptimStateDict<T>> {
         let entries: Vec<usize> = fqns
             .iter()
             .filter_map(|f| self.states.get(*f))
             .flatten()
             .copied()
             .collect();
-        read_optim(self.ckpt, self.dir, &entries)?.try_map(|t: &HostTensor| T::from_host(t.clone()))
+        let read = |e: &dcp::Entry| -> Result<PyObj> {
+            let part = match (&e.kind, &e.path, ranges) {
+                (EntryKind::Tensor(t), Some(path), Some(ranges)) if !t.size.is_empty() => {
+                    match path.get(2) {
+                        Some(PathItem::Key(fqn)) => {
+                            fqns.iter().position(|f| f == fqn).map(|i| ranges[i])
+                        }
+                        _ => None,
+                    }
+                }
+                _ => None,
+            };
+            match (&e.kind, part) {
+                (EntryKind::Tensor(_), Some((start, len))) => Ok(PyObj::Tensor(
+                    self.ckpt.read_flat_range(&e.key, start, len)?,
+                )),
+                (EntryKind::Tensor(_), None) => Ok(PyObj::Tensor(self.ckpt.read_tensor(&e.key)?)),
+                (EntryKind::Bytes, _) => self.ckpt.read_object(&e.key),
+            }
+        };
+        read_optim_with(self.ckpt, self.dir, &entries, read)?
+            .try_map(|t: &HostTensor| T::from_host(t.clone()))
     }
 }
 
+/// The element range (start, len) of each member of `fl` that rank `rank`'s shard covers,
+/// (0, 0) for a member it holds none of.
+fn member_ranges(fl: &crate::flat_param::FlatParamLayout, rank: usize) -> Vec<(usize, usize)> {
+    let mut ranges = vec![(0, 0); fl.members.len()];
+    for piece in fl.shard_pieces(rank) {
+        if let crate::flat_param::ShardPiece::Member { member, start, len } = piece {
+            ranges[member] = (start, len);
+        }
+    }
+    ranges
+}
+
 impl<T: Tensor> ShardSource<T> for DcpSource<'_> {
+    /// Reads only the rank's element ranges of each member's tensor states.
     fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
         let fl = &layout.flat_params[f];
         let fqns: Vec<&str> = fl.members.iter().map(|m| m.fqn.as_str()).collect();
-        let full = self.dict_of(&fqns)?;
-        flat_param_state_for_rank(fl, self.rank, &full)
+        let ranges = member_ranges(fl, self.rank);
+        let part = self.dict_of(&fqns, Some(&ranges))?;
+        let rank = self.rank;
+        flat_param_state_with(fl, &part, &mut |sname, values| {
+            flatten_tensor_parts(fl, rank, sname, values, Some(&ranges))
+        })
     }
 
+    /// Reads only the slice of a sharded parameter's tensor states the rank's view covers.
     fn orig_param(
         &mut self,
         layout: &ModelLayout,
         param: usize,
         owner: Option<(usize, usize)>,
     ) -> Result<Option<ParamState<T>>> {
-        let full = self.dict_of(&[layout.state_fqn(param)])?;
-        orig_param_state_for_rank(layout, param, owner, self.rank, &full)
+        let fqn = layout.state_fqn(param);
+        let Some((f, m)) = owner.filter(|&(f, _)| layout.flat_params[f].sharded) else {
+            let full = self.dict_of(&[fqn], None)?;
+            return orig_param_state_for_rank(layout, param, owner, self.rank, &full);
+        };
+        let info = layout.flat_params[f].shard(self.rank).params[m];
+        if !info.in_shard {
+            return Ok(None);
+        }
+        let range = (info.intra_param_start_idx, info.numel_in_shard);
+        let mut part = self.dict_of::<T>(&[fqn], Some(&[range]))?;
+        Ok(part
+            .state
+            .shift_remove(&crate::optim_state::ParamKey::Name(fqn.to_string()))
+            .filter(|s| !s.is_empty()))
     }
 }
 
 /// The optimizer dict of the metadata entries `entries` (all under `optim`), read and nested
 /// as `dcp_to_torch_save` nests them; `state` is empty when no entry is under it.
 fn read_optim(ckpt: &DcpCheckpoint, dir: &Path, entries: &[usize]) -> Result<OptimStateDict> {
+    read_optim_with(ckpt, dir, entries, |e| match e.kind {
+        EntryKind::Tensor(_) => Ok(PyObj::Tensor(ckpt.read_tensor(&e.key)?)),
+        EntryKind::Bytes => ckpt.read_object(&e.key),
+    })
+}
+
+/// [`read_optim`] with each entry's value read by `read`.
+fn read_optim_with(
+    ckpt: &DcpCheckpoint,
+    dir: &Path,
+    entries: &[usize],
+    read: impl Fn(&dcp::Entry) -> Result<PyObj>,
+) -> Result<OptimStateDict> {
     let all = &ckpt.metadata().entries;
     let picked: Vec<_> = entries.iter().map(|&i| all[i].clone()).collect();
-    let mut leaf = |i: usize| -> Result<PyObj> {
-        let e = &picked[i];
-        match e.kind {
-            EntryKind::Tensor(_) => Ok(PyObj::Tensor(ckpt.read_tensor(&e.key)?)),
-            EntryKind::Bytes => ckpt.read_object(&e.key),
-        }
-    };
+    let mut leaf = |i: usize| -> Result<PyObj> { read(&picked[i]) };
     let nested = dcp::nest(&picked, &mut leaf).map_err(|e| match e {
         dcp::NestError::Path { key, reason } => Error::DcpChunks {
             dir: dir.display().to_string(),

@@ -331,6 +331,19 @@ pub(crate) fn flatten_tensor_state<T: Tensor>(
     sname: &str,
     values: &[Option<&Value<T>>],
 ) -> Result<T> {
+    flatten_tensor_parts(fl, rank, sname, values, None)
+}
+
+/// [`flatten_tensor_state`] where, with `ranges`, each positive-dim member's value is only
+/// the part of its flattening the rank's shard covers: elements `ranges[m].0..` as a 1-D
+/// tensor of `ranges[m].1` elements (what a reader that reads only the rank's bytes gives).
+pub(crate) fn flatten_tensor_parts<T: Tensor>(
+    fl: &FlatParamLayout,
+    rank: usize,
+    sname: &str,
+    values: &[Option<&Value<T>>],
+    ranges: Option<&[(usize, usize)]>,
+) -> Result<T> {
     let mut tensors: Vec<Option<&T>> = Vec::with_capacity(values.len());
     let mut dtypes = BTreeSet::new();
     for v in values {
@@ -359,7 +372,12 @@ pub(crate) fn flatten_tensor_state<T: Tensor>(
         });
     }
     let dtype = *dtypes.iter().next().expect("one dtype");
-    for (m, t) in fl.members.iter().zip(&tensors) {
+    // Where each member's value starts in its flattening, and the shape it must have.
+    let part = |m: usize| match ranges {
+        Some(r) if !fl.members[m].shape.is_empty() => (r[m].0, vec![r[m].1]),
+        _ => (0, fl.members[m].shape.clone()),
+    };
+    for (i, (m, t)) in fl.members.iter().zip(&tensors).enumerate() {
         match t {
             None if m.shape.is_empty() => {
                 return Err(Error::ZeroDimParamWithoutState {
@@ -367,17 +385,17 @@ pub(crate) fn flatten_tensor_state<T: Tensor>(
                     state: sname.into(),
                 })
             }
-            Some(t) if t.shape() != m.shape => {
+            Some(t) if t.shape() != part(i).1 => {
                 return Err(Error::ShapeMismatch {
                     context: format!("state `{sname}` of parameter `{}`", m.fqn),
-                    expected: m.shape.clone(),
+                    expected: part(i).1,
                     found: t.shape(),
                 })
             }
             _ => {}
         }
     }
-    shard_from_members(fl, rank, dtype, |m| tensors[m].map(|t| (t, 0)))
+    shard_from_members(fl, rank, dtype, |m| tensors[m].map(|t| (t, part(m).0)))
 }
 
 /// Cuts rank `rank`'s part of one original parameter's full state (`_shard_orig_param_state`):

@@ -244,6 +244,49 @@ impl DcpCheckpoint {
         Ok(out)
     }
 
+    /// Elements `start..start + len` of the row-major flattening of the tensor stored under
+    /// `key`, as a 1-D tensor. When the chunks are slabs of whole rows (FSDP2 and FSDP1 dim-0
+    /// shards, single chunks) only the chunks holding some of those elements are read, each
+    /// whole and checked as [`Self::read_tensor`] checks it; for another grid the whole tensor
+    /// is assembled first. What a rank reads of a parameter's state for its shard.
+    pub fn read_flat_range(&self, key: &str, start: usize, len: usize) -> Result<HostTensor> {
+        let bytes = self.plan_tensor(key)?;
+        let (t, dtype) = self.tensor_meta(key)?;
+        let es = dtype.size();
+        let end = start.checked_add(len).filter(|&e| e * es <= bytes);
+        let Some(end) = end else {
+            return Err(self.chunk_err(
+                key,
+                format!(
+                    "elements {start}..+{len} lie outside the tensor's {} elements",
+                    bytes / es
+                ),
+            ));
+        };
+        let mut out = HostTensor::zeros(dtype, &[len]);
+        let slabs = (!t.size.is_empty())
+            .then(|| row_slabs(&t.size, &t.chunks))
+            .flatten();
+        let Some(slabs) = slabs else {
+            let full = self.read_tensor(key)?;
+            out.bytes_mut()
+                .copy_from_slice(&full.as_bytes()[start * es..end * es]);
+            return Ok(out);
+        };
+        let row: usize = t.size[1..].iter().product();
+        for c in slabs {
+            let (lo, hi) = (c.offsets[0] * row, (c.offsets[0] + c.sizes[0]) * row);
+            let (a, b) = (lo.max(start), hi.min(end));
+            if a >= b {
+                continue;
+            }
+            let part = self.read_chunk(key, c, dtype)?;
+            out.bytes_mut()[(a - start) * es..(b - start) * es]
+                .copy_from_slice(&part.as_bytes()[(a - lo) * es..(b - lo) * es]);
+        }
+        Ok(out)
+    }
+
     /// The non-tensor value stored under `key` (a `torch.save`d object).
     pub fn read_object(&self, key: &str) -> Result<PyObj> {
         let info = self.storage(key, None)?;
