@@ -20,6 +20,8 @@
 //!   streaming;
 //! - `DCP consolidate`: `io::dcp::consolidate_to_torch` of the DCP directory (`fsdp-ckpt
 //!   consolidate DCP_DIR OUT.pt`);
+//! - `DCP to checkpoint for 3 ranks`: `checkpoint::dcp_to_checkpoint` of the DCP directory
+//!   (`fsdp-ckpt convert DCP_DIR OUT --to fsdp --world-size 3`; verified afterwards, untimed);
 //! - PyTorch `dcp_to_torch_save` of the same DCP directory, then an fsync of its output (the
 //!   crate's outputs are durable before they appear), `benches/dcp_side_by_side.py`. At 100M
 //!   parameters and below PyTorch also checks that both consolidated files are equal
@@ -47,8 +49,8 @@
 //!
 //! With `SCALE_BENCH_TOOL` naming an `fsdp-ckpt` built with `mpi` (`scripts/bench.sh` builds one
 //! and sets it when `mpirun` exists), the tool's `reshard`, `consolidate CKPT OUT.safetensors`,
-//! `consolidate CKPT OUT.pt`, `convert CKPT OUT --to dcp` and `consolidate DCP_DIR OUT.pt`
-//! also run as MPI jobs of 1, 2 and 4 processes (`SCALE_BENCH_NP`), timed from outside,
+//! `consolidate CKPT OUT.pt`, `convert CKPT OUT --to dcp`, `consolidate DCP_DIR OUT.pt` and
+//! `convert DCP_DIR OUT --to fsdp` also run as MPI jobs of 1, 2 and 4 processes (`SCALE_BENCH_NP`), timed from outside,
 //! `mpirun` included (issue 16, part 6).
 //!
 //! Run: `cargo bench --bench scale` (`SCALE_BENCH_UNITS=6,24` for other sizes; needs `.venv`).
@@ -110,6 +112,13 @@ fn child(args: &[String]) {
             b,
             Path::new(&args[3]),
         ),
+        "dcp-to-fsdp" => {
+            let units: usize = args[3].parse().expect("a unit count");
+            let layout =
+                fsdp::flat_param::ModelLayout::new(&model(units), &policy(units), RESHARD_WS)
+                    .expect("layout");
+            checkpoint::dcp_to_checkpoint(a, b, &layout).expect("dcp_to_checkpoint");
+        }
         _ => run_op(op, a, b),
     }
     println!(
@@ -248,12 +257,13 @@ struct Row {
     ops: Vec<(String, Outcome)>,
 }
 
-const CRATE_OPS: [(&str, &str); 5] = [
+const CRATE_OPS: [(&str, &str); 6] = [
     ("consolidate-pt", "consolidate .pt"),
     ("consolidate-st", "consolidate .safetensors"),
     ("reshard", "reshard 2 -> 3"),
     ("convert-dcp", "convert to DCP"),
     ("dcp-consolidate", "DCP consolidate (.pt)"),
+    ("dcp-to-fsdp", "DCP to checkpoint for 3 ranks"),
 ];
 
 fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usize>; 2]) -> Row {
@@ -292,15 +302,16 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
     for (op, label) in CRATE_OPS {
         let (src, dst) = match op {
             "dcp-consolidate" => (&dcp, dcp_pt.clone()),
+            "dcp-to-fsdp" => (&dcp, root.join("from-dcp")),
             "reshard" => (&ckpt, root.join("ckpt3")),
             "convert-dcp" => (&ckpt, root.join("converted")),
             "consolidate-st" => (&ckpt, root.join("full.safetensors")),
             _ => (&ckpt, root.join("full.pt")),
         };
-        let o = crate_child(&[op, &s(src), &s(&dst)]);
+        let o = crate_child(&[op, &s(src), &s(&dst), &units.to_string()]);
         report(label, bytes, &o);
-        if op == "reshard" {
-            checkpoint::verify(&dst).expect("the resharded checkpoint verifies");
+        if op == "reshard" || op == "dcp-to-fsdp" {
+            checkpoint::verify(&dst).expect("the written checkpoint verifies");
         }
         if op != "dcp-consolidate" {
             disk_peak = disk_peak.max(disk_bytes(root));
@@ -310,6 +321,11 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
     }
 
     if let Some((tool, nps)) = mpi_tool() {
+        // The model description `convert --to fsdp` takes.
+        let desc = root.join("desc.json");
+        let text = fsdp::offline::DescFile::new(model.clone(), policy(units)).to_json();
+        std::fs::write(&desc, text).expect("writing desc.json");
+        let to_fsdp = ["--to", "fsdp", "--model", &s(&desc), "--world-size", "3"].map(String::from);
         for &np in &nps {
             for (label, src, dst, args) in [
                 (
@@ -332,6 +348,12 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
                     &["--to", "dcp"],
                 ),
                 ("DCP consolidate (.pt)", &dcp, root.join("dcp-np.pt"), &[]),
+                (
+                    "DCP to checkpoint for 3 ranks",
+                    &dcp,
+                    root.join("from-dcp"),
+                    &to_fsdp.each_ref().map(String::as_str)[..],
+                ),
             ] {
                 let what = if args.first() == Some(&"--to") {
                     "convert"
