@@ -263,28 +263,31 @@ impl DcpCheckpoint {
                 ),
             ));
         };
-        let mut out = HostTensor::zeros(dtype, &[len]);
         let slabs = (!t.size.is_empty())
             .then(|| row_slabs(&t.size, &t.chunks))
             .flatten();
         let Some(slabs) = slabs else {
             let full = self.read_tensor(key)?;
-            out.bytes_mut()
-                .copy_from_slice(&full.as_bytes()[start * es..end * es]);
-            return Ok(out);
+            return HostTensor::filled_by(dtype, &[len], |out| {
+                out.copy_from_slice(&full.as_bytes()[start * es..end * es]);
+                Ok(())
+            });
         };
+        // The slabs tile the rows, so together they fill every byte of the range.
         let row: usize = t.size[1..].iter().product();
-        for c in slabs {
-            let (lo, hi) = (c.offsets[0] * row, (c.offsets[0] + c.sizes[0]) * row);
-            let (a, b) = (lo.max(start), hi.min(end));
-            if a >= b {
-                continue;
+        HostTensor::filled_by(dtype, &[len], |out| {
+            for c in slabs {
+                let (lo, hi) = (c.offsets[0] * row, (c.offsets[0] + c.sizes[0]) * row);
+                let (a, b) = (lo.max(start), hi.min(end));
+                if a >= b {
+                    continue;
+                }
+                let part = self.read_chunk(key, c, dtype)?;
+                out[(a - start) * es..(b - start) * es]
+                    .copy_from_slice(&part.as_bytes()[(a - lo) * es..(b - lo) * es]);
             }
-            let part = self.read_chunk(key, c, dtype)?;
-            out.bytes_mut()[(a - start) * es..(b - start) * es]
-                .copy_from_slice(&part.as_bytes()[(a - lo) * es..(b - lo) * es]);
-        }
-        Ok(out)
+            Ok(())
+        })
     }
 
     /// The non-tensor value stored under `key` (a `torch.save`d object).
