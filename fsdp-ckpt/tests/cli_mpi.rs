@@ -282,7 +282,7 @@ fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// The 8-rank checkpoint, and its consolidated `.pt` file, converted to a DCP directory by
+/// The 8-rank checkpoint, and its consolidated `.pt` and `.safetensors` files, converted to a DCP directory by
 /// the tool alone and by N processes: the same data file byte for byte (`.metadata` differs
 /// only in its random save id) and the same state once loaded.
 fn convert_to_dcp_matches_single_process(np: usize) {
@@ -330,6 +330,23 @@ fn convert_to_dcp_matches_single_process(np: usize) {
         load(&alone).bit_eq(&load(&job)),
         "the loaded state differs (.pt input)"
     );
+
+    // From the consolidated safetensors file: the same again.
+    let full = root.join("full.safetensors");
+    tool::ok(&tool::run(&[&"consolidate", &ckpt, &full]));
+    let (alone, job) = (root.join("alone-st"), root.join("job-st"));
+    tool::ok(&tool::run(&[&"convert", &full, &alone, &"--to", &"dcp"]));
+    let outcome = mpirun(np, &[&"convert", &full, &job, &"--to", &"dcp"]);
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "convert of a .safetensors at {np} processes failed: {}",
+        outcome.describe()
+    );
+    assert!(
+        data(&alone) == data(&job),
+        "the data file differs (.safetensors input)"
+    );
+    assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
     std::fs::remove_dir_all(&root).unwrap();
 }
 
