@@ -5,28 +5,18 @@
 //! FSDP1-written directories loaded into FSDP2; and the offline conversion of a DCP directory
 //! into the crate's checkpoint, which must write what live ranks loading and saving write.
 
+mod common;
+
+use common::dcp_fixture_net as net;
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{
-    DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
-    Value, WrapPolicy,
+    Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
+    WrapPolicy,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// The fixtures' `Net` (tests/golden/dcp/gen.py, untied, nothing frozen).
-fn net() -> ModelDesc {
-    let f = DType::F32;
-    ModelDesc::new()
-        .param("embed.weight", &[10, 4], f)
-        .param("net1.0.weight", &[10, 4], f)
-        .param("net1.0.bias", &[10], f)
-        .param("net2.0.weight", &[3, 10], f)
-        .param("net2.0.bias", &[3], f)
-        .param("head.weight", &[10, 3], f)
-        .param("out.weight", &[10, 4], f)
-}
 
 /// FSDP1 wrapping of every submodule then the root, flat or with original parameters.
 fn wrapping(orig: bool) -> WrapPolicy {

@@ -4,6 +4,8 @@
 use fsdp::io::{self, torch_save};
 use std::path::PathBuf;
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
 mod tool;
 use tool::{ok, run};
 
@@ -143,14 +145,7 @@ fn convert_a_pytorch_dcp_directory_to_a_checkpoint_for_three_ranks_keeps_its_opt
     use fsdp::{DType, ModelDesc, WrapPolicy};
     // gen.py's Net (untied, nothing frozen), wrapped as FSDP1 wraps it: net1, net2, the root.
     let f = DType::F32;
-    let model = ModelDesc::new()
-        .param("embed.weight", &[10, 4], f)
-        .param("net1.0.weight", &[10, 4], f)
-        .param("net1.0.bias", &[10], f)
-        .param("net2.0.weight", &[3, 10], f)
-        .param("net2.0.bias", &[3], f)
-        .param("head.weight", &[10, 3], f)
-        .param("out.weight", &[10, 4], f);
+    let model = common::dcp_fixture_net();
     let policy = WrapPolicy::units(&["net1", "net2", ""]);
     let tmp = tempfile::tempdir().unwrap();
     let desc = tmp.path().join("desc.json");

@@ -354,20 +354,12 @@ fn convert_to_dcp_matches_single_process(np: usize) {
 /// ranks by the tool alone and by N processes: the same files, byte for byte.
 fn convert_to_fsdp_matches_single_process(np: usize) {
     use fsdp::offline::DescFile;
-    use fsdp::{DType, ModelDesc, WrapPolicy};
+    use fsdp::WrapPolicy;
     let root = scratch(&format!("convert-fsdp-np{np}"));
     let input =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/golden/dcp/fsdp2_adam_ws4/ckpt");
     // gen.py's Net, wrapped as FSDP1 wraps it: net1, net2, the root.
-    let f = DType::F32;
-    let model = ModelDesc::new()
-        .param("embed.weight", &[10, 4], f)
-        .param("net1.0.weight", &[10, 4], f)
-        .param("net1.0.bias", &[10], f)
-        .param("net2.0.weight", &[3, 10], f)
-        .param("net2.0.bias", &[3], f)
-        .param("head.weight", &[10, 3], f)
-        .param("out.weight", &[10, 4], f);
+    let model = common::dcp_fixture_net();
     let desc = root.join("desc.json");
     let policy = WrapPolicy::units(&["net1", "net2", ""]);
     std::fs::write(&desc, DescFile::new(model, policy).to_json()).unwrap();

@@ -15,6 +15,19 @@ use fsdp::{
     Value, WrapPolicy,
 };
 
+/// The `Net` of the DCP fixtures (tests/golden/dcp/gen.py, untied, nothing frozen).
+pub fn dcp_fixture_net() -> ModelDesc {
+    let f = DType::F32;
+    ModelDesc::new()
+        .param("embed.weight", &[10, 4], f)
+        .param("net1.0.weight", &[10, 4], f)
+        .param("net1.0.bias", &[10], f)
+        .param("net2.0.weight", &[3, 10], f)
+        .param("net2.0.bias", &[3], f)
+        .param("head.weight", &[10, 3], f)
+        .param("out.weight", &[10, 4], f)
+}
+
 /// `NestedModel` of the PyTorch test: blocks of `BlockA`/`BlockB` with biases, in
 /// `named_parameters()` order (the root's own `bias` first).
 pub fn nested_model() -> ModelDesc {
