@@ -282,72 +282,56 @@ fn consolidate_matches_single_process(np: usize, input: Input, ext: &str) {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// The 8-rank checkpoint, and its consolidated `.pt` and `.safetensors` files, converted to a DCP directory by
-/// the tool alone and by N processes: the same data file byte for byte (`.metadata` differs
-/// only in its random save id) and the same state once loaded.
+/// The 8-rank checkpoint, and its consolidated `.pt` and `.safetensors` files, converted to a
+/// DCP directory by the tool alone and by N processes: the same data file byte for byte
+/// (`.metadata` differs only in its random save id) and the same state once loaded.
 fn convert_to_dcp_matches_single_process(np: usize) {
     let root = scratch(&format!("convert-dcp-np{np}"));
     let ckpt = root.join("ckpt8");
     saved_checkpoint(&ckpt, 8);
-    let (alone, job) = (root.join("alone"), root.join("job"));
-    tool::ok(&tool::run(&[&"convert", &ckpt, &alone, &"--to", &"dcp"]));
-    let outcome = mpirun(np, &[&"convert", &ckpt, &job, &"--to", &"dcp"]);
+    let job = convert_alone_and_as_job(np, &ckpt, &root, "");
+    assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
+    assert_eq!(names_in(&job), [".metadata", "__0_0.distcp"]);
+    // From the consolidated torch.save and safetensors files: the same again.
+    for ext in ["pt", "safetensors"] {
+        let full = root.join(format!("full.{ext}"));
+        tool::ok(&tool::run(&[&"consolidate", &ckpt, &full]));
+        convert_alone_and_as_job(np, &full, &root, &format!("-{ext}"));
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// `convert INPUT ROOT/alone{suffix} --to dcp` by the tool alone and `ROOT/job{suffix}` under
+/// `mpirun -np N`: the same data file and the same state loaded, one report naming the job.
+/// Returns the job's directory.
+fn convert_alone_and_as_job(np: usize, input: &Path, root: &Path, suffix: &str) -> PathBuf {
+    let what = input.display();
+    let (alone, job) = (
+        root.join(format!("alone{suffix}")),
+        root.join(format!("job{suffix}")),
+    );
+    tool::ok(&tool::run(&[&"convert", &input, &alone, &"--to", &"dcp"]));
+    let outcome = mpirun(np, &[&"convert", &input, &job, &"--to", &"dcp"]);
     assert!(
         outcome.status.is_some_and(|s| s.success()),
-        "convert at {np} processes failed: {}",
+        "convert of {what} at {np} processes failed: {}",
         outcome.describe()
     );
     let data = |dir: &Path| std::fs::read(dir.join("__0_0.distcp")).unwrap();
-    assert!(data(&alone) == data(&job), "the data file differs");
+    assert!(data(&alone) == data(&job), "{what}: the data file differs");
     let load = |dir: &Path| {
         fsdp::io::dcp::DcpCheckpoint::open(dir)
             .unwrap()
             .load()
             .unwrap()
     };
-    assert!(load(&alone).bit_eq(&load(&job)), "the loaded state differs");
-    assert_eq!(outcome.stderr.matches("converted ").count(), 1);
-    assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
-    assert_eq!(names_in(&root), ["alone", "ckpt8", "job"]);
-    assert_eq!(names_in(&job), [".metadata", "__0_0.distcp"]);
-
-    // From the consolidated torch.save file: the same again.
-    let full = root.join("full.pt");
-    tool::ok(&tool::run(&[&"consolidate", &ckpt, &full]));
-    let (alone, job) = (root.join("alone-pt"), root.join("job-pt"));
-    tool::ok(&tool::run(&[&"convert", &full, &alone, &"--to", &"dcp"]));
-    let outcome = mpirun(np, &[&"convert", &full, &job, &"--to", &"dcp"]);
-    assert!(
-        outcome.status.is_some_and(|s| s.success()),
-        "convert of a .pt at {np} processes failed: {}",
-        outcome.describe()
-    );
-    assert!(
-        data(&alone) == data(&job),
-        "the data file differs (.pt input)"
-    );
     assert!(
         load(&alone).bit_eq(&load(&job)),
-        "the loaded state differs (.pt input)"
+        "{what}: the loaded state differs"
     );
-
-    // From the consolidated safetensors file: the same again.
-    let full = root.join("full.safetensors");
-    tool::ok(&tool::run(&[&"consolidate", &ckpt, &full]));
-    let (alone, job) = (root.join("alone-st"), root.join("job-st"));
-    tool::ok(&tool::run(&[&"convert", &full, &alone, &"--to", &"dcp"]));
-    let outcome = mpirun(np, &[&"convert", &full, &job, &"--to", &"dcp"]);
-    assert!(
-        outcome.status.is_some_and(|s| s.success()),
-        "convert of a .safetensors at {np} processes failed: {}",
-        outcome.describe()
-    );
-    assert!(
-        data(&alone) == data(&job),
-        "the data file differs (.safetensors input)"
-    );
+    assert_eq!(outcome.stderr.matches("converted ").count(), 1);
     assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
-    std::fs::remove_dir_all(&root).unwrap();
+    job
 }
 
 /// PyTorch's FSDP2 DCP fixture (tests/golden/dcp) converted to the crate's checkpoint for 5
