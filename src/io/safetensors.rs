@@ -412,7 +412,7 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
 fn read(file: &str, bytes: &[u8]) -> Result<PyObj> {
     let (n, header) = SafeTensors::read_metadata(bytes).map_err(|e| st_err(file, e))?;
     let data = &bytes[8 + n..];
-    build(file, &header, |_, info, dtype| {
+    build(file, &header, |info, dtype| {
         let (s, e) = info.data_offsets;
         HostTensor::from_bytes(dtype, &info.shape, &data[s..e]).map_err(|e| e.to_string())
     })
@@ -465,7 +465,7 @@ pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
         ));
     }
     let mut placed = HashMap::new();
-    let obj = build(&file, &md, |_, info, dtype| {
+    let obj = build(&file, &md, |info, dtype| {
         let (s, e) = info.data_offsets;
         let range = data_start + s as u64..data_start + e as u64;
         if info.shape.iter().product::<usize>() <= 1 {
@@ -549,13 +549,12 @@ impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
     }
 }
 
-/// The object of a safetensors file from its header, each tensor made by `tensor` (name,
-/// info, dtype; an error is a reason, reported with the file and tensor).
+/// The object of a safetensors file from its header, each tensor made by `tensor` from its
+/// info and dtype (an error is a reason, reported with the file and tensor).
 fn build(
     file: &str,
     header: &::safetensors::tensor::Metadata,
     mut tensor: impl FnMut(
-        &str,
         &::safetensors::tensor::TensorInfo,
         DType,
     ) -> std::result::Result<HostTensor, String>,
@@ -572,8 +571,7 @@ fn build(
                 ),
             )
         })?;
-        let t = tensor(&name, info, dtype)
-            .map_err(|e| st_err(file, format!("tensor `{name}`: {e}")))?;
+        let t = tensor(info, dtype).map_err(|e| st_err(file, format!("tensor `{name}`: {e}")))?;
         tensors.insert(name, t);
     }
     let skeleton = header.metadata().as_ref().and_then(|m| m.get(OBJECT_KEY));

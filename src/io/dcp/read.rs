@@ -253,7 +253,9 @@ impl DcpCheckpoint {
         let bytes = self.plan_tensor(key)?;
         let (t, dtype) = self.tensor_meta(key)?;
         let es = dtype.size();
-        let end = start.checked_add(len).filter(|&e| e * es <= bytes);
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e.checked_mul(es).is_some_and(|b| b <= bytes));
         let Some(end) = end else {
             return Err(self.chunk_err(
                 key,
