@@ -17,6 +17,29 @@ use crate::error::{Error, Result};
 use std::path::Path;
 use torch_save::PyObj;
 
+/// Bytes a file streamer ([`torch_save`]'s and [`safetensors`]'s, converting to DCP) reads
+/// and hands on at a time.
+const STREAM_CHUNK: u64 = 4 << 20;
+
+/// Streams bytes `start..start + len` of a file: `read` (offset, buffer) fills one reused
+/// buffer [`STREAM_CHUNK`] bytes at a time and `each` gets every chunk, in order.
+pub(crate) fn stream_range(
+    start: u64,
+    len: u64,
+    mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
+    mut each: impl FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let mut buf = vec![0u8; STREAM_CHUNK.min(len) as usize];
+    let mut at = 0;
+    while at < len {
+        let n = STREAM_CHUNK.min(len - at) as usize;
+        read(start + at, &mut buf[..n])?;
+        each(&buf[..n])?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
 /// A checkpoint file format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]

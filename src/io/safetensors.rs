@@ -492,7 +492,8 @@ fn open_input(path: &Path) -> Result<std::fs::File> {
 const MAX_HEADER: u64 = 100_000_000;
 
 /// The placeholders of a [`Headers`] streamed from the `.safetensors` file they were read
-/// from, 4 MiB at a time, each tensor's pages dropped from the page cache once read.
+/// from, 4 MiB at a time ([`super::stream_range`]), each tensor's pages dropped from the
+/// page cache once read.
 pub(crate) struct FileTensors<'h> {
     headers: &'h Headers,
     file: std::fs::File,
@@ -514,9 +515,6 @@ impl<'h> FileTensors<'h> {
     }
 }
 
-/// Bytes [`FileTensors`] reads and hands on at a time.
-const STREAM_CHUNK: u64 = 4 << 20;
-
 impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
     fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
         self.headers
@@ -534,16 +532,16 @@ impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
         let Some((_, range)) = self.headers.placed.get(&t.storage_id()) else {
             return Ok(());
         };
-        let mut buf = vec![0u8; STREAM_CHUNK.min(range.end - range.start) as usize];
-        let mut at = range.start;
-        while at < range.end {
-            let n = STREAM_CHUNK.min(range.end - at) as usize;
-            self.file
-                .read_exact_at(&mut buf[..n], at)
-                .map_err(Error::io("reading", self.path))?;
-            sink(&buf[..n]).map_err(Error::io("writing", self.out))?;
-            at += n as u64;
-        }
+        let (file, path, out) = (&self.file, self.path, self.out);
+        super::stream_range(
+            range.start,
+            range.end - range.start,
+            |at, buf| {
+                file.read_exact_at(buf, at)
+                    .map_err(Error::io("reading", path))
+            },
+            |chunk| sink(chunk).map_err(Error::io("writing", out)),
+        )?;
         crate::io::output::drop_cached_pages(&self.file, range.start, range.end - range.start);
         Ok(())
     }

@@ -175,10 +175,11 @@ pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> 
     Ok(read_archive(&name, src, mode)?.obj)
 }
 
-/// The placeholders of a [`Headers`] read from the `torch.save` file `path`, streamed
-/// from the file one chunk at a time when the archive is written (each placeholder's storage
-/// entry, its CRC-32 checked at its end; the pages read are dropped from the page cache). Only
-/// for headers whose every placeholder is its whole storage ([`FileTensors::open`] checks).
+/// The placeholders of a [`Headers`] read from the `torch.save` file `path`, streamed from
+/// the file 4 MiB at a time ([`crate::io::stream_range`]) when the archive is written (each
+/// placeholder's storage entry, its CRC-32 checked at its end; the pages read are dropped
+/// from the page cache). Only for headers whose every placeholder is its whole storage
+/// ([`FileTensors::open`] checks).
 pub(crate) struct FileTensors<'h> {
     headers: &'h Headers,
     zip: ZipReader<FileSource>,
@@ -186,9 +187,6 @@ pub(crate) struct FileTensors<'h> {
     /// The output being written, for messages.
     out: &'h Path,
 }
-
-/// Bytes [`FileTensors`] reads and hands on at a time.
-const STREAM_CHUNK: usize = 4 << 20;
 
 impl<'h> FileTensors<'h> {
     /// Streams `headers`' placeholders from the file `path` they were read from, writing
@@ -230,15 +228,16 @@ impl writer::LazyTensors for FileTensors<'_> {
         let entry = storage_entry(&self.zip, &self.prefix, key)?;
         let start = self.zip.data_start(&entry)?;
         let mut crc = crc32fast::Hasher::new();
-        let mut buf = vec![0u8; STREAM_CHUNK.min(entry.size as usize)];
-        let mut at = 0u64;
-        while at < entry.size {
-            let n = STREAM_CHUNK.min((entry.size - at) as usize);
-            self.zip.read_part(&entry, start + at, &mut buf[..n])?;
-            crc.update(&buf[..n]);
-            sink(&buf[..n]).map_err(Error::io("writing", self.out))?;
-            at += n as u64;
-        }
+        let out = self.out;
+        crate::io::stream_range(
+            start,
+            entry.size,
+            |at, buf| self.zip.read_part(&entry, at, buf),
+            |chunk| {
+                crc.update(chunk);
+                sink(chunk).map_err(Error::io("writing", out))
+            },
+        )?;
         self.zip.check_crc(&entry, start, crc.finalize())?;
         self.zip.drop_cached(start, entry.size);
         Ok(())
