@@ -480,9 +480,9 @@ fn member_place(pieces: &[ShardPiece], m: usize) -> Option<(usize, usize, usize)
 /// gathering whole tensors: for each flat parameter and tensor state whose members are all
 /// row-sharded (the usual case), every rank receives only the element ranges of its own flat
 /// shard, straight from the ranks holding them (one `scatter_into` per holding rank that
-/// sends anything, for all states at once), into one buffer per state that becomes it. Anything else (unmanaged parameters,
-/// `use_orig_params=True`, incomplete or inconsistent states, whose errors the flattening then
-/// reports) is gathered whole first, as before.
+/// sends anything, for all states at once), into one buffer per state that becomes it.
+/// Anything else (unmanaged parameters, `use_orig_params=True`, incomplete or inconsistent
+/// states, whose errors the flattening then reports) is gathered whole first, as before.
 pub fn load_sharded<T: Tensor>(
     op: &str,
     layout: &ModelLayout,
