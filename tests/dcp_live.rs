@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::dcp_fixture_net as net;
+use common::{dcp_fixture_net as net, files_of};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
@@ -691,22 +691,6 @@ fn load_in_torch<const N: usize>(cases: [(PathBuf, PathBuf, &str, &str); N]) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(stdout.matches(": ok").count(), N, "{stdout}");
-}
-
-/// Every file of the directory `dir` (names sorted) with its bytes.
-fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (
-                e.file_name().to_string_lossy().into_owned(),
-                std::fs::read(e.path()).unwrap(),
-            )
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 /// `ws` live ranks load the DCP directory `dir` and save the crate's checkpoint at `out`.

@@ -14,7 +14,7 @@ mod common;
 mod tool;
 
 use common::job::{run_job, Outcome};
-use common::{full_adam, nested_model, wrap, wrap_alt};
+use common::{files_of, full_adam, nested_model, wrap, wrap_alt};
 use fsdp::collectives::ThreadGroup;
 use fsdp::Fsdp;
 use std::ffi::OsStr;
@@ -153,20 +153,6 @@ fn mpirun(np: usize, args: &[&dyn AsRef<OsStr>]) -> Outcome {
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none");
     run_job(cmd, limit)
-}
-
-/// Every file of `dir` (names sorted) with its bytes.
-fn files_of(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            let name = e.file_name().to_string_lossy().into_owned();
-            (name, std::fs::read(e.path()).unwrap())
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 /// The entries of `dir` (to see that no temporary was left behind).

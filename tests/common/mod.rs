@@ -15,6 +15,21 @@ use fsdp::{
     Value, WrapPolicy,
 };
 
+/// Every file of the directory `dir` (names sorted) with its bytes: two outputs compared
+/// byte for byte.
+pub fn files_of(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let name = e.file_name().to_string_lossy().into_owned();
+            (name, std::fs::read(e.path()).unwrap())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// The `Net` of the DCP fixtures (tests/golden/dcp/gen.py, untied, nothing frozen).
 pub fn dcp_fixture_net() -> ModelDesc {
     let f = DType::F32;
