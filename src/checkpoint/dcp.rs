@@ -658,42 +658,76 @@ pub fn load_dcp<T: Tensor>(
     rank: usize,
     params: &OptimParams,
 ) -> Result<OptimStateDict<T>> {
-    let ckpt = DcpCheckpoint::open(dir)?;
-    let states = check_against_model(&ckpt, dir, layout)?;
-    let group_entries: Vec<usize> = ckpt
-        .metadata()
-        .entries
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| {
-            matches!(e.path.as_deref(), Some([PathItem::Key(a), PathItem::Key(b), ..]) if a == "optim" && b == "param_groups")
-        })
-        .map(|(i, _)| i)
-        .collect();
-    let groups = read_optim(&ckpt, dir, &group_entries)?
-        .param_groups
-        .map(|gs| {
-            gs.iter()
-                .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
-                .collect::<Result<Vec<_>>>()
-        })
-        .transpose()?;
-    let mut source = DcpSource {
-        ckpt: &ckpt,
-        dir,
-        states,
-        rank,
-    };
-    flatten_from_source(layout, &mut source, groups.as_deref(), Vec::new(), params)
+    DcpOptimState::open(dir, layout)?.load(layout, rank, params)
 }
 
-/// A DCP directory as a [`ShardSource`]: each parameter's full state read when the
-/// flattening asks for it, then cut for the rank as a full dict would be.
+/// A DCP directory opened for loading ranks of `layout` ([`load_dcp`]): its metadata read
+/// and checked against the model and its param groups read, once for any number of ranks.
+pub(super) struct DcpOptimState<'d> {
+    ckpt: DcpCheckpoint,
+    dir: &'d Path,
+    /// Per fully qualified name with state: its entries' indices in the metadata.
+    states: HashMap<String, Vec<usize>>,
+    groups: Option<Vec<crate::optim_state::ParamGroup>>,
+}
+
+impl<'d> DcpOptimState<'d> {
+    /// Opens `dir` and checks its metadata against `layout`'s model.
+    pub(super) fn open(dir: &'d Path, layout: &ModelLayout) -> Result<Self> {
+        let ckpt = DcpCheckpoint::open(dir)?;
+        let states = check_against_model(&ckpt, dir, layout)?;
+        let group_entries: Vec<usize> = ckpt
+            .metadata()
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| {
+                matches!(e.path.as_deref(), Some([PathItem::Key(a), PathItem::Key(b), ..]) if a == "optim" && b == "param_groups")
+            })
+            .map(|(i, _)| i)
+            .collect();
+        let groups = read_optim(&ckpt, dir, &group_entries)?.param_groups;
+        Ok(DcpOptimState {
+            ckpt,
+            dir,
+            states,
+            groups,
+        })
+    }
+
+    /// Rank `rank`'s optimizer state dict (see [`load_dcp`]).
+    pub(super) fn load<T: Tensor>(
+        &self,
+        layout: &ModelLayout,
+        rank: usize,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        let groups = self
+            .groups
+            .as_ref()
+            .map(|gs| {
+                gs.iter()
+                    .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
+        let mut source = DcpSource {
+            ckpt: &self.ckpt,
+            dir: self.dir,
+            states: &self.states,
+            rank,
+        };
+        flatten_from_source(layout, &mut source, groups.as_deref(), Vec::new(), params)
+    }
+}
+
+/// A DCP directory as a [`ShardSource`]: the rank's part of each parameter's state, read
+/// when the flattening asks for it.
 struct DcpSource<'c> {
     ckpt: &'c DcpCheckpoint,
     dir: &'c Path,
     /// Per fully qualified name with state: its entries' indices in the metadata.
-    states: HashMap<String, Vec<usize>>,
+    states: &'c HashMap<String, Vec<usize>>,
     rank: usize,
 }
 

@@ -1,10 +1,11 @@
 //! Converting a DCP directory into the crate's checkpoint offline, without live ranks: each
-//! output rank's shard is loaded from the directory as that rank would load it ([`load_dcp`])
-//! and written as that rank would save it ([`super::save`]'s rank file), one rank at a time,
-//! so memory holds one rank's shard; the manifest and the commit follow the save's protocol.
+//! output rank's shard is loaded from the directory as that rank would load it
+//! ([`super::load_dcp`]) and written as that rank would save it ([`super::save`]'s rank
+//! file), one rank at a time, so memory holds one rank's shard; the manifest and the commit
+//! follow the save's protocol.
 //! Split across an MPI job, output rank `r` is converted by process `r % N`.
 
-use super::dcp::load_dcp;
+use super::dcp::DcpOptimState;
 use super::save::{commit, write_rank, Report, Reports, SaveOptions};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
@@ -15,7 +16,7 @@ use std::path::Path;
 /// Writes the crate's checkpoint of the optimizer state in the DCP directory `src` (as
 /// PyTorch's `get_state_dict` + `dcp.save` or [`super::save_dcp`] wrote it, FSDP1 or FSDP2, at
 /// any world size) for the ranks of `layout` into `dst`: the checkpoint every rank of a live
-/// job writes by calling [`load_dcp`] then [`super::save`], byte for byte. Committed
+/// job writes by calling [`super::load_dcp`] then [`super::save`], byte for byte. Committed
 /// atomically; `dst` follows the replace rule of [`super::save`] and must not overlap `src`.
 pub fn dcp_to_checkpoint(src: &Path, dst: &Path, layout: &ModelLayout) -> Result<()> {
     check_layout(layout)?;
@@ -74,8 +75,8 @@ fn check_layout(layout: &ModelLayout) -> Result<()> {
     Ok(())
 }
 
-/// Loads and writes the rank files of `ranks` into `tmp`, one rank at a time; each rank's
-/// report for the manifest, with its rank.
+/// Loads and writes the rank files of `ranks` into `tmp`, one rank at a time (the directory
+/// opened and checked once); each rank's report for the manifest, with its rank.
 fn write_ranks(
     src: &Path,
     layout: &ModelLayout,
@@ -84,10 +85,11 @@ fn write_ranks(
     opts: &SaveOptions,
 ) -> Result<Vec<(usize, Report)>> {
     let params = OptimParams::of_model(layout);
+    let dcp = DcpOptimState::open(src, layout)?;
     ranks
         .iter()
         .map(|&rank| {
-            let osd: OptimStateDict = load_dcp(src, layout, rank, &params)?;
+            let osd: OptimStateDict = dcp.load(layout, rank, &params)?;
             let report = write_rank(layout, rank, &osd, &params, None, tmp, opts)?;
             Ok((rank, Some(report)))
         })
