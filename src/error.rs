@@ -509,7 +509,7 @@ pub enum Error {
 
     /// The pickle stream refers to a Python global (class or function) outside the small set
     /// that `torch.save` writes for state dicts.
-    #[error("unsupported Python global `{module}.{name}` in `{file}` at byte {offset}")]
+    #[error("unsupported Python global `{}.{}` in `{file}` at byte {offset}", shown(.module), shown(.name))]
     UnsupportedPickleGlobal {
         /// The file (or `<memory>`).
         file: String,
@@ -654,7 +654,7 @@ pub enum Error {
     // ----- DCP directories -----
     /// A DCP `.metadata` file does not have the structure PyTorch's `dcp.save` writes (the
     /// pickle itself parses; its objects are not the expected `Metadata` fields).
-    #[error("invalid DCP metadata `{file}`: {reason}")]
+    #[error("invalid DCP metadata `{}`: {reason}", shown(.file))]
     DcpMetadata {
         /// The `.metadata` file.
         file: String,
@@ -662,10 +662,37 @@ pub enum Error {
         reason: String,
     },
 
+    /// Two keys of a DCP `.metadata` have the same `planner_data` path: PyTorch's loader would
+    /// put one value in both places (and `dcp_to_torch_save` silently drops one key).
+    #[error("invalid DCP metadata `{}`: the keys `{}` and `{}` have the same planner_data path {path}; one of them would silently take the other's value, so the checkpoint is refused (a corrupt or hand-edited .metadata)", shown(.file), shown(.first), shown(.second))]
+    DcpSharedPath {
+        /// The `.metadata` file.
+        file: String,
+        /// The first key with the path.
+        first: String,
+        /// The second key with the same path.
+        second: String,
+        /// The path, as Python prints the tuple.
+        path: String,
+    },
+
+    /// A key's `planner_data` path in a DCP `.metadata` is not one PyTorch's loader accepts:
+    /// it is not the key's own path, it runs through another key's value, or it leaves a gap
+    /// in a list.
+    #[error("invalid DCP metadata `{}`, key `{}`: {reason}", shown(.file), shown(.key))]
+    DcpPlannerData {
+        /// The `.metadata` file.
+        file: String,
+        /// The flattened key (for a gap in a list: the list's key).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// The chunks of a DCP tensor do not tile its global shape exactly once (a hole, an
     /// overlap, a chunk outside the shape), a chunk or value has no storage record, or a key's
     /// nested path conflicts with another's.
-    #[error("DCP checkpoint `{dir}`, key `{key}`: {reason}")]
+    #[error("DCP checkpoint `{dir}`, key `{}`: {reason}", shown(.key))]
     DcpChunks {
         /// The checkpoint directory.
         dir: String,
@@ -678,7 +705,7 @@ pub enum Error {
     /// A DCP data reference is unusable: its file escapes the directory or is missing, the
     /// byte range lies past the file's end, or the stored chunk does not parse or disagrees
     /// with the metadata in dtype or shape.
-    #[error("DCP checkpoint `{dir}`, key `{key}`, file `{file}`: {reason}")]
+    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: {reason}", shown(.key), shown(.file))]
     DcpStorage {
         /// The checkpoint directory.
         dir: String,
@@ -699,6 +726,17 @@ pub enum Error {
         file: String,
         /// What is wrong.
         reason: String,
+    },
+
+    /// An input path that is none of the forms the offline tools read
+    /// ([`crate::offline::recognize`]): a directory without any form's marker, or a special
+    /// file.
+    #[error("`{}` is not an input this tool reads: {found}", shown(.path))]
+    UnrecognizedInput {
+        /// The input path.
+        path: String,
+        /// What was found there instead (the markers looked for, what it holds).
+        found: String,
     },
 
     /// A checkpoint path whose extension names no supported format.
@@ -867,6 +905,23 @@ mod io_kind_serde {
     }
 }
 
+/// The longest user-supplied name (a key, a file name from a checkpoint's metadata, a Python
+/// global) a message quotes whole, in characters.
+pub const SHOWN_NAME_CHARS: usize = 200;
+
+/// A user-supplied name as a message quotes it: whole up to [`SHOWN_NAME_CHARS`] characters;
+/// a longer one as its first 160 and last 30 characters around the count left out, so that
+/// a hostile 5000-character key cannot flood the terminal.
+pub fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+    let n = name.chars().count();
+    if n <= SHOWN_NAME_CHARS {
+        return name.into();
+    }
+    let head: String = name.chars().take(160).collect();
+    let tail: String = name.chars().skip(n - 30).collect();
+    format!("{head}…[{} characters left out]…{tail}", n - 190).into()
+}
+
 fn group_prefix(group: &Option<usize>) -> String {
     group
         .map(|g| format!("param group {g}: "))
@@ -933,5 +988,24 @@ mod tests {
         };
         assert_eq!(source.raw_os_error(), Some(libc::ENOSPC));
         assert_eq!(err.io_kind(), Some(std::io::ErrorKind::StorageFull));
+    }
+}
+
+#[cfg(test)]
+mod shown_tests {
+    use super::*;
+
+    #[test]
+    fn a_long_user_name_is_quoted_shortened_with_the_count_left_out() {
+        assert_eq!(shown("optim.param_groups.0.lr"), "optim.param_groups.0.lr");
+        let long = "k".repeat(5000);
+        let e = Error::DcpPlannerData {
+            file: "ckpt/.metadata".into(),
+            key: long,
+            reason: "bad".into(),
+        };
+        let text = e.to_string();
+        assert!(text.len() < 400, "{} characters: {text}", text.len());
+        assert!(text.contains("[4810 characters left out]"), "{text}");
     }
 }

@@ -7,6 +7,8 @@ use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{Error, HostTensor};
 use std::path::{Path, PathBuf};
 
+mod common;
+
 const SCENARIOS: [&str; 6] = [
     "fsdp2_adam_ws4",
     "fsdp2_adamw_ws3_tied",
@@ -325,6 +327,103 @@ fn chunks_disagreeing_with_the_metadata_are_refused() {
         matches!(&e, Error::DcpStorage { key, reason, .. } if key == "model.net1.0.weight" && reason.contains("metadata says")),
         "{e}"
     );
+}
+
+#[test]
+fn two_keys_sharing_a_planner_data_path_are_refused_naming_both() {
+    // `eps` given `lr`'s path: PyTorch's dcp_to_torch_save silently drops `eps`, and a
+    // reader that nested by path alone gave `lr` the value of `eps` (1e-08).
+    match hostile("shared_path", |_| {}) {
+        Error::DcpSharedPath {
+            first,
+            second,
+            path,
+            ..
+        } => {
+            assert_eq!(first, "optim.param_groups.0.lr");
+            assert_eq!(second, "optim.param_groups.0.eps");
+            assert_eq!(path, "('optim', 'param_groups', 0, 'lr')");
+        }
+        other => panic!("expected DcpSharedPath, got {other:?}"),
+    }
+}
+
+/// The key and reason of a [`Error::DcpPlannerData`].
+fn planner_error(err: &Error) -> (&str, &str) {
+    match err {
+        Error::DcpPlannerData { key, reason, .. } => (key, reason),
+        other => panic!("expected DcpPlannerData, got {other:?}"),
+    }
+}
+
+#[test]
+fn planner_data_paths_pytorch_refuses_are_refused() {
+    // PyTorch: "Missing key in checkpoint state_dict" for each.
+    let e = hostile("path_not_key", |_| {});
+    let (key, reason) = planner_error(&e);
+    assert_eq!(key, "model.net1.0.weight");
+    assert!(reason.contains("model.net9.0.weight"), "{e}");
+    let e = hostile("path_through_value", |_| {});
+    let (key, reason) = planner_error(&e);
+    assert_eq!(key, "optim.param_groups.0.lr");
+    assert!(
+        reason.contains("runs through the value of the key `model.net1.0.weight`"),
+        "{e}"
+    );
+    let e = hostile("param_groups_gap", |_| {});
+    let (key, reason) = planner_error(&e);
+    assert_eq!(key, "optim.param_groups");
+    assert!(
+        reason.contains("no item 0") && reason.contains("dense"),
+        "{e}"
+    );
+}
+
+#[test]
+fn every_hostile_metadata_is_refused_alike_by_verify_and_every_reader() {
+    // `hostile` checks that verify and consolidation (alone and split) give one error; the
+    // offline conversion to the crate's checkpoint refuses the same metadata.
+    let model = common::dcp_fixture_net();
+    let policy = fsdp::WrapPolicy::units(&["net1", "net2", ""]);
+    let layout = fsdp::flat_param::ModelLayout::new(&model, &policy, 2).unwrap();
+    for entry in std::fs::read_dir(golden("hostile")).unwrap() {
+        let name = entry.unwrap().file_name().to_string_lossy().into_owned();
+        let Some(case) = name.strip_suffix(".metadata") else {
+            continue;
+        };
+        if case == "exploit" || case.starts_with("escape_") {
+            continue; // need their own setup (tests above)
+        }
+        let err = hostile(case, |_| {});
+        if !matches!(
+            err,
+            Error::DcpSharedPath { .. } | Error::DcpPlannerData { .. }
+        ) {
+            continue; // a broken chunk fails only the readers that read it
+        }
+        let (tmp, dir) = copy_of("fsdp2_adam_ws4");
+        std::fs::copy(
+            golden(&format!("hostile/{case}.metadata")),
+            dir.join(".metadata"),
+        )
+        .unwrap();
+        let out = tmp.path().join("ckpt-out");
+        let converted = fsdp::checkpoint::dcp_to_checkpoint(&dir, &out, &layout).unwrap_err();
+        assert_eq!(
+            std::mem::discriminant(&converted),
+            std::mem::discriminant(&err),
+            "{case}: {converted}"
+        );
+        let text = |e: &Error| {
+            e.to_string()
+                .rsplit_once(".metadata")
+                .unwrap()
+                .1
+                .to_string()
+        };
+        assert_eq!(text(&converted), text(&err), "{case}");
+        assert!(!out.exists(), "{case}: an output was left behind");
+    }
 }
 
 #[test]

@@ -841,14 +841,8 @@ fn read_optim_with(
     let all = &ckpt.metadata().entries;
     let picked: Vec<_> = entries.iter().map(|&i| all[i].clone()).collect();
     let mut leaf = |i: usize| -> Result<PyObj> { read(&picked[i]) };
-    let nested = dcp::nest(&picked, &mut leaf).map_err(|e| match e {
-        dcp::NestError::Path { key, reason } => Error::DcpChunks {
-            dir: dir.display().to_string(),
-            key,
-            reason,
-        },
-        dcp::NestError::Leaf(e) => e,
-    })?;
+    let nested = dcp::nest(&picked, &mut leaf)
+        .map_err(|e| e.into_error(&dir.join(".metadata").display().to_string()))?;
     // `{"optim": {...}}` (every entry is under `optim`), or `{}` when none is picked.
     let mut optim = match nested {
         PyObj::Dict(mut items) => match items.pop() {

@@ -1,10 +1,10 @@
 //! The typed content of a DCP `.metadata` file, read with the restricted unpickler.
 
+use super::plan::check_paths;
 use super::unpickle::{self, Class, Global, Node, Pickled, V};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;
-use std::path::Path;
 
 /// Largest `.metadata` file read (it is held in memory while it is parsed).
 pub const MAX_METADATA_BYTES: u64 = 1 << 30;
@@ -122,38 +122,20 @@ pub fn dtype_of(name: &str) -> Option<DType> {
     })
 }
 
-/// Reads and parses `dir/.metadata`.
-pub fn read_metadata(dir: &Path) -> Result<Metadata> {
-    let path = dir.join(".metadata");
-    let name = path.display().to_string();
-    let io = |e: std::io::Error| Error::Io {
-        op: "reading".into(),
-        path: name.clone(),
-        source: e.into(),
-    };
-    let len = std::fs::metadata(&path).map_err(io)?.len();
-    if len > MAX_METADATA_BYTES {
-        return Err(Error::DcpMetadata {
-            file: name,
-            reason: format!("{len} bytes, more than the {MAX_METADATA_BYTES} read"),
-        });
-    }
-    let data = std::fs::read(&path).map_err(io)?;
-    parse_metadata(&name, &data)
-}
-
 /// Parses the bytes of a `.metadata` file (`file` names it in errors).
 pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
     let p = unpickle::unpickle(file, data)?;
     // Shared references (the memo) let a small pickle name one object many times; what is
     // built from it may hold at most this many items and string bytes.
     let budget = std::cell::Cell::new(data.len().saturating_mul(16).saturating_add(1 << 16));
-    Extract {
+    let metadata = Extract {
         file,
         p: &p,
         budget,
     }
-    .metadata()
+    .metadata()?;
+    check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
+    Ok(metadata)
 }
 
 struct Extract<'a> {
@@ -307,7 +289,7 @@ impl Extract<'_> {
         let mut out = HashMap::new();
         for (k, p) in self.dict(v, "planner_data")? {
             let key = self.string(k, "a planner_data key")?;
-            let what = format!("planner_data[{key:?}]");
+            let what = format!("planner_data[{:?}]", crate::error::shown(&key));
             let items = self.seq(p, &what)?;
             if items.len() > MAX_PATH_LEN {
                 return Err(self.err(format!(
@@ -339,7 +321,7 @@ impl Extract<'_> {
         if let Some(Node::Instance(Class::BytesStorageMetadata, _)) = self.node(v) {
             return Ok(EntryKind::Bytes);
         }
-        let what = format!("state_dict_metadata[{key:?}]");
+        let what = format!("state_dict_metadata[{:?}]", crate::error::shown(key));
         let a = self.attrs(v, Class::TensorStorageMetadata, &what)?;
         let get = |n: &str| {
             a.get(n)
@@ -408,7 +390,7 @@ impl Extract<'_> {
                 Some(f) => self.string(f, "MetadataIndex.fqn")?,
                 None => return Err(self.err("a MetadataIndex has no fqn")),
             };
-            let what = format!("storage_data[{fqn:?}]");
+            let what = format!("storage_data[{:?}]", crate::error::shown(&fqn));
             let offset = match ka.get("offset") {
                 Some(V::None) | None => None,
                 Some(o) => Some(self.dims(o, &format!("{what}.offset"))?),

@@ -24,16 +24,16 @@ mod unpickle;
 mod write;
 
 pub use metadata::{
-    dtype_of, parse_metadata, read_metadata, Chunk, Entry, EntryKind, Metadata, PathItem,
-    StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
+    dtype_of, parse_metadata, Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey,
+    TensorMeta, MAX_METADATA_BYTES,
 };
 pub(crate) use pickler::{metadata_pickle, Record, StoredChunk};
+pub(crate) use plan::nest;
 pub use plan::{check_tiling, flat_range_boxes, place_chunk, MAX_CHUNKS_PER_TENSOR};
-pub(crate) use plan::{nest, NestError};
 pub use read::{
     consolidate_to_safetensors, consolidate_to_safetensors_in_group, consolidate_to_torch,
-    consolidate_to_torch_in_group, summary, verify, DcpCheckpoint, DcpSummary, EntrySummary,
-    FileSummary, VerifyReport,
+    consolidate_to_torch_in_group, read_metadata, summary, verify, DcpCheckpoint, DcpSummary,
+    EntrySummary, FileSummary, VerifyReport,
 };
 
 pub use write::save_dcp;

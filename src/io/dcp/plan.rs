@@ -226,27 +226,46 @@ enum Tree {
 
 /// Rebuilds the nested structure of `entries` as PyTorch's `set_element` does (dicts in
 /// first-insertion order, lists padded with `None`), with `leaf(i)` as the value of entry
-/// `i`. Entries without a path sit at the top level under their flat key.
+/// `i`. Entries without a path sit at the top level under their flat key. A path that lands
+/// on another entry's value, or on a container other paths built, is refused (PyTorch would
+/// overwrite one with the other); [`check_paths`] checks the rest of what PyTorch's loader
+/// requires of the whole set of paths.
 pub fn nest(
     entries: &[Entry],
     leaf: &mut dyn FnMut(usize) -> crate::error::Result<PyObj>,
 ) -> Result<PyObj, NestError> {
-    let mut root = Tree::Dict(Vec::new(), HashMap::new());
-    for (i, e) in entries.iter().enumerate() {
-        let flat = [PathItem::Key(e.key.clone())];
-        let path = e.path.as_deref().unwrap_or(&flat);
-        insert(&mut root, path, i, entries.len()).map_err(|reason| NestError::Path {
-            key: e.key.clone(),
-            reason,
-        })?;
-    }
+    let root = build(entries)?;
     to_pyobj(root, leaf).map_err(NestError::Leaf)
 }
 
-/// Why [`nest`] failed.
+/// Checks that `planner_data` rebuilds the nested dict PyTorch's loader
+/// (`_EmptyStateDictLoadPlanner`, used by `dcp_to_torch_save`) reads back whole: every path
+/// is its key's own path (the key is the path's items joined with `.`, as
+/// `flatten_state_dict` writes it), no two keys share a path or nest inside each other's
+/// value, lists are dense, and every list holds a tensor or a container (PyTorch's
+/// traversal reads a list of plain values as one value). PyTorch refuses a checkpoint that
+/// fails any of these ("Missing key in checkpoint state_dict"), or, where two keys share a
+/// path, silently loads one value under both names.
+pub fn check_paths(entries: &[Entry]) -> Result<(), NestError> {
+    let root = build(entries)?;
+    let mut path = Vec::new();
+    visit(&root, &mut path, entries)
+}
+
+/// Why [`nest`] or [`check_paths`] failed.
 #[derive(Debug)]
 pub enum NestError {
-    /// The key's path conflicts with another's or is out of range.
+    /// Two keys have the same path.
+    SharedPath {
+        /// The key inserted first.
+        first: String,
+        /// The key whose path is the same.
+        second: String,
+        /// The path, as PyTorch prints it (`('optim', 'param_groups', 0, 'lr')`).
+        path: String,
+    },
+    /// The key's path conflicts with another's, is out of range, or is not what PyTorch's
+    /// loader accepts.
     Path {
         /// The flattened key.
         key: String,
@@ -257,7 +276,97 @@ pub enum NestError {
     Leaf(crate::error::Error),
 }
 
-fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> Result<(), String> {
+impl NestError {
+    /// The crate error for this failure of the paths of `metadata_file` (the `.metadata` file,
+    /// for messages).
+    pub fn into_error(self, metadata_file: &str) -> crate::error::Error {
+        use crate::error::Error;
+        match self {
+            NestError::SharedPath {
+                first,
+                second,
+                path,
+            } => Error::DcpSharedPath {
+                file: metadata_file.to_string(),
+                first,
+                second,
+                path,
+            },
+            NestError::Path { key, reason } => Error::DcpPlannerData {
+                file: metadata_file.to_string(),
+                key,
+                reason,
+            },
+            NestError::Leaf(e) => e,
+        }
+    }
+}
+
+/// A path as Python prints the tuple (`('a', 0, 'b')`).
+pub fn path_repr(path: &[PathItem]) -> String {
+    let items: Vec<String> = path
+        .iter()
+        .map(|p| match p {
+            PathItem::Key(k) => format!("'{}'", crate::error::shown(k)),
+            PathItem::Index(i) => i.to_string(),
+        })
+        .collect();
+    match items.len() {
+        1 => format!("({},)", items[0]),
+        _ => format!("({})", items.join(", ")),
+    }
+}
+
+/// The flattened key PyTorch derives from a path: its items joined with `.`.
+fn joined(path: &[PathItem]) -> String {
+    let items: Vec<String> = path
+        .iter()
+        .map(|p| match p {
+            PathItem::Key(k) => k.clone(),
+            PathItem::Index(i) => i.to_string(),
+        })
+        .collect();
+    items.join(".")
+}
+
+/// The tree of every entry's path (see [`nest`]).
+fn build(entries: &[Entry]) -> Result<Tree, NestError> {
+    let mut root = Tree::Dict(Vec::new(), HashMap::new());
+    for (i, e) in entries.iter().enumerate() {
+        let flat = [PathItem::Key(e.key.clone())];
+        let path = e.path.as_deref().unwrap_or(&flat);
+        insert(&mut root, path, i, entries.len()).map_err(|clash| match clash {
+            Clash::Leaf(j) => NestError::SharedPath {
+                first: entries[j].key.clone(),
+                second: e.key.clone(),
+                path: path_repr(path),
+            },
+            Clash::Through(j) => NestError::Path {
+                key: e.key.clone(),
+                reason: format!(
+                    "its planner_data path {} runs through the value of the key `{}`",
+                    path_repr(path),
+                    crate::error::shown(&entries[j].key)
+                ),
+            },
+            Clash::Other(reason) => NestError::Path {
+                key: e.key.clone(),
+                reason: format!("its planner_data path {}: {reason}", path_repr(path)),
+            },
+        })?;
+    }
+    Ok(root)
+}
+
+/// Why a path could not be inserted: it ends on entry `.0`'s value, runs through it, or
+/// something else.
+enum Clash {
+    Leaf(usize),
+    Through(usize),
+    Other(String),
+}
+
+fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> Result<(), Clash> {
     let mut cur = root;
     for (i, item) in path.iter().enumerate() {
         let last = i + 1 == path.len();
@@ -275,37 +384,125 @@ fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> 
             }
             (Tree::List(items), PathItem::Index(j)) => {
                 if *j >= max_index {
-                    return Err(format!(
-                        "list index {j} is beyond the checkpoint's {max_index} entries"
-                    ));
+                    return Err(Clash::Other(format!(
+                        "list index {j} is beyond the checkpoint's {max_index} entries (lists must be dense)"
+                    )));
                 }
                 if items.len() <= *j {
                     items.resize_with(j + 1, || Tree::Hole);
                 }
                 &mut items[*j]
             }
-            (_, item) => {
-                return Err(format!(
-                    "step {item:?} of its path does not fit the container another key put there"
-                ))
+            (container, item) => {
+                let (step, there) = match (item, container) {
+                    (PathItem::Index(i), _) => (format!("index {i}"), "a dict"),
+                    (PathItem::Key(k), _) => (format!("'{}'", crate::error::shown(k)), "a list"),
+                };
+                return Err(Clash::Other(format!(
+                    "step {} ({step}) meets {there} that other keys' paths built",
+                    i + 1
+                )));
             }
         };
         if last {
-            *slot = Tree::Leaf(leaf);
-            return Ok(());
+            return match slot {
+                Tree::Hole => {
+                    *slot = Tree::Leaf(leaf);
+                    Ok(())
+                }
+                Tree::Leaf(other) => Err(Clash::Leaf(*other)),
+                _ => Err(Clash::Other(
+                    "it ends at a container that holds other keys' values".into(),
+                )),
+            };
         }
         match slot {
             Tree::Hole => *slot = fresh(),
-            Tree::Leaf(_) => {
-                return Err(format!(
-                    "step {item:?} of its path holds another key's value"
-                ))
-            }
+            Tree::Leaf(other) => return Err(Clash::Through(*other)),
             _ => {}
         }
         cur = slot;
     }
-    Err("the path is empty".into())
+    Err(Clash::Other("the path is empty".into()))
+}
+
+/// Walks `tree` as PyTorch's `traverse_state_dict` does and checks that each value it would
+/// visit is the entry whose key its path joins to.
+fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry]) -> Result<(), NestError> {
+    match tree {
+        Tree::Dict(items, _) => {
+            for (k, v) in items {
+                path.push(PathItem::Key(k.clone()));
+                visit(v, path, entries)?;
+                path.pop();
+            }
+            Ok(())
+        }
+        Tree::List(items) if !terminal(items, entries) => {
+            for (i, v) in items.iter().enumerate() {
+                path.push(PathItem::Index(i));
+                visit(v, path, entries)?;
+                path.pop();
+            }
+            Ok(())
+        }
+        Tree::List(items) => Err(NestError::Path {
+            key: first_leaf(tree).map_or_else(|| joined(path), |i| entries[i].key.clone()),
+            reason: format!(
+                "the list at {} holds no tensor and no container ({} items), so PyTorch's loader reads it as one value `{}`, which the checkpoint does not have",
+                path_repr(path),
+                items.len(),
+                crate::error::shown(&joined(path))
+            ),
+        }),
+        Tree::Leaf(i) => {
+            let key = &entries[*i].key;
+            let named = joined(path);
+            if &named == key {
+                return Ok(());
+            }
+            Err(NestError::Path {
+                key: key.clone(),
+                reason: format!(
+                    "its planner_data path {} names the key `{}`, not its own (PyTorch refuses it: Missing key in checkpoint state_dict)",
+                    path_repr(path),
+                    crate::error::shown(&named)
+                ),
+            })
+        }
+        Tree::Hole => {
+            let index = path.pop();
+            let list = path_repr(path);
+            Err(NestError::Path {
+                key: joined(path),
+                reason: format!(
+                    "the list at {list} has no item {} (no key has that path): lists must be dense; PyTorch's loader refuses the gap",
+                    index.map_or(String::new(), |i| joined(&[i]))
+                ),
+            })
+        }
+    }
+}
+
+/// Whether PyTorch's traversal visits the list `items` as one value: it holds no tensor, no
+/// dict, and no list that is not itself such a value.
+fn terminal(items: &[Tree], entries: &[Entry]) -> bool {
+    items.iter().all(|t| match t {
+        Tree::Dict(..) => false,
+        Tree::List(inner) => terminal(inner, entries),
+        Tree::Leaf(i) => !matches!(entries[*i].kind, super::metadata::EntryKind::Tensor(_)),
+        Tree::Hole => true,
+    })
+}
+
+/// The first entry stored under `tree`, if any.
+fn first_leaf(tree: &Tree) -> Option<usize> {
+    match tree {
+        Tree::Dict(items, _) => items.iter().find_map(|(_, t)| first_leaf(t)),
+        Tree::List(items) => items.iter().find_map(first_leaf),
+        Tree::Leaf(i) => Some(*i),
+        Tree::Hole => None,
+    }
 }
 
 fn to_pyobj(
@@ -489,11 +686,137 @@ mod tests {
             ])
         );
         let clash = vec![
-            e("a", vec![K("a".into()), K("b".into())]),
+            e("a.b", vec![K("a".into()), K("b".into())]),
             e("a.0", vec![K("a".into()), I(0)]),
         ];
         assert!(
             matches!(nest(&clash, &mut |_| Ok(PyObj::None)), Err(NestError::Path { key, .. }) if key == "a.0")
         );
+    }
+
+    fn entry(key: &str, path: &[PathItem], tensor: bool) -> Entry {
+        Entry {
+            key: key.into(),
+            path: Some(path.to_vec()),
+            kind: if tensor {
+                EntryKind::Tensor(crate::io::dcp::TensorMeta {
+                    dtype: "float32".into(),
+                    size: vec![1],
+                    chunks: vec![],
+                })
+            } else {
+                EntryKind::Bytes
+            },
+        }
+    }
+
+    fn k(s: &str) -> PathItem {
+        PathItem::Key(s.into())
+    }
+
+    /// The optimizer part of a state dict as `dcp.save` records it: a tensor state and two
+    /// param-group values.
+    fn optim_entries() -> Vec<Entry> {
+        vec![
+            entry(
+                "optim.state.w.exp_avg",
+                &[k("optim"), k("state"), k("w"), k("exp_avg")],
+                true,
+            ),
+            entry(
+                "optim.param_groups.0.lr",
+                &[k("optim"), k("param_groups"), PathItem::Index(0), k("lr")],
+                false,
+            ),
+            entry(
+                "optim.param_groups.0.eps",
+                &[k("optim"), k("param_groups"), PathItem::Index(0), k("eps")],
+                false,
+            ),
+        ]
+    }
+
+    #[test]
+    fn paths_as_dcp_save_writes_them_pass() {
+        check_paths(&optim_entries()).unwrap();
+    }
+
+    #[test]
+    fn two_keys_with_one_path_are_refused_naming_both() {
+        let mut e = optim_entries();
+        e[2].path = e[1].path.clone();
+        match check_paths(&e) {
+            Err(NestError::SharedPath {
+                first,
+                second,
+                path,
+            }) => {
+                assert_eq!(first, "optim.param_groups.0.lr");
+                assert_eq!(second, "optim.param_groups.0.eps");
+                assert_eq!(path, "('optim', 'param_groups', 0, 'lr')");
+            }
+            other => panic!("expected SharedPath, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_path_that_is_not_the_keys_own_is_refused() {
+        let mut e = optim_entries();
+        e[0].path = Some(vec![k("optim"), k("state"), k("v"), k("exp_avg")]);
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { key, reason })
+                if key == "optim.state.w.exp_avg" && reason.contains("optim.state.v.exp_avg"))
+        );
+        // Index and string steps join alike: `('a', 0)` is the key `a.0`.
+        let ok = vec![entry("a.0", &[k("a"), PathItem::Index(0)], true)];
+        check_paths(&ok).unwrap();
+    }
+
+    #[test]
+    fn a_path_inside_another_keys_value_or_over_a_container_is_refused() {
+        let mut e = optim_entries();
+        e.push(entry("optim.state", &[k("optim"), k("state")], false));
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { key, .. }) if key == "optim.state")
+        );
+        let mut e = optim_entries();
+        e.insert(0, entry("optim", &[k("optim")], false));
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { key, .. }) if key == "optim.state.w.exp_avg")
+        );
+    }
+
+    #[test]
+    fn a_list_with_a_gap_is_refused() {
+        let mut e = optim_entries();
+        e.push(entry(
+            "optim.param_groups.2.lr",
+            &[k("optim"), k("param_groups"), PathItem::Index(2), k("lr")],
+            false,
+        ));
+        match check_paths(&e) {
+            Err(NestError::Path { key, reason }) => {
+                assert_eq!(key, "optim.param_groups");
+                assert!(reason.contains("no item 1"), "{reason}");
+            }
+            other => panic!("expected a gap, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_list_of_plain_values_is_one_value_for_pytorch_and_refused() {
+        // `dcp.save` stores such a list as one bytes entry; split into items, PyTorch's
+        // traversal still visits the list whole and misses its key.
+        let e = vec![
+            entry("a.0", &[k("a"), PathItem::Index(0)], false),
+            entry("a.1", &[k("a"), PathItem::Index(1)], false),
+        ];
+        assert!(matches!(check_paths(&e), Err(NestError::Path { key, .. }) if key == "a.0"));
+        // With a tensor among them, the list is traversed item by item.
+        let e = vec![
+            entry("a.0", &[k("a"), PathItem::Index(0)], false),
+            entry("a.1", &[k("a"), PathItem::Index(1)], true),
+        ];
+        check_paths(&e).unwrap();
     }
 }

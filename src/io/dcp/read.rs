@@ -2,9 +2,10 @@
 //! the consolidation, verification and summary built on them.
 
 use super::metadata::{
-    read_metadata, Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta,
+    parse_metadata, Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta,
+    MAX_METADATA_BYTES,
 };
-use super::plan::{check_tiling, nest, place_chunk, volume, NestError};
+use super::plan::{check_tiling, nest, place_chunk, volume};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::{DType, HostTensor};
@@ -40,7 +41,7 @@ impl DcpCheckpoint {
         for info in metadata.storage.values() {
             files
                 .entry(info.relative_path.clone())
-                .or_insert_with(|| confine(&root, &info.relative_path));
+                .or_insert_with(|| confine(&root, &info.relative_path, "data file"));
         }
         Ok(DcpCheckpoint {
             dir,
@@ -313,12 +314,8 @@ impl DcpCheckpoint {
             EntryKind::Tensor(t) => tensor(i, t),
             EntryKind::Bytes => self.read_object(&entries[i].key),
         };
-        nest(entries, &mut leaf).map_err(|e| match e {
-            NestError::Path { key, reason } => {
-                self.chunk_err(&key, format!("planner_data path: {reason}"))
-            }
-            NestError::Leaf(e) => e,
-        })
+        nest(entries, &mut leaf)
+            .map_err(|e| e.into_error(&self.dir.join(".metadata").display().to_string()))
     }
 
     /// The whole nested state dict in memory (every tensor assembled).
@@ -356,32 +353,62 @@ impl Drop for DcpCheckpoint {
 }
 
 /// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
-/// leading out; the file must exist. Returns it with its length, or why not.
-fn confine(root: &Path, relative: &str) -> std::result::Result<(PathBuf, u64), String> {
+/// leading out; the file must exist and be a regular file. Returns it with its length, or
+/// why not (`what` names the file in the reason: "data file", "metadata file").
+fn confine(root: &Path, relative: &str, what: &str) -> std::result::Result<(PathBuf, u64), String> {
     let rel = Path::new(relative);
     if relative.is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
         return Err(format!(
-            "relative_path {relative:?} is not a plain path inside the checkpoint directory"
+            "relative_path {:?} is not a plain path inside the checkpoint directory",
+            crate::error::shown(relative)
         ));
     }
     let path = root.join(rel);
     let real = match path.canonicalize() {
         Ok(p) => p,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err("the data file is missing".into())
+            return Err(format!("the {what} is missing"))
         }
-        Err(e) => return Err(format!("cannot resolve the data file: {e}")),
+        Err(e) => return Err(format!("cannot resolve the {what}: {e}")),
     };
     if !real.starts_with(root) {
         return Err(format!(
-            "relative_path {relative:?} leads outside the checkpoint directory (through a symlink)"
+            "{:?} leads outside the checkpoint directory (through a symlink)",
+            crate::error::shown(relative)
         ));
     }
     match std::fs::metadata(&real) {
         Ok(m) if m.is_file() => Ok((real, m.len())),
-        Ok(_) => Err("the data path is not a regular file".into()),
-        Err(e) => Err(format!("cannot stat the data file: {e}")),
+        Ok(m) => Err(format!(
+            "the {what} is a {}, not a regular file",
+            crate::io::output::file_kind(&m.file_type())
+        )),
+        Err(e) => Err(format!("cannot stat the {what}: {e}")),
     }
+}
+
+/// Reads and parses `dir/.metadata`: a regular file inside `dir` (a symlink may not lead out
+/// of it, as for data files) of at most [`MAX_METADATA_BYTES`], read without blocking on a
+/// FIFO.
+pub fn read_metadata(dir: &Path) -> Result<Metadata> {
+    let path = dir.join(".metadata");
+    let name = path.display().to_string();
+    let refused = |reason: String| Error::DcpMetadata {
+        file: name.clone(),
+        reason,
+    };
+    let root = dir.canonicalize().map_err(Error::io("resolving", dir))?;
+    let (real, len) = confine(&root, ".metadata", "metadata file").map_err(refused)?;
+    if len > MAX_METADATA_BYTES {
+        return Err(refused(format!(
+            "{len} bytes, more than the {MAX_METADATA_BYTES} read"
+        )));
+    }
+    let data = crate::io::output::read_regular(&real, MAX_METADATA_BYTES).map_err(|e| match e {
+        crate::io::output::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
+        other => refused(other.to_string()),
+    })?;
+    parse_metadata(&name, &data)
 }
 
 /// The placeholders of a nested DCP state dict, streamed one assembled tensor at a time.

@@ -4,6 +4,7 @@ Run manually from the crate root with the project's venv, and commit the output:
 
     .venv/bin/python tests/golden/dcp/gen.py               # every scenario
     .venv/bin/python tests/golden/dcp/gen.py fsdp2_adam_ws4 # only the named scenarios
+    .venv/bin/python tests/golden/dcp/gen.py hostile        # only the hostile variants
 
 Each scenario spawns `ws` ranks with `torch.multiprocessing` (gloo, 127.0.0.1, a free port),
 wraps a tiny model with FSDP2 `fully_shard` (`init_device_mesh("cpu", (ws,))`, innermost
@@ -22,7 +23,9 @@ Adam with amsgrad, AdamW, SGD with momentum.
 It also writes `tests/golden/dcp/hostile/` from the `fsdp2_adam_ws4` checkpoint: `.metadata`
 variants (each `<case>.metadata`, to put in a copy of that checkpoint) whose storage data point
 outside the directory, past a file's end, at overlapping or missing chunks, or whose chunk
-metadata disagree with the chunks, and `exploit.metadata`, a pickle whose loading would run a
+metadata disagree with the chunks, whose `planner_data` paths are not their keys' own (two keys
+sharing one path, a path through another key's value, a `param_groups` list with a gap), and
+`exploit.metadata`, a pickle whose loading would run a
 shell command (it must be refused, never run).
 """
 
@@ -276,6 +279,41 @@ def hostile(base):
     variant("wrong_dtype", wrong_dtype)
     variant("wrong_shape", wrong_shape)
 
+    # planner_data: each path must be its key's own path (the key is the path joined with
+    # "."), as PyTorch's loader checks by flattening the rebuilt dict again.
+    def shared_path(md):
+        # Two keys, one path: PyTorch's dcp_to_torch_save silently drops `eps`.
+        pd = md.planner_data
+        pd["optim.param_groups.0.eps"] = pd["optim.param_groups.0.lr"]
+
+    def path_not_key(md):
+        md.planner_data[key] = ("model", "net9", "0", "weight")
+
+    def path_through_value(md):
+        # A value placed inside another key's tensor.
+        md.planner_data["optim.param_groups.0.lr"] = tuple(md.planner_data[key]) + ("lr",)
+
+    def param_groups_gap(md):
+        # The only param group saved as group 2: lists with holes (`[None, None, {...}]`).
+        def renamed(k):
+            return k.replace("optim.param_groups.0.", "optim.param_groups.2.", 1)
+
+        sdm = md.state_dict_metadata
+        md.state_dict_metadata = {renamed(k): v for k, v in sdm.items()}
+        md.planner_data = {
+            renamed(k): tuple(2 if (i == 2 and k.startswith("optim.param_groups.0.")) else p
+                              for i, p in enumerate(path))
+            for k, path in md.planner_data.items()
+        }
+        md.storage_data = {
+            type(i)(renamed(i.fqn), i.offset, i.index): v for i, v in md.storage_data.items()
+        }
+
+    variant("shared_path", shared_path)
+    variant("path_not_key", path_not_key)
+    variant("path_through_value", path_through_value)
+    variant("param_groups_gap", param_groups_gap)
+
     class Exploit:
         def __reduce__(self):
             return (os.system, ("touch /tmp/fsdp-dcp-exploit-ran",))
@@ -287,6 +325,10 @@ def hostile(base):
 
 def main():
     names = sys.argv[1:] or list(SCENARIOS)
+    if names == ["hostile"]:
+        # Only the hostile variants, from the checked-in checkpoint.
+        hostile("fsdp2_adam_ws4")
+        return
     for name in names:
         run(name)
     if "fsdp2_adam_ws4" in names:
