@@ -56,6 +56,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod fsdp2;
+mod recognize;
+
+pub use recognize::{recognize, Input};
 
 /// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
 /// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
@@ -381,15 +384,47 @@ pub fn consolidate_local_dicts(
 
 /// `FSDP.shard_full_optim_state_dict` on every rank of a `world_size`-rank job: each rank's
 /// flattened, sharded dict for its optimizer (index = rank). Pure: no communication. For an
-/// FSDP2 policy: each rank's `optim.state_dict()` (DTensors as `to_local()`) after
-/// `set_optimizer_state_dict(model, optim, full, full_state_dict=True)`.
+/// FSDP2 policy: each rank's `optim.state_dict()` (DTensors as `to_local()`) as the rank
+/// holds it after `dcp.load` + `set_state_dict` of a sharded checkpoint: the param groups'
+/// values as the full dict has them (`betas` a tuple), so that sharding the consolidation of
+/// a run's rank files at the same world size gives those files back. See
+/// [`shard_full_dict_with`] for the form `set_optimizer_state_dict(full_state_dict=True)`
+/// leaves.
 pub fn shard_full_dict(
     spec: &DescFile,
     full: &OptimStateDict,
     world_size: usize,
 ) -> Result<Vec<OptimStateDict>> {
+    shard_full_dict_with(spec, full, world_size, &ShardOptions::default())
+}
+
+/// Options of [`shard_full_dict_with`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShardOptions {
+    /// FSDP2 only: every tuple in the param groups (`betas`) becomes a list, as PyTorch's
+    /// `set_optimizer_state_dict(..., options=StateDictOptions(full_state_dict=True))` leaves
+    /// them (it flattens and unflattens the dict). Off by default.
+    pub tuples_as_lists: bool,
+}
+
+impl ShardOptions {
+    /// These options with [`ShardOptions::tuples_as_lists`] set to `on`.
+    pub fn with_tuples_as_lists(mut self, on: bool) -> Self {
+        self.tuples_as_lists = on;
+        self
+    }
+}
+
+/// [`shard_full_dict`] with options.
+pub fn shard_full_dict_with(
+    spec: &DescFile,
+    full: &OptimStateDict,
+    world_size: usize,
+    opts: &ShardOptions,
+) -> Result<Vec<OptimStateDict>> {
     if spec.policy.is_fsdp2() {
-        return fsdp2::shard(spec, full, world_size);
+        return fsdp2::shard(spec, full, world_size, opts.tuples_as_lists);
     }
     let layout = spec.layout(world_size)?;
     (0..world_size)

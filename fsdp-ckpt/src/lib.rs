@@ -3,7 +3,11 @@
 //! A thin shell over the library: [`ops`] holds one function per command (paths and options
 //! in, a report out, progress through a trait), which the command line here parses for,
 //! draws progress bars for and prints; the Python package calls the same functions. Errors
-//! are printed as `error: ...` with exit code 1 (2 for usage errors, as clap reports them).
+//! are printed as `error: ...` with exit code 1 (2 for usage errors, as clap reports them);
+//! a closed standard output (`fsdp-ckpt inspect DIR | head`) ends the command quietly with
+//! [`CLOSED_PIPE_STATUS`]. Nothing is printed with `print!`-style macros, which panic when
+//! the output cannot be written (clippy's `print_stdout` and `print_stderr` lints keep it so).
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 
 use clap::{Parser, Subcommand};
 use fsdp::io;
@@ -115,6 +119,11 @@ enum Command {
         /// Extension of the rank files.
         #[arg(long, default_value = "pt", value_parser = ["pt", "pth", "safetensors"])]
         ext: String,
+        /// FSDP2: write the param groups' tuples (`betas`) as lists, as
+        /// `set_optimizer_state_dict(full_state_dict=True)` leaves them (default: as the full
+        /// dict has them, as ranks hold them after `dcp.load` + `set_state_dict`).
+        #[arg(long)]
+        tuples_as_lists: bool,
     },
     /// Rewrite a sharded checkpoint directory (this crate's format) for another world size
     /// and optionally another wrapping policy, streaming with bounded memory.
@@ -214,16 +223,41 @@ impl Progress for Bars {
     }
 
     fn note(&self, message: &str) {
-        eprintln!("note: {message}");
+        eprint_line(&format!("note: {message}"));
     }
 }
 
+/// How messages name standard output (for a write error there).
+const STDOUT: &str = "standard output";
+
+/// The exit status after standard output was closed under the command (`… | head`): what a
+/// shell reports for a process that SIGPIPE ended (128 + 13), and what `yes | head` gives.
+pub const CLOSED_PIPE_STATUS: u8 = 141;
+
+/// Writes `text` to standard output and flushes it. A write error is [`fsdp::Error::Io`]
+/// naming standard output (`>/dev/full`: "No space left on device"); a closed pipe is the
+/// same error with kind `BrokenPipe`, which [`report`] turns into a quiet exit.
+fn print_out(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(fsdp::Error::io("writing", STDOUT))
+}
+
 /// Prints `value` as pretty JSON on stdout.
-fn print_json(value: &serde_json::Value) {
-    println!(
-        "{}",
-        serde_json::to_string_pretty(value).expect("JSON values print")
-    );
+fn print_json(value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| fsdp::Error::Serialization {
+        what: "the JSON output".into(),
+        reason: e.to_string(),
+    })?;
+    print_out(&format!("{text}\n"))
+}
+
+/// Whether `e` says that standard output was closed by its reader.
+fn closed_pipe(e: &fsdp::Error) -> bool {
+    matches!(e, fsdp::Error::Io { path, source, .. }
+        if path == STDOUT && source.kind() == std::io::ErrorKind::BrokenPipe)
 }
 
 /// Runs the command and prints its error as `error: ...`; returns the exit status.
@@ -248,6 +282,7 @@ fn run(cli: Cli) -> u8 {
 fn report(outcome: Result<()>) -> u8 {
     match outcome {
         Ok(()) => 0,
+        Err(e) if closed_pipe(&e) => CLOSED_PIPE_STATUS,
         Err(e) => {
             eprint_line(&format!("error: {e}"));
             1
@@ -268,16 +303,14 @@ fn run_alone(cli: Cli) -> Result<()> {
     let written = match cli.command {
         Command::Inspect { file, json } => {
             let found = ops::inspect(&file, &p)?;
-            if json {
-                print_json(&found.to_json()?);
+            return if json {
+                print_json(&found.to_json()?)
             } else {
-                print!("{found}");
-            }
-            return Ok(());
+                print_out(&found.to_string())
+            };
         }
         Command::Verify { input } => {
-            println!("{}", ops::verify(&input, &p)?);
-            return Ok(());
+            return print_out(&format!("{}\n", ops::verify(&input, &p)?));
         }
         Command::Convert {
             input,
@@ -301,7 +334,10 @@ fn run_alone(cli: Cli) -> Result<()> {
             output,
             named_optimizer,
         } => {
-            let opts = ops::TorchOptions { named_optimizer };
+            let opts = ops::TorchOptions {
+                named_optimizer,
+                ..Default::default()
+            };
             ops::consolidate_torch(&model, &ranks, &output, &opts, &p)?
         }
         Command::ConsolidateSharded { ranks, output } => {
@@ -314,8 +350,12 @@ fn run_alone(cli: Cli) -> Result<()> {
             output,
             named_optimizer,
             ext,
+            tuples_as_lists,
         } => {
-            let opts = ops::TorchOptions { named_optimizer };
+            let opts = ops::TorchOptions {
+                named_optimizer,
+                tuples_as_lists,
+            };
             ops::shard_torch(&model, &full, world_size as usize, &output, &ext, &opts, &p)?
         }
         Command::Reshard {
@@ -426,7 +466,8 @@ mod launcher {
 }
 
 /// Runs the tool on a command line (`args[0]` is the program name) and returns its exit
-/// status: 0 on success, 1 on an error (printed as `error: ...`), 2 on a usage error.
+/// status: 0 on success, 1 on an error (printed as `error: ...`), 2 on a usage error,
+/// [`CLOSED_PIPE_STATUS`] (141, quietly) when standard output was closed by its reader.
 ///
 /// This is the whole tool: the `fsdp-ckpt` executable calls it with its own arguments, and
 /// other front ends (the Python package's `fsdp-ckpt` entry point) call it with theirs.

@@ -15,7 +15,8 @@ use fsdp::io::output::{self, DirKind};
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
 use fsdp::io::{self, FileFormat};
 use fsdp::offline::{
-    check_local_dicts, check_rank_files, consolidate_local_dicts, shard_full_dict, DescFile,
+    check_local_dicts, check_rank_files, consolidate_local_dicts, recognize, shard_full_dict_with,
+    DescFile, Input, ShardOptions,
 };
 use fsdp::{Error, OptimStateDict, Result};
 use serde::Serialize;
@@ -223,6 +224,10 @@ impl Default for ConvertOptions {
 pub struct TorchOptions {
     /// The optimizer is a named optimizer (state keyed by parameter names, not ids).
     pub named_optimizer: bool,
+    /// `shard-torch` of an FSDP2 model: every tuple in the param groups (`betas`) becomes a
+    /// list, as `set_optimizer_state_dict(full_state_dict=True)` leaves them
+    /// ([`fsdp::offline::ShardOptions`]).
+    pub tuples_as_lists: bool,
 }
 
 fn load_spec(path: &Path, named: bool) -> Result<DescFile> {
@@ -297,17 +302,50 @@ fn read_rank_files(p: &dyn Progress, ranks: &[PathBuf]) -> Result<Vec<OptimState
     Ok(dicts)
 }
 
+/// `input` recognized ([`recognize`]) as one of the forms `command` takes (`wants` says which,
+/// for the message), or an error naming what it is instead.
+fn expect_input(
+    command: &str,
+    input: &Path,
+    wants: &str,
+    accepts: impl Fn(Input) -> bool,
+) -> Result<Input> {
+    let found = recognize(input)?;
+    if accepts(found) {
+        return Ok(found);
+    }
+    let hint = match found {
+        Input::DcpPerRank => {
+            " (per-rank metadata, written by dcp.save(..., use_collectives=False), is not read yet)"
+        }
+        _ => "",
+    };
+    Err(Error::Unsupported(format!(
+        "{command} takes {wants}; `{}` is {}{hint}",
+        input.display(),
+        found.describe()
+    )))
+}
+
 /// `inspect PATH`: a summary of a state dict file (from its structure alone, never its tensor
 /// data), of the crate's checkpoint directory (its manifest), or of a DCP directory (its
 /// `.metadata`).
 pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
-    if dcp::is_dcp_dir(path) {
-        return Ok(Inspection::Dcp(dcp::summary(path)?));
-    }
-    if path.is_dir() {
-        return Ok(Inspection::Checkpoint(checkpoint::Summary::of_dir(path)?));
-    }
-    let format = FileFormat::from_path(path)?;
+    let format = match expect_input(
+        "inspect",
+        path,
+        "a DCP directory, a checkpoint of this crate, or a torch.save or safetensors file",
+        |i| i != Input::DcpPerRank,
+    )? {
+        Input::Dcp => return Ok(Inspection::Dcp(dcp::summary(path)?)),
+        Input::Checkpoint => return Ok(Inspection::Checkpoint(checkpoint::Summary::of_dir(path)?)),
+        Input::File(format) => format,
+        Input::DcpPerRank => {
+            return Err(Error::Internal(
+                "inspect: a per-rank DCP input passed its filter".into(),
+            ))
+        }
+    };
     let summary = step(p, &format!("reading {}", path.display()), || {
         Ok(match format {
             FileFormat::TorchSave => Summary::of_headers(&io::torch_save::load_headers(path)?),
@@ -324,8 +362,14 @@ pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
 /// `verify DIR`: checks the crate's checkpoint directory (every checksum block) or a DCP
 /// directory (byte ranges, chunk headers, tiling) completely.
 pub fn verify(input: &Path, p: &dyn Progress) -> Result<Verified> {
+    let found = expect_input(
+        "verify",
+        input,
+        "a DCP directory or a checkpoint of this crate (inspect reads single files)",
+        |i| matches!(i, Input::Dcp | Input::Checkpoint),
+    )?;
     step(p, "verifying", || {
-        Ok(if dcp::is_dcp_dir(input) {
+        Ok(if found == Input::Dcp {
             Verified::Dcp {
                 input: input.to_path_buf(),
                 report: dcp::verify(input)?,
@@ -369,7 +413,15 @@ fn convert_file(
     max_expansion_bytes: u64,
     p: &dyn Progress,
 ) -> Result<Written> {
+    expect_input(
+        "convert (without --to)",
+        input,
+        "a torch.save or safetensors file (--to dcp converts directories)",
+        |i| matches!(i, Input::File(_)),
+    )?;
     FileFormat::from_path(output)?;
+    output::check_file_output(output)?;
+    output::check_not_overlapping(output, &[input])?;
     let opts = io::torch_save::LoadOptions {
         max_expansion_bytes,
     };
@@ -399,9 +451,10 @@ fn convert_file(
 
 /// `convert IN OUT_DIR --to dcp`, from a file or from the crate's checkpoint directory.
 fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
+    let found = to_dcp_input(input)?;
     clean_stale(p, output, Some(dcp::DCP_DIR))?;
     let written = step(p, "converting", || {
-        if input.is_dir() {
+        if found == Input::Checkpoint {
             // The full optimizer state dict of the crate's sharded checkpoint, streamed.
             checkpoint::convert_to_dcp(input, output, |_| {})
         } else {
@@ -420,6 +473,16 @@ fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
             output.display()
         ),
     })
+}
+
+/// The input of `convert … --to dcp`: a checkpoint of this crate or a file.
+fn to_dcp_input(input: &Path) -> Result<Input> {
+    expect_input(
+        "convert --to dcp",
+        input,
+        "a checkpoint of this crate or a torch.save or safetensors file",
+        |i| matches!(i, Input::Checkpoint | Input::File(_)),
+    )
 }
 
 /// `convert IN OUT_DIR --to dcp|fsdp` as one process of a job (`mpirun -np N fsdp-ckpt
@@ -449,7 +512,7 @@ pub fn convert_in_group(
     if opts.to.as_deref() == Some("fsdp") {
         return dcp_to_fsdp_in_group(input, output, opts, pg, p);
     }
-    let from_checkpoint = input.is_dir();
+    let from_checkpoint = pg.agree(to_dcp_input(input))? == Input::Checkpoint;
     if from_checkpoint {
         pg.agree(checkpoint::read_manifest(input))?;
     }
@@ -484,7 +547,11 @@ pub fn convert_in_group(
 /// File-to-file conversions run on one process.
 pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
     match opts.to.as_deref() {
-        Some("dcp") => opts.model.is_none() && opts.world_size.is_none() && !dcp::is_dcp_dir(input),
+        Some("dcp") => {
+            opts.model.is_none()
+                && opts.world_size.is_none()
+                && matches!(recognize(input), Ok(Input::Checkpoint | Input::File(_)))
+        }
         Some("fsdp") => true,
         _ => false,
     }
@@ -546,12 +613,9 @@ fn fsdp_target(
     if ws == 0 {
         return Err(usage("a world size of at least 1"));
     }
-    if !dcp::is_dcp_dir(input) {
-        return Err(Error::DcpMetadata {
-            file: input.join(".metadata").display().to_string(),
-            reason: "no such file: the input is not a DCP directory".into(),
-        });
-    }
+    expect_input("convert --to fsdp", input, "a DCP directory", |i| {
+        i == Input::Dcp
+    })?;
     let spec = DescFile::from_json_file(model)?;
     output::check_not_overlapping(output, &[input, model])?;
     fsdp::flat_param::ModelLayout::new(&spec.model, &spec.policy, ws)
@@ -585,8 +649,9 @@ fn fsdp_written(
 /// `.safetensors` or `.pt` with bounded memory.
 pub fn consolidate(input: &Path, out: &Path, p: &dyn Progress) -> Result<Written> {
     let format = FileFormat::from_path(out)?;
+    let is_dcp = consolidate_input(input)? == Input::Dcp;
     output::check_not_overlapping(out, &[input])?;
-    let is_dcp = dcp::is_dcp_dir(input);
+    output::check_file_output(out)?;
     let total = if is_dcp {
         dcp::summary(input)?.tensor_bytes
     } else {
@@ -619,6 +684,26 @@ pub fn consolidate(input: &Path, out: &Path, p: &dyn Progress) -> Result<Written
     })
 }
 
+/// The input of `consolidate`: a DCP directory or a checkpoint of this crate.
+fn consolidate_input(input: &Path) -> Result<Input> {
+    expect_input(
+        "consolidate",
+        input,
+        "a DCP directory or a checkpoint of this crate",
+        |i| matches!(i, Input::Dcp | Input::Checkpoint),
+    )
+}
+
+/// The input of `reshard`: a checkpoint of this crate.
+fn reshard_input(input: &Path) -> Result<Input> {
+    expect_input(
+        "reshard",
+        input,
+        "a checkpoint of this crate (convert a DCP directory with --to fsdp first)",
+        |i| i == Input::Checkpoint,
+    )
+}
+
 /// `reshard IN OUT --world-size M [--policy P]`: the crate's checkpoint rewritten for another
 /// world size and optionally another wrapping policy (a JSON `WrapPolicy`, or a DESC.json
 /// whose `policy` is used), streamed with bounded memory.
@@ -629,6 +714,7 @@ pub fn reshard(
     policy: Option<&Path>,
     p: &dyn Progress,
 ) -> Result<Written> {
+    reshard_input(input)?;
     let policy = policy.map(read_policy).transpose()?;
     let saved = checkpoint::read_manifest(input)?;
     output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
@@ -665,6 +751,7 @@ pub fn reshard_in_group(
     pg: &dyn ProcessGroup,
     p: &dyn Progress,
 ) -> Result<Written> {
+    pg.agree(reshard_input(input))?;
     let policy = pg.agree(policy.map(read_policy).transpose())?;
     pg.agree(checkpoint::read_manifest(input))?;
     pg.on_root(|| {
@@ -714,11 +801,12 @@ pub fn consolidate_in_group(
     p: &dyn Progress,
 ) -> Result<Written> {
     let format = FileFormat::from_path(out)?;
+    let is_dcp = pg.agree(consolidate_input(input))? == Input::Dcp;
     pg.on_root(|| {
         output::check_not_overlapping(out, &[input])?;
+        output::check_file_output(out)?;
         clean_stale(p, out, None)
     })?;
-    let is_dcp = dcp::is_dcp_dir(input);
     if !is_dcp {
         pg.agree(checkpoint::read_manifest(input))?;
     }
@@ -759,6 +847,7 @@ pub fn consolidate_sharded(ranks: &[PathBuf], output: &Path, p: &dyn Progress) -
     FileFormat::from_path(output)?;
     let inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
     output::check_not_overlapping(output, &inputs)?;
+    output::check_file_output(output)?;
     let dicts = read_rank_files(p, ranks)?;
     let full = fsdp::offline::consolidate_sharded(&dicts)?;
     drop(dicts);
@@ -813,6 +902,7 @@ pub fn consolidate_torch(
     let mut inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
     inputs.push(model);
     output::check_not_overlapping(output, &inputs)?;
+    output::check_file_output(output)?;
     let spec = load_spec(model, opts.named_optimizer)?;
     // Fail on a model description that does not fit this world size before reading.
     spec.layout(ranks.len())?;
@@ -850,8 +940,9 @@ pub fn shard_torch(
     let full_osd = step(p, &format!("reading {}", full.display()), || {
         load_optim(full)
     })?;
+    let shard_opts = ShardOptions::default().with_tuples_as_lists(opts.tuples_as_lists);
     let locals = step(p, &format!("sharding for {ws} ranks"), || {
-        shard_full_dict(&spec, &full_osd, ws)
+        shard_full_dict_with(&spec, &full_osd, ws, &shard_opts)
     })?;
     output::check_dir_output(out, DirKind::SHARD_TORCH, &[full, model])?;
     clean_stale(p, out, Some(DirKind::SHARD_TORCH))?;

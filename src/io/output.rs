@@ -120,6 +120,43 @@ pub fn check_not_overlapping(output: &Path, inputs: &[&Path]) -> Result<()> {
     Ok(())
 }
 
+/// The replace rule for file outputs: `out` may be a missing path (in an existing directory)
+/// or a regular file, which is replaced whole. A symbolic link, a directory, a FIFO, a socket
+/// or a device is refused: renaming over it would silently replace the special file (or the
+/// link, not its target), so the user must remove it or name another path. Called before any
+/// work, and again just before the finished file is renamed into place.
+pub fn check_file_output(out: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let (parent, _) = split(out)?;
+            match std::fs::metadata(&parent) {
+                Ok(m) if m.is_dir() => Ok(()),
+                Ok(m) => Err(refused(
+                    out,
+                    format!(
+                        "`{}` is a {}, not a directory",
+                        parent.display(),
+                        file_kind(&m.file_type())
+                    ),
+                )),
+                Err(e) => Err(refused(
+                    out,
+                    format!("its directory `{}`: {e}", parent.display()),
+                )),
+            }
+        }
+        Err(e) => Err(Error::io("inspecting the output", out)(e)),
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(m) => Err(refused(
+            out,
+            format!(
+                "it is a {}, not a regular file; a file output replaces only a regular file or a missing path (remove it or choose another output)",
+                file_kind(&m.file_type())
+            ),
+        )),
+    }
+}
+
 /// The replace rule for directory outputs: `out` may be missing, an empty directory, or an
 /// earlier output of `kind` holding nothing else; it must not overlap any of `inputs`.
 pub fn check_dir_output(out: &Path, kind: DirKind, inputs: &[&Path]) -> Result<()> {
@@ -226,7 +263,8 @@ pub fn shard_torch_marker(files: &[String]) -> Vec<u8> {
     v
 }
 
-fn file_kind(t: &std::fs::FileType) -> &'static str {
+/// What kind of file `t` is, for messages (`FIFO`, `character device`, `directory`, …).
+pub(crate) fn file_kind(t: &std::fs::FileType) -> &'static str {
     #[cfg(unix)]
     {
         use std::os::unix::fs::FileTypeExt;
@@ -751,6 +789,7 @@ pub fn write_file_atomic(
     out: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<StreamedFile>, &Path) -> Result<()>,
 ) -> Result<()> {
+    check_file_output(out)?;
     let tmp = tmp_file_path(out)?;
     let (parent, _) = split(out)?;
     let result = (|| {
@@ -767,6 +806,7 @@ pub fn write_file_atomic(
             .into_file();
         file.sync_all().map_err(tmp_io_err("syncing", out, &tmp))?;
         drop(file);
+        check_file_output(out)?;
         std::fs::rename(&tmp, out).map_err(Error::io("renaming into place", out))?;
         sync_dir(&parent)
     })();
@@ -780,6 +820,7 @@ pub fn write_file_atomic(
 /// for writers that fill planned byte ranges of one output from several processes
 /// ([`finish_planned_file`] installs it; remove it on failure).
 pub fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
+    check_file_output(out)?;
     let tmp = tmp_file_path(out)?;
     let file = std::fs::OpenOptions::new()
         .write(true)
@@ -800,6 +841,7 @@ pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
     let file = File::open(tmp).map_err(tmp_io_err("opening", out, tmp))?;
     file.sync_all().map_err(tmp_io_err("syncing", out, tmp))?;
     drop(file);
+    check_file_output(out)?;
     std::fs::rename(tmp, out).map_err(Error::io("renaming into place", out))?;
     sync_dir(&parent)
 }

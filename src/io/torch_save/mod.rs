@@ -555,6 +555,7 @@ pub(crate) fn write_atomic(
         })?
         .to_string_lossy()
         .into_owned();
+    crate::io::output::check_file_output(path)?;
     let tmp = dir.join(format!(
         ".{file_name}.{}.{}.tmp",
         std::process::id(),
@@ -573,6 +574,7 @@ pub(crate) fn write_atomic(
             .into_file();
         file.sync_all().map_err(Error::io("syncing", &tmp))?;
         drop(file);
+        crate::io::output::check_file_output(path)?;
         std::fs::rename(&tmp, path).map_err(Error::io("renaming into place", path))?;
         Ok(())
     })();

@@ -1,0 +1,228 @@
+//! What an input path is: the one recognition step every offline command takes first, so
+//! that each form is told apart by one precedence table and an unknown input is described
+//! by what it holds rather than by the first reader's complaint.
+
+use crate::error::{Error, Result};
+use crate::io::FileFormat;
+use std::path::Path;
+
+/// What [`recognize`] found at a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Input {
+    /// A PyTorch DCP directory with one global `.metadata` (`dcp.save`).
+    Dcp,
+    /// A PyTorch DCP directory with per-rank metadata files (`__0.metadata`, …) and no
+    /// `.metadata`: what `dcp.save(..., use_collectives=False)` writes.
+    DcpPerRank,
+    /// This crate's sharded checkpoint directory (`manifest.json`, `COMMITTED`).
+    Checkpoint,
+    /// A single state dict file.
+    File(FileFormat),
+}
+
+impl Input {
+    /// What the input is, for messages ("a DCP directory").
+    pub fn describe(self) -> &'static str {
+        match self {
+            Input::Dcp => "a DCP directory",
+            Input::DcpPerRank => "a DCP directory with per-rank metadata",
+            Input::Checkpoint => "a checkpoint of this crate",
+            Input::File(FileFormat::TorchSave) => "a torch.save file",
+            Input::File(FileFormat::Safetensors) => "a safetensors file",
+        }
+    }
+}
+
+/// One directory form: what marks it, and the probe that says whether `dir` is one (`Err`
+/// when it is one but the marker is unusable, e.g. a `.metadata` that is a FIFO).
+struct Form {
+    marker: &'static str,
+    probe: fn(&Path) -> Result<Option<Input>>,
+}
+
+/// The directory forms, in precedence order: the first whose probe matches decides.
+const DIRECTORY_FORMS: &[Form] = &[
+    Form {
+        marker: "`.metadata`",
+        probe: dcp_global,
+    },
+    Form {
+        marker: "`__0.metadata`",
+        probe: dcp_per_rank,
+    },
+    Form {
+        marker: "`manifest.json`",
+        probe: crate_checkpoint,
+    },
+];
+
+/// Decides what `path` is: a directory by the first of its forms whose marker it holds
+/// (DCP `.metadata`, DCP per-rank `__{rank}.metadata`, this crate's `manifest.json` or
+/// `COMMITTED`); a file by its extension (`.pt`, `.pth`, `.bin`, `.ckpt`, `.safetensors`),
+/// or by its first bytes when the extension says nothing (a zip archive is a `torch.save`
+/// file, an 8-byte length and a JSON header a safetensors file). Anything else is an error
+/// that says what was found.
+pub fn recognize(path: &Path) -> Result<Input> {
+    let meta = std::fs::metadata(path).map_err(Error::io("opening the input", path))?;
+    if meta.is_dir() {
+        for form in DIRECTORY_FORMS {
+            if let Some(found) = (form.probe)(path)? {
+                return Ok(found);
+            }
+        }
+        return Err(unrecognized_dir(path));
+    }
+    if !meta.is_file() {
+        return Err(Error::UnrecognizedInput {
+            path: path.display().to_string(),
+            found: format!(
+                "it is a {}, not a file or directory",
+                crate::io::output::file_kind(&meta.file_type())
+            ),
+        });
+    }
+    match FileFormat::from_path(path) {
+        Ok(format) => Ok(Input::File(format)),
+        Err(unknown) => sniff(path)?.map(Input::File).ok_or(unknown),
+    }
+}
+
+/// A `.metadata` entry of any kind marks a DCP directory; one that is not a regular file is
+/// an error naming what it is.
+fn dcp_global(dir: &Path) -> Result<Option<Input>> {
+    let marker = dir.join(".metadata");
+    let meta = match std::fs::symlink_metadata(&marker) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("inspecting", &marker)(e)),
+    };
+    let target = std::fs::metadata(&marker);
+    let kind = match &target {
+        Ok(t) if t.is_file() => return Ok(Some(Input::Dcp)),
+        Ok(t) => crate::io::output::file_kind(&t.file_type()),
+        Err(_) if meta.file_type().is_symlink() => "symbolic link to nothing",
+        Err(_) => crate::io::output::file_kind(&meta.file_type()),
+    };
+    Err(Error::DcpMetadata {
+        file: marker.display().to_string(),
+        reason: format!("`.metadata` is a {kind}, not a regular file"),
+    })
+}
+
+/// `__{rank}.metadata` files (and no `.metadata`) mark a DCP directory saved without
+/// collectives.
+fn dcp_per_rank(dir: &Path) -> Result<Option<Input>> {
+    let found = entries(dir)?.iter().any(|n| {
+        n.strip_prefix("__")
+            .and_then(|r| r.strip_suffix(".metadata"))
+            .is_some_and(|r| !r.is_empty() && r.bytes().all(|b| b.is_ascii_digit()))
+    });
+    Ok(found.then_some(Input::DcpPerRank))
+}
+
+/// `manifest.json` or `COMMITTED` marks this crate's checkpoint (complete or not: its reader
+/// says which part is missing).
+fn crate_checkpoint(dir: &Path) -> Result<Option<Input>> {
+    let marked = [crate::checkpoint::MANIFEST, crate::checkpoint::COMMIT]
+        .iter()
+        .any(|m| std::fs::symlink_metadata(dir.join(m)).is_ok());
+    Ok(marked.then_some(Input::Checkpoint))
+}
+
+/// The names in `dir`, sorted.
+fn entries(dir: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(Error::io("listing", dir))? {
+        let e = e.map_err(Error::io("listing", dir))?;
+        names.push(e.file_name().to_string_lossy().into_owned());
+    }
+    names.sort();
+    Ok(names)
+}
+
+/// The error for a directory no form matches: which markers are missing, and what it holds
+/// (files counted by extension).
+fn unrecognized_dir(dir: &Path) -> Error {
+    let markers: Vec<&str> = DIRECTORY_FORMS.iter().map(|f| f.marker).collect();
+    let holds = match entries(dir) {
+        Err(e) => format!("it cannot be listed: {e}"),
+        Ok(names) if names.is_empty() => "it is empty".to_string(),
+        Ok(names) => format!("it holds {}", count_by_extension(&names)),
+    };
+    Error::UnrecognizedInput {
+        path: dir.display().to_string(),
+        found: format!(
+            "it is neither a DCP directory (no `.metadata` or `__0.metadata`) nor a checkpoint of this crate (no `manifest.json`); {holds} (looked for {})",
+            markers.join(", ")
+        ),
+    }
+}
+
+/// "3 `.safetensors` files, 1 `.json` file and 2 other entries".
+fn count_by_extension(names: &[String]) -> String {
+    let mut counts: std::collections::BTreeMap<String, usize> = Default::default();
+    for n in names {
+        let key = match Path::new(n).extension() {
+            Some(ext) => format!("`.{}`", crate::error::shown(&ext.to_string_lossy())),
+            None => String::new(),
+        };
+        *counts.entry(key).or_default() += 1;
+    }
+    let mut parts: Vec<String> = counts
+        .iter()
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(ext, n)| format!("{n} {ext} file{}", if *n == 1 { "" } else { "s" }))
+        .collect();
+    if let Some(n) = counts.get("") {
+        parts.push(format!(
+            "{n} other entr{}",
+            if *n == 1 { "y" } else { "ies" }
+        ));
+    }
+    match parts.len() {
+        1 => parts.remove(0),
+        _ => {
+            let last = parts.pop().unwrap_or_default();
+            format!("{} and {last}", parts.join(", "))
+        }
+    }
+}
+
+/// The format of a file whose extension says nothing, from its first bytes.
+fn sniff(path: &Path) -> Result<Option<FileFormat>> {
+    use std::io::Read;
+    let mut head = [0u8; 9];
+    let mut f = crate::io::output::open_regular(path)
+        .map_err(|e| Error::io("opening the input", path)(e.into()))?;
+    let mut n = 0;
+    while n < head.len() {
+        match f.read(&mut head[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::io("reading", path)(e)),
+        }
+    }
+    Ok(match &head[..n] {
+        [b'P', b'K', 3, 4, ..] => Some(FileFormat::TorchSave),
+        [_, _, _, _, _, _, _, _, b'{'] => Some(FileFormat::Safetensors),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extensions_are_counted_for_the_message() {
+        let names: Vec<String> = ["a.safetensors", "b.safetensors", "index.json", "README"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        assert_eq!(
+            count_by_extension(&names),
+            "1 `.json` file, 2 `.safetensors` files and 1 other entry"
+        );
+    }
+}
