@@ -38,8 +38,18 @@ fn consolidate(desc: &Path, ranks: &[PathBuf], out: &Path) -> std::process::Outp
 }
 
 fn shard(desc: &Path, full: &Path, ws: usize, out: &Path) -> std::process::Output {
+    shard_with(desc, full, ws, out, &[])
+}
+
+fn shard_with(
+    desc: &Path,
+    full: &Path,
+    ws: usize,
+    out: &Path,
+    extra: &[&str],
+) -> std::process::Output {
     let ws = ws.to_string();
-    run(&[
+    let mut args: Vec<&dyn AsRef<std::ffi::OsStr>> = vec![
         &"shard-torch",
         &"--model",
         &desc,
@@ -48,7 +58,11 @@ fn shard(desc: &Path, full: &Path, ws: usize, out: &Path) -> std::process::Outpu
         &ws,
         &"-o",
         &out,
-    ])
+    ];
+    for e in extra {
+        args.push(e);
+    }
+    run(&args)
 }
 
 /// The same dict bit for bit: key order, key types, param groups, tensors.
@@ -80,16 +94,43 @@ fn consolidate_torch_gives_pytorch_fsdp2_full_optimizer_state_dict_bit_for_bit()
 }
 
 #[test]
-fn shard_torch_gives_each_rank_what_set_optimizer_state_dict_leaves_at_another_world_size() {
+fn shard_torch_with_tuples_as_lists_gives_what_set_optimizer_state_dict_leaves_at_another_world_size(
+) {
     let dir = tempfile::tempdir().unwrap();
     for optim in OPTIMIZERS {
         for (from, to) in [(3, 2), (2, 3)] {
             let out = dir.path().join(format!("{optim}-{from}-to-{to}"));
             let full = fixture(optim, &format!("ws{from}/full.pt"));
-            ok(&shard(&fixture(optim, "desc.json"), &full, to, &out));
+            let desc = fixture(optim, "desc.json");
+            ok(&shard_with(&desc, &full, to, &out, &["--tuples-as-lists"]));
             for (r, want) in rank_files(optim, to, "load").iter().enumerate() {
                 let got = load(&out.join(format!("rank{r}.pt")));
                 same(&got, &load(want), &format!("{optim} {from}->{to} rank {r}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn consolidate_torch_then_shard_torch_at_the_saved_world_size_gives_the_rank_files_back() {
+    // What every rank's optimizer held (`optim.state_dict()`, DTensors as `to_local()`),
+    // consolidated and sharded again for the same ranks: unchanged, `betas` a tuple.
+    let dir = tempfile::tempdir().unwrap();
+    for optim in OPTIMIZERS {
+        for ws in [2, 3] {
+            let desc = fixture(optim, "desc.json");
+            let ranks = rank_files(optim, ws, "rank");
+            let full = dir.path().join(format!("{optim}-{ws}.pt"));
+            ok(&consolidate(&desc, &ranks, &full));
+            let out = dir.path().join(format!("{optim}-{ws}-shards"));
+            ok(&shard(&desc, &full, ws, &out));
+            for (r, want) in ranks.iter().enumerate() {
+                let got = torch_save::load(out.join(format!("rank{r}.pt"))).unwrap();
+                let want = torch_save::load(want).unwrap();
+                assert!(
+                    got.bit_eq(&want),
+                    "{optim} at {ws} ranks, rank {r}: shard-torch differs from the saved file\n{got:?}\n!=\n{want:?}"
+                );
             }
         }
     }

@@ -185,12 +185,16 @@ def shard_torch(
     *,
     named_optimizer: bool = False,
     ext: str = "pt",
+    tuples_as_lists: bool = False,
     progress: Progress = None,
 ) -> Dict[str, Any]:
     """Shards a full optimizer state dict for ``world_size`` ranks; ``fsdp-ckpt shard-torch``.
 
     Writes ``output/rank{r}.{ext}``: what ``FSDP.shard_full_optim_state_dict`` gives each rank,
-    installed as one directory (missing, empty, or an earlier shard-torch output).
+    installed as one directory (missing, empty, or an earlier shard-torch output). For FSDP2,
+    ``tuples_as_lists=True`` writes the param groups' tuples (``betas``) as lists, as
+    ``set_optimizer_state_dict(full_state_dict=True)`` leaves them; by default they stay as
+    the full dict has them, as ranks hold them after ``dcp.load`` + ``set_state_dict``.
     """
     return json.loads(
         _native.shard_torch(
@@ -201,6 +205,7 @@ def shard_torch(
             named_optimizer,
             ext,
             progress,
+            tuples_as_lists,
         )
     )
 

@@ -212,7 +212,10 @@ fn consolidate_torch(
     named_optimizer: bool,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
-    let opts = ops::TorchOptions { named_optimizer };
+    let opts = ops::TorchOptions {
+        named_optimizer,
+        ..Default::default()
+    };
     run(py, progress, |p| {
         ops::consolidate_torch(&model, &ranks, &output, &opts, p)
     })
@@ -232,7 +235,7 @@ fn consolidate_sharded(
 }
 
 #[pyfunction]
-#[pyo3(signature = (model, full, world_size, output, named_optimizer=false, ext="pt".to_string(), progress=None))]
+#[pyo3(signature = (model, full, world_size, output, named_optimizer=false, ext="pt".to_string(), progress=None, tuples_as_lists=false))]
 #[allow(clippy::too_many_arguments)] // Python keyword arguments
 fn shard_torch(
     py: Python<'_>,
@@ -243,8 +246,12 @@ fn shard_torch(
     named_optimizer: bool,
     ext: String,
     progress: Option<Py<PyAny>>,
+    tuples_as_lists: bool,
 ) -> PyResult<String> {
-    let opts = ops::TorchOptions { named_optimizer };
+    let opts = ops::TorchOptions {
+        named_optimizer,
+        tuples_as_lists,
+    };
     run(py, progress, |p| {
         ops::shard_torch(&model, &full, world_size, &output, &ext, &opts, p)
     })

@@ -364,6 +364,7 @@ pub(super) fn shard(
     spec: &DescFile,
     full: &OptimStateDict,
     world_size: usize,
+    tuples_as_lists: bool,
 ) -> Result<Vec<OptimStateDict>> {
     let (layout, ranks) = plan(spec, world_size)?;
     let by_name = full_state_params(&spec.model, full)?;
@@ -372,7 +373,9 @@ pub(super) fn shard(
     ranks
         .iter()
         .enumerate()
-        .map(|(rank, params)| shard_for_rank(&layout, full, &by_name, params, rank))
+        .map(|(rank, params)| {
+            shard_for_rank(&layout, full, &by_name, params, rank, tuples_as_lists)
+        })
         .collect()
 }
 
@@ -474,13 +477,14 @@ fn check_full_states(layout: &ParamLayout, full: &OptimStateDict, by_name: &[usi
 }
 
 /// Rank `rank`'s local dict: state in the order `set_optimizer_state_dict` leaves it, param
-/// groups from the full dict with the rank's keys.
+/// groups from the full dict with the rank's keys (tuples made lists with `tuples_as_lists`).
 fn shard_for_rank(
     layout: &ParamLayout,
     full: &OptimStateDict,
     by_name: &[usize],
     params: &RankParams,
     rank: usize,
+    tuples_as_lists: bool,
 ) -> Result<OptimStateDict> {
     let full_of: HashMap<usize, &ParamState> =
         by_name.iter().copied().zip(full.state.values()).collect();
@@ -516,7 +520,14 @@ fn shard_for_rank(
                 options: g
                     .options
                     .iter()
-                    .map(|(k, v)| (k.clone(), tuples_to_lists(v)))
+                    .map(|(k, v)| {
+                        let v = if tuples_as_lists {
+                            tuples_to_lists(v)
+                        } else {
+                            v.clone()
+                        };
+                        (k.clone(), v)
+                    })
                     .collect(),
                 params: members.iter().map(|i| params.key_of[i].clone()).collect(),
             })
