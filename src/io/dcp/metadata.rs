@@ -20,6 +20,9 @@ pub enum PathItem {
     Key(String),
     /// A list index.
     Index(usize),
+    /// A negative list index (`-n`, counted from the end as Python counts): PyTorch's
+    /// `set_element` accepts one; the crate resolves it when the metadata is parsed.
+    FromEnd(usize),
 }
 
 /// A chunk of a tensor: the box `offsets .. offsets + sizes` of the global tensor (the crate's
@@ -134,8 +137,11 @@ pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
         budget,
     }
     .metadata()?;
-    check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
-    Ok(metadata)
+    let placed = check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
+    Ok(Metadata {
+        entries: placed.apply(metadata.entries),
+        ..metadata
+    })
 }
 
 struct Extract<'a> {
@@ -227,8 +233,11 @@ impl Extract<'_> {
         };
         let mut out = HashMap::new();
         if let Some(s) = state {
+            // Python's BUILD sets non-string keys too; no field of a DCP class is one.
             for (k, v) in self.dict(s, what)? {
-                out.insert(self.str(k, what)?, v);
+                if let V::Str(k) = k {
+                    out.insert(&**k, v);
+                }
             }
         }
         Ok(out)
@@ -302,9 +311,12 @@ impl Extract<'_> {
                 path.push(match item {
                     v @ V::Str(_) => PathItem::Key(self.string(v, &what)?),
                     V::Int(i) if *i >= 0 => PathItem::Index(*i as usize),
+                    V::Int(i) => {
+                        PathItem::FromEnd(usize::try_from(i.unsigned_abs()).unwrap_or(usize::MAX))
+                    }
                     _ => {
                         return Err(self.err(format!(
-                            "{what} holds an item that is neither a string nor a non-negative int"
+                            "{what} holds an item that is neither a string nor an int"
                         )))
                     }
                 });
@@ -369,7 +381,25 @@ impl Extract<'_> {
             _ => return Err(self.err(format!("{what}.properties is not a TensorProperties"))),
         };
         let d = match self.node(state) {
-            Some(Node::Tuple(t)) => t.first(),
+            // `TensorProperties.__setstate__` unpacks exactly (dtype, layout, requires_grad,
+            // memory-format encoding, pin_memory) and refuses an encoding that is not one.
+            Some(Node::Tuple(t)) => {
+                if t.len() != 5 {
+                    return Err(self.err(format!(
+                        "{what}.properties has {} fields, not the 5 of a TensorProperties",
+                        t.len()
+                    )));
+                }
+                if !matches!(
+                    self.node(&t[3]),
+                    Some(Node::Instance(Class::MemFormatEncoding, _))
+                ) {
+                    return Err(
+                        self.err(format!("{what}.properties has no memory-format encoding"))
+                    );
+                }
+                t.first()
+            }
             Some(Node::Dict(d)) => d
                 .iter()
                 .find(|(k, _)| matches!(k, V::Str(s) if &**s == "dtype"))

@@ -60,6 +60,21 @@ impl P {
         }
     }
 
+    /// `-n` (as `BININT`, or `LONG1` with 8 bytes plus a sign byte).
+    fn negative_int(&mut self, n: u64) {
+        match i32::try_from(n) {
+            Ok(v) => {
+                self.out.push(b'J');
+                self.out.extend_from_slice(&(-v).to_le_bytes());
+            }
+            Err(_) => {
+                self.out.extend_from_slice(&[0x8a, 9]);
+                self.out.extend_from_slice(&n.wrapping_neg().to_le_bytes());
+                self.out.push(0xff);
+            }
+        }
+    }
+
     fn none(&mut self) {
         self.out.push(b'N');
     }
@@ -141,6 +156,7 @@ pub(crate) fn metadata_pickle(records: &[Record<'_>], checkpoint_id: &str) -> Re
                 match item {
                     PathItem::Key(k) => p.str(k),
                     PathItem::Index(i) => p.int(*i as u64),
+                    PathItem::FromEnd(n) => p.negative_int(*n as u64),
                 }
             }
             p.tuple();

@@ -2,7 +2,7 @@
 //! once, where each chunk's bytes land in the assembled tensor, and the nested state dict
 //! structure that `planner_data` describes. No file is touched here.
 
-use super::metadata::{Chunk, Entry, PathItem};
+use super::metadata::{Chunk, Entry, EntryKind, PathItem};
 use crate::io::torch_save::PyObj;
 use std::collections::HashMap;
 
@@ -15,8 +15,8 @@ pub fn volume(sizes: &[usize]) -> Option<usize> {
 }
 
 /// Checks that `chunks` tile the shape `size` exactly once: every chunk has the tensor's rank
-/// and lies inside it, no two overlap, and together they cover every element. Returns what
-/// is wrong.
+/// and lies inside it, no two overlap, and together they cover every element. A chunk of no
+/// elements is passed over (PyTorch never reads one). Returns what is wrong.
 pub fn check_tiling(size: &[usize], chunks: &[Chunk]) -> Result<(), String> {
     if chunks.len() > MAX_CHUNKS_PER_TENSOR {
         return Err(format!(
@@ -26,7 +26,7 @@ pub fn check_tiling(size: &[usize], chunks: &[Chunk]) -> Result<(), String> {
     }
     let total = volume(size).ok_or_else(|| format!("shape {size:?} overflows"))?;
     let mut covered = 0usize;
-    for c in chunks {
+    for c in chunks.iter().filter(|c| volume(&c.sizes) != Some(0)) {
         if c.offsets.len() != size.len() || c.sizes.len() != size.len() {
             return Err(format!(
                 "chunk at {:?} of size {:?} does not have the tensor's {} dimensions",
@@ -239,17 +239,58 @@ pub fn nest(
 }
 
 /// Checks that `planner_data` rebuilds the nested dict PyTorch's loader
-/// (`_EmptyStateDictLoadPlanner`, used by `dcp_to_torch_save`) reads back whole: every path
-/// is its key's own path (the key is the path's items joined with `.`, as
-/// `flatten_state_dict` writes it), no two keys share a path or nest inside each other's
-/// value, lists are dense, and every list holds a tensor or a container (PyTorch's
+/// (`_EmptyStateDictLoadPlanner`, used by `dcp_to_torch_save`) reads back whole, and says
+/// where each value goes. PyTorch places a placeholder for each key at its path, flattens
+/// the rebuilt dict again (a path's items joined with `.`, as `flatten_state_dict` writes
+/// them) and loads, at each place, the value of the key that place's path names. So: every
+/// place must name a key of the checkpoint of the same kind (tensor of the same dtype and
+/// shape, or object), no two keys may share a place or nest inside each other's value,
+/// lists must be dense, and every list must hold a tensor or a container (PyTorch's
 /// traversal reads a list of plain values as one value). PyTorch refuses a checkpoint that
-/// fails any of these ("Missing key in checkpoint state_dict"), or, where two keys share a
-/// path, silently loads one value under both names.
-pub fn check_paths(entries: &[Entry]) -> Result<(), NestError> {
+/// fails any of these ("Missing key in checkpoint state_dict"), except two keys sharing a
+/// path, where it silently loads one value under both names; the crate refuses that too.
+/// A path that names another key of the same kind (two keys' paths swapped) is read as
+/// PyTorch reads it, by the names of the places, and so is a negative list index.
+pub fn check_paths(entries: &[Entry]) -> Result<Placement, NestError> {
     let root = build(entries)?;
+    let owner: HashMap<&str, usize> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| (e.key.as_str(), i))
+        .collect();
+    let mut placement = Placement {
+        at: vec![None; entries.len()],
+    };
     let mut path = Vec::new();
-    visit(&root, &mut path, entries)
+    visit(&root, &mut path, entries, &owner, &mut placement)?;
+    Ok(placement)
+}
+
+/// Where [`check_paths`] found each value goes: for entry `i`'s place (in metadata order), the
+/// place's path with list indices resolved, and the entry whose value PyTorch loads there.
+#[derive(Debug)]
+pub struct Placement {
+    at: Vec<Option<(Vec<PathItem>, usize)>>,
+}
+
+impl Placement {
+    /// The entries as they are placed: the `i`-th holds the key, kind and chunks of the value
+    /// loaded at the `i`-th place, with that place's resolved path (for a checkpoint that
+    /// `dcp.save` wrote, `entries` unchanged but for the paths of keys without one).
+    pub fn apply(self, entries: Vec<Entry>) -> Vec<Entry> {
+        let mut out: Vec<Entry> = entries.clone();
+        for (i, at) in self.at.into_iter().enumerate() {
+            if let Some((path, owner)) = at {
+                let e = &entries[owner];
+                out[i] = Entry {
+                    key: e.key.clone(),
+                    path: Some(path),
+                    kind: e.kind.clone(),
+                };
+            }
+        }
+        out
+    }
 }
 
 /// Why [`nest`] or [`check_paths`] failed.
@@ -309,6 +350,7 @@ pub fn path_repr(path: &[PathItem]) -> String {
         .map(|p| match p {
             PathItem::Key(k) => format!("'{}'", crate::error::shown(k)),
             PathItem::Index(i) => i.to_string(),
+            PathItem::FromEnd(n) => format!("-{n}"),
         })
         .collect();
     match items.len() {
@@ -318,12 +360,13 @@ pub fn path_repr(path: &[PathItem]) -> String {
 }
 
 /// The flattened key PyTorch derives from a path: its items joined with `.`.
-fn joined(path: &[PathItem]) -> String {
+pub(crate) fn joined(path: &[PathItem]) -> String {
     let items: Vec<String> = path
         .iter()
         .map(|p| match p {
             PathItem::Key(k) => k.clone(),
             PathItem::Index(i) => i.to_string(),
+            PathItem::FromEnd(n) => format!("-{n}"),
         })
         .collect();
     items.join(".")
@@ -371,7 +414,7 @@ fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> 
     for (i, item) in path.iter().enumerate() {
         let last = i + 1 == path.len();
         let fresh = || match path.get(i + 1) {
-            Some(PathItem::Index(_)) => Tree::List(Vec::new()),
+            Some(PathItem::Index(_) | PathItem::FromEnd(_)) => Tree::List(Vec::new()),
             _ => Tree::Dict(Vec::new(), HashMap::new()),
         };
         let slot: &mut Tree = match (cur, item) {
@@ -393,10 +436,19 @@ fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> 
                 }
                 &mut items[*j]
             }
-            (container, item) => {
-                let (step, there) = match (item, container) {
-                    (PathItem::Index(i), _) => (format!("index {i}"), "a dict"),
-                    (PathItem::Key(k), _) => (format!("'{}'", crate::error::shown(k)), "a list"),
+            // Python's `lst[-n]`: the n-th item from the end of the list as it is now.
+            (Tree::List(items), PathItem::FromEnd(n)) => match items.len().checked_sub(*n) {
+                Some(j) => &mut items[j],
+                None => return Err(Clash::Other(format!(
+                    "list index -{n} is out of range for a list of {} (an IndexError in PyTorch)",
+                    items.len()
+                ))),
+            },
+            (_, item) => {
+                let (step, there) = match item {
+                    PathItem::Index(i) => (format!("index {i}"), "a dict"),
+                    PathItem::FromEnd(n) => (format!("index -{n}"), "a dict"),
+                    PathItem::Key(k) => (format!("'{}'", crate::error::shown(k)), "a list"),
                 };
                 return Err(Clash::Other(format!(
                     "step {} ({step}) meets {there} that other keys' paths built",
@@ -426,14 +478,20 @@ fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> 
     Err(Clash::Other("the path is empty".into()))
 }
 
-/// Walks `tree` as PyTorch's `traverse_state_dict` does and checks that each value it would
-/// visit is the entry whose key its path joins to.
-fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry]) -> Result<(), NestError> {
+/// Walks `tree` as PyTorch's `traverse_state_dict` does and records, for each value it
+/// visits, the key its path names (which must be a key of the same kind).
+fn visit(
+    tree: &Tree,
+    path: &mut Vec<PathItem>,
+    entries: &[Entry],
+    owner: &HashMap<&str, usize>,
+    placement: &mut Placement,
+) -> Result<(), NestError> {
     match tree {
         Tree::Dict(items, _) => {
             for (k, v) in items {
                 path.push(PathItem::Key(k.clone()));
-                visit(v, path, entries)?;
+                visit(v, path, entries, owner, placement)?;
                 path.pop();
             }
             Ok(())
@@ -441,7 +499,7 @@ fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry]) -> Result<(),
         Tree::List(items) if !terminal(items, entries) => {
             for (i, v) in items.iter().enumerate() {
                 path.push(PathItem::Index(i));
-                visit(v, path, entries)?;
+                visit(v, path, entries, owner, placement)?;
                 path.pop();
             }
             Ok(())
@@ -458,17 +516,28 @@ fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry]) -> Result<(),
         Tree::Leaf(i) => {
             let key = &entries[*i].key;
             let named = joined(path);
-            if &named == key {
-                return Ok(());
+            let Some(&j) = owner.get(named.as_str()) else {
+                return Err(NestError::Path {
+                    key: key.clone(),
+                    reason: format!(
+                        "its planner_data path {} names the key `{}`, which the checkpoint does not have (PyTorch refuses it: Missing key in checkpoint state_dict)",
+                        path_repr(path),
+                        crate::error::shown(&named)
+                    ),
+                });
+            };
+            if let Some(mismatch) = kind_mismatch(&entries[*i].kind, &entries[j].kind) {
+                return Err(NestError::Path {
+                    key: key.clone(),
+                    reason: format!(
+                        "its planner_data path {} is the place of the key `{}`, {mismatch}",
+                        path_repr(path),
+                        crate::error::shown(&named)
+                    ),
+                });
             }
-            Err(NestError::Path {
-                key: key.clone(),
-                reason: format!(
-                    "its planner_data path {} names the key `{}`, not its own (PyTorch refuses it: Missing key in checkpoint state_dict)",
-                    path_repr(path),
-                    crate::error::shown(&named)
-                ),
-            })
+            placement.at[*i] = Some((path.clone(), j));
+            Ok(())
         }
         Tree::Hole => {
             let index = path.pop();
@@ -484,13 +553,35 @@ fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry]) -> Result<(),
     }
 }
 
+/// Why a placeholder of kind `placed` cannot take the value of kind `value` PyTorch loads
+/// there: object against tensor (PyTorch refuses), another shape (PyTorch refuses) or
+/// dtype (PyTorch casts the value silently; the crate refuses).
+fn kind_mismatch(placed: &EntryKind, value: &EntryKind) -> Option<String> {
+    match (placed, value) {
+        (EntryKind::Bytes, EntryKind::Bytes) => None,
+        (EntryKind::Tensor(a), EntryKind::Tensor(b)) if a.size == b.size && a.dtype == b.dtype => {
+            None
+        }
+        (EntryKind::Tensor(a), EntryKind::Tensor(b)) => Some(format!(
+            "a {} {:?} tensor where this key's is {} {:?}",
+            b.dtype, b.size, a.dtype, a.size
+        )),
+        (EntryKind::Tensor(_), EntryKind::Bytes) => {
+            Some("an object where this key holds a tensor".into())
+        }
+        (EntryKind::Bytes, EntryKind::Tensor(_)) => {
+            Some("a tensor where this key holds an object".into())
+        }
+    }
+}
+
 /// Whether PyTorch's traversal visits the list `items` as one value: it holds no tensor, no
 /// dict, and no list that is not itself such a value.
 fn terminal(items: &[Tree], entries: &[Entry]) -> bool {
     items.iter().all(|t| match t {
         Tree::Dict(..) => false,
         Tree::List(inner) => terminal(inner, entries),
-        Tree::Leaf(i) => !matches!(entries[*i].kind, super::metadata::EntryKind::Tensor(_)),
+        Tree::Leaf(i) => !matches!(entries[*i].kind, EntryKind::Tensor(_)),
         Tree::Hole => true,
     })
 }
@@ -783,6 +874,63 @@ mod tests {
         e.insert(0, entry("optim", &[k("optim")], false));
         assert!(
             matches!(check_paths(&e), Err(NestError::Path { key, .. }) if key == "optim.state.w.exp_avg")
+        );
+    }
+
+    #[test]
+    fn swapped_paths_are_read_by_the_names_of_the_places_as_pytorch_reads_them() {
+        // `lr` and `eps` with each other's paths: PyTorch loads each place by the key its
+        // path names, so `eps` comes first in the group and each holds its own value.
+        let mut e = optim_entries();
+        let (lr, eps) = (e[1].path.clone(), e[2].path.clone());
+        e[1].path = eps.clone();
+        e[2].path = lr.clone();
+        let placed = check_paths(&e).unwrap().apply(e);
+        let keys: Vec<&str> = placed.iter().map(|x| x.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            [
+                "optim.state.w.exp_avg",
+                "optim.param_groups.0.eps",
+                "optim.param_groups.0.lr"
+            ]
+        );
+        assert_eq!(placed[1].path, eps);
+        assert_eq!(placed[2].path, lr);
+        // A tensor's path swapped with an object's: PyTorch refuses the kinds.
+        let mut e = optim_entries();
+        let (w, lr) = (e[0].path.clone(), e[1].path.clone());
+        e[0].path = lr;
+        e[1].path = w;
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { reason, .. }) if reason.contains("an object where this key holds a tensor"))
+        );
+    }
+
+    #[test]
+    fn a_negative_list_index_counts_from_the_end_as_python_does() {
+        let mut e = optim_entries();
+        e[2].path = Some(vec![
+            k("optim"),
+            k("param_groups"),
+            PathItem::FromEnd(1),
+            k("eps"),
+        ]);
+        let placed = check_paths(&e).unwrap().apply(e);
+        assert_eq!(
+            placed[2].path.as_deref(),
+            Some(&[k("optim"), k("param_groups"), PathItem::Index(0), k("eps")][..])
+        );
+        // Past the start of the list: an IndexError in PyTorch.
+        let mut e = optim_entries();
+        e[1].path = Some(vec![
+            k("optim"),
+            k("param_groups"),
+            PathItem::FromEnd(1),
+            k("lr"),
+        ]);
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { reason, .. }) if reason.contains("out of range"))
         );
     }
 

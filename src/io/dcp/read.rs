@@ -185,7 +185,7 @@ impl DcpCheckpoint {
     fn plan_tensor(&self, key: &str) -> Result<usize> {
         let (t, dtype) = self.tensor_meta(key)?;
         check_tiling(&t.size, &t.chunks).map_err(|r| self.chunk_err(key, r))?;
-        for c in &t.chunks {
+        for c in data_chunks(t) {
             let info = self.storage(key, Some(&c.offsets))?;
             let need = chunk_bytes(&c.sizes, dtype);
             self.checked_range(key, info, need)?;
@@ -238,7 +238,7 @@ impl DcpCheckpoint {
         self.plan_tensor(key)?;
         let (t, dtype) = self.tensor_meta(key)?;
         let mut out = HostTensor::zeros(dtype, &t.size);
-        for c in &t.chunks {
+        for c in data_chunks(t) {
             let part = self.read_chunk(key, c, dtype)?;
             place_chunk(out.bytes_mut(), &t.size, c, part.as_bytes(), dtype.size());
         }
@@ -267,7 +267,7 @@ impl DcpCheckpoint {
             ));
         };
         let slabs = (!t.size.is_empty())
-            .then(|| row_slabs(&t.size, &t.chunks))
+            .then(|| row_slabs(&t.size, data_chunks(t)))
             .flatten();
         let Some(slabs) = slabs else {
             let full = self.read_tensor(key)?;
@@ -323,6 +323,13 @@ impl DcpCheckpoint {
         let entries = &self.metadata.entries;
         self.nested(&mut |i, _| Ok(PyObj::Tensor(self.read_tensor(&entries[i].key)?)))
     }
+}
+
+/// The chunks of `t` that hold elements. A chunk of no elements (FSDP2 records one for a rank
+/// that holds no rows) is never read, as PyTorch never reads it: it needs no storage record
+/// and may lie anywhere.
+fn data_chunks(t: &TensorMeta) -> impl Iterator<Item = &Chunk> {
+    t.chunks.iter().filter(|c| volume(&c.sizes) != Some(0))
 }
 
 fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
@@ -446,7 +453,7 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
             })
         };
         let (meta, dtype) = self.ckpt.tensor_meta(key)?;
-        match row_slabs(&meta.size, &meta.chunks) {
+        match row_slabs(&meta.size, data_chunks(meta)) {
             // Chunks of whole rows (FSDP2 and FSDP1 dim-0 shards, single chunks): in row order
             // they are the tensor's bytes, so each goes out as it is read, never assembled.
             Some(slabs) => {
@@ -471,13 +478,16 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
 /// The chunks in row order when each spans whole rows (all of every dimension after the
 /// first), so that their bytes, one after another, are the tensor's; `None` for another grid.
 /// The chunks must already be known to tile the shape.
-fn row_slabs<'c>(size: &[usize], chunks: &'c [Chunk]) -> Option<Vec<&'c Chunk>> {
+fn row_slabs<'c>(
+    size: &[usize],
+    chunks: impl Iterator<Item = &'c Chunk>,
+) -> Option<Vec<&'c Chunk>> {
     let whole_rows =
         |c: &Chunk| c.sizes.get(1..) == size.get(1..) && c.offsets.iter().skip(1).all(|&o| o == 0);
-    if !chunks.iter().all(whole_rows) {
+    let mut slabs: Vec<&Chunk> = chunks.collect();
+    if !slabs.iter().all(|c| whole_rows(c)) {
         return None;
     }
-    let mut slabs: Vec<&Chunk> = chunks.iter().collect();
     slabs.sort_by_key(|c| c.offsets.first().copied().unwrap_or(0));
     Some(slabs)
 }
@@ -706,7 +716,7 @@ pub fn verify(dir: &Path) -> Result<VerifyReport> {
             EntryKind::Tensor(t) => {
                 ckpt.plan_tensor(&e.key)?;
                 let (_, dtype) = ckpt.tensor_meta(&e.key)?;
-                for c in &t.chunks {
+                for c in data_chunks(t) {
                     ckpt.read_chunk(&e.key, c, dtype)?;
                     r.chunks += 1;
                     r.bytes_read += ckpt.storage(&e.key, Some(&c.offsets))?.length;

@@ -532,7 +532,9 @@ impl Vm<'_> {
                 }
                 Ok(V::Str(Rc::from(s)))
             }
-            (V::Global(Global::Class(Class::MemFormatEncoding)), [v @ V::Int(_)]) => {
+            // `_MEM_FORMAT_ENCODING(v)`: contiguous, channels-last or preserve; any other
+            // value is a ValueError in Python.
+            (V::Global(Global::Class(Class::MemFormatEncoding)), [v @ V::Int(0..=2)]) => {
                 Ok(self.alloc(Node::Instance(Class::MemFormatEncoding, Some(v.clone()))))
             }
             _ => Err(self.err("REDUCE of a global that takes no such arguments")),

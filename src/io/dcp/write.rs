@@ -86,14 +86,7 @@ fn visit<'a>(
     out: &mut Vec<Item<'a>>,
     depth: usize,
 ) -> Result<()> {
-    let key = path
-        .iter()
-        .map(|p| match p {
-            PathItem::Key(k) => k.clone(),
-            PathItem::Index(i) => i.to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join(".");
+    let key = super::plan::joined(&path);
     if depth > 200 {
         return Err(Error::UnexpectedObject {
             path: key,
