@@ -45,7 +45,9 @@ flipped tensor byte as data). The first violation is PyTorch's loss. Outcomes, o
   (container types, key order, non-tensor values by type and value (floats by bits),
   tensors by dtype, shape and bytes);
 * both_refuse: the tool refused and PyTorch raised;
-* torch_lossy: the tool refused and PyTorch succeeded with a loss (the reason is recorded);
+* torch_lossy: the tool refused and PyTorch succeeded with a loss (the reason is recorded),
+  or the tool refused an archive whose CRC-32 does not match and PyTorch, which never checks
+  it, read the corrupt archive;
 * DISAGREE: anything else (the tool accepts what PyTorch refuses, refuses what PyTorch loads
   without loss, or both accept with different results).
 
@@ -629,7 +631,7 @@ def first_difference(a, b, path):
 # One mutant: write it, run both sides, classify, keep or delete.
 
 
-def classify(verify, consolidate, torch_result):
+def classify(verify, consolidate, consolidate_err, torch_result):
     if verify.startswith("crash") or consolidate.startswith("crash"):
         return "CRASH"
     if verify != consolidate:
@@ -640,6 +642,11 @@ def classify(verify, consolidate, torch_result):
     if not tool_ok and not torch_result["ok"]:
         return "both_refuse"
     if not tool_ok and torch_result.get("lossy"):
+        return "torch_lossy"
+    if not tool_ok and "CRC-32 mismatch" in consolidate_err:
+        # PyTorch never checks an archive's CRC-32: it reads a corrupt archive whatever the
+        # damage, even where this damage happened to change no value it returns.
+        torch_result["lossy"] = "PyTorch does not check the archive's CRC-32"
         return "torch_lossy"
     return "DISAGREE"
 
@@ -662,7 +669,7 @@ def run_mutant(index, fixture, description, changed, reference, args, workers, r
                                    "reference": None if ".metadata" in changed else str(reference)})
     finally:
         workers.put(worker)
-    outcome = classify(verify, consolidate, torch_result)
+    outcome = classify(verify, consolidate, consolidate_err, torch_result)
     record = {"index": index, "fixture": fixture.name, "mutation": description, "outcome": outcome,
               "verify": {"status": verify, "stderr": verify_err},
               "consolidate": {"status": consolidate, "stderr": consolidate_err},

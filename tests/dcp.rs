@@ -442,6 +442,16 @@ fn truncated_or_garbled_metadata_gives_typed_errors() {
         flipped[i] ^= 0x5a;
     }
     assert!(dcp::parse_metadata("m", &raw).is_ok());
+    // A FRAME longer than the rest of the pickle: Python refuses it ("pickle data was
+    // truncated"), though every opcode after it is whole.
+    assert_eq!(&raw[..3], &[0x80, 4, 0x95], "protocol 4, framed");
+    let mut long_frame = raw.clone();
+    long_frame[7..9].copy_from_slice(&[0xd2, 0xaf]);
+    let e = dcp::parse_metadata("m", &long_frame).unwrap_err();
+    assert!(
+        e.to_string().contains("runs past the end of the pickle"),
+        "{e}"
+    );
 }
 
 #[test]

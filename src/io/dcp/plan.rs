@@ -439,10 +439,12 @@ fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> 
             // Python's `lst[-n]`: the n-th item from the end of the list as it is now.
             (Tree::List(items), PathItem::FromEnd(n)) => match items.len().checked_sub(*n) {
                 Some(j) => &mut items[j],
-                None => return Err(Clash::Other(format!(
+                None => {
+                    return Err(Clash::Other(format!(
                     "list index -{n} is out of range for a list of {} (an IndexError in PyTorch)",
                     items.len()
-                ))),
+                )))
+                }
             },
             (_, item) => {
                 let (step, there) = match item {

@@ -300,7 +300,15 @@ impl Vm<'_> {
                 return Ok(true);
             }
             0x95 => {
-                self.arr::<8>()?;
+                // FRAME: Python reads the whole frame up front, so one longer than what is
+                // left of the stream is an error ("pickle data was truncated").
+                let n = u64::from_le_bytes(self.arr()?);
+                let left = (self.data.len() - self.pos) as u64;
+                if n > left {
+                    return Err(self.err(format!(
+                        "a frame of {n} bytes runs past the end of the pickle ({left} bytes left)"
+                    )));
+                }
                 return Ok(true);
             }
             b'(' => {
