@@ -561,6 +561,6 @@ fn checkpoint_commands_reshard_consolidate_verify_and_inspect() {
     assert!(!root.path().join("again.safetensors").exists());
     fails(
         &run(&[&"verify", &root.path().join("missing")]),
-        "never completed",
+        "No such file or directory",
     );
 }
