@@ -380,11 +380,21 @@ fn missing_file_is_an_io_error() {
     assert_eq!(wire.io_kind(), Some(std::io::ErrorKind::NotFound));
 }
 
-/// A stored zip archive with the given entries, as torch.save lays it out (crafted input).
+/// A stored zip archive with the given entries, as torch.save lays it out (crafted input),
+/// plus a `version` record (which PyTorch requires) in the first entry's folder when no entry
+/// is one.
 fn zip_of(entries: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut entries = entries.to_vec();
+    let version;
+    if let Some((first, _)) = entries.first() {
+        if !entries.iter().any(|(n, _)| n.ends_with("version")) {
+            version = format!("{}/version", first.split('/').next().unwrap());
+            entries.push((&version, b"3\n"));
+        }
+    }
     let mut out = Vec::new();
     let mut central = Vec::new();
-    for (name, data) in entries {
+    for (name, data) in &entries {
         let crc = crc32fast::hash(data);
         let at = out.len() as u32;
         out.extend_from_slice(&0x0403_4b50u32.to_le_bytes());
@@ -728,6 +738,309 @@ fn zip64_end_records_are_followed() {
     bytes[eocd - 20] ^= 0xff;
     let e = torch_save::load_from_bytes(&bytes).unwrap_err();
     assert!(matches!(e, Error::TorchSaveArchive { .. }), "{e}");
+}
+
+// ----- the zip checks PyTorch's reader makes (miniz 3.0.2 under `PyTorchStreamReader`) -----
+
+/// A file the crate's writer lays out as PyTorch does, and where its records are.
+struct Written {
+    bytes: Vec<u8>,
+    obj: PyObj,
+}
+
+impl Written {
+    fn new() -> Self {
+        let obj = torch_save::load(fixture("views")).unwrap();
+        let bytes = torch_save::save_to_bytes(&obj).unwrap();
+        Written { bytes, obj }
+    }
+    fn le(&self, at: usize, n: usize) -> u64 {
+        let mut a = [0u8; 8];
+        a[..n].copy_from_slice(&self.bytes[at..at + n]);
+        u64::from_le_bytes(a)
+    }
+    fn put(&mut self, at: usize, v: u64, n: usize) {
+        self.bytes[at..at + n].copy_from_slice(&v.to_le_bytes()[..n]);
+    }
+    fn eocd(&self) -> usize {
+        self.bytes.len() - 22
+    }
+    fn locator(&self) -> usize {
+        self.bytes.len() - 42
+    }
+    fn zip64(&self) -> usize {
+        self.bytes.len() - 98
+    }
+    /// The central entry of the record `archive/<name>`.
+    fn central(&self, name: &str) -> usize {
+        let full = format!("archive/{name}");
+        let mut at = self.le(self.zip64() + 48, 8) as usize;
+        loop {
+            assert_eq!(self.le(at, 4), 0x0201_4b50);
+            let nlen = self.le(at + 28, 2) as usize;
+            if self.bytes[at + 46..at + 46 + nlen] == *full.as_bytes() {
+                return at;
+            }
+            at += 46 + nlen + self.le(at + 30, 2) as usize + self.le(at + 32, 2) as usize;
+        }
+    }
+    /// The local header of the record `archive/<name>`.
+    fn local(&self, name: &str) -> usize {
+        self.le(self.central(name) + 42, 4) as usize
+    }
+    fn load(&self) -> fsdp::Result<PyObj> {
+        torch_save::load_from_bytes(&self.bytes)
+    }
+    /// Refused with a typed archive error whose reason contains `why`.
+    fn refused(&self, why: &str) {
+        match self.load() {
+            Err(Error::TorchSaveArchive { reason, .. }) => {
+                assert!(reason.contains(why), "`{reason}` does not say `{why}`")
+            }
+            other => panic!("expected a TorchSaveArchive error saying `{why}`, got {other:?}"),
+        }
+    }
+    fn accepted(&self) {
+        assert_bit_eq(&self.load().unwrap(), &self.obj, "damaged but readable");
+    }
+}
+
+/// Every record PyTorch's `torch.load` extracts (`PyTorchStreamReader::init`, `_load`).
+const EXTRACTED: [&str; 7] = [
+    "data.pkl",
+    ".format_version",
+    ".storage_alignment",
+    "byteorder",
+    "data/0",
+    "version",
+    ".data/serialization_id",
+];
+
+#[test]
+fn local_headers_of_every_record_pytorch_extracts_are_checked() {
+    // miniz (mz_zip_reader_extract_to_mem_no_alloc1): "if (MZ_READ_LE32(pLocal_header) !=
+    // MZ_ZIP_LOCAL_DIR_HEADER_SIG) return ... MZ_ZIP_INVALID_HEADER_OR_CORRUPTED".
+    for name in EXTRACTED {
+        let mut w = Written::new();
+        let at = w.local(name);
+        w.bytes[at] ^= 0x01;
+        // The first local header is also the file's magic number.
+        w.refused(if at == 0 {
+            "not a zip archive"
+        } else {
+            "bad local header signature"
+        });
+        // The data is found through the local name and extra lengths: too far is refused...
+        let mut w = Written::new();
+        let at = w.local(name);
+        w.put(at + 26, 0xffff, 2);
+        w.refused("do not fit in the file");
+        // ... and shifted data fails its CRC-32.
+        let mut w = Written::new();
+        let at = w.local(name);
+        w.put(at + 28, w.le(at + 28, 2) + 1, 2);
+        w.refused("CRC-32 mismatch");
+    }
+    // miniz reads neither the local sizes, CRC, method nor name (the data descriptor holds
+    // them in PyTorch's files): damage there is harmless.
+    let mut w = Written::new();
+    let at = w.local("data.pkl");
+    w.bytes[at + 8..at + 26].fill(0xa5);
+    w.bytes[at + 30] ^= 0x20;
+    w.accepted();
+}
+
+#[test]
+fn central_entries_are_checked_as_miniz_opens_the_archive() {
+    // "if ((disk_index == MZ_UINT16_MAX) || ((disk_index != num_this_disk) && (disk_index !=
+    // 1))) return ... MZ_ZIP_UNSUPPORTED_MULTIDISK"
+    for (disk, ok) in [(1, true), (2, false), (0xffff, false)] {
+        let mut w = Written::new();
+        let at = w.central("version");
+        w.put(at + 34, disk, 2);
+        if ok {
+            w.accepted();
+        } else {
+            w.refused("unsupported multidisk archive");
+        }
+    }
+    // "if ((local_header_ofs + MZ_ZIP_LOCAL_DIR_HEADER_SIZE + comp_size) > m_archive_size)"
+    let mut w = Written::new();
+    let at = w.central(".format_version");
+    w.put(at + 42, w.bytes.len() as u64 - 30, 4);
+    w.refused("does not fit in the file");
+    // A local-header offset inside the file but at no local header.
+    let mut w = Written::new();
+    let at = w.central(".storage_alignment");
+    w.put(at + 42, w.le(at + 42, 4) + 1, 4);
+    w.refused("bad local header signature");
+    // MZ_ZIP_GENERAL_PURPOSE_BIT_FLAG_LOCAL_DIR_IS_MASKED
+    let mut w = Written::new();
+    let at = w.central("byteorder");
+    w.put(at + 8, 0x2808, 2);
+    w.refused("unsupported encryption");
+    // Encrypted entries are not extracted.
+    let mut w = Written::new();
+    let at = w.central("data/0");
+    w.put(at + 8, 0x0809, 2);
+    w.refused("unsupported encryption");
+    // An entry miniz takes for a directory (DOS attribute 0x10) is "extracted" without
+    // reading its data: PyTorch sees memory it never filled.
+    for name in EXTRACTED {
+        let mut w = Written::new();
+        let at = w.central(name);
+        w.put(at + 38, 0x10, 4);
+        w.refused("marked as a directory");
+    }
+    // Other attribute bits are not looked at.
+    let mut w = Written::new();
+    let at = w.central("data.pkl");
+    w.put(at + 38, 0x81a4_0000 | 0x20, 4);
+    w.accepted();
+}
+
+#[test]
+fn every_name_is_utf8_and_inside_the_archive_folder() {
+    // get_all_records: "file in archive is not in a subdirectory archive/: ..."; the names
+    // become Python str (UnicodeDecodeError).
+    let mut w = Written::new();
+    let at = w.central(".data/serialization_id");
+    w.bytes[at + 46 + 2] = b's';
+    w.refused("not inside the archive folder");
+    let mut w = Written::new();
+    let at = w.central(".data/serialization_id");
+    w.bytes[at + 46 + 9] = 0x90;
+    w.refused("not UTF-8");
+}
+
+#[test]
+fn zip64_end_record_is_used_as_miniz_uses_it() {
+    let w = Written::new();
+    let (rec, loc) = (w.zip64(), w.locator());
+    let damaged = |f: &dyn Fn(&mut Written)| {
+        let mut w = Written::new();
+        f(&mut w);
+        w
+    };
+    // "zip64_size_of_end_of_central_dir_record < (MZ_ZIP64_END_OF_CENTRAL_DIR_HEADER_SIZE - 12)"
+    damaged(&|w| w.put(rec + 4, 36, 8)).refused("(< 44)");
+    // "if (zip64_total_num_of_disks != 1U) return ... MZ_ZIP_UNSUPPORTED_MULTIDISK"
+    damaged(&|w| w.put(loc + 16, 2, 4)).refused("unsupported multidisk archive");
+    damaged(&|w| w.put(loc + 16, 0, 4)).refused("unsupported multidisk archive");
+    // "if (zip64_end_of_central_dir_ofs > (m_archive_size - MZ_ZIP64_END_OF_CENTRAL_DIR_
+    // HEADER_SIZE)) return ... MZ_ZIP_NOT_AN_ARCHIVE"
+    damaged(&|w| w.put(loc + 8, w.bytes.len() as u64 - 55, 8)).refused("not a ZIP archive");
+    // "zip64_cdir_total_entries > MZ_UINT32_MAX ... MZ_ZIP_TOO_MANY_FILES"
+    damaged(&|w| w.put(rec + 32, 1 << 40, 8)).refused("too many files");
+    damaged(&|w| w.put(rec + 24, 1 << 40, 8)).refused("too many files");
+    // "zip64_size_of_central_directory > MZ_UINT32_MAX ... MZ_ZIP_UNSUPPORTED_CDIR_SIZE"
+    damaged(&|w| w.put(rec + 40, 1 << 34, 8)).refused("unsupported central directory size");
+    // "if (m_total_files != cdir_entries_on_this_disk) ... MZ_ZIP_UNSUPPORTED_MULTIDISK"
+    damaged(&|w| w.put(rec + 24, w.le(rec + 24, 8) + 1, 8)).refused("multidisk");
+    // Disk numbers: both 0 or both 1.
+    damaged(&|w| w.put(rec + 20, 1, 4)).refused("multidisk");
+    damaged(&|w| w.put(rec + 16, 1, 4)).refused("multidisk");
+    // The zip64 record's directory size and offset are the ones used.
+    damaged(&|w| w.put(rec + 40, w.le(rec + 40, 8) + 0x10000, 8)).refused("extends past");
+    damaged(&|w| w.put(rec + 48, w.le(rec + 48, 8) + 1, 8)).refused("central directory");
+    // A locator pointing at no zip64 record, or no locator: the classic record is used.
+    let mut w = damaged(&|w| w.bytes[rec] ^= 0x01);
+    w.accepted();
+    w.bytes[loc] ^= 0x01;
+    w.accepted();
+}
+
+#[test]
+fn classic_end_record_is_ignored_when_the_zip64_one_is_found() {
+    // Two mutants of the campaign: PyTorch loads them, miniz reading only the zip64 record.
+    let mut w = Written::new();
+    let e = w.eocd();
+    w.put(e + 10, 0x7dd9, 2);
+    w.accepted();
+    let mut w = Written::new();
+    w.put(e + 15, 0x4717, 2);
+    w.accepted();
+    // All of it, disk numbers included.
+    let mut w = Written::new();
+    w.bytes[e + 4..e + 20].fill(0x5a);
+    w.accepted();
+    // Without the zip64 records the classic one is checked the same way.
+    let file = zip_of(&[("a/data.pkl", b"\x80\x02N."), ("a/byteorder", b"little")]);
+    assert!(torch_save::load_from_bytes(&file).is_ok());
+    let eocd = file.len() - 22;
+    for (at, v) in [(4usize, 1u16), (6, 1), (8, 5)] {
+        let mut f = file.clone();
+        f[eocd + at..eocd + at + 2].copy_from_slice(&v.to_le_bytes());
+        let e = torch_save::load_from_bytes(&f).unwrap_err();
+        assert!(e.to_string().contains("multidisk"), "{e}");
+    }
+}
+
+#[test]
+fn the_version_record_is_parsed_and_bounded_as_pytorch_does() {
+    let load = |entries: &[(&str, &[u8])]| {
+        let mut e = vec![("a/data.pkl", &b"\x80\x02N."[..])];
+        e.extend_from_slice(entries);
+        torch_save::load_from_bytes(&zip_of(&e))
+    };
+    // std::stoull: white space, a sign, digits up to the first other byte.
+    for v in [&b"3\n"[..], b"1", b"10", b" \t+7xyz", b"010", b"\n\x0b5"] {
+        assert!(load(&[("a/version", v)]).is_ok(), "{v:?}");
+    }
+    // kMinSupportedFileFormatVersion = 1, kMaxSupportedFileFormatVersion = 0xA; "-1" wraps.
+    for v in [
+        &b"0"[..],
+        b"11",
+        b"-1",
+        b"-0",
+        b"",
+        b"x3",
+        b"+-3",
+        b" ",
+        b"99999999999999999999",
+    ] {
+        match load(&[("a/version", v)]) {
+            Err(Error::TorchSaveArchive { entry, .. }) => {
+                assert_eq!(entry.as_deref(), Some("a/version"), "{v:?}")
+            }
+            other => panic!("version {v:?}: {other:?}"),
+        }
+    }
+    // `.data/version` comes first.
+    assert!(load(&[("a/.data/version", b"3"), ("a/version", b"99")]).is_ok());
+    assert!(load(&[("a/.data/version", b"99"), ("a/version", b"3")]).is_err());
+    // Missing: refused (zip_of adds none, seeing a name ending in "version").
+    let e = load(&[("a/xversion", b"3")]).unwrap_err();
+    assert!(matches!(e, Error::MissingArchiveEntry { .. }), "{e}");
+}
+
+#[test]
+fn every_way_in_checks_the_archive() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = Written::new();
+    let at = w.central("version");
+    w.put(at + 38, 0x10, 4);
+    let path = dir.path().join("damaged.pt");
+    let mut padded = vec![0u8; 7];
+    padded.extend_from_slice(&w.bytes);
+    std::fs::write(&path, &padded).unwrap();
+    let is_archive_error = |e: Error| {
+        assert!(
+            matches!(e, Error::TorchSaveArchive { .. }) || e.to_string().contains("directory"),
+            "{e}"
+        )
+    };
+    std::fs::write(&path, &w.bytes).unwrap();
+    is_archive_error(torch_save::load(&path).unwrap_err());
+    is_archive_error(torch_save::load_headers(&path).unwrap_err());
+    std::fs::write(&path, &padded).unwrap();
+    is_archive_error(torch_save::load_from_file_range(&path, 7, w.bytes.len() as u64).unwrap_err());
+    // load_headers reads no tensor data but checks the storages' local headers.
+    let mut w = Written::new();
+    let at = w.local("data/0");
+    w.bytes[at] ^= 1;
+    std::fs::write(&path, &w.bytes).unwrap();
+    is_archive_error(torch_save::load_headers(&path).unwrap_err());
 }
 
 #[test]

@@ -201,8 +201,7 @@ impl<'h> FileTensors<'h> {
             return Ok(None);
         }
         let (name, src) = open(path)?;
-        let zip = ZipReader::new(&name, src)?;
-        let prefix = archive_prefix(&zip, &name)?;
+        let (zip, prefix) = open_archive(&name, src)?;
         Ok(Some(FileTensors {
             headers,
             zip,
@@ -438,8 +437,12 @@ pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Re
 }
 
 fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pickle::Unpickled> {
-    let mut zip = ZipReader::new(file, src)?;
-    let prefix = archive_prefix(&zip, file)?;
+    let (mut zip, prefix) = open_archive(file, src)?;
+    // `torch.load` reads these records when present (`_load` in torch/serialization.py):
+    // extracted as PyTorch would, their content unused here.
+    for record in [".format_version", ".storage_alignment"] {
+        zip.read_entry(&format!("{prefix}{record}"))?;
+    }
     if let Some(order) = zip.read_entry(&format!("{prefix}byteorder"))? {
         if order != b"little" {
             return Err(Error::UnsupportedByteOrder {
@@ -457,6 +460,99 @@ fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pic
         })?;
     let mut store = ArchiveStorages { zip, prefix, file };
     pickle::unpickle(file, &pkl, &mut store, mode)
+}
+
+/// Opens the archive `src` as PyTorch's `PyTorchStreamReader` does and `torch.load` lists it:
+/// the zip container (the checks miniz makes), the archive folder (named after the first
+/// entry's), every entry inside that folder (`getAllRecords`: "file in archive is not in a
+/// subdirectory"), the `.data/serialization_id` record when present and the `version` record
+/// (`init`). Returns the reader and the folder with its `/`.
+fn open_archive<S: Source>(file: &str, src: S) -> Result<(ZipReader<S>, String)> {
+    let mut zip = ZipReader::new(file, src)?;
+    let prefix = archive_prefix(&zip, file)?;
+    if let Some(e) = zip.entries().iter().find(|e| !e.name.starts_with(&prefix)) {
+        return Err(Error::TorchSaveArchive {
+            file: file.to_string(),
+            entry: Some(e.name.clone()),
+            offset: 0,
+            reason: format!(
+                "entry is not inside the archive folder `{prefix}` (PyTorch: file in archive is \
+                 not in a subdirectory)"
+            ),
+        });
+    }
+    zip.read_entry(&format!("{prefix}.data/serialization_id"))?;
+    check_version(&mut zip, &prefix)?;
+    Ok((zip, prefix))
+}
+
+/// The oldest and newest `version` PyTorch 2.13 reads (`kMinSupportedFileFormatVersion`,
+/// `kMaxSupportedFileFormatVersion` in caffe2/serialize/versions.h).
+const MIN_FILE_FORMAT_VERSION: u64 = 1;
+const MAX_FILE_FORMAT_VERSION: u64 = 0xa;
+
+/// The `version` record (`<archive>/.data/version`, else `<archive>/version`), which
+/// `PyTorchStreamReader::init` requires, parses with `std::stoull` and bounds.
+fn check_version<S: Source>(zip: &mut ZipReader<S>, prefix: &str) -> Result<()> {
+    let dotted = format!("{prefix}.data/version");
+    let name = if zip.entry(&dotted).is_some() {
+        dotted
+    } else {
+        format!("{prefix}version")
+    };
+    let file = zip.file().to_string();
+    let refuse = |reason: String| Error::TorchSaveArchive {
+        file: file.clone(),
+        entry: Some(name.clone()),
+        offset: 0,
+        reason,
+    };
+    let Some(bytes) = zip.read_entry(&name)? else {
+        return Err(Error::MissingArchiveEntry { file, entry: name });
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let version = stoull(&bytes).ok_or_else(|| {
+        refuse(format!(
+            "version record {text:?} is not a number (PyTorch: Couldn't parse the version)"
+        ))
+    })?;
+    if !(MIN_FILE_FORMAT_VERSION..=MAX_FILE_FORMAT_VERSION).contains(&version) {
+        return Err(refuse(format!(
+            "file format version {version} (from {text:?}); PyTorch 2.13 reads versions \
+             {MIN_FILE_FORMAT_VERSION} to {MAX_FILE_FORMAT_VERSION}"
+        )));
+    }
+    Ok(())
+}
+
+/// C++'s `std::stoull(s)` (base 10, through `strtoull`): leading white space, an optional sign,
+/// at least one decimal digit, up to the first other byte; a `-` negates modulo 2^64. `None`
+/// where it throws (no digits: `invalid_argument`; more than 64 bits: `out_of_range`).
+fn stoull(s: &[u8]) -> Option<u64> {
+    let mut i = s
+        .iter()
+        .position(|&b| !matches!(b, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r'))
+        .unwrap_or(s.len());
+    let negative = match s.get(i) {
+        Some(b'-') => {
+            i += 1;
+            true
+        }
+        Some(b'+') => {
+            i += 1;
+            false
+        }
+        _ => false,
+    };
+    let digits = s[i..].iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    let mut v: u64 = 0;
+    for &d in &s[i..i + digits] {
+        v = v.checked_mul(10)?.checked_add(u64::from(d - b'0'))?;
+    }
+    Some(if negative { v.wrapping_neg() } else { v })
 }
 
 /// The archive folder of `zip` with its `/` (PyTorch names it after the first entry's).
@@ -509,7 +605,7 @@ impl<S: Source> ArchiveStorages<'_, S> {
 impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
     fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()> {
         let entry = storage_entry(&self.zip, &self.prefix, key)?;
-        let (name, size) = (entry.name, entry.size);
+        let (name, size) = (entry.name.clone(), entry.size);
         let nbytes = numel.checked_mul(dtype.size()).ok_or_else(|| {
             self.storage_err(key, format!("{numel} elements of {dtype} overflow"))
         })?;
@@ -521,6 +617,8 @@ impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
         if size > self.zip.source_len() {
             return Err(self.storage_err(key, format!("entry `{name}` is larger than the file")));
         }
+        // What PyTorch checks when it extracts the storage (its data is not read here).
+        self.zip.data_start(&entry)?;
         Ok(())
     }
 

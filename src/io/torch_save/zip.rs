@@ -86,6 +86,11 @@ pub(crate) struct Entry {
     /// Size of the data (stored, so compressed and uncompressed sizes agree).
     pub(crate) size: u64,
     crc: u32,
+    /// General-purpose flags of the central entry.
+    flags: u16,
+    /// miniz takes the entry for a directory (name ending in `/`, or the DOS directory bit
+    /// 0x10 of the external attributes) and extracts no data for it.
+    directory: bool,
 }
 
 /// The central directory of an archive, and access to its entries' data.
@@ -108,11 +113,20 @@ fn le64(b: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(a)
 }
 
-/// Where the central directory lies, as the end record says.
+/// Where the central directory lies, as the end records say (miniz's
+/// `mz_zip_reader_read_central_dir`).
 struct CentralDirectory {
     count: u64,
     size: u64,
     offset: u64,
+    /// "Number of this disk": 0 or 1 (miniz accepts both), which each entry's disk-start
+    /// field must equal unless it is 1.
+    disk: u32,
+}
+
+/// The suffix of reasons for checks that follow miniz (PyTorch's zip reader), with its error.
+fn miniz(what: &str) -> String {
+    format!("PyTorch's reader (miniz) refuses this: {what}")
 }
 
 impl<S: Source> ZipReader<S> {
@@ -131,7 +145,7 @@ impl<S: Source> ZipReader<S> {
         r.read(dir.offset, &mut cd, None)?;
         let mut at = 0usize;
         for _ in 0..dir.count {
-            let (entry, used) = r.central_entry(&cd, at, dir.offset + at as u64)?;
+            let (entry, used) = r.central_entry(&cd, at, dir.offset + at as u64, dir.disk)?;
             r.by_name.insert(entry.name.clone(), r.entries.len());
             r.entries.push(entry);
             at += used;
@@ -160,8 +174,10 @@ impl<S: Source> ZipReader<S> {
         Ok(())
     }
 
-    /// Finds the end record (and its zip64 form) and checks that the central directory it
-    /// points to lies inside the file and can hold its entry count.
+    /// Finds the end record and, as miniz does, the zip64 end record when a zip64 locator
+    /// sits just before the end record and points to a zip64 record: then the zip64 record's
+    /// entry counts, disk numbers, and directory size and offset are used and the classic
+    /// record's are ignored. Checks what miniz checks (`mz_zip_reader_read_central_dir`).
     fn central_directory(&mut self) -> Result<CentralDirectory> {
         let len = self.src.len();
         // The end record is in the last 22 + 65535 bytes.
@@ -175,81 +191,149 @@ impl<S: Source> ZipReader<S> {
             .ok_or_else(|| self.err(None, len, "no end-of-central-directory record".into()))?;
         let eocd_pos = tail_start + eocd as u64;
         let e = &tail[eocd..eocd + EOCD_LEN];
-        if le16(e, 4) != 0 || le16(e, 6) != 0 {
+        let mut count = u64::from(le16(e, 10));
+        let mut on_disk = u64::from(le16(e, 8));
+        let mut disk = u32::from(le16(e, 4));
+        let mut cd_disk = u32::from(le16(e, 6));
+        let mut size = u64::from(le32(e, 12));
+        let mut offset = u64::from(le32(e, 16));
+        let mut at = eocd_pos;
+        if let Some((rec_pos, rec, total_disks)) = self.zip64_records(eocd_pos)? {
+            at = rec_pos;
+            // miniz: "if (zip64_size_of_end_of_central_dir_record < (MZ_ZIP64_END_OF_CENTRAL_
+            // DIR_HEADER_SIZE - 12)) return ... MZ_ZIP_INVALID_HEADER_OR_CORRUPTED".
+            let rec_size = le64(&rec, 4);
+            if rec_size < 44 {
+                return Err(self.err(
+                    None,
+                    rec_pos + 4,
+                    format!(
+                        "zip64 end record says it has {rec_size} bytes (< 44); {}",
+                        miniz("invalid header or archive is corrupted")
+                    ),
+                ));
+            }
+            if total_disks != 1 {
+                return Err(self.err(
+                    None,
+                    eocd_pos - 4,
+                    format!(
+                        "zip64 locator says {total_disks} disks; {}",
+                        miniz("unsupported multidisk archive")
+                    ),
+                ));
+            }
+            count = le64(&rec, 32);
+            on_disk = le64(&rec, 24);
+            if count > u64::from(u32::MAX) || on_disk > u64::from(u32::MAX) {
+                return Err(self.err(
+                    None,
+                    rec_pos + 24,
+                    format!(
+                        "zip64 end record counts {count} entries ({on_disk} on this disk); {}",
+                        miniz("too many files")
+                    ),
+                ));
+            }
+            size = le64(&rec, 40);
+            if size > u64::from(u32::MAX) {
+                return Err(self.err(
+                    None,
+                    rec_pos + 40,
+                    format!(
+                        "zip64 end record says the central directory has {size} bytes; {}",
+                        miniz("unsupported central directory size")
+                    ),
+                ));
+            }
+            disk = le32(&rec, 16);
+            cd_disk = le32(&rec, 20);
+            offset = le64(&rec, 48);
+        }
+        if count != on_disk || ((disk | cd_disk) != 0 && (disk != 1 || cd_disk != 1)) {
             return Err(self.err(
                 None,
-                eocd_pos,
-                "multi-disk archives are not supported".into(),
-            ));
-        }
-        let mut dir = CentralDirectory {
-            count: u64::from(le16(e, 10)),
-            size: u64::from(le32(e, 12)),
-            offset: u64::from(le32(e, 16)),
-        };
-        if dir.count == 0xffff || dir.size == 0xffff_ffff || dir.offset == 0xffff_ffff {
-            dir = self.zip64_central_directory(eocd_pos)?;
-        }
-        if dir.offset.checked_add(dir.size).is_none_or(|end| end > len) {
-            return Err(self.err(
-                None,
-                dir.offset,
+                at,
                 format!(
-                    "central directory ({} bytes) extends past the end of the file ({len} bytes)",
-                    dir.size
+                    "end record: {count} entries, {on_disk} on this disk, disk {disk}, \
+                     central directory on disk {cd_disk}; {}",
+                    miniz("unsupported multidisk archive")
                 ),
             ));
         }
-        // Every central entry takes at least 46 bytes, which bounds `count` by the file size.
-        if dir.count > dir.size / CENTRAL_HEADER_LEN as u64 {
+        // Every central entry takes at least 46 bytes.
+        if size < count * CENTRAL_HEADER_LEN as u64 {
             return Err(self.err(
                 None,
-                dir.offset,
-                format!(
-                    "{} entries cannot fit in a central directory of {} bytes",
-                    dir.count, dir.size
-                ),
+                offset,
+                format!("{count} entries cannot fit in a central directory of {size} bytes"),
             ));
         }
-        Ok(dir)
-    }
-
-    /// The zip64 end record, through the locator just before the classic end record.
-    fn zip64_central_directory(&mut self, eocd_pos: u64) -> Result<CentralDirectory> {
-        let loc_pos = eocd_pos
-            .checked_sub(20)
-            .ok_or_else(|| self.err(None, eocd_pos, "zip64 locator missing".into()))?;
-        let mut loc = [0u8; 20];
-        self.read(loc_pos, &mut loc, None)?;
-        if le32(&loc, 0) != ZIP64_LOCATOR_SIG {
-            return Err(self.err(None, loc_pos, "zip64 locator missing".into()));
-        }
-        let rec_pos = le64(&loc, 8);
-        let mut rec = [0u8; 56];
-        self.read(rec_pos, &mut rec, None)?;
-        if le32(&rec, 0) != ZIP64_EOCD_SIG {
+        if offset.checked_add(size).is_none_or(|end| end > len) {
             return Err(self.err(
                 None,
-                rec_pos,
-                "bad zip64 end-of-central-directory record".into(),
+                offset,
+                format!(
+                    "central directory ({size} bytes) extends past the end of the file ({len} bytes)"
+                ),
             ));
         }
         Ok(CentralDirectory {
-            count: le64(&rec, 32),
-            size: le64(&rec, 40),
-            offset: le64(&rec, 48),
+            count,
+            size,
+            offset,
+            disk,
         })
     }
 
-    /// Parses the central entry at `at` of the directory `cd` (`pos` in the file): the entry
-    /// and the bytes it takes. Only stored (uncompressed), uniquely named entries are allowed.
-    fn central_entry(&self, cd: &[u8], at: usize, pos: u64) -> Result<(Entry, usize)> {
+    /// The zip64 end record (its offset and first 56 bytes) and the locator's total number of
+    /// disks, when miniz would use them: the end record at `eocd_pos` has at least 76 bytes
+    /// before it, the 20 just before it are a zip64 locator, and the record it points to has
+    /// the zip64 end record's signature. A locator pointing past where a 56-byte record could
+    /// start refuses the file (miniz: "not a ZIP archive"); a record without the signature is
+    /// ignored.
+    fn zip64_records(&mut self, eocd_pos: u64) -> Result<Option<(u64, [u8; 56], u32)>> {
+        if eocd_pos < 20 + 56 {
+            return Ok(None);
+        }
+        let loc_pos = eocd_pos - 20;
+        let mut loc = [0u8; 20];
+        self.read(loc_pos, &mut loc, None)?;
+        if le32(&loc, 0) != ZIP64_LOCATOR_SIG {
+            return Ok(None);
+        }
+        let rec_pos = le64(&loc, 8);
+        let len = self.src.len();
+        if rec_pos > len - 56 {
+            return Err(self.err(
+                None,
+                loc_pos + 8,
+                format!(
+                    "zip64 locator points to byte {rec_pos}, past the file's end ({len} bytes); {}",
+                    miniz("not a ZIP archive")
+                ),
+            ));
+        }
+        let mut rec = [0u8; 56];
+        self.read(rec_pos, &mut rec, None)?;
+        if le32(&rec, 0) != ZIP64_EOCD_SIG {
+            return Ok(None);
+        }
+        Ok(Some((rec_pos, rec, le32(&loc, 16))))
+    }
+
+    /// Parses the central entry at `at` of the directory `cd` (`pos` in the file) of an
+    /// archive on disk `disk`: the entry and the bytes it takes. Checks what miniz checks of
+    /// every entry when it opens an archive (`mz_zip_reader_read_central_dir`); besides, only
+    /// stored (uncompressed), uniquely named entries are allowed.
+    fn central_entry(&self, cd: &[u8], at: usize, pos: u64, disk: u32) -> Result<(Entry, usize)> {
         let h = cd
             .get(at..at + CENTRAL_HEADER_LEN)
             .ok_or_else(|| self.err(None, pos, "truncated central directory".into()))?;
         if le32(h, 0) != CENTRAL_SIG {
             return Err(self.err(None, pos, "bad central directory signature".into()));
         }
+        let flags = le16(h, 8);
         let method = le16(h, 10);
         let crc = le32(h, 16);
         let mut csize = u64::from(le32(h, 20));
@@ -257,10 +341,13 @@ impl<S: Source> ZipReader<S> {
         let nlen = usize::from(le16(h, 28));
         let elen = usize::from(le16(h, 30));
         let clen = usize::from(le16(h, 32));
+        let disk_start = le16(h, 34);
+        let external = le32(h, 38);
         let mut header = u64::from(le32(h, 42));
         let var = cd
             .get(at + CENTRAL_HEADER_LEN..at + CENTRAL_HEADER_LEN + nlen + elen + clen)
             .ok_or_else(|| self.err(None, pos, "truncated central directory".into()))?;
+        // PyTorch lists every name as a Python str (`get_all_records`): UnicodeDecodeError.
         let name = std::str::from_utf8(&var[..nlen])
             .map_err(|_| self.err(None, pos, "entry name is not UTF-8".into()))?
             .to_string();
@@ -284,20 +371,65 @@ impl<S: Source> ZipReader<S> {
                 format!("stored entry with compressed size {csize} != size {size}"),
             ));
         }
+        // miniz: "if ((disk_index == MZ_UINT16_MAX) || ((disk_index != num_this_disk) &&
+        // (disk_index != 1))) return ... MZ_ZIP_UNSUPPORTED_MULTIDISK".
+        if disk_start == 0xffff || (u32::from(disk_start) != disk && disk_start != 1) {
+            return Err(self.err(
+                Some(&name),
+                pos + 34,
+                format!(
+                    "entry starts on disk {disk_start}; {}",
+                    miniz("unsupported multidisk archive")
+                ),
+            ));
+        }
+        // miniz: "if ((local_header_ofs + MZ_ZIP_LOCAL_DIR_HEADER_SIZE + comp_size) >
+        // pZip->m_archive_size) return ... MZ_ZIP_INVALID_HEADER_OR_CORRUPTED".
+        let len = self.src.len();
+        if csize != 0xffff_ffff
+            && header
+                .checked_add(LOCAL_HEADER_LEN + csize)
+                .is_none_or(|end| end > len)
+        {
+            return Err(self.err(
+                Some(&name),
+                pos + 42,
+                format!(
+                    "local header at byte {header} with {csize} bytes of data does not fit in \
+                     the file ({len} bytes); {}",
+                    miniz("invalid header or archive is corrupted")
+                ),
+            ));
+        }
+        // miniz: MZ_ZIP_GENERAL_PURPOSE_BIT_FLAG_LOCAL_DIR_IS_MASKED (0x2000).
+        if flags & 0x2000 != 0 {
+            return Err(self.err(
+                Some(&name),
+                pos + 8,
+                format!(
+                    "flags {flags:#06x} mask the local header; {}",
+                    miniz("unsupported encryption")
+                ),
+            ));
+        }
         if self.by_name.contains_key(&name) {
             return Err(self.err(Some(&name), pos, "duplicate entry".into()));
         }
         let entry = Entry {
+            directory: name.ends_with('/') || external & 0x10 != 0,
             name,
             header,
             size,
             crc,
+            flags,
         };
         Ok((entry, CENTRAL_HEADER_LEN + nlen + elen + clen))
     }
 
-    /// Applies an entry's zip64 extra field: each of `fields` (size, compressed size, header
-    /// offset) that is 0xffffffff takes the next 8-byte value, in that order.
+    /// Applies an entry's zip64 extra field as miniz does (`mz_zip_file_stat_internal`): only
+    /// when one of `fields` (size, compressed size, header offset) is 0xffffffff, each such
+    /// field takes the next 8-byte value of the first field with id 1, in that order. The
+    /// fields before it must be well formed.
     fn zip64_extra(
         &self,
         name: &str,
@@ -305,12 +437,26 @@ impl<S: Source> ZipReader<S> {
         mut extra: &[u8],
         mut fields: [&mut u64; 3],
     ) -> Result<()> {
-        while extra.len() >= 4 {
+        if !fields.iter().any(|v| **v == 0xffff_ffff) {
+            return Ok(());
+        }
+        while !extra.is_empty() {
+            let bad = || {
+                self.err(
+                    Some(name),
+                    pos,
+                    format!(
+                        "truncated extra field; {}",
+                        miniz("invalid header or archive is corrupted")
+                    ),
+                )
+            };
+            if extra.len() < 4 {
+                return Err(bad());
+            }
             let id = le16(extra, 0);
             let n = usize::from(le16(extra, 2));
-            let body = extra
-                .get(4..4 + n)
-                .ok_or_else(|| self.err(Some(name), pos, "truncated extra field".into()))?;
+            let body = extra.get(4..4 + n).ok_or_else(bad)?;
             if id == 1 {
                 let mut values = body.chunks_exact(8).map(|c| le64(c, 0));
                 for v in fields.iter_mut() {
@@ -320,6 +466,7 @@ impl<S: Source> ZipReader<S> {
                         })?;
                     }
                 }
+                break;
             }
             extra = &extra[4 + n..];
         }
@@ -379,19 +526,66 @@ impl<S: Source> ZipReader<S> {
         self.check_crc(entry, start, crc32fast::hash(buf))
     }
 
-    /// Where `entry`'s data starts in the source (after its local header).
+    /// Where `entry`'s data starts in the source (after its local header), with the checks
+    /// miniz makes when PyTorch extracts an entry (`mz_zip_reader_extract_to_mem_no_alloc1`):
+    /// the local header's signature, and that the data, found through the local header's own
+    /// name and extra lengths, fits in the file; miniz reads nothing of an empty entry (0 is
+    /// returned for it) and nothing of one it takes for a directory or an encrypted one
+    /// (refused here: PyTorch would hand back memory it never filled, or fail).
     pub(crate) fn data_start(&mut self, entry: &Entry) -> Result<u64> {
         let name = entry.name.as_str();
+        if entry.size == 0 {
+            return Ok(0);
+        }
+        if entry.directory {
+            return Err(self.err(
+                Some(name),
+                entry.header,
+                "entry is marked as a directory (name ending in `/` or DOS directory \
+                 attribute), so PyTorch's reader (miniz) extracts none of its data"
+                    .into(),
+            ));
+        }
+        // IS_ENCRYPTED | COMPRESSED_PATCH | USES_STRONG_ENCRYPTION
+        if entry.flags & (0x01 | 0x20 | 0x40) != 0 {
+            return Err(self.err(
+                Some(name),
+                entry.header,
+                format!(
+                    "flags {:#06x} mark the entry encrypted or patched; {}",
+                    entry.flags,
+                    miniz("unsupported encryption")
+                ),
+            ));
+        }
         let mut h = [0u8; LOCAL_HEADER_LEN as usize];
         self.read(entry.header, &mut h, Some(name))?;
         if le32(&h, 0) != LOCAL_SIG {
             return Err(self.err(
                 Some(name),
                 entry.header,
-                "bad local header signature".into(),
+                format!(
+                    "bad local header signature; {}",
+                    miniz("invalid header or archive is corrupted")
+                ),
             ));
         }
-        Ok(entry.header + LOCAL_HEADER_LEN + u64::from(le16(&h, 26)) + u64::from(le16(&h, 28)))
+        let start =
+            entry.header + LOCAL_HEADER_LEN + u64::from(le16(&h, 26)) + u64::from(le16(&h, 28));
+        let len = self.src.len();
+        if start.checked_add(entry.size).is_none_or(|end| end > len) {
+            return Err(self.err(
+                Some(name),
+                entry.header + 26,
+                format!(
+                    "the local header's name and extra lengths put the data at byte {start}, \
+                     and its {} bytes do not fit in the file ({len} bytes); {}",
+                    entry.size,
+                    miniz("invalid header or archive is corrupted")
+                ),
+            ));
+        }
+        Ok(start)
     }
 
     /// Reads `buf.len()` bytes at `offset` of the source, part of `entry`'s data (for
