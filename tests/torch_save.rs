@@ -835,12 +835,20 @@ fn local_headers_of_every_record_pytorch_extracts_are_checked() {
         let at = w.local(name);
         w.put(at + 26, 0xffff, 2);
         w.refused("do not fit in the file");
-        // ... and shifted data fails its CRC-32.
+    }
+    // Data shifted by a wrong local extra length: PyTorch checks no CRC-32, this crate checks
+    // that of what it reads itself (the pickle, byteorder, storages) ...
+    for name in ["data.pkl", "byteorder", "data/0"] {
         let mut w = Written::new();
         let at = w.local(name);
         w.put(at + 28, w.le(at + 28, 2) + 1, 2);
         w.refused("CRC-32 mismatch");
     }
+    // ... and reads the other records as PyTorch does: `.format_version` may hold anything.
+    let mut w = Written::new();
+    let at = w.local(".format_version");
+    w.put(at + 28, w.le(at + 28, 2) + 1, 2);
+    w.accepted();
     // miniz reads neither the local sizes, CRC, method nor name (the data descriptor holds
     // them in PyTorch's files): damage there is harmless.
     let mut w = Written::new();
@@ -890,7 +898,12 @@ fn central_entries_are_checked_as_miniz_opens_the_archive() {
         let mut w = Written::new();
         let at = w.central(name);
         w.put(at + 38, 0x10, 4);
-        w.refused("marked as a directory");
+        if name == ".format_version" {
+            // `version >= b"1"` takes any bytes.
+            w.accepted();
+        } else {
+            w.refused("marked as a directory");
+        }
     }
     // Other attribute bits are not looked at.
     let mut w = Written::new();
@@ -1012,6 +1025,32 @@ fn the_version_record_is_parsed_and_bounded_as_pytorch_does() {
     // Missing: refused (zip_of adds none, seeing a name ending in "version").
     let e = load(&[("a/xversion", b"3")]).unwrap_err();
     assert!(matches!(e, Error::MissingArchiveEntry { .. }), "{e}");
+}
+
+#[test]
+fn records_read_only_for_pytorch_get_its_checks() {
+    // `int(zip_file.get_record(".storage_alignment"))`; the serialization id becomes a str.
+    let pkl: &[u8] = b"\x80\x02N.";
+    let load = |name: &str, v: &[u8]| {
+        torch_save::load_from_bytes(&zip_of(&[("a/data.pkl", pkl), (name, v)]))
+    };
+    for v in [&b"64"[..], b" -0_1\n", b"+7", b"1_000", b"\x0b3\x0c"] {
+        assert!(load("a/.storage_alignment", v).is_ok(), "{v:?}");
+    }
+    for v in [&b""[..], b"6 4", b"1__0", b"_1", b"1_", b"0x40", b"4P"] {
+        let e = load("a/.storage_alignment", v).unwrap_err();
+        assert!(e.to_string().contains("not an integer"), "{v:?}: {e}");
+    }
+    assert!(load("a/.data/serialization_id", b"0123").is_ok());
+    let e = load("a/.data/serialization_id", b"\xb7\x01").unwrap_err();
+    assert!(e.to_string().contains("not UTF-8"), "{e}");
+    // Their CRC-32 is not checked, as PyTorch does not check it.
+    let mut w = Written::new();
+    let at = w.central(".data/serialization_id");
+    w.bytes[at + 16] ^= 0xff;
+    let at = w.central(".storage_alignment");
+    w.bytes[at + 16] ^= 0xff;
+    w.accepted();
 }
 
 #[test]

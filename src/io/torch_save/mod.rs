@@ -58,7 +58,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::BufWriter;
 use std::path::Path;
-use zip::{FileSource, Source, ZipReader};
+use zip::{Extracted, FileSource, Source, ZipReader};
 
 /// Name used for in-memory archives in error messages.
 const MEMORY: &str = "<memory>";
@@ -439,9 +439,14 @@ pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Re
 fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pickle::Unpickled> {
     let (mut zip, prefix) = open_archive(file, src)?;
     // `torch.load` reads these records when present (`_load` in torch/serialization.py):
-    // extracted as PyTorch would, their content unused here.
-    for record in [".format_version", ".storage_alignment"] {
-        zip.read_entry(&format!("{prefix}{record}"))?;
+    // extracted as PyTorch would; `version >= b"1"` takes any `.format_version`, but
+    // `int(...)` of `.storage_alignment` must parse.
+    zip.extract_as_pytorch(&format!("{prefix}.format_version"))?;
+    let name = format!("{prefix}.storage_alignment");
+    match zip.extract_as_pytorch(&name)? {
+        None => {}
+        Some(Extracted::Data(b)) if python_int(&b) => {}
+        Some(got) => return Err(record_err(file, &name, &got, "is not an integer (`int()`)")),
     }
     if let Some(order) = zip.read_entry(&format!("{prefix}byteorder"))? {
         if order != b"little" {
@@ -481,7 +486,13 @@ fn open_archive<S: Source>(file: &str, src: S) -> Result<(ZipReader<S>, String)>
             ),
         });
     }
-    zip.read_entry(&format!("{prefix}.data/serialization_id"))?;
+    // `torch.load` passes the serialization id to Python as a str.
+    let name = format!("{prefix}.data/serialization_id");
+    match zip.extract_as_pytorch(&name)? {
+        None => {}
+        Some(Extracted::Data(b)) if std::str::from_utf8(&b).is_ok() => {}
+        Some(got) => return Err(record_err(file, &name, &got, "is not UTF-8")),
+    }
     check_version(&mut zip, &prefix)?;
     Ok((zip, prefix))
 }
@@ -507,8 +518,10 @@ fn check_version<S: Source>(zip: &mut ZipReader<S>, prefix: &str) -> Result<()> 
         offset: 0,
         reason,
     };
-    let Some(bytes) = zip.read_entry(&name)? else {
-        return Err(Error::MissingArchiveEntry { file, entry: name });
+    let bytes = match zip.extract_as_pytorch(&name)? {
+        None => return Err(Error::MissingArchiveEntry { file, entry: name }),
+        Some(Extracted::Data(b)) => b,
+        Some(got) => return Err(record_err(&file, &name, &got, "cannot be read")),
     };
     let text = String::from_utf8_lossy(&bytes);
     let version = stoull(&bytes).ok_or_else(|| {
@@ -523,6 +536,39 @@ fn check_version<S: Source>(zip: &mut ZipReader<S>, prefix: &str) -> Result<()> 
         )));
     }
     Ok(())
+}
+
+/// The refusal of the record `name` PyTorch extracted as `got`, whose content `what`.
+fn record_err(file: &str, name: &str, got: &Extracted, what: &str) -> Error {
+    let reason = match got {
+        Extracted::Unfilled => "marked as a directory (DOS directory attribute), so PyTorch's \
+                                reader (miniz) extracts none of its data and PyTorch reads a \
+                                buffer it never filled"
+            .to_string(),
+        Extracted::Data(b) => format!(
+            "record {:?} {what}, which PyTorch refuses",
+            String::from_utf8_lossy(b)
+        ),
+    };
+    Error::TorchSaveArchive {
+        file: file.to_string(),
+        entry: Some(name.to_string()),
+        offset: 0,
+        reason,
+    }
+}
+
+/// Whether Python's `int(b)` (base 10) parses `b`: ASCII white space around, an optional
+/// sign, decimal digits with single underscores between them.
+fn python_int(b: &[u8]) -> bool {
+    let space = |c: &u8| matches!(c, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r');
+    let from = b.iter().position(|c| !space(c)).unwrap_or(b.len());
+    let to = b.iter().rposition(|c| !space(c)).map_or(from, |i| i + 1);
+    let t = &b[from..to];
+    let t = t.strip_prefix(b"-").or(t.strip_prefix(b"+")).unwrap_or(t);
+    !t.is_empty()
+        && t.split(|&c| c == b'_')
+            .all(|g| !g.is_empty() && g.iter().all(u8::is_ascii_digit))
 }
 
 /// C++'s `std::stoull(s)` (base 10, through `strtoull`): leading white space, an optional sign,

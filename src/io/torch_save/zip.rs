@@ -93,6 +93,15 @@ pub(crate) struct Entry {
     directory: bool,
 }
 
+/// What PyTorch's extraction of an entry gives it.
+pub(crate) enum Extracted {
+    /// The entry's data (its CRC-32 unchecked, as PyTorch leaves it).
+    Data(Vec<u8>),
+    /// Nothing was read: miniz takes the entry for a directory and PyTorch gets a buffer of
+    /// the entry's size that it never filled.
+    Unfilled,
+}
+
 /// The central directory of an archive, and access to its entries' data.
 pub(crate) struct ZipReader<S> {
     file: String,
@@ -586,6 +595,21 @@ impl<S: Source> ZipReader<S> {
             ));
         }
         Ok(start)
+    }
+
+    /// The entry `name` as PyTorch extracts it, with miniz's checks but not its CRC-32: for
+    /// records PyTorch reads whose content this crate does not need.
+    pub(crate) fn extract_as_pytorch(&mut self, name: &str) -> Result<Option<Extracted>> {
+        let Some(entry) = self.entry(name).cloned() else {
+            return Ok(None);
+        };
+        if entry.size > 0 && entry.directory {
+            return Ok(Some(Extracted::Unfilled));
+        }
+        let start = self.data_start(&entry)?;
+        let mut buf = vec![0u8; entry.size as usize];
+        self.read(start, &mut buf, Some(name))?;
+        Ok(Some(Extracted::Data(buf)))
     }
 
     /// Reads `buf.len()` bytes at `offset` of the source, part of `entry`'s data (for
