@@ -14,6 +14,12 @@ pub fn volume(sizes: &[usize]) -> Option<usize> {
     sizes.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
 }
 
+/// Whether `chunk` holds any element. PyTorch never reads a chunk that holds none (FSDP2
+/// records one for a rank that holds no rows), so it needs no storage and may lie anywhere.
+pub(crate) fn holds_elements(chunk: &Chunk) -> bool {
+    volume(&chunk.sizes) != Some(0)
+}
+
 /// Checks that `chunks` tile the shape `size` exactly once: every chunk has the tensor's rank
 /// and lies inside it, no two overlap, and together they cover every element. A chunk of no
 /// elements is passed over (PyTorch never reads one). Returns what is wrong.
@@ -26,7 +32,7 @@ pub fn check_tiling(size: &[usize], chunks: &[Chunk]) -> Result<(), String> {
     }
     let total = volume(size).ok_or_else(|| format!("shape {size:?} overflows"))?;
     let mut covered = 0usize;
-    for c in chunks.iter().filter(|c| volume(&c.sizes) != Some(0)) {
+    for c in chunks.iter().filter(|c| holds_elements(c)) {
         if c.offsets.len() != size.len() || c.sizes.len() != size.len() {
             return Err(format!(
                 "chunk at {:?} of size {:?} does not have the tensor's {} dimensions",
@@ -258,38 +264,46 @@ pub fn check_paths(entries: &[Entry]) -> Result<Placement, NestError> {
         .enumerate()
         .map(|(i, e)| (e.key.as_str(), i))
         .collect();
-    let mut placement = Placement {
-        at: vec![None; entries.len()],
-    };
+    let mut place_of = vec![None; entries.len()];
     let mut path = Vec::new();
-    visit(&root, &mut path, entries, &owner, &mut placement)?;
-    Ok(placement)
+    visit(&root, &mut path, entries, &owner, &mut place_of)?;
+    let place_of = place_of
+        .into_iter()
+        .zip(entries)
+        .map(|(place, e)| {
+            place.ok_or_else(|| NestError::Path {
+                key: e.key.clone(),
+                reason: "no place of the rebuilt dict names it, so PyTorch's loader would drop it"
+                    .into(),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok(Placement { place_of })
 }
 
-/// Where [`check_paths`] found each value goes: for entry `i`'s place (in metadata order), the
-/// place's path with list indices resolved, and the entry whose value PyTorch loads there.
+/// Where [`check_paths`] found each value goes: for each entry (in metadata order), the index
+/// of the place PyTorch loads it at (places are numbered by the entries that made them, in
+/// metadata order) and that place's path with list indices resolved.
 #[derive(Debug)]
 pub struct Placement {
-    at: Vec<Option<(Vec<PathItem>, usize)>>,
+    place_of: Vec<(usize, Vec<PathItem>)>,
 }
 
 impl Placement {
-    /// The entries as they are placed: the `i`-th holds the key, kind and chunks of the value
-    /// loaded at the `i`-th place, with that place's resolved path (for a checkpoint that
-    /// `dcp.save` wrote, `entries` unchanged but for the paths of keys without one).
+    /// The entries in the order of their places, each with its place's resolved path (for a
+    /// checkpoint that `dcp.save` wrote, `entries` unchanged but for the paths of keys
+    /// without one).
     pub fn apply(self, entries: Vec<Entry>) -> Vec<Entry> {
-        let mut out: Vec<Entry> = entries.clone();
-        for (i, at) in self.at.into_iter().enumerate() {
-            if let Some((path, owner)) = at {
-                let e = &entries[owner];
-                out[i] = Entry {
-                    key: e.key.clone(),
-                    path: Some(path),
-                    kind: e.kind.clone(),
-                };
-            }
-        }
-        out
+        let mut placed: Vec<(usize, Entry)> = entries
+            .into_iter()
+            .zip(self.place_of)
+            .map(|(mut e, (place, path))| {
+                e.path = Some(path);
+                (place, e)
+            })
+            .collect();
+        placed.sort_by_key(|(place, _)| *place);
+        placed.into_iter().map(|(_, e)| e).collect()
     }
 }
 
@@ -487,13 +501,13 @@ fn visit(
     path: &mut Vec<PathItem>,
     entries: &[Entry],
     owner: &HashMap<&str, usize>,
-    placement: &mut Placement,
+    place_of: &mut [Option<(usize, Vec<PathItem>)>],
 ) -> Result<(), NestError> {
     match tree {
         Tree::Dict(items, _) => {
             for (k, v) in items {
                 path.push(PathItem::Key(k.clone()));
-                visit(v, path, entries, owner, placement)?;
+                visit(v, path, entries, owner, place_of)?;
                 path.pop();
             }
             Ok(())
@@ -501,7 +515,7 @@ fn visit(
         Tree::List(items) if !terminal(items, entries) => {
             for (i, v) in items.iter().enumerate() {
                 path.push(PathItem::Index(i));
-                visit(v, path, entries, owner, placement)?;
+                visit(v, path, entries, owner, place_of)?;
                 path.pop();
             }
             Ok(())
@@ -538,7 +552,19 @@ fn visit(
                     ),
                 });
             }
-            placement.at[*i] = Some((path.clone(), j));
+            if let Some((other, _)) = &place_of[j] {
+                // Two places whose paths join to one key (`('a.b',)` and `('a', 'b')`).
+                return Err(NestError::Path {
+                    key: key.clone(),
+                    reason: format!(
+                        "its planner_data path {} names the key `{}`, as the path of `{}` does (PyTorch refuses it: duplicated flatten key)",
+                        path_repr(path),
+                        crate::error::shown(&named),
+                        crate::error::shown(&entries[*other].key)
+                    ),
+                });
+            }
+            place_of[j] = Some((*i, path.clone()));
             Ok(())
         }
         Tree::Hole => {
@@ -933,6 +959,19 @@ mod tests {
         ]);
         assert!(
             matches!(check_paths(&e), Err(NestError::Path { reason, .. }) if reason.contains("out of range"))
+        );
+    }
+
+    #[test]
+    fn two_paths_joining_to_one_key_are_refused() {
+        // `('a.b',)` and `('a', 'b')` both flatten to `a.b`: PyTorch's "duplicated flatten
+        // key", and one of the two values would be lost.
+        let e = vec![
+            entry("a.b", &[k("a.b")], true),
+            entry("c", &[k("a"), k("b")], true),
+        ];
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { reason, .. }) if reason.contains("duplicated flatten key"))
         );
     }
 
