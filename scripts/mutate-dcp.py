@@ -181,22 +181,26 @@ def mutate_metadata_bytes(fixture, rng):
     data = bytearray(fixture.files[".metadata"])
     op = rng.choice(["flip", "overwrite", "truncate", "insert"])
     pos = rng.randrange(len(data))
+    what = damage(data, op, pos, rng)
+    return f".metadata raw: {what}", {".metadata": bytes(data)}
+
+
+def damage(data, op, pos, rng):
+    """Applies `op` (flip, overwrite, truncate, insert) to `data` at `pos`; says what it did."""
     if op == "flip":
         bit = rng.randrange(8)
         data[pos] ^= 1 << bit
-        what = f"flip bit {bit} at byte {pos}"
-    elif op == "overwrite":
+        return f"flip bit {bit} at byte {pos}"
+    if op == "overwrite":
         new = rng.randbytes(rng.randint(1, 4))
         data[pos:pos + len(new)] = new
-        what = f"overwrite byte {pos} with {new.hex()}"
-    elif op == "truncate":
+        return f"overwrite byte {pos} with {new.hex()}"
+    if op == "truncate":
         del data[pos:]
-        what = f"truncate to {pos} bytes"
-    else:
-        new = rng.randbytes(rng.randint(1, 4))
-        data[pos:pos] = new
-        what = f"insert {new.hex()} at byte {pos}"
-    return f".metadata raw: {what}", {".metadata": bytes(data)}
+        return f"truncate to {pos} bytes"
+    new = rng.randbytes(rng.randint(1, 4))
+    data[pos:pos] = new
+    return f"insert {new.hex()} at byte {pos}"
 
 
 def mutate_metadata_int(fixture, rng):
@@ -390,17 +394,7 @@ def mutate_data_file(fixture, rng):
     item = next(fqn for a, b, fqn in fixture.items[name] if a <= pos < b)
     data = bytearray(fixture.files[name])
     op = rng.choices(["flip", "overwrite", "truncate"], weights=[45, 35, 20])[0]
-    if op == "flip":
-        bit = rng.randrange(8)
-        data[pos] ^= 1 << bit
-        what = f"flip bit {bit} at byte {pos}"
-    elif op == "overwrite":
-        new = rng.randbytes(rng.randint(1, 4))
-        data[pos:pos + len(new)] = new
-        what = f"overwrite byte {pos} with {new.hex()}"
-    else:
-        del data[pos:]
-        what = f"truncate to {pos} bytes"
+    what = damage(data, op, pos, rng)
     return f"{name} {kind}: {what} (item {item!r})", {name: bytes(data)}
 
 

@@ -314,35 +314,38 @@ fn expect_input(
     if accepts(found) {
         return Ok(found);
     }
+    Err(wrong_input(command, input, wants, found))
+}
+
+/// The refusal of `input`, recognized as `found`, by `command`, which takes `wants`.
+fn wrong_input(command: &str, input: &Path, wants: &str, found: Input) -> Error {
     let hint = match found {
         Input::DcpPerRank => {
             " (per-rank metadata, written by dcp.save(..., use_collectives=False), is not read yet)"
         }
         _ => "",
     };
-    Err(Error::Unsupported(format!(
+    Error::Unsupported(format!(
         "{command} takes {wants}; `{}` is {}{hint}",
         input.display(),
         found.describe()
-    )))
+    ))
 }
 
 /// `inspect PATH`: a summary of a state dict file (from its structure alone, never its tensor
 /// data), of the crate's checkpoint directory (its manifest), or of a DCP directory (its
 /// `.metadata`).
 pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
-    let format = match expect_input(
-        "inspect",
-        path,
-        "a DCP directory, a checkpoint of this crate, or a torch.save or safetensors file",
-        |i| i != Input::DcpPerRank,
-    )? {
+    let format = match recognize(path)? {
         Input::Dcp => return Ok(Inspection::Dcp(dcp::summary(path)?)),
         Input::Checkpoint => return Ok(Inspection::Checkpoint(checkpoint::Summary::of_dir(path)?)),
         Input::File(format) => format,
-        Input::DcpPerRank => {
-            return Err(Error::Internal(
-                "inspect: a per-rank DCP input passed its filter".into(),
+        found @ Input::DcpPerRank => {
+            return Err(wrong_input(
+                "inspect",
+                path,
+                "a DCP directory, a checkpoint of this crate, or a torch.save or safetensors file",
+                found,
             ))
         }
     };

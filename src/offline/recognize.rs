@@ -191,19 +191,13 @@ fn count_by_extension(names: &[String]) -> String {
 /// The format of a file whose extension says nothing, from its first bytes.
 fn sniff(path: &Path) -> Result<Option<FileFormat>> {
     use std::io::Read;
-    let mut head = [0u8; 9];
-    let mut f = crate::io::output::open_regular(path)
+    let f = crate::io::output::open_regular(path)
         .map_err(|e| Error::io("opening the input", path)(e.into()))?;
-    let mut n = 0;
-    while n < head.len() {
-        match f.read(&mut head[n..]) {
-            Ok(0) => break,
-            Ok(k) => n += k,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::io("reading", path)(e)),
-        }
-    }
-    Ok(match &head[..n] {
+    let mut head = Vec::with_capacity(9);
+    f.take(9)
+        .read_to_end(&mut head)
+        .map_err(Error::io("reading", path))?;
+    Ok(match head.as_slice() {
         [b'P', b'K', 3, 4, ..] => Some(FileFormat::TorchSave),
         [_, _, _, _, _, _, _, _, b'{'] => Some(FileFormat::Safetensors),
         _ => None,

@@ -5,7 +5,7 @@ use super::metadata::{
     parse_metadata, Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta,
     MAX_METADATA_BYTES,
 };
-use super::plan::{check_tiling, nest, place_chunk, volume};
+use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::{DType, HostTensor};
@@ -31,12 +31,8 @@ impl DcpCheckpoint {
     /// directory or is missing is reported when a key stored in it is read.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        let metadata = read_metadata(&dir)?;
-        let root = dir.canonicalize().map_err(|e| Error::Io {
-            op: "resolving".into(),
-            path: dir.display().to_string(),
-            source: e.into(),
-        })?;
+        let root = dir.canonicalize().map_err(Error::io("resolving", &dir))?;
+        let metadata = metadata_in(&dir, &root)?;
         let mut files = HashMap::new();
         for info in metadata.storage.values() {
             files
@@ -325,11 +321,9 @@ impl DcpCheckpoint {
     }
 }
 
-/// The chunks of `t` that hold elements. A chunk of no elements (FSDP2 records one for a rank
-/// that holds no rows) is never read, as PyTorch never reads it: it needs no storage record
-/// and may lie anywhere.
+/// The chunks of `t` that are read: those that hold elements ([`holds_elements`]).
 fn data_chunks(t: &TensorMeta) -> impl Iterator<Item = &Chunk> {
-    t.chunks.iter().filter(|c| volume(&c.sizes) != Some(0))
+    t.chunks.iter().filter(|c| holds_elements(c))
 }
 
 fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
@@ -398,14 +392,19 @@ fn confine(root: &Path, relative: &str, what: &str) -> std::result::Result<(Path
 /// of it, as for data files) of at most [`MAX_METADATA_BYTES`], read without blocking on a
 /// FIFO.
 pub fn read_metadata(dir: &Path) -> Result<Metadata> {
+    let root = dir.canonicalize().map_err(Error::io("resolving", dir))?;
+    metadata_in(dir, &root)
+}
+
+/// [`read_metadata`] of `dir`, whose canonical path is `root`.
+fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
     let path = dir.join(".metadata");
     let name = path.display().to_string();
     let refused = |reason: String| Error::DcpMetadata {
         file: name.clone(),
         reason,
     };
-    let root = dir.canonicalize().map_err(Error::io("resolving", dir))?;
-    let (real, len) = confine(&root, ".metadata", "metadata file").map_err(refused)?;
+    let (real, len) = confine(root, ".metadata", "metadata file").map_err(refused)?;
     if len > MAX_METADATA_BYTES {
         return Err(refused(format!(
             "{len} bytes, more than the {MAX_METADATA_BYTES} read"
