@@ -684,7 +684,10 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     // An empty directory is replaced.
     std::fs::remove_file(out.join("keep.txt")).unwrap();
     dcp::torch_save_to_dcp(&input, &out).unwrap();
-    assert!(dcp::is_dcp_dir(&out));
+    assert_eq!(
+        fsdp::offline::recognize(&out).unwrap(),
+        fsdp::offline::Input::Dcp
+    );
 }
 
 #[test]

@@ -70,11 +70,6 @@ fn dcp_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, Strin
     Ok(names)
 }
 
-/// Whether `dir` is a DCP directory (holds a `.metadata` file).
-pub fn is_dcp_dir(dir: &Path) -> bool {
-    dir.is_dir() && dir.join(".metadata").is_file()
-}
-
 /// Writes the state dict in the `torch.save` (or `.safetensors`) file `input` as the DCP
 /// directory `out`, as `torch.distributed.checkpoint.format_utils.torch_save_to_dcp(input,
 /// out)` does; see [`save_dcp`]. The tensors are streamed from the file (memory holds one
