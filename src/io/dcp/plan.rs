@@ -520,15 +520,23 @@ fn visit(
             }
             Ok(())
         }
-        Tree::List(items) => Err(NestError::Path {
-            key: first_leaf(tree).map_or_else(|| joined(path), |i| entries[i].key.clone()),
-            reason: format!(
-                "the list at {} holds no tensor and no container ({} items), so PyTorch's loader reads it as one value `{}`, which the checkpoint does not have",
-                path_repr(path),
-                items.len(),
-                crate::error::shown(&joined(path))
-            ),
-        }),
+        Tree::List(items) => {
+            let named = joined(path);
+            let what = if owner.contains_key(named.as_str()) {
+                "whose value would replace the whole list (a form of planner_data this crate does not read)"
+            } else {
+                "which the checkpoint does not have"
+            };
+            Err(NestError::Path {
+                key: first_leaf(tree).map_or_else(|| named.clone(), |i| entries[i].key.clone()),
+                reason: format!(
+                    "the list at {} holds no tensor and no container ({} items), so PyTorch's loader reads it as one value `{}`, {what}",
+                    path_repr(path),
+                    items.len(),
+                    crate::error::shown(&named)
+                ),
+            })
+        }
         Tree::Leaf(i) => {
             let key = &entries[*i].key;
             let named = joined(path);
