@@ -95,8 +95,9 @@ pub struct Metadata {
     /// `state_dict_metadata`, in its order (a repeated key keeps its first place and its last
     /// value, as in a Python dict).
     pub entries: Vec<Entry>,
-    /// `storage_data`.
-    pub storage: HashMap<StorageKey, StorageInfo>,
+    /// `storage_data`. PyTorch looks at a record only when a chunk or value needs it, so a
+    /// malformed one is kept with what is wrong with it, and reported when it is used.
+    pub storage: HashMap<StorageKey, std::result::Result<StorageInfo, String>>,
     /// `storage_meta.checkpoint_id`, as recorded.
     pub checkpoint_id: Option<String>,
     /// The DCP format version (`1.0.0`).
@@ -125,6 +126,16 @@ pub fn dtype_of(name: &str) -> Option<DType> {
     })
 }
 
+/// Whether PyTorch's loader reads a saved chunk at `offsets` of `sizes` into a tensor of
+/// shape `size` (its overlap test against the whole tensor: in every dimension the chunk
+/// starts before the tensor ends and ends after it starts). A chunk it does not read needs
+/// no valid offsets, sizes or storage.
+fn overlaps_tensor(size: &[usize], offsets: &[i64], sizes: &[i64]) -> bool {
+    size.iter()
+        .zip(offsets.iter().zip(sizes))
+        .all(|(&d, (&o, &s))| i128::from(o) < d as i128 && i128::from(o) + i128::from(s) > 0)
+}
+
 /// Parses the bytes of a `.metadata` file (`file` names it in errors).
 pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
     let p = unpickle::unpickle(file, data)?;
@@ -135,6 +146,7 @@ pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
         file,
         p: &p,
         budget,
+        exhausted: std::cell::Cell::new(false),
     }
     .metadata()?;
     let placed = check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
@@ -148,6 +160,8 @@ struct Extract<'a> {
     file: &'a str,
     p: &'a Pickled,
     budget: std::cell::Cell<usize>,
+    /// Set once the budget has run out (every later error is that one).
+    exhausted: std::cell::Cell<bool>,
 }
 
 impl Extract<'_> {
@@ -158,9 +172,12 @@ impl Extract<'_> {
                 self.budget.set(left);
                 Ok(())
             }
-            None => Err(self.err(
+            None => {
+                self.exhausted.set(true);
+                Err(self.err(
                 "the metadata expands to far more objects than its size allows (shared references)",
-            )),
+            ))
+            }
         }
     }
 
@@ -214,13 +231,21 @@ impl Extract<'_> {
     }
 
     fn dims(&self, v: &V, what: &str) -> Result<Vec<usize>> {
+        self.ints(v, what)?
+            .into_iter()
+            .map(|d| usize::try_from(d).map_err(|_| self.err(format!("{what}: {d} is not a size"))))
+            .collect()
+    }
+
+    /// A `torch.Size` or sequence of ints, any sign (as Python's `torch.Size` takes them).
+    fn ints(&self, v: &V, what: &str) -> Result<Vec<i64>> {
         let items = self.seq(v, what)?;
         self.charge(items.len() + 1)?;
         items
             .iter()
-            .map(|x| {
-                let d = self.uint(x, what)?;
-                usize::try_from(d).map_err(|_| self.err(format!("{what}: {d} is too large")))
+            .map(|x| match x {
+                V::Int(i) => Ok(*i),
+                _ => Err(self.err(format!("{what} is not a sequence of ints"))),
             })
             .collect()
     }
@@ -358,13 +383,21 @@ impl Extract<'_> {
                 &format!("a chunk of {what}"),
             )?;
             let dim = |n: &str| match ca.get(n) {
-                Some(v) => self.dims(v, &format!("a chunk's {n} in {what}")),
+                Some(v) => self.ints(v, &format!("a chunk's {n} in {what}")),
                 None => Err(self.err(format!("a chunk of {what} has no {n}"))),
             };
-            chunks.push(Chunk {
-                offsets: dim("offsets")?,
-                sizes: dim("sizes")?,
-            });
+            let (offsets, sizes) = (dim("offsets")?, dim("sizes")?);
+            if offsets.iter().chain(&sizes).all(|&d| d >= 0) {
+                chunks.push(Chunk {
+                    offsets: offsets.iter().map(|&d| d as usize).collect(),
+                    sizes: sizes.iter().map(|&d| d as usize).collect(),
+                });
+            } else if overlaps_tensor(&size, &offsets, &sizes) {
+                return Err(self.err(format!(
+                    "a chunk of {what} at {offsets:?} of size {sizes:?} has a negative offset or size"
+                )));
+            }
+            // Else PyTorch never reads the chunk (it meets no element of the tensor).
         }
         Ok(EntryKind::Tensor(TensorMeta {
             dtype,
@@ -412,7 +445,10 @@ impl Extract<'_> {
         }
     }
 
-    fn storage_data(&self, v: &V) -> Result<HashMap<StorageKey, StorageInfo>> {
+    fn storage_data(
+        &self,
+        v: &V,
+    ) -> Result<HashMap<StorageKey, std::result::Result<StorageInfo, String>>> {
         let mut out = HashMap::new();
         for (k, s) in self.dict(v, "storage_data")? {
             let ka = self.attrs(k, Class::MetadataIndex, "a storage_data key")?;
@@ -423,30 +459,44 @@ impl Extract<'_> {
             let what = format!("storage_data[{:?}]", crate::error::shown(&fqn));
             let offset = match ka.get("offset") {
                 Some(V::None) | None => None,
-                Some(o) => Some(self.dims(o, &format!("{what}.offset"))?),
+                Some(o) => match self.ints(o, &format!("{what}.offset"))? {
+                    // No chunk is looked up at a negative offset: PyTorch never reads it.
+                    o if o.iter().any(|&d| d < 0) => continue,
+                    o => Some(o.into_iter().map(|d| d as usize).collect()),
+                },
             };
-            let sa = self.attrs(s, Class::StorageInfo, &what)?;
-            let get = |n: &str| {
-                sa.get(n)
-                    .copied()
-                    .ok_or_else(|| self.err(format!("{what} has no {n}")))
-            };
-            let transforms = match sa.get("transform_descriptors") {
-                Some(V::None) | None => Vec::new(),
-                Some(t) => self
-                    .seq(t, &what)?
-                    .iter()
-                    .map(|x| self.string(x, "a transform descriptor"))
-                    .collect::<Result<_>>()?,
-            };
-            let info = StorageInfo {
-                relative_path: self.string(get("relative_path")?, &what)?,
-                offset: self.uint(get("offset")?, &format!("{what}.offset"))?,
-                length: self.uint(get("length")?, &format!("{what}.length"))?,
-                transforms,
+            let info = match self.storage_info(s, &what) {
+                Ok(info) => Ok(info),
+                Err(e) if self.exhausted.get() => return Err(e),
+                Err(Error::DcpMetadata { reason, .. }) => Err(reason),
+                Err(e) => return Err(e),
             };
             out.insert(StorageKey { fqn, offset }, info);
         }
         Ok(out)
+    }
+
+    /// A `_StorageInfo` record.
+    fn storage_info(&self, s: &V, what: &str) -> Result<StorageInfo> {
+        let sa = self.attrs(s, Class::StorageInfo, what)?;
+        let get = |n: &str| {
+            sa.get(n)
+                .copied()
+                .ok_or_else(|| self.err(format!("{what} has no {n}")))
+        };
+        let transforms = match sa.get("transform_descriptors") {
+            Some(V::None) | None => Vec::new(),
+            Some(t) => self
+                .seq(t, what)?
+                .iter()
+                .map(|x| self.string(x, "a transform descriptor"))
+                .collect::<Result<_>>()?,
+        };
+        Ok(StorageInfo {
+            relative_path: self.string(get("relative_path")?, what)?,
+            offset: self.uint(get("offset")?, &format!("{what}.offset"))?,
+            length: self.uint(get("length")?, &format!("{what}.length"))?,
+            transforms,
+        })
     }
 }

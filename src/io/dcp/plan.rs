@@ -230,80 +230,124 @@ enum Tree {
     Hole,
 }
 
+/// Most list slots that paths may create beyond one per entry. PyTorch pads a list with
+/// `None` up to any index; a gap is refused unless the padded list is one plain value, so a
+/// few slots suffice, and the bound keeps a hostile index from exhausting memory.
+const SPARE_LIST_SLOTS: usize = 1 << 12;
+
 /// Rebuilds the nested structure of `entries` as PyTorch's `set_element` does (dicts in
 /// first-insertion order, lists padded with `None`), with `leaf(i)` as the value of entry
-/// `i`. Entries without a path sit at the top level under their flat key. A path that lands
-/// on another entry's value, or on a container other paths built, is refused (PyTorch would
-/// overwrite one with the other); [`check_paths`] checks the rest of what PyTorch's loader
-/// requires of the whole set of paths.
+/// `i`. Entries without a path sit at the top level under their flat key. The entries must
+/// be placed already (see [`check_paths`]): a path that lands on another entry's value or
+/// on a container other paths built is refused here.
 pub fn nest(
     entries: &[Entry],
     leaf: &mut dyn FnMut(usize) -> crate::error::Result<PyObj>,
 ) -> Result<PyObj, NestError> {
-    let root = build(entries)?;
-    to_pyobj(root, leaf).map_err(NestError::Leaf)
+    let built = build(entries)?;
+    if let Some((lost, by)) = built
+        .displaced
+        .iter()
+        .enumerate()
+        .find_map(|(j, d)| Some((j, (*d)?)))
+    {
+        return Err(displaced_error(entries, lost, by));
+    }
+    to_pyobj(built.root, leaf).map_err(NestError::Leaf)
 }
 
-/// Checks that `planner_data` rebuilds the nested dict PyTorch's loader
+/// Checks that `planner_data` rebuilds a nested dict that PyTorch's loader
 /// (`_EmptyStateDictLoadPlanner`, used by `dcp_to_torch_save`) reads back whole, and says
-/// where each value goes. PyTorch places a placeholder for each key at its path, flattens
-/// the rebuilt dict again (a path's items joined with `.`, as `flatten_state_dict` writes
-/// them) and loads, at each place, the value of the key that place's path names. So: every
-/// place must name a key of the checkpoint of the same kind (tensor of the same dtype and
-/// shape, or object), no two keys may share a place or nest inside each other's value,
-/// lists must be dense, and every list must hold a tensor or a container (PyTorch's
-/// traversal reads a list of plain values as one value). PyTorch refuses a checkpoint that
-/// fails any of these ("Missing key in checkpoint state_dict"), except two keys sharing a
-/// path, where it silently loads one value under both names; the crate refuses that too.
-/// A path that names another key of the same kind (two keys' paths swapped) is read as
-/// PyTorch reads it, by the names of the places, and so is a negative list index.
+/// where each value goes.
+///
+/// PyTorch puts a placeholder for each key at its path (a later path overwrites an earlier
+/// one), flattens the rebuilt dict again (a path's items joined with `.`, as
+/// `flatten_state_dict` writes them; a list that holds no tensor and no container is one
+/// value, and so is a `None` gap) and loads, at each place, the value of the key that
+/// place's name is. So every place must name a key of the checkpoint; a tensor key must find
+/// a tensor placeholder of its dtype and shape (an object key may replace whatever is
+/// there); and every key must be loaded at some place. PyTorch refuses a checkpoint that
+/// fails the first two ("Missing key in checkpoint state_dict", "Size mismatch") but
+/// silently drops a key whose placeholder another path overwrote, and casts a tensor of
+/// another dtype; the crate refuses both. Whatever PyTorch reads back whole, the crate reads
+/// as PyTorch does: swapped paths, negative list indices, and a gap or a list of plain values
+/// that a key's name fills.
 pub fn check_paths(entries: &[Entry]) -> Result<Placement, NestError> {
-    let root = build(entries)?;
+    let built = build(entries)?;
+    let mut places = Vec::new();
+    visit(&built.root, &mut Vec::new(), entries, &mut places);
     let owner: HashMap<&str, usize> = entries
         .iter()
         .enumerate()
         .map(|(i, e)| (e.key.as_str(), i))
         .collect();
-    let mut place_of = vec![None; entries.len()];
-    let mut path = Vec::new();
-    visit(&root, &mut path, entries, &owner, &mut place_of)?;
-    let place_of = place_of
-        .into_iter()
-        .zip(entries)
-        .map(|(place, e)| {
-            place.ok_or_else(|| NestError::Path {
-                key: e.key.clone(),
-                reason: "no place of the rebuilt dict names it, so PyTorch's loader would drop it"
+    // For each place, the key loaded there; for each key, its place and where its own
+    // placeholder sits.
+    let mut key_at: Vec<usize> = Vec::with_capacity(places.len());
+    let mut loaded_at: Vec<Option<usize>> = vec![None; entries.len()];
+    let mut placeholder_at: Vec<Option<usize>> = vec![None; entries.len()];
+    for (n, place) in places.iter().enumerate() {
+        if let PlaceValue::Placeholder(i) = place.value {
+            placeholder_at[i] = Some(n);
+        }
+        let j = load(place, entries, &owner, &loaded_at, &places)?;
+        loaded_at[j] = Some(n);
+        key_at.push(j);
+    }
+    for (j, at) in loaded_at.iter().enumerate() {
+        if at.is_some() {
+            continue;
+        }
+        // A key no place loads: its placeholder was overwritten, or sits at a place that
+        // names another key.
+        if let Some(by) = built.displaced[j] {
+            return Err(displaced_error(entries, j, by));
+        }
+        if let Some(n) = placeholder_at[j] {
+            let (first, second) = (j.min(key_at[n]), j.max(key_at[n]));
+            return Err(NestError::SharedPath {
+                first: entries[first].key.clone(),
+                second: entries[second].key.clone(),
+                path: path_repr(&places[n].path),
+            });
+        }
+        return Err(NestError::Path {
+            key: entries[j].key.clone(),
+            reason:
+                "no place of the rebuilt dict holds or names it, so PyTorch's loader would drop it"
                     .into(),
-            })
-        })
-        .collect::<Result<_, _>>()?;
-    Ok(Placement { place_of })
+        });
+    }
+    let order = key_at
+        .into_iter()
+        .zip(places)
+        .map(|(j, place)| (j, place.path))
+        .collect();
+    Ok(Placement { order })
 }
 
-/// Where [`check_paths`] found each value goes: for each entry (in metadata order), the index
-/// of the place PyTorch loads it at (places are numbered by the entries that made them, in
-/// metadata order) and that place's path with list indices resolved.
+/// Where [`check_paths`] found each value goes: the entries in the order PyTorch's rebuilt
+/// dict holds them (its traversal order), each with the path of its place, list indices
+/// resolved. Every entry appears exactly once.
 #[derive(Debug)]
 pub struct Placement {
-    place_of: Vec<(usize, Vec<PathItem>)>,
+    order: Vec<(usize, Vec<PathItem>)>,
 }
 
 impl Placement {
-    /// The entries in the order of their places, each with its place's resolved path (for a
+    /// The entries in the order of their places, each with its place's path (for a
     /// checkpoint that `dcp.save` wrote, `entries` unchanged but for the paths of keys
     /// without one).
     pub fn apply(self, entries: Vec<Entry>) -> Vec<Entry> {
-        let mut placed: Vec<(usize, Entry)> = entries
+        let mut slots: Vec<Option<Entry>> = entries.into_iter().map(Some).collect();
+        self.order
             .into_iter()
-            .zip(self.place_of)
-            .map(|(mut e, (place, path))| {
+            .filter_map(|(j, path)| {
+                let mut e = slots.get_mut(j)?.take()?;
                 e.path = Some(path);
-                (place, e)
+                Some(e)
             })
-            .collect();
-        placed.sort_by_key(|(place, _)| *place);
-        placed.into_iter().map(|(_, e)| e).collect()
+            .collect()
     }
 }
 
@@ -312,9 +356,9 @@ impl Placement {
 pub enum NestError {
     /// Two keys have the same path.
     SharedPath {
-        /// The key inserted first.
+        /// The key first in metadata order.
         first: String,
-        /// The key whose path is the same.
+        /// The other key.
         second: String,
         /// The path, as PyTorch prints it (`('optim', 'param_groups', 0, 'lr')`).
         path: String,
@@ -386,18 +430,32 @@ pub(crate) fn joined(path: &[PathItem]) -> String {
     items.join(".")
 }
 
-/// The tree of every entry's path (see [`nest`]).
-fn build(entries: &[Entry]) -> Result<Tree, NestError> {
-    let mut root = Tree::Dict(Vec::new(), HashMap::new());
+/// The tree of every entry's path (see [`nest`]), and for each entry whose placeholder a
+/// later path overwrote, that later entry.
+struct Built {
+    root: Tree,
+    displaced: Vec<Option<Displaced>>,
+}
+
+/// An entry's placeholder was overwritten by entry `by`'s: at the same path (`exact`), or
+/// with the container holding it.
+#[derive(Debug, Clone, Copy)]
+struct Displaced {
+    by: usize,
+    exact: bool,
+}
+
+/// Builds the tree as PyTorch's `set_element` does, each path in metadata order.
+fn build(entries: &[Entry]) -> Result<Built, NestError> {
+    let mut built = Built {
+        root: Tree::Dict(Vec::new(), HashMap::new()),
+        displaced: vec![None; entries.len()],
+    };
+    let mut spare = SPARE_LIST_SLOTS;
     for (i, e) in entries.iter().enumerate() {
         let flat = [PathItem::Key(e.key.clone())];
         let path = e.path.as_deref().unwrap_or(&flat);
-        insert(&mut root, path, i, entries.len()).map_err(|clash| match clash {
-            Clash::Leaf(j) => NestError::SharedPath {
-                first: entries[j].key.clone(),
-                second: e.key.clone(),
-                path: path_repr(path),
-            },
+        let old = insert(&mut built.root, path, i, &mut spare).map_err(|clash| match clash {
             Clash::Through(j) => NestError::Path {
                 key: e.key.clone(),
                 reason: format!(
@@ -411,181 +469,265 @@ fn build(entries: &[Entry]) -> Result<Tree, NestError> {
                 reason: format!("its planner_data path {}: {reason}", path_repr(path)),
             },
         })?;
+        let exact = matches!(old, Tree::Leaf(_));
+        for_each_leaf(&old, &mut |j| {
+            built.displaced[j] = Some(Displaced { by: i, exact })
+        });
     }
-    Ok(root)
+    Ok(built)
 }
 
-/// Why a path could not be inserted: it ends on entry `.0`'s value, runs through it, or
-/// something else.
+/// Why a path could not be inserted: it runs through entry `.0`'s value (where PyTorch
+/// fails or writes into that value), or PyTorch's `set_element` fails on it.
 enum Clash {
-    Leaf(usize),
     Through(usize),
     Other(String),
 }
 
-fn insert(root: &mut Tree, path: &[PathItem], leaf: usize, max_index: usize) -> Result<(), Clash> {
+/// Puts entry `leaf` at `path` as `set_element` does and returns what was there before
+/// (`Tree::Hole` for a new place). `spare` counts the list slots beyond one per entry still
+/// allowed.
+fn insert(
+    root: &mut Tree,
+    path: &[PathItem],
+    leaf: usize,
+    spare: &mut usize,
+) -> Result<Tree, Clash> {
+    let Some((last, steps)) = path.split_last() else {
+        return Err(Clash::Other("the path is empty".into()));
+    };
     let mut cur = root;
-    for (i, item) in path.iter().enumerate() {
-        let last = i + 1 == path.len();
-        let fresh = || match path.get(i + 1) {
-            Some(PathItem::Index(_) | PathItem::FromEnd(_)) => Tree::List(Vec::new()),
-            _ => Tree::Dict(Vec::new(), HashMap::new()),
-        };
-        let slot: &mut Tree = match (cur, item) {
-            (Tree::Dict(items, at), PathItem::Key(k)) => {
-                let j = *at.entry(k.clone()).or_insert_with(|| {
-                    items.push((k.clone(), Tree::Hole));
-                    items.len() - 1
-                });
-                &mut items[j].1
-            }
-            (Tree::List(items), PathItem::Index(j)) => {
-                if *j >= max_index {
-                    return Err(Clash::Other(format!(
-                        "list index {j} is beyond the checkpoint's {max_index} entries (lists must be dense)"
-                    )));
-                }
-                if items.len() <= *j {
-                    items.resize_with(j + 1, || Tree::Hole);
-                }
-                &mut items[*j]
-            }
-            // Python's `lst[-n]`: the n-th item from the end of the list as it is now.
-            (Tree::List(items), PathItem::FromEnd(n)) => match items.len().checked_sub(*n) {
-                Some(j) => &mut items[j],
-                None => {
-                    return Err(Clash::Other(format!(
-                    "list index -{n} is out of range for a list of {} (an IndexError in PyTorch)",
-                    items.len()
-                )))
-                }
-            },
-            (_, item) => {
-                let (step, there) = match item {
-                    PathItem::Index(i) => (format!("index {i}"), "a dict"),
-                    PathItem::FromEnd(n) => (format!("index -{n}"), "a dict"),
-                    PathItem::Key(k) => (format!("'{}'", crate::error::shown(k)), "a list"),
-                };
-                return Err(Clash::Other(format!(
-                    "step {} ({step}) meets {there} that other keys' paths built",
-                    i + 1
-                )));
-            }
-        };
-        if last {
-            return match slot {
-                Tree::Hole => {
-                    *slot = Tree::Leaf(leaf);
-                    Ok(())
-                }
-                Tree::Leaf(other) => Err(Clash::Leaf(*other)),
-                _ => Err(Clash::Other(
-                    "it ends at a container that holds other keys' values".into(),
-                )),
-            };
-        }
+    for (i, item) in steps.iter().enumerate() {
+        let slot = step(cur, item, i, spare)?;
         match slot {
-            Tree::Hole => *slot = fresh(),
+            Tree::Hole => {
+                *slot = match path[i + 1] {
+                    PathItem::Key(_) => Tree::Dict(Vec::new(), HashMap::new()),
+                    PathItem::Index(_) | PathItem::FromEnd(_) => Tree::List(Vec::new()),
+                }
+            }
             Tree::Leaf(other) => return Err(Clash::Through(*other)),
-            _ => {}
+            Tree::Dict(..) | Tree::List(_) => {}
         }
         cur = slot;
     }
-    Err(Clash::Other("the path is empty".into()))
+    if let Tree::Leaf(other) = cur {
+        return Err(Clash::Through(*other));
+    }
+    let slot = step(cur, last, steps.len(), spare)?;
+    Ok(std::mem::replace(slot, Tree::Leaf(leaf)))
 }
 
-/// Walks `tree` as PyTorch's `traverse_state_dict` does and records, for each value it
-/// visits, the key its path names (which must be a key of the same kind).
-fn visit(
-    tree: &Tree,
-    path: &mut Vec<PathItem>,
-    entries: &[Entry],
-    owner: &HashMap<&str, usize>,
-    place_of: &mut [Option<(usize, Vec<PathItem>)>],
-) -> Result<(), NestError> {
+/// The slot `item` names in the container `cur` (step `i` of a path), created as a hole if
+/// new: a dict's key, or a list's index with the list padded up to it (`lst[-n]` is the
+/// n-th item from the end of the list as it is now).
+fn step<'t>(
+    cur: &'t mut Tree,
+    item: &PathItem,
+    i: usize,
+    spare: &mut usize,
+) -> Result<&'t mut Tree, Clash> {
+    match (cur, item) {
+        (Tree::Dict(items, at), PathItem::Key(k)) => {
+            let j = *at.entry(k.clone()).or_insert_with(|| {
+                items.push((k.clone(), Tree::Hole));
+                items.len() - 1
+            });
+            Ok(&mut items[j].1)
+        }
+        (Tree::List(items), PathItem::Index(j)) => {
+            if items.len() <= *j {
+                let grow = j - items.len();
+                if grow > *spare {
+                    return Err(Clash::Other(format!(
+                        "list index {j} would pad a list of {} with {grow} empty slots (lists must be dense)",
+                        items.len()
+                    )));
+                }
+                *spare -= grow;
+                items.resize_with(j + 1, || Tree::Hole);
+            }
+            Ok(&mut items[*j])
+        }
+        (Tree::List(items), PathItem::FromEnd(n)) => match items.len().checked_sub(*n) {
+            Some(j) => Ok(&mut items[j]),
+            None => Err(Clash::Other(format!(
+                "list index -{n} is out of range for a list of {} (an IndexError in PyTorch)",
+                items.len()
+            ))),
+        },
+        (_, item) => {
+            let (what, there) = match item {
+                PathItem::Index(i) => (format!("index {i}"), "a dict"),
+                PathItem::FromEnd(n) => (format!("index -{n}"), "a dict"),
+                PathItem::Key(k) => (format!("'{}'", crate::error::shown(k)), "a list"),
+            };
+            Err(Clash::Other(format!(
+                "step {} ({what}) meets {there} that other keys' paths built",
+                i + 1
+            )))
+        }
+    }
+}
+
+/// Calls `f` with each entry stored under `tree`.
+fn for_each_leaf(tree: &Tree, f: &mut dyn FnMut(usize)) {
     match tree {
+        Tree::Dict(items, _) => items.iter().for_each(|(_, t)| for_each_leaf(t, f)),
+        Tree::List(items) => items.iter().for_each(|t| for_each_leaf(t, f)),
+        Tree::Leaf(i) => f(*i),
+        Tree::Hole => {}
+    }
+}
+
+/// The error for entry `lost`, whose placeholder entry `d.by`'s path overwrote.
+fn displaced_error(entries: &[Entry], lost: usize, d: Displaced) -> NestError {
+    let own = |i: usize| {
+        entries[i].path.as_deref().map_or_else(
+            || path_repr(&[PathItem::Key(entries[i].key.clone())]),
+            path_repr,
+        )
+    };
+    if d.exact {
+        let (first, second) = (lost.min(d.by), lost.max(d.by));
+        return NestError::SharedPath {
+            first: entries[first].key.clone(),
+            second: entries[second].key.clone(),
+            path: own(d.by),
+        };
+    }
+    NestError::Path {
+        key: entries[lost].key.clone(),
+        reason: format!(
+            "its planner_data path {} lies inside the path {} of the key `{}`, whose value replaces the whole container, so PyTorch's loader would drop this key",
+            own(lost),
+            own(d.by),
+            crate::error::shown(&entries[d.by].key)
+        ),
+    }
+}
+
+/// A value PyTorch's traversal of the rebuilt dict visits, and the path it joins into the
+/// name of the key loaded there.
+#[derive(Debug)]
+struct Place {
+    path: Vec<PathItem>,
+    value: PlaceValue,
+}
+
+/// What the rebuilt dict holds at a place.
+#[derive(Debug, Clone, Copy)]
+enum PlaceValue {
+    /// Entry `.0`'s placeholder (an empty tensor of its shape, or its metadata object).
+    Placeholder(usize),
+    /// `None`: a list slot no path filled.
+    Gap,
+    /// A list that holds no tensor and no container: one value for PyTorch. `first` is
+    /// the first entry in it.
+    PlainList { items: usize, first: Option<usize> },
+}
+
+/// Walks `tree` as PyTorch's `traverse_state_dict` does and records each value it visits.
+fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry], places: &mut Vec<Place>) {
+    let value = match tree {
         Tree::Dict(items, _) => {
             for (k, v) in items {
                 path.push(PathItem::Key(k.clone()));
-                visit(v, path, entries, owner, place_of)?;
+                visit(v, path, entries, places);
                 path.pop();
             }
-            Ok(())
+            return;
         }
         Tree::List(items) if !terminal(items, entries) => {
             for (i, v) in items.iter().enumerate() {
                 path.push(PathItem::Index(i));
-                visit(v, path, entries, owner, place_of)?;
+                visit(v, path, entries, places);
                 path.pop();
             }
-            Ok(())
+            return;
         }
-        Tree::List(items) => {
-            let named = joined(path);
-            let what = if owner.contains_key(named.as_str()) {
-                "whose value would replace the whole list (a form of planner_data this crate does not read)"
-            } else {
-                "which the checkpoint does not have"
-            };
-            Err(NestError::Path {
-                key: first_leaf(tree).map_or_else(|| named.clone(), |i| entries[i].key.clone()),
-                reason: format!(
-                    "the list at {} holds no tensor and no container ({} items), so PyTorch's loader reads it as one value `{}`, {what}",
-                    path_repr(path),
-                    items.len(),
+        Tree::List(items) => PlaceValue::PlainList {
+            items: items.len(),
+            first: first_leaf(tree),
+        },
+        Tree::Leaf(i) => PlaceValue::Placeholder(*i),
+        Tree::Hole => PlaceValue::Gap,
+    };
+    places.push(Place {
+        path: path.clone(),
+        value,
+    });
+}
+
+/// The entry PyTorch loads at `place`: the key its path names, which must exist, must not
+/// be loaded at another place, and, for a tensor, must find a tensor placeholder of its
+/// dtype and shape (an object replaces whatever the place holds).
+fn load(
+    place: &Place,
+    entries: &[Entry],
+    owner: &HashMap<&str, usize>,
+    loaded_at: &[Option<usize>],
+    places: &[Place],
+) -> Result<usize, NestError> {
+    let named = joined(&place.path);
+    let at = path_repr(&place.path);
+    let (key, names) = match place.value {
+        PlaceValue::Placeholder(i) => (
+            entries[i].key.clone(),
+            format!(
+                "its planner_data path {at} names the key `{}`",
+                crate::error::shown(&named)
+            ),
+        ),
+        PlaceValue::Gap => {
+            let (list, index) = place.path.split_at(place.path.len().saturating_sub(1));
+            (
+                joined(list),
+                format!(
+                    "the list at {} has no item {} (no key has that path; lists must be dense), and PyTorch's loader reads the gap as the value `{}`",
+                    path_repr(list),
+                    joined(index),
                     crate::error::shown(&named)
                 ),
-            })
+            )
         }
-        Tree::Leaf(i) => {
-            let key = &entries[*i].key;
-            let named = joined(path);
-            let Some(&j) = owner.get(named.as_str()) else {
-                return Err(NestError::Path {
-                    key: key.clone(),
-                    reason: format!(
-                        "its planner_data path {} names the key `{}`, which the checkpoint does not have (PyTorch refuses it: Missing key in checkpoint state_dict)",
-                        path_repr(path),
-                        crate::error::shown(&named)
-                    ),
-                });
-            };
-            if let Some(mismatch) = kind_mismatch(&entries[*i].kind, &entries[j].kind) {
-                return Err(NestError::Path {
-                    key: key.clone(),
-                    reason: format!(
-                        "its planner_data path {} is the place of the key `{}`, {mismatch}",
-                        path_repr(path),
-                        crate::error::shown(&named)
-                    ),
-                });
-            }
-            if let Some((other, _)) = &place_of[j] {
-                // Two places whose paths join to one key (`('a.b',)` and `('a', 'b')`).
-                return Err(NestError::Path {
-                    key: key.clone(),
-                    reason: format!(
-                        "its planner_data path {} names the key `{}`, as the path of `{}` does (PyTorch refuses it: duplicated flatten key)",
-                        path_repr(path),
-                        crate::error::shown(&named),
-                        crate::error::shown(&entries[*other].key)
-                    ),
-                });
-            }
-            place_of[j] = Some((*i, path.clone()));
-            Ok(())
+        PlaceValue::PlainList { items, first } => (
+            first.map_or_else(|| named.clone(), |i| entries[i].key.clone()),
+            format!(
+                "the list at {at} holds no tensor and no container ({items} items), so PyTorch's loader reads it as one value `{}`",
+                crate::error::shown(&named)
+            ),
+        ),
+    };
+    let fail = |reason: String| {
+        Err(NestError::Path {
+            key: key.clone(),
+            reason,
+        })
+    };
+    let Some(&j) = owner.get(named.as_str()) else {
+        return fail(format!(
+            "{names}, which the checkpoint does not have (PyTorch refuses it: Missing key in checkpoint state_dict)"
+        ));
+    };
+    if let Some(n) = loaded_at[j] {
+        return fail(format!(
+            "{names}, as the place {} does (PyTorch refuses it: duplicated flatten key)",
+            path_repr(&places[n].path)
+        ));
+    }
+    let mismatch = match (&entries[j].kind, place.value) {
+        (EntryKind::Bytes, _) => None,
+        (EntryKind::Tensor(_), PlaceValue::Placeholder(i)) => {
+            kind_mismatch(&entries[i].kind, &entries[j].kind)
         }
-        Tree::Hole => {
-            let index = path.pop();
-            let list = path_repr(path);
-            Err(NestError::Path {
-                key: joined(path),
-                reason: format!(
-                    "the list at {list} has no item {} (no key has that path): lists must be dense; PyTorch's loader refuses the gap",
-                    index.map_or(String::new(), |i| joined(&[i]))
-                ),
-            })
+        (EntryKind::Tensor(_), _) => {
+            Some("a tensor, which PyTorch's loader cannot load there".into())
         }
+    };
+    match mismatch {
+        Some(m) => fail(format!("{names}: {m}")),
+        None => Ok(j),
     }
 }
 
@@ -901,10 +1043,12 @@ mod tests {
 
     #[test]
     fn a_path_inside_another_keys_value_or_over_a_container_is_refused() {
+        // `optim.state`'s value replaces the dict that held `exp_avg`: PyTorch drops it.
         let mut e = optim_entries();
         e.push(entry("optim.state", &[k("optim"), k("state")], false));
         assert!(
-            matches!(check_paths(&e), Err(NestError::Path { key, .. }) if key == "optim.state")
+            matches!(check_paths(&e), Err(NestError::Path { key, reason })
+                if key == "optim.state.w.exp_avg" && reason.contains("replaces the whole container"))
         );
         let mut e = optim_entries();
         e.insert(0, entry("optim", &[k("optim")], false));
@@ -939,7 +1083,7 @@ mod tests {
         e[0].path = lr;
         e[1].path = w;
         assert!(
-            matches!(check_paths(&e), Err(NestError::Path { reason, .. }) if reason.contains("an object where this key holds a tensor"))
+            matches!(check_paths(&e), Err(NestError::Path { key, reason }) if key == "optim.param_groups.0.lr" && reason.contains("a tensor where this key holds an object"))
         );
     }
 
@@ -1015,5 +1159,71 @@ mod tests {
             entry("a.1", &[k("a"), PathItem::Index(1)], true),
         ];
         check_paths(&e).unwrap();
+    }
+
+    /// A list as `dcp.save` records `[tensor, object, object, object]`.
+    fn mixed_list() -> Vec<Entry> {
+        (0..4)
+            .map(|i| {
+                entry(
+                    &format!("mixed.{i}"),
+                    &[k("mixed"), PathItem::Index(i)],
+                    i == 0,
+                )
+            })
+            .collect()
+    }
+
+    fn keys_and_paths(placed: &[Entry]) -> Vec<(String, String)> {
+        placed
+            .iter()
+            .map(|e| (e.key.clone(), path_repr(e.path.as_deref().unwrap())))
+            .collect()
+    }
+
+    #[test]
+    fn a_list_of_plain_values_named_by_an_object_key_is_that_value_as_pytorch_loads_it() {
+        // `mixed.3`'s path one step deeper: PyTorch builds `[.., .., .., [placeholder]]`,
+        // reads the inner list as one value named `mixed.3` and loads that key there.
+        let mut e = mixed_list();
+        e[3].path = Some(vec![k("mixed"), PathItem::Index(3), PathItem::Index(0)]);
+        let placed = check_paths(&e).unwrap().apply(e);
+        assert_eq!(keys_and_paths(&placed), keys_and_paths(&mixed_list()));
+        // A tensor one step deeper is visited itself, and `mixed.3.0` is no key.
+        let mut e = mixed_list();
+        e[3] = entry(
+            "mixed.3",
+            &[k("mixed"), PathItem::Index(3), PathItem::Index(0)],
+            true,
+        );
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { reason, .. }) if reason.contains("Missing key"))
+        );
+    }
+
+    #[test]
+    fn a_gap_named_by_the_key_whose_slot_another_took_is_loaded_by_that_name() {
+        // `mixed.2` moved to index 4 beside `mixed.3`'s: index 2 is a gap, and PyTorch loads
+        // `mixed.2` there by name; nothing is lost.
+        let mut e = mixed_list();
+        e[2].path = Some(vec![k("mixed"), PathItem::Index(3)]);
+        let placed = check_paths(&e).unwrap().apply(e);
+        assert_eq!(keys_and_paths(&placed), keys_and_paths(&mixed_list()));
+        // `mixed.2` at `-1` when the list is `[t, o]`: it overwrites `mixed.1`'s slot, which
+        // loads `mixed.1` by name, and the gap it leaves loads `mixed.2`.
+        let mut e = mixed_list();
+        e[2].path = Some(vec![k("mixed"), PathItem::FromEnd(1)]);
+        let placed = check_paths(&e).unwrap().apply(e);
+        assert_eq!(keys_and_paths(&placed), keys_and_paths(&mixed_list()));
+        // A tensor key's gap: PyTorch cannot load a tensor into `None`. (`mixed.0` moved to
+        // index 2, where `mixed.2` overwrites it.)
+        let mut e = mixed_list();
+        e[1] = entry("mixed.1", &[k("mixed"), PathItem::Index(1)], true);
+        e[0].path = Some(vec![k("mixed"), PathItem::Index(2)]);
+        assert!(
+            matches!(check_paths(&e), Err(NestError::Path { key, reason }) if key == "mixed" && reason.contains("a tensor, which PyTorch's loader cannot load there")),
+            "{:?}",
+            check_paths(&e)
+        );
     }
 }

@@ -34,7 +34,7 @@ impl DcpCheckpoint {
         let root = dir.canonicalize().map_err(Error::io("resolving", &dir))?;
         let metadata = metadata_in(&dir, &root)?;
         let mut files = HashMap::new();
-        for info in metadata.storage.values() {
+        for info in metadata.storage.values().flatten() {
             files
                 .entry(info.relative_path.clone())
                 .or_insert_with(|| confine(&root, &info.relative_path, "data file"));
@@ -102,10 +102,18 @@ impl DcpCheckpoint {
             fqn: key.to_string(),
             offset: offset.map(<[usize]>::to_vec),
         };
-        self.metadata.storage.get(&k).ok_or_else(|| match offset {
-            Some(o) => self.chunk_err(key, format!("the chunk at {o:?} has no storage_data entry")),
-            None => self.chunk_err(key, "the value has no storage_data entry"),
-        })
+        let at = || match offset {
+            Some(o) => format!("the chunk at {o:?}"),
+            None => "the value".to_string(),
+        };
+        match self.metadata.storage.get(&k) {
+            Some(Ok(info)) => Ok(info),
+            Some(Err(reason)) => Err(self.chunk_err(
+                key,
+                format!("the storage_data record of {} is malformed: {reason}", at()),
+            )),
+            None => Err(self.chunk_err(key, format!("{} has no storage_data entry", at()))),
+        }
     }
 
     /// Checks that `info`'s range lies inside its (confined, existing) file and holds at
@@ -809,7 +817,7 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
         })
         .collect();
     let mut ranges: BTreeMap<&str, usize> = BTreeMap::new();
-    for info in md.storage.values() {
+    for info in md.storage.values().flatten() {
         *ranges.entry(&info.relative_path).or_default() += 1;
     }
     let files: Vec<FileSummary> = ranges

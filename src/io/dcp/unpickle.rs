@@ -75,6 +75,19 @@ pub(crate) struct Pickled {
     pub arena: Vec<Node>,
 }
 
+/// The names `torch.serialization._get_layout` knows: `str()` of each `torch.layout` of
+/// PyTorch 2.13. Any other name is a `KeyError` there.
+const LAYOUTS: &[&str] = &[
+    "torch.strided",
+    "torch.sparse_coo",
+    "torch.sparse_csr",
+    "torch.sparse_csc",
+    "torch.sparse_bsr",
+    "torch.sparse_bsc",
+    "torch._mkldnn",
+    "torch.jagged",
+];
+
 const DTYPES: &[&str] = &[
     "float32",
     "float64",
@@ -518,15 +531,23 @@ impl Vm<'_> {
             return Err(self.err("REDUCE arguments must be a tuple"));
         };
         match (f, a.as_slice()) {
+            // Python's `torch.Size` takes negative ints too; where a size is used, it must
+            // not be negative.
             (V::Global(Global::Size), [t]) => {
                 let dims = self
                     .tuple(t)
-                    .filter(|d| d.iter().all(|x| matches!(x, V::Int(i) if *i >= 0)))
-                    .ok_or_else(|| self.err("torch.Size needs one tuple of non-negative ints"))?
+                    .filter(|d| d.iter().all(|x| matches!(x, V::Int(_))))
+                    .ok_or_else(|| self.err("torch.Size needs one tuple of ints"))?
                     .to_vec();
                 Ok(self.alloc(Node::Tuple(dims)))
             }
-            (V::Global(Global::GetLayout), [V::Str(s)]) => Ok(V::Str(s.clone())),
+            (V::Global(Global::GetLayout), [V::Str(s)]) if LAYOUTS.contains(&&**s) => {
+                Ok(V::Str(s.clone()))
+            }
+            (V::Global(Global::GetLayout), [V::Str(s)]) => Err(self.err(format!(
+                "`{}` is not a torch layout",
+                crate::error::shown(s)
+            ))),
             (V::Global(Global::Path), parts) => {
                 let mut s = String::new();
                 for p in parts {
