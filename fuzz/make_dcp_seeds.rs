@@ -1,6 +1,7 @@
 //! Writes seed inputs for the `dcp_load` fuzz target into `corpus/dcp_load/` from the real
 //! PyTorch DCP fixtures in `tests/golden/dcp/`: for each, `0` + its `.metadata` and `1` + its
-//! `__0_0.distcp` (the target's two modes), and the hostile `.metadata` variants.
+//! `__0_0.distcp` (the target's two modes), and the `.metadata` variants of `hostile/` (which
+//! must be refused) and `pytorch_reads/` (which PyTorch reads back whole).
 //!
 //! Run from `fuzz/`: `cargo run --bin make_dcp_seeds`.
 
@@ -33,12 +34,15 @@ fn main() {
                 std::fs::read(ckpt.join("__0_0.distcp")).expect("read"),
             );
         }
-        if name == "hostile" {
-            for h in std::fs::read_dir(e.path()).expect("hostile") {
+        if name == "hostile" || name == "pytorch_reads" {
+            for h in std::fs::read_dir(e.path()).expect("variants") {
                 let h = h.expect("entry");
                 let stem = h.file_name().to_string_lossy().into_owned();
+                if !stem.ends_with(".metadata") {
+                    continue;
+                }
                 seed(
-                    format!("hostile-{stem}"),
+                    format!("{name}-{stem}"),
                     0,
                     std::fs::read(h.path()).expect("read"),
                 );

@@ -427,6 +427,48 @@ fn every_hostile_metadata_is_refused_alike_by_verify_and_every_reader() {
 }
 
 #[test]
+fn a_layout_pytorch_does_not_know_is_refused() {
+    // PyTorch: `_get_layout('torch.st0ided')` is a KeyError.
+    let e = hostile("unknown_layout", |_| {});
+    assert!(
+        e.to_string()
+            .contains("`torch.st0ided` is not a torch layout"),
+        "{e}"
+    );
+}
+
+#[test]
+fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
+    // Not what `dcp.save` writes, but `dcp_to_torch_save` gives the original's result
+    // (gen.py checks it): a plain list or a gap named by an object key, a negative index that
+    // overwrites another key's slot which that key's name fills again, and malformed records
+    // of chunks PyTorch never reads.
+    let mut cases = 0;
+    for entry in std::fs::read_dir(golden("pytorch_reads")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|x| x != "metadata") {
+            continue;
+        }
+        let base = std::fs::read_to_string(path.with_extension("base")).unwrap();
+        let base = base.trim();
+        let (tmp, dir) = copy_of(base);
+        std::fs::copy(&path, dir.join(".metadata")).unwrap();
+        dcp::verify(&dir).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let out = tmp.path().join("out.pt");
+        dcp::consolidate_to_torch(&dir, &out, |_| {})
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let expected = torch_save::load(golden(base).join("expected.pt")).unwrap();
+        assert!(
+            torch_save::load(&out).unwrap().bit_eq(&expected),
+            "{}: differs from {base}/expected.pt",
+            path.display()
+        );
+        cases += 1;
+    }
+    assert_eq!(cases, 4);
+}
+
+#[test]
 fn truncated_or_garbled_metadata_gives_typed_errors() {
     let raw = std::fs::read(golden("fsdp2_adam_ws4/ckpt/.metadata")).unwrap();
     for cut in [0, 1, 2, 11, 100, raw.len() / 2, raw.len() - 1] {

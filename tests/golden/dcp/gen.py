@@ -27,6 +27,11 @@ metadata disagree with the chunks, whose `planner_data` paths are not their keys
 sharing one path, a path through another key's value, a `param_groups` list with a gap), and
 `exploit.metadata`, a pickle whose loading would run a
 shell command (it must be refused, never run).
+
+And `tests/golden/dcp/pytorch_reads/`: `.metadata` variants that `dcp.save` does not write but
+that `dcp_to_torch_save` reads back exactly as the original (checked when they are written):
+each `<case>.metadata`, with `<case>.base` naming the scenario whose `ckpt/` it belongs in and
+whose `expected.pt` it must give.
 """
 
 import os
@@ -314,6 +319,13 @@ def hostile(base):
     variant("path_through_value", path_through_value)
     variant("param_groups_gap", param_groups_gap)
 
+    def unknown_layout(data):
+        # A layout name `torch.serialization._get_layout` does not know (a KeyError there).
+        return data.replace(b"torch.strided", b"torch.st0ided")
+
+    with open(md_path, "rb") as f:
+        (out / "unknown_layout.metadata").write_bytes(unknown_layout(f.read()))
+
     class Exploit:
         def __reduce__(self):
             return (os.system, ("touch /tmp/fsdp-dcp-exploit-ran",))
@@ -323,16 +335,103 @@ def hostile(base):
     print("hostile: ok")
 
 
+def pytorch_reads():
+    """`.metadata` variants that are not what `dcp.save` writes but that PyTorch's
+    `dcp_to_torch_save` reads back exactly as the original: each `<case>.metadata`, to put in
+    a copy of `<base>/ckpt`, must give `<base>/expected.pt` (checked here)."""
+    import tempfile
+
+    out = ROOT / "pytorch_reads"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+
+    def plain_list_named(md):
+        # `amsgrad`'s path one step deeper: PyTorch reads the list `[placeholder]` as one
+        # value named `optim.param_groups.0.amsgrad` and loads that key there.
+        pd = md.planner_data
+        pd["optim.param_groups.0.amsgrad"] = tuple(pd["optim.param_groups.0.amsgrad"]) + (0,)
+
+    def gap_named(md):
+        # `mixed.2` moved onto `mixed.4`'s slot: the gap at index 2 is named `mixed.2`.
+        md.planner_data["extra.mixed.2"] = ("extra", "mixed", 4)
+
+    def negative_index(md):
+        # `mixed.2` at `-1` overwrites `mixed.1`'s slot (named `mixed.1`); the gap it leaves
+        # is named `mixed.2`.
+        md.planner_data["extra.mixed.2"] = ("extra", "mixed", -1)
+
+    def unread_records_malformed(md):
+        # The empty chunks of a tensor with fewer rows than ranks are never read: one with a
+        # negative size and a malformed storage record, one whose record's key has a
+        # negative offset.
+        bias = md.state_dict_metadata["model.net2.0.bias"]
+        empty = next(c for c in bias.chunks if c.sizes[0] == 0)
+        empty.sizes = torch.Size([-1])
+        key = next(k for k in md.storage_data
+                   if k.fqn == "model.net2.0.bias" and k.offset == empty.offsets)
+        md.storage_data[key].length = -7
+        md.storage_data[key].relative_path = 42
+        weight = md.state_dict_metadata["model.net2.0.weight"]
+        empty = next(c for c in weight.chunks if c.sizes[0] == 0)
+        key = next(k for k in md.storage_data
+                   if k.fqn == "model.net2.0.weight" and k.offset == empty.offsets)
+        info = md.storage_data.pop(key)
+        md.storage_data[type(key)(key.fqn, torch.Size([-1, 0]), key.index)] = info
+
+    cases = {
+        "plain_list_named": ("fsdp2_adam_ws4", plain_list_named),
+        "gap_named": ("dtensor_grid_ws4", gap_named),
+        "negative_index": ("dtensor_grid_ws4", negative_index),
+        "unread_records_malformed": ("fsdp2_adam_ws4", unread_records_malformed),
+    }
+    for case, (base, edit) in cases.items():
+        with open(ROOT / base / "ckpt" / ".metadata", "rb") as f:
+            md = pickle.load(f)
+        edit(md)
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = Path(tmp) / "ckpt"
+            shutil.copytree(ROOT / base / "ckpt", ckpt)
+            with open(ckpt / ".metadata", "wb") as f:
+                pickle.dump(md, f)
+            dcp_to_torch_save(ckpt, Path(tmp) / "got.pt")
+            got = torch.load(Path(tmp) / "got.pt", weights_only=False)
+        want = torch.load(ROOT / base / "expected.pt", weights_only=False)
+        if not same(got, want):
+            raise SystemExit(f"pytorch_reads/{case}: PyTorch's result differs from {base}")
+        with open(out / f"{case}.metadata", "wb") as f:
+            pickle.dump(md, f)
+        (out / f"{case}.base").write_text(base + "\n")
+    print("pytorch_reads: ok")
+
+
+def same(a, b):
+    """Equal values of equal types, tensors bit for bit, dicts in the same order."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        def raw(t):
+            return t.detach().contiguous().flatten().view(torch.uint8)
+
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(raw(a), raw(b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def main():
     names = sys.argv[1:] or list(SCENARIOS)
     if names == ["hostile"]:
-        # Only the hostile variants, from the checked-in checkpoint.
+        # Only the hostile and pytorch_reads variants, from the checked-in checkpoints.
         hostile("fsdp2_adam_ws4")
+        pytorch_reads()
         return
     for name in names:
         run(name)
     if "fsdp2_adam_ws4" in names:
         hostile("fsdp2_adam_ws4")
+        pytorch_reads()
 
 
 if __name__ == "__main__":
