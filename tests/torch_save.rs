@@ -927,6 +927,24 @@ fn every_name_is_utf8_and_inside_the_archive_folder() {
 }
 
 #[test]
+fn records_are_found_in_any_letter_case_as_miniz_finds_them() {
+    // `archive/data.Pkl` in the central directory: miniz's locate_file ignores case, so
+    // PyTorch reads the file (the local header keeps its own name; miniz never compares it).
+    let mut w = Written::new();
+    let at = w.central("data.pkl");
+    w.bytes[at + 46 + "archive/data.".len()] = b'P';
+    w.accepted();
+    // Two names that differ only in case: either could be the one PyTorch finds.
+    let twins = zip_of(&[("a/data.pkl", b"N."), ("a/DATA.pkl", b"N.")]);
+    match torch_save::load_from_bytes(&twins) {
+        Err(Error::TorchSaveArchive { reason, .. }) => {
+            assert!(reason.contains("regardless of letter case"), "{reason}")
+        }
+        other => panic!("expected a duplicate entry, got {other:?}"),
+    }
+}
+
+#[test]
 fn zip64_end_record_is_used_as_miniz_uses_it() {
     let w = Written::new();
     let (rec, loc) = (w.zip64(), w.locator());

@@ -274,8 +274,7 @@ pub fn nest(
 /// that a key's name fills.
 pub fn check_paths(entries: &[Entry]) -> Result<Placement, NestError> {
     let built = build(entries)?;
-    let mut places = Vec::new();
-    visit(&built.root, &mut Vec::new(), entries, &mut places);
+    let places = traverse(&built.root, entries);
     let owner: HashMap<&str, usize> = entries
         .iter()
         .enumerate()
@@ -622,31 +621,108 @@ enum PlaceValue {
     Placeholder(usize),
     /// `None`: a list slot no path filled.
     Gap,
-    /// A list that holds no tensor and no container: one value for PyTorch. `first` is
-    /// the first entry in it.
-    PlainList { items: usize, first: Option<usize> },
+    /// A list or dict that PyTorch's traversal takes as one value (it holds no tensor).
+    /// `first` is the first entry in it.
+    Plain {
+        container: &'static str,
+        items: usize,
+        first: Option<usize>,
+    },
 }
 
-/// Walks `tree` as PyTorch's `traverse_state_dict` does and records each value it visits.
-fn visit(tree: &Tree, path: &mut Vec<PathItem>, entries: &[Entry], places: &mut Vec<Place>) {
+/// The traversal rules of PyTorch's `flatten_state_dict`: those of 2.4 and later (a dict is
+/// always traversed; a list that holds no tensor, no dict and no such list is one value),
+/// and those of 2.3, which its loader falls back to when a key of the checkpoint is missing
+/// under the first and found under these (any dict or list that holds no tensor, and no
+/// container that does, is one value).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Rules {
+    Current,
+    V2_3,
+}
+
+/// The places PyTorch's traversal of the rebuilt dict `root` visits under `rules`, in order.
+fn places_of(root: &Tree, entries: &[Entry], rules: Rules) -> Vec<Place> {
+    let mut places = Vec::new();
+    if let Tree::Dict(items, _) = root {
+        for (k, v) in items {
+            visit(
+                v,
+                &mut vec![PathItem::Key(k.clone())],
+                entries,
+                rules,
+                &mut places,
+            );
+        }
+    }
+    places
+}
+
+/// The places of the 2.4 traversal, or of the 2.3 one where PyTorch's loader falls back to
+/// it (`DefaultLoadPlanner.create_local_plan`): when a key of the checkpoint names no place
+/// of the first and names one of the second.
+fn traverse(root: &Tree, entries: &[Entry]) -> Vec<Place> {
+    let places = places_of(root, entries, Rules::Current);
+    let names: std::collections::HashSet<String> = places.iter().map(|p| joined(&p.path)).collect();
+    let missing: Vec<&str> = entries
+        .iter()
+        .map(|e| e.key.as_str())
+        .filter(|k| !names.contains(*k))
+        .collect();
+    if missing.is_empty() {
+        return places;
+    }
+    let old = places_of(root, entries, Rules::V2_3);
+    let old_names: std::collections::HashSet<String> =
+        old.iter().map(|p| joined(&p.path)).collect();
+    if missing.iter().any(|k| old_names.contains(*k)) {
+        old
+    } else {
+        places
+    }
+}
+
+/// Walks `tree` as PyTorch's `traverse_state_dict` does under `rules` and records each
+/// value it visits.
+fn visit(
+    tree: &Tree,
+    path: &mut Vec<PathItem>,
+    entries: &[Entry],
+    rules: Rules,
+    places: &mut Vec<Place>,
+) {
+    let whole = match tree {
+        Tree::Dict(..) => rules == Rules::V2_3 && plain(tree, entries),
+        Tree::List(items) => match rules {
+            Rules::Current => terminal(items, entries),
+            Rules::V2_3 => plain(tree, entries),
+        },
+        Tree::Leaf(_) | Tree::Hole => true,
+    };
     let value = match tree {
-        Tree::Dict(items, _) => {
+        Tree::Dict(items, _) if !whole => {
             for (k, v) in items {
                 path.push(PathItem::Key(k.clone()));
-                visit(v, path, entries, places);
+                visit(v, path, entries, rules, places);
                 path.pop();
             }
             return;
         }
-        Tree::List(items) if !terminal(items, entries) => {
+        Tree::List(items) if !whole => {
             for (i, v) in items.iter().enumerate() {
                 path.push(PathItem::Index(i));
-                visit(v, path, entries, places);
+                visit(v, path, entries, rules, places);
                 path.pop();
             }
             return;
         }
-        Tree::List(items) => PlaceValue::PlainList {
+        Tree::Dict(items, _) => PlaceValue::Plain {
+            container: "dict",
+            items: items.len(),
+            first: first_leaf(tree),
+        },
+        Tree::List(items) => PlaceValue::Plain {
+            container: "list",
             items: items.len(),
             first: first_leaf(tree),
         },
@@ -691,10 +767,14 @@ fn load(
                 ),
             )
         }
-        PlaceValue::PlainList { items, first } => (
+        PlaceValue::Plain {
+            container,
+            items,
+            first,
+        } => (
             first.map_or_else(|| named.clone(), |i| entries[i].key.clone()),
             format!(
-                "the list at {at} holds no tensor and no container ({items} items), so PyTorch's loader reads it as one value `{}`",
+                "the {container} at {at} holds no tensor and no container ({items} items), so PyTorch's loader reads it as one value `{}`",
                 crate::error::shown(&named)
             ),
         ),
@@ -762,6 +842,18 @@ fn terminal(items: &[Tree], entries: &[Entry]) -> bool {
         Tree::Leaf(i) => !matches!(entries[*i].kind, EntryKind::Tensor(_)),
         Tree::Hole => true,
     })
+}
+
+/// Whether the 2.3 traversal takes the container `tree` as one value: it holds no tensor,
+/// and no container that is not itself such a value.
+fn plain(tree: &Tree, entries: &[Entry]) -> bool {
+    let children: Vec<&Tree> = match tree {
+        Tree::Dict(items, _) => items.iter().map(|(_, t)| t).collect(),
+        Tree::List(items) => items.iter().collect(),
+        Tree::Leaf(i) => return !matches!(entries[*i].kind, EntryKind::Tensor(_)),
+        Tree::Hole => return true,
+    };
+    children.into_iter().all(|t| plain(t, entries))
 }
 
 /// The first entry stored under `tree`, if any.
@@ -1225,5 +1317,35 @@ mod tests {
             "{:?}",
             check_paths(&e)
         );
+    }
+
+    #[test]
+    fn a_key_missing_under_the_current_traversal_is_looked_up_as_pytorch_2_3_flattened() {
+        // `extra.scalar` one step deeper under a string: the 2.4 traversal names the place
+        // `extra.scalar.x`, which is no key, so PyTorch's loader flattens again with the 2.3
+        // rules, which take the plain dict `{'x': ..}` as one value, `extra.scalar`.
+        let e = vec![
+            entry("extra.0", &[k("extra"), k("0")], true),
+            entry("extra.scalar", &[k("extra"), k("scalar"), k("x")], false),
+        ];
+        let placed = check_paths(&e).unwrap().apply(e);
+        assert_eq!(
+            keys_and_paths(&placed),
+            [
+                ("extra.0".to_string(), "('extra', '0')".to_string()),
+                (
+                    "extra.scalar".to_string(),
+                    "('extra', 'scalar')".to_string()
+                )
+            ]
+        );
+        // Under the 2.3 rules a dict of plain values is one value: a checkpoint whose keys
+        // are its items stays with the current rules (and loads).
+        let e = vec![
+            entry("a.x", &[k("a"), k("x")], false),
+            entry("a.y", &[k("a"), k("y")], false),
+        ];
+        let placed = check_paths(&e).unwrap().apply(e);
+        assert_eq!(placed[1].path, Some(vec![k("a"), k("y")]));
     }
 }

@@ -107,6 +107,7 @@ pub(crate) struct ZipReader<S> {
     file: String,
     src: S,
     entries: Vec<Entry>,
+    /// Entries by name in ASCII lower case: miniz finds names regardless of case.
     by_name: HashMap<String, usize>,
 }
 
@@ -155,7 +156,8 @@ impl<S: Source> ZipReader<S> {
         let mut at = 0usize;
         for _ in 0..dir.count {
             let (entry, used) = r.central_entry(&cd, at, dir.offset + at as u64, dir.disk)?;
-            r.by_name.insert(entry.name.clone(), r.entries.len());
+            r.by_name
+                .insert(entry.name.to_ascii_lowercase(), r.entries.len());
             r.entries.push(entry);
             at += used;
         }
@@ -421,8 +423,13 @@ impl<S: Source> ZipReader<S> {
                 ),
             ));
         }
-        if self.by_name.contains_key(&name) {
-            return Err(self.err(Some(&name), pos, "duplicate entry".into()));
+        // miniz would find either of two names that differ only in letter case.
+        if self.by_name.contains_key(&name.to_ascii_lowercase()) {
+            return Err(self.err(
+                Some(&name),
+                pos,
+                "duplicate entry (names are compared regardless of letter case, as PyTorch's reader finds them)".into(),
+            ));
         }
         let entry = Entry {
             directory: name.ends_with('/') || external & 0x10 != 0,
@@ -518,9 +525,12 @@ impl<S: Source> ZipReader<S> {
         &self.entries
     }
 
-    /// The entry called `name`.
+    /// The entry called `name`, in any letter case (as miniz's `mz_zip_reader_locate_file`
+    /// finds it for PyTorch).
     pub(crate) fn entry(&self, name: &str) -> Option<&Entry> {
-        self.by_name.get(name).map(|&i| &self.entries[i])
+        self.by_name
+            .get(&name.to_ascii_lowercase())
+            .map(|&i| &self.entries[i])
     }
 
     /// Reads an entry's data into `buf` (whose length must be the entry's size) and checks

@@ -360,6 +360,12 @@ def pytorch_reads():
         # is named `mixed.2`.
         md.planner_data["extra.mixed.2"] = ("extra", "mixed", -1)
 
+    def flattened_as_2_3(md):
+        # `extra.scalar` one step deeper under a string: the place `extra.scalar.x` is no key,
+        # so the loader falls back to PyTorch 2.3's traversal, which reads the plain dict
+        # `{'x': placeholder}` as one value named `extra.scalar`.
+        md.planner_data["extra.scalar"] = ("extra", "scalar", "x")
+
     def unread_records_malformed(md):
         # The empty chunks of a tensor with fewer rows than ranks are never read: one with a
         # negative size and a malformed storage record, one whose record's key has a
@@ -382,6 +388,7 @@ def pytorch_reads():
         "plain_list_named": ("fsdp2_adam_ws4", plain_list_named),
         "gap_named": ("dtensor_grid_ws4", gap_named),
         "negative_index": ("dtensor_grid_ws4", negative_index),
+        "flattened_as_2_3": ("dtensor_grid_ws4", flattened_as_2_3),
         "unread_records_malformed": ("fsdp2_adam_ws4", unread_records_malformed),
     }
     for case, (base, edit) in cases.items():
