@@ -15,27 +15,6 @@ pub(crate) struct Entry {
     pub nbytes: u64,
 }
 
-/// safetensors' name of a dtype.
-pub(crate) fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "F32",
-        DType::F64 => "F64",
-        DType::F16 => "F16",
-        DType::BF16 => "BF16",
-        DType::I64 => "I64",
-        DType::I32 => "I32",
-        DType::U8 => "U8",
-        DType::Bool => "BOOL",
-        DType::I8 => "I8",
-        DType::I16 => "I16",
-        DType::U16 => "U16",
-        DType::U32 => "U32",
-        DType::U64 => "U64",
-        DType::F8E4M3FN => "F8_E4M3",
-        DType::F8E5M2 => "F8_E5M2",
-    }
-}
-
 /// The header bytes (length prefix included, padded to 8 bytes) for `entries` laid out back
 /// to back in order, and each entry's absolute byte offset in the file.
 pub(crate) fn header(
@@ -58,7 +37,7 @@ pub(crate) fn header(
         map.insert(
             e.name.clone(),
             serde_json::json!({
-                "dtype": dtype_name(e.dtype),
+                "dtype": e.dtype.safetensors_name(),
                 "shape": e.shape,
                 "data_offsets": [at, at + e.nbytes],
             }),

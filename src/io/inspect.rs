@@ -58,10 +58,6 @@ pub struct TensorInfo {
     pub value: Option<Json>,
 }
 
-fn dtype_name(d: DType) -> String {
-    d.torch_name().trim_start_matches("torch.").to_string()
-}
-
 fn float_json(x: f64) -> Json {
     if x.is_finite() {
         json!(x)
@@ -105,7 +101,7 @@ impl Shapes<'_> {
 fn tensor_info(name: &str, t: &HostTensor, sh: Shapes<'_>) -> TensorInfo {
     TensorInfo {
         name: name.to_string(),
-        dtype: dtype_name(t.dtype()),
+        dtype: t.dtype().torch_attr().to_string(),
         shape: sh.of(t),
         bytes: sh.nbytes(t),
         value: scalar_json(t),
@@ -132,7 +128,7 @@ fn value_json(v: &Value, sh: Shapes<'_>) -> Json {
             "global_shape": s.global_shape,
             "offsets": s.offsets,
             "local": s.local.as_ref().map(|t| {
-                json!({ "dtype": dtype_name(t.dtype()), "shape": sh.of(t) })
+                json!({ "dtype": t.dtype().torch_attr(), "shape": sh.of(t) })
             }),
         } }),
         Value::Tuple(xs) | Value::List(xs) => {

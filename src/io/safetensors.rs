@@ -78,45 +78,18 @@ pub const OBJECT_KEY: &str = "fsdp.pyobj.v1";
 /// Name used for in-memory files in error messages.
 const MEMORY: &str = "<memory>";
 
+/// The `safetensors` crate's dtype for `d`, by its name in the one dtype table.
 fn to_st_dtype(d: DType) -> Dtype {
-    match d {
-        DType::F32 => Dtype::F32,
-        DType::F64 => Dtype::F64,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-        DType::I64 => Dtype::I64,
-        DType::I32 => Dtype::I32,
-        DType::U8 => Dtype::U8,
-        DType::Bool => Dtype::BOOL,
-        DType::I8 => Dtype::I8,
-        DType::I16 => Dtype::I16,
-        DType::U16 => Dtype::U16,
-        DType::U32 => Dtype::U32,
-        DType::U64 => Dtype::U64,
-        DType::F8E4M3FN => Dtype::F8_E4M3,
-        DType::F8E5M2 => Dtype::F8_E5M2,
-    }
+    use serde::de::IntoDeserializer;
+    use serde::Deserialize;
+    let name: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =
+        d.safetensors_name().into_deserializer();
+    Dtype::deserialize(name).expect("every DType has a safetensors dtype (tested)")
 }
 
+/// The crate's dtype for the `safetensors` crate's `d`, if it has one.
 fn from_st_dtype(d: Dtype) -> Option<DType> {
-    Some(match d {
-        Dtype::F32 => DType::F32,
-        Dtype::F64 => DType::F64,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
-        Dtype::I64 => DType::I64,
-        Dtype::I32 => DType::I32,
-        Dtype::U8 => DType::U8,
-        Dtype::BOOL => DType::Bool,
-        Dtype::I8 => DType::I8,
-        Dtype::I16 => DType::I16,
-        Dtype::U16 => DType::U16,
-        Dtype::U32 => DType::U32,
-        Dtype::U64 => DType::U64,
-        Dtype::F8_E4M3 => DType::F8E4M3FN,
-        Dtype::F8_E5M2 => DType::F8E5M2,
-        _ => return None,
-    })
+    DType::from_safetensors_name(&d.to_string())
 }
 
 /// A [`HostTensor`] as the `safetensors` crate's [`View`].

@@ -13,6 +13,7 @@ pub mod tch;
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use self::tch::TchTensor;
 pub use dtype::DType;
+pub(crate) use dtype::OTHER_TORCH_DTYPES;
 pub use host::HostTensor;
 pub use storage::{
     buffer_cache_limit, cached_buffer_bytes, release_cached_buffers, set_buffer_cache_limit,

@@ -43,7 +43,7 @@ pub struct TensorMeta {
 impl TensorMeta {
     /// The crate's dtype, if it supports this one.
     pub fn dtype(&self) -> Option<DType> {
-        dtype_of(&self.dtype)
+        DType::from_torch_name(&self.dtype)
     }
 }
 
@@ -102,28 +102,6 @@ pub struct Metadata {
     pub checkpoint_id: Option<String>,
     /// The DCP format version (`1.0.0`).
     pub version: Option<String>,
-}
-
-/// The crate's dtype for PyTorch's dtype name.
-pub fn dtype_of(name: &str) -> Option<DType> {
-    Some(match name {
-        "float32" => DType::F32,
-        "float64" => DType::F64,
-        "float16" => DType::F16,
-        "bfloat16" => DType::BF16,
-        "int64" => DType::I64,
-        "int32" => DType::I32,
-        "uint8" => DType::U8,
-        "bool" => DType::Bool,
-        "int8" => DType::I8,
-        "int16" => DType::I16,
-        "uint16" => DType::U16,
-        "uint32" => DType::U32,
-        "uint64" => DType::U64,
-        "float8_e4m3fn" => DType::F8E4M3FN,
-        "float8_e5m2" => DType::F8E5M2,
-        _ => return None,
-    })
 }
 
 /// Whether PyTorch's loader reads a saved chunk at `offsets` of `sizes` into a tensor of

@@ -24,7 +24,7 @@ mod unpickle;
 mod write;
 
 pub use metadata::{
-    dtype_of, parse_metadata, Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey,
+    parse_metadata, Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey,
     TensorMeta, MAX_METADATA_BYTES,
 };
 pub(crate) use pickler::{metadata_pickle, Record, StoredChunk};

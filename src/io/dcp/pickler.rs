@@ -2,7 +2,6 @@
 //! Python's `pickle.load` turns back into the same dataclasses `dcp.save` pickles.
 
 use super::metadata::PathItem;
-use super::write::torch_dtype_name;
 use crate::error::Result;
 use crate::tensor::DType;
 
@@ -121,7 +120,7 @@ impl P {
         self.out.push(0x81);
         // The __getstate__ tuple: (dtype, layout, requires_grad, memory format, pin_memory).
         self.mark();
-        self.global("torch", torch_dtype_name(dtype));
+        self.global("torch", dtype.torch_attr());
         self.global("torch", "strided");
         self.bool(false);
         self.global(MD, "_MEM_FORMAT_ENCODING");

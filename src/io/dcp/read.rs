@@ -670,31 +670,20 @@ fn safetensors_header(
     order: &[(String, usize)],
     meta: BTreeMap<String, String>,
 ) -> Result<Vec<u8>> {
-    let mut map = serde_json::Map::new();
-    map.insert("__metadata__".into(), serde_json::json!(meta));
-    let mut at = 0u64;
-    for (name, i) in order {
-        let e = &ckpt.metadata.entries[*i];
-        let (t, dtype) = ckpt.tensor_meta(&e.key)?;
-        let n = (ckpt.plan_tensor(&e.key)?) as u64;
-        let st = crate::io::container::dtype_name(dtype);
-        map.insert(
-            name.clone(),
-            serde_json::json!({"dtype": st, "shape": t.size, "data_offsets": [at, at + n]}),
-        );
-        at += n;
-    }
-    let mut json =
-        serde_json::to_vec(&serde_json::Value::Object(map)).map_err(|e| Error::Serialization {
-            what: "safetensors header".into(),
-            reason: e.to_string(),
-        })?;
-    while json.len() % 8 != 0 {
-        json.push(b' ');
-    }
-    let mut out = (json.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&json);
-    Ok(out)
+    let entries = order
+        .iter()
+        .map(|(name, i)| {
+            let key = &ckpt.metadata.entries[*i].key;
+            let (t, dtype) = ckpt.tensor_meta(key)?;
+            Ok(crate::io::container::Entry {
+                name: name.clone(),
+                dtype,
+                shape: t.size.clone(),
+                nbytes: ckpt.plan_tensor(key)? as u64,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(crate::io::container::header(&entries, &meta)?.0)
 }
 
 /// What [`verify`] checked.

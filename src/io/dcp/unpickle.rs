@@ -8,6 +8,8 @@
 //! stays proportional to the stream's length.
 
 use crate::error::{Error, Result};
+use crate::tensor::DType;
+use crate::tensor::OTHER_TORCH_DTYPES;
 use std::collections::HashMap;
 use std::rc::Rc;
 
@@ -88,29 +90,6 @@ const LAYOUTS: &[&str] = &[
     "torch.jagged",
 ];
 
-const DTYPES: &[&str] = &[
-    "float32",
-    "float64",
-    "float16",
-    "bfloat16",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "bool",
-    "complex32",
-    "complex64",
-    "complex128",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-];
-
 /// The global `module.name`, if it is one `.metadata` may use.
 pub(crate) fn resolve(module: &str, name: &str) -> Option<Global> {
     const MD: &str = "torch.distributed.checkpoint.metadata";
@@ -132,7 +111,11 @@ pub(crate) fn resolve(module: &str, name: &str) -> Option<Global> {
         ("pathlib", "PosixPath" | "PurePosixPath" | "WindowsPath" | "PureWindowsPath") => {
             Global::Path
         }
-        ("torch", n) => Global::Dtype(DTYPES.iter().find(|d| **d == n)?),
+        ("torch", n) => Global::Dtype(
+            DType::from_torch_attr(n)
+                .map(DType::torch_attr)
+                .or_else(|| OTHER_TORCH_DTYPES.iter().copied().find(|d| *d == n))?,
+        ),
         _ => return None,
     })
 }

@@ -479,8 +479,3 @@ fn io_err(op: &str, path: &Path, source: impl Into<IoError>) -> Error {
 fn refusal(kind: std::io::ErrorKind, message: &str) -> IoError {
     IoError::new(kind, message)
 }
-
-/// PyTorch's dtype name without `torch.`.
-pub(crate) fn torch_dtype_name(d: DType) -> &'static str {
-    &d.torch_name()["torch.".len()..]
-}

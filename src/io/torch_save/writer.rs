@@ -12,24 +12,6 @@ use std::io::Write;
 /// Python's pickler splits `APPENDS` and `SETITEMS` into batches of this many items.
 const BATCH: usize = 1000;
 
-/// The typed storage class PyTorch pickles tensors of `d` with (`_rebuild_tensor_v2`), or
-/// `None` for the dtypes it pickles as `UntypedStorage` + `_rebuild_tensor_v3` + the dtype.
-fn storage_class(d: DType) -> Option<&'static str> {
-    Some(match d {
-        DType::F32 => "FloatStorage",
-        DType::F64 => "DoubleStorage",
-        DType::F16 => "HalfStorage",
-        DType::BF16 => "BFloat16Storage",
-        DType::I64 => "LongStorage",
-        DType::I32 => "IntStorage",
-        DType::U8 => "ByteStorage",
-        DType::Bool => "BoolStorage",
-        DType::I8 => "CharStorage",
-        DType::I16 => "ShortStorage",
-        DType::U16 | DType::U32 | DType::U64 | DType::F8E4M3FN | DType::F8E5M2 => return None,
-    })
-}
-
 /// Tensors of an object whose bytes are produced while the archive is written instead of
 /// being held in memory: the object holds a small placeholder tensor for each, which this
 /// recognizes, gives the real shape of, and streams the bytes of.
@@ -381,7 +363,7 @@ impl<'a> Pickler<'a> {
 
     fn tensor(&mut self, t: &'a HostTensor) -> Result<()> {
         let (key, numel, offset) = self.plan.place(t);
-        let class = storage_class(t.dtype());
+        let class = t.dtype().storage_class();
         match class {
             Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
             None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),

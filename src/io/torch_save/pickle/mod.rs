@@ -820,37 +820,23 @@ impl Vm<'_, '_> {
     }
 
     fn resolve(&self, module: &str, name: &str) -> Result<Global> {
+        if module == "torch" {
+            if let Some(d) = DType::from_storage_class(name) {
+                return Ok(Global::Storage(d));
+            }
+            if let Some(d) = DType::from_torch_attr(name) {
+                return Ok(Global::Dtype(d));
+            }
+        }
         let g = match (module, name) {
             ("collections", "OrderedDict") => Global::OrderedDict,
             ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
             ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
             ("torch.storage", "UntypedStorage") => Global::UntypedStorage,
-            ("torch", "CharStorage") => Global::Storage(DType::I8),
-            ("torch", "ShortStorage") => Global::Storage(DType::I16),
-            ("torch", dtype)
-                if DType::ALL
-                    .iter()
-                    .any(|d| d.torch_name().strip_prefix("torch.") == Some(dtype)) =>
-            {
-                Global::Dtype(
-                    *DType::ALL
-                        .iter()
-                        .find(|d| d.torch_name().strip_prefix("torch.") == Some(dtype))
-                        .expect("matched above"),
-                )
-            }
             ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
             ("torch", "Size") => Global::TorchSize,
             ("_codecs", "encode") => Global::CodecsEncode,
             ("builtins" | "__builtin__", "bytes") => Global::Bytes,
-            ("torch", "FloatStorage") => Global::Storage(DType::F32),
-            ("torch", "DoubleStorage") => Global::Storage(DType::F64),
-            ("torch", "HalfStorage") => Global::Storage(DType::F16),
-            ("torch", "BFloat16Storage") => Global::Storage(DType::BF16),
-            ("torch", "LongStorage") => Global::Storage(DType::I64),
-            ("torch", "IntStorage") => Global::Storage(DType::I32),
-            ("torch", "ByteStorage") => Global::Storage(DType::U8),
-            ("torch", "BoolStorage") => Global::Storage(DType::Bool),
             ("torch._tensor", "_rebuild_from_type_v2") => Global::RebuildFromTypeV2,
             ("torch._utils", "_rebuild_wrapper_subclass") => Global::RebuildWrapperSubclass,
             ("builtins" | "__builtin__", "getattr") => Global::Getattr,
