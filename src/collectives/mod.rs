@@ -13,6 +13,7 @@ mod mpi;
 #[cfg(all(feature = "nccl", target_os = "linux"))]
 #[cfg_attr(docsrs, doc(cfg(all(feature = "nccl", target_os = "linux"))))]
 pub mod nccl;
+mod net;
 mod reduce;
 pub mod rendezvous;
 pub mod tcp_store;

@@ -28,7 +28,7 @@
 //! ping nonce echoed): a server that is not a `TCPStore` gives [`Error::Rendezvous`], never a
 //! hang or a panic.
 
-use super::rendezvous::{connect_once, read_until, ConnectError, ReadError};
+use super::net::{connect_once, read_until, ConnectError, ReadError};
 use crate::error::{Error, Result};
 use std::io::Write;
 use std::net::TcpStream;

@@ -329,8 +329,9 @@ impl ProcessGroup for ThreadProcessGroup {
         }
         let rank = self.rank;
         self.collective(op, publish, valid, |round| {
-            // Each rank takes only its own range of the root's buffer, so the ranges are disjoint.
-            round.recv_range_of(root, rank * n, n).copy_from_slice(send);
+            // SAFETY: each rank takes only its own range `rank * n..+n` of the root's buffer,
+            // so the ranges of the round are disjoint, and the slice dies in this statement.
+            unsafe { round.recv_range_of(root, rank * n, n) }.copy_from_slice(send);
         })
     }
 
@@ -365,10 +366,10 @@ impl ProcessGroup for ThreadProcessGroup {
             for (q, len) in lens.into_iter().enumerate() {
                 let (a, b) = (lo.max(start), hi.min(start + len));
                 if a < b {
-                    // Shares are disjoint, so so are the ranges ranks write.
                     let (from, n) = (a - start, b - a);
-                    round
-                        .recv_range_of(q, from, n)
+                    // SAFETY: the ranks' shares `lo..hi` are disjoint, so so are the ranges
+                    // they write, and each slice dies in this statement.
+                    unsafe { round.recv_range_of(q, from, n) }
                         .copy_from_slice(&round.part_of(root, q)[from..from + n]);
                 }
                 start += len;
@@ -555,20 +556,25 @@ impl Round {
     }
 
     /// Bytes `[start, start + len)` of the buffer `root` receives into in this round
-    /// (`gather_into`, `scatter_into`). Each rank of the round must ask for a range no other rank asks for.
+    /// (`gather_into`, `scatter_into`).
+    ///
+    /// # Safety
+    ///
+    /// No other rank of the round, and no other call of this rank, may hold a range that
+    /// overlaps this one while the returned slice lives: the slice is a `&mut` into a buffer
+    /// every rank of the round can reach.
     ///
     /// # Panics
     ///
     /// If the range is outside the buffer (the arrival checks make that impossible).
     #[allow(clippy::mut_from_ref)]
-    fn recv_range_of(&self, root: usize, start: usize, len: usize) -> &mut [u8] {
+    unsafe fn recv_range_of(&self, root: usize, start: usize, len: usize) -> &mut [u8] {
         let RawMut { ptr, len: total } = self.published[root].recv;
         assert!(start.checked_add(len).is_some_and(|end| end <= total));
         // SAFETY: `ptr`/`total` come from the `&mut [u8]` the root passed to the collective it
         // is still blocked in (it departs only after every rank has copied), and the root does
         // not touch that borrow until then except through this pointer. The range is inside the
-        // buffer (asserted) and each rank takes a range disjoint from every other rank's (the
-        // caller's contract), so no two live `&mut` slices overlap.
+        // buffer (asserted) and disjoint from every other live range (this function's contract).
         unsafe { std::slice::from_raw_parts_mut(ptr.add(start), len) }
     }
 
