@@ -438,12 +438,18 @@ fn a_layout_pytorch_does_not_know_is_refused() {
 }
 
 #[test]
+fn a_storage_meta_pytorch_cannot_set_load_id_on_is_refused() {
+    let e = hostile("storage_meta_int", |_| {});
+    assert!(e.to_string().contains("cannot set `load_id`"), "{e}");
+}
+
+#[test]
 fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
     // Not what `dcp.save` writes, but `dcp_to_torch_save` gives the original's result
     // (gen.py checks it): a plain list or a gap named by an object key, a negative index that
     // overwrites another key's slot which that key's name fills again, a path PyTorch's
-    // loader finds only by its 2.3 traversal, and malformed records of chunks PyTorch never
-    // reads.
+    // loader finds only by its 2.3 traversal, a `storage_meta` of another class, and
+    // malformed records of chunks PyTorch never reads.
     let mut cases = 0;
     for entry in std::fs::read_dir(golden("pytorch_reads")).unwrap() {
         let path = entry.unwrap().path();
@@ -466,7 +472,7 @@ fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
         );
         cases += 1;
     }
-    assert_eq!(cases, 5);
+    assert_eq!(cases, 6);
 }
 
 #[test]

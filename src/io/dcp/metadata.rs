@@ -276,14 +276,8 @@ impl Extract<'_> {
             None => return Err(self.err("Metadata has no storage_data")),
         };
         let checkpoint_id = match a.get("storage_meta") {
-            Some(v @ V::Obj(_)) => {
-                let sm = self.attrs(v, Class::StorageMeta, "storage_meta")?;
-                match sm.get("checkpoint_id") {
-                    Some(V::Str(s)) => Some(s.to_string()),
-                    _ => None,
-                }
-            }
-            _ => None,
+            None | Some(V::None) => None,
+            Some(v) => self.checkpoint_id(v)?,
         };
         let version = match a.get("version") {
             Some(V::Str(s)) => Some(s.to_string()),
@@ -295,6 +289,26 @@ impl Extract<'_> {
             checkpoint_id,
             version,
         })
+    }
+
+    /// `storage_meta.checkpoint_id`. PyTorch's reader only sets `load_id` on `storage_meta`,
+    /// which any instance of DCP's classes, a class or a function takes; on other values
+    /// (an int, a string, a tuple, a dtype, ...) it fails.
+    fn checkpoint_id(&self, v: &V) -> Result<Option<String>> {
+        match (v, self.node(v)) {
+            (_, Some(Node::Instance(Class::StorageMeta, _))) => {
+                let sm = self.attrs(v, Class::StorageMeta, "storage_meta")?;
+                Ok(match sm.get("checkpoint_id") {
+                    Some(V::Str(s)) => Some(s.to_string()),
+                    _ => None,
+                })
+            }
+            (_, Some(Node::Instance(..)))
+            | (V::Global(Global::Class(_) | Global::Path | Global::GetLayout), _) => Ok(None),
+            _ => Err(self.err(
+                "storage_meta is a value PyTorch's reader cannot set `load_id` on (not a StorageMeta)",
+            )),
+        }
     }
 
     fn planner_data(&self, v: &V) -> Result<HashMap<String, Vec<PathItem>>> {

@@ -314,6 +314,11 @@ def hostile(base):
             type(i)(renamed(i.fqn), i.offset, i.index): v for i, v in md.storage_data.items()
         }
 
+    def storage_meta_int(md):
+        # PyTorch's reader sets `storage_meta.load_id`: an int takes no attribute.
+        md.storage_meta = 5
+
+    variant("storage_meta_int", storage_meta_int)
     variant("shared_path", shared_path)
     variant("path_not_key", path_not_key)
     variant("path_through_value", path_through_value)
@@ -366,6 +371,12 @@ def pytorch_reads():
         # `{'x': placeholder}` as one value named `extra.scalar`.
         md.planner_data["extra.scalar"] = ("extra", "scalar", "x")
 
+    def storage_meta_other_instance(md):
+        # The reader only sets `load_id` on it, which any dataclass instance takes.
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        md.storage_meta = BytesStorageMetadata()
+
     def unread_records_malformed(md):
         # The empty chunks of a tensor with fewer rows than ranks are never read: one with a
         # negative size and a malformed storage record, one whose record's key has a
@@ -389,6 +400,7 @@ def pytorch_reads():
         "gap_named": ("dtensor_grid_ws4", gap_named),
         "negative_index": ("dtensor_grid_ws4", negative_index),
         "flattened_as_2_3": ("dtensor_grid_ws4", flattened_as_2_3),
+        "storage_meta_other_instance": ("fsdp2_adam_ws4", storage_meta_other_instance),
         "unread_records_malformed": ("fsdp2_adam_ws4", unread_records_malformed),
     }
     for case, (base, edit) in cases.items():
