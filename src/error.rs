@@ -34,13 +34,20 @@ pub enum Error {
         repeated: Vec<String>,
     },
 
-    /// A name does not refer to any parameter (or unit) of the model.
-    #[error("unknown parameter `{name}`{context}")]
+    /// A name does not refer to any parameter where it was looked up.
+    #[error("unknown parameter `{name}` {site}")]
     UnknownParameter {
         /// The name that was looked up.
         name: String,
-        /// Where the lookup happened (already formatted, may be empty).
-        context: String,
+        /// Where it was looked up.
+        site: LookupSite,
+    },
+
+    /// An optimizer names the flat parameter of an FSDP unit the layout does not have.
+    #[error("unknown FSDP unit `{unit}`: no unit with a flat parameter has this module prefix")]
+    UnknownUnit {
+        /// The unit's module prefix.
+        unit: String,
     },
 
     /// The parameters of one FSDP unit cannot be flattened together.
@@ -768,6 +775,82 @@ pub enum Error {
         /// The point.
         point: String,
     },
+}
+
+/// Where [`Error::UnknownParameter`] looked a parameter name up.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum LookupSite {
+    /// The model description's parameters.
+    ModelDescription,
+    /// The optimizer's param groups in the model description.
+    DescriptionParamGroups,
+    /// Param group `group` of a state dict loaded into the optimizer `optimizer`.
+    LoadedParamGroup {
+        /// The group's index.
+        group: usize,
+        /// The optimizer.
+        optimizer: String,
+    },
+    /// `op` (an FSDP2 state-dict call) on `rank`.
+    Fsdp2 {
+        /// The call.
+        op: String,
+        /// The rank.
+        rank: usize,
+    },
+    /// A consolidation, where another rank's optimizer holds the parameter.
+    OtherRanksOptimizer,
+    /// `param_groups[group]` lists it, but this rank's optimizer does not hold it.
+    ParamGroupNotHeld {
+        /// The group's index.
+        group: usize,
+    },
+    /// `part` of a state dict being rekeyed (`the state`, `param_groups[0]`) names it, but the
+    /// given optimizer does not hold it.
+    NotInOptimizer {
+        /// The part of the state dict.
+        part: String,
+    },
+    /// The state of a full optimizer state dict names it, but the model description does not.
+    FullOptimState,
+    /// The optimizer holds it, but the model's layout has no such parameter.
+    HeldByOptimizer,
+}
+
+impl std::fmt::Display for LookupSite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LookupSite::ModelDescription => write!(f, "in the model description"),
+            LookupSite::DescriptionParamGroups => {
+                write!(
+                    f,
+                    "in the optimizer's param groups of the model description"
+                )
+            }
+            LookupSite::LoadedParamGroup { group, optimizer } => write!(
+                f,
+                "in param group {group} of the state dict loaded into {optimizer}"
+            ),
+            LookupSite::Fsdp2 { op, rank } => write!(f, "in {op} on rank {rank}"),
+            LookupSite::OtherRanksOptimizer => write!(f, "(another rank's optimizer holds it)"),
+            LookupSite::ParamGroupNotHeld { group } => write!(
+                f,
+                "listed in param_groups[{group}]: this rank's optimizer does not hold it"
+            ),
+            LookupSite::NotInOptimizer { part } => {
+                write!(f, "in {part}: the given optimizer does not hold it")
+            }
+            LookupSite::HeldByOptimizer => write!(
+                f,
+                "held by the optimizer (the model's layout has no such parameter)"
+            ),
+            LookupSite::FullOptimState => write!(
+                f,
+                "in the state of the full optimizer state dict (not in the model description)"
+            ),
+        }
+    }
 }
 
 impl Error {

@@ -25,7 +25,7 @@ mod fsdp;
 
 pub use optim_state::OptimStateKeyType;
 
-pub use error::{Error, Result};
+pub use error::{Error, LookupSite, Result};
 pub use fsdp::*;
 pub use model::{ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
 pub use offline::DescFile;

@@ -5,7 +5,7 @@
 //! FSDP units, which modules are ignored, whether `use_orig_params` is on and the sharding
 //! strategy. Both are serde-serializable; their JSON form is the `DESC.json` schema.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
@@ -130,7 +130,7 @@ impl ModelDesc {
             .map(|i| &self.params[i])
             .ok_or_else(|| Error::UnknownParameter {
                 name: name.to_string(),
-                context: " in the model description".into(),
+                site: LookupSite::ModelDescription,
             })
     }
 

@@ -951,14 +951,16 @@ fn an_optimizer_holding_a_parameter_fsdp_does_not_expose_is_refused_by_name() {
             scenario: "the flat parameter of a module that is no unit",
             use_orig_params: false,
             holds: flat("head"),
-            is_expected: |e| matches!(e, Error::UnknownParameter { name, .. } if name == "head"),
-            names: &["`head`", "no FSDP unit"],
+            is_expected: |e| matches!(e, Error::UnknownUnit { unit } if unit == "head"),
+            names: &["`head`", "no unit with a flat parameter"],
         },
         WrongParamCase {
             scenario: "a parameter the model does not have",
             use_orig_params: false,
             holds: orig("unit.c"),
-            is_expected: |e| matches!(e, Error::UnknownParameter { name, .. } if name == "unit.c"),
+            is_expected: |e| {
+                matches!(e, Error::UnknownParameter { name, site: fsdp::LookupSite::HeldByOptimizer } if name == "unit.c")
+            },
             names: &["`unit.c`", "held by the optimizer"],
         },
         WrongParamCase {
@@ -1292,7 +1294,7 @@ fn scatter_when_a_non_root_rank_holds_an_unknown_unit() {
     });
     let err1 = results[1].clone().unwrap_err();
     assert!(
-        matches!(&err1, Error::UnknownParameter { name, .. } if name == "nope"),
+        matches!(&err1, Error::UnknownUnit { unit } if unit == "nope"),
         "{err1:?}"
     );
     let err0 = results[0]

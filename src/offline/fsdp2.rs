@@ -20,7 +20,7 @@
 //!   dict does), and `params` as ids.
 
 use super::{DescFile, MAX_SUGGESTED_WORLD_SIZE};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::model::ModelDesc;
 use crate::optim_state::ParamState;
 use crate::optim_state::{OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, Value};
@@ -61,7 +61,7 @@ impl RankParams {
                 };
                 let &i = index.get(name).ok_or_else(|| Error::UnknownParameter {
                     name: name.clone(),
-                    context: " in the optimizer's param groups of the model description".into(),
+                    site: LookupSite::DescriptionParamGroups,
                 })?;
                 let key = if params.named {
                     ParamKey::Name(name.clone())
@@ -390,9 +390,7 @@ fn full_state_params(model: &ModelDesc, full: &OptimStateDict) -> Result<Vec<usi
                 .copied()
                 .ok_or_else(|| Error::UnknownParameter {
                     name: n.clone(),
-                    context: " in the state of the full optimizer state dict (not in the model \
-                           description)"
-                        .into(),
+                    site: LookupSite::FullOptimState,
                 }),
             ParamKey::Id(_) => Err(Error::WrongKeyType {
                 dict: "a full optimizer state dict".into(),

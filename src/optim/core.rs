@@ -2,7 +2,7 @@
 //! insertion order, the known slots, `state_dict`, `load_state_dict` and input validation.
 
 use super::{param_fqn, GroupOptions, SlotSpec};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor};
 use half::{bf16, f16};
@@ -237,9 +237,10 @@ impl Core {
                         .find(|&id| param_fqn(&self.params.groups[g][id - ids.start]) == *n)
                         .ok_or_else(|| Error::UnknownParameter {
                             name: n.clone(),
-                            context: format!(
-                                " in param group {g} of the state dict loaded into {name}"
-                            ),
+                            site: LookupSite::LoadedParamGroup {
+                                group: g,
+                                optimizer: name.to_string(),
+                            },
                         })?,
                 };
                 id_map.insert(key.clone(), id);

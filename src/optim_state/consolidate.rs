@@ -5,7 +5,7 @@ use super::keys::{LocalParam, OptimStateKey, Resolved};
 use super::plan::{check_digests, layout_digest, KeyInfo, PlanMsg, StateInfo};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::flat_param::{
     shard_from_members, unflatten_full, FlatParamLayout, ModelLayout, Ownership,
 };
@@ -350,7 +350,7 @@ fn flat_of_key<'a>(layout: &'a ModelLayout, key: &OptimStateKey) -> Result<&'a F
         .param_index(&key.names[0])
         .ok_or_else(|| Error::UnknownParameter {
             name: key.names[0].clone(),
-            context: " (another rank's optimizer holds it)".into(),
+            site: LookupSite::OtherRanksOptimizer,
         })?;
     match layout.ownership[idx] {
         Ownership::Flat { flat, .. } => Ok(&layout.flat_params[flat]),

@@ -8,7 +8,7 @@
 
 use super::keys::{OptimStateKey, Resolved};
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::flat_param::{shard_from_members, FlatParamLayout, ModelLayout};
 use crate::tensor::Tensor;
 use indexmap::IndexMap;
@@ -223,10 +223,13 @@ pub fn flatten_from_source<T: Tensor>(
                             hint: String::new(),
                         });
                     };
-                    let key = name_to_key.get(n.as_str()).ok_or_else(|| Error::UnknownParameter {
-                        name: n.clone(),
-                        context: format!(" listed in param_groups[{gi}]: this rank's optimizer does not hold it"),
-                    })?;
+                    let key =
+                        name_to_key
+                            .get(n.as_str())
+                            .ok_or_else(|| Error::UnknownParameter {
+                                name: n.clone(),
+                                site: LookupSite::ParamGroupNotHeld { group: gi },
+                            })?;
                     keys.insert((*key).clone());
                 }
                 out.push(ParamGroup {

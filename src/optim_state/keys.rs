@@ -2,7 +2,7 @@
 //! [`ModelLayout`] into rank-independent [`OptimStateKey`]s (`_OptimStateKey`).
 
 use super::{OptimParam, OptimParams, ParamKey};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::flat_param::{ModelLayout, Ownership};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -49,10 +49,7 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
         OptimParam::Flat(unit) => {
             let f = layout
                 .flat_of_unit(unit)
-                .ok_or_else(|| Error::UnknownParameter {
-                    name: unit.clone(),
-                    context: " (no FSDP unit with a flat parameter has this module prefix)".into(),
-                })?;
+                .ok_or_else(|| Error::UnknownUnit { unit: unit.clone() })?;
             if layout.use_orig_params() {
                 return Err(Error::WrongOptimParam {
                     param: format!("the flat parameter of unit `{unit}`"),
@@ -68,7 +65,7 @@ pub fn resolve(layout: &ModelLayout, p: &OptimParam) -> Result<Resolved> {
                 .param_index(name)
                 .ok_or_else(|| Error::UnknownParameter {
                     name: name.clone(),
-                    context: " held by the optimizer".into(),
+                    site: LookupSite::HeldByOptimizer,
                 })?;
             match layout.ownership[idx] {
                 Ownership::Unmanaged => Ok(Resolved::Orig {

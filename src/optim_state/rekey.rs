@@ -3,7 +3,7 @@
 
 use super::keys::Resolved;
 use super::{OptimParams, OptimStateDict, ParamGroup, ParamKey};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::flat_param::ModelLayout;
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
@@ -64,7 +64,9 @@ pub fn rekey_optim_state_dict<T: Tensor>(
     let lookup = |k: &ParamKey, what: &str| -> Result<ParamKey> {
         map.get(k).cloned().ok_or_else(|| Error::UnknownParameter {
             name: k.to_string(),
-            context: format!(" in {what}: the given optimizer does not hold it"),
+            site: LookupSite::NotInOptimizer {
+                part: what.to_string(),
+            },
         })
     };
     let mut state = indexmap::IndexMap::new();

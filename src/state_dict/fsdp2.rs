@@ -9,7 +9,7 @@
 
 use super::{with_tied_aliases, ModelStateDict, OptimStateDictApi, StateDictApi, StateDictOptions};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
-use crate::error::{Error, Result};
+use crate::error::{Error, LookupSite, Result};
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value,
@@ -241,7 +241,10 @@ impl FullyShardedModel {
             .get(name)
             .map(|&i| &self.layout.params[i])
             .ok_or_else(|| Error::UnknownParameter {
-                context: format!("{op} on rank {}", self.rank()),
+                site: LookupSite::Fsdp2 {
+                    op: op.to_string(),
+                    rank: self.rank(),
+                },
                 name: name.to_string(),
             })
     }
