@@ -958,9 +958,7 @@ fn an_optimizer_holding_a_parameter_fsdp_does_not_expose_is_refused_by_name() {
             scenario: "a parameter the model does not have",
             use_orig_params: false,
             holds: orig("unit.c"),
-            is_expected: |e| {
-                matches!(e, Error::UnknownParameter { name, site: fsdp::LookupSite::HeldByOptimizer } if name == "unit.c")
-            },
+            is_expected: |e| matches!(e, Error::UnknownParameter { name, site: fsdp::LookupSite::HeldByOptimizer } if name == "unit.c"),
             names: &["`unit.c`", "held by the optimizer"],
         },
         WrongParamCase {

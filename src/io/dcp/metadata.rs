@@ -260,7 +260,10 @@ impl Extract<'_> {
         for (k, v) in self.dict(sdm, "state_dict_metadata")? {
             let key = self.string(k, "a state_dict_metadata key")?;
             let kind = self.entry_kind(&key, v)?;
-            let path = planner.get(&key).cloned();
+            let path = match planner.get(&key) {
+                Some(p) => Some(self.path(&key, p)?),
+                None => None,
+            };
             self.charge(path.as_ref().map_or(0, Vec::len))?;
             let e = Entry { key, path, kind };
             match at.get(&e.key) {
@@ -311,39 +314,54 @@ impl Extract<'_> {
         }
     }
 
-    fn planner_data(&self, v: &V) -> Result<HashMap<String, Vec<PathItem>>> {
+    /// `planner_data`'s paths by key, unparsed: PyTorch looks a path up only by a key of
+    /// `state_dict_metadata`, so another key (not a string, or naming no entry) and its path
+    /// are never used. A key Python cannot hash fails the unpickling.
+    fn planner_data<'v>(&'v self, v: &'v V) -> Result<HashMap<String, &'v V>> {
         let mut out = HashMap::new();
         for (k, p) in self.dict(v, "planner_data")? {
-            let key = self.string(k, "a planner_data key")?;
-            let what = format!("planner_data[{:?}]", crate::error::shown(&key));
-            let items = self.seq(p, &what)?;
-            if items.len() > MAX_PATH_LEN {
-                return Err(self.err(format!(
-                    "{what} is {} steps long, more than {MAX_PATH_LEN}",
-                    items.len()
-                )));
+            match (k, self.node(k)) {
+                (V::Str(_), _) => {
+                    out.insert(self.string(k, "a planner_data key")?, p);
+                }
+                (_, Some(Node::List(_) | Node::Dict(_))) => {
+                    return Err(self.err("a planner_data key is a list or dict (unhashable)"))
+                }
+                _ => {}
             }
-            let mut path = Vec::new();
-            for item in items {
-                path.push(match item {
-                    v @ V::Str(_) => PathItem::Key(self.string(v, &what)?),
-                    V::Int(i) if *i >= 0 => PathItem::Index(*i as usize),
-                    V::Int(i) => {
-                        PathItem::FromEnd(usize::try_from(i.unsigned_abs()).unwrap_or(usize::MAX))
-                    }
-                    _ => {
-                        return Err(self.err(format!(
-                            "{what} holds an item that is neither a string nor an int"
-                        )))
-                    }
-                });
-            }
-            if path.is_empty() {
-                return Err(self.err(format!("{what} is empty")));
-            }
-            out.insert(key, path);
         }
         Ok(out)
+    }
+
+    /// The path `p` of `key` in `planner_data`.
+    fn path(&self, key: &str, p: &V) -> Result<Vec<PathItem>> {
+        let what = format!("planner_data[{:?}]", crate::error::shown(key));
+        let items = self.seq(p, &what)?;
+        if items.len() > MAX_PATH_LEN {
+            return Err(self.err(format!(
+                "{what} is {} steps long, more than {MAX_PATH_LEN}",
+                items.len()
+            )));
+        }
+        let mut path = Vec::new();
+        for item in items {
+            path.push(match item {
+                v @ V::Str(_) => PathItem::Key(self.string(v, &what)?),
+                V::Int(i) if *i >= 0 => PathItem::Index(*i as usize),
+                V::Int(i) => {
+                    PathItem::FromEnd(usize::try_from(i.unsigned_abs()).unwrap_or(usize::MAX))
+                }
+                _ => {
+                    return Err(self.err(format!(
+                        "{what} holds an item that is neither a string nor an int"
+                    )))
+                }
+            });
+        }
+        if path.is_empty() {
+            return Err(self.err(format!("{what} is empty")));
+        }
+        Ok(path)
     }
 
     fn entry_kind(&self, key: &str, v: &V) -> Result<EntryKind> {

@@ -377,6 +377,11 @@ def pytorch_reads():
 
         md.storage_meta = BytesStorageMetadata()
 
+    def unused_planner_entries(md):
+        # Paths are looked up only by the keys of state_dict_metadata: others never matter.
+        md.planner_data[torch.Size([])] = 5
+        md.planner_data["no.such.key"] = ("a", 1.5)
+
     def unread_records_malformed(md):
         # The empty chunks of a tensor with fewer rows than ranks are never read: one with a
         # negative size and a malformed storage record, one whose record's key has a
@@ -401,6 +406,7 @@ def pytorch_reads():
         "negative_index": ("dtensor_grid_ws4", negative_index),
         "flattened_as_2_3": ("dtensor_grid_ws4", flattened_as_2_3),
         "storage_meta_other_instance": ("fsdp2_adam_ws4", storage_meta_other_instance),
+        "unused_planner_entries": ("fsdp2_adam_ws4", unused_planner_entries),
         "unread_records_malformed": ("fsdp2_adam_ws4", unread_records_malformed),
     }
     for case, (base, edit) in cases.items():
