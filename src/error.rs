@@ -768,8 +768,9 @@ pub enum Error {
     #[error("unsupported: {0}")]
     Unsupported(String),
 
-    /// A crash injected by a test at a named point of a save or reshard (fault injection).
-    #[doc(hidden)]
+    /// A crash injected by a test at a named point of a save or reshard (feature
+    /// `fault-injection`).
+    #[cfg(feature = "fault-injection")]
     #[error("injected crash at {point}")]
     InjectedCrash {
         /// The point.

@@ -5,10 +5,9 @@
 
 use crate::error::{Error, Result};
 use crate::flat_param::{shard_from_members, ModelLayout};
-use crate::model::ParamDesc;
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::OptimParams;
-use crate::tensor::{DType, HostTensor};
+use crate::tensor::HostTensor;
 
 fn check_full(layout: &ModelLayout, full: &[Option<HostTensor>]) -> Result<()> {
     if full.len() != layout.model.params.len() {
@@ -83,58 +82,70 @@ pub fn shard_tensors(
         .collect()
 }
 
-/// Deterministic pseudo-random values for `spec` at `step`: the same for a parameter whatever
-/// the wrapping or world size, so wrapped and unwrapped runs see identical gradients.
-pub fn synthetic_values(spec: &ParamDesc, step: usize) -> HostTensor {
-    let salt = spec
-        .name
-        .bytes()
-        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64))
-        % 1000;
-    let n = spec.numel();
-    let vals: Vec<f64> = (0..n)
-        .map(|i| ((i as f64) * 0.37 + (step as f64) * 1.3 + (salt as f64) * 0.11).sin())
-        .collect();
-    match spec.dtype {
-        DType::F64 => HostTensor::from_slice(&vals, &spec.shape),
-        DType::F16 => HostTensor::from_slice(
-            &vals
-                .iter()
-                .map(|&v| half::f16::from_f64(v))
-                .collect::<Vec<_>>(),
-            &spec.shape,
-        ),
-        DType::BF16 => HostTensor::from_slice(
-            &vals
-                .iter()
-                .map(|&v| half::bf16::from_f64(v))
-                .collect::<Vec<_>>(),
-            &spec.shape,
-        ),
-        _ => HostTensor::from_slice(
-            &vals.iter().map(|&v| v as f32).collect::<Vec<_>>(),
-            &spec.shape,
-        ),
+#[cfg(feature = "fault-injection")]
+pub use synthetic::{synthetic_grads, synthetic_params, synthetic_values};
+
+/// Deterministic test data (feature `fault-injection`): parameter values and gradients that
+/// are the same for a parameter whatever the wrapping or world size.
+#[cfg(feature = "fault-injection")]
+mod synthetic {
+    use crate::flat_param::ModelLayout;
+    use crate::model::ParamDesc;
+    use crate::tensor::{DType, HostTensor};
+
+    /// Deterministic pseudo-random values for `spec` at `step`: the same for a parameter whatever
+    /// the wrapping or world size, so wrapped and unwrapped runs see identical gradients.
+    pub fn synthetic_values(spec: &ParamDesc, step: usize) -> HostTensor {
+        let salt = spec
+            .name
+            .bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(b as u64))
+            % 1000;
+        let n = spec.numel();
+        let vals: Vec<f64> = (0..n)
+            .map(|i| ((i as f64) * 0.37 + (step as f64) * 1.3 + (salt as f64) * 0.11).sin())
+            .collect();
+        match spec.dtype {
+            DType::F64 => HostTensor::from_slice(&vals, &spec.shape),
+            DType::F16 => HostTensor::from_slice(
+                &vals
+                    .iter()
+                    .map(|&v| half::f16::from_f64(v))
+                    .collect::<Vec<_>>(),
+                &spec.shape,
+            ),
+            DType::BF16 => HostTensor::from_slice(
+                &vals
+                    .iter()
+                    .map(|&v| half::bf16::from_f64(v))
+                    .collect::<Vec<_>>(),
+                &spec.shape,
+            ),
+            _ => HostTensor::from_slice(
+                &vals.iter().map(|&v| v as f32).collect::<Vec<_>>(),
+                &spec.shape,
+            ),
+        }
+        .expect("shape matches by construction")
     }
-    .expect("shape matches by construction")
-}
 
-/// Synthetic gradients of every model parameter at `step` (`None` for frozen parameters).
-pub fn synthetic_grads(layout: &ModelLayout, step: usize) -> Vec<Option<HostTensor>> {
-    layout
-        .model
-        .params
-        .iter()
-        .map(|p| p.requires_grad.then(|| synthetic_values(p, step + 1000)))
-        .collect()
-}
+    /// Synthetic gradients of every model parameter at `step` (`None` for frozen parameters).
+    pub fn synthetic_grads(layout: &ModelLayout, step: usize) -> Vec<Option<HostTensor>> {
+        layout
+            .model
+            .params
+            .iter()
+            .map(|p| p.requires_grad.then(|| synthetic_values(p, step + 1000)))
+            .collect()
+    }
 
-/// Synthetic initial values of every model parameter.
-pub fn synthetic_params(layout: &ModelLayout) -> Vec<Option<HostTensor>> {
-    layout
-        .model
-        .params
-        .iter()
-        .map(|p| Some(synthetic_values(p, 0)))
-        .collect()
+    /// Synthetic initial values of every model parameter.
+    pub fn synthetic_params(layout: &ModelLayout) -> Vec<Option<HostTensor>> {
+        layout
+            .model
+            .params
+            .iter()
+            .map(|p| Some(synthetic_values(p, 0)))
+            .collect()
+    }
 }

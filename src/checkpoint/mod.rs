@@ -42,7 +42,9 @@ pub use manifest::{
     CHECKPOINT_DIR, CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
 };
 pub use reshard::{reshard, reshard_in_group, reshard_with};
-pub use save::{save, CrashPoint, SaveOptions};
+#[cfg(feature = "fault-injection")]
+pub use save::CrashPoint;
+pub use save::{save, SaveOptions};
 pub use stream::{
     consolidate_to_safetensors, consolidate_to_safetensors_in_group, consolidate_to_torch,
     consolidate_to_torch_in_group, convert_to_dcp, convert_to_dcp_in_group,

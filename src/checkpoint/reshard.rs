@@ -68,8 +68,9 @@ pub fn reshard(
     )
 }
 
-/// [`reshard`] with save options: [`SaveOptions::crash_at`] stops the rewrite at that point as
-/// a crashed process would (the temporary directory is left behind, `dst` is untouched).
+/// [`reshard`] with save options (with the feature `fault-injection`, `SaveOptions::crash_at`
+/// stops the rewrite at that point as a crashed process would: the temporary directory is
+/// left behind, `dst` is untouched).
 ///
 /// `dst` must be missing, an empty directory or a committed checkpoint holding nothing else,
 /// and must neither contain nor lie inside `src` ([`crate::io::output::check_dir_output`]);
@@ -93,7 +94,7 @@ pub fn reshard_with(
             Ok(job.copied)
         }
         Err(e) => {
-            if opts.crash_at.is_none() {
+            if !super::save::keeps_tmp(opts) {
                 crate::io::output::discard_tmp_dir(&tmp);
             }
             Err(e)
@@ -218,10 +219,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
     }
 
     fn crash_at(&self, point: CrashPoint) -> Result<()> {
-        match self.opts.crash_at {
-            Some(p) if p == point => Err(super::save::crash(point)),
-            _ => Ok(()),
-        }
+        super::save::crash_point(self.opts, point)
     }
 
     /// Writes every rank file, then the manifest and the commit marker, into `tmp`.

@@ -22,8 +22,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Where `SaveOptions::crash_at` stops a save, as if the process died there (fault injection
-/// for the crate's crash-safety tests; not part of the documented API).
-#[doc(hidden)]
+/// for the crate's crash-safety tests; public with the feature `fault-injection`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum CrashPoint {
     /// After the temporary directory exists, before any data is written.
@@ -41,9 +40,9 @@ pub enum CrashPoint {
 #[derive(Debug, Clone, Default)]
 pub struct SaveOptions {
     /// Fault injection for crash-safety tests: stop at this point as a crashed process would,
-    /// leaving the temporary directory behind, and return [`Error::InjectedCrash`] on every
-    /// rank. Not part of the documented API.
-    #[doc(hidden)]
+    /// leaving the temporary directory behind, and return `Error::InjectedCrash` on every
+    /// rank (feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
     pub crash_at: Option<CrashPoint>,
 }
 
@@ -81,9 +80,41 @@ pub(super) struct DictParts {
     pub(super) user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
 }
 
-pub(super) fn crash(point: CrashPoint) -> Error {
-    Error::InjectedCrash {
-        point: format!("{point:?}"),
+/// Whether the test hook asks the save to stop at `point` (never without the feature
+/// `fault-injection`).
+pub(super) fn crashes_at(opts: &SaveOptions, point: CrashPoint) -> bool {
+    #[cfg(feature = "fault-injection")]
+    return opts.crash_at == Some(point);
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        let _ = (opts, point);
+        false
+    }
+}
+
+/// Stops here, as a crashed process would, when the test hook asks for `point`: the
+/// temporary directory stays, and the error is `Error::InjectedCrash`.
+pub(super) fn crash_point(opts: &SaveOptions, point: CrashPoint) -> Result<()> {
+    #[cfg(feature = "fault-injection")]
+    if opts.crash_at == Some(point) {
+        return Err(Error::InjectedCrash {
+            point: format!("{point:?}"),
+        });
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    let _ = (opts, point);
+    Ok(())
+}
+
+/// Whether a failed save leaves its temporary directory for a test to inspect (a crash the
+/// test hook injected).
+pub(super) fn keeps_tmp(opts: &SaveOptions) -> bool {
+    #[cfg(feature = "fault-injection")]
+    return opts.crash_at.is_some();
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        let _ = opts;
+        false
     }
 }
 
@@ -130,7 +161,7 @@ pub fn save<T: Tensor>(
     //    every rank learns the outcome.
     let outcome = (rank == 0).then(|| {
         let result = reports.and_then(|reports| commit(layout, reports, &tmp, dir, opts));
-        if result.is_err() && opts.crash_at.is_none() {
+        if result.is_err() && !keeps_tmp(opts) {
             crate::io::output::discard_tmp_dir(&tmp);
         }
         result
@@ -158,9 +189,7 @@ pub(super) fn write_rank<T: Tensor>(
     tmp: &Path,
     opts: &SaveOptions,
 ) -> Result<(RankReport, Option<DictParts>)> {
-    if opts.crash_at == Some(CrashPoint::BeforeData) {
-        return Err(crash(CrashPoint::BeforeData));
-    }
+    crash_point(opts, CrashPoint::BeforeData)?;
     let local = layout.local_params(params)?;
     // Host copies of the local tensors (views for HostTensor), kept alive while writing.
     let saved = host_states(layout_rank, osd, &local)?;
@@ -302,9 +331,9 @@ fn write_data_file(
     let mut written = 0u64;
     let mut writeback = super::Writeback::new(header.len() as u64);
     for (i, bytes) in plan.data.iter().enumerate() {
-        if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 && written * 2 >= total {
+        if layout_rank == 0 && written * 2 >= total && crashes_at(opts, CrashPoint::MidFile) {
             file.sync_all().map_err(Error::io("syncing", &path))?;
-            return Err(crash(CrashPoint::MidFile));
+            crash_point(opts, CrashPoint::MidFile)?;
         }
         // In slices, so that the disk writes one slice back while the next is copied.
         for slice in bytes.chunks(super::WRITEBACK_CHUNK) {
@@ -326,8 +355,8 @@ fn write_data_file(
             pieces.push(piece);
         }
     }
-    if opts.crash_at == Some(CrashPoint::MidFile) && layout_rank == 0 {
-        return Err(crash(CrashPoint::MidFile));
+    if layout_rank == 0 {
+        crash_point(opts, CrashPoint::MidFile)?;
     }
     file.sync_all().map_err(Error::io("syncing", &path))?;
     Ok(FileRecord {
@@ -601,18 +630,14 @@ pub(super) fn commit(
         rank: 0,
         reason: "no rank with layout rank 0 wrote a data file".into(),
     })?;
-    if opts.crash_at == Some(CrashPoint::BeforeManifest) {
-        return Err(crash(CrashPoint::BeforeManifest));
-    }
+    crash_point(opts, CrashPoint::BeforeManifest)?;
     let manifest = merge(layout, ranks, parts)?;
     let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Serialization {
         what: "checkpoint manifest".into(),
         reason: e.to_string(),
     })?;
     write_synced(&tmp.join(MANIFEST), &bytes)?;
-    if opts.crash_at == Some(CrashPoint::BeforeCommit) {
-        return Err(crash(CrashPoint::BeforeCommit));
-    }
+    crash_point(opts, CrashPoint::BeforeCommit)?;
     write_synced(&tmp.join(COMMIT), commit_text(&bytes).as_bytes())?;
     sync_dir(tmp)?;
     super::install(tmp, dir)

@@ -27,7 +27,9 @@ use std::ffi::OsString;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+#[cfg(feature = "fault-injection")]
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The largest `manifest.json` a reader accepts (a manifest lists every piece of every
 /// tensor state with a checksum per 4 MiB block: 1 GiB covers any realistic model).
@@ -634,19 +636,24 @@ pub fn sync_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "fault-injection")]
 static FORCE_FALLBACK: AtomicBool = AtomicBool::new(false);
 
-/// Test switch: make [`install_dir`] use its fallback protocol (as on a file system without
-/// `RENAME_EXCHANGE`). The environment variable `FSDP_FORCE_RENAME_FALLBACK=1` does the same
-/// for a whole process.
-#[doc(hidden)]
+/// Test switch (feature `fault-injection`): make [`install_dir`] use its fallback protocol
+/// (as on a file system without `RENAME_EXCHANGE`). The environment variable
+/// `FSDP_FORCE_RENAME_FALLBACK=1` does the same for a whole process, in builds with the
+/// feature only.
+#[cfg(feature = "fault-injection")]
 pub fn force_rename_fallback(on: bool) {
     FORCE_FALLBACK.store(on, Ordering::SeqCst);
 }
 
 fn fallback_forced() -> bool {
-    FORCE_FALLBACK.load(Ordering::SeqCst)
-        || std::env::var_os("FSDP_FORCE_RENAME_FALLBACK").is_some_and(|v| v == "1")
+    #[cfg(feature = "fault-injection")]
+    return FORCE_FALLBACK.load(Ordering::SeqCst)
+        || std::env::var_os("FSDP_FORCE_RENAME_FALLBACK").is_some_and(|v| v == "1");
+    #[cfg(not(feature = "fault-injection"))]
+    false
 }
 
 /// Puts the complete, synced directory `tmp` at `out`, following the replace rule of
@@ -656,7 +663,7 @@ fn fallback_forced() -> bool {
 /// - an earlier output of `kind`: `renameat2(RENAME_EXCHANGE)` swaps the two directories in
 ///   one step, then the old one (now at `tmp`) is removed entry by entry. Where the exchange
 ///   is unsupported (`EINVAL`, `ENOSYS`, `EOPNOTSUPP`: NFS, Lustre, FUSE, or forced by
-///   [`force_rename_fallback`]), the old directory is renamed aside to `.NAME.old-PID-NANOS`,
+///   the test switch `force_rename_fallback`), the old directory is renamed aside to `.NAME.old-PID-NANOS`,
 ///   the new one renamed to `out`, and the aside one removed. A reader then finds either the
 ///   old complete output, the new complete one, or — after a crash between the two renames —
 ///   nothing at `out`, never a mixture; the next write to `out` (or
