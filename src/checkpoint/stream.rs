@@ -311,7 +311,7 @@ pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -
 /// filesystem): each process streams about `1 / pg.world_size()` of the states' bytes into
 /// their planned places in the file, reading only the blocks it needs, and process 0 writes
 /// the rest of the archive and installs it
-/// ([`crate::io::torch_save::save_streaming_in_group`]). The file is byte for byte what
+/// (`io::torch_save::save_streaming_in_group`). The file is byte for byte what
 /// [`consolidate_to_torch`] writes.
 ///
 /// A failure on any process fails every process with the error of the lowest failing one,

@@ -1,6 +1,6 @@
 //! Collectives (layer 3): the [`ProcessGroup`] trait the façade communicates through, and its
 //! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
-//! [`nccl::NcclProcessGroup`] (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
+//! `nccl::NcclProcessGroup` (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables), over
 //! its own listener or torchrun's agent store, a c10d `TCPStore` ([`tcp_store`]).
 //! `MpiProcessGroup` (feature `mpi`) runs one rank per process under `mpirun`.

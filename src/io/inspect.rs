@@ -1,10 +1,10 @@
 //! What a checkpoint file holds, for people (`Display`) and programs (`serde`): the summary
 //! behind `fsdp-ckpt inspect`.
 //!
-//! An object that [`optim_from_pyobj`](super::torch_save::optim_from_pyobj) accepts is
+//! An object that [`super::torch_save::optim_from_pyobj`] accepts is
 //! summarized as an optimizer state dict (keys and key types, state names, dtypes, shapes,
 //! steps, param groups); one that
-//! [`model_from_pyobj`](super::torch_save::model_from_pyobj) accepts as a model state dict;
+//! [`super::torch_save::model_from_pyobj`] accepts as a model state dict;
 //! anything else as its list of tensors, named by path as in
 //! [`safetensors`](super::safetensors).
 //!

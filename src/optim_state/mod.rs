@@ -2,7 +2,7 @@
 //! consolidate, shard and rekey — with PyTorch's validation.
 //!
 //! `keys`, `flatten`, `unflatten` and `rekey` are pure; `consolidate` and `scatter` move
-//! bytes through a [`ProcessGroup`](crate::collectives::ProcessGroup).
+//! bytes through a [`crate::collectives::ProcessGroup`].
 
 pub(crate) mod consolidate;
 mod dict;

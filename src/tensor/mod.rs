@@ -1,6 +1,6 @@
 //! Tensors (layer 1): dtypes, the always-available [`HostTensor`], and the [`Tensor`] backend trait the
-//! algorithms are written against; with the `tch` feature, [`TchTensor`] implements it over
-//! libtorch tensors (module [`tch`](self::tch)).
+//! algorithms are written against; with the `tch` feature, `TchTensor` implements it over
+//! libtorch tensors (module `tch`).
 
 mod dtype;
 mod host;

@@ -539,7 +539,7 @@ pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -
 /// filesystem): every process checks the checkpoint, then streams about
 /// `1 / pg.world_size()` of the tensors' bytes into their planned places in the file, and
 /// process 0 writes the rest of the archive and installs it
-/// ([`torch_save::save_streaming_in_group`]). The file is byte for byte what
+/// (`torch_save::save_streaming_in_group`). The file is byte for byte what
 /// [`consolidate_to_torch`] writes. A failure on any process fails every process with the
 /// lowest failing one's error, and `out` is left as it was. `progress` gets this process's
 /// tensor bytes written so far; the return value is the tensor bytes written by all of them.
@@ -611,7 +611,7 @@ fn safetensors_plan(ckpt: &DcpCheckpoint) -> Result<(FileOrder, Vec<u8>)> {
 /// the same arguments; the paths must name the same files on every process): each process
 /// assembles and writes about `1 / pg.world_size()` of the tensors' bytes at their planned
 /// offsets, and process 0 writes the header and installs the file
-/// ([`crate::io::output::write_planned_in_group`]). The file is byte for byte what
+/// (`io::output::write_planned_in_group`). The file is byte for byte what
 /// [`consolidate_to_safetensors`] writes; a failure on any process fails every process with
 /// the lowest failing one's error, and `out` is left as it was. `progress` gets this
 /// process's tensor bytes; the return value is the tensor bytes written by all of them.
