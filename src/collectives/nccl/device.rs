@@ -204,7 +204,7 @@ impl NcclProcessGroup {
     }
 
     /// Waits until every collective enqueued on the group's stream has finished, reporting a
-    /// failed kernel or copy as [`Error::CudaDriver`].
+    /// failed kernel or copy as [`crate::Error::CudaDriver`].
     pub fn synchronize(&self) -> Result<()> {
         self.stream
             .synchronize()

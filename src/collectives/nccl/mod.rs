@@ -1,7 +1,7 @@
 //! NCCL backend (feature `nccl`, Linux): one rank per CUDA device, collectives through NCCL,
 //! via cudarc with libraries loaded at run time.
 //!
-//! - [`probe`] checks that the CUDA driver and NCCL load before cudarc is touched (cudarc
+//! - [`probe()`] checks that the CUDA driver and NCCL load before cudarc is touched (cudarc
 //!   panics on a missing library); its verdict is [`Error::BackendUnavailable`].
 //! - [`codes`] turns NCCL and driver status codes into [`Error::Nccl`] / [`Error::CudaDriver`].
 //! - [`NcclProcessGroup`] is the [`ProcessGroup`]; [`device`] adds collectives on device
