@@ -523,17 +523,11 @@ fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
     match op {
         "load" => load_once(src, &LoadOptions::default()).1,
         "load-no-read-ahead" => {
-            let opts = LoadOptions {
-                read_ahead: false,
-                ..Default::default()
-            };
+            let opts = LoadOptions::default().read_ahead(false);
             load_once(src, &opts).1
         }
         "load-unverified" => {
-            let opts = LoadOptions {
-                verify: false,
-                ..Default::default()
-            };
+            let opts = LoadOptions::default().verify(false);
             load_once(src, &opts).1
         }
         "reshard" => {

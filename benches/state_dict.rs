@@ -88,17 +88,11 @@ fn child(op: &str, layers: usize, reps: usize) {
             let t = Instant::now();
             let out: OptimStateDict = match op {
                 "get_full" => {
-                    let opts = StateDictOptions {
-                        cpu_offload: true,
-                        ..StateDictOptions::full()
-                    };
+                    let opts = StateDictOptions::full().cpu_offload(true);
                     m.get_optimizer_state_dict(&local, &params, &opts)
                 }
                 _ => {
-                    let opts = StateDictOptions {
-                        broadcast_from_rank0: true,
-                        ..StateDictOptions::full()
-                    };
+                    let opts = StateDictOptions::full().broadcast_from_rank0(true);
                     m.set_optimizer_state_dict(root.then_some(&full), &params, &opts)
                 }
             }

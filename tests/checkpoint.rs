@@ -157,7 +157,7 @@ fn loading_with_or_without_read_ahead_and_verification_gives_the_same_shards() {
     for load_ws in [2, 5] {
         for read_ahead in [true, false] {
             for verify in [true, false] {
-                let opts = LoadOptions { verify, read_ahead };
+                let opts = LoadOptions::default().verify(verify).read_ahead(read_ahead);
                 let loaded = load_with(&model, &common::wrap_alt(), load_ws, &full, &dir, &opts);
                 for (rank, (loaded, expected)) in loaded.iter().enumerate() {
                     assert_identical(
@@ -341,13 +341,7 @@ fn a_crash_at_any_stage_leaves_the_previous_checkpoint_loadable_bit_exact() {
         for r in save_steps(&dir, 1.0, &SaveOptions::default()) {
             r.unwrap();
         }
-        let crashed = save_steps(
-            &dir,
-            2.0,
-            &SaveOptions {
-                crash_at: Some(point),
-            },
-        );
+        let crashed = save_steps(&dir, 2.0, &SaveOptions::default().crash_at(Some(point)));
         for (rank, r) in crashed.into_iter().enumerate() {
             let err = r.expect_err("the injected crash fails the save");
             assert!(
@@ -408,9 +402,7 @@ fn a_reshard_crashing_at_any_stage_leaves_the_previous_target_loadable_bit_exact
         CrashPoint::BeforeManifest,
         CrashPoint::BeforeCommit,
     ] {
-        let opts = SaveOptions {
-            crash_at: Some(point),
-        };
+        let opts = SaveOptions::default().crash_at(Some(point));
         let err = checkpoint::reshard_with(&src, &dst, 3, Some(&common::wrap_alt()), &opts, |_| {})
             .unwrap_err();
         assert!(

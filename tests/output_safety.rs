@@ -106,9 +106,7 @@ fn forced_rename_fallback_replaces_and_crashes_leave_the_old_checkpoint() {
         .collect();
     assert_eq!(names, ["ck"], "the aside copy is removed");
     for point in [CrashPoint::MidFile, CrashPoint::BeforeCommit] {
-        let opts = SaveOptions {
-            crash_at: Some(point),
-        };
+        let opts = SaveOptions::default().crash_at(Some(point));
         assert!(save(&dir, 3.0, false, &opts).iter().all(|r| r.is_err()));
         assert!(step_of(&dir).contains('2'), "{point:?}");
         checkpoint::verify(&dir).unwrap();

@@ -141,10 +141,7 @@ fn fsdp2_cpu_offload_gives_the_full_dict_to_rank_0_only() {
         let m = fsdp2(pg);
         let params = m.optim_params();
         let local = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
-        let opts = StateDictOptions {
-            cpu_offload: true,
-            ..StateDictOptions::full()
-        };
+        let opts = StateDictOptions::full().cpu_offload(true);
         m.get_optimizer_state_dict(&local, &params, &opts)
     });
     let mut results = results.into_iter();
@@ -162,10 +159,7 @@ fn fsdp2_broadcast_from_rank0_gives_each_rank_what_it_would_slice_itself() {
         let m = fsdp2(pg);
         let params = m.optim_params();
         let sliced = m.set_optimizer_state_dict(Some(&full), &params, &StateDictOptions::full())?;
-        let opts = StateDictOptions {
-            broadcast_from_rank0: true,
-            ..StateDictOptions::full()
-        };
+        let opts = StateDictOptions::full().broadcast_from_rank0(true);
         let mine = (m.rank() == 0).then_some(&full);
         let received = m.set_optimizer_state_dict(mine, &params, &opts)?;
         Ok::<_, Error>((sliced, received))
@@ -233,10 +227,7 @@ fn fsdp2_bad_options_and_inputs_are_typed_errors_on_every_rank() {
     let results = ThreadGroup::run(2, |pg| {
         let m = fsdp2(pg);
         let params = m.optim_params();
-        let bad = StateDictOptions {
-            broadcast_from_rank0: true,
-            ..StateDictOptions::default()
-        };
+        let bad = StateDictOptions::default().broadcast_from_rank0(true);
         assert!(matches!(
             m.set_optimizer_state_dict(Some(&full), &params, &bad),
             Err(Error::InvalidArgument { .. })
@@ -251,10 +242,7 @@ fn fsdp2_bad_options_and_inputs_are_typed_errors_on_every_rank() {
             matches!(strict, Err(Error::MissingState { ref param, .. }) if param.contains("layers.0.bias")),
             "{strict:?}"
         );
-        let lenient = StateDictOptions {
-            strict: false,
-            ..StateDictOptions::full()
-        };
+        let lenient = StateDictOptions::full().strict(false);
         assert!(m
             .set_optimizer_state_dict(Some(&missing), &params, &lenient)
             .is_ok());
@@ -298,10 +286,7 @@ fn fsdp1_get_and_set_are_full_optim_state_dict_and_its_scatter() {
         let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
         let params = f.optim_params();
         let local = f.shard_full_optim_state_dict(&full, &params)?;
-        let opts = StateDictOptions {
-            broadcast_from_rank0: true,
-            ..StateDictOptions::full()
-        };
+        let opts = StateDictOptions::full().broadcast_from_rank0(true);
         let mine = (f.rank() == 0).then_some(&full);
         let received = f.set_optimizer_state_dict(mine, &params, &opts)?;
         assert_bits_eq(&received, &local, &format!("rank {}", f.rank()));
@@ -344,25 +329,16 @@ fn fsdp2_model_state_dict_loads_gathers_and_reloads_in_every_form_at_ws_3() {
             .collect();
         // Whole tensors back on every rank, or on rank 0 only with cpu_offload.
         let back = m.get_model_state_dict(&local, &StateDictOptions::full())?;
-        let offload = StateDictOptions {
-            cpu_offload: true,
-            ..StateDictOptions::full()
-        };
+        let offload = StateDictOptions::full().cpu_offload(true);
         let rank0 = m.get_model_state_dict(&local, &offload)?;
         // Sharded, and loaded back.
         let sharded = m.get_model_state_dict(&local, &StateDictOptions::default())?;
         let again = m.set_model_state_dict(Some(&sharded), &StateDictOptions::default())?;
         // broadcast_from_rank0 gives the same rows.
-        let bcast = StateDictOptions {
-            broadcast_from_rank0: true,
-            ..StateDictOptions::full()
-        };
+        let bcast = StateDictOptions::full().broadcast_from_rank0(true);
         let received = m.set_model_state_dict((m.rank() == 0).then_some(&full), &bcast)?;
         // ignore_frozen_params leaves the frozen norm out.
-        let trained = StateDictOptions {
-            ignore_frozen_params: true,
-            ..StateDictOptions::full()
-        };
+        let trained = StateDictOptions::full().ignore_frozen_params(true);
         let without_frozen = m.get_model_state_dict(&local, &trained)?;
         assert!(!without_frozen.contains_key("layers.0.norm.weight"));
         for (i, t) in local.iter().enumerate() {
@@ -400,10 +376,7 @@ fn fsdp2_model_state_dict_refuses_missing_parameters_and_wrong_local_tensors() {
             matches!(strict, Err(Error::MissingState { ref param, .. }) if param.contains("layers.1.bias")),
             "{strict:?}"
         );
-        let lenient = StateDictOptions {
-            strict: false,
-            ..StateDictOptions::full()
-        };
+        let lenient = StateDictOptions::full().strict(false);
         let local = m.set_model_state_dict(Some(&full), &lenient)?;
         assert!(local[5].is_none() && local[4].is_some());
         let too_few: Vec<HostTensor> = local.iter().flatten().cloned().collect();
@@ -485,19 +458,13 @@ fn fsdp1_model_state_dict_loads_gathers_chunks_and_reloads_like_shard_tensors_at
             }
             // Whole tensors back on every rank; on rank 0 only with cpu_offload.
             let back = f.get_model_state_dict(&local, &StateDictOptions::full())?;
-            let offload = StateDictOptions {
-                cpu_offload: true,
-                ..StateDictOptions::full()
-            };
+            let offload = StateDictOptions::full().cpu_offload(true);
             let rank0 = f.get_model_state_dict(&local, &offload)?;
             // Sharded: each parameter's torch.chunk rows; loads back to the same tensors.
             let sharded = f.get_model_state_dict(&local, &StateDictOptions::default())?;
             let again = f.set_model_state_dict(Some(&sharded), &StateDictOptions::default())?;
             // broadcast_from_rank0: the same tensors from rank 0's dict alone.
-            let bcast = StateDictOptions {
-                broadcast_from_rank0: true,
-                ..StateDictOptions::full()
-            };
+            let bcast = StateDictOptions::full().broadcast_from_rank0(true);
             let received = f.set_model_state_dict((rank == 0).then_some(&full), &bcast)?;
             for (id, t) in local.iter().enumerate() {
                 assert!(again[id].as_ref().unwrap().bit_eq(t), "sharded {id}");
@@ -543,20 +510,14 @@ fn fsdp1_model_state_dict_refuses_a_missing_parameter_unless_not_strict() {
         let results = ThreadGroup::run(2, |pg| {
             let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
             // Only rank 0 holds the dict: every rank gets rank 0's error.
-            let bcast = StateDictOptions {
-                broadcast_from_rank0: true,
-                ..StateDictOptions::full()
-            };
+            let bcast = StateDictOptions::full().broadcast_from_rank0(true);
             let strict = f.set_model_state_dict((f.rank() == 0).then_some(&full), &bcast);
             assert!(
                 matches!(strict, Err(Error::MissingState { ref param, .. }) if param.contains("layers.1.bias")),
                 "rank {}: {strict:?}",
                 f.rank()
             );
-            let lenient = StateDictOptions {
-                strict: false,
-                ..StateDictOptions::full()
-            };
+            let lenient = StateDictOptions::full().strict(false);
             let local = f.set_model_state_dict(Some(&full), &lenient)?;
             let names: Vec<Vec<String>> = f
                 .layout()
@@ -592,10 +553,7 @@ fn get_and_set_state_dict_move_model_and_optimizer_from_fsdp1_at_3_to_fsdp2_at_2
     // FSDP2 (2 ranks) by broadcast_from_rank0 -> full dicts again, equal bit for bit.
     let (desc, policy) = fsdp1_cases().pop().unwrap();
     let (full_model, full_optim) = (full_params(), full_adam());
-    let offload = StateDictOptions {
-        cpu_offload: true,
-        ..StateDictOptions::full()
-    };
+    let offload = StateDictOptions::full().cpu_offload(true);
     let from_fsdp1 = ThreadGroup::run(3, |pg| {
         let f = Fsdp::new(&desc, &policy, Arc::new(pg))?;
         let params = f.optim_params();
@@ -611,10 +569,7 @@ fn get_and_set_state_dict_move_model_and_optimizer_from_fsdp1_at_3_to_fsdp2_at_2
     let mut from_fsdp1 = from_fsdp1.into_iter().map(Result::unwrap);
     let (model1, optim1) = from_fsdp1.next().unwrap();
     assert!(from_fsdp1.all(|(m, o)| m.is_empty() && o.state.is_empty()));
-    let bcast = StateDictOptions {
-        broadcast_from_rank0: true,
-        ..StateDictOptions::full()
-    };
+    let bcast = StateDictOptions::full().broadcast_from_rank0(true);
     let from_fsdp2 = ThreadGroup::run(2, |pg| {
         let m = fsdp2(pg);
         let params = m.optim_params();

@@ -425,9 +425,7 @@ fn convert_file(
     FileFormat::from_path(output)?;
     output::check_file_output(output)?;
     output::check_not_overlapping(output, &[input])?;
-    let opts = io::torch_save::LoadOptions {
-        max_expansion_bytes,
-    };
+    let opts = io::torch_save::LoadOptions::default().max_expansion_bytes(max_expansion_bytes);
     let obj = step(p, &format!("reading {}", input.display()), || {
         io::load_with(input, &opts)
     })?;

@@ -112,9 +112,7 @@ fn the_library_names_the_tensor_that_exceeds_the_expansion_allowance() {
 #[test]
 fn the_expansion_allowance_is_an_option() {
     // No allowance: the first stride-0 tensor is already too much.
-    let none = LoadOptions {
-        max_expansion_bytes: 0,
-    };
+    let none = LoadOptions::default().max_expansion_bytes(0);
     match torch_save::load_with(bomb(), &none) {
         Err(Error::TensorExpansion { tensor, .. }) => assert_eq!(tensor, "t0"),
         other => panic!("expected TensorExpansion, got {other:?}"),

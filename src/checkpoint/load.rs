@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 /// Options of [`load`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct LoadOptions {
     /// Check the CRC-32C of every block read (default `true`).
     pub verify: bool,
@@ -35,6 +36,21 @@ impl Default for LoadOptions {
             verify: true,
             read_ahead: true,
         }
+    }
+}
+
+/// Setters for building options outside the crate (`LoadOptions::default().verify(false)`);
+/// the struct is `#[non_exhaustive]` so that options can be added without breaking callers.
+impl LoadOptions {
+    /// Sets [`LoadOptions::verify`].
+    pub fn verify(mut self, on: bool) -> Self {
+        self.verify = on;
+        self
+    }
+    /// Sets [`LoadOptions::read_ahead`].
+    pub fn read_ahead(mut self, on: bool) -> Self {
+        self.read_ahead = on;
+        self
     }
 }
 

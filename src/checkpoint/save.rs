@@ -38,12 +38,22 @@ pub enum CrashPoint {
 /// Options of [`save`]: none to set today (`SaveOptions::default()`); the type exists so that
 /// saving options can be added without changing every call.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct SaveOptions {
     /// Fault injection for crash-safety tests: stop at this point as a crashed process would,
     /// leaving the temporary directory behind, and return `Error::InjectedCrash` on every
     /// rank (feature `fault-injection`).
     #[cfg(feature = "fault-injection")]
     pub crash_at: Option<CrashPoint>,
+}
+
+#[cfg(feature = "fault-injection")]
+impl SaveOptions {
+    /// Sets `crash_at` (feature `fault-injection`).
+    pub fn crash_at(mut self, point: Option<CrashPoint>) -> Self {
+        self.crash_at = point;
+        self
+    }
 }
 
 /// What one rank contributes to the manifest.

@@ -35,6 +35,7 @@ pub type ModelStateDict<T = HostTensor> = IndexMap<String, Value<T>>;
 
 /// `StateDictOptions`: how `get_*` and `set_*` work. `Default` is PyTorch's default.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct StateDictOptions {
     /// Whole tensors instead of each rank's piece.
     pub full_state_dict: bool,
@@ -63,6 +64,42 @@ impl Default for StateDictOptions {
             broadcast_from_rank0: false,
             flatten_optimizer_state_dict: false,
         }
+    }
+}
+
+/// Setters, one per option, for building options outside the crate
+/// (`StateDictOptions::full().cpu_offload(true)`): the struct is `#[non_exhaustive]` so that
+/// options can be added without breaking callers.
+impl StateDictOptions {
+    /// Sets [`StateDictOptions::full_state_dict`].
+    pub fn full_state_dict(mut self, on: bool) -> Self {
+        self.full_state_dict = on;
+        self
+    }
+    /// Sets [`StateDictOptions::cpu_offload`].
+    pub fn cpu_offload(mut self, on: bool) -> Self {
+        self.cpu_offload = on;
+        self
+    }
+    /// Sets [`StateDictOptions::ignore_frozen_params`].
+    pub fn ignore_frozen_params(mut self, on: bool) -> Self {
+        self.ignore_frozen_params = on;
+        self
+    }
+    /// Sets [`StateDictOptions::strict`].
+    pub fn strict(mut self, on: bool) -> Self {
+        self.strict = on;
+        self
+    }
+    /// Sets [`StateDictOptions::broadcast_from_rank0`].
+    pub fn broadcast_from_rank0(mut self, on: bool) -> Self {
+        self.broadcast_from_rank0 = on;
+        self
+    }
+    /// Sets [`StateDictOptions::flatten_optimizer_state_dict`].
+    pub fn flatten_optimizer_state_dict(mut self, on: bool) -> Self {
+        self.flatten_optimizer_state_dict = on;
+        self
     }
 }
 

@@ -65,6 +65,7 @@ const MEMORY: &str = "<memory>";
 
 /// How [`load_with`] reads a file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LoadOptions {
     /// Non-contiguous tensors (transposed, expanded, overlapping views) are copied into
     /// contiguous memory; all such copies together may allocate at most the file's storage
@@ -77,6 +78,13 @@ pub struct LoadOptions {
 impl LoadOptions {
     /// The default expansion allowance: 256 MiB.
     pub const DEFAULT_MAX_EXPANSION_BYTES: u64 = 256 << 20;
+
+    /// Sets [`LoadOptions::max_expansion_bytes`] (the struct is `#[non_exhaustive]`, so that
+    /// options can be added without breaking callers).
+    pub fn max_expansion_bytes(mut self, bytes: u64) -> Self {
+        self.max_expansion_bytes = bytes;
+        self
+    }
 }
 
 impl Default for LoadOptions {
