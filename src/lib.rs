@@ -27,7 +27,7 @@ pub use optim_state::OptimStateKeyType;
 
 pub use error::{Error, LookupSite, Result};
 pub use fsdp::*;
-pub use model::{ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
+pub use model::{FsdpVersion, ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
 pub use offline::DescFile;
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,

@@ -272,8 +272,8 @@ pub struct WrapPolicy {
     pub units: Vec<String>,
     /// Which FSDP: `1` for `FullyShardedDataParallel` (flat parameters, the default), `2` for
     /// `fully_shard` (each parameter sharded on dim 0; see [`crate::param_layout`]).
-    #[serde(default = "default_fsdp_version")]
-    pub fsdp_version: u8,
+    #[serde(default)]
+    pub fsdp_version: FsdpVersion,
     /// Module prefixes whose parameters FSDP ignores (their state passes through untouched).
     #[serde(default)]
     pub ignored_modules: Vec<String>,
@@ -285,8 +285,43 @@ pub struct WrapPolicy {
     pub sharding_strategy: ShardingStrategy,
 }
 
-fn default_fsdp_version() -> u8 {
-    1
+/// The FSDP generation a policy describes; `"fsdp_version": 1` or `2` in `DESC.json`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "u8", into = "u8")]
+pub enum FsdpVersion {
+    /// `FullyShardedDataParallel`: flat parameters.
+    #[default]
+    V1,
+    /// `fully_shard`: each parameter sharded on dim 0.
+    V2,
+}
+
+impl TryFrom<u8> for FsdpVersion {
+    type Error = String;
+    fn try_from(v: u8) -> std::result::Result<Self, String> {
+        match v {
+            1 => Ok(FsdpVersion::V1),
+            2 => Ok(FsdpVersion::V2),
+            _ => Err(format!(
+                "fsdp_version {v} is neither 1 (FullyShardedDataParallel) nor 2 (fully_shard)"
+            )),
+        }
+    }
+}
+
+impl From<FsdpVersion> for u8 {
+    fn from(v: FsdpVersion) -> u8 {
+        match v {
+            FsdpVersion::V1 => 1,
+            FsdpVersion::V2 => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for FsdpVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", u8::from(*self))
+    }
 }
 
 impl Default for WrapPolicy {
@@ -294,7 +329,7 @@ impl Default for WrapPolicy {
     fn default() -> Self {
         WrapPolicy {
             units: Vec::new(),
-            fsdp_version: default_fsdp_version(),
+            fsdp_version: FsdpVersion::V1,
             ignored_modules: Vec::new(),
             use_orig_params: false,
             sharding_strategy: ShardingStrategy::default(),
@@ -315,14 +350,14 @@ impl WrapPolicy {
     /// root `""` last), with default options.
     pub fn fully_shard<S: AsRef<str>>(modules: &[S]) -> Self {
         WrapPolicy {
-            fsdp_version: 2,
+            fsdp_version: FsdpVersion::V2,
             ..Self::units(modules)
         }
     }
 
     /// Whether this policy describes FSDP2 (`fully_shard`).
     pub fn is_fsdp2(&self) -> bool {
-        self.fsdp_version == 2
+        self.fsdp_version == FsdpVersion::V2
     }
 
     /// Sets `use_orig_params` (builder style).
@@ -343,15 +378,8 @@ impl WrapPolicy {
         self
     }
 
-    /// Checks that the FSDP version is 1 or 2, units are unique and every unit and ignored
-    /// module holds a parameter.
+    /// Checks that units are unique and every unit and ignored module holds a parameter.
     pub fn validate(&self, model: &ModelDesc) -> Result<()> {
-        if !matches!(self.fsdp_version, 1 | 2) {
-            return Err(Error::InvalidModel(format!(
-                "fsdp_version {} is neither 1 (FullyShardedDataParallel) nor 2 (fully_shard)",
-                self.fsdp_version
-            )));
-        }
         let names = model.names_with_aliases();
         // Every module that contains some parameter name.
         let modules: std::collections::HashSet<&str> =

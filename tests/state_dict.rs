@@ -32,7 +32,7 @@ fn model() -> ModelDesc {
 
 fn fsdp2_policy() -> WrapPolicy {
     let mut p = WrapPolicy::units(&["layers.0", "layers.1", ""]);
-    p.fsdp_version = 2;
+    p.fsdp_version = fsdp::FsdpVersion::V2;
     p.ignored_modules = vec!["extra".into()];
     p
 }
