@@ -20,6 +20,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 pub mod ops;
+mod shard_dir;
 
 /// Inspect, convert, consolidate and shard PyTorch (FSDP) checkpoint files.
 ///

@@ -7,6 +7,7 @@
 //! same code, so a file the CLI writes and one `fsdp_ckpt.consolidate(...)` writes are the
 //! same file.
 
+use crate::shard_dir::{shard_torch_marker, SHARD_TORCH, SHARD_TORCH_MARKER};
 use fsdp::checkpoint;
 use fsdp::collectives::{ProcessGroup, ProcessGroupExt};
 use fsdp::io::dcp;
@@ -945,11 +946,11 @@ pub fn shard_torch(
     let locals = step(p, &format!("sharding for {ws} ranks"), || {
         shard_full_dict_with(&spec, &full_osd, ws, &shard_opts)
     })?;
-    output::check_dir_output(out, DirKind::SHARD_TORCH, &[full, model])?;
-    clean_stale(p, out, Some(DirKind::SHARD_TORCH))?;
+    output::check_dir_output(out, SHARD_TORCH, &[full, model])?;
+    clean_stale(p, out, Some(SHARD_TORCH))?;
     let tmp = output::make_tmp_dir(out)?;
     let written = write_rank_files(p, &locals, &tmp, ext)
-        .and_then(|()| output::install_dir(&tmp, out, DirKind::SHARD_TORCH));
+        .and_then(|()| output::install_dir(&tmp, out, SHARD_TORCH));
     if written.is_err() {
         output::discard_tmp_dir(&tmp);
     }
@@ -990,9 +991,6 @@ fn write_rank_files(
         p.update(r as u64 + 1);
     }
     p.finish();
-    output::write_synced(
-        &dir.join(output::SHARD_TORCH_MARKER),
-        &output::shard_torch_marker(&names),
-    )?;
+    output::write_synced(&dir.join(SHARD_TORCH_MARKER), &shard_torch_marker(&names)?)?;
     output::sync_dir(dir)
 }

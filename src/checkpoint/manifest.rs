@@ -15,6 +15,9 @@ pub const VERSION: u32 = 1;
 pub const MANIFEST: &str = "manifest.json";
 /// File name of the commit marker: present only in a complete checkpoint.
 pub const COMMIT: &str = "COMMITTED";
+/// The largest `manifest.json` a reader accepts (a manifest lists every piece of every
+/// tensor state with a checksum per 4 MiB block: 1 GiB covers any realistic model).
+pub const MANIFEST_MAX_BYTES: u64 = 1 << 30;
 /// Each piece's checksums cover blocks of this many bytes, so a reader that needs part of a
 /// piece verifies only the blocks it reads.
 pub const CHECKSUM_BLOCK: usize = 4 << 20;
@@ -130,7 +133,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
         dir: d.clone(),
         reason,
     };
-    use crate::io::output::{read_regular, ReadRegularError, MANIFEST_MAX_BYTES};
+    use crate::io::output::{read_regular, ReadRegularError};
     // Regular files only, length capped: a FIFO would block and `/dev/zero` never ends.
     let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| match e {
         ReadRegularError::Io(e) => invalid(format!(
@@ -169,7 +172,7 @@ pub const CHECKPOINT_DIR: crate::io::output::DirKind = crate::io::output::DirKin
 /// The entries a committed checkpoint in `dir` consists of (`COMMITTED`, `manifest.json` and
 /// the data files the manifest names), or why it is not one. Data files are not read.
 fn committed_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, String> {
-    use crate::io::output::{read_regular, MANIFEST_MAX_BYTES};
+    use crate::io::output::read_regular;
     let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| format!("`{COMMIT}`: {e}"))?;
     let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
         .map_err(|e| format!("`{MANIFEST}`: {e}"))?;

@@ -19,8 +19,8 @@
 //! output, and restores a previous output the fallback had moved aside.
 //!
 //! This layer knows no checkpoint format: a writer passes its [`DirKind`], which recognises
-//! an earlier output of its kind (`crate::checkpoint::CHECKPOINT_DIR` for checkpoints,
-//! [`DirKind::SHARD_TORCH`]).
+//! an earlier output of its kind (`crate::checkpoint::CHECKPOINT_DIR` for checkpoints; the
+//! tool's `shard-torch` defines its own).
 
 use crate::error::{Error, Result};
 use std::ffi::OsString;
@@ -31,18 +31,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The largest `manifest.json` a reader accepts (a manifest lists every piece of every
-/// tensor state with a checksum per 4 MiB block: 1 GiB covers any realistic model).
-pub const MANIFEST_MAX_BYTES: u64 = 1 << 30;
 /// The largest commit marker, marker file or JSON description (`DESC.json`, a policy) read.
 pub const SMALL_METADATA_MAX_BYTES: u64 = 64 << 20;
-
-/// File name of the marker `fsdp-ckpt shard-torch` writes into its output directory: JSON
-/// `{"format": "fsdp-shard-torch", "version": 1, "files": [...]}` naming the rank files. A
-/// directory holding exactly this marker and the files it names is an earlier `shard-torch`
-/// output, which a new run may replace.
-pub const SHARD_TORCH_MARKER: &str = "fsdp-shard-torch.json";
-const SHARD_TORCH_FORMAT: &str = "fsdp-shard-torch";
 
 /// What kind of directory a writer produces, which decides what it may replace: an earlier
 /// output of the same kind, recognised by `entries`.
@@ -53,14 +43,6 @@ pub struct DirKind {
     /// The entry names an earlier output of this kind in the directory consists of, or why
     /// the directory is not one.
     pub entries: fn(&Path) -> std::result::Result<Vec<OsString>, String>,
-}
-
-impl DirKind {
-    /// `fsdp-ckpt shard-torch` rank files with [`SHARD_TORCH_MARKER`].
-    pub const SHARD_TORCH: DirKind = DirKind {
-        what: "an earlier `shard-torch` output",
-        entries: shard_torch_entries,
-    };
 }
 
 /// What is at an output path now.
@@ -220,49 +202,6 @@ fn existing(out: &Path, kind: DirKind) -> Result<Existing> {
         }
     }
     Ok(Existing::Replaceable(names))
-}
-
-/// The entries an earlier `shard-torch` output in `dir` consists of, or why it is not one.
-fn shard_torch_entries(dir: &Path) -> std::result::Result<Vec<OsString>, String> {
-    let bytes = read_regular(&dir.join(SHARD_TORCH_MARKER), SMALL_METADATA_MAX_BYTES)
-        .map_err(|e| format!("`{SHARD_TORCH_MARKER}`: {e}"))?;
-    let marker: ShardTorchMarker = serde_json::from_slice(&bytes)
-        .map_err(|e| format!("`{SHARD_TORCH_MARKER}` does not parse: {e}"))?;
-    if marker.format != SHARD_TORCH_FORMAT {
-        return Err(format!(
-            "`{SHARD_TORCH_MARKER}` has format `{}`",
-            marker.format
-        ));
-    }
-    let mut names: Vec<OsString> = vec![SHARD_TORCH_MARKER.into()];
-    for f in marker.files {
-        if f.contains('/') || f.starts_with('.') {
-            return Err(format!("`{SHARD_TORCH_MARKER}` names the file `{f}`"));
-        }
-        names.push(f.into());
-    }
-    Ok(names)
-}
-
-/// The marker of a `shard-torch` output directory ([`SHARD_TORCH_MARKER`]).
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ShardTorchMarker {
-    format: String,
-    version: u32,
-    files: Vec<String>,
-}
-
-/// The bytes of the marker naming `files` (in the output directory of `shard-torch`).
-pub fn shard_torch_marker(files: &[String]) -> Vec<u8> {
-    let m = ShardTorchMarker {
-        format: SHARD_TORCH_FORMAT.into(),
-        version: 1,
-        files: files.to_vec(),
-    };
-    let mut v = serde_json::to_vec_pretty(&m).expect("a marker serializes");
-    v.push(b'\n');
-    v
 }
 
 /// What kind of file `t` is, for messages (`FIFO`, `character device`, `directory`, …).
@@ -492,14 +431,15 @@ fn ours(entry: &str) -> bool {
                     .all(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
             })
     };
-    // A checkpoint's commit marker and manifest (`crate::checkpoint::{COMMIT, MANIFEST}`,
-    // named here because this layer is below it), rank files, reports, nested temporaries,
-    // a DCP directory's `.metadata` and data files.
+    // A checkpoint's commit marker and manifest (`crate::checkpoint::{COMMIT, MANIFEST}`),
+    // the marker of the tool's `shard-torch` output, named here because this layer is below
+    // them; rank files, reports, nested temporaries, a DCP directory's `.metadata` and data
+    // files.
     entry == "COMMITTED"
         || entry == ".metadata"
         || distcp(entry)
         || entry == "manifest.json"
-        || entry == SHARD_TORCH_MARKER
+        || entry == "fsdp-shard-torch.json"
         || data(entry)
         || (entry.starts_with("report-") && entry.ends_with(".json"))
         || (entry.starts_with(".report-") && entry.ends_with(".json.part"))
