@@ -228,6 +228,21 @@ impl Extract<'_> {
             .collect()
     }
 
+    /// The attributes of the root object. PyTorch only reads its attributes, so an instance
+    /// of another DCP dataclass that `BUILD` gave Metadata's attributes reads as well; a
+    /// `TensorProperties` (whose `__setstate__` takes a tuple) or the memory-format enum
+    /// fails in PyTorch.
+    fn root_attrs(&self) -> Result<HashMap<&str, &V>> {
+        match self.node(&self.p.root) {
+            Some(Node::Instance(c, _))
+                if !matches!(c, Class::TensorProperties | Class::MemFormatEncoding) =>
+            {
+                self.attrs(&self.p.root, *c, "the root object")
+            }
+            _ => Err(self.err("the root object is not a Metadata")),
+        }
+    }
+
     /// The attributes of an instance of `class` (its `BUILD` dict).
     fn attrs(&self, v: &V, class: Class, what: &str) -> Result<HashMap<&str, &V>> {
         let state = match self.node(v) {
@@ -247,7 +262,7 @@ impl Extract<'_> {
     }
 
     fn metadata(&self) -> Result<Metadata> {
-        let a = self.attrs(&self.p.root, Class::Metadata, "the root object")?;
+        let a = self.root_attrs()?;
         let sdm = a
             .get("state_dict_metadata")
             .ok_or_else(|| self.err("Metadata has no state_dict_metadata"))?;
@@ -316,18 +331,12 @@ impl Extract<'_> {
 
     /// `planner_data`'s paths by key, unparsed: PyTorch looks a path up only by a key of
     /// `state_dict_metadata`, so another key (not a string, or naming no entry) and its path
-    /// are never used. A key Python cannot hash fails the unpickling.
+    /// are never used.
     fn planner_data<'v>(&'v self, v: &'v V) -> Result<HashMap<String, &'v V>> {
         let mut out = HashMap::new();
         for (k, p) in self.dict(v, "planner_data")? {
-            match (k, self.node(k)) {
-                (V::Str(_), _) => {
-                    out.insert(self.string(k, "a planner_data key")?, p);
-                }
-                (_, Some(Node::List(_) | Node::Dict(_))) => {
-                    return Err(self.err("a planner_data key is a list or dict (unhashable)"))
-                }
-                _ => {}
+            if let V::Str(_) = k {
+                out.insert(self.string(k, "a planner_data key")?, p);
             }
         }
         Ok(out)

@@ -77,6 +77,10 @@ pub(crate) struct Pickled {
     pub arena: Vec<Node>,
 }
 
+/// Deepest tuple nesting a dict key may have (a deeper one is refused as unhashable; Python
+/// would recurse that deep to hash it).
+const MAX_HASH_DEPTH: usize = 64;
+
 /// The names `torch.serialization._get_layout` knows: `str()` of each `torch.layout` of
 /// PyTorch 2.13. Any other name is a `KeyError` there.
 const LAYOUTS: &[&str] = &[
@@ -437,12 +441,40 @@ impl Vm<'_> {
         }
     }
 
+    /// Whether Python can hash `v`: not a list or dict, not an instance of DCP's dataclasses
+    /// (their generated `__eq__` removes `__hash__`) except the frozen `MetadataIndex` and the
+    /// memory-format enum, and a tuple only of such values.
+    fn hashable(&self, v: &V, depth: usize) -> bool {
+        let V::Obj(i) = v else { return true };
+        match self.arena.get(*i) {
+            Some(Node::List(_) | Node::Dict(_)) => false,
+            Some(Node::Instance(c, _)) => {
+                matches!(c, Class::MetadataIndex | Class::MemFormatEncoding)
+            }
+            Some(Node::Tuple(items)) => {
+                depth < MAX_HASH_DEPTH && items.iter().all(|x| self.hashable(x, depth + 1))
+            }
+            None => false,
+        }
+    }
+
     fn set_items(&mut self, items: Vec<V>) -> Result<()> {
         if items.len() % 2 != 0 {
             return Err(self.err("odd number of items for SETITEMS"));
         }
         match self.top_node()? {
-            Node::Dict(d) => {
+            Node::Dict(_) => {
+                // Python hashes each key as it is set: an unhashable one fails the load.
+                for k in items.iter().step_by(2) {
+                    if !self.hashable(k, 0) {
+                        return Err(self.err(
+                            "a dict key is a list, a dict or a DCP dataclass instance (unhashable in Python)",
+                        ));
+                    }
+                }
+                let Node::Dict(d) = self.top_node()? else {
+                    return Err(self.err("SETITEM(S) on something other than a dict"));
+                };
                 let mut it = items.into_iter();
                 while let (Some(k), Some(v)) = (it.next(), it.next()) {
                     d.push((k, v));
@@ -575,4 +607,35 @@ fn decode_long(b: &[u8]) -> V {
     let n = b.len().min(8);
     a[..n].copy_from_slice(&b[..n]);
     V::Int(i64::from_le_bytes(a))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `{KEY: 1}` as protocol-2 opcodes, with `key` the opcodes that push the key.
+    fn dict_with_key(key: &[u8]) -> Vec<u8> {
+        let mut p = vec![0x80, 2, b'}', b'('];
+        p.extend_from_slice(key);
+        p.extend_from_slice(&[b'K', 1, b'u', b'.']);
+        p
+    }
+
+    #[test]
+    fn a_dict_key_python_cannot_hash_is_refused_and_a_tuple_of_ints_is_not() {
+        // `[]`, `{}`, `([],)` (TUPLE1 of an empty list) as keys: a TypeError in Python.
+        for (what, key) in [
+            ("list", vec![b']']),
+            ("dict", vec![b'}']),
+            ("tuple of a list", vec![b']', 0x85]),
+        ] {
+            let e = unpickle("m", &dict_with_key(&key)).err();
+            assert!(
+                e.is_some_and(|e| e.to_string().contains("unhashable")),
+                "a {what} key"
+            );
+        }
+        // `(7,)`.
+        assert!(unpickle("m", &dict_with_key(&[b'K', 7, 0x85])).is_ok());
+    }
 }

@@ -382,6 +382,16 @@ def pytorch_reads():
         md.planner_data[torch.Size([])] = 5
         md.planner_data["no.such.key"] = ("a", 1.5)
 
+    def root_other_class(md):
+        # The reader reads the root's attributes only: an instance of another DCP dataclass
+        # holding Metadata's attributes reads the same.
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        other = StorageMeta()
+        other.__dict__.clear()
+        other.__dict__.update(md.__dict__)
+        return other
+
     def unread_records_malformed(md):
         # The empty chunks of a tensor with fewer rows than ranks are never read: one with a
         # negative size and a malformed storage record, one whose record's key has a
@@ -407,12 +417,13 @@ def pytorch_reads():
         "flattened_as_2_3": ("dtensor_grid_ws4", flattened_as_2_3),
         "storage_meta_other_instance": ("fsdp2_adam_ws4", storage_meta_other_instance),
         "unused_planner_entries": ("fsdp2_adam_ws4", unused_planner_entries),
+        "root_other_class": ("fsdp2_adam_ws4", root_other_class),
         "unread_records_malformed": ("fsdp2_adam_ws4", unread_records_malformed),
     }
     for case, (base, edit) in cases.items():
         with open(ROOT / base / "ckpt" / ".metadata", "rb") as f:
             md = pickle.load(f)
-        edit(md)
+        md = edit(md) or md
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = Path(tmp) / "ckpt"
             shutil.copytree(ROOT / base / "ckpt", ckpt)
