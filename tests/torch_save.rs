@@ -945,6 +945,33 @@ fn records_are_found_in_any_letter_case_as_miniz_finds_them() {
 }
 
 #[test]
+fn a_compressed_entry_matters_only_when_pytorch_extracts_it() {
+    // `version` beside `.data/version`: PyTorch reads the latter and never extracts the
+    // former, so miniz never looks at its compression method.
+    let mut bytes = zip_of(&[
+        ("a/data.pkl", b"\x80\x02N."),
+        ("a/byteorder", b"little"),
+        ("a/.data/version", b"3\n"),
+        ("a/version", b"3\n"),
+    ]);
+    let central = |bytes: &[u8], name: &[u8]| {
+        let at = bytes.windows(name.len()).rposition(|w| w == name).unwrap();
+        at - 46
+    };
+    let at = central(&bytes, b"a/version");
+    bytes[at + 10] = 8; // deflate
+    assert_eq!(torch_save::load_from_bytes(&bytes).unwrap(), PyObj::None);
+    let at = central(&bytes, b"a/.data/version");
+    bytes[at + 10] = 8;
+    match torch_save::load_from_bytes(&bytes) {
+        Err(Error::TorchSaveArchive { reason, .. }) => {
+            assert!(reason.contains("compression method 8"), "{reason}")
+        }
+        other => panic!("expected the compressed record refused, got {other:?}"),
+    }
+}
+
+#[test]
 fn zip64_end_record_is_used_as_miniz_uses_it() {
     let w = Written::new();
     let (rec, loc) = (w.zip64(), w.locator());

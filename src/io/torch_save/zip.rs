@@ -83,8 +83,12 @@ pub(crate) struct Entry {
     pub(crate) name: String,
     /// Offset of the local header.
     header: u64,
-    /// Size of the data (stored, so compressed and uncompressed sizes agree).
+    /// Size of the data (uncompressed).
     pub(crate) size: u64,
+    /// Compressed size (equal to `size` in a stored entry).
+    csize: u64,
+    /// Compression method (0: stored, the only one torch.save writes).
+    method: u16,
     crc: u32,
     /// General-purpose flags of the central entry.
     flags: u16,
@@ -368,20 +372,6 @@ impl<S: Source> ZipReader<S> {
             &var[nlen..nlen + elen],
             [&mut size, &mut csize, &mut header],
         )?;
-        if method != 0 {
-            return Err(self.err(
-                Some(&name),
-                pos,
-                format!("compression method {method} (torch.save stores entries uncompressed)"),
-            ));
-        }
-        if csize != size {
-            return Err(self.err(
-                Some(&name),
-                pos,
-                format!("stored entry with compressed size {csize} != size {size}"),
-            ));
-        }
         // miniz: "if ((disk_index == MZ_UINT16_MAX) || ((disk_index != num_this_disk) &&
         // (disk_index != 1))) return ... MZ_ZIP_UNSUPPORTED_MULTIDISK".
         if disk_start == 0xffff || (u32::from(disk_start) != disk && disk_start != 1) {
@@ -436,6 +426,8 @@ impl<S: Source> ZipReader<S> {
             name,
             header,
             size,
+            csize,
+            method,
             crc,
             flags,
         };
@@ -550,10 +542,13 @@ impl<S: Source> ZipReader<S> {
     /// the local header's signature, and that the data, found through the local header's own
     /// name and extra lengths, fits in the file; miniz reads nothing of an empty entry (0 is
     /// returned for it) and nothing of one it takes for a directory or an encrypted one
-    /// (refused here: PyTorch would hand back memory it never filled, or fail).
+    /// (refused here: PyTorch would hand back memory it never filled, or fail). A compressed
+    /// entry, or a stored one whose two sizes differ, is refused here too, when PyTorch would
+    /// extract it (it would inflate bytes torch.save never deflated, or fill its buffer only
+    /// in part); miniz does not look at an entry it does not extract.
     pub(crate) fn data_start(&mut self, entry: &Entry) -> Result<u64> {
         let name = entry.name.as_str();
-        if entry.size == 0 {
+        if entry.size == 0 && entry.csize == 0 {
             return Ok(0);
         }
         if entry.directory {
@@ -574,6 +569,26 @@ impl<S: Source> ZipReader<S> {
                     "flags {:#06x} mark the entry encrypted or patched; {}",
                     entry.flags,
                     miniz("unsupported encryption")
+                ),
+            ));
+        }
+        if entry.method != 0 {
+            return Err(self.err(
+                Some(name),
+                entry.header,
+                format!(
+                    "compression method {} (torch.save stores entries uncompressed)",
+                    entry.method
+                ),
+            ));
+        }
+        if entry.csize != entry.size {
+            return Err(self.err(
+                Some(name),
+                entry.header,
+                format!(
+                    "stored entry with compressed size {} != size {}",
+                    entry.csize, entry.size
                 ),
             ));
         }
