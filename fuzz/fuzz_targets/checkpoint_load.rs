@@ -41,13 +41,7 @@ fuzz_target!(|data: &[u8]| {
         return;
     }
     let _ = verify(&dir);
-    let _ = load_full(
-        &dir,
-        &LoadOptions {
-            verify: false,
-            ..Default::default()
-        },
-    );
+    let _ = load_full(&dir, &LoadOptions::default().verify(false));
     let Ok(m) = read_manifest(&dir) else {
         return;
     };
@@ -61,10 +55,7 @@ fuzz_target!(|data: &[u8]| {
         let params = OptimParams::of_model(&layout);
         for rank in 0..ws {
             for verify in [true, false] {
-                let opts = LoadOptions {
-                    verify,
-                    ..Default::default()
-                };
+                let opts = LoadOptions::default().verify(verify);
                 let _ = load::<HostTensor>(&dir, &layout, rank, &params, &opts);
                 let _ = load_model_params::<HostTensor>(&dir, &layout, rank, &opts);
             }
