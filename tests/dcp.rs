@@ -448,8 +448,8 @@ fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
     // Not what `dcp.save` writes, but `dcp_to_torch_save` gives the original's result
     // (gen.py checks it): a plain list or a gap named by an object key, a negative index that
     // overwrites another key's slot which that key's name fills again, a path PyTorch's
-    // loader finds only by its 2.3 traversal, a `storage_meta` or root object of another
-    // class, and malformed `planner_data` entries and records that PyTorch never reads.
+    // loader finds only by its 2.3 traversal, a `storage_meta`, root object or chunk of
+    // another class, and malformed `planner_data` entries and records that PyTorch never reads.
     let mut cases = 0;
     for entry in std::fs::read_dir(golden("pytorch_reads")).unwrap() {
         let path = entry.unwrap().path();
@@ -472,7 +472,7 @@ fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
         );
         cases += 1;
     }
-    assert_eq!(cases, 8);
+    assert_eq!(cases, 9);
 }
 
 #[test]

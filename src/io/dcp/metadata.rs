@@ -228,25 +228,32 @@ impl Extract<'_> {
             .collect()
     }
 
-    /// The attributes of the root object. PyTorch only reads its attributes, so an instance
-    /// of another DCP dataclass that `BUILD` gave Metadata's attributes reads as well; a
-    /// `TensorProperties` (whose `__setstate__` takes a tuple) or the memory-format enum
-    /// fails in PyTorch.
+    /// The attributes of the root object (PyTorch reads only its attributes).
     fn root_attrs(&self) -> Result<HashMap<&str, &V>> {
-        match self.node(&self.p.root) {
-            Some(Node::Instance(c, _))
-                if !matches!(c, Class::TensorProperties | Class::MemFormatEncoding) =>
-            {
-                self.attrs(&self.p.root, *c, "the root object")
-            }
-            _ => Err(self.err("the root object is not a Metadata")),
-        }
+        self.attrs(&self.p.root, Class::Metadata, "the root object")
     }
 
     /// The attributes of an instance of `class` (its `BUILD` dict).
+    ///
+    /// Where PyTorch only reads the object's attributes (the root `Metadata`, a chunk, a
+    /// `_StorageInfo`), an instance of another DCP dataclass whose `BUILD` gave it those
+    /// attributes reads the same, as it does in PyTorch; not a `TensorProperties` (whose
+    /// `__setstate__` takes a tuple) or the memory-format enum. Where PyTorch tests the class
+    /// (`isinstance` of `TensorStorageMetadata`) or hashes the object (`MetadataIndex`), the
+    /// class must be the one named.
     fn attrs(&self, v: &V, class: Class, what: &str) -> Result<HashMap<&str, &V>> {
+        let duck_typed = matches!(
+            class,
+            Class::Metadata | Class::ChunkStorageMetadata | Class::StorageInfo | Class::StorageMeta
+        );
         let state = match self.node(v) {
             Some(Node::Instance(c, s)) if *c == class => s.as_ref(),
+            Some(Node::Instance(c, s))
+                if duck_typed
+                    && !matches!(c, Class::TensorProperties | Class::MemFormatEncoding) =>
+            {
+                s.as_ref()
+            }
             _ => return Err(self.err(format!("{what} is not a {class:?}"))),
         };
         let mut out = HashMap::new();

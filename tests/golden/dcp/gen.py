@@ -392,6 +392,16 @@ def pytorch_reads():
         other.__dict__.update(md.__dict__)
         return other
 
+    def chunk_other_class(md):
+        # A chunk is read by its `offsets` and `sizes` only.
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        tmd = md.state_dict_metadata["model.net1.0.weight"]
+        other = StorageMeta()
+        other.__dict__.clear()
+        other.__dict__.update(tmd.chunks[0].__dict__)
+        tmd.chunks[0] = other
+
     def unread_records_malformed(md):
         # The empty chunks of a tensor with fewer rows than ranks are never read: one with a
         # negative size and a malformed storage record, one whose record's key has a
@@ -418,6 +428,7 @@ def pytorch_reads():
         "storage_meta_other_instance": ("fsdp2_adam_ws4", storage_meta_other_instance),
         "unused_planner_entries": ("fsdp2_adam_ws4", unused_planner_entries),
         "root_other_class": ("fsdp2_adam_ws4", root_other_class),
+        "chunk_other_class": ("fsdp2_adam_ws4", chunk_other_class),
         "unread_records_malformed": ("fsdp2_adam_ws4", unread_records_malformed),
     }
     for case, (base, edit) in cases.items():
