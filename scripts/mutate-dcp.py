@@ -47,7 +47,9 @@ flipped tensor byte as data). The first violation is PyTorch's loss. Outcomes, o
 * both_refuse: the tool refused and PyTorch raised;
 * torch_lossy: the tool refused and PyTorch succeeded with a loss (the reason is recorded),
   or the tool refused an archive whose CRC-32 does not match and PyTorch, which never checks
-  it, read the corrupt archive;
+  it, read the corrupt archive. A loss is also a record of an item's archive flagged as
+  compressed (torch.save stores every record raw) that PyTorch reads as other bytes than
+  the stored ones: miniz inflates raw bytes and sets no error when that fails;
 * DISAGREE: anything else (the tool accepts what PyTorch refuses, refuses what PyTorch loads
   without loss, or both accept with different results).
 
@@ -533,6 +535,9 @@ def torch_loss(ckpt: Path, got):
     try:
         with open(ckpt / ".metadata", "rb") as f:
             md = pickle.load(f)
+        loss = compressed_record_loss(ckpt, md)
+        if loss:
+            return loss
         try:
             flat, _ = flatten_state_dict(got)
         except ValueError as e:
@@ -549,6 +554,42 @@ def torch_loss(ckpt: Path, got):
         return None
     except Exception as e:
         return f"unchecked, the check raised {first_line(e)}"
+
+
+def compressed_record_loss(ckpt, md):
+    """A record of an item's archive that claims to be compressed (torch.save stores every
+    record raw) and that PyTorch reads as other bytes than the stored ones, or None. miniz
+    inflates the raw bytes into a buffer of the record's size and sets no error when the
+    inflation fails, so PyTorch returns what it made of them without a word."""
+    for info in {(i.relative_path, i.offset, i.length) for i in md.storage_data.values()}:
+        path, offset, length = info
+        with open(ckpt / path, "rb") as f:
+            f.seek(offset)
+            blob = f.read(length)
+        try:
+            archive = zipfile.ZipFile(io.BytesIO(blob))
+        except zipfile.BadZipFile:
+            continue
+        for z in archive.infolist():
+            if z.compress_type == 0 or "/" not in z.filename:
+                continue
+            local = z.header_offset
+            name_len, extra_len = struct.unpack("<HH", blob[local + 26:local + 30])
+            start = local + 30 + name_len + extra_len
+            stored = blob[start:start + z.compress_size]
+            reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+            record = z.filename.split("/", 1)[1]
+            if not reader.has_record(record):
+                continue
+            try:
+                got = bytes(reader.get_record(record))
+            except Exception:
+                continue
+            if got != stored:
+                return (f"{path}@{offset}: record {record!r} is flagged compressed "
+                        f"(method {z.compress_type}); PyTorch reads it as {got[:8]!r}, "
+                        f"stored {stored[:8]!r}")
+    return None
 
 
 def tensor_loss(ckpt, md, key, smd, tensor):
