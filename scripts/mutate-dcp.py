@@ -570,6 +570,7 @@ def compressed_record_loss(ckpt, md):
             archive = zipfile.ZipFile(io.BytesIO(blob))
         except zipfile.BadZipFile:
             continue
+        reader = None
         for z in archive.infolist():
             if z.compress_type == 0 or "/" not in z.filename:
                 continue
@@ -577,7 +578,7 @@ def compressed_record_loss(ckpt, md):
             name_len, extra_len = struct.unpack("<HH", blob[local + 26:local + 30])
             start = local + 30 + name_len + extra_len
             stored = blob[start:start + z.compress_size]
-            reader = torch._C.PyTorchFileReader(io.BytesIO(blob))
+            reader = reader or torch._C.PyTorchFileReader(io.BytesIO(blob))
             record = z.filename.split("/", 1)[1]
             if not reader.has_record(record):
                 continue

@@ -67,10 +67,39 @@ impl Default for StateDictOptions {
     }
 }
 
-/// Setters, one per option, for building options outside the crate
-/// (`StateDictOptions::full().cpu_offload(true)`): the struct is `#[non_exhaustive]` so that
-/// options can be added without breaking callers.
 impl StateDictOptions {
+    /// `StateDictOptions(full_state_dict=True)`.
+    pub fn full() -> Self {
+        StateDictOptions {
+            full_state_dict: true,
+            ..Self::default()
+        }
+    }
+
+    /// PyTorch's `_verify_options` checks that concern the optimizer.
+    fn check(&self, op: &str, rank: usize) -> Result<()> {
+        let bad = |reason: &str| Error::InvalidArgument {
+            op: op.into(),
+            rank,
+            reason: reason.into(),
+        };
+        if self.broadcast_from_rank0 && !self.full_state_dict {
+            return Err(bad(
+                "broadcast_from_rank0 needs full_state_dict (only a full dict can be broadcast)",
+            ));
+        }
+        if self.flatten_optimizer_state_dict {
+            return Err(Error::Unsupported(
+                "flatten_optimizer_state_dict: the crate's optimizer state dicts are nested (DCP's flattened keys are read and written by fsdp::io::dcp)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    // Setters, one per option, for building options outside the crate
+    // (`StateDictOptions::full().cpu_offload(true)`): the struct is `#[non_exhaustive]` so
+    // that options can be added without breaking callers.
+
     /// Sets [`StateDictOptions::full_state_dict`].
     pub fn full_state_dict(mut self, on: bool) -> Self {
         self.full_state_dict = on;
@@ -100,36 +129,6 @@ impl StateDictOptions {
     pub fn flatten_optimizer_state_dict(mut self, on: bool) -> Self {
         self.flatten_optimizer_state_dict = on;
         self
-    }
-}
-
-impl StateDictOptions {
-    /// `StateDictOptions(full_state_dict=True)`.
-    pub fn full() -> Self {
-        StateDictOptions {
-            full_state_dict: true,
-            ..Self::default()
-        }
-    }
-
-    /// PyTorch's `_verify_options` checks that concern the optimizer.
-    fn check(&self, op: &str, rank: usize) -> Result<()> {
-        let bad = |reason: &str| Error::InvalidArgument {
-            op: op.into(),
-            rank,
-            reason: reason.into(),
-        };
-        if self.broadcast_from_rank0 && !self.full_state_dict {
-            return Err(bad(
-                "broadcast_from_rank0 needs full_state_dict (only a full dict can be broadcast)",
-            ));
-        }
-        if self.flatten_optimizer_state_dict {
-            return Err(Error::Unsupported(
-                "flatten_optimizer_state_dict: the crate's optimizer state dicts are nested (DCP's flattened keys are read and written by fsdp::io::dcp)".into(),
-            ));
-        }
-        Ok(())
     }
 }
 

@@ -122,9 +122,7 @@ impl DType {
 
     /// The dtype PyTorch calls `name` (`float32` or `torch.float32`), if the crate has it.
     pub fn from_torch_name(name: &str) -> Option<DType> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.torch_name() == name || d.torch_attr() == name)
+        DType::from_torch_attr(name.strip_prefix("torch.").unwrap_or(name))
     }
 
     /// The dtype whose attribute name is `name` (`float32`), as a pickle's global

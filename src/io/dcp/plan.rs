@@ -847,13 +847,12 @@ fn terminal(items: &[Tree], entries: &[Entry]) -> bool {
 /// Whether the 2.3 traversal takes the container `tree` as one value: it holds no tensor,
 /// and no container that is not itself such a value.
 fn plain(tree: &Tree, entries: &[Entry]) -> bool {
-    let children: Vec<&Tree> = match tree {
-        Tree::Dict(items, _) => items.iter().map(|(_, t)| t).collect(),
-        Tree::List(items) => items.iter().collect(),
-        Tree::Leaf(i) => return !matches!(entries[*i].kind, EntryKind::Tensor(_)),
-        Tree::Hole => return true,
-    };
-    children.into_iter().all(|t| plain(t, entries))
+    match tree {
+        Tree::Dict(items, _) => items.iter().all(|(_, t)| plain(t, entries)),
+        Tree::List(items) => items.iter().all(|t| plain(t, entries)),
+        Tree::Leaf(i) => !matches!(entries[*i].kind, EntryKind::Tensor(_)),
+        Tree::Hole => true,
+    }
 }
 
 /// The first entry stored under `tree`, if any.

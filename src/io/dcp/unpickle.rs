@@ -462,19 +462,14 @@ impl Vm<'_> {
         if items.len() % 2 != 0 {
             return Err(self.err("odd number of items for SETITEMS"));
         }
+        // Python hashes each key as it is set: an unhashable one fails the load.
+        if items.iter().step_by(2).any(|k| !self.hashable(k, 0)) {
+            return Err(self.err(
+                "a dict key is a list, a dict or a DCP dataclass instance (unhashable in Python)",
+            ));
+        }
         match self.top_node()? {
-            Node::Dict(_) => {
-                // Python hashes each key as it is set: an unhashable one fails the load.
-                for k in items.iter().step_by(2) {
-                    if !self.hashable(k, 0) {
-                        return Err(self.err(
-                            "a dict key is a list, a dict or a DCP dataclass instance (unhashable in Python)",
-                        ));
-                    }
-                }
-                let Node::Dict(d) = self.top_node()? else {
-                    return Err(self.err("SETITEM(S) on something other than a dict"));
-                };
+            Node::Dict(d) => {
                 let mut it = items.into_iter();
                 while let (Some(k), Some(v)) = (it.next(), it.next()) {
                     d.push((k, v));
