@@ -487,13 +487,13 @@ pub enum Error {
         byteorder: String,
     },
 
-    /// The pickle stream (`data.pkl`) is malformed: truncated, stack underflow, bad memo
-    /// index, wrong argument types for a known callable.
+    /// The pickle stream (`data.pkl` of a `torch.save` file, a DCP `.metadata`) is malformed:
+    /// truncated, stack underflow, bad memo index, wrong argument types for a known callable.
     #[error("malformed pickle in `{file}` at byte {offset} (opcode {opcode}): {reason}")]
     Pickle {
         /// The file (or `<memory>`).
         file: String,
-        /// Offset of the opcode in `data.pkl`.
+        /// Offset of the opcode in the stream.
         offset: usize,
         /// The opcode being executed, by pickle name.
         opcode: String,

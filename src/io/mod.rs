@@ -10,6 +10,7 @@ pub(crate) mod container;
 pub mod dcp;
 pub mod inspect;
 pub mod output;
+pub(crate) mod pickle;
 pub mod safetensors;
 pub mod torch_save;
 

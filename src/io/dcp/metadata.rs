@@ -1,7 +1,7 @@
 //! The typed content of a DCP `.metadata` file, read with the restricted unpickler.
 
 use super::plan::check_paths;
-use super::unpickle::{self, Class, Global, Node, Pickled, V};
+use super::unpickle::{self, Class, Global, Instance, Node, Pickled, V};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;
@@ -182,7 +182,7 @@ impl Extract<'_> {
 
     fn dict(&self, v: &V, what: &str) -> Result<&[(V, V)]> {
         match self.node(v) {
-            Some(Node::Dict(d)) => Ok(d),
+            Some(Node::Dict(d)) => Ok(d.items()),
             _ => Err(self.err(format!("{what} is not a dict"))),
         }
     }
@@ -247,8 +247,8 @@ impl Extract<'_> {
             Class::Metadata | Class::ChunkStorageMetadata | Class::StorageInfo | Class::StorageMeta
         );
         let state = match self.node(v) {
-            Some(Node::Instance(c, s)) if *c == class => s.as_ref(),
-            Some(Node::Instance(c, s))
+            Some(Node::Ext(Instance(c, s))) if *c == class => s.as_ref(),
+            Some(Node::Ext(Instance(c, s)))
                 if duck_typed
                     && !matches!(c, Class::TensorProperties | Class::MemFormatEncoding) =>
             {
@@ -321,14 +321,14 @@ impl Extract<'_> {
     /// (an int, a string, a tuple, a dtype, ...) it fails.
     fn checkpoint_id(&self, v: &V) -> Result<Option<String>> {
         match (v, self.node(v)) {
-            (_, Some(Node::Instance(Class::StorageMeta, _))) => {
+            (_, Some(Node::Ext(Instance(Class::StorageMeta, _)))) => {
                 let sm = self.attrs(v, Class::StorageMeta, "storage_meta")?;
                 Ok(match sm.get("checkpoint_id") {
                     Some(V::Str(s)) => Some(s.to_string()),
                     _ => None,
                 })
             }
-            (_, Some(Node::Instance(..)))
+            (_, Some(Node::Ext(Instance(..))))
             | (V::Global(Global::Class(_) | Global::Path | Global::GetLayout), _) => Ok(None),
             _ => Err(self.err(
                 "storage_meta is a value PyTorch's reader cannot set `load_id` on (not a StorageMeta)",
@@ -381,7 +381,7 @@ impl Extract<'_> {
     }
 
     fn entry_kind(&self, key: &str, v: &V) -> Result<EntryKind> {
-        if let Some(Node::Instance(Class::BytesStorageMetadata, _)) = self.node(v) {
+        if let Some(Node::Ext(Instance(Class::BytesStorageMetadata, _))) = self.node(v) {
             return Ok(EntryKind::Bytes);
         }
         let what = format!("state_dict_metadata[{:?}]", crate::error::shown(key));
@@ -436,7 +436,7 @@ impl Extract<'_> {
     /// item is the dtype, or as an attribute dict).
     fn dtype(&self, v: &V, what: &str) -> Result<String> {
         let state = match self.node(v) {
-            Some(Node::Instance(Class::TensorProperties, Some(s))) => s,
+            Some(Node::Ext(Instance(Class::TensorProperties, Some(s)))) => s,
             _ => return Err(self.err(format!("{what}.properties is not a TensorProperties"))),
         };
         let d = match self.node(state) {
@@ -451,7 +451,7 @@ impl Extract<'_> {
                 }
                 if !matches!(
                     self.node(&t[3]),
-                    Some(Node::Instance(Class::MemFormatEncoding, _))
+                    Some(Node::Ext(Instance(Class::MemFormatEncoding, _)))
                 ) {
                     return Err(
                         self.err(format!("{what}.properties has no memory-format encoding"))
@@ -460,6 +460,7 @@ impl Extract<'_> {
                 t.first()
             }
             Some(Node::Dict(d)) => d
+                .items()
                 .iter()
                 .find(|(k, _)| matches!(k, V::Str(s) if &**s == "dtype"))
                 .map(|(_, v)| v),

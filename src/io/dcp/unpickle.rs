@@ -1,16 +1,20 @@
-//! A restricted pickle machine for DCP's `.metadata` file.
+//! DCP's `.metadata` file: the [`crate::io::pickle`] machine with the metadata allow-list
+//! ([`ALLOWED`]) and the objects `pickle.load` builds from it.
 //!
 //! `.metadata` is `pickle.dump(Metadata(...))`: dataclass instances (`NEWOBJ` + `BUILD`),
 //! `torch.Size`, dtypes, the layout and memory-format encodings, and the `pathlib` path of
 //! `storage_meta.checkpoint_id`. Exactly those globals resolve; any other one (`os.system`,
 //! `builtins.eval`, …) is refused with [`Error::UnsupportedPickleGlobal`] before anything is
-//! built, and nothing is ever executed. Objects live in an arena addressed by index, so memory
-//! stays proportional to the stream's length.
+//! built, and nothing is ever executed. PyTorch reads the file with Python's `pickle.load`,
+//! whose dicts hash their keys: a key Python cannot hash fails the load here too.
+//!
+//! [`Error::UnsupportedPickleGlobal`]: crate::error::Error::UnsupportedPickleGlobal
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::io::pickle::{self, Dict, Format, Globals, Machine, Value};
 use crate::tensor::DType;
 use crate::tensor::OTHER_TORCH_DTYPES;
-use std::collections::HashMap;
+use std::convert::Infallible;
 use std::rc::Rc;
 
 /// The DCP classes an instance may be of.
@@ -41,35 +45,16 @@ pub(crate) enum Global {
     Layout(&'static str),
 }
 
-/// A value on the stack or in the memo.
-#[derive(Debug, Clone)]
-pub(crate) enum V {
-    None,
-    /// A bool (its value is never needed).
-    Bool,
-    Int(i64),
-    /// An int outside 64 bits (never meaningful in DCP metadata; kept to report it).
-    BigInt,
-    /// A float (its value is never needed).
-    Float,
-    Str(Rc<str>),
-    /// A bytes object (its content is never needed).
-    Bytes,
-    Global(Global),
-    /// A node of the arena.
-    Obj(usize),
-}
+/// A value on the stack or in the memo (a `.metadata` stream builds no values of its own).
+pub(crate) type V = Value<Global, Infallible>;
 
-/// A container or instance.
+/// A node of the arena: a tuple (also a `torch.Size`), list, dict or [`Instance`].
+pub(crate) type Node = pickle::Node<Global, Infallible, Instance>;
+
+/// An instance of a DCP class with its `BUILD` state (or its `REDUCE` argument, for the
+/// memory-format enum).
 #[derive(Debug)]
-pub(crate) enum Node {
-    Tuple(Vec<V>),
-    List(Vec<V>),
-    Dict(Vec<(V, V)>),
-    /// An instance of a DCP class with its `BUILD` state (or its `REDUCE` argument, for the
-    /// memory-format enum).
-    Instance(Class, Option<V>),
-}
+pub(crate) struct Instance(pub Class, pub Option<V>);
 
 /// The result of unpickling: the root value and the arena it refers to.
 pub(crate) struct Pickled {
@@ -94,8 +79,11 @@ const LAYOUTS: &[&str] = &[
     "torch.jagged",
 ];
 
+/// The globals `.metadata` may name.
+const ALLOWED: Globals<Global> = Globals { resolve };
+
 /// The global `module.name`, if it is one `.metadata` may use.
-pub(crate) fn resolve(module: &str, name: &str) -> Option<Global> {
+fn resolve(module: &str, name: &str) -> Option<Global> {
     const MD: &str = "torch.distributed.checkpoint.metadata";
     Some(match (module, name) {
         (MD, "Metadata") => Global::Class(Class::Metadata),
@@ -126,482 +114,126 @@ pub(crate) fn resolve(module: &str, name: &str) -> Option<Global> {
 
 /// Runs the `.metadata` stream `data` (`file` names it in errors).
 pub(crate) fn unpickle(file: &str, data: &[u8]) -> Result<Pickled> {
-    let mut vm = Vm {
-        file,
-        data,
-        pos: 0,
-        op_pos: 0,
-        op: 0,
-        stack: Vec::new(),
-        marks: Vec::new(),
-        memo: HashMap::new(),
-        arena: Vec::new(),
-    };
-    let root = vm.run()?;
+    let mut m = Machine::new(file, data, &ALLOWED, DcpMetadata);
+    let root = m.run()?;
     Ok(Pickled {
         root,
-        arena: vm.arena,
+        arena: m.into_arena(),
     })
 }
 
-struct Vm<'a> {
-    file: &'a str,
-    data: &'a [u8],
-    pos: usize,
-    op_pos: usize,
-    op: u8,
-    stack: Vec<V>,
-    marks: Vec<usize>,
-    memo: HashMap<u32, V>,
-    arena: Vec<Node>,
-}
+/// The `.metadata` format of the machine.
+struct DcpMetadata;
 
-impl Vm<'_> {
-    fn err(&self, reason: impl Into<String>) -> Error {
-        Error::Pickle {
-            file: self.file.to_string(),
-            offset: self.op_pos,
-            opcode: format!("0x{:02x}", self.op),
-            reason: reason.into(),
+impl Format for DcpMetadata {
+    type Global = Global;
+    type Ext = Infallible;
+    type Node = Instance;
+
+    /// `torch.Size`, `_get_layout`, a `pathlib` path and the memory-format enum.
+    fn reduce(m: &mut Machine<'_, Self>, f: Global, args: Vec<V>) -> Result<V> {
+        reduce(m, f, &args)
+    }
+
+    /// `cls()` of a DCP dataclass (the memory-format enum is built by `REDUCE`).
+    fn newobj(m: &mut Machine<'_, Self>, cls: Global, args: Vec<V>) -> Result<V> {
+        match (cls, args.as_slice()) {
+            (Global::Class(c), []) if c != Class::MemFormatEncoding => {
+                Ok(m.alloc(Node::Ext(Instance(c, None))))
+            }
+            _ => Err(m.err("NEWOBJ of something other than a DCP dataclass")),
         }
     }
 
-    fn take(&mut self, n: usize) -> Result<&[u8]> {
-        let left = self.data.len() - self.pos;
-        if n > left {
-            return Err(self.err(format!("truncated: needs {n} bytes, {left} left")));
-        }
-        let s = &self.data[self.pos..self.pos + n];
-        self.pos += n;
-        Ok(s)
-    }
-
-    fn arr<const N: usize>(&mut self) -> Result<[u8; N]> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn len_of(&mut self, width: usize) -> Result<usize> {
-        let n = match width {
-            1 => u64::from(self.arr::<1>()?[0]),
-            4 => u64::from(u32::from_le_bytes(self.arr()?)),
-            _ => u64::from_le_bytes(self.arr()?),
-        };
-        usize::try_from(n).map_err(|_| self.err(format!("length {n} too large")))
-    }
-
-    fn str_of(&mut self, n: usize) -> Result<V> {
-        let b = self.take(n)?;
-        match std::str::from_utf8(b) {
-            Ok(s) => Ok(V::Str(Rc::from(s))),
-            Err(e) => Err(self.err(format!("string is not valid UTF-8: {e}"))),
-        }
-    }
-
-    fn line(&mut self) -> Result<String> {
-        let rest = &self.data[self.pos..];
-        let Some(n) = rest.iter().position(|&b| b == b'\n') else {
-            return Err(self.err("truncated: unterminated line"));
-        };
-        let s = std::str::from_utf8(&rest[..n])
-            .map_err(|_| self.err("global name is not UTF-8"))?
-            .to_string();
-        self.pos += n + 1;
-        Ok(s)
-    }
-
-    fn base(&self) -> usize {
-        self.marks.last().copied().unwrap_or(0)
-    }
-
-    fn pop(&mut self) -> Result<V> {
-        if self.stack.len() <= self.base() {
-            return Err(self.err("stack underflow"));
-        }
-        Ok(self.stack.pop().expect("checked non-empty"))
-    }
-
-    fn pop_n(&mut self, n: usize) -> Result<Vec<V>> {
-        if self.stack.len() < self.base() + n {
-            return Err(self.err("stack underflow"));
-        }
-        Ok(self.stack.split_off(self.stack.len() - n))
-    }
-
-    fn pop_mark(&mut self) -> Result<Vec<V>> {
-        let Some(m) = self.marks.pop() else {
-            return Err(self.err("no MARK on the stack"));
-        };
-        Ok(self.stack.split_off(m.min(self.stack.len())))
-    }
-
-    fn top(&self) -> Result<&V> {
-        if self.stack.len() <= self.base() {
-            return Err(self.err("stack underflow"));
-        }
-        Ok(self.stack.last().expect("checked non-empty"))
-    }
-
-    fn alloc(&mut self, n: Node) -> V {
-        self.arena.push(n);
-        V::Obj(self.arena.len() - 1)
-    }
-
-    fn top_node(&mut self) -> Result<&mut Node> {
-        let V::Obj(i) = *self.top()? else {
-            return Err(self.err("expected a container on the stack"));
-        };
-        Ok(&mut self.arena[i])
-    }
-
-    fn global(&self, module: &str, name: &str) -> Result<V> {
-        match resolve(module, name) {
-            Some(g) => Ok(V::Global(g)),
-            None => Err(Error::UnsupportedPickleGlobal {
-                file: self.file.to_string(),
-                module: module.to_string(),
-                name: name.to_string(),
-                offset: self.op_pos,
-            }),
-        }
-    }
-
-    fn run(&mut self) -> Result<V> {
-        loop {
-            self.op_pos = self.pos;
-            let Some(&op) = self.data.get(self.pos) else {
-                return Err(self.err("truncated: the stream ends without STOP"));
-            };
-            self.op = op;
-            self.pos += 1;
-            if op == b'.' {
-                return self.pop();
-            }
-            if !self.scalar_op(op)? && !self.container_op(op)? && !self.object_op(op)? {
-                return Err(Error::UnsupportedPickleOpcode {
-                    file: self.file.to_string(),
-                    opcode: op,
-                    name: "unsupported in DCP metadata".into(),
-                    offset: self.op_pos,
-                });
-            }
-        }
-    }
-
-    /// Framing, stack and scalar opcodes; false if `op` is none of them.
-    fn scalar_op(&mut self, op: u8) -> Result<bool> {
-        let v = match op {
-            0x80 => {
-                let p = self.arr::<1>()?[0];
-                if p > 5 {
-                    return Err(self.err(format!("unsupported pickle protocol {p}")));
-                }
-                return Ok(true);
-            }
-            0x95 => {
-                // FRAME: Python reads the whole frame up front, so one longer than what is
-                // left of the stream is an error ("pickle data was truncated").
-                let n = u64::from_le_bytes(self.arr()?);
-                let left = (self.data.len() - self.pos) as u64;
-                if n > left {
-                    return Err(self.err(format!(
-                        "a frame of {n} bytes runs past the end of the pickle ({left} bytes left)"
-                    )));
-                }
-                return Ok(true);
-            }
-            b'(' => {
-                self.marks.push(self.stack.len());
-                return Ok(true);
-            }
-            b'0' => {
-                self.pop()?;
-                return Ok(true);
-            }
-            b'1' => {
-                self.pop_mark()?;
-                return Ok(true);
-            }
-            b'2' => self.top()?.clone(),
-            b'N' => V::None,
-            0x88 | 0x89 => V::Bool,
-            b'J' => V::Int(i64::from(i32::from_le_bytes(self.arr()?))),
-            b'K' => V::Int(i64::from(self.arr::<1>()?[0])),
-            b'M' => V::Int(i64::from(u16::from_le_bytes(self.arr()?))),
-            0x8a => {
-                let n = self.len_of(1)?;
-                decode_long(self.take(n)?)
-            }
-            b'G' => {
-                self.arr::<8>()?;
-                V::Float
-            }
-            b'X' => {
-                let n = self.len_of(4)?;
-                self.str_of(n)?
-            }
-            0x8c => {
-                let n = self.len_of(1)?;
-                self.str_of(n)?
-            }
-            0x8d => {
-                let n = self.len_of(8)?;
-                self.str_of(n)?
-            }
-            b'B' | b'C' | 0x8e => {
-                let n = match op {
-                    b'B' => self.len_of(4)?,
-                    b'C' => self.len_of(1)?,
-                    _ => self.len_of(8)?,
-                };
-                self.take(n)?;
-                V::Bytes
-            }
-            _ => return Ok(false),
-        };
-        self.stack.push(v);
-        Ok(true)
-    }
-
-    /// Tuple, list, dict and memo opcodes; false if `op` is none of them.
-    fn container_op(&mut self, op: u8) -> Result<bool> {
-        match op {
-            b')' => self.push_node(Node::Tuple(Vec::new())),
-            b't' => {
-                let items = self.pop_mark()?;
-                self.push_node(Node::Tuple(items));
-            }
-            0x85..=0x87 => {
-                let items = self.pop_n(usize::from(op - 0x84))?;
-                self.push_node(Node::Tuple(items));
-            }
-            b']' => self.push_node(Node::List(Vec::new())),
-            b'l' => {
-                let items = self.pop_mark()?;
-                self.push_node(Node::List(items));
-            }
-            b'}' => self.push_node(Node::Dict(Vec::new())),
-            b'd' => {
-                let items = self.pop_mark()?;
-                self.push_node(Node::Dict(Vec::new()));
-                self.set_items(items)?;
-            }
-            b'a' => {
-                let v = self.pop()?;
-                self.append(vec![v])?;
-            }
-            b'e' => {
-                let items = self.pop_mark()?;
-                self.append(items)?;
-            }
-            b's' => {
-                let kv = self.pop_n(2)?;
-                self.set_items(kv)?;
-            }
-            b'u' => {
-                let items = self.pop_mark()?;
-                self.set_items(items)?;
-            }
-            b'q' | b'r' | 0x94 => {
-                let i = match op {
-                    b'q' => u32::from(self.arr::<1>()?[0]),
-                    b'r' => u32::from_le_bytes(self.arr()?),
-                    _ => u32::try_from(self.memo.len()).map_err(|_| self.err("memo too large"))?,
-                };
-                let v = self.top()?.clone();
-                self.memo.insert(i, v);
-            }
-            b'h' | b'j' => {
-                let i = match op {
-                    b'h' => u32::from(self.arr::<1>()?[0]),
-                    _ => u32::from_le_bytes(self.arr()?),
-                };
-                let v = self.memo.get(&i).cloned();
-                let v = v.ok_or_else(|| self.err(format!("memo index {i} was never stored")))?;
-                self.stack.push(v);
-            }
-            _ => return Ok(false),
-        }
-        Ok(true)
-    }
-
-    fn push_node(&mut self, n: Node) {
-        let v = self.alloc(n);
-        self.stack.push(v);
-    }
-
-    fn append(&mut self, items: Vec<V>) -> Result<()> {
-        match self.top_node()? {
-            Node::List(l) => {
-                l.extend(items);
+    fn build(m: &mut Machine<'_, Self>, state: V) -> Result<()> {
+        let i = m.top_obj()?;
+        match m.node_mut(i) {
+            Some(Node::Ext(Instance(_, s))) => {
+                *s = Some(state);
                 Ok(())
             }
-            _ => Err(self.err("APPEND(S) to something other than a list")),
+            _ => Err(m.err("BUILD on something other than a DCP dataclass")),
         }
     }
 
-    /// Whether Python can hash `v`: not a list or dict, not an instance of DCP's dataclasses
-    /// (their generated `__eq__` removes `__hash__`) except the frozen `MetadataIndex` and the
-    /// memory-format enum, and a tuple only of such values.
-    fn hashable(&self, v: &V, depth: usize) -> bool {
-        let V::Obj(i) = v else { return true };
-        match self.arena.get(*i) {
-            Some(Node::List(_) | Node::Dict(_)) => false,
-            Some(Node::Instance(c, _)) => {
-                matches!(c, Class::MetadataIndex | Class::MemFormatEncoding)
-            }
-            Some(Node::Tuple(items)) => {
-                depth < MAX_HASH_DEPTH && items.iter().all(|x| self.hashable(x, depth + 1))
-            }
-            None => false,
-        }
+    /// Every pair is kept: the readers of the metadata apply Python's dict semantics where
+    /// they need them ([`super::metadata`], [`super::plan`]).
+    fn set_item(dict: &mut Dict<Global, Infallible>, key: V, value: V) {
+        dict.push(key, value);
     }
 
-    fn set_items(&mut self, items: Vec<V>) -> Result<()> {
-        if items.len() % 2 != 0 {
-            return Err(self.err("odd number of items for SETITEMS"));
+    fn check_key(m: &Machine<'_, Self>, key: &V) -> Result<()> {
+        if hashable(m, key, 0) {
+            return Ok(());
         }
-        // Python hashes each key as it is set: an unhashable one fails the load.
-        if items.iter().step_by(2).any(|k| !self.hashable(k, 0)) {
-            return Err(self.err(
-                "a dict key is a list, a dict or a DCP dataclass instance (unhashable in Python)",
-            ));
-        }
-        match self.top_node()? {
-            Node::Dict(d) => {
-                let mut it = items.into_iter();
-                while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                    d.push((k, v));
-                }
-                Ok(())
-            }
-            _ => Err(self.err("SETITEM(S) on something other than a dict")),
-        }
+        Err(m
+            .err("a dict key is a list, a dict or a DCP dataclass instance (unhashable in Python)"))
     }
 
-    /// Globals, `REDUCE`, `NEWOBJ` and `BUILD`; false if `op` is none of them.
-    fn object_op(&mut self, op: u8) -> Result<bool> {
-        match op {
-            b'c' => {
-                let module = self.line()?;
-                let name = self.line()?;
-                let g = self.global(&module, &name)?;
-                self.stack.push(g);
-            }
-            0x93 => {
-                let name = self.pop()?;
-                let module = self.pop()?;
-                let (V::Str(module), V::Str(name)) = (module, name) else {
-                    return Err(self.err("STACK_GLOBAL needs two strings"));
-                };
-                let g = self.global(&module, &name)?;
-                self.stack.push(g);
-            }
-            b'R' => {
-                let args = self.pop()?;
-                let f = self.pop()?;
-                let v = self.reduce(f, args)?;
-                self.stack.push(v);
-            }
-            0x81 => {
-                let args = self.pop()?;
-                let cls = self.pop()?;
-                match (cls, self.tuple(&args)) {
-                    (V::Global(Global::Class(c)), Some([])) if c != Class::MemFormatEncoding => {
-                        self.push_node(Node::Instance(c, None))
-                    }
-                    _ => return Err(self.err("NEWOBJ of something other than a DCP dataclass")),
-                }
-            }
-            b'b' => {
-                let state = self.pop()?;
-                match self.top_node()? {
-                    Node::Instance(_, s) => *s = Some(state),
-                    _ => return Err(self.err("BUILD on something other than a DCP dataclass")),
-                }
-            }
-            _ => return Ok(false),
-        }
-        Ok(true)
+    fn ext_kind(x: &Infallible) -> String {
+        match *x {}
     }
 
-    fn tuple(&self, v: &V) -> Option<&[V]> {
-        match v {
-            V::Obj(i) => match self.arena.get(*i) {
-                Some(Node::Tuple(items)) => Some(items),
-                _ => None,
-            },
-            _ => None,
-        }
-    }
-
-    fn reduce(&mut self, f: V, args: V) -> Result<V> {
-        let Some(a) = self.tuple(&args).map(<[V]>::to_vec) else {
-            return Err(self.err("REDUCE arguments must be a tuple"));
-        };
-        match (f, a.as_slice()) {
-            // Python's `torch.Size` takes negative ints too; where a size is used, it must
-            // not be negative.
-            (V::Global(Global::Size), [t]) => {
-                let dims = self
-                    .tuple(t)
-                    .filter(|d| d.iter().all(|x| matches!(x, V::Int(_))))
-                    .ok_or_else(|| self.err("torch.Size needs one tuple of ints"))?
-                    .to_vec();
-                Ok(self.alloc(Node::Tuple(dims)))
-            }
-            (V::Global(Global::GetLayout), [V::Str(s)]) if LAYOUTS.contains(&&**s) => {
-                Ok(V::Str(s.clone()))
-            }
-            (V::Global(Global::GetLayout), [V::Str(s)]) => Err(self.err(format!(
-                "`{}` is not a torch layout",
-                crate::error::shown(s)
-            ))),
-            (V::Global(Global::Path), parts) => {
-                let mut s = String::new();
-                for p in parts {
-                    let V::Str(p) = p else {
-                        return Err(self.err("a pathlib path needs string parts"));
-                    };
-                    if !s.is_empty() && !s.ends_with('/') {
-                        s.push('/');
-                    }
-                    s.push_str(p);
-                }
-                Ok(V::Str(Rc::from(s)))
-            }
-            // `_MEM_FORMAT_ENCODING(v)`: contiguous, channels-last or preserve; any other
-            // value is a ValueError in Python.
-            (V::Global(Global::Class(Class::MemFormatEncoding)), [v @ V::Int(0..=2)]) => {
-                Ok(self.alloc(Node::Instance(Class::MemFormatEncoding, Some(v.clone()))))
-            }
-            _ => Err(self.err("REDUCE of a global that takes no such arguments")),
-        }
+    fn node_kind(n: &Instance) -> String {
+        format!("{:?}", n.0)
     }
 }
 
-/// Decodes a little-endian two's-complement `LONG1` payload.
-fn decode_long(b: &[u8]) -> V {
-    if b.len() > 8 {
-        let fill = if b.last().is_some_and(|&x| x & 0x80 != 0) {
-            0xff
-        } else {
-            0
-        };
-        if b[8..].iter().any(|&x| x != fill) || (b[7] & 0x80 != 0) != (fill == 0xff) {
-            return V::BigInt;
+/// Whether Python can hash `v`: not a list or dict, not an instance of DCP's dataclasses
+/// (their generated `__eq__` removes `__hash__`) except the frozen `MetadataIndex` and the
+/// memory-format enum, and a tuple only of such values.
+fn hashable(m: &Machine<'_, DcpMetadata>, v: &V, depth: usize) -> bool {
+    let V::Obj(_) = v else { return true };
+    match m.node(v) {
+        Some(Node::List(_) | Node::Dict(_)) => false,
+        Some(Node::Ext(Instance(c, _))) => {
+            matches!(c, Class::MetadataIndex | Class::MemFormatEncoding)
         }
+        Some(Node::Tuple(items)) => {
+            depth < MAX_HASH_DEPTH && items.iter().all(|x| hashable(m, x, depth + 1))
+        }
+        None => false,
     }
-    let fill = if b.last().is_some_and(|&x| x & 0x80 != 0) {
-        0xff
-    } else {
-        0
-    };
-    let mut a = [fill; 8];
-    let n = b.len().min(8);
-    a[..n].copy_from_slice(&b[..n]);
-    V::Int(i64::from_le_bytes(a))
+}
+
+/// `REDUCE` of the globals `.metadata` calls.
+fn reduce(m: &mut Machine<'_, DcpMetadata>, f: Global, a: &[V]) -> Result<V> {
+    match (f, a) {
+        // Python's `torch.Size` takes negative ints too; where a size is used, it must
+        // not be negative.
+        (Global::Size, [t]) => {
+            let dims = m
+                .tuple_items(t)
+                .filter(|d| d.iter().all(|x| matches!(x, V::Int(_))))
+                .ok_or_else(|| m.err("torch.Size needs one tuple of ints"))?
+                .to_vec();
+            Ok(m.alloc(Node::Tuple(dims)))
+        }
+        (Global::GetLayout, [V::Str(s)]) if LAYOUTS.contains(&&**s) => Ok(V::Str(s.clone())),
+        (Global::GetLayout, [V::Str(s)]) => Err(m.err(format!(
+            "`{}` is not a torch layout",
+            crate::error::shown(s)
+        ))),
+        (Global::Path, parts) => {
+            let mut s = String::new();
+            for p in parts {
+                let V::Str(p) = p else {
+                    return Err(m.err("a pathlib path needs string parts"));
+                };
+                if !s.is_empty() && !s.ends_with('/') {
+                    s.push('/');
+                }
+                s.push_str(p);
+            }
+            Ok(V::Str(Rc::from(s)))
+        }
+        // `_MEM_FORMAT_ENCODING(v)`: contiguous, channels-last or preserve; any other
+        // value is a ValueError in Python.
+        (Global::Class(Class::MemFormatEncoding), [v @ V::Int(0..=2)]) => Ok(m.alloc(Node::Ext(
+            Instance(Class::MemFormatEncoding, Some(v.clone())),
+        ))),
+        _ => Err(m.err("REDUCE of a global that takes no such arguments")),
+    }
 }
 
 #[cfg(test)]
@@ -632,5 +264,33 @@ mod tests {
         }
         // `(7,)`.
         assert!(unpickle("m", &dict_with_key(&[b'K', 7, 0x85])).is_ok());
+    }
+
+    #[test]
+    fn equal_dict_keys_are_all_kept_in_order() {
+        // {'a': 1, 'a': 2} as SETITEMS: the readers of the metadata see both pairs.
+        let p = unpickle(
+            "m",
+            b"\x80\x02}(X\x01\x00\x00\x00aK\x01X\x01\x00\x00\x00aK\x02u.",
+        )
+        .unwrap();
+        let Some(Node::Dict(d)) = p.arena.first() else {
+            panic!("not a dict")
+        };
+        assert!(matches!(d.items(), [(_, V::Int(1)), (_, V::Int(2))]));
+    }
+
+    #[test]
+    fn pop_at_a_mark_long4_and_persistent_ids_are_what_pickle_load_makes_of_them() {
+        // pickle.loads(b'\x80\x02(0\x8b\x01\x00\x00\x00\x05.') == 5.
+        let p = unpickle("m", b"\x80\x02(0\x8b\x01\x00\x00\x00\x05.").unwrap();
+        assert!(matches!(p.root, V::Int(5)));
+        // "A load persistent id instruction was encountered, but no persistent_load function
+        // was specified", whatever the stack holds.
+        let e = unpickle("m", b"\x80\x02Q.").err();
+        assert!(
+            matches!(&e, Some(crate::error::Error::UnsupportedPickleOpcode { name, .. }) if name == "BINPERSID"),
+            "{e:?}"
+        );
     }
 }

@@ -39,8 +39,8 @@
 //! ```
 
 mod convert;
-mod pickle;
 mod pyobj;
+mod unpickle;
 pub(crate) mod writer;
 mod zip;
 
@@ -126,7 +126,7 @@ pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
 /// [`load`] with options.
 pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<PyObj> {
     let (name, src) = open(path.as_ref())?;
-    let mode = pickle::Mode::Full {
+    let mode = unpickle::Mode::Full {
         max_expansion_bytes: opts.max_expansion_bytes,
     };
     Ok(read_archive(&name, src, mode)?.obj)
@@ -138,7 +138,7 @@ pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<PyObj> {
 /// depend on the tensors' sizes.
 pub fn load_headers(path: impl AsRef<Path>) -> Result<Headers> {
     let (name, src) = open(path.as_ref())?;
-    let u = read_archive(&name, src, pickle::Mode::Headers)?;
+    let u = read_archive(&name, src, unpickle::Mode::Headers)?;
     Ok(Headers {
         obj: u.obj,
         shapes: u.shapes,
@@ -177,7 +177,7 @@ pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> 
         source: e.into(),
     })?;
     let src = FileSource { file, start, len };
-    let mode = pickle::Mode::Full {
+    let mode = unpickle::Mode::Full {
         max_expansion_bytes: LoadOptions::default().max_expansion_bytes,
     };
     Ok(read_archive(&name, src, mode)?.obj)
@@ -258,7 +258,7 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
 
 /// [`load_from_bytes`] with options.
 pub fn load_from_bytes_with(bytes: &[u8], opts: &LoadOptions) -> Result<PyObj> {
-    let mode = pickle::Mode::Full {
+    let mode = unpickle::Mode::Full {
         max_expansion_bytes: opts.max_expansion_bytes,
     };
     Ok(read_archive(MEMORY, zip::SliceSource(bytes), mode)?.obj)
@@ -444,7 +444,11 @@ pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Re
     save(&model_to_pyobj(msd), path)
 }
 
-fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pickle::Unpickled> {
+fn read_archive<S: Source>(
+    file: &str,
+    src: S,
+    mode: unpickle::Mode,
+) -> Result<unpickle::Unpickled> {
     let (mut zip, prefix) = open_archive(file, src)?;
     // `torch.load` reads these records when present (`_load` in torch/serialization.py):
     // extracted as PyTorch would; `version >= b"1"` takes any `.format_version`, but
@@ -472,7 +476,7 @@ fn read_archive<S: Source>(file: &str, src: S, mode: pickle::Mode) -> Result<pic
             entry: pkl_name.clone(),
         })?;
     let mut store = ArchiveStorages { zip, prefix, file };
-    pickle::unpickle(file, &pkl, &mut store, mode)
+    unpickle::unpickle(file, &pkl, &mut store, mode)
 }
 
 /// Opens the archive `src` as PyTorch's `PyTorchStreamReader` does and `torch.load` lists it:
@@ -656,7 +660,7 @@ impl<S: Source> ArchiveStorages<'_, S> {
     }
 }
 
-impl<S: Source> pickle::Storages for ArchiveStorages<'_, S> {
+impl<S: Source> unpickle::Storages for ArchiveStorages<'_, S> {
     fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()> {
         let entry = storage_entry(&self.zip, &self.prefix, key)?;
         let (name, size) = (entry.name.clone(), entry.size);

@@ -1,5 +1,6 @@
 //! [`PyObj`]: the Python values a `torch.save` file of a state dict holds.
 
+use crate::io::pickle::long;
 use crate::optim_state::ShardedTensor;
 use crate::tensor::HostTensor;
 
@@ -90,7 +91,7 @@ impl PyObj {
     pub fn int(v: i128) -> PyObj {
         match i64::try_from(v) {
             Ok(i) => PyObj::Int(i),
-            Err(_) => PyObj::BigInt(encode_long(v)),
+            Err(_) => PyObj::BigInt(long::encode(v)),
         }
     }
 
@@ -159,39 +160,12 @@ impl PyObj {
     }
 }
 
-/// Minimal little-endian two's-complement bytes of `v` (empty for 0), as pickle's `LONG1`.
-pub(crate) fn encode_long(v: i128) -> Vec<u8> {
-    if v == 0 {
-        return Vec::new();
-    }
-    let mut b = v.to_le_bytes().to_vec();
-    while b.len() > 1 {
-        let last = b[b.len() - 1];
-        let prev_sign = b[b.len() - 2] & 0x80;
-        if (last == 0 && prev_sign == 0) || (last == 0xff && prev_sign != 0) {
-            b.pop();
-        } else {
-            break;
-        }
-    }
-    b
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn long_encoding_matches_python() {
-        // pickle.dumps(n, 2) payloads.
-        assert_eq!(encode_long(255), vec![0xff, 0x00]);
-        assert_eq!(encode_long(-1), vec![0xff]);
-        assert_eq!(encode_long(-256), vec![0x00, 0xff]);
-        assert_eq!(encode_long(1 << 70), {
-            let mut v = vec![0u8; 9];
-            v[8] = 0x40;
-            v
-        });
+    fn big_ints_round_trip_through_their_long_bytes() {
         for v in [
             0i128,
             1,

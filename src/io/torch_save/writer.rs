@@ -1,10 +1,11 @@
 //! Writing [`PyObj`]s as `torch.save` archives: a protocol-2 pickler that emits what Python's
 //! pickler emits for the same values, and the archive records PyTorch 2.13 writes.
 
-use super::pickle::{contiguous_strides, MAX_DEPTH};
-use super::pyobj::{encode_long, PyObj};
+use super::pyobj::PyObj;
+use super::unpickle::{contiguous_strides, MAX_DEPTH};
 use super::zip::{Positioned, ZipWriter};
 use crate::error::{Error, Result};
+use crate::io::pickle::long;
 use crate::tensor::{DType, HostTensor};
 use std::collections::HashMap;
 use std::io::Write;
@@ -305,7 +306,7 @@ impl<'a> Pickler<'a> {
             self.out.push(b'J');
             self.out.extend_from_slice(&v.to_le_bytes());
         } else {
-            self.long(&encode_long(i128::from(v)));
+            self.long(&long::encode(i128::from(v)));
         }
     }
 

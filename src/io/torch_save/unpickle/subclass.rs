@@ -9,7 +9,7 @@
 //! and nothing of theirs runs. Anything else (a `_StridedShard` or `Partial` placement, a
 //! process group) stays an unsupported global.
 
-use super::{Obj, Vm, V};
+use super::{Ext, Node, Object, Vm, V};
 use crate::error::Result;
 use std::rc::Rc;
 
@@ -18,7 +18,7 @@ use std::rc::Rc;
 pub(super) struct ShardedView {
     pub global_shape: Vec<usize>,
     pub offsets: Vec<usize>,
-    /// The local shard ([`V::Tensor`]), `None` when this rank holds none.
+    /// The local shard (a tensor), `None` when this rank holds none.
     pub local: Option<V>,
 }
 
@@ -87,18 +87,13 @@ impl Class {
 impl Vm<'_, '_> {
     /// The record's attribute `name`.
     fn attr(&self, rec: &V, class: Class, name: &str) -> Result<V> {
-        if let V::Obj(i) = rec {
-            if let Some(Obj::Record {
-                class: c, attrs, ..
-            }) = self.arena.get(*i)
-            {
-                if *c == class {
-                    return attrs
-                        .iter()
-                        .find(|(k, _)| k == name)
-                        .map(|(_, v)| v.clone())
-                        .ok_or_else(|| self.err(format!("{class:?} without `{name}`")));
-                }
+        if let Some(Object::Record { class: c, attrs }) = self.object(rec) {
+            if *c == class {
+                return attrs
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone())
+                    .ok_or_else(|| self.err(format!("{class:?} without `{name}`")));
             }
         }
         Err(self.err(format!("expected a {class:?}, found {}", self.kind(rec))))
@@ -106,14 +101,8 @@ impl Vm<'_, '_> {
 
     /// The items of a list or tuple.
     fn seq_items(&self, v: &V, what: &str) -> Result<Vec<V>> {
-        match v {
-            V::Obj(i) => match self.arena.get(*i) {
-                Some(Obj::List(x) | Obj::Tuple(x)) => Ok(x.clone()),
-                _ => Err(self.err(format!(
-                    "{what} must be a list or tuple, found {}",
-                    self.kind(v)
-                ))),
-            },
+        match self.node(v) {
+            Some(Node::List(x) | Node::Tuple(x)) => Ok(x.clone()),
             _ => Err(self.err(format!(
                 "{what} must be a list or tuple, found {}",
                 self.kind(v)
@@ -141,7 +130,7 @@ impl Vm<'_, '_> {
             Class::DTensor => self.dtensor(global_shape, state)?,
             other => return Err(self.err(format!("{other:?} is not a tensor subclass"))),
         };
-        Ok(V::Sharded(Rc::new(sharded)))
+        Ok(V::Ext(Ext::Sharded(Rc::new(sharded))))
     }
 
     /// A `ShardedTensor`: state `(local_shards, metadata, pg_state, sharding_spec,
@@ -169,7 +158,7 @@ impl Vm<'_, '_> {
                     &self.attr(&md, Class::ShardMetadata, "shard_sizes")?,
                     "shard_sizes",
                 )?;
-                let V::Tensor(view) = &tensor else {
+                let V::Ext(Ext::Tensor(view)) = &tensor else {
                     return Err(self.err("a ShardedTensor shard without a tensor"));
                 };
                 if view.size != sizes {
@@ -204,21 +193,19 @@ impl Vm<'_, '_> {
             _ => return Err(self.err("the DTensor state must be (None, dict)")),
         };
         let get = |name: &str| -> Result<V> {
-            if let V::Obj(i) = &dict {
-                if let Some(Obj::Dict(d)) = self.arena.get(*i) {
-                    if let Some((_, v)) = d
-                        .items
-                        .iter()
-                        .find(|(k, _)| matches!(k, V::Str(s) if &**s == name))
-                    {
-                        return Ok(v.clone());
-                    }
+            if let Some(Node::Dict(d)) = self.node(&dict) {
+                if let Some((_, v)) = d
+                    .items()
+                    .iter()
+                    .find(|(k, _)| matches!(k, V::Str(s) if &**s == name))
+                {
+                    return Ok(v.clone());
                 }
             }
             Err(self.err(format!("the DTensor state has no `{name}`")))
         };
         let local = get("_local_tensor")?;
-        let V::Tensor(view) = &local else {
+        let V::Ext(Ext::Tensor(view)) = &local else {
             return Err(self.err("DTensor._local_tensor is not a tensor"));
         };
         let spec = get("_spec")?;
@@ -277,19 +264,16 @@ impl Vm<'_, '_> {
     /// kept whole as `__state__`.
     pub(super) fn build_record(&mut self, i: usize, state: V) -> Result<()> {
         let dict_attrs = |vm: &Self, v: &V| -> Option<Vec<(String, V)>> {
-            match v {
-                V::None => Some(Vec::new()),
-                V::Obj(j) => match vm.arena.get(*j) {
-                    Some(Obj::Dict(d)) => d
-                        .items
-                        .iter()
-                        .map(|(k, v)| match k {
-                            V::Str(k) => Some((k.to_string(), v.clone())),
-                            _ => None,
-                        })
-                        .collect(),
-                    _ => None,
-                },
+            match (v, vm.node(v)) {
+                (V::None, _) => Some(Vec::new()),
+                (_, Some(Node::Dict(d))) => d
+                    .items()
+                    .iter()
+                    .map(|(k, v)| match k {
+                        V::Str(k) => Some((k.to_string(), v.clone())),
+                        _ => None,
+                    })
+                    .collect(),
                 _ => None,
             }
         };
@@ -304,7 +288,7 @@ impl Vm<'_, '_> {
             },
             _ => vec![("__state__".to_string(), state.clone())],
         };
-        if let Some(Obj::Record { attrs, .. }) = self.arena.get_mut(i) {
+        if let Some(Node::Ext(Object::Record { attrs, .. })) = self.node_mut(i) {
             for (k, v) in new {
                 match attrs.iter_mut().find(|(n, _)| *n == k) {
                     Some(slot) => slot.1 = v,
@@ -316,7 +300,7 @@ impl Vm<'_, '_> {
     }
 
     fn is_record(&self, v: &V, class: Class) -> bool {
-        matches!(v, V::Obj(i) if matches!(self.arena.get(*i), Some(Obj::Record { class: c, .. }) if *c == class))
+        matches!(self.object(v), Some(Object::Record { class: c, .. }) if *c == class)
     }
 
     /// Checks that a piece at `offsets` of `sizes` lies inside `global`.

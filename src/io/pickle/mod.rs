@@ -1,0 +1,33 @@
+//! Pickle, read and written once for every format that stores one: `torch.save`'s `data.pkl`
+//! ([`crate::io::torch_save`]) and DCP's `.metadata` ([`crate::io::dcp`]).
+//!
+//! [`op`] names the opcodes; [`machine::Machine`] runs a stream, with the allowed globals as
+//! a parameter ([`Globals`]) and what a format builds behind [`machine::Format`]. Like `torch.load(weights_only=True)` and unlike
+//! `pickle.load`, nothing a stream names is ever executed.
+
+pub(crate) mod long;
+pub(crate) mod machine;
+pub(crate) mod op;
+pub(crate) mod value;
+
+pub(crate) use machine::{Format, Machine};
+pub(crate) use value::{Dict, Node, Value};
+
+/// The Python globals (classes, functions, constants) a format's streams may name, and what
+/// each resolves to: any other one is refused with
+/// [`Error::UnsupportedPickleGlobal`](crate::error::Error::UnsupportedPickleGlobal) before
+/// anything is built.
+pub(crate) struct Globals<G> {
+    /// `module.name` → the global, if allowed.
+    pub(crate) resolve: fn(module: &str, name: &str) -> Option<G>,
+}
+
+impl<G> Globals<G> {
+    /// The global `module.name`, if it is allowed.
+    pub(crate) fn resolve(&self, module: &str, name: &str) -> Option<G> {
+        (self.resolve)(module, name)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,555 @@
+//! `torch.load(weights_only=True)` for the `data.pkl` stream of a `torch.save` archive: the
+//! [`crate::io::pickle`] machine with `torch.load`'s allow-list ([`ALLOWED`]) and the objects
+//! it builds (tensors, storages, `OrderedDict`, `torch.Size`, the distributed tensor
+//! subclasses).
+//!
+//! It resolves only a fixed set of globals (`collections.OrderedDict`,
+//! `torch._utils._rebuild_tensor_v2`, `torch.*Storage`, …) and never executes anything. The
+//! final conversion to [`PyObj`] bounds depth and size, since shared references (the memo)
+//! let a small stream name one object many times.
+
+mod subclass;
+mod tensor;
+
+use super::pyobj::PyObj;
+use crate::error::{Error, Result};
+use crate::io::pickle::{Dict, Format, Globals, Machine, Node, Value};
+use crate::optim_state::ShardedTensor;
+use crate::tensor::{DType, HostTensor};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use subclass::{Class, ShardedView};
+use tensor::{Tensors, View};
+
+pub(crate) use tensor::contiguous_strides;
+
+/// Deepest nesting of containers accepted in the result.
+pub(crate) const MAX_DEPTH: usize = 200;
+
+/// Where the machine gets storages from: the archive's `data/<key>` entries.
+pub(crate) trait Storages {
+    /// Checks that storage `key` can hold `numel` elements of `dtype` (its entry exists and
+    /// has that size) without reading it.
+    fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()>;
+    /// Reads storage `key` (already checked) as a flat tensor.
+    fn read(&mut self, key: &str, dtype: DType, numel: usize) -> Result<HostTensor>;
+}
+
+/// How tensors are produced.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Mode {
+    /// Every tensor is read; copies of non-contiguous tensors (transposed, expanded) may
+    /// allocate at most the stream's storage bytes plus this many bytes in total.
+    Full { max_expansion_bytes: u64 },
+    /// Only tensors of at most one element are read; every other tensor is an empty
+    /// placeholder of its dtype whose real shape [`Unpickled::shapes`] records.
+    Headers,
+}
+
+/// The result of [`unpickle`].
+pub(crate) struct Unpickled {
+    /// The object.
+    pub obj: PyObj,
+    /// In [`Mode::Headers`]: the real shape of each placeholder, by its storage identity.
+    pub shapes: HashMap<usize, Vec<usize>>,
+    /// In [`Mode::Headers`]: the storage key of each placeholder whose tensor is the whole
+    /// of its storage, contiguous and of the storage's own dtype (its bytes are the storage
+    /// entry's, so it can be streamed from the archive).
+    pub whole: HashMap<usize, String>,
+}
+
+/// The callables and classes a stream may name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Global {
+    OrderedDict,
+    RebuildTensorV2,
+    RebuildTensorV3,
+    /// `torch.storage.UntypedStorage`: bytes whose dtype `_rebuild_tensor_v3` gives.
+    UntypedStorage,
+    /// A dtype object such as `torch.uint16`.
+    Dtype(DType),
+    /// An allow-listed metadata class (see [`subclass`]).
+    Class(Class),
+    /// `torch._tensor._rebuild_from_type_v2`, for `ShardedTensor` and `DTensor` only.
+    RebuildFromTypeV2,
+    /// `torch._utils._rebuild_wrapper_subclass`, only as `_rebuild_from_type_v2`'s function.
+    RebuildWrapperSubclass,
+    /// `getattr`, only for `ShardedTensor.ProcessGroupState`.
+    Getattr,
+    RebuildParameter,
+    Storage(DType),
+    CodecsEncode,
+    Bytes,
+    TorchSize,
+}
+
+/// `torch.load(weights_only=True)`'s allow-list, as far as state dicts use it.
+const ALLOWED: Globals<Global> = Globals { resolve };
+
+/// The global `module.name`, if `torch.load(weights_only=True)` allows it here.
+fn resolve(module: &str, name: &str) -> Option<Global> {
+    if module == "torch" {
+        if let Some(d) = DType::from_storage_class(name) {
+            return Some(Global::Storage(d));
+        }
+        if let Some(d) = DType::from_torch_attr(name) {
+            return Some(Global::Dtype(d));
+        }
+    }
+    Some(match (module, name) {
+        ("collections", "OrderedDict") => Global::OrderedDict,
+        ("torch._utils", "_rebuild_tensor_v2") => Global::RebuildTensorV2,
+        ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
+        ("torch.storage", "UntypedStorage") => Global::UntypedStorage,
+        ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
+        ("torch", "Size") => Global::TorchSize,
+        ("_codecs", "encode") => Global::CodecsEncode,
+        ("builtins" | "__builtin__", "bytes") => Global::Bytes,
+        ("torch._tensor", "_rebuild_from_type_v2") => Global::RebuildFromTypeV2,
+        ("torch._utils", "_rebuild_wrapper_subclass") => Global::RebuildWrapperSubclass,
+        ("builtins" | "__builtin__", "getattr") => Global::Getattr,
+        _ => Global::Class(Class::resolve(module, name)?),
+    })
+}
+
+/// A value on the machine's stack or in its memo.
+type V = Value<Global, Ext>;
+/// The machine reading `data.pkl`.
+type Vm<'a, 'l> = Machine<'a, TorchLoad<'l>>;
+
+/// The stack values only `data.pkl` holds.
+#[derive(Debug, Clone)]
+enum Ext {
+    /// A tensor, checked to lie inside its storage, built when the result is.
+    Tensor(Rc<View>),
+    /// A storage record: key, dtype (`None` for an untyped storage), number of elements
+    /// (bytes when untyped).
+    Storage(Rc<str>, Option<DType>, usize),
+    /// A `ShardedTensor` or `DTensor`: local shard and global metadata.
+    Sharded(Rc<ShardedView>),
+}
+
+/// The arena nodes only `data.pkl` holds.
+#[derive(Debug)]
+enum Object {
+    /// A `torch.Size`: its dimensions, checked to be non-negative ints.
+    Size(Vec<i64>),
+    /// A `collections.OrderedDict`, with the attributes `BUILD` set on it.
+    OrderedDict(Dict<Global, Ext>, Vec<(String, V)>),
+    /// An instance of an allow-listed metadata class: the attributes `BUILD` set, kept as
+    /// data (constructor arguments are not needed by anything read from them).
+    Record {
+        class: Class,
+        attrs: Vec<(String, V)>,
+    },
+}
+
+/// The state of a `data.pkl` run: the storages it declares and the tensors built from them.
+struct TorchLoad<'l> {
+    /// Storages declared so far: key → (dtype, elements), as in [`Ext::Storage`].
+    storages: HashMap<Rc<str>, (Option<DType>, usize)>,
+    tensors: RefCell<Tensors<'l>>,
+}
+
+impl<'l> Format for TorchLoad<'l> {
+    type Global = Global;
+    type Ext = Ext;
+    type Node = Object;
+
+    fn reduce(m: &mut Machine<'_, Self>, f: Global, args: Vec<V>) -> Result<V> {
+        m.call(f, &args)
+    }
+
+    fn newobj(m: &mut Machine<'_, Self>, cls: Global, args: Vec<V>) -> Result<V> {
+        let node = match (cls, args.as_slice()) {
+            (Global::OrderedDict, []) => Object::OrderedDict(Dict::default(), Vec::new()),
+            (Global::Class(class), _)
+                if !matches!(class, Class::ShardedTensor | Class::DTensor) =>
+            {
+                Object::Record {
+                    class,
+                    attrs: Vec::new(),
+                }
+            }
+            _ => {
+                return Err(m.err(format!(
+                    "NEWOBJ of {} is not supported",
+                    m.kind(&V::Global(cls))
+                )))
+            }
+        };
+        Ok(m.alloc(Node::Ext(node)))
+    }
+
+    fn build(m: &mut Machine<'_, Self>, state: V) -> Result<()> {
+        m.set_state(state)
+    }
+
+    fn persistent_load(m: &mut Machine<'_, Self>) -> Result<V> {
+        let pid = m.pop()?;
+        m.storage_record(pid)
+    }
+
+    fn ext_dict(node: &mut Object) -> Option<&mut Dict<Global, Ext>> {
+        match node {
+            Object::OrderedDict(d, _) => Some(d),
+            _ => None,
+        }
+    }
+
+    fn ext_kind(x: &Ext) -> String {
+        match x {
+            Ext::Tensor(_) => "Tensor".into(),
+            Ext::Storage(k, ..) => format!("storage {k:?}"),
+            Ext::Sharded(_) => "sharded tensor".into(),
+        }
+    }
+
+    fn node_kind(n: &Object) -> String {
+        match n {
+            Object::Size(_) => "torch.Size".into(),
+            Object::OrderedDict(..) => "collections.OrderedDict".into(),
+            Object::Record { class, .. } => format!("{class:?}"),
+        }
+    }
+}
+
+/// A tensor's place in the result, rendered only for error messages.
+enum Path<'p> {
+    Root,
+    Key(&'p Path<'p>, &'p V),
+    Index(&'p Path<'p>, usize),
+    Attr(&'p Path<'p>, &'p str),
+}
+
+impl Path<'_> {
+    fn render(&self) -> String {
+        let seg = |parent: &Path<'_>, s: String| match parent {
+            Path::Root => s,
+            p => format!("{}/{s}", p.render()),
+        };
+        match self {
+            Path::Root => "<root>".into(),
+            Path::Key(p, V::Str(k)) => seg(p, k.to_string()),
+            Path::Key(p, V::Int(i)) => seg(p, i.to_string()),
+            Path::Key(p, _) => seg(p, "<key>".into()),
+            Path::Index(p, i) => seg(p, i.to_string()),
+            Path::Attr(p, a) => seg(p, format!(".{a}")),
+        }
+    }
+}
+
+/// Runs the stream `data` and returns the object it builds.
+pub(crate) fn unpickle(
+    file: &str,
+    data: &[u8],
+    store: &mut dyn Storages,
+    mode: Mode,
+) -> Result<Unpickled> {
+    let state = TorchLoad {
+        storages: HashMap::new(),
+        tensors: RefCell::new(Tensors::new(mode, store)),
+    };
+    let mut vm = Machine::new(file, data, &ALLOWED, state);
+    let result = vm.run()?;
+    // A legitimate stream has at most one node per opcode, so a result that expands shared
+    // references to far more nodes than that is an attack (or a cycle).
+    let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
+    let obj = vm.to_pyobj(&result, &Path::Root, 0, &mut budget)?;
+    let tensors = vm.state.tensors.get_mut();
+    let shapes = std::mem::take(&mut tensors.shapes);
+    let whole = std::mem::take(&mut tensors.whole);
+    Ok(Unpickled { obj, shapes, whole })
+}
+
+impl Vm<'_, '_> {
+    fn storage_err(&self, key: &str, reason: impl Into<String>) -> Error {
+        Error::TensorStorage {
+            file: self.file().to_string(),
+            storage: key.to_string(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The node `v` refers to, if it is one of `data.pkl`'s own.
+    fn object(&self, v: &V) -> Option<&Object> {
+        match self.node(v) {
+            Some(Node::Ext(o)) => Some(o),
+            _ => None,
+        }
+    }
+
+    fn int_arg(&self, v: &V, what: &str) -> Result<usize> {
+        match v {
+            V::Int(i) => usize::try_from(*i)
+                .map_err(|_| self.err(format!("{what} must be a non-negative int, found {i}"))),
+            other => Err(self.err(format!("{what} must be an int, found {}", self.kind(other)))),
+        }
+    }
+
+    fn int_tuple(&self, v: &V, what: &str) -> Result<Vec<usize>> {
+        if let Some(Object::Size(dims)) = self.object(v) {
+            return Ok(dims.iter().map(|&d| d as usize).collect());
+        }
+        let Some(items) = self.tuple_items(v) else {
+            return Err(self.err(format!("{what} must be a tuple, found {}", self.kind(v))));
+        };
+        items.iter().map(|x| self.int_arg(x, what)).collect()
+    }
+
+    /// `REDUCE`: calls the allow-listed `g` with `a`.
+    fn call(&mut self, g: Global, a: &[V]) -> Result<V> {
+        match g {
+            Global::OrderedDict if a.is_empty() => Ok(self.alloc(Node::Ext(
+                Object::OrderedDict(Dict::default(), Vec::new()),
+            ))),
+            Global::OrderedDict => Err(self.err("collections.OrderedDict with arguments")),
+            Global::TorchSize => match a {
+                [t] if self.tuple_items(t).is_some() => {
+                    let items = self.int_tuple(t, "torch.Size")?;
+                    let items = items.into_iter().map(|x| x as i64).collect();
+                    Ok(self.alloc(Node::Ext(Object::Size(items))))
+                }
+                _ => Err(self.err("torch.Size needs one tuple argument")),
+            },
+            Global::Bytes if a.is_empty() => Ok(V::Bytes(Rc::from(&[][..]))),
+            Global::Bytes => Err(self.err("bytes() with arguments")),
+            Global::CodecsEncode => self.codecs_encode(a),
+            Global::RebuildParameter => match a {
+                [t @ V::Ext(Ext::Tensor(_)), V::Bool(_), _] => Ok(t.clone()),
+                _ => Err(self
+                    .err("torch._utils._rebuild_parameter needs (tensor, requires_grad, hooks)")),
+            },
+            Global::RebuildTensorV2 => self.rebuild_tensor(a, false),
+            Global::RebuildTensorV3 => self.rebuild_tensor(a, true),
+            Global::Storage(d) => Err(self.err(format!("calling torch storage class ({d})"))),
+            Global::UntypedStorage => Err(self.err("calling torch.storage.UntypedStorage")),
+            Global::Class(class @ (Class::Device | Class::Layout | Class::MemoryFormat)) => {
+                Ok(self.alloc(Node::Ext(Object::Record {
+                    class,
+                    attrs: Vec::new(),
+                })))
+            }
+            Global::Class(class) => Err(self.err(format!("calling {class:?}"))),
+            Global::Getattr => match a {
+                [V::Global(Global::Class(Class::ShardedTensor)), V::Str(n)]
+                    if &**n == "ProcessGroupState" =>
+                {
+                    Ok(V::Global(Global::Class(Class::ProcessGroupState)))
+                }
+                _ => Err(self.err("getattr is only allowed for ShardedTensor.ProcessGroupState")),
+            },
+            Global::RebuildWrapperSubclass => {
+                Err(self.err("_rebuild_wrapper_subclass outside _rebuild_from_type_v2"))
+            }
+            Global::RebuildFromTypeV2 => match a {
+                [V::Global(Global::RebuildWrapperSubclass), V::Global(Global::Class(class @ (Class::ShardedTensor | Class::DTensor))), args, state] =>
+                {
+                    let Some(args) = self.tuple_items(args).map(<[V]>::to_vec) else {
+                        return Err(self.err("_rebuild_from_type_v2: args must be a tuple"));
+                    };
+                    self.rebuild_subclass(*class, &args, state)
+                }
+                _ => Err(self.err(
+                    "_rebuild_from_type_v2 is only allowed for _rebuild_wrapper_subclass of a ShardedTensor or DTensor",
+                )),
+            },
+            Global::Dtype(d) => Err(self.err(format!("calling {d}"))),
+        }
+    }
+
+    /// `_codecs.encode(s, 'latin1')`: how protocol 2 pickles `bytes`.
+    fn codecs_encode(&self, a: &[V]) -> Result<V> {
+        match a {
+            [V::Str(s), V::Str(enc)] if &**enc == "latin1" || &**enc == "latin-1" => {
+                let mut out = Vec::with_capacity(s.len());
+                for c in s.chars() {
+                    let b = u8::try_from(u32::from(c))
+                        .map_err(|_| self.err("_codecs.encode: character outside latin1"))?;
+                    out.push(b);
+                }
+                Ok(V::Bytes(Rc::from(out)))
+            }
+            _ => Err(self.err("_codecs.encode needs (str, 'latin1')")),
+        }
+    }
+
+    /// `BUILD`: sets the attributes of a record or an `OrderedDict`.
+    fn set_state(&mut self, state: V) -> Result<()> {
+        let i = self.top_obj()?;
+        if matches!(state, V::None) {
+            return Ok(());
+        }
+        if let Some(Object::Record { .. }) = self.object(&V::Obj(i)) {
+            return self.build_record(i, state);
+        }
+        let attrs: Vec<(String, V)> = match self.node(&state) {
+            Some(Node::Dict(d)) => {
+                let mut out = Vec::new();
+                for (k, v) in d.items() {
+                    let V::Str(k) = k else {
+                        return Err(self.err("BUILD state keys must be strings"));
+                    };
+                    out.push((k.to_string(), v.clone()));
+                }
+                out
+            }
+            _ => return Err(self.err(format!("BUILD with a {} state", self.kind(&state)))),
+        };
+        let kind = self.kind(&V::Obj(i));
+        match self.node_mut(i) {
+            Some(Node::Ext(Object::OrderedDict(_, existing))) => {
+                for (k, v) in attrs {
+                    match existing.iter_mut().find(|(n, _)| *n == k) {
+                        Some(slot) => slot.1 = v,
+                        None => existing.push((k, v)),
+                    }
+                }
+                Ok(())
+            }
+            _ => Err(self.err(format!("BUILD on a {kind}"))),
+        }
+    }
+
+    /// `BINPERSID`: a storage record `('storage', torch.<T>Storage, key, location, numel)`,
+    /// checked against the archive's entry the first time its key is seen.
+    fn storage_record(&mut self, pid: V) -> Result<V> {
+        let items = match self.tuple_items(&pid) {
+            Some(items) => items.to_vec(),
+            None => {
+                return Err(self.err(format!(
+                    "persistent id must be a tuple, found {}",
+                    self.kind(&pid)
+                )))
+            }
+        };
+        let [V::Str(tag), V::Global(class), V::Str(key), V::Str(_location), numel] =
+            items.as_slice()
+        else {
+            return Err(self
+                .err("persistent id must be ('storage', torch.<T>Storage, key, location, numel)"));
+        };
+        let dtype = match class {
+            Global::Storage(d) => Some(*d),
+            Global::UntypedStorage => None,
+            other => {
+                return Err(self.err(format!(
+                    "persistent id names {other:?}, not a storage class"
+                )))
+            }
+        };
+        if &**tag != "storage" {
+            return Err(self.err(format!("persistent id tag {tag:?} is not 'storage'")));
+        }
+        let numel = self.int_arg(numel, "storage numel")?;
+        if let Some(&(d, n)) = self.state.storages.get(key) {
+            if d != dtype {
+                let name = |d: Option<DType>| d.map_or("untyped".to_string(), |d| d.to_string());
+                return Err(self.storage_err(
+                    key,
+                    format!("viewed as both {} and {}", name(d), name(dtype)),
+                ));
+            }
+            if n != numel {
+                return Err(
+                    self.storage_err(key, format!("declared with {n} and {numel} elements"))
+                );
+            }
+            return Ok(V::Ext(Ext::Storage(key.clone(), dtype, numel)));
+        }
+        self.state
+            .tensors
+            .get_mut()
+            .declare(key, dtype.unwrap_or(DType::U8), numel)?;
+        self.state.storages.insert(key.clone(), (dtype, numel));
+        Ok(V::Ext(Ext::Storage(key.clone(), dtype, numel)))
+    }
+
+    fn to_pyobj(&self, v: &V, path: &Path<'_>, depth: usize, budget: &mut usize) -> Result<PyObj> {
+        if depth > MAX_DEPTH {
+            return Err(self.err(format!(
+                "containers nested deeper than {MAX_DEPTH} levels (or a cyclic reference)"
+            )));
+        }
+        if *budget == 0 {
+            return Err(
+                self.err("the object graph expands to too many objects (shared references)")
+            );
+        }
+        *budget -= 1;
+        Ok(match v {
+            V::None => PyObj::None,
+            V::Bool(b) => PyObj::Bool(*b),
+            V::Int(i) => PyObj::Int(*i),
+            V::BigInt(b) => PyObj::BigInt(b.to_vec()),
+            V::Float(x) => PyObj::Float(*x),
+            V::Str(s) => PyObj::Str(s.to_string()),
+            V::Bytes(b) => PyObj::Bytes(b.to_vec()),
+            V::Ext(Ext::Tensor(view)) => PyObj::Tensor(self.materialize(view, path)?),
+            V::Ext(Ext::Sharded(s)) => PyObj::Sharded(ShardedTensor {
+                global_shape: s.global_shape.clone(),
+                offsets: s.offsets.clone(),
+                local: match &s.local {
+                    Some(V::Ext(Ext::Tensor(view))) => Some(self.materialize(view, path)?),
+                    _ => None,
+                },
+            }),
+            V::Global(_) | V::Ext(Ext::Storage(..)) => {
+                return Err(self.err(format!(
+                    "a bare {} in the result is not supported",
+                    self.kind(v)
+                )))
+            }
+            V::Obj(_) => self.node_to_pyobj(v, path, depth, budget)?,
+        })
+    }
+
+    /// [`Vm::to_pyobj`] of a node of the arena.
+    fn node_to_pyobj(
+        &self,
+        v: &V,
+        path: &Path<'_>,
+        depth: usize,
+        budget: &mut usize,
+    ) -> Result<PyObj> {
+        let seq = |items: &[V], budget: &mut usize| -> Result<Vec<PyObj>> {
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, x)| self.to_pyobj(x, &Path::Index(path, i), depth + 1, budget))
+                .collect()
+        };
+        let pairs = |d: &Dict<Global, Ext>, budget: &mut usize| -> Result<Vec<(PyObj, PyObj)>> {
+            d.items()
+                .iter()
+                .map(|(k, v)| {
+                    Ok((
+                        self.to_pyobj(k, path, depth + 1, budget)?,
+                        self.to_pyobj(v, &Path::Key(path, k), depth + 1, budget)?,
+                    ))
+                })
+                .collect()
+        };
+        Ok(match self.node(v) {
+            Some(Node::Tuple(items)) => PyObj::Tuple(seq(items, budget)?),
+            Some(Node::List(items)) => PyObj::List(seq(items, budget)?),
+            Some(Node::Dict(d)) => PyObj::Dict(pairs(d, budget)?),
+            Some(Node::Ext(Object::Size(dims))) => PyObj::Size(dims.clone()),
+            Some(Node::Ext(Object::OrderedDict(d, attrs))) => PyObj::OrderedDict {
+                items: pairs(d, budget)?,
+                attrs: attrs
+                    .iter()
+                    .map(|(k, v)| {
+                        let at = Path::Attr(path, k);
+                        Ok((k.clone(), self.to_pyobj(v, &at, depth + 1, budget)?))
+                    })
+                    .collect::<Result<_>>()?,
+            },
+            Some(Node::Ext(Object::Record { class, .. })) => {
+                return Err(self.err(format!("a bare {class:?} in the result is not supported")))
+            }
+            None => return Err(self.err("a reference to no object")),
+        })
+    }
+}
