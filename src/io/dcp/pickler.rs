@@ -3,6 +3,7 @@
 
 use super::metadata::PathItem;
 use crate::error::Result;
+use crate::io::pickle::{op, Emitter};
 use crate::tensor::DType;
 
 const MD: &str = "torch.distributed.checkpoint.metadata";
@@ -27,218 +28,186 @@ pub(crate) struct StoredChunk<'a> {
     pub length: u64,
 }
 
-/// A minimal protocol-2 pickle writer (no memo: every object is written where it occurs).
+/// A protocol-2 writer of DCP's classes, without memo: every object is written where it
+/// occurs, and every int as `BININT` (or `LONG1` of 9 bytes).
 struct P {
-    out: Vec<u8>,
+    e: Emitter,
 }
 
 impl P {
-    fn global(&mut self, module: &str, name: &str) {
-        self.out.push(b'c');
-        self.out.extend_from_slice(module.as_bytes());
-        self.out.push(b'\n');
-        self.out.extend_from_slice(name.as_bytes());
-        self.out.push(b'\n');
-    }
-
-    fn str(&mut self, s: &str) {
-        self.out.push(b'X');
-        self.out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-        self.out.extend_from_slice(s.as_bytes());
-    }
-
     fn int(&mut self, v: u64) {
-        if let Ok(v) = i32::try_from(v) {
-            self.out.push(b'J');
-            self.out.extend_from_slice(&v.to_le_bytes());
-        } else {
-            // LONG1 with 8 bytes plus a sign byte.
-            self.out.extend_from_slice(&[0x8a, 9]);
-            self.out.extend_from_slice(&v.to_le_bytes());
-            self.out.push(0);
+        match i32::try_from(v) {
+            Ok(v) => self.e.binint(v),
+            // 8 bytes plus a sign byte.
+            Err(_) => self.e.long(&[&v.to_le_bytes()[..], &[0]].concat()),
         }
     }
 
-    /// `-n` (as `BININT`, or `LONG1` with 8 bytes plus a sign byte).
+    /// `-n`.
     fn negative_int(&mut self, n: u64) {
         match i32::try_from(n) {
-            Ok(v) => {
-                self.out.push(b'J');
-                self.out.extend_from_slice(&(-v).to_le_bytes());
-            }
-            Err(_) => {
-                self.out.extend_from_slice(&[0x8a, 9]);
-                self.out.extend_from_slice(&n.wrapping_neg().to_le_bytes());
-                self.out.push(0xff);
-            }
+            Ok(v) => self.e.binint(-v),
+            Err(_) => self
+                .e
+                .long(&[&n.wrapping_neg().to_le_bytes()[..], &[0xff]].concat()),
         }
-    }
-
-    fn none(&mut self) {
-        self.out.push(b'N');
-    }
-
-    fn bool(&mut self, b: bool) {
-        self.out.push(if b { 0x88 } else { 0x89 });
-    }
-
-    fn mark(&mut self) {
-        self.out.push(b'(');
-    }
-
-    fn tuple(&mut self) {
-        self.out.push(b't');
     }
 
     /// `torch.Size(dims)`.
     fn size(&mut self, dims: &[usize]) {
-        self.global("torch", "Size");
-        self.mark();
+        self.e.global("torch", "Size");
+        self.e.op(op::MARK);
         for &d in dims {
             self.int(d as u64);
         }
-        self.tuple();
-        self.out.push(0x85); // TUPLE1
-        self.out.push(b'R');
+        self.e.op(op::TUPLE);
+        self.e.op(op::TUPLE1);
+        self.e.op(op::REDUCE);
+    }
+
+    /// `cls()` via `NEWOBJ`.
+    fn new_instance(&mut self, module: &str, cls: &str) {
+        self.e.global(module, cls);
+        self.e.op(op::EMPTY_TUPLE);
+        self.e.op(op::NEWOBJ);
     }
 
     /// `cls()` via `NEWOBJ`, then `BUILD` with the attribute dict `fill` writes.
     fn instance(&mut self, module: &str, cls: &str, fill: impl FnOnce(&mut P)) {
-        self.global(module, cls);
-        self.out.push(b')');
-        self.out.push(0x81);
-        self.out.push(b'}');
-        self.mark();
+        self.new_instance(module, cls);
+        self.dict(fill);
+        self.e.op(op::BUILD);
+    }
+
+    /// A dict of the items `fill` writes.
+    fn dict(&mut self, fill: impl FnOnce(&mut P)) {
+        self.e.op(op::EMPTY_DICT);
+        self.e.op(op::MARK);
         fill(self);
-        self.out.push(b'u');
-        self.out.push(b'b');
+        self.e.op(op::SETITEMS);
     }
 
     fn tensor_properties(&mut self, dtype: DType) {
-        self.global(MD, "TensorProperties");
-        self.out.push(b')');
-        self.out.push(0x81);
+        self.new_instance(MD, "TensorProperties");
         // The __getstate__ tuple: (dtype, layout, requires_grad, memory format, pin_memory).
-        self.mark();
-        self.global("torch", dtype.torch_attr());
-        self.global("torch", "strided");
-        self.bool(false);
-        self.global(MD, "_MEM_FORMAT_ENCODING");
+        self.e.op(op::MARK);
+        self.e.global("torch", dtype.torch_attr());
+        self.e.global("torch", "strided");
+        self.e.bool(false);
+        self.e.global(MD, "_MEM_FORMAT_ENCODING");
         self.int(0);
-        self.out.push(0x85);
-        self.out.push(b'R');
-        self.bool(false);
-        self.tuple();
-        self.out.push(b'b');
+        self.e.op(op::TUPLE1);
+        self.e.op(op::REDUCE);
+        self.e.bool(false);
+        self.e.op(op::TUPLE);
+        self.e.op(op::BUILD);
     }
 }
 
 /// The `.metadata` bytes for `records`, with `checkpoint_id` (relative) in `storage_meta`.
 pub(crate) fn metadata_pickle(records: &[Record<'_>], checkpoint_id: &str) -> Result<Vec<u8>> {
-    let mut p = P { out: vec![0x80, 2] };
+    let mut p = P { e: Emitter::new(2) };
     p.instance(MD, "Metadata", |p| {
-        p.str("state_dict_metadata");
-        p.out.push(b'}');
-        p.mark();
-        for r in records {
-            p.str(r.key);
-            state_dict_entry(p, r);
-        }
-        p.out.push(b'u');
-        p.str("planner_data");
-        p.out.push(b'}');
-        p.mark();
-        for r in records {
-            p.str(r.key);
-            p.mark();
-            for item in r.path {
-                match item {
-                    PathItem::Key(k) => p.str(k),
-                    PathItem::Index(i) => p.int(*i as u64),
-                    PathItem::FromEnd(n) => p.negative_int(*n as u64),
+        p.e.str("state_dict_metadata");
+        p.dict(|p| {
+            for r in records {
+                p.e.str(r.key);
+                state_dict_entry(p, r);
+            }
+        });
+        p.e.str("planner_data");
+        p.dict(|p| {
+            for r in records {
+                p.e.str(r.key);
+                planner_path(p, r.path);
+            }
+        });
+        p.e.str("storage_data");
+        p.dict(|p| {
+            for r in records {
+                for (i, c) in r.chunks.iter().enumerate() {
+                    storage_entry(p, r, i, c);
                 }
             }
-            p.tuple();
-        }
-        p.out.push(b'u');
-        p.str("storage_data");
-        p.out.push(b'}');
-        p.mark();
-        for r in records {
-            for (i, c) in r.chunks.iter().enumerate() {
-                storage_entry(p, r, i, c);
-            }
-        }
-        p.out.push(b'u');
-        p.str("storage_meta");
-        p.instance(MD, "StorageMeta", |p| {
-            p.str("checkpoint_id");
-            p.str(checkpoint_id);
-            p.str("save_id");
-            p.str(&save_id());
-            p.str("load_id");
-            p.none();
-            p.str("modules");
-            p.out.push(b']');
         });
-        p.str("version");
-        p.str("1.0.0");
+        p.e.str("storage_meta");
+        p.instance(MD, "StorageMeta", |p| {
+            p.e.str("checkpoint_id");
+            p.e.str(checkpoint_id);
+            p.e.str("save_id");
+            p.e.str(&save_id());
+            p.e.str("load_id");
+            p.e.none();
+            p.e.str("modules");
+            p.e.op(op::EMPTY_LIST);
+        });
+        p.e.str("version");
+        p.e.str("1.0.0");
     });
-    p.out.push(b'.');
-    Ok(p.out)
+    Ok(p.e.finish())
+}
+
+/// A key's path in `planner_data`: a tuple of strings and ints.
+fn planner_path(p: &mut P, path: &[PathItem]) {
+    p.e.op(op::MARK);
+    for item in path {
+        match item {
+            PathItem::Key(k) => p.e.str(k),
+            PathItem::Index(i) => p.int(*i as u64),
+            PathItem::FromEnd(n) => p.negative_int(*n as u64),
+        }
+    }
+    p.e.op(op::TUPLE);
 }
 
 fn state_dict_entry(p: &mut P, r: &Record<'_>) {
     match r.tensor {
-        None => {
-            p.global(MD, "BytesStorageMetadata");
-            p.out.extend_from_slice(&[b')', 0x81]);
-        }
+        None => p.new_instance(MD, "BytesStorageMetadata"),
         Some((dtype, shape)) => p.instance(MD, "TensorStorageMetadata", |p| {
-            p.str("properties");
+            p.e.str("properties");
             p.tensor_properties(dtype);
-            p.str("size");
+            p.e.str("size");
             p.size(shape);
-            p.str("chunks");
-            p.out.push(b']');
-            p.mark();
+            p.e.str("chunks");
+            p.e.op(op::EMPTY_LIST);
+            p.e.op(op::MARK);
             for c in &r.chunks {
                 p.instance(MD, "ChunkStorageMetadata", |p| {
-                    p.str("offsets");
+                    p.e.str("offsets");
                     p.size(c.offsets);
-                    p.str("sizes");
+                    p.e.str("sizes");
                     p.size(c.sizes);
                 });
             }
-            p.out.push(b'e');
+            p.e.op(op::APPENDS);
         }),
     }
 }
 
 fn storage_entry(p: &mut P, r: &Record<'_>, index: usize, c: &StoredChunk<'_>) {
     p.instance(MD, "MetadataIndex", |p| {
-        p.str("fqn");
-        p.str(r.key);
-        p.str("offset");
+        p.e.str("fqn");
+        p.e.str(r.key);
+        p.e.str("offset");
         match r.tensor {
             Some(_) => p.size(c.offsets),
-            None => p.none(),
+            None => p.e.none(),
         }
-        p.str("index");
+        p.e.str("index");
         match r.tensor {
             Some(_) => p.int(index as u64),
-            None => p.none(),
+            None => p.e.none(),
         }
     });
     p.instance(
         "torch.distributed.checkpoint.filesystem",
         "_StorageInfo",
         |p| {
-            p.str("relative_path");
-            p.str(c.file);
-            p.str("offset");
+            p.e.str("relative_path");
+            p.e.str(c.file);
+            p.e.str("offset");
             p.int(c.offset);
-            p.str("length");
+            p.e.str("length");
             p.int(c.length);
         },
     );

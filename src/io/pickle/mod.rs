@@ -2,14 +2,17 @@
 //! ([`crate::io::torch_save`]) and DCP's `.metadata` ([`crate::io::dcp`]).
 //!
 //! [`op`] names the opcodes; [`machine::Machine`] runs a stream, with the allowed globals as
-//! a parameter ([`Globals`]) and what a format builds behind [`machine::Format`]. Like `torch.load(weights_only=True)` and unlike
+//! a parameter ([`Globals`]) and what a format builds behind [`machine::Format`];
+//! [`emit::Emitter`] writes one. Like `torch.load(weights_only=True)` and unlike
 //! `pickle.load`, nothing a stream names is ever executed.
 
+pub(crate) mod emit;
 pub(crate) mod long;
 pub(crate) mod machine;
 pub(crate) mod op;
 pub(crate) mod value;
 
+pub(crate) use emit::Emitter;
 pub(crate) use machine::{Format, Machine};
 pub(crate) use value::{Dict, Node, Value};
 

@@ -86,6 +86,9 @@ opcodes! {
     READONLY_BUFFER = 0x98,
 }
 
+/// The opcodes that build a tuple of the top 1, 2 or 3 items, by that count less one.
+pub(crate) const TUPLE_N: [u8; 3] = [TUPLE1, TUPLE2, TUPLE3];
+
 /// The name of opcode `op` (`UNKNOWN` for a byte that is no pickle opcode).
 pub(crate) fn name(op: u8) -> &'static str {
     TABLE

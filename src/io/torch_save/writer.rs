@@ -5,7 +5,7 @@ use super::pyobj::PyObj;
 use super::unpickle::{contiguous_strides, MAX_DEPTH};
 use super::zip::{Positioned, ZipWriter};
 use crate::error::{Error, Result};
-use crate::io::pickle::long;
+use crate::io::pickle::{op, Emitter};
 use crate::tensor::{DType, HostTensor};
 use std::collections::HashMap;
 use std::io::Write;
@@ -237,87 +237,44 @@ impl<'a> StoragePlan<'a> {
     }
 }
 
-/// A protocol-2 pickler.
+/// A protocol-2 pickler: the bytes Python's pickler writes for the same values. Python
+/// memoizes by identity; here equal strings and equal globals count as one object, written
+/// once and then fetched from the memo.
 struct Pickler<'a> {
-    out: Vec<u8>,
-    next_memo: u32,
+    e: Emitter,
     strings: HashMap<&'a str, u32>,
+    /// Memo index of each global written, by an id of its own.
     globals: HashMap<&'static str, u32>,
     plan: StoragePlan<'a>,
 }
 
 impl<'a> Pickler<'a> {
-    fn memoize(&mut self) -> Option<u32> {
-        let i = self.next_memo;
-        if i < 256 {
-            self.out.extend_from_slice(&[b'q', i as u8]);
-        } else {
-            self.out.push(b'r');
-            self.out.extend_from_slice(&i.to_le_bytes());
-        }
-        self.next_memo = self.next_memo.checked_add(1)?;
-        Some(i)
-    }
-
-    fn get(&mut self, i: u32) {
-        if i < 256 {
-            self.out.extend_from_slice(&[b'h', i as u8]);
-        } else {
-            self.out.push(b'j');
-            self.out.extend_from_slice(&i.to_le_bytes());
-        }
-    }
-
     fn global(&mut self, module: &'static str, name: &'static str, id: &'static str) {
         if let Some(&i) = self.globals.get(id) {
-            self.get(i);
+            self.e.get(i);
             return;
         }
-        self.out.push(b'c');
-        self.out.extend_from_slice(module.as_bytes());
-        self.out.push(b'\n');
-        self.out.extend_from_slice(name.as_bytes());
-        self.out.push(b'\n');
-        if let Some(i) = self.memoize() {
+        self.e.global(module, name);
+        if let Some(i) = self.e.memoize() {
             self.globals.insert(id, i);
         }
     }
 
     fn str(&mut self, s: &'a str) {
         if let Some(&i) = self.strings.get(s) {
-            self.get(i);
+            self.e.get(i);
             return;
         }
-        self.out.push(b'X');
-        self.out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-        self.out.extend_from_slice(s.as_bytes());
-        if let Some(i) = self.memoize() {
+        self.e.str(s);
+        if let Some(i) = self.e.memoize() {
             self.strings.insert(s, i);
         }
     }
 
-    fn int(&mut self, v: i64) {
-        if (0..256).contains(&v) {
-            self.out.extend_from_slice(&[b'K', v as u8]);
-        } else if (0..65536).contains(&v) {
-            self.out.push(b'M');
-            self.out.extend_from_slice(&(v as u16).to_le_bytes());
-        } else if let Ok(v) = i32::try_from(v) {
-            self.out.push(b'J');
-            self.out.extend_from_slice(&v.to_le_bytes());
-        } else {
-            self.long(&long::encode(i128::from(v)));
-        }
-    }
-
-    fn long(&mut self, b: &[u8]) {
-        if b.len() < 256 {
-            self.out.extend_from_slice(&[0x8a, b.len() as u8]);
-        } else {
-            self.out.push(0x8b);
-            self.out.extend_from_slice(&(b.len() as u32).to_le_bytes());
-        }
-        self.out.extend_from_slice(b);
+    /// A string Python would not meet again (memoized, never fetched).
+    fn fresh_str(&mut self, s: &str) {
+        self.e.str(s);
+        self.e.memoize();
     }
 
     fn tuple_of<T>(
@@ -325,24 +282,26 @@ impl<'a> Pickler<'a> {
         items: &'a [T],
         mut f: impl FnMut(&mut Self, &'a T) -> Result<()>,
     ) -> Result<()> {
-        match items.len() {
-            0 => self.out.push(b')'),
-            n @ 1..=3 => {
-                for x in items {
-                    f(self, x)?;
-                }
-                self.out.push(0x84 + n as u8);
-            }
-            _ => {
-                self.out.push(b'(');
-                for x in items {
-                    f(self, x)?;
-                }
-                self.out.push(b't');
-            }
+        self.e.tuple_start(items.len());
+        for x in items {
+            f(self, x)?;
         }
-        self.memoize();
+        self.e.tuple_end(items.len());
+        self.e.memoize();
         Ok(())
+    }
+
+    /// A tuple of sizes (a shape or strides): as [`Pickler::tuple_of`], but an empty one is
+    /// not memoized.
+    fn dims(&mut self, dims: &[usize]) {
+        self.e.tuple_start(dims.len());
+        for &d in dims {
+            self.e.int(d as i64);
+        }
+        self.e.tuple_end(dims.len());
+        if !dims.is_empty() {
+            self.e.memoize();
+        }
     }
 
     fn set_items<K, V>(
@@ -352,16 +311,31 @@ impl<'a> Pickler<'a> {
     ) -> Result<()> {
         for batch in items.chunks(BATCH) {
             if batch.len() > 1 {
-                self.out.push(b'(');
+                self.e.op(op::MARK);
             }
             for (k, v) in batch {
                 f(self, k, v)?;
             }
-            self.out.push(if batch.len() > 1 { b'u' } else { b's' });
+            self.e.op(if batch.len() > 1 {
+                op::SETITEMS
+            } else {
+                op::SETITEM
+            });
         }
         Ok(())
     }
 
+    /// An empty `collections.OrderedDict()`, memoized.
+    fn ordered_dict(&mut self) {
+        self.global("collections", "OrderedDict", "OrderedDict");
+        self.e.op(op::EMPTY_TUPLE);
+        self.e.op(op::REDUCE);
+        self.e.memoize();
+    }
+
+    /// `_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())` of a typed
+    /// storage, or `_rebuild_tensor_v3(..., dtype)` of an untyped one for the dtypes that
+    /// have no typed storage class.
     fn tensor(&mut self, t: &'a HostTensor) -> Result<()> {
         let (key, numel, offset) = self.plan.place(t);
         let class = t.dtype().storage_class();
@@ -369,145 +343,98 @@ impl<'a> Pickler<'a> {
             Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
             None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
         }
-        self.out.push(b'(');
+        self.e.op(op::MARK);
         // Persistent id: ('storage', torch.<T>Storage, key, 'cpu', numel), or
         // ('storage', torch.storage.UntypedStorage, key, 'cpu', bytes).
-        self.out.push(b'(');
+        self.e.op(op::MARK);
         self.str("storage");
         match class {
             Some(class) => self.global("torch", class, class),
             None => self.global("torch.storage", "UntypedStorage", "UntypedStorage"),
         }
-        let key_s = key.to_string();
-        self.out.push(b'X');
-        self.out
-            .extend_from_slice(&(key_s.len() as u32).to_le_bytes());
-        self.out.extend_from_slice(key_s.as_bytes());
-        self.memoize();
+        self.fresh_str(&key.to_string());
         self.str("cpu");
         let units = if class.is_some() { 1 } else { t.dtype().size() };
-        self.int((numel * units) as i64);
-        self.out.push(b't');
-        self.memoize();
-        self.out.push(b'Q');
-        self.int(offset as i64);
+        self.e.int((numel * units) as i64);
+        self.e.op(op::TUPLE);
+        self.e.memoize();
+        self.e.op(op::BINPERSID);
+        self.e.int(offset as i64);
         let lazy_shape = self.plan.lazy_shape(t);
         let shape = lazy_shape.as_deref().unwrap_or(t.shape());
-        let strides = contiguous_strides(shape);
-        for dims in [shape, &strides[..]] {
-            match dims.len() {
-                0 => self.out.push(b')'),
-                n @ 1..=3 => {
-                    for &d in dims {
-                        self.int(d as i64);
-                    }
-                    self.out.push(0x84 + n as u8);
-                    self.memoize();
-                }
-                _ => {
-                    self.out.push(b'(');
-                    for &d in dims {
-                        self.int(d as i64);
-                    }
-                    self.out.push(b't');
-                    self.memoize();
-                }
-            }
-        }
-        self.out.push(0x89); // requires_grad=False
-        self.global("collections", "OrderedDict", "OrderedDict");
-        self.out.extend_from_slice(b")R");
-        self.memoize();
+        self.dims(shape);
+        self.dims(&contiguous_strides(shape));
+        self.e.bool(false); // requires_grad
+        self.ordered_dict();
         if class.is_none() {
-            let name = t.dtype().torch_name();
-            let attr = name.strip_prefix("torch.").unwrap_or(name);
-            self.global("torch", attr, name);
+            let d = t.dtype();
+            self.global("torch", d.torch_attr(), d.torch_name());
         }
-        self.out.push(b't');
-        self.memoize();
-        self.out.push(b'R');
-        self.memoize();
+        self.e.op(op::TUPLE);
+        self.e.memoize();
+        self.e.op(op::REDUCE);
+        self.e.memoize();
         Ok(())
+    }
+
+    /// `bytes`: protocol 2 has no bytes opcode, so Python writes
+    /// `_codecs.encode(latin1_str, 'latin1')`.
+    fn bytes(&mut self, b: &[u8]) {
+        self.global("_codecs", "encode", "encode");
+        let latin1: String = b.iter().map(|&c| char::from(c)).collect();
+        self.fresh_str(&latin1);
+        self.str("latin1");
+        self.e.op(op::TUPLE2);
+        self.e.memoize();
+        self.e.op(op::REDUCE);
+        self.e.memoize();
     }
 
     fn obj(&mut self, o: &'a PyObj) -> Result<()> {
         match o {
-            PyObj::None => self.out.push(b'N'),
-            PyObj::Bool(b) => self.out.push(if *b { 0x88 } else { 0x89 }),
-            PyObj::Int(i) => self.int(*i),
-            PyObj::BigInt(b) => self.long(b),
-            PyObj::Float(x) => {
-                self.out.push(b'G');
-                self.out.extend_from_slice(&x.to_be_bytes());
-            }
+            PyObj::None => self.e.none(),
+            PyObj::Bool(b) => self.e.bool(*b),
+            PyObj::Int(i) => self.e.int(*i),
+            PyObj::BigInt(b) => self.e.long(b),
+            PyObj::Float(x) => self.e.float(*x),
             PyObj::Str(s) => self.str(s),
-            PyObj::Bytes(b) => {
-                // Protocol 2 has no bytes opcode: Python writes _codecs.encode(latin1, 'latin1').
-                self.global("_codecs", "encode", "encode");
-                let latin1: String = b.iter().map(|&c| char::from(c)).collect();
-                self.out.push(b'X');
-                self.out
-                    .extend_from_slice(&(latin1.len() as u32).to_le_bytes());
-                self.out.extend_from_slice(latin1.as_bytes());
-                self.memoize();
-                self.str("latin1");
-                self.out.extend_from_slice(&[0x86]);
-                self.memoize();
-                self.out.push(b'R');
-                self.memoize();
-            }
+            PyObj::Bytes(b) => self.bytes(b),
             PyObj::Tuple(items) => self.tuple_of(items, |p, x| p.obj(x))?,
             PyObj::Size(dims) => {
                 // As Python pickles it: torch.Size((d0, d1, ...)).
                 self.global("torch", "Size", "Size");
                 self.tuple_of(dims, |p, &d| {
-                    p.int(d);
+                    p.e.int(d);
                     Ok(())
                 })?;
-                self.out.push(0x85);
-                self.memoize();
-                self.out.push(b'R');
-                self.memoize();
+                self.e.op(op::TUPLE1);
+                self.e.memoize();
+                self.e.op(op::REDUCE);
+                self.e.memoize();
             }
             PyObj::List(items) => {
-                self.out.push(b']');
-                self.memoize();
+                self.e.op(op::EMPTY_LIST);
+                self.e.memoize();
                 for batch in items.chunks(BATCH) {
                     if batch.len() > 1 {
-                        self.out.push(b'(');
+                        self.e.op(op::MARK);
                     }
                     for x in batch {
                         self.obj(x)?;
                     }
-                    self.out.push(if batch.len() > 1 { b'e' } else { b'a' });
+                    self.e
+                        .op(if batch.len() > 1 { op::APPENDS } else { op::APPEND });
                 }
             }
             PyObj::Dict(items) => {
-                self.out.push(b'}');
-                self.memoize();
+                self.e.op(op::EMPTY_DICT);
+                self.e.memoize();
                 self.set_items(items, |p, k, v| {
                     p.obj(k)?;
                     p.obj(v)
                 })?;
             }
-            PyObj::OrderedDict { items, attrs } => {
-                self.global("collections", "OrderedDict", "OrderedDict");
-                self.out.extend_from_slice(b")R");
-                self.memoize();
-                self.set_items(items, |p, k, v| {
-                    p.obj(k)?;
-                    p.obj(v)
-                })?;
-                if !attrs.is_empty() {
-                    self.out.push(b'}');
-                    self.memoize();
-                    self.set_items(attrs, |p, k, v| {
-                        p.str(k);
-                        p.obj(v)
-                    })?;
-                    self.out.push(b'b');
-                }
-            }
+            PyObj::OrderedDict { items, attrs } => self.ordered_dict_of(items, attrs)?,
             PyObj::Tensor(t) => self.tensor(t)?,
             PyObj::Sharded(s) => {
                 return Err(Error::Unsupported(format!(
@@ -515,6 +442,29 @@ impl<'a> Pickler<'a> {
                     s.global_shape
                 )))
             }
+        }
+        Ok(())
+    }
+
+    /// An `OrderedDict` with its items, and its attributes set by `BUILD`.
+    fn ordered_dict_of(
+        &mut self,
+        items: &'a [(PyObj, PyObj)],
+        attrs: &'a [(String, PyObj)],
+    ) -> Result<()> {
+        self.ordered_dict();
+        self.set_items(items, |p, k, v| {
+            p.obj(k)?;
+            p.obj(v)
+        })?;
+        if !attrs.is_empty() {
+            self.e.op(op::EMPTY_DICT);
+            self.e.memoize();
+            self.set_items(attrs, |p, k, v| {
+                p.str(k);
+                p.obj(v)
+            })?;
+            self.e.op(op::BUILD);
         }
         Ok(())
     }
@@ -581,19 +531,17 @@ impl<'a> Archive<'a> {
     fn new(obj: &'a PyObj, name: &'a str, file: &'a str, lazy: &dyn LazyTensors) -> Result<Self> {
         let plan = StoragePlan::new(obj, lazy)?;
         let mut p = Pickler {
-            out: vec![0x80, 2],
-            next_memo: 0,
+            e: Emitter::new(2),
             strings: HashMap::new(),
             globals: HashMap::new(),
             plan,
         };
         p.obj(obj)?;
-        p.out.push(b'.');
         let storages = p.plan.in_key_order();
         Ok(Archive {
             name,
             file,
-            pickle: p.out,
+            pickle: p.e.finish(),
             storages,
         })
     }
