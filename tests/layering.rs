@@ -138,6 +138,39 @@ fn every_module_imports_only_lower_layers() {
     );
 }
 
+/// `io::pickle` is the codec under `io::torch_save` and `io::dcp`: it knows neither format
+/// (each brings its allow-list and objects), so nothing in it names them.
+#[test]
+fn the_pickle_codec_uses_no_format_built_on_it() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/io/pickle");
+    let mut files = Vec::new();
+    rust_files(&dir, &mut files);
+    assert!(!files.is_empty());
+    let mut violations = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (i, line) in text.lines().enumerate() {
+            let code = line.trim_start();
+            if code.starts_with("//") {
+                continue;
+            }
+            if [
+                "io::torch_save",
+                "io::dcp",
+                "super::super",
+                "super::torch_save",
+                "super::dcp",
+            ]
+            .iter()
+            .any(|p| code.contains(p))
+            {
+                violations.push(format!("{}:{}: {code}", file.display(), i + 1));
+            }
+        }
+    }
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+}
+
 #[test]
 fn the_checker_sees_grouped_and_plain_paths_but_not_comments() {
     let text = "use crate::optim_state::ParamKey;\n// crate::fsdp::Fsdp\nuse crate::{model, io::torch_save};\nlet x = crate::tensor::DType::F32; // ok\n";

@@ -1,5 +1,5 @@
 //! Pickle opcodes (protocols 0–5): one constant per opcode and one table of their names,
-//! both written out once by [`opcodes!`] from the same list, as Python's `pickle` module names
+//! both written out once by `opcodes!` from the same list, as Python's `pickle` module names
 //! them.
 
 /// Defines one `pub(crate) const NAME: u8` per opcode and [`TABLE`], which pairs each byte
