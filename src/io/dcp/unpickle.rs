@@ -239,12 +239,13 @@ fn reduce(m: &mut Machine<'_, DcpMetadata>, f: Global, a: &[V]) -> Result<V> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::io::pickle::op;
 
     /// `{KEY: 1}` as protocol-2 opcodes, with `key` the opcodes that push the key.
     fn dict_with_key(key: &[u8]) -> Vec<u8> {
-        let mut p = vec![0x80, 2, b'}', b'('];
+        let mut p = vec![op::PROTO, 2, op::EMPTY_DICT, op::MARK];
         p.extend_from_slice(key);
-        p.extend_from_slice(&[b'K', 1, b'u', b'.']);
+        p.extend_from_slice(&[op::BININT1, 1, op::SETITEMS, op::STOP]);
         p
     }
 
@@ -252,9 +253,9 @@ mod tests {
     fn a_dict_key_python_cannot_hash_is_refused_and_a_tuple_of_ints_is_not() {
         // `[]`, `{}`, `([],)` (TUPLE1 of an empty list) as keys: a TypeError in Python.
         for (what, key) in [
-            ("list", vec![b']']),
-            ("dict", vec![b'}']),
-            ("tuple of a list", vec![b']', 0x85]),
+            ("list", vec![op::EMPTY_LIST]),
+            ("dict", vec![op::EMPTY_DICT]),
+            ("tuple of a list", vec![op::EMPTY_LIST, op::TUPLE1]),
         ] {
             let e = unpickle("m", &dict_with_key(&key)).err();
             assert!(
@@ -263,7 +264,7 @@ mod tests {
             );
         }
         // `(7,)`.
-        assert!(unpickle("m", &dict_with_key(&[b'K', 7, 0x85])).is_ok());
+        assert!(unpickle("m", &dict_with_key(&[op::BININT1, 7, op::TUPLE1])).is_ok());
     }
 
     #[test]
