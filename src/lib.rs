@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod collectives;
+pub mod convert;
 pub mod error;
 pub mod flat_param;
 pub mod fully_shard;

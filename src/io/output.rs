@@ -793,48 +793,8 @@ pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
     sync_dir(&parent)
 }
 
-/// One output file written by every process of `pg` at once, its layout planned beforehand
-/// (`len` bytes): process 0 creates the temporary beside `out`, every process runs `share` on
-/// it (writing its own byte ranges; the temporary's path is for messages) and syncs it, and
-/// once all of them succeeded process 0 runs `finish` with every process's report, in rank
-/// order (writing what is left), and installs the file. A failure anywhere fails every
-/// process with the lowest failing one's error, removes the temporary and leaves `out` as it
-/// was. Returns the reports.
-pub(crate) fn write_planned_in_group<T: serde::Serialize + serde::de::DeserializeOwned>(
-    out: &Path,
-    len: u64,
-    pg: &dyn crate::collectives::ProcessGroup,
-    share: impl FnOnce(&File, &Path) -> Result<T>,
-    finish: impl FnOnce(&File, &Path, &[T]) -> Result<()>,
-) -> Result<Vec<T>> {
-    use crate::collectives::ProcessGroupExt;
-    let tmp = pg.on_root(|| create_planned_file(out, len))?;
-    let open = || {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&tmp)
-            .map_err(tmp_io_err("opening", out, &tmp))
-    };
-    let mine = open().and_then(|file| {
-        let report = share(&file, &tmp)?;
-        file.sync_all().map_err(tmp_io_err("syncing", out, &tmp))?;
-        Ok(report)
-    });
-    let committed = pg.all_gather_agreed(mine).and_then(|all| {
-        pg.on_root(|| {
-            finish(&open()?, &tmp, &all)?;
-            finish_planned_file(&tmp, out)
-        })?;
-        Ok(all)
-    });
-    if committed.is_err() && pg.rank() == 0 {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    committed
-}
-
 /// The process of `world_size` that writes the byte at `offset` of `len` bytes shared out
-/// by a planned writer ([`write_planned_in_group`]): the bytes are cut into `world_size`
+/// by a planned writer (`convert`'s coordinator): the bytes are cut into `world_size`
 /// spans of equal length, one per process in rank order.
 pub(crate) fn writer_of(offset: u64, len: u64, world_size: usize) -> usize {
     let share = offset as u128 * world_size as u128 / len.max(1) as u128;
