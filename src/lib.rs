@@ -22,18 +22,20 @@ pub mod placement;
 pub mod state_dict;
 pub mod tensor;
 
-mod fsdp;
+mod fsdp1;
+mod fsdp2;
 
 pub use optim_state::OptimStateKeyType;
 
 pub use error::{Error, LookupSite, Result};
-pub use fsdp::*;
+pub use fsdp1::*;
+pub use fsdp2::FullyShardedModel;
 pub use model::{FsdpVersion, ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
 pub use offline::DescFile;
 pub use optim_state::{
     OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
 };
-pub use state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+pub use state_dict::{OptimStateDictApi, StateDictOptions};
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use tensor::TchTensor;

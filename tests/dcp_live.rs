@@ -465,7 +465,8 @@ fn fsdp2_wrapping() -> WrapPolicy {
 
 #[test]
 fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_sizes() {
-    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::state_dict::{OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::FullyShardedModel;
     let model = net();
     let full = full_adam(&model);
     let tmp = tempfile::tempdir().unwrap();
@@ -535,7 +536,8 @@ fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_s
 
 #[test]
 fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_world_size() {
-    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::state_dict::{OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::FullyShardedModel;
     let model = net();
     // PyTorch's FSDP2 directory saved at 4 ranks, loaded at 3 and 1: the full dict gathered
     // back is the one dcp_to_torch_save wrote.
@@ -603,7 +605,8 @@ fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_wo
 #[test]
 fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_models() {
     use fsdp::state_dict::StateDictOptions;
-    use fsdp::state_dict::{FullyShardedModel, ModelStateDict, OptimStateDictApi, StateDictApi};
+    use fsdp::state_dict::{ModelStateDict, OptimStateDictApi, StateDictApi};
+    use fsdp::FullyShardedModel;
     // gen.py's Net(tied=True): `out.weight` is `embed.weight`, so `model.state_dict()` and
     // PyTorch's `dcp.load` want both names.
     let mut model = net();

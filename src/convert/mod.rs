@@ -15,7 +15,7 @@
 //!
 //! This module is the coordinator of PyTorch DCP's split: the formats in [`crate::io`] plan
 //! each output (which bytes go where) and move the bytes of one share; the functions here run
-//! the plan over the group ([`coordinate`]).
+//! the plan over the group (`coordinate.rs`).
 //!
 //! ```no_run
 //! use fsdp::collectives::Solo;

@@ -43,7 +43,7 @@
 use crate::collectives::{ProcessGroup, ThreadGroup};
 use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
-use crate::fsdp::Fsdp;
+use crate::fsdp1::Fsdp;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
