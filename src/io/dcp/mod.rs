@@ -24,12 +24,12 @@ mod unpickle;
 mod write;
 
 pub use metadata::{
-    parse_metadata, Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey,
-    TensorMeta, MAX_METADATA_BYTES,
+    Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey, TensorMeta,
+    MAX_CHUNKS_PER_TENSOR, MAX_METADATA_BYTES,
 };
 pub(crate) use pickler::{metadata_pickle, Record, StoredChunk};
 pub(crate) use plan::nest;
-pub use plan::{check_tiling, flat_range_boxes, place_chunk, MAX_CHUNKS_PER_TENSOR};
+pub use plan::{check_tiling, flat_range_boxes, place_chunk};
 pub use read::{
     read_metadata, summary, verify, DcpCheckpoint, DcpSummary, EntrySummary, FileSummary,
     VerifyReport,
@@ -40,6 +40,18 @@ pub use write::save_dcp;
 pub(crate) use write::PlannedDcp;
 
 use crate::error::Result;
+
+/// Parses the bytes of a `.metadata` file (`file` names it in errors): its records, and the
+/// nested dict's paths checked and placed as PyTorch's loader places them
+/// ([`plan::check_paths`]).
+pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
+    let metadata = metadata::extract_metadata(file, data)?;
+    let placed = plan::check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
+    Ok(Metadata {
+        entries: placed.apply(metadata.entries),
+        ..metadata
+    })
+}
 use crate::io::safetensors::FileTensors as SafetensorsTensors;
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::FileTensors as TorchSaveTensors;

@@ -2,12 +2,10 @@
 //! once, where each chunk's bytes land in the assembled tensor, and the nested state dict
 //! structure that `planner_data` describes. No file is touched here.
 
+use super::metadata::MAX_CHUNKS_PER_TENSOR;
 use super::metadata::{Chunk, Entry, EntryKind, PathItem};
 use crate::io::torch_save::PyObj;
 use std::collections::HashMap;
-
-/// Most chunks one tensor may have (the overlap check compares pairs of chunks).
-pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 14;
 
 /// Number of elements of a box, or `None` on overflow.
 pub fn volume(sizes: &[usize]) -> Option<usize> {

@@ -2,8 +2,7 @@
 //! the consolidation, verification and summary built on them.
 
 use super::metadata::{
-    parse_metadata, Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta,
-    MAX_METADATA_BYTES,
+    Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
 };
 use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
 use crate::error::{Error, Result};
@@ -422,7 +421,7 @@ fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
         crate::io::output::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
         other => refused(other.to_string()),
     })?;
-    parse_metadata(&name, &data)
+    super::parse_metadata(&name, &data)
 }
 
 /// The placeholders of a nested DCP state dict ([`Placeholders`]), streamed one assembled
