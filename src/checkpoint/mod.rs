@@ -34,16 +34,17 @@ pub(crate) mod stream;
 mod summary;
 
 pub use background::{BackgroundSaver, SaveMode};
-pub use dcp::{load_dcp, read_optim_by_param, save_dcp, save_sharded_dcp};
+pub(crate) use dcp::{load_dcp, read_optim_by_param, save_dcp, save_sharded_dcp};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
-    block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
-    CHECKPOINT_DIR, CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
+    read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue, CHECKPOINT_DIR, COMMIT,
+    FORMAT, MANIFEST, VERSION,
 };
 pub use reshard::{reshard, reshard_with};
+pub(crate) use save::save;
 #[cfg(feature = "fault-injection")]
 pub use save::CrashPoint;
-pub use save::{save, SaveOptions};
+pub use save::SaveOptions;
 pub use summary::{FileSummary, Summary};
 
 use crate::collectives::ProcessGroup;

@@ -10,7 +10,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
 /// Name under which FSDP registers a flat parameter on its unit.
-pub const FLAT_PARAM: &str = "_flat_param";
+pub(crate) const FLAT_PARAM: &str = "_flat_param";
 
 /// One original parameter inside a flat parameter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

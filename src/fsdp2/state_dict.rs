@@ -15,7 +15,6 @@ struct Moved {
 
 /// The model state dict over FSDP2: the optimizer paths' slicing, gathering and scattering,
 /// with each parameter as a one-state entry (`param`).
-
 impl StateDictApi for FullyShardedModel {
     fn get_model_state_dict<T: Tensor>(
         &self,

@@ -276,7 +276,7 @@ impl From<ReadRegularError> for std::io::Error {
 /// Opens `path` for reading without blocking (`O_NONBLOCK`, so a FIFO does not wait for a
 /// writer) and checks that what was opened is a regular file (not a FIFO or a device such as
 /// `/dev/zero`, which would be read forever).
-pub fn open_regular(path: &Path) -> std::result::Result<File, ReadRegularError> {
+pub(crate) fn open_regular(path: &Path) -> std::result::Result<File, ReadRegularError> {
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
     #[cfg(unix)]
@@ -347,7 +347,7 @@ pub fn make_tmp_dir(out: &Path) -> Result<PathBuf> {
 }
 
 /// A fresh temporary file name beside `out` (`.NAME.PID.N.tmp`).
-pub fn tmp_file_path(out: &Path) -> Result<PathBuf> {
+pub(crate) fn tmp_file_path(out: &Path) -> Result<PathBuf> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let (parent, name) = split(out)?;
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -718,7 +718,7 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Maps an I/O error while doing `op` on the temporary `tmp` of the output `out` to
 /// [`Error::Io`] naming the output, the operating system's error and the temporary.
-pub fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -> Error {
+pub(crate) fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -> Error {
     let op = op.to_string();
     let out = out.display().to_string();
     let tmp = tmp.display().to_string();
@@ -732,7 +732,7 @@ pub fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -
 /// it, renames it to `out` and syncs the directory; the temporary file is removed on failure.
 /// Mode 0644 (less the umask), like every output of the crate. `write` gets the writer and
 /// the temporary's path (for [`tmp_io_err`]).
-pub fn write_file_atomic(
+pub(crate) fn write_file_atomic(
     out: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<StreamedFile>, &Path) -> Result<()>,
 ) -> Result<()> {
@@ -766,7 +766,7 @@ pub fn write_file_atomic(
 /// Creates a fresh temporary sibling of `out` (`.NAME.PID.N.tmp`) of `len` bytes (zeros),
 /// for writers that fill planned byte ranges of one output from several processes
 /// ([`finish_planned_file`] installs it; remove it on failure).
-pub fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
+pub(crate) fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
     check_file_output(out)?;
     let tmp = tmp_file_path(out)?;
     let file = std::fs::OpenOptions::new()
@@ -783,7 +783,7 @@ pub fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
 
 /// Puts the planned file `tmp` (every byte range written and synced by its writers) at `out`:
 /// syncs it, renames it into place and syncs the directory, as [`write_file_atomic`] does.
-pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
+pub(crate) fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
     let (parent, _) = split(out)?;
     let file = File::open(tmp).map_err(tmp_io_err("opening", out, tmp))?;
     file.sync_all().map_err(tmp_io_err("syncing", out, tmp))?;
@@ -878,7 +878,7 @@ impl Writeback {
 /// A file written front to back, handed to the disk every 32 MiB and dropped from the page
 /// cache once written (write-back and drop-behind): what the single-file writers
 /// ([`write_file_atomic`], `torch.save` files) write through, under their `BufWriter`.
-pub struct StreamedFile {
+pub(crate) struct StreamedFile {
     file: File,
     writeback: Writeback,
 }

@@ -6,7 +6,7 @@ use crate::tensor::DType;
 use std::collections::HashMap;
 
 /// Largest `.metadata` file read (it is held in memory while it is parsed).
-pub const MAX_METADATA_BYTES: u64 = 1 << 30;
+pub(crate) const MAX_METADATA_BYTES: u64 = 1 << 30;
 
 /// Longest path of a key in the nested dict (`planner_data`), as deep as the crate nests.
 pub const MAX_PATH_LEN: usize = 200;
@@ -104,7 +104,7 @@ pub struct Metadata {
 }
 
 /// Most chunks one tensor may have (the overlap check compares pairs of chunks).
-pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 14;
+pub(crate) const MAX_CHUNKS_PER_TENSOR: usize = 1 << 14;
 
 /// Whether PyTorch's loader reads a saved chunk at `offsets` of `sizes` into a tensor of
 /// shape `size` (its overlap test against the whole tensor: in every dimension the chunk

@@ -25,11 +25,11 @@ mod write;
 
 pub use metadata::{
     Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey, TensorMeta,
-    MAX_CHUNKS_PER_TENSOR, MAX_METADATA_BYTES,
 };
 pub(crate) use pickler::{metadata_pickle, Record, StoredChunk};
+pub use plan::check_tiling;
+pub(crate) use plan::flat_range_boxes;
 pub(crate) use plan::nest;
-pub use plan::{check_tiling, flat_range_boxes, place_chunk};
 pub use read::{
     read_metadata, summary, verify, DcpCheckpoint, DcpSummary, EntrySummary, FileSummary,
     VerifyReport,
@@ -43,7 +43,7 @@ use crate::error::Result;
 
 /// Parses the bytes of a `.metadata` file (`file` names it in errors): its records, and the
 /// nested dict's paths checked and placed as PyTorch's loader places them
-/// ([`plan::check_paths`]).
+/// (`plan::check_paths`).
 pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
     let metadata = metadata::extract_metadata(file, data)?;
     let placed = plan::check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;

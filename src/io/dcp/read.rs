@@ -396,7 +396,7 @@ fn confine(root: &Path, relative: &str, what: &str) -> std::result::Result<(Path
 }
 
 /// Reads and parses `dir/.metadata`: a regular file inside `dir` (a symlink may not lead out
-/// of it, as for data files) of at most [`MAX_METADATA_BYTES`], read without blocking on a
+/// of it, as for data files) of at most 1 GiB (`MAX_METADATA_BYTES`), read without blocking on a
 /// FIFO.
 pub fn read_metadata(dir: &Path) -> Result<Metadata> {
     let root = dir.canonicalize().map_err(Error::io("resolving", dir))?;
