@@ -857,7 +857,7 @@ fn main() {
     let layout = ModelLayout::new(&model, &save_policy(), SAVE_WS).expect("layout");
     // exp_avg + exp_avg_sq (f32) of the largest flat parameter.
     let largest_state: u64 = layout
-        .flat_params
+        .flat_params()
         .iter()
         .map(|f| f.unpadded_numel as u64 * 2 * 4)
         .max()

@@ -574,7 +574,7 @@ fn dcp_to_fsdp(
     step(p, "converting", || {
         convert::dcp_to_checkpoint(input, output, &layout, &Solo)
     })?;
-    fsdp_written(input, output, layout.world_size, None)
+    fsdp_written(input, output, layout.world_size(), None)
 }
 
 /// [`dcp_to_fsdp`] as one process of a job ([`convert::dcp_to_checkpoint`]):
@@ -591,7 +591,7 @@ fn dcp_to_fsdp_in_group(
     let done = convert::dcp_to_checkpoint(input, output, &layout, pg);
     p.finish();
     done?;
-    fsdp_written(input, output, layout.world_size, Some(pg.world_size()))
+    fsdp_written(input, output, layout.world_size(), Some(pg.world_size()))
 }
 
 /// The layout `convert --to fsdp` writes for, from its options, once the input is known to
