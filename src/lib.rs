@@ -43,8 +43,8 @@ pub use offline::DescFile;
 
 // Optimizer state dicts, as `optim.state_dict()` and PyTorch FSDP's functions shape them.
 pub use optim_state::{
-    OptimParam, OptimParams, OptimStateDict, OptimStateKeyType, ParamGroup, ParamKey,
-    ParamState, Value,
+    OptimParam, OptimParams, OptimStateDict, OptimStateKeyType, ParamGroup, ParamKey, ParamState,
+    Value,
 };
 
 // The two façades, side by side: FSDP1 (flat parameters) with PyTorch's state-dict-type
