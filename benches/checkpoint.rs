@@ -68,6 +68,8 @@
 
 mod common;
 use common::{evict, full_adam_state, raw_read, raw_write, shard_and_release};
+use fsdp::collectives::Solo;
+use fsdp::convert;
 
 use fsdp::checkpoint::{self, LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
@@ -531,11 +533,11 @@ fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
             load_once(src, &opts).1
         }
         "reshard" => {
-            checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {}).expect("offline reshard")
+            checkpoint::reshard(src, dst, RESHARD_WS, None, &Solo, |_| {}).expect("offline reshard")
         }
-        "consolidate" => checkpoint::consolidate_to_safetensors(src, dst, |_| {})
+        "consolidate" => convert::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
             .expect("streaming consolidation"),
-        "consolidate-pt" => checkpoint::consolidate_to_torch(src, dst, |_| {})
+        "consolidate-pt" => convert::checkpoint_to_torch_save(src, dst, &Solo, |_| {})
             .expect("streaming consolidation to torch.save"),
         other => panic!("unknown child mode {other}"),
     }
@@ -855,7 +857,7 @@ fn main() {
     let layout = ModelLayout::new(&model, &save_policy(), SAVE_WS).expect("layout");
     // exp_avg + exp_avg_sq (f32) of the largest flat parameter.
     let largest_state: u64 = layout
-        .flat_params
+        .flat_params()
         .iter()
         .map(|f| f.unpadded_numel as u64 * 2 * 4)
         .max()

@@ -19,6 +19,8 @@
 
 mod common;
 use common::{disk_bytes, loadavg, raw_write, status_bytes, venv_python};
+use fsdp::collectives::Solo;
+use fsdp::convert;
 
 use std::path::Path;
 use std::process::Command;
@@ -186,11 +188,11 @@ fn child(spec: &str) {
     let start = Instant::now();
     match op {
         "consolidate" => {
-            fsdp::io::dcp::consolidate_to_torch(Path::new(input), Path::new(output), |_| {})
+            convert::dcp_to_torch_save(Path::new(input), Path::new(output), &Solo, |_| {})
                 .expect("consolidating the DCP directory");
         }
         "to_dcp" => {
-            fsdp::io::dcp::torch_save_to_dcp(Path::new(input), Path::new(output))
+            convert::torch_save_to_dcp(Path::new(input), Path::new(output), &Solo)
                 .expect("writing the DCP directory");
         }
         _ => panic!("unknown child op {op}"),

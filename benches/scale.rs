@@ -60,6 +60,8 @@ use common::{
     disk_bytes, evict, full_adam_state, loadavg, raw_read, raw_write, shard_and_release,
     status_bytes, venv_python,
 };
+use fsdp::collectives::Solo;
+use fsdp::convert;
 
 use fsdp::checkpoint::{self, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
@@ -117,7 +119,7 @@ fn child(args: &[String]) {
             let layout =
                 fsdp::flat_param::ModelLayout::new(&model(units), &policy(units), RESHARD_WS)
                     .expect("layout");
-            checkpoint::dcp_to_checkpoint(a, b, &layout).expect("dcp_to_checkpoint");
+            convert::dcp_to_checkpoint(a, b, &layout, &Solo).expect("dcp_to_checkpoint");
         }
         _ => run_op(op, a, b),
     }
@@ -131,19 +133,19 @@ fn child(args: &[String]) {
 
 fn run_op(op: &str, src: &Path, dst: &Path) {
     match op {
-        "consolidate-pt" => checkpoint::consolidate_to_torch(src, dst, |_| {})
+        "consolidate-pt" => convert::checkpoint_to_torch_save(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("consolidate_to_torch"),
-        "consolidate-st" => checkpoint::consolidate_to_safetensors(src, dst, |_| {})
+        "consolidate-st" => convert::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("consolidate_to_safetensors"),
-        "reshard" => checkpoint::reshard(src, dst, RESHARD_WS, None, |_| {})
+        "reshard" => checkpoint::reshard(src, dst, RESHARD_WS, None, &Solo, |_| {})
             .map(drop)
             .expect("reshard"),
-        "convert-dcp" => checkpoint::convert_to_dcp(src, dst, |_| {})
+        "convert-dcp" => convert::checkpoint_to_dcp(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("convert_to_dcp"),
-        "dcp-consolidate" => fsdp::io::dcp::consolidate_to_torch(src, dst, |_| {})
+        "dcp-consolidate" => convert::dcp_to_torch_save(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("DCP consolidate_to_torch"),
         other => panic!("unknown child op {other}"),

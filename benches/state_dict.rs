@@ -32,8 +32,8 @@ mod common;
 use common::{full_adam_state, loadavg, reset_hwm, status_bytes, venv_python};
 
 use fsdp::collectives::ThreadGroup;
-use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
 use fsdp::{DType, ModelDesc, OptimStateDict, WrapPolicy};
+use fsdp::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;

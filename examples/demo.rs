@@ -86,7 +86,7 @@ fn main() -> fsdp::Result<()> {
             })?;
             println!(
                 "[4 ranks] {} flat parameters; rank 0 consolidated {} parameter states ({} bytes of tensors) into {}",
-                fsdp.layout().flat_params.len(),
+                fsdp.layout().flat_params().len(),
                 full.state.len(),
                 full.tensor_bytes(),
                 path.display()
@@ -135,7 +135,7 @@ fn main() -> fsdp::Result<()> {
         Ok(format!(
             "[2 ranks, other wrapping] rank {}: {} flat parameters, {} parameter states loaded, {equal}/{tensors} tensors ({elements} elements) bit-identical to its own training, param_groups {} -> {}",
             fsdp.rank(),
-            fsdp.layout().flat_params.len(),
+            fsdp.layout().flat_params().len(),
             loaded.state.len(),
             if own.param_groups == loaded.param_groups { "equal" } else { "DIFFERENT" },
             if same { "MATCH" } else { "MISMATCH" }

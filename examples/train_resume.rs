@@ -301,7 +301,7 @@ enum Slot {
 struct Rank {
     fsdp: Fsdp,
     gpt: Gpt,
-    /// This rank's `VarStore` variables in model order (`fsdp.layout().model.params`).
+    /// This rank's `VarStore` variables in model order (`fsdp.layout().model().params`).
     vars: Vec<Tensor>,
     params: OptimParams,
     /// Per optimizer id: what it is.
@@ -399,7 +399,7 @@ impl Rank {
         for (slot, shard) in self.slots.iter().zip(&self.shards) {
             match *slot {
                 Slot::Flat(f) => {
-                    let fl = &layout.flat_params[f];
+                    let fl = &layout.flat_params()[f];
                     let mut full = HostTensor::zeros(fl.dtype, &[fl.padded_numel()]);
                     self.pg()
                         .all_gather_into(shard.as_bytes(), full.bytes_mut())?;
@@ -421,7 +421,7 @@ impl Rank {
             .iter()
             .map(|slot| match *slot {
                 Slot::Flat(f) => {
-                    let fl = &layout.flat_params[f];
+                    let fl = &layout.flat_params()[f];
                     let grads = fl
                         .members
                         .iter()

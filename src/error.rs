@@ -991,12 +991,12 @@ mod io_kind_serde {
 
 /// The longest user-supplied name (a key, a file name from a checkpoint's metadata, a Python
 /// global) a message quotes whole, in characters.
-pub const SHOWN_NAME_CHARS: usize = 200;
+pub(crate) const SHOWN_NAME_CHARS: usize = 200;
 
 /// A user-supplied name as a message quotes it: whole up to [`SHOWN_NAME_CHARS`] characters;
 /// a longer one as its first 160 and last 30 characters around the count left out, so that
 /// a hostile 5000-character key cannot flood the terminal.
-pub fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+pub(crate) fn shown(name: &str) -> std::borrow::Cow<'_, str> {
     let n = name.chars().count();
     if n <= SHOWN_NAME_CHARS {
         return name.into();

@@ -4,7 +4,8 @@
 
 pub mod checkpoint;
 pub mod collectives;
-pub mod error;
+pub mod convert;
+mod error;
 pub mod flat_param;
 pub mod fully_shard;
 pub mod io;
@@ -17,23 +18,40 @@ pub mod optim;
 pub mod optim_state;
 pub mod param_layout;
 pub mod param_shards;
-pub mod placement;
+pub(crate) mod placement;
 pub mod state_dict;
 pub mod tensor;
 
-mod fsdp;
+mod fsdp1;
+mod fsdp2;
 
-pub use optim_state::OptimStateKeyType;
+// The items a user needs, by name, grouped by task. Everything else is reached through the
+// public modules above (the formats, checkpoints, conversions and collectives) or is private.
 
-pub use error::{Error, LookupSite, Result};
-pub use fsdp::*;
-pub use model::{FsdpVersion, ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
-pub use offline::DescFile;
-pub use optim_state::{
-    OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value,
-};
-pub use state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+// Errors: one enum for every layer.
+pub use error::{Error, IoError, LookupSite, Result};
+
+// Tensors: the host tensor, the dtype table and the backend trait (libtorch with `tch`).
 #[cfg(feature = "tch")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub use tensor::TchTensor;
 pub use tensor::{DType, HostTensor, Tensor};
+
+// The model and its wrapping: what `DESC.json` holds.
+pub use model::{FsdpVersion, ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
+pub use offline::DescFile;
+
+// Optimizer state dicts, as `optim.state_dict()` and PyTorch FSDP's functions shape them.
+pub use optim_state::{
+    OptimParam, OptimParams, OptimStateDict, OptimStateKeyType, ParamGroup, ParamKey, ParamState,
+    Value,
+};
+
+// The two façades, side by side: FSDP1 (flat parameters) with PyTorch's state-dict-type
+// settings, and FSDP2 (`fully_shard`); and the state-dict API both implement.
+pub use fsdp1::{
+    Fsdp, FullStateDictConfig, OptimStateDictConfig, ShardedStateDictConfig, StateDictSettings,
+    StateDictType,
+};
+pub use fsdp2::FullyShardedModel;
+pub use state_dict::{OptimStateDictApi, StateDictOptions};

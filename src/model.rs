@@ -57,7 +57,7 @@ pub fn prefix_contains(prefix: &str, name: &str) -> bool {
 
 /// The proper ancestors of a dotted name, innermost first, ending with the root `""`
 /// (`"a.b.c"` → `"a.b"`, `"a"`, `""`): exactly the prefixes `p` with `prefix_contains(p, name)`.
-pub fn ancestors(name: &str) -> impl Iterator<Item = &str> {
+pub(crate) fn ancestors(name: &str) -> impl Iterator<Item = &str> {
     let mut cur = Some(name);
     std::iter::from_fn(move || {
         let n = cur?;
@@ -72,7 +72,7 @@ pub fn ancestors(name: &str) -> impl Iterator<Item = &str> {
 }
 
 /// The module that directly owns parameter `name` (`""` for the root).
-pub fn module_of(name: &str) -> &str {
+pub(crate) fn module_of(name: &str) -> &str {
     name.rfind('.').map_or("", |i| &name[..i])
 }
 

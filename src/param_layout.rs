@@ -9,7 +9,7 @@
 //! The parameters of one `fully_shard` call form a group (`FSDPParamGroup`), all-gathered and
 //! reduce-scattered together (see [`crate::fully_shard`]). [`ParamLayout::new`] derives the
 //! groups from a [`WrapPolicy`] with `fsdp_version` 2 and expresses each rank's holding in the
-//! crate's one placement model ([`crate::placement`]). It is a pure function of the model, the
+//! boxes of `placement` (`Chunk`, the DCP chunk type). It is a pure function of the model, the
 //! policy and the world size.
 
 use crate::error::{Error, Result};
@@ -23,7 +23,7 @@ use std::ops::Range;
 
 /// Rows per rank of a dim-0 chunking: `ceil(dim0 / world_size)` (`torch.chunk`'s chunk size,
 /// and the padded shard's row count).
-pub fn chunk_size(dim0: usize, world_size: usize) -> usize {
+pub(crate) fn chunk_size(dim0: usize, world_size: usize) -> usize {
     dim0.div_ceil(world_size.max(1))
 }
 

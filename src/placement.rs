@@ -1,9 +1,10 @@
-//! The one placement model (layer 2): which rank holds which box of which tensor.
-//!
-//! Every sharding format describes its tensors the same way: per tensor, its global shape and a
-//! list of pieces, each a rank (or file) and an N-D box of the global tensor. FSDP2's dim-0
-//! chunks ([`crate::param_layout`]) and DCP's chunk metadata (`io::dcp`) both produce this
-//! list, so that consolidate, shard and convert become plans over two such lists.
+//! Boxes of tensors (layer 2): a [`Chunk`] is an N-D box of a global tensor, the unit both
+//! DCP's chunk metadata (`io::dcp::Chunk` is this type) and FSDP2's dim-0 row shards
+//! (`param_layout`) are described in. [`TensorPlacement`], a tensor's shape with the
+//! (rank, box) pieces the ranks hold, is what `param_layout` reports per parameter; the DCP
+//! reader and the crate's checkpoint keep their own records of byte ranges (`StoredChunk`,
+//! `checkpoint::Piece`), which add where the bytes are. Crate-private: the public types are
+//! the formats' own.
 
 use crate::tensor::DType;
 use serde::{Deserialize, Serialize};

@@ -6,7 +6,9 @@ mod common;
 use fsdp::checkpoint::{
     self, load_full, read_manifest, verify, CrashPoint, LoadOptions, SaveOptions, COMMIT, MANIFEST,
 };
+use fsdp::collectives::Solo;
 use fsdp::collectives::ThreadGroup;
+use fsdp::convert;
 use fsdp::flat_param::ModelLayout;
 use fsdp::param_shards::{shard_tensors, synthetic_params};
 use fsdp::{
@@ -403,8 +405,16 @@ fn a_reshard_crashing_at_any_stage_leaves_the_previous_target_loadable_bit_exact
         CrashPoint::BeforeCommit,
     ] {
         let opts = SaveOptions::default().crash_at(Some(point));
-        let err = checkpoint::reshard_with(&src, &dst, 3, Some(&common::wrap_alt()), &opts, |_| {})
-            .unwrap_err();
+        let err = checkpoint::reshard_with(
+            &src,
+            &dst,
+            3,
+            Some(&common::wrap_alt()),
+            &opts,
+            &Solo,
+            |_| {},
+        )
+        .unwrap_err();
         assert!(
             matches!(&err, Error::InjectedCrash { point: p } if *p == format!("{point:?}")),
             "{point:?}: {err:?}"
@@ -425,7 +435,7 @@ fn a_reshard_crashing_at_any_stage_leaves_the_previous_target_loadable_bit_exact
         std::fs::remove_dir_all(&partial[0]).unwrap();
     }
     // Without a crash the rewrite replaces the target.
-    checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), |_| {}).unwrap();
+    checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), &Solo, |_| {}).unwrap();
     common::assert_same_state(
         &load_full(&dst, &LoadOptions::default()).unwrap(),
         &full_adam(&model, 5.0),
@@ -611,8 +621,10 @@ fn offline_reshard_to_another_world_size_and_wrapping_loads_like_shard_full() {
         r.unwrap();
     }
     let mut reported = 0;
-    let copied =
-        checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), |b| reported = b).unwrap();
+    let copied = checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), &Solo, |b| {
+        reported = b
+    })
+    .unwrap();
     // Every positive-dim tensor state byte (0-dim `step`s live in the manifest).
     let tensor_bytes: usize = full
         .state
@@ -643,7 +655,7 @@ fn offline_reshard_to_another_world_size_and_wrapping_loads_like_shard_full() {
         "src",
     );
     // Resharding into an existing checkpoint replaces it atomically.
-    checkpoint::reshard(&src, &dst, 2, None, |_| {}).unwrap();
+    checkpoint::reshard(&src, &dst, 2, None, &Solo, |_| {}).unwrap();
     assert_eq!(read_manifest(&dst).unwrap().world_size, 2);
     assert!(leftovers(root.path()).is_empty());
 }
@@ -665,7 +677,7 @@ fn streaming_consolidation_writes_the_full_dict_as_safetensors() {
             r.unwrap();
         }
         let out = root.path().join("full.safetensors");
-        let written = checkpoint::consolidate_to_safetensors(&dir, &out, |_| {}).unwrap();
+        let written = convert::checkpoint_to_safetensors(&dir, &out, &Solo, |_| {}).unwrap();
         assert!(written > 0);
         let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
         let in_memory = load_full(&dir, &LoadOptions::default()).unwrap();
@@ -697,7 +709,8 @@ fn streaming_consolidation_to_torch_save_is_byte_identical_to_the_in_memory_file
         std::fs::create_dir_all(&in_memory).unwrap();
         let (streamed, in_memory) = (streamed.join("full.pt"), in_memory.join("full.pt"));
         let mut reported = 0;
-        let written = checkpoint::consolidate_to_torch(&dir, &streamed, |b| reported = b).unwrap();
+        let written =
+            convert::checkpoint_to_torch_save(&dir, &streamed, &Solo, |b| reported = b).unwrap();
         let m = read_manifest(&dir).unwrap();
         assert_eq!((written, reported), (m.tensor_bytes(), m.tensor_bytes()));
         fsdp::io::torch_save::save_optim_state_dict(
@@ -727,7 +740,7 @@ fn streaming_consolidation_to_torch_save_names_a_corrupt_block_and_leaves_no_fil
     bytes[at] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let out = root.path().join("full.pt");
-    let err = checkpoint::consolidate_to_torch(&dir, &out, |_| {}).unwrap_err();
+    let err = convert::checkpoint_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
     assert!(
         matches!(&err, Error::CheckpointCorrupt { rank: 1, tensor, .. } if tensor.contains('/')),
         "{err}"
@@ -754,9 +767,9 @@ fn reshard_and_consolidation_split_across_3_processes_write_the_single_process_b
     let alt = common::wrap_alt();
     let alone = root.path().join("alone");
     let split = root.path().join("split");
-    let copied = checkpoint::reshard(&src, &alone, 3, Some(&alt), |_| {}).unwrap();
+    let copied = checkpoint::reshard(&src, &alone, 3, Some(&alt), &Solo, |_| {}).unwrap();
     let each = all_ok(ThreadGroup::run(3, |pg| {
-        checkpoint::reshard_in_group(&src, &split, 3, Some(&alt), &pg, |_| {})
+        checkpoint::reshard(&src, &split, 3, Some(&alt), &pg, |_| {})
     }));
     assert_eq!(
         each, [copied; 3],
@@ -769,15 +782,10 @@ fn reshard_and_consolidation_split_across_3_processes_write_the_single_process_b
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
     let written =
-        checkpoint::consolidate_to_safetensors(&split, &a.join("full.safetensors"), |_| {})
+        convert::checkpoint_to_safetensors(&split, &a.join("full.safetensors"), &Solo, |_| {})
             .unwrap();
     let each = all_ok(ThreadGroup::run(3, |pg| {
-        checkpoint::consolidate_to_safetensors_in_group(
-            &split,
-            &b.join("full.safetensors"),
-            &pg,
-            |_| {},
-        )
+        convert::checkpoint_to_safetensors(&split, &b.join("full.safetensors"), &pg, |_| {})
     }));
     assert_eq!(each, [written; 3]);
     assert!(contents(&a) == contents(&b), "the same .safetensors file");
@@ -792,12 +800,12 @@ fn torch_save_consolidation_split_across_1_to_5_processes_writes_the_single_proc
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
     let alone = a.join("full.pt");
-    let written = checkpoint::consolidate_to_torch(&src, &alone, |_| {}).unwrap();
+    let written = convert::checkpoint_to_torch_save(&src, &alone, &Solo, |_| {}).unwrap();
     let expected = std::fs::read(&alone).unwrap();
     for ws in 1..=5 {
         let split = b.join("full.pt");
         let each = all_ok(ThreadGroup::run(ws, |pg| {
-            checkpoint::consolidate_to_torch_in_group(&src, &split, &pg, |_| {})
+            convert::checkpoint_to_torch_save(&src, &split, &pg, |_| {})
         }));
         assert_eq!(each, vec![written; ws], "{ws} processes");
         assert!(
@@ -825,7 +833,7 @@ fn conversion_to_dcp_streams_what_the_in_memory_writer_wrote_and_splits_across_1
     let obj = fsdp::io::torch_save::optim_to_pyobj(&full).unwrap();
     fsdp::io::dcp::save_dcp(&obj, &in_memory).unwrap();
     let streamed = root.path().join("streamed");
-    let written = checkpoint::convert_to_dcp(&src, &streamed, |_| {}).unwrap();
+    let written = convert::checkpoint_to_dcp(&src, &streamed, &Solo, |_| {}).unwrap();
     assert_eq!(written, full.tensor_bytes() as u64);
     assert!(data(&streamed) == data(&in_memory), "the same data file");
     assert!(
@@ -835,7 +843,7 @@ fn conversion_to_dcp_streams_what_the_in_memory_writer_wrote_and_splits_across_1
     for ws in 1..=4 {
         let split = root.path().join(format!("split{ws}"));
         let each = all_ok(ThreadGroup::run(ws, |pg| {
-            checkpoint::convert_to_dcp_in_group(&src, &split, &pg, |_| {})
+            convert::checkpoint_to_dcp(&src, &split, &pg, |_| {})
         }));
         assert_eq!(each, vec![written; ws], "{ws} processes");
         assert!(
@@ -863,32 +871,30 @@ fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_
     bytes[last] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let out = root.path().join("out");
-    let alone = checkpoint::reshard(&src, &out, 2, None, |_| {}).unwrap_err();
+    let alone = checkpoint::reshard(&src, &out, 2, None, &Solo, |_| {}).unwrap_err();
     assert!(matches!(alone, Error::CheckpointCorrupt { .. }), "{alone}");
     for e in ThreadGroup::run(2, |pg| {
-        checkpoint::reshard_in_group(&src, &out, 2, None, &pg, |_| {})
+        checkpoint::reshard(&src, &out, 2, None, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let full = root.path().join("full.safetensors");
-    let alone = checkpoint::consolidate_to_safetensors(&src, &full, |_| {}).unwrap_err();
+    let alone = convert::checkpoint_to_safetensors(&src, &full, &Solo, |_| {}).unwrap_err();
     for e in ThreadGroup::run(2, |pg| {
-        checkpoint::consolidate_to_safetensors_in_group(&src, &full, &pg, |_| {})
+        convert::checkpoint_to_safetensors(&src, &full, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let full = root.path().join("full.pt");
-    let alone = checkpoint::consolidate_to_torch(&src, &full, |_| {}).unwrap_err();
+    let alone = convert::checkpoint_to_torch_save(&src, &full, &Solo, |_| {}).unwrap_err();
     for e in ThreadGroup::run(2, |pg| {
-        checkpoint::consolidate_to_torch_in_group(&src, &full, &pg, |_| {})
+        convert::checkpoint_to_torch_save(&src, &full, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let dcp = root.path().join("dcp");
-    let alone = checkpoint::convert_to_dcp(&src, &dcp, |_| {}).unwrap_err();
-    for e in ThreadGroup::run(2, |pg| {
-        checkpoint::convert_to_dcp_in_group(&src, &dcp, &pg, |_| {})
-    }) {
+    let alone = convert::checkpoint_to_dcp(&src, &dcp, &Solo, |_| {}).unwrap_err();
+    for e in ThreadGroup::run(2, |pg| convert::checkpoint_to_dcp(&src, &dcp, &pg, |_| {})) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let left: Vec<String> = std::fs::read_dir(root.path())
@@ -1079,14 +1085,14 @@ fn pieces_of_several_checksum_blocks_reshard_load_and_consolidate_bit_exact() {
     for (rank, (loaded, expected)) in load_at(&model, &alt, 5, &full, &src).iter().enumerate() {
         assert_identical(loaded, expected, &format!("loaded at 5, rank {rank}"));
     }
-    let copied = checkpoint::reshard(&src, &dst, 2, Some(&alt), |_| {}).unwrap();
+    let copied = checkpoint::reshard(&src, &dst, 2, Some(&alt), &Solo, |_| {}).unwrap();
     assert_eq!(verify(&dst).unwrap(), copied);
     for (rank, (loaded, expected)) in load_at(&model, &alt, 2, &full, &dst).iter().enumerate() {
         assert_identical(loaded, expected, &format!("resharded, rank {rank}"));
     }
     let out = root.path().join("full.safetensors");
     for dir in [&src, &dst] {
-        checkpoint::consolidate_to_safetensors(dir, &out, |_| {}).unwrap();
+        convert::checkpoint_to_safetensors(dir, &out, &Solo, |_| {}).unwrap();
         let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
         common::assert_same_state(&streamed, &full, "streamed vs saved");
     }
@@ -1207,7 +1213,8 @@ fn use_orig_params_parameters_load_into_a_flat_wrapping_after_an_offline_reshard
     {
         assert_same_shards(loaded, expected, &format!("direct, rank {rank}"));
     }
-    let copied = checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), |_| {}).unwrap();
+    let copied =
+        checkpoint::reshard(&src, &dst, 3, Some(&common::wrap_alt()), &Solo, |_| {}).unwrap();
     let m = read_manifest(&dst).unwrap();
     assert_eq!(copied, m.tensor_bytes() + m.model_param_bytes());
     for (rank, (loaded, expected)) in load_params_at(&model, &common::wrap_alt(), 3, &values, &dst)
@@ -1362,7 +1369,7 @@ fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_th
     }
     let inputs = [dir.join("rank0.safetensors"), dir.join("rank1.safetensors")];
     let out = root.path().join("full.safetensors");
-    checkpoint::consolidate_to_safetensors(&dir, &out, |_| {}).unwrap();
+    convert::checkpoint_to_safetensors(&dir, &out, &Solo, |_| {}).unwrap();
     let drops = drops_clean_pages(root.path());
     if drops {
         for input in &inputs {
@@ -1401,7 +1408,7 @@ fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_th
         std::fs::read(input).unwrap();
     }
     let resharded = root.path().join("ckpt3");
-    checkpoint::reshard(&dir, &resharded, 3, None, |_| {}).unwrap();
+    checkpoint::reshard(&dir, &resharded, 3, None, &Solo, |_| {}).unwrap();
     if drops {
         for input in &inputs {
             let cached = cached_bytes(input);
@@ -1425,7 +1432,7 @@ fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_th
         r.unwrap();
     }
     let pt = root.path().join("full.pt");
-    fsdp::io::dcp::consolidate_to_torch(&dcp, &pt, |_| {}).unwrap();
+    convert::dcp_to_torch_save(&dcp, &pt, &Solo, |_| {}).unwrap();
     if drops {
         for rank in 0..2 {
             let data = dcp.join(format!("__{rank}_0.distcp"));

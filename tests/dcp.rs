@@ -1,7 +1,9 @@
 //! DCP directories written by real PyTorch 2.13 (`tests/golden/dcp/gen.py`): read,
 //! consolidated into what `dcp_to_torch_save` writes, verified, and refused when hostile.
 
+use fsdp::collectives::Solo;
 use fsdp::collectives::ThreadGroup;
+use fsdp::convert;
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{Error, HostTensor};
@@ -54,7 +56,8 @@ fn every_fixture_consolidates_to_what_dcp_to_torch_save_wrote() {
         let expected = torch_save::load(golden(name).join("expected.pt")).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("out.pt");
-        let written = dcp::consolidate_to_torch(&golden(name).join("ckpt"), &out, |_| {}).unwrap();
+        let written =
+            convert::dcp_to_torch_save(&golden(name).join("ckpt"), &out, &Solo, |_| {}).unwrap();
         assert!(written > 0, "{name}");
         let got = torch_save::load(&out).unwrap();
         assert!(
@@ -79,18 +82,18 @@ fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file_in_
         let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
         std::fs::create_dir(&a).unwrap();
         std::fs::create_dir(&b).unwrap();
-        let written = dcp::consolidate_to_torch(&ckpt, &a.join("out.pt"), |_| {}).unwrap();
+        let written = convert::dcp_to_torch_save(&ckpt, &a.join("out.pt"), &Solo, |_| {}).unwrap();
         let expected = std::fs::read(a.join("out.pt")).unwrap();
         let st = a.join("out.safetensors");
         assert_eq!(
-            dcp::consolidate_to_safetensors(&ckpt, &st, |_| {}).unwrap(),
+            convert::dcp_to_safetensors(&ckpt, &st, &Solo, |_| {}).unwrap(),
             written
         );
         let expected_st = std::fs::read(&st).unwrap();
         for ws in 1..=4 {
             let split = b.join("out.safetensors");
             let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
-                dcp::consolidate_to_safetensors_in_group(&ckpt, &split, &pg, |_| {})
+                convert::dcp_to_safetensors(&ckpt, &split, &pg, |_| {})
             })
             .into_iter()
             .map(Result::unwrap)
@@ -104,7 +107,7 @@ fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file_in_
         }
         for ws in 1..=4 {
             let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
-                dcp::consolidate_to_torch_in_group(&ckpt, &b.join("out.pt"), &pg, |_| {})
+                convert::dcp_to_torch_save(&ckpt, &b.join("out.pt"), &pg, |_| {})
             })
             .into_iter()
             .map(Result::unwrap)
@@ -125,7 +128,7 @@ fn pytorch_loads_the_consolidated_file_equal_to_its_own() {
     let mut args = Vec::new();
     for name in SCENARIOS {
         let out = tmp.path().join(format!("{name}.pt"));
-        dcp::consolidate_to_torch(&golden(name).join("ckpt"), &out, |_| {}).unwrap();
+        convert::dcp_to_torch_save(&golden(name).join("ckpt"), &out, &Solo, |_| {}).unwrap();
         args.push(golden(name).join("expected.pt"));
         args.push(out);
     }
@@ -236,11 +239,9 @@ fn hostile(case: &str, prepare: impl FnOnce(&Path)) -> Error {
     prepare(tmp.path());
     let err = dcp::verify(&dir).unwrap_err();
     let out = tmp.path().join("out.pt");
-    let err2 = dcp::consolidate_to_torch(&dir, &out, |_| {}).unwrap_err();
+    let err2 = convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
     assert_eq!(err, err2, "{case}");
-    for e in ThreadGroup::run(2, |pg| {
-        dcp::consolidate_to_torch_in_group(&dir, &out, &pg, |_| {})
-    }) {
+    for e in ThreadGroup::run(2, |pg| convert::dcp_to_torch_save(&dir, &out, &pg, |_| {})) {
         assert_eq!(e.unwrap_err(), err, "{case}: split across 2 processes");
     }
     assert!(!out.exists(), "{case}: an output was left behind");
@@ -408,7 +409,7 @@ fn every_hostile_metadata_is_refused_alike_by_verify_and_every_reader() {
         )
         .unwrap();
         let out = tmp.path().join("ckpt-out");
-        let converted = fsdp::checkpoint::dcp_to_checkpoint(&dir, &out, &layout).unwrap_err();
+        let converted = convert::dcp_to_checkpoint(&dir, &out, &layout, &Solo).unwrap_err();
         assert_eq!(
             std::mem::discriminant(&converted),
             std::mem::discriminant(&err),
@@ -462,7 +463,7 @@ fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
         std::fs::copy(&path, dir.join(".metadata")).unwrap();
         dcp::verify(&dir).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let out = tmp.path().join("out.pt");
-        dcp::consolidate_to_torch(&dir, &out, |_| {})
+        convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {})
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let expected = torch_save::load(golden(base).join("expected.pt")).unwrap();
         assert!(
@@ -510,7 +511,7 @@ fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
     for name in SCENARIOS {
         let input = golden(name).join("expected.pt");
         let out = tmp.path().join(name);
-        dcp::torch_save_to_dcp(&input, &out).unwrap();
+        convert::torch_save_to_dcp(&input, &out, &Solo).unwrap();
         // The crate reads back what it wrote, equal to the input.
         let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
         assert!(back.bit_eq(&torch_save::load(&input).unwrap()), "{name}");
@@ -550,16 +551,17 @@ fn torch_save_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_t
         let in_memory = tmp.path().join("in-memory");
         let written = dcp::save_dcp(&torch_save::load(&input).unwrap(), &in_memory).unwrap();
         let streamed = tmp.path().join("streamed");
-        assert_eq!(dcp::torch_save_to_dcp(&input, &streamed).unwrap(), written);
+        assert_eq!(
+            convert::torch_save_to_dcp(&input, &streamed, &Solo).unwrap(),
+            written
+        );
         assert!(
             data_file(&streamed) == data_file(&in_memory),
             "{name}: the streamed data file differs"
         );
         for ws in 1..=4 {
             let split = tmp.path().join(format!("split{ws}"));
-            for r in ThreadGroup::run(ws, |pg| {
-                dcp::torch_save_to_dcp_in_group(&input, &split, &pg)
-            }) {
+            for r in ThreadGroup::run(ws, |pg| convert::torch_save_to_dcp(&input, &split, &pg)) {
                 assert_eq!(r.unwrap(), written, "{name}, {ws} processes");
             }
             assert!(
@@ -604,7 +606,10 @@ fn safetensors_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_
         let obj = fsdp::io::safetensors::load(input).unwrap();
         let written = dcp::save_dcp(&obj, &in_memory).unwrap();
         let streamed = tmp.path().join("streamed");
-        assert_eq!(dcp::torch_save_to_dcp(input, &streamed).unwrap(), written);
+        assert_eq!(
+            convert::torch_save_to_dcp(input, &streamed, &Solo).unwrap(),
+            written
+        );
         assert!(
             data_file(&streamed) == data_file(&in_memory),
             "{what}: the streamed data file differs"
@@ -616,8 +621,7 @@ fn safetensors_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_
         );
         for ws in 1..=4 {
             let split = tmp.path().join(format!("split{ws}"));
-            for r in ThreadGroup::run(ws, |pg| dcp::torch_save_to_dcp_in_group(input, &split, &pg))
-            {
+            for r in ThreadGroup::run(ws, |pg| convert::torch_save_to_dcp(input, &split, &pg)) {
                 assert_eq!(r.unwrap(), written, "{what}, {ws} processes");
             }
             assert!(
@@ -656,13 +660,13 @@ fn a_truncated_or_lying_safetensors_file_fails_on_every_process_naming_it() {
         let input = tmp.path().join("bad.safetensors");
         std::fs::write(&input, &bytes).unwrap();
         let out = tmp.path().join("out");
-        let alone = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+        let alone = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
         let text = alone.to_string();
         assert!(
             text.contains("bad.safetensors") && text.contains(reason),
             "{what}: {text}"
         );
-        for r in ThreadGroup::run(2, |pg| dcp::torch_save_to_dcp_in_group(&input, &out, &pg)) {
+        for r in ThreadGroup::run(2, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
             assert_eq!(r.unwrap_err(), alone, "{what}");
         }
         assert!(!out.exists(), "{what}: no output");
@@ -688,7 +692,7 @@ fn a_file_of_views_into_one_storage_converts_the_ordinary_way_and_a_corrupt_stor
     torch_save::save(&views, &input).unwrap();
     for ws in [1, 2] {
         let out = tmp.path().join(format!("views{ws}"));
-        for r in ThreadGroup::run(ws, |pg| dcp::torch_save_to_dcp_in_group(&input, &out, &pg)) {
+        for r in ThreadGroup::run(ws, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
             assert_eq!(r.unwrap(), 256);
         }
         let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
@@ -707,9 +711,9 @@ fn a_file_of_views_into_one_storage_converts_the_ordinary_way_and_a_corrupt_stor
     bytes[at] ^= 0x01;
     std::fs::write(&input, &bytes).unwrap();
     let out = tmp.path().join("corrupt");
-    let alone = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+    let alone = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
     assert!(alone.to_string().contains("CRC-32"), "{alone}");
-    for r in ThreadGroup::run(2, |pg| dcp::torch_save_to_dcp_in_group(&input, &out, &pg)) {
+    for r in ThreadGroup::run(2, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
         assert_eq!(r.unwrap_err(), alone);
     }
     assert!(!out.exists(), "no output");
@@ -722,7 +726,7 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("keep.txt"), b"mine").unwrap();
     let input = golden("fsdp2_sgd_ws2_frozen/expected.pt");
-    let err = dcp::torch_save_to_dcp(&input, &out).unwrap_err();
+    let err = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
     assert!(matches!(err, Error::Io { .. }), "{err}");
     assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
     assert_eq!(
@@ -732,7 +736,7 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     );
     // An empty directory is replaced.
     std::fs::remove_file(out.join("keep.txt")).unwrap();
-    dcp::torch_save_to_dcp(&input, &out).unwrap();
+    convert::torch_save_to_dcp(&input, &out, &Solo).unwrap();
     assert_eq!(
         fsdp::offline::recognize(&out).unwrap(),
         fsdp::offline::Input::Dcp

@@ -8,7 +8,9 @@
 mod common;
 
 use common::{dcp_fixture_net as net, files_of};
+use fsdp::collectives::Solo;
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
+use fsdp::convert;
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{
@@ -407,7 +409,7 @@ fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_
     }
     // A full dict file, as torch_save_to_dcp converts it.
     torch_save::save(&optim_only(&full), p("full.pt")).unwrap();
-    dcp::torch_save_to_dcp(&p("full.pt"), &p("from_pt")).unwrap();
+    convert::torch_save_to_dcp(&p("full.pt"), &p("from_pt"), &Solo).unwrap();
     // The crate's own checkpoint saved at 3, converted.
     let opts = fsdp::checkpoint::SaveOptions::default();
     for r in ThreadGroup::run(3, |pg| {
@@ -463,7 +465,8 @@ fn fsdp2_wrapping() -> WrapPolicy {
 
 #[test]
 fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_sizes() {
-    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::state_dict::{OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::FullyShardedModel;
     let model = net();
     let full = full_adam(&model);
     let tmp = tempfile::tempdir().unwrap();
@@ -533,7 +536,8 @@ fn fsdp2_ranks_save_dcp_that_pytorch_loads_into_fsdp2_and_fsdp1_at_other_world_s
 
 #[test]
 fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_world_size() {
-    use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::state_dict::{OptimStateDictApi, StateDictApi, StateDictOptions};
+    use fsdp::FullyShardedModel;
     let model = net();
     // PyTorch's FSDP2 directory saved at 4 ranks, loaded at 3 and 1: the full dict gathered
     // back is the one dcp_to_torch_save wrote.
@@ -601,7 +605,8 @@ fn fsdp2_ranks_load_pytorch_fsdp2_fixtures_and_crate_fsdp1_directories_at_any_wo
 #[test]
 fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_models() {
     use fsdp::state_dict::StateDictOptions;
-    use fsdp::state_dict::{FullyShardedModel, ModelStateDict, OptimStateDictApi, StateDictApi};
+    use fsdp::state_dict::{ModelStateDict, OptimStateDictApi, StateDictApi};
+    use fsdp::FullyShardedModel;
     // gen.py's Net(tied=True): `out.weight` is `embed.weight`, so `model.state_dict()` and
     // PyTorch's `dcp.load` want both names.
     let mut model = net();
@@ -724,7 +729,6 @@ fn fixture_model(frozen: bool, tied: bool) -> ModelDesc {
 
 #[test]
 fn converting_pytorch_fixtures_offline_writes_what_live_ranks_loading_and_saving_write() {
-    use fsdp::checkpoint::{dcp_to_checkpoint, dcp_to_checkpoint_in_group};
     use fsdp::flat_param::ModelLayout;
     let cases = [
         ("fsdp2_adam_ws4", false, false),
@@ -743,13 +747,13 @@ fn converting_pytorch_fixtures_offline_writes_what_live_ranks_loading_and_saving
                 convert_live(&model, &wrapping(orig), ws, &input, &live);
                 let layout = ModelLayout::new(&model, &wrapping(orig), ws).unwrap();
                 let offline = tmp.path().join("offline");
-                dcp_to_checkpoint(&input, &offline, &layout).unwrap();
+                convert::dcp_to_checkpoint(&input, &offline, &layout, &Solo).unwrap();
                 assert!(files_of(&live) == files_of(&offline), "{what}: offline");
                 // Split across 2 and 4 processes (threads here): ranks r % N on process N.
                 for n in [2, 4] {
                     let split = tmp.path().join(format!("split{n}"));
                     for r in ThreadGroup::run(n, |pg| {
-                        dcp_to_checkpoint_in_group(&input, &split, &layout, &pg)
+                        convert::dcp_to_checkpoint(&input, &split, &layout, &pg)
                     }) {
                         r.unwrap();
                     }
@@ -765,7 +769,6 @@ fn converting_pytorch_fixtures_offline_writes_what_live_ranks_loading_and_saving
 
 #[test]
 fn an_offline_conversion_failing_on_one_process_fails_every_process_and_leaves_nothing() {
-    use fsdp::checkpoint::dcp_to_checkpoint_in_group;
     use fsdp::flat_param::ModelLayout;
     let tmp = tempfile::tempdir().unwrap();
     // A copy of a PyTorch fixture whose data file lost its last bytes.
@@ -782,7 +785,7 @@ fn an_offline_conversion_failing_on_one_process_fails_every_process_and_leaves_n
     let layout = ModelLayout::new(&fixture_model(false, false), &wrapping(false), 1).unwrap();
     let out = tmp.path().join("out");
     let results = ThreadGroup::run(3, |pg| {
-        dcp_to_checkpoint_in_group(&input, &out, &layout, &pg)
+        convert::dcp_to_checkpoint(&input, &out, &layout, &pg)
     });
     let first = results[0].clone().unwrap_err();
     assert!(first.to_string().contains("__3_0.distcp"), "{first}");

@@ -8,7 +8,7 @@
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::io::torch_save::{load_optim_state_dict, optim_to_pyobj};
 use fsdp::offline::DescFile;
-use fsdp::state_dict::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
+use fsdp::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
 use fsdp::{OptimParams, OptimStateDict};
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -46,7 +46,7 @@ fn train_with(
     let mut slots = Slots::new(layout, rank, input);
     for s in 0..steps {
         let mut full = fsdp::param_shards::synthetic_grads(layout, s);
-        for (p, g) in layout.model.params.iter().zip(full.iter_mut()) {
+        for (p, g) in layout.model().params.iter().zip(full.iter_mut()) {
             if skip(s, &p.name) {
                 *g = None;
             }
@@ -236,7 +236,7 @@ fn load_scenario(
 ) {
     let input_for = |multiple: bool, diff: bool| {
         move |l: &ModelLayout, r: usize| {
-            if l.model.params.len() == nested_model().params.len() {
+            if l.model().params.len() == nested_model().params.len() {
                 nested_optim_input(l, multiple, diff, r)
             } else {
                 OptimParams::of_model(l)
@@ -532,8 +532,8 @@ fn use_orig_params_full_dict_equals_unwrapped_run() {
             let layout = run.fsdp.layout();
             let mut sorted: Vec<&ParamKey> = osd.state.keys().collect();
             sorted.sort();
-            let flat_of = |k: &ParamKey| match layout.ownership
-                [layout.model.index_of(k.as_name().unwrap()).unwrap()]
+            let flat_of = |k: &ParamKey| match layout.ownership()
+                [layout.model().index_of(k.as_name().unwrap()).unwrap()]
             {
                 fsdp::flat_param::Ownership::Flat { flat, .. } => Some(flat),
                 fsdp::flat_param::Ownership::Unmanaged => None,
@@ -582,7 +582,7 @@ fn full_dict_keys_match_the_model_with_ignored_modules() {
         keys.sort();
         names.sort();
         assert_eq!(keys, names);
-        assert!(run.fsdp.layout().ignored[model.index_of("block2.2.bias_module0.bias").unwrap()]);
+        assert!(run.fsdp.layout().ignored()[model.index_of("block2.2.bias_module0.bias").unwrap()]);
     });
 }
 

@@ -85,8 +85,8 @@ fn full_state(model: &ModelDesc) -> OptimStateDict {
 }
 
 fn check_layout(layout: &ModelLayout) {
-    let ws = layout.world_size;
-    for f in &layout.flat_params {
+    let ws = layout.world_size();
+    for f in layout.flat_params() {
         assert_eq!(
             f.numels_with_padding.iter().sum::<usize>(),
             f.unpadded_numel

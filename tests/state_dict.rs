@@ -5,9 +5,8 @@
 //! `_verify_osd_by_load` round trip, and the errors every rank must see together.
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
-use fsdp::state_dict::{
-    FullyShardedModel, ModelStateDict, OptimStateDictApi, StateDictApi, StateDictOptions,
-};
+use fsdp::state_dict::{ModelStateDict, OptimStateDictApi, StateDictApi, StateDictOptions};
+use fsdp::FullyShardedModel;
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
     Value, WrapPolicy,

@@ -469,7 +469,7 @@ fn var_store_buffers_frozen_parameters_and_dtypes() {
     let layouts = ThreadGroup::run(2, |pg| {
         let policy = WrapPolicy::units(&["enc", "bn", ""]);
         Fsdp::new(&model, &policy, Arc::new(pg))
-            .map(|f| f.layout().flat_params.len())
+            .map(|f| f.layout().flat_params().len())
             .map_err(|e| e.to_string())
     });
     assert_eq!(layouts, [Ok(3), Ok(3)]);

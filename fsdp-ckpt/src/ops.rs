@@ -9,7 +9,8 @@
 
 use crate::shard_dir::{shard_torch_marker, SHARD_TORCH, SHARD_TORCH_MARKER};
 use fsdp::checkpoint;
-use fsdp::collectives::{ProcessGroup, ProcessGroupExt};
+use fsdp::collectives::{ProcessGroup, ProcessGroupExt, Solo};
+use fsdp::convert;
 use fsdp::io::dcp;
 use fsdp::io::inspect::Summary;
 use fsdp::io::output::{self, DirKind};
@@ -458,9 +459,9 @@ fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
     let written = step(p, "converting", || {
         if found == Input::Checkpoint {
             // The full optimizer state dict of the crate's sharded checkpoint, streamed.
-            checkpoint::convert_to_dcp(input, output, |_| {})
+            convert::checkpoint_to_dcp(input, output, &Solo, |_| {})
         } else {
-            dcp::torch_save_to_dcp(input, output)
+            convert::torch_save_to_dcp(input, output, &Solo)
         }
     })?;
     Ok(Written {
@@ -490,10 +491,10 @@ fn to_dcp_input(input: &Path) -> Result<Input> {
 /// `convert IN OUT_DIR --to dcp|fsdp` as one process of a job (`mpirun -np N fsdp-ckpt
 /// convert …`; see [`convert_splits`]): every process of `pg` calls it with the same
 /// arguments. `--to dcp`: each writes its share of the tensors into the one data file
-/// ([`checkpoint::convert_to_dcp_in_group`] for the crate's checkpoint directory,
-/// [`dcp::torch_save_to_dcp_in_group`] for a file); process 0 writes `.metadata` and
+/// ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
+/// [`convert::torch_save_to_dcp`] for a file); process 0 writes `.metadata` and
 /// installs the directory. `--to fsdp`: each writes its share of the rank files
-/// ([`checkpoint::dcp_to_checkpoint_in_group`]); process 0 writes the manifest and commits.
+/// ([`convert::dcp_to_checkpoint`]); process 0 writes the manifest and commits.
 /// The output is byte for byte what [`convert`] writes (a DCP directory's `.metadata`
 /// differs only in its random save id); a failure on any process fails all of them with the
 /// same error and leaves `output` as it was.
@@ -521,9 +522,9 @@ pub fn convert_in_group(
     pg.on_root(|| clean_stale(p, output, Some(dcp::DCP_DIR)))?;
     p.start("converting (this process's share)", None);
     let written = if from_checkpoint {
-        checkpoint::convert_to_dcp_in_group(input, output, pg, |b| p.update(b))
+        convert::checkpoint_to_dcp(input, output, pg, |b| p.update(b))
     } else {
-        dcp::torch_save_to_dcp_in_group(input, output, pg)
+        convert::torch_save_to_dcp(input, output, pg)
     };
     p.finish();
     let written = written?;
@@ -562,7 +563,7 @@ pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
 /// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
 /// checkpoint of the DCP directory's optimizer state for N ranks of the described model, as
 /// N live ranks loading their shards ([`fsdp::Fsdp::load_dcp`]) and saving would write it,
-/// written one rank at a time ([`checkpoint::dcp_to_checkpoint`]).
+/// written one rank at a time ([`convert::dcp_to_checkpoint`]).
 fn dcp_to_fsdp(
     input: &Path,
     output: &Path,
@@ -571,12 +572,12 @@ fn dcp_to_fsdp(
 ) -> Result<Written> {
     let layout = fsdp_target(input, output, opts)?;
     step(p, "converting", || {
-        checkpoint::dcp_to_checkpoint(input, output, &layout)
+        convert::dcp_to_checkpoint(input, output, &layout, &Solo)
     })?;
-    fsdp_written(input, output, layout.world_size, None)
+    fsdp_written(input, output, layout.world_size(), None)
 }
 
-/// [`dcp_to_fsdp`] as one process of a job ([`checkpoint::dcp_to_checkpoint_in_group`]):
+/// [`dcp_to_fsdp`] as one process of a job ([`convert::dcp_to_checkpoint`]):
 /// output rank `r` is written by process `r % N`, process 0 commits.
 fn dcp_to_fsdp_in_group(
     input: &Path,
@@ -587,10 +588,10 @@ fn dcp_to_fsdp_in_group(
 ) -> Result<Written> {
     let layout = pg.agree(fsdp_target(input, output, opts))?;
     p.start("converting (this process's ranks)", None);
-    let done = checkpoint::dcp_to_checkpoint_in_group(input, output, &layout, pg);
+    let done = convert::dcp_to_checkpoint(input, output, &layout, pg);
     p.finish();
     done?;
-    fsdp_written(input, output, layout.world_size, Some(pg.world_size()))
+    fsdp_written(input, output, layout.world_size(), Some(pg.world_size()))
 }
 
 /// The layout `convert --to fsdp` writes for, from its options, once the input is known to
@@ -663,10 +664,12 @@ pub fn consolidate(input: &Path, out: &Path, p: &dyn Progress) -> Result<Written
     p.start("consolidating", Some((total, Unit::Bytes)));
     let to = |b| p.update(b);
     let written = match (is_dcp, format) {
-        (true, FileFormat::Safetensors) => dcp::consolidate_to_safetensors(input, out, to),
-        (true, _) => dcp::consolidate_to_torch(input, out, to),
-        (false, FileFormat::Safetensors) => checkpoint::consolidate_to_safetensors(input, out, to),
-        (false, _) => checkpoint::consolidate_to_torch(input, out, to),
+        (true, FileFormat::Safetensors) => convert::dcp_to_safetensors(input, out, &Solo, to),
+        (true, _) => convert::dcp_to_torch_save(input, out, &Solo, to),
+        (false, FileFormat::Safetensors) => {
+            convert::checkpoint_to_safetensors(input, out, &Solo, to)
+        }
+        (false, _) => convert::checkpoint_to_torch_save(input, out, &Solo, to),
     };
     p.finish();
     let written = written?;
@@ -723,7 +726,9 @@ pub fn reshard(
     clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))?;
     let total = saved.tensor_bytes() + saved.model_param_bytes();
     p.start("resharding", Some((total, Unit::Bytes)));
-    let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), |b| p.update(b));
+    let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), &Solo, |b| {
+        p.update(b)
+    });
     p.finish();
     let copied = copied?;
     Ok(Written {
@@ -742,7 +747,7 @@ pub fn reshard(
 
 /// [`reshard`] as one process of a job (`mpirun -np N fsdp-ckpt reshard …`): every process
 /// of `pg` calls it with the same arguments and writes its share of the output rank files
-/// ([`checkpoint::reshard_in_group`]); process 0 commits. The output is byte for byte what
+/// ([`checkpoint::reshard`]); process 0 commits. The output is byte for byte what
 /// [`reshard`] writes; a failure on any process fails all of them with the same error and
 /// leaves `out` as it was. `p` reports this process's share.
 pub fn reshard_in_group(
@@ -761,8 +766,7 @@ pub fn reshard_in_group(
         clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))
     })?;
     p.start("resharding (this process's share)", None);
-    let copied =
-        checkpoint::reshard_in_group(input, out, world_size, policy.as_ref(), pg, |b| p.update(b));
+    let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), pg, |b| p.update(b));
     p.finish();
     let copied = copied?;
     Ok(Written {
@@ -790,9 +794,8 @@ pub fn consolidate_splits(_input: &Path, out: &Path) -> bool {
 /// [`consolidate`] as one process of a job (`mpirun -np N fsdp-ckpt consolidate …`; see
 /// [`consolidate_splits`]): every process of `pg` calls it with the same arguments and
 /// writes its share of the file's byte ranges
-/// ([`checkpoint::consolidate_to_safetensors_in_group`],
-/// [`checkpoint::consolidate_to_torch_in_group`],
-/// [`dcp::consolidate_to_safetensors_in_group`], [`dcp::consolidate_to_torch_in_group`]);
+/// ([`convert::checkpoint_to_safetensors`], [`convert::checkpoint_to_torch_save`],
+/// [`convert::dcp_to_safetensors`], [`convert::dcp_to_torch_save`]);
 /// process 0 installs it. The file is byte for byte what [`consolidate`] writes; a failure
 /// on any process fails all of them with the same error and leaves `out` as it was. `p`
 /// reports this process's share.
@@ -815,14 +818,10 @@ pub fn consolidate_in_group(
     p.start("consolidating (this process's share)", None);
     let to = |b| p.update(b);
     let written = match (is_dcp, format) {
-        (true, FileFormat::Safetensors) => {
-            dcp::consolidate_to_safetensors_in_group(input, out, pg, to)
-        }
-        (true, _) => dcp::consolidate_to_torch_in_group(input, out, pg, to),
-        (false, FileFormat::Safetensors) => {
-            checkpoint::consolidate_to_safetensors_in_group(input, out, pg, to)
-        }
-        (false, _) => checkpoint::consolidate_to_torch_in_group(input, out, pg, to),
+        (true, FileFormat::Safetensors) => convert::dcp_to_safetensors(input, out, pg, to),
+        (true, _) => convert::dcp_to_torch_save(input, out, pg, to),
+        (false, FileFormat::Safetensors) => convert::checkpoint_to_safetensors(input, out, pg, to),
+        (false, _) => convert::checkpoint_to_torch_save(input, out, pg, to),
     };
     p.finish();
     let written = written?;

@@ -100,7 +100,7 @@ struct RankChunks {
 /// [`super::save`]) as the DCP directory `dir`. Collective over `ctx.pg`; every rank returns
 /// the same outcome. `dir` must be missing, empty, or an earlier DCP directory holding
 /// nothing else.
-pub fn save_dcp<T: Tensor>(
+pub(crate) fn save_dcp<T: Tensor>(
     ctx: GroupContext<'_>,
     osd: &OptimStateDict<T>,
     params: &OptimParams,
@@ -125,7 +125,7 @@ pub fn save_dcp<T: Tensor>(
 ///
 /// `model`, when given, is a sharded model state dict (`{fqn: value}`, as
 /// `get_model_state_dict` gives it) saved beside, under `model.<fqn>`.
-pub fn save_sharded_dcp<T: Tensor>(
+pub(crate) fn save_sharded_dcp<T: Tensor>(
     pg: &dyn crate::collectives::ProcessGroup,
     osd: &OptimStateDict<T>,
     model: Option<&indexmap::IndexMap<String, Value<T>>>,
@@ -231,7 +231,7 @@ fn write_sharded_value<T: Tensor>(
 /// The optimizer state of a DCP directory one parameter at a time, reading only that
 /// parameter's entries: calls `each(fqn, state)` in metadata order (state names as stored),
 /// then returns the param groups (parameters by name). Memory: one parameter's whole state.
-pub fn read_optim_by_param(
+pub(crate) fn read_optim_by_param(
     dir: &Path,
     mut each: impl FnMut(&str, ParamState) -> Result<()>,
 ) -> Result<Option<Vec<crate::optim_state::ParamGroup>>> {
@@ -652,7 +652,7 @@ fn commit(reports: Vec<RankChunks>, tmp: &Path, dir: &Path) -> Result<()> {
 /// ([`Error::DcpStorage`] naming key and `.metadata`). Parameters are read one flat
 /// parameter (or original parameter) at a time, and of each only the chunks holding the
 /// rank's element ranges ([`DcpCheckpoint::read_flat_range`]). No communication.
-pub fn load_dcp<T: Tensor>(
+pub(crate) fn load_dcp<T: Tensor>(
     dir: &Path,
     layout: &ModelLayout,
     rank: usize,

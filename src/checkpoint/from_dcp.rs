@@ -14,31 +14,19 @@ use crate::optim_state::{OptimParams, OptimStateDict};
 use std::path::Path;
 
 /// Writes the crate's checkpoint of the optimizer state in the DCP directory `src` (as
-/// PyTorch's `get_state_dict` + `dcp.save` or [`super::save_dcp`] wrote it, FSDP1 or FSDP2, at
+/// PyTorch's `get_state_dict` + `dcp.save` or `Fsdp::save_dcp` wrote it, FSDP1 or FSDP2, at
 /// any world size) for the ranks of `layout` into `dst`: the checkpoint every rank of a live
-/// job writes by calling [`super::load_dcp`] then [`super::save`], byte for byte. Committed
-/// atomically; `dst` follows the replace rule of [`super::save`] and must not overlap `src`.
-pub fn dcp_to_checkpoint(src: &Path, dst: &Path, layout: &ModelLayout) -> Result<()> {
-    check_layout(layout)?;
-    let opts = SaveOptions::default();
-    let tmp = super::prepare_output(dst, &[src])?;
-    let ranks: Vec<usize> = (0..layout.world_size).collect();
-    let written = write_ranks(src, layout, &ranks, &tmp, &opts)
-        .and_then(|reports| commit(layout, in_rank_order(reports), &tmp, dst, &opts));
-    if written.is_err() {
-        crate::io::output::discard_tmp_dir(&tmp);
-    }
-    written
-}
-
-/// [`dcp_to_checkpoint`] split across the processes of `pg`, each calling it with the same
-/// arguments (the paths naming the same directories on every process, e.g. on a shared
-/// filesystem): output rank `r` is loaded and written by process `r % pg.world_size()`;
-/// process 0 creates the temporary directory and, once every process reported its files,
-/// writes the manifest and the commit marker and installs the directory. The result is byte
-/// for byte [`dcp_to_checkpoint`]'s. A failure on any process fails every process with the
-/// lowest failing one's error, and `dst` is left as it was.
-pub fn dcp_to_checkpoint_in_group(
+/// job writes by calling `load_dcp` then `save`, byte for byte. Committed atomically; `dst`
+/// follows the replace rule of a save and must not overlap `src`.
+///
+/// The job is split across the processes of `pg` (`&Solo` for one process; each calls it
+/// with the same arguments, the paths naming the same directories on every process): output
+/// rank `r` is loaded and written by process `r % pg.world_size()`; process 0 creates the
+/// temporary directory and, once every process reported its files, writes the manifest and
+/// the commit marker and installs the directory. The result is the same for any number of
+/// processes. A failure on any process fails every process with the lowest failing one's
+/// error, and `dst` is left as it was.
+pub fn dcp_to_checkpoint(
     src: &Path,
     dst: &Path,
     layout: &ModelLayout,

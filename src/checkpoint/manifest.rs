@@ -20,7 +20,7 @@ pub const COMMIT: &str = "COMMITTED";
 pub const MANIFEST_MAX_BYTES: u64 = 1 << 30;
 /// Each piece's checksums cover blocks of this many bytes, so a reader that needs part of a
 /// piece verifies only the blocks it reads.
-pub const CHECKSUM_BLOCK: usize = 4 << 20;
+pub(crate) const CHECKSUM_BLOCK: usize = 4 << 20;
 
 /// Everything about a checkpoint except the tensor bytes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,14 +49,14 @@ pub struct Manifest {
     pub user_state: Vec<(ParamKey, ParamState<HostTensor>)>,
     /// The model's parameter values, when the saver handed them over
     /// ([`crate::Fsdp::save_checkpoint`]): one record per parameter in model order, whose one
-    /// state [`MODEL_PARAM_STATE`] holds the value, stored like optimizer state. Empty for an
+    /// state `param` holds the value, stored like optimizer state. Empty for an
     /// optimizer-only checkpoint.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub model_params: Vec<ParamRecord>,
 }
 
 /// The state name under which [`Manifest::model_params`] records hold a parameter's value.
-pub const MODEL_PARAM_STATE: &str = "param";
+pub(crate) const MODEL_PARAM_STATE: &str = "param";
 
 /// One rank's data file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,13 +107,13 @@ pub struct Piece {
     pub len: usize,
     /// Byte offset of the first element in the file.
     pub offset: u64,
-    /// CRC-32C of each [`CHECKSUM_BLOCK`]-byte block of the piece's bytes (the last one
+    /// CRC-32C of each 4 MiB (`CHECKSUM_BLOCK`) block of the piece's bytes (the last one
     /// shorter).
     pub crc32c: Vec<u32>,
 }
 
 /// Checksums of `bytes` block by block, as stored in [`Piece::crc32c`].
-pub fn block_checksums(bytes: &[u8]) -> Vec<u32> {
+pub(crate) fn block_checksums(bytes: &[u8]) -> Vec<u32> {
     bytes.chunks(CHECKSUM_BLOCK).map(crc32c::crc32c).collect()
 }
 

@@ -24,31 +24,27 @@
 
 mod background;
 mod dcp;
-mod from_dcp;
+pub(crate) mod from_dcp;
 mod load;
 mod manifest;
 mod prefetch;
 mod reshard;
 mod save;
-mod stream;
+pub(crate) mod stream;
 mod summary;
 
 pub use background::{BackgroundSaver, SaveMode};
-pub use dcp::{load_dcp, read_optim_by_param, save_dcp, save_sharded_dcp};
-pub use from_dcp::{dcp_to_checkpoint, dcp_to_checkpoint_in_group};
+pub(crate) use dcp::{load_dcp, read_optim_by_param, save_dcp, save_sharded_dcp};
 pub use load::{load, load_full, load_model_params, verify, LoadOptions};
 pub use manifest::{
-    block_checksums, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
-    CHECKPOINT_DIR, CHECKSUM_BLOCK, COMMIT, FORMAT, MANIFEST, MODEL_PARAM_STATE, VERSION,
+    read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue, CHECKPOINT_DIR, COMMIT,
+    FORMAT, MANIFEST, VERSION,
 };
-pub use reshard::{reshard, reshard_in_group, reshard_with};
+pub use reshard::{reshard, reshard_with};
+pub(crate) use save::save;
 #[cfg(feature = "fault-injection")]
 pub use save::CrashPoint;
-pub use save::{save, SaveOptions};
-pub use stream::{
-    consolidate_to_safetensors, consolidate_to_safetensors_in_group, consolidate_to_torch,
-    consolidate_to_torch_in_group, convert_to_dcp, convert_to_dcp_in_group,
-};
+pub use save::SaveOptions;
 pub use summary::{FileSummary, Summary};
 
 use crate::collectives::ProcessGroup;

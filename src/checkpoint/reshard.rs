@@ -49,23 +49,37 @@ fn range_of(layout: &ModelLayout, param: usize, rank: usize) -> Option<(usize, u
 /// `None`) into `dst`, committed atomically like a save. Every block read is verified.
 /// Returns the tensor bytes copied.
 ///
+/// The job is split across the processes of `pg` (`&Solo` for one process; each process
+/// calls it with the same arguments, the paths naming the same directories on every process,
+/// e.g. on a shared filesystem): output rank file `r` is written by process
+/// `r % pg.world_size()`, which reads only the byte ranges of `src` that file needs; process
+/// 0 creates the temporary directory and, once every process reported its files written,
+/// writes the manifest and the commit marker and installs the directory. The result is byte
+/// for byte the same for any number of processes. A failure on any process (an unreadable
+/// input, a full disk) fails every process with the error of the lowest failing one, and
+/// `dst` is left as it was. `progress` gets this process's tensor bytes copied so far; the
+/// return value is the tensor bytes copied by all of them.
+///
 /// The resharded checkpoint loads into the new layout reading one file per rank; it keeps the
 /// saved key order, param groups and key type.
+///
+/// ```no_run
+/// use fsdp::checkpoint::reshard;
+/// use fsdp::collectives::Solo;
+/// # fn main() -> fsdp::Result<()> {
+/// let copied = reshard("ckpt8".as_ref(), "ckpt4".as_ref(), 4, None, &Solo, |_| {})?;
+/// # Ok(()) }
+/// ```
 pub fn reshard(
     src: &Path,
     dst: &Path,
     world_size: usize,
     policy: Option<&WrapPolicy>,
+    pg: &dyn ProcessGroup,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
-    reshard_with(
-        src,
-        dst,
-        world_size,
-        policy,
-        &SaveOptions::default(),
-        progress,
-    )
+    let opts = SaveOptions::default();
+    reshard_with(src, dst, world_size, policy, &opts, pg, progress)
 }
 
 /// [`reshard`] with save options (with the feature `fault-injection`, `SaveOptions::crash_at`
@@ -81,81 +95,39 @@ pub fn reshard_with(
     world_size: usize,
     policy: Option<&WrapPolicy>,
     opts: &SaveOptions,
-    progress: impl FnMut(u64),
-) -> Result<u64> {
-    let old = read_manifest(src)?;
-    let policy = policy.unwrap_or(&old.policy).clone();
-    let layout = ModelLayout::new(&old.model, &policy, world_size)?;
-    let tmp = super::prepare_output(dst, &[src])?;
-    let mut job = Reshard::new(src, &old, &layout, opts, progress)?;
-    match job.write_all(&tmp) {
-        Ok(()) => {
-            install(&tmp, dst)?;
-            Ok(job.copied)
-        }
-        Err(e) => {
-            if !super::save::keeps_tmp(opts) {
-                crate::io::output::discard_tmp_dir(&tmp);
-            }
-            Err(e)
-        }
-    }
-}
-
-/// [`reshard`] split across the processes of `pg` (each one runs it with the same
-/// arguments; the paths must name the same directories on every process, e.g. on a shared
-/// filesystem). Output rank file `r` is written by process `r % pg.world_size()`, which reads
-/// only the byte ranges of `src` that file needs; process 0 creates the temporary directory,
-/// and once every process reported its files written, writes the manifest and the commit
-/// marker and installs the directory. The result is byte for byte what [`reshard`] writes.
-///
-/// A failure on any process (an unreadable input, a full disk) fails every process with the
-/// error of the lowest failing one, and `dst` is left as it was. `progress` gets this process's
-/// tensor bytes copied so far; the return value is the tensor bytes copied by all of them.
-pub fn reshard_in_group(
-    src: &Path,
-    dst: &Path,
-    world_size: usize,
-    policy: Option<&WrapPolicy>,
     pg: &dyn ProcessGroup,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
-    let opts = SaveOptions::default();
     // Planning, on every process: the same inputs give the same plan or the same error.
     let old = pg.agree(read_manifest(src))?;
     let policy = policy.unwrap_or(&old.policy).clone();
     let layout = pg.agree(ModelLayout::new(&old.model, &policy, world_size))?;
-    let mut job = pg.agree(Reshard::new(src, &old, &layout, &opts, progress))?;
     let tmp = pg.on_root(|| super::prepare_output(dst, &[src]))?;
+    let job = Reshard::new(src, &old, &layout, opts, progress);
+    let discard = |e: Error| {
+        if pg.rank() == 0 && !super::save::keeps_tmp(opts) {
+            crate::io::output::discard_tmp_dir(&tmp);
+        }
+        e
+    };
+    let mut job = pg.agree(job).map_err(discard)?;
     // Copying: each process writes its share of the rank files.
     let ranks: Vec<usize> = (pg.rank()..world_size).step_by(pg.world_size()).collect();
     let mine = job
-        .write_rank_files(&ranks, &tmp)
+        .crash_at(CrashPoint::BeforeData)
+        .and_then(|()| job.write_rank_files(&ranks, &tmp))
         .map(|files| (files, job.copied));
-    let gathered = pg.all_gather_agreed(mine);
+    let all = pg.all_gather_agreed(mine).map_err(discard)?;
     // Commit, on process 0 once all succeeded; every process learns its outcome.
-    match gathered {
-        Ok(all) => {
-            let copied = all.iter().map(|(_, c)| c).sum::<u64>();
-            let mut files: Vec<RankWritten> = all.into_iter().flat_map(|(f, _)| f).collect();
-            files.sort_by_key(|w| w.rank);
-            pg.on_root(|| {
-                // As in `reshard_with`: a failed install leaves its temporary to the next
-                // run's cleanup (it may hold the previous checkpoint moved aside).
-                if let Err(e) = job.commit(&tmp, files) {
-                    crate::io::output::discard_tmp_dir(&tmp);
-                    return Err(e);
-                }
-                install(&tmp, dst).map(|()| copied)
-            })
-        }
-        Err(e) => {
-            if pg.rank() == 0 {
-                crate::io::output::discard_tmp_dir(&tmp);
-            }
-            Err(e)
-        }
-    }
+    let copied = all.iter().map(|(_, c)| c).sum::<u64>();
+    let mut files: Vec<RankWritten> = all.into_iter().flat_map(|(f, _)| f).collect();
+    files.sort_by_key(|w| w.rank);
+    pg.on_root(|| {
+        job.commit(&tmp, files).map_err(discard)?;
+        // A failed install leaves its temporary to the next run's cleanup (it may hold the
+        // previous checkpoint moved aside).
+        install(&tmp, dst).map(|()| copied)
+    })
 }
 
 /// One offline reshard in progress: the saved records, where each goes in the new layout,
@@ -220,14 +192,6 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
 
     fn crash_at(&self, point: CrashPoint) -> Result<()> {
         super::save::crash_point(self.opts, point)
-    }
-
-    /// Writes every rank file, then the manifest and the commit marker, into `tmp`.
-    fn write_all(&mut self, tmp: &Path) -> Result<()> {
-        self.crash_at(CrashPoint::BeforeData)?;
-        let ranks: Vec<usize> = (0..self.layout.world_size).collect();
-        let files = self.write_rank_files(&ranks, tmp)?;
-        self.commit(tmp, files)
     }
 
     /// Writes the rank files of `ranks` into `tmp`, [`FILES_PER_PASS`] of them per pass over

@@ -35,7 +35,7 @@ pub enum CrashPoint {
     BeforeCommit,
 }
 
-/// Options of [`save`]: none to set today (`SaveOptions::default()`); the type exists so that
+/// Options of `save`: none to set today (`SaveOptions::default()`); the type exists so that
 /// saving options can be added without changing every call.
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
@@ -142,7 +142,7 @@ pub(super) fn keeps_tmp(opts: &SaveOptions) -> bool {
 /// replaces it in one atomic exchange. `dir` must be missing, an empty directory or a
 /// committed checkpoint holding nothing else; anything else is [`Error::OutputRefused`] on
 /// every rank, and nothing is written ([`crate::io::output::check_dir_output`]).
-pub fn save<T: Tensor>(
+pub(crate) fn save<T: Tensor>(
     ctx: GroupContext<'_>,
     osd: &OptimStateDict<T>,
     params: &OptimParams,

@@ -3,7 +3,6 @@
 
 use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
-use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership};
 use crate::io::container::{self, Entry};
@@ -12,19 +11,18 @@ use crate::io::torch_save::{optim_to_pyobj, PyObj};
 use crate::optim_state::{OptimStateDict, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
 use std::path::Path;
 
 /// The full dict's structure with a one-element placeholder per stored tensor state, whose
 /// buffer address says which state (record, state index) it stands for.
-struct Skeleton {
+pub(crate) struct Skeleton {
     manifest: Manifest,
-    obj: PyObj,
+    pub(crate) obj: PyObj,
     stands_for: HashMap<usize, (usize, usize)>,
 }
 
 impl Skeleton {
-    fn new(dir: &Path) -> Result<Self> {
+    pub(crate) fn new(dir: &Path) -> Result<Self> {
         let manifest = read_manifest(dir)?;
         let layout = ModelLayout::new(&manifest.model, &manifest.policy, manifest.world_size)?;
         let mut skeleton = OptimStateDict {
@@ -108,47 +106,10 @@ fn stream_state(
     Ok(written)
 }
 
-/// Writes the full dict of the checkpoint in `dir` — what `full_optim_state_dict` returned
-/// when it was saved — to `out` as a `.safetensors` file in the crate's mapping
-/// ([`crate::io::safetensors`]), streaming: memory stays at two checksum blocks (8 MiB) plus
-/// the dict's structure, whatever the model size. Every block read is verified; the file
-/// appears atomically. `progress` gets the tensor bytes written so far. Returns the tensor
-/// bytes written.
-pub fn consolidate_to_safetensors(
-    dir: &Path,
-    out: &Path,
-    mut progress: impl FnMut(u64),
-) -> Result<u64> {
-    prepare_output(dir, out)?;
-    let sk = Skeleton::new(dir)?;
-    let plan = SafetensorsPlan::new(&sk)?;
-    let mut written = 0u64;
-    crate::io::output::write_file_atomic(out, |w, tmp| {
-        let err = crate::io::output::tmp_io_err("writing", out, tmp);
-        w.write_all(&plan.header).map_err(&err)?;
-        let mut reader = Reader::new(dir, &sk.manifest, true).dropping_behind();
-        let mut block = Vec::new();
-        for (_, t) in &plan.tensors {
-            let Some(stored) = sk.stored(t) else {
-                w.write_all(t.as_bytes()).map_err(&err)?;
-                continue;
-            };
-            stream_state(&mut reader, stored, &mut block, &mut |bytes| {
-                w.write_all(bytes).map_err(&err)?;
-                written += bytes.len() as u64;
-                progress(written);
-                Ok(())
-            })?;
-        }
-        Ok(())
-    })?;
-    Ok(written)
-}
-
 /// The layout of a consolidated `.safetensors` file, known before any byte is written: its
 /// tensors in file order (stored states as placeholders), the header, and where each
 /// tensor's data starts.
-struct SafetensorsPlan<'s> {
+pub(crate) struct SafetensorsPlan<'s> {
     tensors: Vec<(String, &'s HostTensor)>,
     header: Vec<u8>,
     /// File offset of each tensor's data.
@@ -158,7 +119,7 @@ struct SafetensorsPlan<'s> {
 }
 
 impl<'s> SafetensorsPlan<'s> {
-    fn new(sk: &'s Skeleton) -> Result<Self> {
+    pub(crate) fn new(sk: &'s Skeleton) -> Result<Self> {
         let (tensors, meta) = crate::io::safetensors::parts(&sk.obj);
         let entries: Vec<Entry> = tensors
             .iter()
@@ -191,8 +152,15 @@ impl<'s> SafetensorsPlan<'s> {
     }
 
     /// The file's length.
-    fn file_len(&self) -> u64 {
+    pub(crate) fn file_len(&self) -> u64 {
         self.header.len() as u64 + self.lens.iter().sum::<u64>()
+    }
+
+    /// Writes the header at the start of `file`, the temporary `tmp` of `out`.
+    pub(crate) fn write_header(&self, file: &std::fs::File, out: &Path, tmp: &Path) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        file.write_all_at(&self.header, 0).map_err(err)
     }
 
     /// The process of `ws` that writes tensor `i`: the data is cut into `ws` spans of equal
@@ -204,49 +172,15 @@ impl<'s> SafetensorsPlan<'s> {
     }
 }
 
-/// [`consolidate_to_safetensors`] split across the processes of `pg` (each one calls it with
-/// the same arguments; the paths must name the same files on every process, e.g. on a shared
-/// filesystem). The file's layout is planned before any byte is written: process 0 creates
-/// the temporary file at its full length, each process writes the data of its share of the
-/// tensors (about `1 / pg.world_size()` of the bytes, reading only the blocks it needs) at
-/// their planned offsets and syncs, and once all succeeded, process 0 writes the header,
-/// syncs and renames. The file is byte for byte what [`consolidate_to_safetensors`] writes.
-///
-/// A failure on any process fails every process with the error of the lowest failing one,
-/// and `out` is left as it was. `progress` gets this process's tensor bytes written so far;
-/// the return value is the tensor bytes written by all of them.
-pub fn consolidate_to_safetensors_in_group(
+/// Writes process `rank`'s share (of `world_size`) of the tensors of the planned file `file`
+/// (the temporary `tmp` of `out`), streamed from the checkpoint `dir`; returns the tensor
+/// bytes written.
+pub(crate) fn write_share(
     dir: &Path,
-    out: &Path,
-    pg: &dyn ProcessGroup,
-    progress: impl FnMut(u64),
-) -> Result<u64> {
-    pg.on_root(|| prepare_output(dir, out))?;
-    let sk = pg.agree(Skeleton::new(dir))?;
-    let plan = pg.agree(SafetensorsPlan::new(&sk))?;
-    let written = crate::io::output::write_planned_in_group(
-        out,
-        plan.file_len(),
-        pg,
-        |file, tmp| write_share(dir, (out, tmp), file, &sk, &plan, pg, progress),
-        |file, tmp, _| {
-            use std::os::unix::fs::FileExt;
-            let err = crate::io::output::tmp_io_err("writing", out, tmp);
-            file.write_all_at(&plan.header, 0).map_err(err)
-        },
-    )?;
-    Ok(written.iter().sum())
-}
-
-/// Writes this process's share of the tensors of the planned file `file`; returns the
-/// tensor bytes written.
-fn write_share(
-    dir: &Path,
-    (out, tmp): (&Path, &Path),
-    file: &std::fs::File,
+    (file, out, tmp): (&std::fs::File, &Path, &Path),
     sk: &Skeleton,
     plan: &SafetensorsPlan<'_>,
-    pg: &dyn ProcessGroup,
+    (rank, world_size): (usize, usize),
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
     use std::os::unix::fs::FileExt;
@@ -256,7 +190,7 @@ fn write_share(
     let mut block = Vec::new();
     let mut written = 0u64;
     for (i, (_, t)) in plan.tensors.iter().enumerate() {
-        if plan.writer_of(i, pg.world_size()) != pg.rank() {
+        if plan.writer_of(i, world_size) != rank {
             continue;
         }
         let mut at = plan.starts[i];
@@ -280,89 +214,21 @@ fn write_share(
 
 /// Before writing the consolidated file `out` of the checkpoint `dir`: `out` must not lie
 /// inside `dir` (nor be or contain it), and stale temporaries of killed runs are removed.
-fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
+pub(crate) fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
     crate::io::output::check_not_overlapping(out, &[dir])?;
     crate::io::output::clean_stale_temporaries(out, None)?;
     Ok(())
 }
 
 /// [`prepare_output`] for a DCP directory `out`.
-fn prepare_dcp_output(dir: &Path, out: &Path) -> Result<()> {
+pub(crate) fn prepare_dcp_output(dir: &Path, out: &Path) -> Result<()> {
     crate::io::output::check_not_overlapping(out, &[dir])?;
     crate::io::output::clean_stale_temporaries(out, Some(crate::io::dcp::DCP_DIR))?;
     Ok(())
 }
 
-/// [`consolidate_to_safetensors`] to a `torch.save` file instead: `torch.load(out)` gives what
-/// `FSDP.full_optim_state_dict` returned when the checkpoint was saved, byte for byte the file
-/// `torch_save::save_optim_state_dict(&load_full(dir)?, out)` writes, but streamed one
-/// checksum block at a time. Every block read is verified; the file appears atomically.
-/// `progress` gets the tensor bytes written so far. Returns the tensor bytes written.
-pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
-    prepare_output(dir, out)?;
-    let sk = Skeleton::new(dir)?;
-    let mut lazy = Streamed::new(dir, out, &sk, progress);
-    crate::io::torch_save::save_streaming(&sk.obj, out, &mut lazy)?;
-    Ok(lazy.written)
-}
-
-/// [`consolidate_to_torch`] split across the processes of `pg` (each one calls it with the
-/// same arguments; the paths must name the same files on every process, e.g. on a shared
-/// filesystem): each process streams about `1 / pg.world_size()` of the states' bytes into
-/// their planned places in the file, reading only the blocks it needs, and process 0 writes
-/// the rest of the archive and installs it
-/// (`io::torch_save::save_streaming_in_group`). The file is byte for byte what
-/// [`consolidate_to_torch`] writes.
-///
-/// A failure on any process fails every process with the error of the lowest failing one,
-/// and `out` is left as it was. `progress` gets this process's tensor bytes written so far;
-/// the return value is the tensor bytes written by all of them.
-pub fn consolidate_to_torch_in_group(
-    dir: &Path,
-    out: &Path,
-    pg: &dyn ProcessGroup,
-    progress: impl FnMut(u64),
-) -> Result<u64> {
-    pg.on_root(|| prepare_output(dir, out))?;
-    let sk = pg.agree(Skeleton::new(dir))?;
-    let mut lazy = Streamed::new(dir, out, &sk, progress);
-    crate::io::torch_save::save_streaming_in_group(&sk.obj, out, &mut lazy, pg)
-}
-
-/// Writes the full dict of the checkpoint in `dir` as the DCP directory `out`, what
-/// `torch_save_to_dcp` makes of the file [`consolidate_to_torch`] writes (`dcp.load` into
-/// `{"state": …, "param_groups": …}` gives `full_optim_state_dict`'s dict), streamed one
-/// checksum block at a time: memory stays bounded whatever the model size. Every block read
-/// is verified; the directory appears atomically. Returns the tensor bytes written.
-pub fn convert_to_dcp(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
-    prepare_dcp_output(dir, out)?;
-    let sk = Skeleton::new(dir)?;
-    let mut lazy = Streamed::new(dir, out, &sk, progress);
-    crate::io::dcp::save_dcp_streaming(&sk.obj, out, &mut lazy)
-}
-
-/// [`convert_to_dcp`] split across the processes of `pg` (each one calls it with the same
-/// arguments; the paths must name the same directories on every process): each process
-/// writes about `1 / pg.world_size()` of the tensors' bytes into the one data file, reading
-/// only the blocks it needs, and process 0 writes `.metadata` and installs the directory
-/// ([`crate::io::dcp`]'s planned writer). The data file is byte for byte what
-/// [`convert_to_dcp`] writes. A failure on any process fails every process with the lowest
-/// failing one's error and leaves `out` as it was. `progress` gets this process's tensor
-/// bytes; the return value is the tensor bytes of the whole directory.
-pub fn convert_to_dcp_in_group(
-    dir: &Path,
-    out: &Path,
-    pg: &dyn ProcessGroup,
-    progress: impl FnMut(u64),
-) -> Result<u64> {
-    pg.on_root(|| prepare_dcp_output(dir, out))?;
-    let sk = pg.agree(Skeleton::new(dir))?;
-    let mut lazy = Streamed::new(dir, out, &sk, progress);
-    crate::io::dcp::save_dcp_in_group(&sk.obj, out, &mut lazy, pg)
-}
-
 /// The placeholders of a [`Skeleton`], streamed from the checkpoint into a `torch.save` file.
-struct Streamed<'s, P> {
+pub(crate) struct Streamed<'s, P> {
     /// The output file, for messages.
     out: &'s Path,
     reader: Reader<'s>,
@@ -375,7 +241,7 @@ struct Streamed<'s, P> {
 impl<'s, P> Streamed<'s, P> {
     /// Streams `skeleton`'s states from the checkpoint in `dir`, dropping what it has read
     /// from the page cache; `out` names the output in messages.
-    fn new(dir: &'s Path, out: &'s Path, skeleton: &'s Skeleton, progress: P) -> Self {
+    pub(crate) fn new(dir: &'s Path, out: &'s Path, skeleton: &'s Skeleton, progress: P) -> Self {
         Streamed {
             out,
             reader: Reader::new(dir, &skeleton.manifest, true).dropping_behind(),

@@ -1,5 +1,5 @@
 //! Collectives (layer 3): the [`ProcessGroup`] trait the façade communicates through, and its
-//! backends. [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
+//! backends. [`Solo`] is the group of one process (a solo run of any driver). [`ThreadGroup`] runs one rank per thread in one process (tests, single host);
 //! `nccl::NcclProcessGroup` (feature `nccl`, Linux) runs one rank per CUDA device over NCCL.
 //! [`rendezvous`] is how separate processes find each other (`torchrun`-style variables), over
 //! its own listener or torchrun's agent store, a c10d `TCPStore` ([`tcp_store`]).
@@ -16,6 +16,7 @@ pub mod nccl;
 mod net;
 mod reduce;
 pub mod rendezvous;
+mod solo;
 pub mod tcp_store;
 mod threads;
 
@@ -23,6 +24,7 @@ mod threads;
 #[cfg_attr(docsrs, doc(cfg(feature = "mpi")))]
 pub use self::mpi::MpiProcessGroup;
 pub use reduce::{check_reduction, reduce_parts, ReduceOp};
+pub use solo::Solo;
 pub use threads::{ThreadGroup, ThreadProcessGroup};
 
 use crate::error::{Error, Result};

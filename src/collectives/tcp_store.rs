@@ -51,7 +51,7 @@ const WAIT_CANCELED: u8 = 1;
 /// The libuv server's `MAX_STRING_LEN` (keys).
 const MAX_KEY: usize = 8 * 1024;
 /// The libuv server's `MAX_PAYLOAD_LEN` (values); also the largest value this client reads.
-pub const MAX_VALUE: usize = 8 * 1024 * 1024;
+pub(crate) const MAX_VALUE: usize = 8 * 1024 * 1024;
 /// How long a cancelled wait may take to be acknowledged.
 const CANCEL_GRACE: Duration = Duration::from_secs(5);
 /// Pause between connection attempts.

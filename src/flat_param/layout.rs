@@ -10,7 +10,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 
 /// Name under which FSDP registers a flat parameter on its unit.
-pub const FLAT_PARAM: &str = "_flat_param";
+pub(crate) const FLAT_PARAM: &str = "_flat_param";
 
 /// One original parameter inside a flat parameter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -293,24 +293,52 @@ pub enum Ownership {
     Unmanaged,
 }
 
-/// The whole model's FSDP layout for one shard-group size.
+/// The whole model's FSDP layout for one shard-group size: a pure function of the model, the
+/// policy and the world size ([`ModelLayout::new`]). Its fields are read through accessors, so
+/// a layout cannot drift from what it was computed from; deserializing one recomputes it from
+/// those three and refuses a record whose other fields differ.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "LayoutRecord")]
 pub struct ModelLayout {
-    /// The model.
-    pub model: ModelDesc,
-    /// The wrapping policy.
-    pub policy: WrapPolicy,
-    /// Size of the shard group the flat parameters are split over.
-    pub world_size: usize,
-    /// Flat parameters in claim order (innermost units first).
-    pub flat_params: Vec<FlatParamLayout>,
-    /// Per model parameter, what manages it.
-    pub ownership: Vec<Ownership>,
-    /// Per model parameter, whether an ignored module holds it.
-    pub ignored: Vec<bool>,
+    pub(crate) model: ModelDesc,
+    pub(crate) policy: WrapPolicy,
+    pub(crate) world_size: usize,
+    pub(crate) flat_params: Vec<FlatParamLayout>,
+    pub(crate) ownership: Vec<Ownership>,
+    pub(crate) ignored: Vec<bool>,
     /// Name lookups, built on first use (derived data: not serialized, not compared).
     #[serde(skip)]
     index: LayoutIndex,
+}
+
+/// A serialized [`ModelLayout`], checked against the layout its model, policy and world size
+/// give before it becomes one.
+#[derive(Deserialize)]
+struct LayoutRecord {
+    model: ModelDesc,
+    policy: WrapPolicy,
+    world_size: usize,
+    flat_params: Vec<FlatParamLayout>,
+    ownership: Vec<Ownership>,
+    ignored: Vec<bool>,
+}
+
+impl TryFrom<LayoutRecord> for ModelLayout {
+    type Error = Error;
+
+    fn try_from(r: LayoutRecord) -> Result<Self> {
+        let layout = ModelLayout::new(&r.model, &r.policy, r.world_size)?;
+        if layout.flat_params != r.flat_params
+            || layout.ownership != r.ownership
+            || layout.ignored != r.ignored
+        {
+            return Err(Error::InvalidModel(
+                "a serialized layout differs from the one its model, policy and world size give"
+                    .into(),
+            ));
+        }
+        Ok(layout)
+    }
 }
 
 /// Hash maps from names to positions, so lookups cost O(1) instead of a scan of the model.
@@ -332,6 +360,36 @@ impl PartialEq for LayoutIndex {
 }
 
 impl ModelLayout {
+    /// The model.
+    pub fn model(&self) -> &ModelDesc {
+        &self.model
+    }
+
+    /// The wrapping policy.
+    pub fn policy(&self) -> &WrapPolicy {
+        &self.policy
+    }
+
+    /// Size of the shard group the flat parameters are split over.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Flat parameters in claim order (innermost units first).
+    pub fn flat_params(&self) -> &[FlatParamLayout] {
+        &self.flat_params
+    }
+
+    /// Per model parameter, what manages it.
+    pub fn ownership(&self) -> &[Ownership] {
+        &self.ownership
+    }
+
+    /// Per model parameter, whether an ignored module holds it.
+    pub fn ignored(&self) -> &[bool] {
+        &self.ignored
+    }
+
     /// Computes membership, order and padding of every flat parameter.
     pub fn new(model: &ModelDesc, policy: &WrapPolicy, world_size: usize) -> Result<Self> {
         if world_size == 0 {

@@ -6,9 +6,11 @@ mod layout;
 mod shard;
 mod views;
 
+pub use layout::ShardPiece;
+pub(crate) use layout::FLAT_PARAM;
 pub use layout::{
-    aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, ParamSlot, ShardPiece,
-    FLAT_PARAM,
+    aligned_numel, FlatParamLayout, FlatParamMember, ModelLayout, Ownership, ParamSlot,
 };
-pub use shard::{chunk_bounds, chunk_size, shard_param_infos, Shard, ShardParamInfo};
-pub use views::{flatten_full, flatten_padded, shard_from_members, shard_of_full, unflatten_full};
+pub use shard::{Shard, ShardParamInfo};
+pub(crate) use views::shard_from_members;
+pub use views::{flatten_padded, unflatten_full};

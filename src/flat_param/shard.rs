@@ -61,14 +61,14 @@ impl Shard {
 }
 
 /// Chunk size `ceil(n / world_size)` used by `torch.chunk`.
-pub fn chunk_size(n: usize, world_size: usize) -> usize {
+pub(crate) fn chunk_size(n: usize, world_size: usize) -> usize {
     n.div_ceil(world_size.max(1))
 }
 
 /// `(start, numel, numel_padded)` of rank `rank`'s chunk of `n` elements, as
 /// `FlatParamHandle._get_shard` cuts it: chunk `c = ceil(n / world_size)`, rank `r` owns
 /// `[c·r, c·(r+1))` clipped to `n`, right-padded with zeros to `c`.
-pub fn chunk_bounds(n: usize, rank: usize, world_size: usize) -> (usize, usize, usize) {
+pub(crate) fn chunk_bounds(n: usize, rank: usize, world_size: usize) -> (usize, usize, usize) {
     let c = chunk_size(n, world_size);
     let start = (c * rank).min(n);
     let end = (c * (rank + 1)).min(n);
@@ -77,7 +77,7 @@ pub fn chunk_bounds(n: usize, rank: usize, world_size: usize) -> (usize, usize, 
 
 /// Shard info of every parameter for the unsharded interval `[start, start + numel)`, given the
 /// parameters' `[begin, end]` (inclusive) offsets in the unsharded flat parameter.
-pub fn shard_param_infos(
+pub(crate) fn shard_param_infos(
     offsets: &[(usize, usize)],
     start: usize,
     numel: usize,

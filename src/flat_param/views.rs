@@ -7,7 +7,7 @@ use crate::tensor::{DType, Tensor};
 
 /// Concatenates one tensor per member (any shape with the member's element count) into the
 /// unsharded flat tensor, inserting zeros where the layout has padding.
-pub fn flatten_full<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Result<T> {
+pub(crate) fn flatten_full<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Result<T> {
     if per_member.len() != layout.members.len() {
         return Err(Error::Flatten {
             unit: layout.unit.clone(),
@@ -51,14 +51,14 @@ pub fn flatten_full<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Re
     T::cat_flat(&parts)
 }
 
-/// [`flatten_full`] right-padded with zeros to [`FlatParamLayout::padded_numel`]: the
+/// `flatten_full` right-padded with zeros to [`FlatParamLayout::padded_numel`]: the
 /// unsharded buffer that all-gathering every rank's shard fills, and that a reduce-scatter
 /// (`reduce_scatter_tensor`) of per-member gradients reads, rank `r`'s shard being elements
 /// `[r * c, (r + 1) * c)` with `c = shard_numel()`.
 ///
 /// Alignment padding (`use_orig_params=True`) and the right padding are zeros, so gradients
 /// reduce-scattered from this buffer are zero in every padding element. Errors as
-/// [`flatten_full`].
+/// `flatten_full`.
 pub fn flatten_padded<T: Tensor>(layout: &FlatParamLayout, per_member: &[T]) -> Result<T> {
     let flat = flatten_full(layout, per_member)?;
     let pad = layout.padded_numel().saturating_sub(flat.numel());
@@ -86,24 +86,13 @@ pub fn unflatten_full<T: Tensor>(layout: &FlatParamLayout, flat: &T) -> Result<V
         .collect()
 }
 
-/// Rank `rank`'s padded shard of an unsharded flat tensor of `unpadded_numel` elements.
-pub fn shard_of_full<T: Tensor>(layout: &FlatParamLayout, flat: &T, rank: usize) -> Result<T> {
-    let shard = layout.shard(rank);
-    let owned = flat.narrow_flat(shard.start, shard.numel)?;
-    if shard.numel_padded == 0 {
-        return Ok(owned);
-    }
-    let pad = T::zeros(flat.dtype(), &[shard.numel_padded])?;
-    T::cat_flat(&[owned, pad])
-}
-
 /// Rank `rank`'s padded shard of a flat tensor, assembled from per-member tensors without
 /// materializing the unsharded flat tensor (one copy, none when the shard is one piece).
 ///
 /// `member(m)` gives member `m`'s flattened values and the member element its first value
 /// stands for (0 for a whole member, `intra_param_start_idx` for a rank's view); `None` is
 /// zeros. Padding is zeros of `dtype`.
-pub fn shard_from_members<'a, T: Tensor>(
+pub(crate) fn shard_from_members<'a, T: Tensor>(
     layout: &FlatParamLayout,
     rank: usize,
     dtype: DType,

@@ -276,7 +276,7 @@ impl From<ReadRegularError> for std::io::Error {
 /// Opens `path` for reading without blocking (`O_NONBLOCK`, so a FIFO does not wait for a
 /// writer) and checks that what was opened is a regular file (not a FIFO or a device such as
 /// `/dev/zero`, which would be read forever).
-pub fn open_regular(path: &Path) -> std::result::Result<File, ReadRegularError> {
+pub(crate) fn open_regular(path: &Path) -> std::result::Result<File, ReadRegularError> {
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
     #[cfg(unix)]
@@ -347,7 +347,7 @@ pub fn make_tmp_dir(out: &Path) -> Result<PathBuf> {
 }
 
 /// A fresh temporary file name beside `out` (`.NAME.PID.N.tmp`).
-pub fn tmp_file_path(out: &Path) -> Result<PathBuf> {
+pub(crate) fn tmp_file_path(out: &Path) -> Result<PathBuf> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let (parent, name) = split(out)?;
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
@@ -718,7 +718,7 @@ pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 
 /// Maps an I/O error while doing `op` on the temporary `tmp` of the output `out` to
 /// [`Error::Io`] naming the output, the operating system's error and the temporary.
-pub fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -> Error {
+pub(crate) fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -> Error {
     let op = op.to_string();
     let out = out.display().to_string();
     let tmp = tmp.display().to_string();
@@ -732,7 +732,7 @@ pub fn tmp_io_err(op: &str, out: &Path, tmp: &Path) -> impl Fn(std::io::Error) -
 /// it, renames it to `out` and syncs the directory; the temporary file is removed on failure.
 /// Mode 0644 (less the umask), like every output of the crate. `write` gets the writer and
 /// the temporary's path (for [`tmp_io_err`]).
-pub fn write_file_atomic(
+pub(crate) fn write_file_atomic(
     out: &Path,
     write: impl FnOnce(&mut std::io::BufWriter<StreamedFile>, &Path) -> Result<()>,
 ) -> Result<()> {
@@ -766,7 +766,7 @@ pub fn write_file_atomic(
 /// Creates a fresh temporary sibling of `out` (`.NAME.PID.N.tmp`) of `len` bytes (zeros),
 /// for writers that fill planned byte ranges of one output from several processes
 /// ([`finish_planned_file`] installs it; remove it on failure).
-pub fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
+pub(crate) fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
     check_file_output(out)?;
     let tmp = tmp_file_path(out)?;
     let file = std::fs::OpenOptions::new()
@@ -783,7 +783,7 @@ pub fn create_planned_file(out: &Path, len: u64) -> Result<PathBuf> {
 
 /// Puts the planned file `tmp` (every byte range written and synced by its writers) at `out`:
 /// syncs it, renames it into place and syncs the directory, as [`write_file_atomic`] does.
-pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
+pub(crate) fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
     let (parent, _) = split(out)?;
     let file = File::open(tmp).map_err(tmp_io_err("opening", out, tmp))?;
     file.sync_all().map_err(tmp_io_err("syncing", out, tmp))?;
@@ -793,48 +793,8 @@ pub fn finish_planned_file(tmp: &Path, out: &Path) -> Result<()> {
     sync_dir(&parent)
 }
 
-/// One output file written by every process of `pg` at once, its layout planned beforehand
-/// (`len` bytes): process 0 creates the temporary beside `out`, every process runs `share` on
-/// it (writing its own byte ranges; the temporary's path is for messages) and syncs it, and
-/// once all of them succeeded process 0 runs `finish` with every process's report, in rank
-/// order (writing what is left), and installs the file. A failure anywhere fails every
-/// process with the lowest failing one's error, removes the temporary and leaves `out` as it
-/// was. Returns the reports.
-pub(crate) fn write_planned_in_group<T: serde::Serialize + serde::de::DeserializeOwned>(
-    out: &Path,
-    len: u64,
-    pg: &dyn crate::collectives::ProcessGroup,
-    share: impl FnOnce(&File, &Path) -> Result<T>,
-    finish: impl FnOnce(&File, &Path, &[T]) -> Result<()>,
-) -> Result<Vec<T>> {
-    use crate::collectives::ProcessGroupExt;
-    let tmp = pg.on_root(|| create_planned_file(out, len))?;
-    let open = || {
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&tmp)
-            .map_err(tmp_io_err("opening", out, &tmp))
-    };
-    let mine = open().and_then(|file| {
-        let report = share(&file, &tmp)?;
-        file.sync_all().map_err(tmp_io_err("syncing", out, &tmp))?;
-        Ok(report)
-    });
-    let committed = pg.all_gather_agreed(mine).and_then(|all| {
-        pg.on_root(|| {
-            finish(&open()?, &tmp, &all)?;
-            finish_planned_file(&tmp, out)
-        })?;
-        Ok(all)
-    });
-    if committed.is_err() && pg.rank() == 0 {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    committed
-}
-
 /// The process of `world_size` that writes the byte at `offset` of `len` bytes shared out
-/// by a planned writer ([`write_planned_in_group`]): the bytes are cut into `world_size`
+/// by a planned writer (`convert`'s coordinator): the bytes are cut into `world_size`
 /// spans of equal length, one per process in rank order.
 pub(crate) fn writer_of(offset: u64, len: u64, world_size: usize) -> usize {
     let share = offset as u128 * world_size as u128 / len.max(1) as u128;
@@ -918,7 +878,7 @@ impl Writeback {
 /// A file written front to back, handed to the disk every 32 MiB and dropped from the page
 /// cache once written (write-back and drop-behind): what the single-file writers
 /// ([`write_file_atomic`], `torch.save` files) write through, under their `BufWriter`.
-pub struct StreamedFile {
+pub(crate) struct StreamedFile {
     file: File,
     writeback: Writeback,
 }

@@ -43,7 +43,7 @@
 use crate::collectives::{ProcessGroup, ThreadGroup};
 use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
-use crate::fsdp::Fsdp;
+use crate::fsdp1::Fsdp;
 use crate::model::{ModelDesc, WrapPolicy};
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{flatten_optim_state_dict, OptimParams, OptimStateDict, Value};
@@ -627,7 +627,7 @@ fn copy_block(out: &mut HostTensor, global: &[usize], offsets: &[usize], piece: 
 /// (`rank0.pt`, `optim_rank_1.pt`, `Rank-2.bin`) in the file name or, failing that, in its
 /// folder's name (`rank3/optim.pt`); else digits ending the file stem after `-` or `_`
 /// (`optim-2.pt`, `shard_04.pt`).
-pub fn rank_in_file_name(path: &Path) -> Option<usize> {
+pub(crate) fn rank_in_file_name(path: &Path) -> Option<usize> {
     let after_rank = |s: &str| {
         let lower = s.to_ascii_lowercase();
         lower.match_indices("rank").find_map(|(i, _)| {
@@ -664,7 +664,7 @@ pub fn rank_in_file_name(path: &Path) -> Option<usize> {
 
 /// Checks that `files` (one per rank, in rank order) are distinct files in an order their
 /// names do not contradict: no path given twice, no two files with the same bytes (a copied
-/// rank file), and when every name carries a rank number ([`rank_in_file_name`]) and the
+/// rank file), and when every name carries a rank number (`rank_in_file_name`) and the
 /// numbers differ, they count up from 0 or 1 in the order given.
 pub fn check_rank_files(files: &[PathBuf]) -> Result<()> {
     let bad = |position: usize, reason: String| Error::RankFiles {

@@ -104,14 +104,14 @@ pub trait Optimizer: Send {
     /// State is keyed by [`ParamKey::Id`](crate::ParamKey::Id) in the order it was first
     /// created (loaded state keeps the loaded order); `param_groups` hold the hyper-parameters
     /// in torch's order and `params` = the group's ids. For a named optimizer
-    /// ([`OptimParams::named`]), keys are names instead ([`param_fqn`]) and each group's
+    /// ([`OptimParams::named`]), keys are names instead (`param_fqn`) and each group's
     /// `params` are sorted names, as `_NamedOptimizer.state_dict()` returns them.
     fn state_dict(&self) -> OptimStateDict;
 
     /// `optimizer.load_state_dict()`: replaces state and hyper-parameters.
     ///
     /// The dict's groups are matched to this optimizer's groups by position; id keys map by
-    /// position within the groups (PyTorch's rule), name keys by [`param_fqn`]. Missing
+    /// position within the groups (PyTorch's rule), name keys by `param_fqn`. Missing
     /// hyper-parameters get torch's `__setstate__` defaults. Floating state tensors other than
     /// `step` are cast to the slot dtype (PyTorch casts them to the parameter dtype); a plain
     /// number `step` becomes a 0-dim float32 tensor. State under keys that are no parameter of
@@ -143,7 +143,7 @@ pub trait Optimizer: Send {
 
 /// Shape and dtype of one parameter slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SlotSpec {
+pub(crate) struct SlotSpec {
     /// Shape of the slot tensor (for FSDP, `(shard_numel,)` or a parameter's view shape).
     pub shape: Vec<usize>,
     /// Element type.
@@ -208,7 +208,7 @@ impl From<i32> for Number {
 
 /// The name that keys a parameter's state in a named or full dict: `unit._flat_param`
 /// (`_flat_param` for the root unit) for a flat parameter, the parameter name otherwise.
-pub fn param_fqn(p: &OptimParam) -> String {
+pub(crate) fn param_fqn(p: &OptimParam) -> String {
     match p {
         OptimParam::Flat(unit) if unit.is_empty() => FLAT_PARAM.to_string(),
         OptimParam::Flat(unit) => format!("{unit}.{FLAT_PARAM}"),

@@ -203,7 +203,7 @@ pub struct ParamGroup<T = HostTensor> {
 }
 
 /// Converts every tensor of one parameter's state (or of a group's options) with `f`.
-pub fn map_state<T: Tensor, U, E>(
+pub(crate) fn map_state<T: Tensor, U, E>(
     s: &ParamState<T>,
     f: &mut impl FnMut(&T) -> Result<U, E>,
 ) -> Result<ParamState<U>, E> {

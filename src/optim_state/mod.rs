@@ -13,9 +13,9 @@ mod rekey;
 pub(crate) mod scatter;
 
 pub use consolidate::chunk_dim0;
+pub(crate) use dict::map_state;
 pub use dict::{
-    map_state, OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState,
-    ShardedTensor, Value,
+    OptimParam, OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, ShardedTensor, Value,
 };
 pub use flatten::flatten_optim_state_dict;
 pub use rekey::{rekey_optim_state_dict, OptimStateKeyType};

@@ -1,6 +1,6 @@
-//! `torch.distributed.checkpoint.state_dict` for optimizer state (layer 9): one API,
+//! `torch.distributed.checkpoint.state_dict` for optimizer state (layer 8): one API,
 //! [`OptimStateDictApi`], over FSDP1 ([`crate::Fsdp`], flat parameters) and FSDP2
-//! ([`FullyShardedModel`], per-parameter dim-0 shards), with [`StateDictOptions`].
+//! ([`FullyShardedModel`](crate::FullyShardedModel), per-parameter dim-0 shards), with [`StateDictOptions`].
 //!
 //! PyTorch deprecates FSDP1's own optimizer-state functions in favour of
 //! `get_optimizer_state_dict` / `set_optimizer_state_dict`, which serve both generations:
@@ -15,11 +15,6 @@
 //! The crate does not own the optimizer: `get` takes the local dict, `set` returns it, and
 //! [`OptimStateDictApi::verify_optim_state_dict_by_load`] is PyTorch's
 //! `_verify_osd_by_load` check of the round trip.
-
-mod fsdp1;
-mod fsdp2;
-
-pub use fsdp2::FullyShardedModel;
 
 use crate::error::{Error, Result};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamKey, Value};
@@ -77,7 +72,7 @@ impl StateDictOptions {
     }
 
     /// PyTorch's `_verify_options` checks that concern the optimizer.
-    fn check(&self, op: &str, rank: usize) -> Result<()> {
+    pub(crate) fn check(&self, op: &str, rank: usize) -> Result<()> {
         let bad = |reason: &str| Error::InvalidArgument {
             op: op.into(),
             rank,
@@ -134,7 +129,7 @@ impl StateDictOptions {
 
 /// A rank passed no dict where it must (only `broadcast_from_rank0` lets ranks other than 0
 /// pass none).
-fn missing_dict(op: &str, rank: usize) -> Error {
+pub(crate) fn missing_dict(op: &str, rank: usize) -> Error {
     Error::InvalidArgument {
         op: op.into(),
         rank,
@@ -194,7 +189,7 @@ pub trait OptimStateDictApi {
 }
 
 /// `get_state_dict` / `set_state_dict` and their model halves, over FSDP1 ([`crate::Fsdp`])
-/// and FSDP2 ([`FullyShardedModel`]) alike. Every method is collective.
+/// and FSDP2 ([`FullyShardedModel`](crate::FullyShardedModel)) alike. Every method is collective.
 ///
 /// A rank's parameters are its local tensors: for FSDP2 one per parameter of
 /// [`crate::param_layout::ParamLayout::params`] (its dim-0 rows), for FSDP1 one per id of
@@ -261,7 +256,7 @@ pub trait StateDictApi: OptimStateDictApi {
 /// `out` (first names, model order) with every tied alias of a parameter it holds added
 /// after them, sharing the parameter's value, as `model.state_dict()` lists shared
 /// parameters under each name.
-fn with_tied_aliases<T: Tensor>(
+pub(crate) fn with_tied_aliases<T: Tensor>(
     mut out: ModelStateDict<T>,
     tied: &BTreeMap<String, String>,
 ) -> ModelStateDict<T> {

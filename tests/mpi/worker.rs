@@ -292,7 +292,7 @@ struct Input {
 }
 
 fn input_for(l: &ModelLayout, r: usize, i: Input) -> OptimParams {
-    if l.model.params.len() == nested_model().params.len() {
+    if l.model().params.len() == nested_model().params.len() {
         nested_optim_input(l, i.multiple, i.diff, r)
     } else {
         OptimParams::of_model(l)

@@ -1,13 +1,12 @@
 //! The typed content of a DCP `.metadata` file, read with the restricted unpickler.
 
-use super::plan::check_paths;
 use super::unpickle::{self, Class, Global, Instance, Node, Pickled, V};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;
 
 /// Largest `.metadata` file read (it is held in memory while it is parsed).
-pub const MAX_METADATA_BYTES: u64 = 1 << 30;
+pub(crate) const MAX_METADATA_BYTES: u64 = 1 << 30;
 
 /// Longest path of a key in the nested dict (`planner_data`), as deep as the crate nests.
 pub const MAX_PATH_LEN: usize = 200;
@@ -104,6 +103,9 @@ pub struct Metadata {
     pub version: Option<String>,
 }
 
+/// Most chunks one tensor may have (the overlap check compares pairs of chunks).
+pub(crate) const MAX_CHUNKS_PER_TENSOR: usize = 1 << 14;
+
 /// Whether PyTorch's loader reads a saved chunk at `offsets` of `sizes` into a tensor of
 /// shape `size` (its overlap test against the whole tensor: in every dimension the chunk
 /// starts before the tensor ends and ends after it starts). A chunk it does not read needs
@@ -114,24 +116,20 @@ fn overlaps_tensor(size: &[usize], offsets: &[i64], sizes: &[i64]) -> bool {
         .all(|(&d, (&o, &s))| i128::from(o) < d as i128 && i128::from(o) + i128::from(s) > 0)
 }
 
-/// Parses the bytes of a `.metadata` file (`file` names it in errors).
-pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
+/// Reads the records of the `.metadata` bytes `data` (`file` names it in errors), their paths
+/// not yet checked ([`super::parse_metadata`] checks them).
+pub(super) fn extract_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
     let p = unpickle::unpickle(file, data)?;
     // Shared references (the memo) let a small pickle name one object many times; what is
     // built from it may hold at most this many items and string bytes.
     let budget = std::cell::Cell::new(data.len().saturating_mul(16).saturating_add(1 << 16));
-    let metadata = Extract {
+    Extract {
         file,
         p: &p,
         budget,
         exhausted: std::cell::Cell::new(false),
     }
-    .metadata()?;
-    let placed = check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
-    Ok(Metadata {
-        entries: placed.apply(metadata.entries),
-        ..metadata
-    })
+    .metadata()
 }
 
 struct Extract<'a> {
@@ -395,11 +393,11 @@ impl Extract<'_> {
         let size = self.dims(get("size")?, &format!("{what}.size"))?;
         let mut chunks = Vec::new();
         let listed = self.seq(get("chunks")?, &format!("{what}.chunks"))?;
-        if listed.len() > crate::io::dcp::MAX_CHUNKS_PER_TENSOR {
+        if listed.len() > MAX_CHUNKS_PER_TENSOR {
             return Err(self.err(format!(
                 "{what} has {} chunks, more than the {} accepted per tensor",
                 listed.len(),
-                crate::io::dcp::MAX_CHUNKS_PER_TENSOR
+                MAX_CHUNKS_PER_TENSOR
             )));
         }
         for c in listed {

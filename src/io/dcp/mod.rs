@@ -11,10 +11,10 @@
 //! `torch.Size`, dtypes, layouts, the memory-format enum and `pathlib` paths resolve; nothing
 //! is executed) and checks every data reference stays inside the directory. Tensors are then
 //! assembled on demand from any N-D grid of chunks ([`DcpCheckpoint::read_tensor`]), reading
-//! only their byte ranges; [`consolidate_to_torch`] writes the file
-//! `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` writes, one tensor in memory
-//! at a time; [`verify`] checks everything; [`summary`] describes the directory.
-//! [`save_dcp`] writes a state dict as a DCP directory, as `torch_save_to_dcp` does.
+//! only their byte ranges; [`verify`] checks everything; [`summary`] describes the directory.
+//! [`save_dcp`] writes a state dict as a DCP directory. The conversions to and from other
+//! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this
+//! module gives them the plans and the byte moving.
 
 mod metadata;
 mod pickler;
@@ -24,22 +24,34 @@ mod unpickle;
 mod write;
 
 pub use metadata::{
-    parse_metadata, Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey,
-    TensorMeta, MAX_METADATA_BYTES,
+    Chunk, Entry, EntryKind, Metadata, PathItem, StorageInfo, StorageKey, TensorMeta,
 };
 pub(crate) use pickler::{metadata_pickle, Record, StoredChunk};
+pub use plan::check_tiling;
+pub(crate) use plan::flat_range_boxes;
 pub(crate) use plan::nest;
-pub use plan::{check_tiling, flat_range_boxes, place_chunk, MAX_CHUNKS_PER_TENSOR};
 pub use read::{
-    consolidate_to_safetensors, consolidate_to_safetensors_in_group, consolidate_to_torch,
-    consolidate_to_torch_in_group, read_metadata, summary, verify, DcpCheckpoint, DcpSummary,
-    EntrySummary, FileSummary, VerifyReport,
+    read_metadata, summary, verify, DcpCheckpoint, DcpSummary, EntrySummary, FileSummary,
+    VerifyReport,
 };
+pub(crate) use read::{Placeholders, SafetensorsPlan, Streamed};
 
 pub use write::save_dcp;
-pub(crate) use write::{save_dcp_in_group, save_dcp_streaming};
+pub(crate) use write::PlannedDcp;
 
 use crate::error::Result;
+
+/// Parses the bytes of a `.metadata` file (`file` names it in errors): its records, and the
+/// nested dict's paths checked and placed as PyTorch's loader places them
+/// (`plan::check_paths`).
+pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
+    let metadata = metadata::extract_metadata(file, data)?;
+    let placed = plan::check_paths(&metadata.entries).map_err(|e| e.into_error(file))?;
+    Ok(Metadata {
+        entries: placed.apply(metadata.entries),
+        ..metadata
+    })
+}
 use crate::io::safetensors::FileTensors as SafetensorsTensors;
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::FileTensors as TorchSaveTensors;
@@ -70,51 +82,15 @@ fn dcp_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, Strin
     Ok(names)
 }
 
-/// Writes the state dict in the `torch.save` (or `.safetensors`) file `input` as the DCP
-/// directory `out`, as `torch.distributed.checkpoint.format_utils.torch_save_to_dcp(input,
-/// out)` does; see [`save_dcp`]. The tensors are streamed from the file (memory holds one
-/// 4 MiB chunk) for a `.safetensors` file and for a `torch.save` file whose every tensor is
-/// its whole storage (what `torch.save` of a state dict writes); a `torch.save` file with
-/// views into shared storages is read into memory first. Returns the tensor bytes written.
-pub fn torch_save_to_dcp(input: &Path, out: &Path) -> Result<u64> {
-    let headers = Headers::read(input)?;
-    let streamer = headers.streamer(input, out)?;
-    match streamer {
-        Some(mut lazy) => save_dcp_streaming(headers.obj(), out, lazy.as_mut()),
-        None => save_dcp(&crate::io::load(input)?, out),
-    }
-}
-
-/// [`torch_save_to_dcp`] split across the processes of `pg`, each calling it with the same
-/// paths (the same files for all, e.g. on a shared filesystem): when the tensors stream from
-/// the input (see [`torch_save_to_dcp`]), each process streams its share of them into the
-/// one data file and process 0 writes `.metadata` and installs the directory (the data file
-/// is byte for byte the single-process one); a `torch.save` file with views into shared
-/// storages is converted by process 0 alone. A failure on any process fails every process
-/// with the lowest failing one's error, and `out` is left as it was. Returns the tensor bytes
-/// written.
-pub fn torch_save_to_dcp_in_group(
-    input: &Path,
-    out: &Path,
-    pg: &dyn crate::collectives::ProcessGroup,
-) -> Result<u64> {
-    use crate::collectives::ProcessGroupExt;
-    let headers = pg.agree(Headers::read(input))?;
-    let streamer = pg.agree(headers.streamer(input, out))?;
-    match streamer {
-        Some(mut lazy) => save_dcp_in_group(headers.obj(), out, lazy.as_mut(), pg),
-        None => pg.on_root(|| save_dcp(&crate::io::load(input)?, out)),
-    }
-}
-
-/// A state dict file's structure read without its tensor data, by format (the extension).
-enum Headers {
+/// A state dict file's structure read without its tensor data, by format (the extension):
+/// what `convert::torch_save_to_dcp` streams into a DCP directory.
+pub(crate) enum Headers {
     TorchSave(crate::io::torch_save::Headers),
     Safetensors(crate::io::safetensors::Headers),
 }
 
 impl Headers {
-    fn read(input: &Path) -> Result<Self> {
+    pub(crate) fn read(input: &Path) -> Result<Self> {
         Ok(match crate::io::FileFormat::from_path(input)? {
             crate::io::FileFormat::Safetensors => {
                 Headers::Safetensors(crate::io::safetensors::load_headers(input)?)
@@ -124,7 +100,7 @@ impl Headers {
     }
 
     /// The object, with placeholders for the tensors the streamer streams.
-    fn obj(&self) -> &crate::io::torch_save::PyObj {
+    pub(crate) fn obj(&self) -> &crate::io::torch_save::PyObj {
         match self {
             Headers::TorchSave(h) => &h.obj,
             Headers::Safetensors(h) => &h.obj,
@@ -133,7 +109,7 @@ impl Headers {
 
     /// What streams the placeholders' bytes from `input` while `out` is written; `None` when
     /// they cannot be streamed (a `torch.save` tensor that is not its whole storage).
-    fn streamer<'h>(
+    pub(crate) fn streamer<'h>(
         &'h self,
         input: &'h Path,
         out: &'h Path,

@@ -2,12 +2,10 @@
 //! once, where each chunk's bytes land in the assembled tensor, and the nested state dict
 //! structure that `planner_data` describes. No file is touched here.
 
+use super::metadata::MAX_CHUNKS_PER_TENSOR;
 use super::metadata::{Chunk, Entry, EntryKind, PathItem};
 use crate::io::torch_save::PyObj;
 use std::collections::HashMap;
-
-/// Most chunks one tensor may have (the overlap check compares pairs of chunks).
-pub const MAX_CHUNKS_PER_TENSOR: usize = 1 << 14;
 
 /// Number of elements of a box, or `None` on overflow.
 pub fn volume(sizes: &[usize]) -> Option<usize> {
@@ -94,7 +92,7 @@ fn check_overlaps(chunks: &[Chunk]) -> Result<(), String> {
 /// Copies the contiguous bytes `src` of `chunk` into `dst`, the contiguous bytes of the
 /// global tensor of shape `size` (`esize` bytes per element). The chunk must lie inside
 /// the shape and `src` hold exactly its elements (checked by the caller).
-pub fn place_chunk(dst: &mut [u8], size: &[usize], chunk: &Chunk, src: &[u8], esize: usize) {
+pub(crate) fn place_chunk(dst: &mut [u8], size: &[usize], chunk: &Chunk, src: &[u8], esize: usize) {
     let n = size.len();
     if n == 0 {
         dst[..esize].copy_from_slice(&src[..esize]);
@@ -132,7 +130,7 @@ pub fn place_chunk(dst: &mut [u8], size: &[usize], chunk: &Chunk, src: &[u8], es
 /// parameter; written as boxes, DCP and PyTorch's loader accept it as is. A 2-D range gives at
 /// most three boxes (a partial first row, whole rows, a partial last row); each further
 /// dimension adds at most two. An empty range gives no box; a 0-dim tensor one empty-shaped box.
-pub fn flat_range_boxes(shape: &[usize], start: usize, len: usize) -> Vec<(Chunk, usize)> {
+pub(crate) fn flat_range_boxes(shape: &[usize], start: usize, len: usize) -> Vec<(Chunk, usize)> {
     let mut out = Vec::new();
     if shape.is_empty() {
         if len > 0 {

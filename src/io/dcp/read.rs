@@ -2,8 +2,7 @@
 //! the consolidation, verification and summary built on them.
 
 use super::metadata::{
-    parse_metadata, Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta,
-    MAX_METADATA_BYTES,
+    Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
 };
 use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
 use crate::error::{Error, Result};
@@ -11,7 +10,7 @@ use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
 
 /// An opened DCP directory: its metadata, with every data file resolved inside it.
@@ -49,7 +48,7 @@ impl DcpCheckpoint {
 
     /// This checkpoint, dropping the data-file pages it has read from the page cache
     /// ([`crate::io::output::DropBehind`]): for offline streams that read each chunk once.
-    fn dropping_behind(mut self) -> Self {
+    pub(crate) fn dropping_behind(mut self) -> Self {
         self.drop_behind = Some(Default::default());
         self
     }
@@ -397,7 +396,7 @@ fn confine(root: &Path, relative: &str, what: &str) -> std::result::Result<(Path
 }
 
 /// Reads and parses `dir/.metadata`: a regular file inside `dir` (a symlink may not lead out
-/// of it, as for data files) of at most [`MAX_METADATA_BYTES`], read without blocking on a
+/// of it, as for data files) of at most 1 GiB (`MAX_METADATA_BYTES`), read without blocking on a
 /// FIFO.
 pub fn read_metadata(dir: &Path) -> Result<Metadata> {
     let root = dir.canonicalize().map_err(Error::io("resolving", dir))?;
@@ -422,16 +421,29 @@ fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
         crate::io::output::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
         other => refused(other.to_string()),
     })?;
-    parse_metadata(&name, &data)
+    super::parse_metadata(&name, &data)
 }
 
-/// The placeholders of a nested DCP state dict, streamed one assembled tensor at a time.
-struct Streamed<'c, P> {
+/// The placeholders of a nested DCP state dict ([`Placeholders`]), streamed one assembled
+/// tensor at a time; `progress` gets the tensor bytes streamed so far.
+pub(crate) struct Streamed<'c, P> {
     ckpt: &'c DcpCheckpoint,
     /// Placeholder buffer identity → entry index.
     stands_for: HashMap<usize, usize>,
     written: u64,
     progress: P,
+}
+
+impl<'c, P> Streamed<'c, P> {
+    /// Streams the placeholders of `placeholders` from `ckpt`.
+    pub(crate) fn new(ckpt: &'c DcpCheckpoint, placeholders: &Placeholders, progress: P) -> Self {
+        Streamed {
+            ckpt,
+            stands_for: placeholders.stands_for.clone(),
+            written: 0,
+            progress,
+        }
+    }
 }
 
 impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
@@ -499,168 +511,108 @@ fn row_slabs<'c>(
     Some(slabs)
 }
 
-/// The nested dict with a one-element placeholder per tensor (checked before anything is
-/// written), and which entry each placeholder stands for.
-fn skeleton(ckpt: &DcpCheckpoint) -> Result<(PyObj, HashMap<usize, usize>)> {
-    let mut stands_for = HashMap::new();
-    let obj = ckpt.nested(&mut |i, _| {
-        let key = &ckpt.metadata.entries[i].key;
-        ckpt.plan_tensor(key)?;
-        let (_, dtype) = ckpt.tensor_meta(key)?;
-        let t = HostTensor::zeros(dtype, &[1]);
-        stands_for.insert(t.storage_id(), i);
-        Ok(PyObj::Tensor(t))
-    })?;
-    Ok((obj, stands_for))
+/// The nested dict of a DCP checkpoint with a one-element placeholder per tensor (each
+/// checked before anything is written), and which entry each placeholder stands for: what
+/// `dcp_to_torch_save` writes, before its tensors are streamed in ([`Streamed`]).
+pub(crate) struct Placeholders {
+    pub(crate) obj: PyObj,
+    /// Placeholder buffer identity → entry index.
+    stands_for: HashMap<usize, usize>,
 }
 
-/// Writes the DCP checkpoint in `dir` to `out` as the `torch.save` file
-/// `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, out)` writes: the same
-/// nested dict (keys in metadata order, string keys, lists, non-tensor values) with the same
-/// tensors bit for bit. Chunks of whole rows (dim-0 shards) go out one chunk at a time, read
-/// straight from their file; other grids hold one assembled tensor at a time. Every chunk's
-/// range and tiling is checked before the output is created, which appears atomically.
-/// `progress` gets the tensor bytes written so far. Returns the tensor bytes written.
-pub fn consolidate_to_torch(dir: &Path, out: &Path, progress: impl FnMut(u64)) -> Result<u64> {
-    let ckpt = DcpCheckpoint::open(dir)?.dropping_behind();
-    let (obj, stands_for) = skeleton(&ckpt)?;
-    let mut lazy = Streamed {
-        ckpt: &ckpt,
-        stands_for,
-        written: 0,
-        progress,
-    };
-    torch_save::save_streaming(&obj, out, &mut lazy)?;
-    Ok(lazy.written)
+impl Placeholders {
+    pub(crate) fn new(ckpt: &DcpCheckpoint) -> Result<Self> {
+        let mut stands_for = HashMap::new();
+        let obj = ckpt.nested(&mut |i, _| {
+            let key = &ckpt.metadata.entries[i].key;
+            ckpt.plan_tensor(key)?;
+            let (_, dtype) = ckpt.tensor_meta(key)?;
+            let t = HostTensor::zeros(dtype, &[1]);
+            stands_for.insert(t.storage_id(), i);
+            Ok(PyObj::Tensor(t))
+        })?;
+        Ok(Placeholders { obj, stands_for })
+    }
 }
 
-/// [`consolidate_to_torch`] split across the processes of `pg` (each one calls it with the
-/// same arguments; the paths must name the same files on every process, e.g. on a shared
-/// filesystem): every process checks the checkpoint, then streams about
-/// `1 / pg.world_size()` of the tensors' bytes into their planned places in the file, and
-/// process 0 writes the rest of the archive and installs it
-/// (`torch_save::save_streaming_in_group`). The file is byte for byte what
-/// [`consolidate_to_torch`] writes. A failure on any process fails every process with the
-/// lowest failing one's error, and `out` is left as it was. `progress` gets this process's
-/// tensor bytes written so far; the return value is the tensor bytes written by all of them.
-pub fn consolidate_to_torch_in_group(
-    dir: &Path,
-    out: &Path,
-    pg: &dyn crate::collectives::ProcessGroup,
-    progress: impl FnMut(u64),
-) -> Result<u64> {
-    use crate::collectives::ProcessGroupExt;
-    let ckpt = pg.agree(DcpCheckpoint::open(dir))?.dropping_behind();
-    let (obj, stands_for) = pg.agree(skeleton(&ckpt))?;
-    let mut lazy = Streamed {
-        ckpt: &ckpt,
-        stands_for,
-        written: 0,
-        progress,
-    };
-    torch_save::save_streaming_in_group(&obj, out, &mut lazy, pg)
+/// The consolidated `.safetensors` file of a DCP checkpoint in the crate's mapping
+/// ([`crate::io::safetensors`]), planned before any byte is written: the nested dict's
+/// structure in `__metadata__`, the tensors by their path, back to back in file order.
+pub(crate) struct SafetensorsPlan {
+    /// (name, entry index) of each tensor, in file order.
+    order: Vec<(String, usize)>,
+    header: Vec<u8>,
+    /// Bytes of each tensor's data, in file order.
+    lens: Vec<u64>,
 }
 
-/// [`consolidate_to_torch`] to a `.safetensors` file in the crate's mapping
-/// ([`crate::io::safetensors`]): the nested dict's structure in `__metadata__`, the tensors
-/// by their path, streamed one assembled tensor at a time after every chunk was checked.
-/// The file appears atomically. Returns the tensor bytes written.
-pub fn consolidate_to_safetensors(
-    dir: &Path,
-    out: &Path,
-    mut progress: impl FnMut(u64),
-) -> Result<u64> {
-    let ckpt = DcpCheckpoint::open(dir)?.dropping_behind();
-    let (order, header) = safetensors_plan(&ckpt)?;
-    let mut written = 0u64;
-    crate::io::torch_save::write_atomic(out, |mut w| {
-        let io = |e: std::io::Error| Error::Io {
-            op: "writing".into(),
-            path: out.display().to_string(),
-            source: e.into(),
-        };
-        w.write_all(&header).map_err(io)?;
-        for (_, i) in &order {
-            let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
-            w.write_all(t.as_bytes()).map_err(io)?;
-            written += t.nbytes() as u64;
-            progress(written);
-        }
-        Ok(w)
-    })?;
-    Ok(written)
-}
-
-/// The tensors of a consolidated `.safetensors` file in file order: (name, entry index) of
-/// each.
-type FileOrder = Vec<(String, usize)>;
-
-/// The tensors of the consolidated `.safetensors` file in file order, and its header.
-fn safetensors_plan(ckpt: &DcpCheckpoint) -> Result<(FileOrder, Vec<u8>)> {
-    let (obj, stands_for) = skeleton(ckpt)?;
-    let (tensors, meta) = crate::io::safetensors::parts(&obj);
-    let order: Vec<(String, usize)> = tensors
-        .iter()
-        .filter_map(|(name, t)| stands_for.get(&t.storage_id()).map(|&i| (name.clone(), i)))
-        .collect();
-    let header = safetensors_header(ckpt, &order, meta.into_iter().collect())?;
-    Ok((order, header))
-}
-
-/// [`consolidate_to_safetensors`] split across the processes of `pg` (each one calls it with
-/// the same arguments; the paths must name the same files on every process): each process
-/// assembles and writes about `1 / pg.world_size()` of the tensors' bytes at their planned
-/// offsets, and process 0 writes the header and installs the file
-/// (`io::output::write_planned_in_group`). The file is byte for byte what
-/// [`consolidate_to_safetensors`] writes; a failure on any process fails every process with
-/// the lowest failing one's error, and `out` is left as it was. `progress` gets this
-/// process's tensor bytes; the return value is the tensor bytes written by all of them.
-pub fn consolidate_to_safetensors_in_group(
-    dir: &Path,
-    out: &Path,
-    pg: &dyn crate::collectives::ProcessGroup,
-    mut progress: impl FnMut(u64),
-) -> Result<u64> {
-    use crate::collectives::ProcessGroupExt;
-    use std::os::unix::fs::FileExt;
-    let ckpt = pg.agree(DcpCheckpoint::open(dir))?.dropping_behind();
-    let (order, header) = pg.agree(safetensors_plan(&ckpt))?;
-    let lens: Vec<u64> = order
-        .iter()
-        .map(|(_, i)| {
-            ckpt.plan_tensor(&ckpt.metadata.entries[*i].key)
-                .map(|n| n as u64)
+impl SafetensorsPlan {
+    pub(crate) fn new(ckpt: &DcpCheckpoint) -> Result<Self> {
+        let placeholders = Placeholders::new(ckpt)?;
+        let (tensors, meta) = crate::io::safetensors::parts(&placeholders.obj);
+        let order: Vec<(String, usize)> = tensors
+            .iter()
+            .filter_map(|(name, t)| {
+                let i = placeholders.stands_for.get(&t.storage_id())?;
+                Some((name.clone(), *i))
+            })
+            .collect();
+        let header = safetensors_header(ckpt, &order, meta.into_iter().collect())?;
+        let lens = order
+            .iter()
+            .map(|(_, i)| {
+                ckpt.plan_tensor(&ckpt.metadata.entries[*i].key)
+                    .map(|n| n as u64)
+            })
+            .collect::<Result<_>>()?;
+        Ok(SafetensorsPlan {
+            order,
+            header,
+            lens,
         })
-        .collect::<Result<_>>()?;
-    let data: u64 = lens.iter().sum();
-    let written = crate::io::output::write_planned_in_group(
-        out,
-        header.len() as u64 + data,
-        pg,
-        |file, tmp| {
-            let err = crate::io::output::tmp_io_err("writing", out, tmp);
-            let mut writeback = crate::io::output::Writeback::new(0);
-            let (mut at, mut written) = (0u64, 0u64);
-            for ((_, i), len) in order.iter().zip(&lens) {
-                let mine = crate::io::output::writer_of(at, data, pg.world_size()) == pg.rank();
-                if mine {
-                    let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
-                    let offset = header.len() as u64 + at;
-                    file.write_all_at(t.as_bytes(), offset).map_err(&err)?;
-                    writeback.wrote_at(file, offset, *len).map_err(&err)?;
-                    written += len;
-                    progress(written);
-                }
-                at += len;
+    }
+
+    /// The file's length.
+    pub(crate) fn file_len(&self) -> u64 {
+        self.header.len() as u64 + self.lens.iter().sum::<u64>()
+    }
+
+    /// Assembles and writes process `rank`'s share (of `world_size`) of the tensors into
+    /// `file`, the temporary `tmp` of `out`, at their planned offsets: each tensor goes to the
+    /// process whose equal span of the data holds its first byte. `progress` gets the tensor
+    /// bytes written so far; returns them.
+    pub(crate) fn write_share(
+        &self,
+        ckpt: &DcpCheckpoint,
+        (file, out, tmp): (&File, &Path, &Path),
+        (rank, world_size): (usize, usize),
+        mut progress: impl FnMut(u64),
+    ) -> Result<u64> {
+        use std::os::unix::fs::FileExt;
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let data: u64 = self.lens.iter().sum();
+        let mut writeback = crate::io::output::Writeback::new(0);
+        let (mut at, mut written) = (0u64, 0u64);
+        for ((_, i), len) in self.order.iter().zip(&self.lens) {
+            if crate::io::output::writer_of(at, data, world_size) == rank {
+                let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
+                let offset = self.header.len() as u64 + at;
+                file.write_all_at(t.as_bytes(), offset).map_err(&err)?;
+                writeback.wrote_at(file, offset, *len).map_err(&err)?;
+                written += len;
+                progress(written);
             }
-            Ok(written)
-        },
-        |file, tmp, _| {
-            let err = crate::io::output::tmp_io_err("writing", out, tmp);
-            file.write_all_at(&header, 0).map_err(err)
-        },
-    )?;
-    Ok(written.iter().sum())
+            at += len;
+        }
+        Ok(written)
+    }
+
+    /// Writes the header at the start of `file`, the temporary `tmp` of `out`.
+    pub(crate) fn write_header(&self, file: &File, out: &Path, tmp: &Path) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        file.write_all_at(&self.header, 0).map_err(err)
+    }
 }
 
 /// The safetensors header (length prefix included, padded to 8 bytes) for the tensors of

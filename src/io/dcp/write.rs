@@ -297,77 +297,81 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
 
 /// [`save_dcp`] of an object whose tensors `lazy` recognizes are placeholders, streamed by it
 /// into the data file (see [`LazyTensors`]): memory stays at what `lazy` holds, whatever the
-/// tensors' size, and the data file's pages leave the page cache as they are written.
-pub(crate) fn save_dcp_streaming(
-    obj: &PyObj,
-    out: &Path,
-    lazy: &mut dyn LazyTensors,
-) -> Result<u64> {
-    let items = flatten(obj)?;
-    check_target(out)?;
-    let name = dir_name(out)?;
-    let plan = DataPlan::new(items, lazy)?;
-    // A temporary sibling named as every writer of the crate names one, so that
-    // `output::clean_stale_temporaries` recognises it if this process is killed.
-    let tmp = crate::io::output::make_tmp_dir(out)?;
-    let result = (|| {
-        let file = plan.create(&tmp)?;
-        let path = tmp.join(DATA_FILE);
-        plan.write(&file, &path, plan.file_order.iter().copied(), lazy)?;
-        file.sync_all().map_err(|e| io_err("syncing", &path, e))?;
-        plan.commit(&tmp, out, &name)
-    })();
+/// tensors' size, and the data file's pages leave the page cache as they are written. The
+/// steps of a [`PlannedDcp`], run by this one process.
+fn save_dcp_streaming(obj: &PyObj, out: &Path, lazy: &mut dyn LazyTensors) -> Result<u64> {
+    let plan = PlannedDcp::new(obj, out, lazy)?;
+    let tmp = plan.stage(out)?;
+    let result = plan
+        .write_share(&tmp, (0, 1), lazy)
+        .and_then(|()| plan.commit(&tmp, out));
     if result.is_err() {
         crate::io::output::discard_tmp_dir(&tmp);
     }
-    result.map(|()| plan.tensor_bytes)
+    result.map(|()| plan.tensor_bytes())
 }
 
-/// [`save_dcp_streaming`] split across the processes of `pg`, each calling it with the same
-/// object and path (the same directory for all, e.g. on a shared filesystem): process 0
-/// creates the temporary directory and the data file at its planned length, each process
-/// writes the archives of its share of the tensors (about `1 / pg.world_size()` of their
-/// bytes; process 0 also the non-tensor values) and syncs, and once all succeeded process 0
-/// writes `.metadata` and renames the directory into place. The data file is byte for byte
-/// the one [`save_dcp_streaming`] writes (`.metadata` differs only in its random save id). A
-/// failure on any process fails every process with the lowest failing one's error and leaves
-/// `out` as it was. Returns the tensor bytes written by all processes.
-pub(crate) fn save_dcp_in_group(
-    obj: &PyObj,
-    out: &Path,
-    lazy: &mut dyn LazyTensors,
-    pg: &dyn crate::collectives::ProcessGroup,
-) -> Result<u64> {
-    use crate::collectives::ProcessGroupExt;
-    let items = pg.agree(flatten(obj))?;
-    let name = pg.agree(dir_name(out))?;
-    let plan = pg.agree(DataPlan::new(items, lazy))?;
-    let tmp = pg.on_root(|| {
+/// A DCP directory planned before any byte is written, in steps that several processes can
+/// share: one stages the temporary directory with the data file at its planned length, each
+/// writes its share of the archives, and one commits `.metadata` and renames the directory
+/// into place. The data file is the same whoever writes which share.
+pub(crate) struct PlannedDcp<'a> {
+    plan: DataPlan<'a>,
+    /// The checkpoint id `.metadata` records: the output's last component.
+    name: String,
+}
+
+impl<'a> PlannedDcp<'a> {
+    /// Plans `obj` (a state dict) as the DCP directory `out`, its tensors that `lazy`
+    /// recognizes at their real size.
+    pub(crate) fn new(obj: &'a PyObj, out: &Path, lazy: &dyn LazyTensors) -> Result<Self> {
+        let items = flatten(obj)?;
+        let name = dir_name(out)?;
+        let plan = DataPlan::new(items, lazy)?;
+        Ok(PlannedDcp { plan, name })
+    }
+
+    /// The bytes of tensor data the directory holds.
+    pub(crate) fn tensor_bytes(&self) -> u64 {
+        self.plan.tensor_bytes
+    }
+
+    /// Refuses an `out` that is not missing or an empty directory, then creates the temporary
+    /// sibling (named as every writer of the crate names one, so that
+    /// `output::clean_stale_temporaries` recognises it if this process is killed) holding the
+    /// data file at its planned length. Returns the temporary's path.
+    pub(crate) fn stage(&self, out: &Path) -> Result<std::path::PathBuf> {
         check_target(out)?;
         let tmp = crate::io::output::make_tmp_dir(out)?;
-        if let Err(e) = plan.create(&tmp) {
+        if let Err(e) = self.plan.create(&tmp) {
             crate::io::output::discard_tmp_dir(&tmp);
             return Err(e);
         }
         Ok(tmp)
-    })?;
-    let path = tmp.join(DATA_FILE);
-    let mine = OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .map_err(|e| io_err("opening", &path, e))
-        .and_then(|file| {
-            let share = plan.share(pg.rank(), pg.world_size());
-            plan.write(&file, &path, share.into_iter(), lazy)?;
-            file.sync_all().map_err(|e| io_err("syncing", &path, e))
-        });
-    let committed = pg
-        .all_gather_agreed(mine)
-        .and_then(|_| pg.on_root(|| plan.commit(&tmp, out, &name)));
-    if committed.is_err() && pg.rank() == 0 {
-        crate::io::output::discard_tmp_dir(&tmp);
     }
-    committed.map(|()| plan.tensor_bytes)
+
+    /// Writes process `rank`'s share (of `world_size`) of the archives into the staged data
+    /// file in `tmp`, and syncs it.
+    pub(crate) fn write_share(
+        &self,
+        tmp: &Path,
+        (rank, world_size): (usize, usize),
+        lazy: &mut dyn LazyTensors,
+    ) -> Result<()> {
+        let path = tmp.join(DATA_FILE);
+        let file = OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err("opening", &path, e))?;
+        let share = self.plan.share(rank, world_size);
+        self.plan.write(&file, &path, share.into_iter(), lazy)?;
+        file.sync_all().map_err(|e| io_err("syncing", &path, e))
+    }
+
+    /// With every share written: writes `.metadata`, syncs and renames `tmp` to `out`.
+    pub(crate) fn commit(&self, tmp: &Path, out: &Path) -> Result<()> {
+        self.plan.commit(tmp, out, &self.name)
+    }
 }
 
 /// `out`'s last component: the checkpoint id `.metadata` records.

@@ -54,7 +54,6 @@ use crate::error::{Error, Result};
 use crate::io::output::StreamedFile;
 use crate::optim_state::OptimStateDict;
 use crate::tensor::{DType, HostTensor};
-use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::BufWriter;
 use std::path::Path;
@@ -311,7 +310,7 @@ pub(crate) fn write_archive_at(
 }
 
 /// The archive folder inside the zip PyTorch uses for `path`: the file's stem.
-fn archive_name(path: &Path) -> String {
+pub(crate) fn archive_name(path: &Path) -> String {
     path.file_stem()
         .and_then(|s| s.to_str())
         .filter(|s| !s.is_empty())
@@ -319,45 +318,16 @@ fn archive_name(path: &Path) -> String {
         .to_string()
 }
 
-/// [`save_streaming`] split across the processes of `pg`, each calling it with the same
-/// object and path (the same file for all, e.g. on a shared filesystem): the archive's layout
-/// is planned first ([`writer::PlannedArchive`]), each process streams its share of the lazy
-/// storages (about `1 / pg.world_size()` of their bytes) into their places, and process 0
-/// writes the rest once it has every storage's CRC-32, then installs the file atomically. The
-/// file is byte for byte what [`save_streaming`] writes. A failure on any process fails every
-/// process with the lowest failing one's error and leaves `path` as it was. Returns the lazy
-/// storages' bytes written by all processes.
-pub(crate) fn save_streaming_in_group(
-    obj: &PyObj,
-    path: &Path,
-    lazy: &mut dyn writer::LazyTensors,
-    pg: &dyn crate::collectives::ProcessGroup,
-) -> Result<u64> {
-    use crate::collectives::ProcessGroupExt;
-    let archive = archive_name(path);
-    let name = path.display().to_string();
-    let plan = pg.agree(writer::PlannedArchive::new(obj, &archive, &name, lazy))?;
-    let reports = crate::io::output::write_planned_in_group(
-        path,
-        plan.file_len(),
-        pg,
-        |file, tmp| write_lazy_share(&plan, lazy, file, (path, tmp), pg),
-        |file, _, all| {
-            let crcs: HashMap<usize, u32> = all.iter().flatten().copied().collect();
-            plan.write_frame(file, &crcs)
-        },
-    )?;
-    Ok(reports.iter().flatten().map(|&(i, _)| plan.span(i).1).sum())
-}
-
-/// Streams this process's share of `plan`'s lazy storages into their places in `file`;
-/// returns (storage index, CRC-32 of its data) of each.
-fn write_lazy_share(
+/// Streams process `rank`'s share (of `world_size`) of `plan`'s lazy storages into their
+/// places in `file`, the temporary `tmp` of `out`; returns (storage index, CRC-32 of its
+/// data) of each. The storages' bytes are cut into `world_size` equal spans
+/// ([`crate::io::output::writer_of`]).
+pub(crate) fn write_lazy_share(
     plan: &writer::PlannedArchive<'_>,
     lazy: &mut dyn writer::LazyTensors,
     file: &std::fs::File,
     (out, tmp): (&Path, &Path),
-    pg: &dyn crate::collectives::ProcessGroup,
+    (rank, world_size): (usize, usize),
 ) -> Result<Vec<(usize, u32)>> {
     use std::os::unix::fs::FileExt;
     let lazy_storages: Vec<usize> = (0..plan.storages())
@@ -372,7 +342,7 @@ fn write_lazy_share(
     let mut crcs = Vec::new();
     for i in lazy_storages {
         let (start, len) = plan.span(i);
-        if crate::io::output::writer_of(start - from, data, pg.world_size()) != pg.rank() {
+        if crate::io::output::writer_of(start - from, data, world_size) != rank {
             continue;
         }
         let (mut at, end) = (start, start + len);

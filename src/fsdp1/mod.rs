@@ -1,5 +1,9 @@
-//! The `Fsdp` façade (layer 8): owns the model description, the layout and the process group
-//! and exposes PyTorch's optimizer-state API under PyTorch's names.
+//! FSDP1 (`FullyShardedDataParallel`, flat parameters), layer 9: the [`Fsdp`] façade beside
+//! FSDP2's [`crate::FullyShardedModel`]. It owns the model description, the layout
+//! ([`crate::flat_param`]) and the process group and exposes PyTorch's optimizer-state API
+//! under PyTorch's names; its state-dict API is in `state_dict.rs`.
+
+mod state_dict;
 
 use crate::collectives::ProcessGroup;
 use crate::error::{Error, Result};

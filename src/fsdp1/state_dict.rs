@@ -4,12 +4,15 @@
 //! or `SHARDED_STATE_DICT`; and what `get_model_state_dict` / `set_model_state_dict` do, over
 //! the same paths.
 
-use super::{with_tied_aliases, ModelStateDict, OptimStateDictApi, StateDictApi, StateDictOptions};
+use super::Fsdp;
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
-use crate::fsdp::Fsdp;
 use crate::optim_state::keys::Resolved;
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+use crate::state_dict::{
+    missing_dict, with_tied_aliases, ModelStateDict, OptimStateDictApi, StateDictApi,
+    StateDictOptions,
+};
 use crate::tensor::{DType, Tensor};
 use indexmap::IndexMap;
 use std::collections::HashMap;
@@ -59,7 +62,7 @@ impl OptimStateDictApi for Fsdp {
         };
         match osd {
             Some(_) => result,
-            None => Err(super::missing_dict(op, self.rank())),
+            None => Err(missing_dict(op, self.rank())),
         }
     }
 }

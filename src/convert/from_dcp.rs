@@ -1,0 +1,58 @@
+//! A DCP directory consolidated into one file: what `dcp_to_torch_save` writes, or the same
+//! dict as `.safetensors`.
+
+use super::coordinate::{write_planned_file, write_torch_save};
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use crate::error::Result;
+use crate::io::dcp::{DcpCheckpoint, Placeholders, SafetensorsPlan, Streamed};
+use std::path::Path;
+
+/// Writes the DCP checkpoint in `src` to `dst` as the `torch.save` file
+/// `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(src, dst)` writes: the same
+/// nested dict (keys in metadata order, string keys, lists, non-tensor values) with the same
+/// tensors bit for bit. Chunks of whole rows (dim-0 shards) go out one chunk at a time, read
+/// straight from their file; other grids hold one assembled tensor at a time. Every chunk's
+/// range and tiling is checked before the output is created.
+///
+/// Run by the processes of `pg` (see [the module](super)), each streams about
+/// `1 / pg.world_size()` of the tensors' bytes into their planned places in the file.
+/// `progress` gets this process's tensor bytes written so far; the return value is the tensor
+/// bytes written by all of them.
+pub fn dcp_to_torch_save(
+    src: &Path,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    let ckpt = pg.agree(DcpCheckpoint::open(src))?.dropping_behind();
+    let placeholders = pg.agree(Placeholders::new(&ckpt))?;
+    let mut lazy = Streamed::new(&ckpt, &placeholders, progress);
+    write_torch_save(&placeholders.obj, dst, &mut lazy, pg)
+}
+
+/// [`dcp_to_torch_save`] to a `.safetensors` file in the crate's mapping
+/// ([`crate::io::safetensors`]): the nested dict's structure in `__metadata__`, the tensors
+/// by their path, one assembled tensor at a time after every chunk was checked.
+///
+/// Run by the processes of `pg` (see [the module](super)), each assembles and writes about
+/// `1 / pg.world_size()` of the tensors' bytes at their planned offsets, and process 0 writes
+/// the header. `progress` gets this process's tensor bytes; the return value is the tensor
+/// bytes written by all of them.
+pub fn dcp_to_safetensors(
+    src: &Path,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    let ckpt = pg.agree(DcpCheckpoint::open(src))?.dropping_behind();
+    let plan = pg.agree(SafetensorsPlan::new(&ckpt))?;
+    let me = (pg.rank(), pg.world_size());
+    let written = write_planned_file(
+        dst,
+        plan.file_len(),
+        pg,
+        |file, tmp| plan.write_share(&ckpt, (file, dst, tmp), me, progress),
+        |file, tmp, _| plan.write_header(file, dst, tmp),
+    )?;
+    Ok(written.iter().sum())
+}
