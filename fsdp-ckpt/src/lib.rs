@@ -10,6 +10,7 @@
 #![deny(clippy::print_stdout, clippy::print_stderr)]
 
 use clap::{Parser, Subcommand};
+use fsdp::collectives::Solo;
 use fsdp::io;
 use fsdp::Result;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -327,7 +328,7 @@ fn run_alone(cli: Cli) -> Result<()> {
                 world_size: world_size.map(|n| n as usize),
                 max_expansion_bytes,
             };
-            ops::convert(&input, &output, &opts, &p)?
+            ops::convert(&input, &output, &opts, &Solo, &p)?
         }
         Command::ConsolidateTorch {
             model,
@@ -364,8 +365,15 @@ fn run_alone(cli: Cli) -> Result<()> {
             output,
             world_size,
             policy,
-        } => ops::reshard(&input, &output, world_size as usize, policy.as_deref(), &p)?,
-        Command::Consolidate { input, output } => ops::consolidate(&input, &output, &p)?,
+        } => ops::reshard(
+            &input,
+            &output,
+            world_size as usize,
+            policy.as_deref(),
+            &Solo,
+            &p,
+        )?,
+        Command::Consolidate { input, output } => ops::consolidate(&input, &output, &Solo, &p)?,
     };
     eprint_line(&written.message);
     Ok(())
@@ -417,7 +425,7 @@ mod launcher {
                 output,
                 world_size,
                 policy,
-            } => ops::reshard_in_group(
+            } => ops::reshard(
                 &input,
                 &output,
                 world_size as usize,
@@ -426,7 +434,7 @@ mod launcher {
                 &p,
             ),
             Command::Consolidate { input, output } if ops::consolidate_splits(&input, &output) => {
-                ops::consolidate_in_group(&input, &output, pg, &p)
+                ops::consolidate(&input, &output, pg, &p)
             }
             Command::Convert {
                 ref input,
@@ -445,7 +453,7 @@ mod launcher {
                 if !ops::convert_splits(input, &opts) {
                     return on_root_alone(cli, pg);
                 }
-                ops::convert_in_group(input, output, &opts, pg, &p)
+                ops::convert(input, output, &opts, pg, &p)
             }
             _ => return on_root_alone(cli, pg),
         };

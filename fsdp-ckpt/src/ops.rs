@@ -9,7 +9,7 @@
 
 use crate::shard_dir::{shard_torch_marker, SHARD_TORCH, SHARD_TORCH_MARKER};
 use fsdp::checkpoint;
-use fsdp::collectives::{ProcessGroup, ProcessGroupExt, Solo};
+use fsdp::collectives::{ProcessGroup, ProcessGroupExt};
 use fsdp::convert;
 use fsdp::io::dcp;
 use fsdp::io::inspect::Summary;
@@ -394,17 +394,25 @@ pub fn convert(
     input: &Path,
     output: &Path,
     opts: &ConvertOptions,
+    pg: &dyn ProcessGroup,
     p: &dyn Progress,
 ) -> Result<Written> {
+    if pg.world_size() > 1 && !convert_splits(input, opts) {
+        return Err(Error::Unsupported(format!(
+            "convert {} {} split across processes: only --to dcp (from a file or the crate's checkpoint directory) and --to fsdp split",
+            input.display(),
+            output.display()
+        )));
+    }
     match opts.to.as_deref() {
         None => convert_file(input, output, opts.max_expansion_bytes, p),
-        Some("fsdp") => dcp_to_fsdp(input, output, opts, p),
+        Some("fsdp") => dcp_to_fsdp(input, output, opts, pg, p),
         Some(to) if opts.model.is_some() || opts.world_size.is_some() => {
             Err(Error::Unsupported(format!(
                 "convert --to {to} takes no --model or --world-size (they describe the checkpoint `--to fsdp` writes)"
             )))
         }
-        Some("dcp") => to_dcp(input, output, p),
+        Some("dcp") => to_dcp(input, output, pg, p),
         Some(to) => Err(Error::Unsupported(format!(
             "convert --to {to}: the formats are `dcp` and `fsdp`"
         ))),
@@ -452,76 +460,21 @@ fn convert_file(
     })
 }
 
-/// `convert IN OUT_DIR --to dcp`, from a file or from the crate's checkpoint directory.
-fn to_dcp(input: &Path, output: &Path, p: &dyn Progress) -> Result<Written> {
-    let found = to_dcp_input(input)?;
-    clean_stale(p, output, Some(dcp::DCP_DIR))?;
-    let written = step(p, "converting", || {
-        if found == Input::Checkpoint {
-            // The full optimizer state dict of the crate's sharded checkpoint, streamed.
-            convert::checkpoint_to_dcp(input, output, &Solo, |_| {})
-        } else {
-            convert::torch_save_to_dcp(input, output, &Solo)
-        }
-    })?;
-    Ok(Written {
-        operation: "convert",
-        output: output.to_path_buf(),
-        tensor_bytes: written,
-        count: None,
-        world_size: None,
-        message: format!(
-            "converted {} -> DCP directory {}: {written} bytes of tensors",
-            input.display(),
-            output.display()
-        ),
-    })
-}
-
-/// The input of `convert … --to dcp`: a checkpoint of this crate or a file.
-fn to_dcp_input(input: &Path) -> Result<Input> {
-    expect_input(
-        "convert --to dcp",
-        input,
-        "a checkpoint of this crate or a torch.save or safetensors file",
-        |i| matches!(i, Input::Checkpoint | Input::File(_)),
-    )
-}
-
-/// `convert IN OUT_DIR --to dcp|fsdp` as one process of a job (`mpirun -np N fsdp-ckpt
-/// convert …`; see [`convert_splits`]): every process of `pg` calls it with the same
-/// arguments. `--to dcp`: each writes its share of the tensors into the one data file
+/// `convert IN OUT_DIR --to dcp`, from a file or from the crate's checkpoint directory, by
+/// the processes of `pg`: each writes its share of the tensors into the one data file
 /// ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
-/// [`convert::torch_save_to_dcp`] for a file); process 0 writes `.metadata` and
-/// installs the directory. `--to fsdp`: each writes its share of the rank files
-/// ([`convert::dcp_to_checkpoint`]); process 0 writes the manifest and commits.
-/// The output is byte for byte what [`convert`] writes (a DCP directory's `.metadata`
-/// differs only in its random save id); a failure on any process fails all of them with the
-/// same error and leaves `output` as it was.
-pub fn convert_in_group(
-    input: &Path,
-    output: &Path,
-    opts: &ConvertOptions,
-    pg: &dyn ProcessGroup,
-    p: &dyn Progress,
-) -> Result<Written> {
-    if !convert_splits(input, opts) {
-        return Err(Error::Unsupported(format!(
-            "convert {} {} split across processes: only --to dcp (from a file or the crate's checkpoint directory) and --to fsdp split",
-            input.display(),
-            output.display()
-        )));
-    }
-    if opts.to.as_deref() == Some("fsdp") {
-        return dcp_to_fsdp_in_group(input, output, opts, pg, p);
-    }
+/// [`convert::torch_save_to_dcp`] for a file); process 0 writes `.metadata` and installs the
+/// directory. The output is the same for any number of processes (a DCP directory's
+/// `.metadata` differs only in its random save id).
+fn to_dcp(input: &Path, output: &Path, pg: &dyn ProcessGroup, p: &dyn Progress) -> Result<Written> {
     let from_checkpoint = pg.agree(to_dcp_input(input))? == Input::Checkpoint;
     if from_checkpoint {
         pg.agree(checkpoint::read_manifest(input))?;
     }
     pg.on_root(|| clean_stale(p, output, Some(dcp::DCP_DIR)))?;
-    p.start("converting (this process's share)", None);
+    p.start(&phase("converting", pg), None);
     let written = if from_checkpoint {
+        // The full optimizer state dict of the crate's sharded checkpoint, streamed.
         convert::checkpoint_to_dcp(input, output, pg, |b| p.update(b))
     } else {
         convert::torch_save_to_dcp(input, output, pg)
@@ -535,12 +488,40 @@ pub fn convert_in_group(
         count: None,
         world_size: None,
         message: format!(
-            "converted {} -> DCP directory {} as a job of {} processes: {written} bytes of tensors",
+            "converted {} -> DCP directory {}{}: {written} bytes of tensors",
             input.display(),
             output.display(),
-            pg.world_size()
+            as_a_job(pg)
         ),
     })
+}
+
+/// What a progress phase is called on the processes of `pg`: each shows its own share.
+fn phase(what: &str, pg: &dyn ProcessGroup) -> String {
+    if pg.world_size() > 1 {
+        format!("{what} (this process's share)")
+    } else {
+        what.to_string()
+    }
+}
+
+/// How a result message names a job of several processes (nothing for one).
+fn as_a_job(pg: &dyn ProcessGroup) -> String {
+    if pg.world_size() > 1 {
+        format!(" as a job of {} processes", pg.world_size())
+    } else {
+        String::new()
+    }
+}
+
+/// The input of `convert … --to dcp`: a checkpoint of this crate or a file.
+fn to_dcp_input(input: &Path) -> Result<Input> {
+    expect_input(
+        "convert --to dcp",
+        input,
+        "a checkpoint of this crate or a torch.save or safetensors file",
+        |i| matches!(i, Input::Checkpoint | Input::File(_)),
+    )
 }
 
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
@@ -563,23 +544,9 @@ pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
 /// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
 /// checkpoint of the DCP directory's optimizer state for N ranks of the described model, as
 /// N live ranks loading their shards ([`fsdp::Fsdp::load_dcp`]) and saving would write it,
-/// written one rank at a time ([`convert::dcp_to_checkpoint`]).
+/// written one rank at a time ([`convert::dcp_to_checkpoint`]); by the processes of `pg`,
+/// output rank `r` is written by process `r % N` and process 0 commits.
 fn dcp_to_fsdp(
-    input: &Path,
-    output: &Path,
-    opts: &ConvertOptions,
-    p: &dyn Progress,
-) -> Result<Written> {
-    let layout = fsdp_target(input, output, opts)?;
-    step(p, "converting", || {
-        convert::dcp_to_checkpoint(input, output, &layout, &Solo)
-    })?;
-    fsdp_written(input, output, layout.world_size(), None)
-}
-
-/// [`dcp_to_fsdp`] as one process of a job ([`convert::dcp_to_checkpoint`]):
-/// output rank `r` is written by process `r % N`, process 0 commits.
-fn dcp_to_fsdp_in_group(
     input: &Path,
     output: &Path,
     opts: &ConvertOptions,
@@ -587,11 +554,10 @@ fn dcp_to_fsdp_in_group(
     p: &dyn Progress,
 ) -> Result<Written> {
     let layout = pg.agree(fsdp_target(input, output, opts))?;
-    p.start("converting (this process's ranks)", None);
-    let done = convert::dcp_to_checkpoint(input, output, &layout, pg);
-    p.finish();
-    done?;
-    fsdp_written(input, output, layout.world_size(), Some(pg.world_size()))
+    step(p, &phase("converting", pg), || {
+        convert::dcp_to_checkpoint(input, output, &layout, pg)
+    })?;
+    fsdp_written(input, output, layout.world_size(), pg)
 }
 
 /// The layout `convert --to fsdp` writes for, from its options, once the input is known to
@@ -625,14 +591,9 @@ fn fsdp_target(
 }
 
 /// The report of `convert --to fsdp` (`processes`: the job's size when split).
-fn fsdp_written(
-    input: &Path,
-    output: &Path,
-    ws: usize,
-    processes: Option<usize>,
-) -> Result<Written> {
+fn fsdp_written(input: &Path, output: &Path, ws: usize, pg: &dyn ProcessGroup) -> Result<Written> {
     let tensor_bytes = checkpoint::read_manifest(output)?.tensor_bytes();
-    let job = processes.map_or(String::new(), |n| format!(" as a job of {n} processes"));
+    let job = as_a_job(pg);
     Ok(Written {
         operation: "convert",
         output: output.to_path_buf(),
@@ -650,26 +611,39 @@ fn fsdp_written(
 /// `consolidate IN OUT`: the full optimizer state dict of the crate's checkpoint directory,
 /// or the whole state of a DCP directory (what `dcp_to_torch_save` writes), streamed to
 /// `.safetensors` or `.pt` with bounded memory.
-pub fn consolidate(input: &Path, out: &Path, p: &dyn Progress) -> Result<Written> {
+///
+/// Run by the processes of `pg` (`&Solo` for one; under `mpirun -np N`, see
+/// [`consolidate_splits`]): each writes its share of the file's byte ranges
+/// ([`convert::checkpoint_to_safetensors`], [`convert::checkpoint_to_torch_save`],
+/// [`convert::dcp_to_safetensors`], [`convert::dcp_to_torch_save`]) and process 0 installs
+/// it. The file is the same for any number of processes; a failure on any process fails all
+/// of them with the same error and leaves `out` as it was. `p` reports this process's share.
+pub fn consolidate(
+    input: &Path,
+    out: &Path,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
     let format = FileFormat::from_path(out)?;
-    let is_dcp = consolidate_input(input)? == Input::Dcp;
-    output::check_not_overlapping(out, &[input])?;
-    output::check_file_output(out)?;
-    let total = if is_dcp {
-        dcp::summary(input)?.tensor_bytes
+    let is_dcp = pg.agree(consolidate_input(input))? == Input::Dcp;
+    pg.on_root(|| {
+        output::check_not_overlapping(out, &[input])?;
+        output::check_file_output(out)
+    })?;
+    let total = pg.agree(if is_dcp {
+        dcp::summary(input).map(|s| s.tensor_bytes)
     } else {
-        checkpoint::read_manifest(input)?.tensor_bytes()
-    };
-    clean_stale(p, out, None)?;
-    p.start("consolidating", Some((total, Unit::Bytes)));
+        checkpoint::read_manifest(input).map(|m| m.tensor_bytes())
+    })?;
+    pg.on_root(|| clean_stale(p, out, None))?;
+    let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
+    p.start(&phase("consolidating", pg), share_total);
     let to = |b| p.update(b);
     let written = match (is_dcp, format) {
-        (true, FileFormat::Safetensors) => convert::dcp_to_safetensors(input, out, &Solo, to),
-        (true, _) => convert::dcp_to_torch_save(input, out, &Solo, to),
-        (false, FileFormat::Safetensors) => {
-            convert::checkpoint_to_safetensors(input, out, &Solo, to)
-        }
-        (false, _) => convert::checkpoint_to_torch_save(input, out, &Solo, to),
+        (true, FileFormat::Safetensors) => convert::dcp_to_safetensors(input, out, pg, to),
+        (true, _) => convert::dcp_to_torch_save(input, out, pg, to),
+        (false, FileFormat::Safetensors) => convert::checkpoint_to_safetensors(input, out, pg, to),
+        (false, _) => convert::checkpoint_to_torch_save(input, out, pg, to),
     };
     p.finish();
     let written = written?;
@@ -681,12 +655,22 @@ pub fn consolidate(input: &Path, out: &Path, p: &dyn Progress) -> Result<Written
         count: None,
         world_size: None,
         message: format!(
-            "consolidated {what}{} -> {}: {written} bytes of {}",
+            "consolidated {what}{} -> {}{}: {written} bytes of {}",
             input.display(),
             out.display(),
+            on_processes(pg),
             if is_dcp { "tensors" } else { "tensor state" }
         ),
     })
+}
+
+/// How a result message names the processes of a job (nothing for one).
+fn on_processes(pg: &dyn ProcessGroup) -> String {
+    if pg.world_size() > 1 {
+        format!(" on {} processes", pg.world_size())
+    } else {
+        String::new()
+    }
 }
 
 /// The input of `consolidate`: a DCP directory or a checkpoint of this crate.
@@ -712,45 +696,13 @@ fn reshard_input(input: &Path) -> Result<Input> {
 /// `reshard IN OUT --world-size M [--policy P]`: the crate's checkpoint rewritten for another
 /// world size and optionally another wrapping policy (a JSON `WrapPolicy`, or a DESC.json
 /// whose `policy` is used), streamed with bounded memory.
+///
+/// Run by the processes of `pg` (`&Solo` for one; under `mpirun -np N fsdp-ckpt reshard …`
+/// each writes its share of the output rank files with [`checkpoint::reshard`] and process 0
+/// commits). The output is the same for any number of processes; a failure on any process
+/// fails all of them with the same error and leaves `out` as it was. `p` reports this
+/// process's share.
 pub fn reshard(
-    input: &Path,
-    out: &Path,
-    world_size: usize,
-    policy: Option<&Path>,
-    p: &dyn Progress,
-) -> Result<Written> {
-    reshard_input(input)?;
-    let policy = policy.map(read_policy).transpose()?;
-    let saved = checkpoint::read_manifest(input)?;
-    output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
-    clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))?;
-    let total = saved.tensor_bytes() + saved.model_param_bytes();
-    p.start("resharding", Some((total, Unit::Bytes)));
-    let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), &Solo, |b| {
-        p.update(b)
-    });
-    p.finish();
-    let copied = copied?;
-    Ok(Written {
-        operation: "reshard",
-        output: out.to_path_buf(),
-        tensor_bytes: copied,
-        count: None,
-        world_size: Some(world_size),
-        message: format!(
-            "resharded {} -> {} for {world_size} ranks: {copied} bytes of tensor state",
-            input.display(),
-            out.display()
-        ),
-    })
-}
-
-/// [`reshard`] as one process of a job (`mpirun -np N fsdp-ckpt reshard …`): every process
-/// of `pg` calls it with the same arguments and writes its share of the output rank files
-/// ([`checkpoint::reshard`]); process 0 commits. The output is byte for byte what
-/// [`reshard`] writes; a failure on any process fails all of them with the same error and
-/// leaves `out` as it was. `p` reports this process's share.
-pub fn reshard_in_group(
     input: &Path,
     out: &Path,
     world_size: usize,
@@ -760,12 +712,14 @@ pub fn reshard_in_group(
 ) -> Result<Written> {
     pg.agree(reshard_input(input))?;
     let policy = pg.agree(policy.map(read_policy).transpose())?;
-    pg.agree(checkpoint::read_manifest(input))?;
+    let saved = pg.agree(checkpoint::read_manifest(input))?;
     pg.on_root(|| {
         output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
         clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))
     })?;
-    p.start("resharding (this process's share)", None);
+    let total = saved.tensor_bytes() + saved.model_param_bytes();
+    let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
+    p.start(&phase("resharding", pg), share_total);
     let copied = checkpoint::reshard(input, out, world_size, policy.as_ref(), pg, |b| p.update(b));
     p.finish();
     let copied = copied?;
@@ -776,10 +730,10 @@ pub fn reshard_in_group(
         count: None,
         world_size: Some(world_size),
         message: format!(
-            "resharded {} -> {} for {world_size} ranks on {} processes: {copied} bytes of tensor state",
+            "resharded {} -> {} for {world_size} ranks{}: {copied} bytes of tensor state",
             input.display(),
             out.display(),
-            pg.world_size()
+            on_processes(pg)
         ),
     })
 }
@@ -789,57 +743,6 @@ pub fn reshard_in_group(
 /// is known before any byte is written), that is whenever `OUTPUT`'s format is known.
 pub fn consolidate_splits(_input: &Path, out: &Path) -> bool {
     FileFormat::from_path(out).is_ok()
-}
-
-/// [`consolidate`] as one process of a job (`mpirun -np N fsdp-ckpt consolidate …`; see
-/// [`consolidate_splits`]): every process of `pg` calls it with the same arguments and
-/// writes its share of the file's byte ranges
-/// ([`convert::checkpoint_to_safetensors`], [`convert::checkpoint_to_torch_save`],
-/// [`convert::dcp_to_safetensors`], [`convert::dcp_to_torch_save`]);
-/// process 0 installs it. The file is byte for byte what [`consolidate`] writes; a failure
-/// on any process fails all of them with the same error and leaves `out` as it was. `p`
-/// reports this process's share.
-pub fn consolidate_in_group(
-    input: &Path,
-    out: &Path,
-    pg: &dyn ProcessGroup,
-    p: &dyn Progress,
-) -> Result<Written> {
-    let format = FileFormat::from_path(out)?;
-    let is_dcp = pg.agree(consolidate_input(input))? == Input::Dcp;
-    pg.on_root(|| {
-        output::check_not_overlapping(out, &[input])?;
-        output::check_file_output(out)?;
-        clean_stale(p, out, None)
-    })?;
-    if !is_dcp {
-        pg.agree(checkpoint::read_manifest(input))?;
-    }
-    p.start("consolidating (this process's share)", None);
-    let to = |b| p.update(b);
-    let written = match (is_dcp, format) {
-        (true, FileFormat::Safetensors) => convert::dcp_to_safetensors(input, out, pg, to),
-        (true, _) => convert::dcp_to_torch_save(input, out, pg, to),
-        (false, FileFormat::Safetensors) => convert::checkpoint_to_safetensors(input, out, pg, to),
-        (false, _) => convert::checkpoint_to_torch_save(input, out, pg, to),
-    };
-    p.finish();
-    let written = written?;
-    let what = if is_dcp { "DCP checkpoint " } else { "" };
-    Ok(Written {
-        operation: "consolidate",
-        output: out.to_path_buf(),
-        tensor_bytes: written,
-        count: None,
-        world_size: None,
-        message: format!(
-            "consolidated {what}{} -> {} on {} processes: {written} bytes of {}",
-            input.display(),
-            out.display(),
-            pg.world_size(),
-            if is_dcp { "tensors" } else { "tensor state" }
-        ),
-    })
 }
 
 /// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2

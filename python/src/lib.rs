@@ -5,6 +5,7 @@
 //! A crate error becomes `fsdp_ckpt.Error` (message, variant name and typed fields); the
 //! optional progress callback is called with the GIL held, `(phase, done, total)`.
 
+use fsdp::collectives::Solo;
 use fsdp_ckpt::ops::{self, Progress, Unit};
 use pyo3::prelude::*;
 use std::path::PathBuf;
@@ -173,7 +174,7 @@ fn convert(
     if let Some(n) = max_expansion_bytes {
         opts.max_expansion_bytes = n;
     }
-    run(py, progress, |p| ops::convert(&input, &output, &opts, p))
+    run(py, progress, |p| ops::convert(&input, &output, &opts, &Solo, p))
 }
 
 #[pyfunction]
@@ -184,7 +185,7 @@ fn consolidate(
     output: PathBuf,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
-    run(py, progress, |p| ops::consolidate(&input, &output, p))
+    run(py, progress, |p| ops::consolidate(&input, &output, &Solo, p))
 }
 
 #[pyfunction]
@@ -198,7 +199,7 @@ fn reshard(
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
     run(py, progress, |p| {
-        ops::reshard(&input, &output, world_size, policy.as_deref(), p)
+        ops::reshard(&input, &output, world_size, policy.as_deref(), &Solo, p)
     })
 }
 
