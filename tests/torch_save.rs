@@ -4,7 +4,7 @@
 //! Fixtures come from `tests/golden/torch_save_fixtures.py`; each `<name>.pt` has a
 //! `<name>.json` describing its contents (format in `tests/golden/check_torch_load.py`).
 
-use fsdp::io::torch_save::{self, ModelStateDict, PyObj};
+use fsdp::io::torch_save::{self, PyObj, SavedModelStateDict};
 use fsdp::{DType, Error, HostTensor, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use indexmap::IndexMap;
 use proptest::prelude::*;
@@ -1395,7 +1395,7 @@ fn pytorch_loads_rust_written_files() {
         &torch_save::optim_to_pyobj(&osd).unwrap(),
         json!([[["state", 0, "exp_avg"], ["state", 0, "exp_avg_sq"]]]),
     );
-    let mut msd = ModelStateDict::default();
+    let mut msd = SavedModelStateDict::default();
     msd.tensors.insert(
         "w".into(),
         HostTensor::from_vec1(&[half::bf16::from_f32(1.5)]),

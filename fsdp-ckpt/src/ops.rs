@@ -100,7 +100,7 @@ pub enum Inspection {
         summary: Summary,
     },
     /// The crate's sharded checkpoint directory (from its manifest).
-    Checkpoint(checkpoint::Summary),
+    Checkpoint(checkpoint::CheckpointSummary),
     /// A PyTorch DCP directory (from its `.metadata`).
     Dcp(dcp::DcpSummary),
 }
@@ -338,19 +338,22 @@ fn wrong_input(command: &str, input: &Path, wants: &str, found: Input) -> Error 
 /// data), of the crate's checkpoint directory (its manifest), or of a DCP directory (its
 /// `.metadata`).
 pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
-    let format = match recognize(path)? {
-        Input::Dcp => return Ok(Inspection::Dcp(dcp::summary(path)?)),
-        Input::Checkpoint => return Ok(Inspection::Checkpoint(checkpoint::Summary::of_dir(path)?)),
-        Input::File(format) => format,
-        found @ Input::DcpPerRank => {
-            return Err(wrong_input(
+    let format =
+        match recognize(path)? {
+            Input::Dcp => return Ok(Inspection::Dcp(dcp::summary(path)?)),
+            Input::Checkpoint => {
+                return Ok(Inspection::Checkpoint(
+                    checkpoint::CheckpointSummary::of_dir(path)?,
+                ))
+            }
+            Input::File(format) => format,
+            found @ Input::DcpPerRank => return Err(wrong_input(
                 "inspect",
                 path,
                 "a DCP directory, a checkpoint of this crate, or a torch.save or safetensors file",
                 found,
-            ))
-        }
-    };
+            )),
+        };
     let summary = step(p, &format!("reading {}", path.display()), || {
         Ok(match format {
             FileFormat::TorchSave => Summary::of_headers(&io::torch_save::load_headers(path)?),

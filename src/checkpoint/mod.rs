@@ -45,7 +45,7 @@ pub(crate) use save::save;
 #[cfg(feature = "fault-injection")]
 pub use save::CrashPoint;
 pub use save::SaveOptions;
-pub use summary::{FileSummary, Summary};
+pub use summary::{CheckpointSummary, RankFileSummary};
 
 use crate::collectives::ProcessGroup;
 use crate::error::Result;

@@ -8,7 +8,7 @@ use std::path::Path;
 
 /// One data file of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct FileSummary {
+pub struct RankFileSummary {
     /// The file name inside the checkpoint directory.
     pub name: String,
     /// Its length in bytes.
@@ -19,7 +19,7 @@ pub struct FileSummary {
 /// file lengths are checked, data checksums are not (`data_checksums_verified` is `false`;
 /// [`super::verify`] reads every block).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Summary {
+pub struct CheckpointSummary {
     /// The checkpoint directory, as given.
     pub checkpoint: String,
     /// The format name of the manifest.
@@ -35,7 +35,7 @@ pub struct Summary {
     /// `name` or `id`: how the saving optimizer keyed its state.
     pub key_type: String,
     /// The data files.
-    pub files: Vec<FileSummary>,
+    pub files: Vec<RankFileSummary>,
     /// Parameters with optimizer state.
     pub params_with_state: usize,
     /// Bytes of tensor state.
@@ -52,11 +52,11 @@ pub struct Summary {
     pub data_checksums_verified: bool,
 }
 
-impl Summary {
+impl CheckpointSummary {
     /// The summary of the checkpoint in `dir` (reads its manifest; see [`super::read_manifest`]).
     pub fn of_dir(dir: &Path) -> Result<Self> {
         let m = read_manifest(dir)?;
-        Ok(Summary {
+        Ok(CheckpointSummary {
             checkpoint: dir.display().to_string(),
             format: m.format.clone(),
             version: m.version,
@@ -67,7 +67,7 @@ impl Summary {
             files: m
                 .files
                 .iter()
-                .map(|f| FileSummary {
+                .map(|f| RankFileSummary {
                     name: f.name.clone(),
                     bytes: f.len,
                 })
@@ -83,7 +83,7 @@ impl Summary {
     }
 }
 
-impl fmt::Display for Summary {
+impl fmt::Display for CheckpointSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,

@@ -62,7 +62,7 @@
 //! assert!(safetensors::load_from_bytes(&bytes).unwrap().bit_eq(&sd));
 //! ```
 
-use super::torch_save::{ModelStateDict, PyObj};
+use super::torch_save::{PyObj, SavedModelStateDict};
 use crate::error::{Error, Result};
 use crate::optim_state::OptimStateDict;
 use crate::tensor::{DType, HostTensor};
@@ -736,13 +736,13 @@ pub fn save_optim_state_dict(osd: &OptimStateDict, path: impl AsRef<Path>) -> Re
 }
 
 /// Reads a model state dict from a safetensors file (ours, or any other: then in name order).
-pub fn load_model_state_dict(path: impl AsRef<Path>) -> Result<ModelStateDict> {
+pub fn load_model_state_dict(path: impl AsRef<Path>) -> Result<SavedModelStateDict> {
     super::torch_save::model_from_pyobj(load(path)?)
 }
 
 /// Writes a model state dict as one safetensors file whose tensor names are the state dict's
 /// keys.
-pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Result<()> {
+pub fn save_model_state_dict(msd: &SavedModelStateDict, path: impl AsRef<Path>) -> Result<()> {
     save(&super::torch_save::model_to_pyobj(msd), path)
 }
 

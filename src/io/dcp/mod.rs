@@ -31,7 +31,7 @@ pub use plan::check_tiling;
 pub(crate) use plan::flat_range_boxes;
 pub(crate) use plan::nest;
 pub use read::{
-    read_metadata, summary, verify, DcpCheckpoint, DcpSummary, EntrySummary, FileSummary,
+    read_metadata, summary, verify, DataFileSummary, DcpCheckpoint, DcpSummary, EntrySummary,
     VerifyReport,
 };
 pub(crate) use read::{Placeholders, SafetensorsPlan, Streamed};

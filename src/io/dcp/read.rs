@@ -698,7 +698,7 @@ pub struct EntrySummary {
 
 /// One data file of a [`DcpSummary`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct FileSummary {
+pub struct DataFileSummary {
     /// The name (relative to the directory).
     pub name: String,
     /// Its length in bytes (`None` when it is missing or outside the directory).
@@ -722,7 +722,7 @@ pub struct DcpSummary {
     /// Every key in metadata order.
     pub entries: Vec<EntrySummary>,
     /// The data files, by name.
-    pub files: Vec<FileSummary>,
+    pub files: Vec<DataFileSummary>,
     /// Total bytes of the tensors (global shapes).
     pub tensor_bytes: u64,
 }
@@ -761,9 +761,9 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
     for info in md.storage.values().flatten() {
         *ranges.entry(&info.relative_path).or_default() += 1;
     }
-    let files: Vec<FileSummary> = ranges
+    let files: Vec<DataFileSummary> = ranges
         .into_iter()
-        .map(|(name, n)| FileSummary {
+        .map(|(name, n)| DataFileSummary {
             name: name.to_string(),
             bytes: ckpt
                 .files

@@ -6,10 +6,11 @@ use crate::optim_state::{OptimStateDict, ParamGroup, ParamKey, ParamState, Value
 use crate::tensor::HostTensor;
 use indexmap::IndexMap;
 
-/// A model state dict, as `module.state_dict()` returns it: parameter and buffer names to
-/// tensors, in order.
+/// A model state dict as a file holds it (`torch.save(module.state_dict())`): parameter and
+/// buffer names to tensors, in order, with PyTorch's `_metadata`. The live API's dict of
+/// values is [`crate::state_dict::ModelStateDict`].
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct ModelStateDict {
+pub struct SavedModelStateDict {
     /// Name → tensor, in the module's order.
     pub tensors: IndexMap<String, HostTensor>,
     /// The `_metadata` attribute PyTorch attaches to the `OrderedDict` (module prefix →
@@ -272,7 +273,7 @@ pub fn optim_from_pyobj(obj: PyObj) -> Result<OptimStateDict> {
 
 /// Converts a model state dict to the `collections.OrderedDict` `module.state_dict()` returns,
 /// with its `_metadata` attribute when there is one.
-pub fn model_to_pyobj(msd: &ModelStateDict) -> PyObj {
+pub fn model_to_pyobj(msd: &SavedModelStateDict) -> PyObj {
     PyObj::OrderedDict {
         items: msd
             .tensors
@@ -287,17 +288,17 @@ pub fn model_to_pyobj(msd: &ModelStateDict) -> PyObj {
     }
 }
 
-/// Converts a `dict` or `OrderedDict` of name → tensor to a [`ModelStateDict`].
+/// Converts a `dict` or `OrderedDict` of name → tensor to a [`SavedModelStateDict`].
 ///
 /// Every value must be a tensor (a module's non-tensor extra state is rejected, naming the
 /// key); attributes other than `_metadata` are rejected too.
-pub fn model_from_pyobj(obj: PyObj) -> Result<ModelStateDict> {
+pub fn model_from_pyobj(obj: PyObj) -> Result<SavedModelStateDict> {
     let (items, attrs) = match obj {
         PyObj::Dict(items) => (items, Vec::new()),
         PyObj::OrderedDict { items, attrs } => (items, attrs),
         other => return Err(unexpected("<root>", "a dict of tensors", &other)),
     };
-    let mut out = ModelStateDict::default();
+    let mut out = SavedModelStateDict::default();
     for (k, v) in items {
         let name = into_str_key(k, "<root> key")?;
         match v {

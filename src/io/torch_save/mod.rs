@@ -46,7 +46,7 @@ mod zip;
 
 pub use convert::{
     model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, value_to_pyobj,
-    ModelStateDict,
+    SavedModelStateDict,
 };
 pub use pyobj::PyObj;
 
@@ -405,12 +405,12 @@ pub fn save_optim_state_dict(osd: &OptimStateDict, path: impl AsRef<Path>) -> Re
 
 /// Reads a model state dict (`torch.save(module.state_dict(), path)`); see
 /// [`model_from_pyobj`].
-pub fn load_model_state_dict(path: impl AsRef<Path>) -> Result<ModelStateDict> {
+pub fn load_model_state_dict(path: impl AsRef<Path>) -> Result<SavedModelStateDict> {
     model_from_pyobj(load(path)?)
 }
 
 /// Writes a model state dict as the `OrderedDict` `module.state_dict()` returns.
-pub fn save_model_state_dict(msd: &ModelStateDict, path: impl AsRef<Path>) -> Result<()> {
+pub fn save_model_state_dict(msd: &SavedModelStateDict, path: impl AsRef<Path>) -> Result<()> {
     save(&model_to_pyobj(msd), path)
 }
 
