@@ -174,7 +174,9 @@ fn convert(
     if let Some(n) = max_expansion_bytes {
         opts.max_expansion_bytes = n;
     }
-    run(py, progress, |p| ops::convert(&input, &output, &opts, &Solo, p))
+    run(py, progress, |p| {
+        ops::convert(&input, &output, &opts, &Solo, p)
+    })
 }
 
 #[pyfunction]
@@ -185,7 +187,9 @@ fn consolidate(
     output: PathBuf,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
-    run(py, progress, |p| ops::consolidate(&input, &output, &Solo, p))
+    run(py, progress, |p| {
+        ops::consolidate(&input, &output, &Solo, p)
+    })
 }
 
 #[pyfunction]
