@@ -6,7 +6,7 @@
 //! Tests whose comment starts with `// Regression` pin a bug found and fixed while writing
 //! them.
 
-mod common;
+use crate::common;
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::flat_param::ModelLayout;

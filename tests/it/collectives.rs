@@ -1,7 +1,7 @@
 //! Scenarios for the in-process thread backend of `ProcessGroup`: data movement, sub-groups,
 //! and how ranks fail together (mismatch, timeout, a peer that dies, poisoned groups).
 
-mod common;
+use crate::common;
 
 use common::conformance::{self, Reductions};
 use fsdp::collectives::{ProcessGroup, ProcessGroupExt, ReduceOp, ThreadGroup, ThreadProcessGroup};

@@ -9,7 +9,7 @@ use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{Error, HostTensor};
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 
 const SCENARIOS: [&str; 6] = [
     "fsdp2_adam_ws4",

@@ -3,7 +3,7 @@
 //! reduce-scatter in fp32, fp16 and bf16 with upcast to the fp32 parameters, custom divide
 //! factors; and ranks that disagree failing together.
 
-mod common;
+use crate::common;
 
 use common::fsdp2::{self, param_list, rows_of, tensor, value};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};

@@ -5,7 +5,7 @@
 //! FSDP1-written directories loaded into FSDP2; and the offline conversion of a DCP directory
 //! into the crate's checkpoint, which must write what live ranks loading and saving write.
 
-mod common;
+use crate::common;
 
 use common::{dcp_fixture_net as net, files_of};
 use fsdp::collectives::Solo;

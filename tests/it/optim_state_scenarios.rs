@@ -4,7 +4,7 @@
 //! give equal optimizer state (up to key type), and loading a dict saved under one
 //! configuration into another equals that configuration's own optimizer state.
 
-mod common;
+use crate::common;
 
 use common::*;
 use fsdp::collectives::{ProcessGroup, ThreadGroup};

@@ -1,7 +1,7 @@
 //! Sharded checkpoints on disk: save at one world size and wrapping, load at another; crash
 //! safety; corruption and truncation detected with the right error.
 
-mod common;
+use crate::common;
 
 use fsdp::checkpoint::{
     self, load_full, read_manifest, verify, CrashPoint, LoadOptions, SaveOptions, COMMIT, MANIFEST,

@@ -1,7 +1,7 @@
 //! Property tests: for random parameter shapes, wrappings, world sizes 1–9 and both
 //! `use_orig_params` modes, the layout invariants hold and shard → consolidate is the identity.
 
-mod common;
+use crate::common;
 
 use fsdp::collectives::ThreadGroup;
 use fsdp::flat_param::ModelLayout;

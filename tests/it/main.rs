@@ -1,0 +1,21 @@
+//! The integration tests in one binary (one link per build instead of one per file).
+
+#[path = "../common/mod.rs"]
+mod common;
+mod checkpoint;
+mod collectives;
+mod dcp;
+mod dcp_live;
+mod error_paths;
+mod fsdp2_comm;
+mod fsdp2_layout;
+mod fsdp2_state_dict_golden;
+mod golden_fsdp;
+mod layering;
+mod optim_parity;
+mod optim_state_scenarios;
+mod roundtrip_props;
+mod sharded_load;
+mod state_dict;
+mod tcp_store;
+mod torch_save;
