@@ -66,7 +66,7 @@ def test_write_desc_reproduces_the_golden_description(scenario, load_name, tmp_p
         fsdp_ckpt.consolidate_torch(out, ranks, tmp_path / "full.pt")
         if cfg.get("use_orig_params"):
             # PyTorch's CPU `full_optim_state_dict` aliases every gathered state to one buffer
-            # with use_orig_params (tests/golden_fsdp.rs checks the crate against the GPU-correct
+            # with use_orig_params (tests/it/golden_fsdp.rs checks the crate against the GPU-correct
             # result): here the golden description must give the same file.
             by_golden = tmp_path / "golden_desc.json"
             per_rank = [json.loads(load(rank_dir / f"rank{r}.pt")["optim_params"]) for r in range(ws)]

@@ -188,7 +188,7 @@ impl OptimStateDictApi for FullyShardedModel {
             // PyTorch loads a full dict into an FSDP2 model by flattening and unflattening it
             // (`_flatten_state_dict`), which turns every tuple into a list: the optimizer's
             // `betas` come back as `[0.9, 0.999]` (checked against PyTorch 2.13,
-            // tests/fsdp2_state_dict_golden.rs).
+            // tests/it/fsdp2_state_dict_golden.rs).
             for g in loaded.param_groups.iter_mut().flatten() {
                 g.options.values_mut().for_each(tuples_as_lists);
             }

@@ -22,7 +22,7 @@
 //!   `sqrt` calls MKL's `vsSqrt`/`vdSqrt` in `VML_HA` mode, which is *not* correctly rounded
 //!   (1 ulp off for ~17% of f32 inputs, ~1.3% of f64 inputs, and host dependent), while this
 //!   crate uses IEEE `sqrt`. Adam/AdamW parameters therefore differ from PyTorch by rare 1-ulp
-//!   steps (measured in `tests/optim_parity.rs`: at most 1 ulp, in 3 of 162 elements after 3
+//!   steps (measured in `tests/it/optim_parity.rs`: at most 1 ulp, in 3 of 162 elements after 3
 //!   steps; with L2 weight decay the difference feeds back into the moments) and are
 //!   bit-identical to PyTorch's op sequence run with a correctly rounded sqrt. The other ops
 //!   are position independent for f32/f64, so thread count and tensor size do not matter.

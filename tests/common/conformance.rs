@@ -2,7 +2,7 @@
 //! empty sizes, every root, sub-groups, object exchange, reductions over every dtype and
 //! operation, and the argument errors of `collectives/args.rs`, matched by variant and fields.
 //!
-//! Run on the thread backend by tests/collectives.rs, under `mpirun` by tests/mpi/worker.rs,
+//! Run on the thread backend by tests/it/collectives.rs, under `mpirun` by tests/mpi/worker.rs,
 //! and on NCCL (where a GPU exists) by tests/nccl.rs. Every function is collective: call it on
 //! every rank of the group. Expected values are computed here, independently of any backend; a
 //! difference panics naming the case, the rank and the backend.

@@ -4,7 +4,7 @@
 //! and compared with an all-reduce of the same gradients, divided as
 //! `_get_gradient_divide_factors` says.
 //!
-//! Run on thread ranks by tests/fsdp2_comm.rs and under `mpirun` by tests/mpi/worker.rs.
+//! Run on thread ranks by tests/it/fsdp2_comm.rs and under `mpirun` by tests/mpi/worker.rs.
 //! Every function is collective. Reductions must be in rank order (threads, MPI), so results
 //! are compared bit for bit.
 

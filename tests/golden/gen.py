@@ -1,4 +1,4 @@
-"""Golden fixtures from REAL PyTorch 2.13 FSDP for `tests/golden_fsdp.rs`.
+"""Golden fixtures from REAL PyTorch 2.13 FSDP for `tests/it/golden_fsdp.rs`.
 
 Run manually (the Rust tests never run Python) from the crate root, with the project's venv,
 and commit the output:

@@ -1,4 +1,4 @@
-"""Reference optimizer steps from real PyTorch for `tests/optim_parity.rs`.
+"""Reference optimizer steps from real PyTorch for `tests/it/optim_parity.rs`.
 
 Run manually (never from the tests) with the project's venv and commit the output beside it:
 

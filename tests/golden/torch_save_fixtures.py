@@ -1,4 +1,4 @@
-"""Writes the torch.save fixtures of tests/torch_save.rs into tests/golden/torch_save/.
+"""Writes the torch.save fixtures of tests/it/torch_save.rs into tests/golden/torch_save/.
 
 Run with PyTorch 2.13:  .venv/bin/python tests/golden/torch_save_fixtures.py
 Each `<name>.pt` gets a `<name>.json` beside it describing its contents bit for bit (see

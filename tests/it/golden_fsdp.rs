@@ -56,7 +56,7 @@ use std::sync::Arc;
 /// PyTorch's.
 ///
 /// PyTorch's CPU `sqrt` (MKL `VML_HA`) is not correctly rounded, the crate's is (see
-/// `src/optim/mod.rs` and `tests/optim_parity.rs`), so Adam parameters differ by rare 1-ulp
+/// `src/optim/mod.rs` and `tests/it/optim_parity.rs`), so Adam parameters differ by rare 1-ulp
 /// steps that can compound over steps (measured here: at most 4 ulp, `net4.1.weight` of
 /// `orig_unused_ws2`; 2 in `nested_alt_ws3` and `tied_ws2`; 0 for SGD). The optimizer *state*
 /// (`step`, `exp_avg`, `exp_avg_sq`, `momentum_buffer`) is required bit-exact at every world

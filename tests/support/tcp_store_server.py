@@ -1,4 +1,4 @@
-"""A real PyTorch 2.13 c10d TCPStore server, the peer of tests/tcp_store.rs.
+"""A real PyTorch 2.13 c10d TCPStore server, the peer of tests/it/tcp_store.rs.
 
 Usage: tcp_store_server.py [libuv|classic]
 

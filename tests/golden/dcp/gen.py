@@ -1,4 +1,4 @@
-"""DCP fixtures from REAL PyTorch 2.13 for `tests/dcp.rs`.
+"""DCP fixtures from REAL PyTorch 2.13 for `tests/it/dcp.rs`.
 
 Run manually from the crate root with the project's venv, and commit the output:
 

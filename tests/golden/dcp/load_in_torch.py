@@ -1,4 +1,4 @@
-"""Load crate-written DCP directories into PyTorch FSDP models, for `tests/dcp_live.rs`.
+"""Load crate-written DCP directories into PyTorch FSDP models, for `tests/it/dcp_live.rs`.
 
     load_in_torch.py DCP_DIR EXPECTED.pt WS WRAPPER [DCP_DIR2 EXPECTED2.pt WS2 WRAPPER2 ...]
 

@@ -1,4 +1,4 @@
-"""FSDP2 layout fixture from REAL PyTorch 2.13 for `tests/fsdp2_layout.rs`.
+"""FSDP2 layout fixture from REAL PyTorch 2.13 for `tests/it/fsdp2_layout.rs`.
 
 Run manually from the crate root with the project's venv, and commit the output:
 
