@@ -1,9 +1,9 @@
 //! The integration tests in one binary (one link per build instead of one per file).
 
-#[path = "../common/mod.rs"]
-mod common;
 mod checkpoint;
 mod collectives;
+#[path = "../common/mod.rs"]
+mod common;
 mod dcp;
 mod dcp_live;
 mod error_paths;
