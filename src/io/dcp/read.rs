@@ -429,17 +429,21 @@ fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
 pub(crate) struct Streamed<'c, P> {
     ckpt: &'c DcpCheckpoint,
     /// Placeholder buffer identity → entry index.
-    stands_for: HashMap<usize, usize>,
+    stands_for: &'c HashMap<usize, usize>,
     written: u64,
     progress: P,
 }
 
 impl<'c, P> Streamed<'c, P> {
     /// Streams the placeholders of `placeholders` from `ckpt`.
-    pub(crate) fn new(ckpt: &'c DcpCheckpoint, placeholders: &Placeholders, progress: P) -> Self {
+    pub(crate) fn new(
+        ckpt: &'c DcpCheckpoint,
+        placeholders: &'c Placeholders,
+        progress: P,
+    ) -> Self {
         Streamed {
             ckpt,
-            stands_for: placeholders.stands_for.clone(),
+            stands_for: &placeholders.stands_for,
             written: 0,
             progress,
         }
@@ -557,14 +561,7 @@ impl SafetensorsPlan {
                 Some((name.clone(), *i))
             })
             .collect();
-        let header = safetensors_header(ckpt, &order, meta.into_iter().collect())?;
-        let lens = order
-            .iter()
-            .map(|(_, i)| {
-                ckpt.plan_tensor(&ckpt.metadata.entries[*i].key)
-                    .map(|n| n as u64)
-            })
-            .collect::<Result<_>>()?;
+        let (header, lens) = safetensors_header(ckpt, &order, meta.into_iter().collect())?;
         Ok(SafetensorsPlan {
             order,
             header,
@@ -616,12 +613,12 @@ impl SafetensorsPlan {
 }
 
 /// The safetensors header (length prefix included, padded to 8 bytes) for the tensors of
-/// `order` laid out back to back, with `meta` as `__metadata__`.
+/// `order` laid out back to back, with `meta` as `__metadata__`, and each tensor's data bytes.
 fn safetensors_header(
     ckpt: &DcpCheckpoint,
     order: &[(String, usize)],
     meta: BTreeMap<String, String>,
-) -> Result<Vec<u8>> {
+) -> Result<(Vec<u8>, Vec<u64>)> {
     let entries = order
         .iter()
         .map(|(name, i)| {
@@ -635,7 +632,8 @@ fn safetensors_header(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(crate::io::container::header(&entries, &meta)?.0)
+    let header = crate::io::container::header(&entries, &meta)?.0;
+    Ok((header, entries.iter().map(|e| e.nbytes).collect()))
 }
 
 /// What [`verify`] checked.
