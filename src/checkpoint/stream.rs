@@ -120,7 +120,7 @@ pub(crate) struct SafetensorsPlan<'s> {
 
 impl<'s> SafetensorsPlan<'s> {
     pub(crate) fn new(sk: &'s Skeleton) -> Result<Self> {
-        let (tensors, meta) = crate::io::safetensors::parts(&sk.obj);
+        let (tensors, meta) = crate::io::safetensors::parts(&sk.obj)?;
         let entries: Vec<Entry> = tensors
             .iter()
             .map(|(name, t)| match sk.stored(t) {

@@ -35,6 +35,9 @@ pub fn check_reduction(dtype: DType, op: ReduceOp, len: usize) -> Result<(), Str
     if matches!(dtype, DType::F8E4M3FN | DType::F8E5M2) {
         return Err(format!("reductions are not defined for {dtype}"));
     }
+    if matches!(dtype, DType::C64 | DType::C128) && op == ReduceOp::Max {
+        return Err(format!("reduction `{op}` is not defined for {dtype}"));
+    }
     if dtype == DType::Bool && op != ReduceOp::Max {
         return Err(format!(
             "reduction `{op}` is not defined for {dtype}; use max"
@@ -88,6 +91,9 @@ pub fn reduce_parts(
         DType::U16 => reduce::<u16, u16>(op, parts, out, n, |a| a, |a| a),
         DType::U32 => reduce::<u32, u32>(op, parts, out, n, |a| a, |a| a),
         DType::U64 => reduce::<u64, u64>(op, parts, out, n, |a| a, |a| a),
+        // Sums and means of complex numbers are those of their parts.
+        DType::C64 => reduce::<f32, f32>(op, parts, out, n, |a| a, |a| a),
+        DType::C128 => reduce::<f64, f64>(op, parts, out, n, |a| a, |a| a),
         DType::F8E4M3FN | DType::F8E5M2 => unreachable!("refused by check_reduction"),
     }
     Ok(())

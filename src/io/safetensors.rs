@@ -78,13 +78,26 @@ pub const OBJECT_KEY: &str = "fsdp.pyobj.v1";
 /// Name used for in-memory files in error messages.
 const MEMORY: &str = "<memory>";
 
-/// The `safetensors` crate's dtype for `d`, by its name in the one dtype table.
-fn to_st_dtype(d: DType) -> Dtype {
+/// The `safetensors` crate's dtype for `d`, by its name in the one dtype table; `None` for
+/// the dtypes safetensors has no name for (refused before anything is laid out).
+fn to_st_dtype(d: DType) -> Option<Dtype> {
     use serde::de::IntoDeserializer;
     use serde::Deserialize;
     let name: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =
-        d.safetensors_name().into_deserializer();
-    Dtype::deserialize(name).expect("every DType has a safetensors dtype (tested)")
+        d.safetensors_name()?.into_deserializer();
+    Dtype::deserialize(name).ok()
+}
+
+/// Checks that safetensors can store `t` (named `name`): its dtype has a safetensors name.
+pub(crate) fn check_storable(name: &str, t: &HostTensor) -> Result<()> {
+    match to_st_dtype(t.dtype()) {
+        Some(_) => Ok(()),
+        None => Err(Error::TensorNotStorable {
+            tensor: name.to_string(),
+            shape: t.shape().to_vec(),
+            reason: format!("safetensors has no dtype for {}", t.dtype()),
+        }),
+    }
 }
 
 /// The crate's dtype for the `safetensors` crate's `d`, if it has one.
@@ -97,7 +110,8 @@ struct TensorRef<'a>(&'a HostTensor);
 
 impl View for TensorRef<'_> {
     fn dtype(&self) -> Dtype {
-        to_st_dtype(self.0.dtype())
+        // Every tensor is checked by `check_storable` before it is laid out.
+        to_st_dtype(self.0.dtype()).unwrap_or(Dtype::U8)
     }
     fn shape(&self) -> &[usize] {
         self.0.shape()
@@ -136,6 +150,8 @@ fn key_segment(key: &PyObj) -> String {
 struct Encoder<'a> {
     used: HashSet<String>,
     tensors: Vec<(String, &'a HostTensor)>,
+    /// The first value met that safetensors cannot hold.
+    refused: Option<Error>,
 }
 
 impl<'a> Encoder<'a> {
@@ -208,6 +224,36 @@ impl<'a> Encoder<'a> {
                 self.tensors.push((name.clone(), t));
                 json!({ "tensor": name })
             }
+            // A Parameter or a tensor with attributes is stored by its values, as PyTorch's
+            // own safetensors writer stores it.
+            PyObj::RichTensor(r) => match r.dense() {
+                Some(t) => {
+                    let name = self.name(path);
+                    self.tensors.push((name.clone(), t));
+                    json!({ "tensor": name })
+                }
+                None => {
+                    self.refused.get_or_insert_with(|| Error::TensorNotStorable {
+                        tensor: if path.is_empty() { "<root>".into() } else { path.into() },
+                        shape: r.size().to_vec(),
+                        reason: format!(
+                            "it is a {}; safetensors stores only dense tensors",
+                            r.kind()
+                        ),
+                    });
+                    Json::Null
+                }
+            },
+            PyObj::Complex(re, im) => json!({ "complex": [float_text(*re), float_text(*im)] }),
+            PyObj::Set(xs) => json!({ "set": xs
+                .iter()
+                .enumerate()
+                .map(|(i, x)| self.encode(x, &Self::child(path, &i.to_string())))
+                .collect::<Vec<_>>() }),
+            PyObj::ByteArray(b) => json!({ "bytearray": hex(b) }),
+            PyObj::Counter(items) => json!({ "counter": self.pairs(items, path) }),
+            PyObj::Device(kind, index) => json!({ "device": [kind, index] }),
+            PyObj::TorchConst(name) => json!({ "torch": name }),
             PyObj::Sharded(s) => {
                 let local = match &s.local {
                     Some(t) => {
@@ -248,6 +294,7 @@ pub fn named_tensors(obj: &PyObj) -> Vec<(String, &HostTensor)> {
     let mut enc = Encoder {
         used: HashSet::new(),
         tensors: Vec::new(),
+        refused: None,
     };
     enc.encode(obj, "");
     enc.tensors
@@ -265,18 +312,27 @@ fn st_err(file: &str, reason: impl std::fmt::Display) -> Error {
     }
 }
 
-/// The tensors of `obj` with their names, and the `__metadata__` entries describing it.
-pub(crate) fn parts(obj: &PyObj) -> (Vec<(String, &HostTensor)>, HashMap<String, String>) {
-    let (tensors, meta) = prepare(obj);
-    (tensors.into_iter().map(|(n, t)| (n, t.0)).collect(), meta)
+/// The tensors of `obj` with their names, and the `__metadata__` entries describing it; an
+/// error naming the first value safetensors cannot hold (a sparse or quantized tensor, a
+/// dtype it has no name for).
+pub(crate) fn parts(obj: &PyObj) -> Result<(Vec<(String, &HostTensor)>, HashMap<String, String>)> {
+    let (tensors, meta) = prepare(obj)?;
+    Ok((tensors.into_iter().map(|(n, t)| (n, t.0)).collect(), meta))
 }
 
-fn prepare(obj: &PyObj) -> (Vec<(String, TensorRef<'_>)>, HashMap<String, String>) {
+fn prepare(obj: &PyObj) -> Result<(Vec<(String, TensorRef<'_>)>, HashMap<String, String>)> {
     let mut enc = Encoder {
         used: HashSet::new(),
         tensors: Vec::new(),
+        refused: None,
     };
     let skeleton = enc.encode(obj, "");
+    if let Some(e) = enc.refused {
+        return Err(e);
+    }
+    for (name, t) in &enc.tensors {
+        check_storable(name, t)?;
+    }
     let mut meta = HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
     meta.insert(OBJECT_KEY.to_string(), skeleton.to_string());
@@ -285,7 +341,7 @@ fn prepare(obj: &PyObj) -> (Vec<(String, TensorRef<'_>)>, HashMap<String, String
         .into_iter()
         .map(|(n, t)| (n, TensorRef(t)))
         .collect();
-    (tensors, meta)
+    Ok((tensors, meta))
 }
 
 /// The largest header safetensors readers accept (the `safetensors` crate's limit).
@@ -295,7 +351,7 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 /// descending dtype alignment, then name, as the `safetensors` crate lays them out, with the
 /// `__metadata__` keys sorted, so the same object always gives the same bytes.
 fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor>)> {
-    let (tensors, meta) = parts(obj);
+    let (tensors, meta) = parts(obj)?;
     let mut tensors: Vec<(String, &HostTensor)> = tensors;
     tensors.sort_by(|(ln, l), (rn, r)| {
         to_st_dtype(r.dtype())
@@ -656,6 +712,27 @@ impl Decoder<'_> {
                 .map(PyObj::Size)
                 .ok_or_else(|| self.bad(path, j)),
             ("dict", d) => Ok(PyObj::Dict(self.pairs(d, path)?)),
+            ("counter", d) => Ok(PyObj::Counter(self.pairs(d, path)?)),
+            ("set", Json::Array(xs)) => Ok(PyObj::Set(self.decode_items(xs, path)?)),
+            ("bytearray", Json::String(s)) => {
+                unhex(s).map(PyObj::ByteArray).ok_or_else(|| self.bad(path, j))
+            }
+            ("complex", Json::Array(parts)) => match parts.as_slice() {
+                [Json::String(re), Json::String(im)] => parse_float(re)
+                    .zip(parse_float(im))
+                    .map(|(re, im)| PyObj::Complex(re, im))
+                    .ok_or_else(|| self.bad(path, j)),
+                _ => Err(self.bad(path, j)),
+            },
+            ("device", Json::Array(parts)) => match parts.as_slice() {
+                [Json::String(kind), Json::Null] => Ok(PyObj::Device(kind.clone(), None)),
+                [Json::String(kind), Json::Number(i)] => i
+                    .as_i64()
+                    .map(|i| PyObj::Device(kind.clone(), Some(i)))
+                    .ok_or_else(|| self.bad(path, j)),
+                _ => Err(self.bad(path, j)),
+            },
+            ("torch", Json::String(name)) => Ok(PyObj::TorchConst(name.clone())),
             ("tensor", Json::String(name)) => self.decode_tensor_ref(name, path),
             _ => Err(self.bad(path, j)),
         }

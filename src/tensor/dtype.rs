@@ -37,6 +37,10 @@ pub enum DType {
     F8E4M3FN,
     /// `torch.float8_e5m2`
     F8E5M2,
+    /// `torch.complex64`: a pair of f32 (real, imaginary) per element
+    C64,
+    /// `torch.complex128`: a pair of f64 per element
+    C128,
 }
 
 /// Everything the crate knows of one dtype, by the names each format gives it: one row per
@@ -48,45 +52,45 @@ struct Row {
     /// The legacy typed storage class `torch.save` pickles for it (`FloatStorage`); `None`
     /// for dtypes newer than typed storages, which PyTorch saves as `UntypedStorage`.
     storage_class: Option<&'static str>,
-    /// The safetensors header's name (`F32`).
-    safetensors: &'static str,
+    /// The safetensors header's name (`F32`); `None` for dtypes safetensors has no name for.
+    safetensors: Option<&'static str>,
     size: usize,
     floating_point: bool,
 }
 
 #[rustfmt::skip]
-const TABLE: [Row; 15] = [
-    Row { dtype: DType::F32, torch: "torch.float32", storage_class: Some("FloatStorage"), safetensors: "F32", size: 4, floating_point: true },
-    Row { dtype: DType::F64, torch: "torch.float64", storage_class: Some("DoubleStorage"), safetensors: "F64", size: 8, floating_point: true },
-    Row { dtype: DType::F16, torch: "torch.float16", storage_class: Some("HalfStorage"), safetensors: "F16", size: 2, floating_point: true },
-    Row { dtype: DType::BF16, torch: "torch.bfloat16", storage_class: Some("BFloat16Storage"), safetensors: "BF16", size: 2, floating_point: true },
-    Row { dtype: DType::I64, torch: "torch.int64", storage_class: Some("LongStorage"), safetensors: "I64", size: 8, floating_point: false },
-    Row { dtype: DType::I32, torch: "torch.int32", storage_class: Some("IntStorage"), safetensors: "I32", size: 4, floating_point: false },
-    Row { dtype: DType::U8, torch: "torch.uint8", storage_class: Some("ByteStorage"), safetensors: "U8", size: 1, floating_point: false },
-    Row { dtype: DType::Bool, torch: "torch.bool", storage_class: Some("BoolStorage"), safetensors: "BOOL", size: 1, floating_point: false },
-    Row { dtype: DType::I8, torch: "torch.int8", storage_class: Some("CharStorage"), safetensors: "I8", size: 1, floating_point: false },
-    Row { dtype: DType::I16, torch: "torch.int16", storage_class: Some("ShortStorage"), safetensors: "I16", size: 2, floating_point: false },
-    Row { dtype: DType::U16, torch: "torch.uint16", storage_class: None, safetensors: "U16", size: 2, floating_point: false },
-    Row { dtype: DType::U32, torch: "torch.uint32", storage_class: None, safetensors: "U32", size: 4, floating_point: false },
-    Row { dtype: DType::U64, torch: "torch.uint64", storage_class: None, safetensors: "U64", size: 8, floating_point: false },
-    Row { dtype: DType::F8E4M3FN, torch: "torch.float8_e4m3fn", storage_class: None, safetensors: "F8_E4M3", size: 1, floating_point: true },
-    Row { dtype: DType::F8E5M2, torch: "torch.float8_e5m2", storage_class: None, safetensors: "F8_E5M2", size: 1, floating_point: true },
+const TABLE: [Row; 17] = [
+    Row { dtype: DType::F32, torch: "torch.float32", storage_class: Some("FloatStorage"), safetensors: Some("F32"), size: 4, floating_point: true },
+    Row { dtype: DType::F64, torch: "torch.float64", storage_class: Some("DoubleStorage"), safetensors: Some("F64"), size: 8, floating_point: true },
+    Row { dtype: DType::F16, torch: "torch.float16", storage_class: Some("HalfStorage"), safetensors: Some("F16"), size: 2, floating_point: true },
+    Row { dtype: DType::BF16, torch: "torch.bfloat16", storage_class: Some("BFloat16Storage"), safetensors: Some("BF16"), size: 2, floating_point: true },
+    Row { dtype: DType::I64, torch: "torch.int64", storage_class: Some("LongStorage"), safetensors: Some("I64"), size: 8, floating_point: false },
+    Row { dtype: DType::I32, torch: "torch.int32", storage_class: Some("IntStorage"), safetensors: Some("I32"), size: 4, floating_point: false },
+    Row { dtype: DType::U8, torch: "torch.uint8", storage_class: Some("ByteStorage"), safetensors: Some("U8"), size: 1, floating_point: false },
+    Row { dtype: DType::Bool, torch: "torch.bool", storage_class: Some("BoolStorage"), safetensors: Some("BOOL"), size: 1, floating_point: false },
+    Row { dtype: DType::I8, torch: "torch.int8", storage_class: Some("CharStorage"), safetensors: Some("I8"), size: 1, floating_point: false },
+    Row { dtype: DType::I16, torch: "torch.int16", storage_class: Some("ShortStorage"), safetensors: Some("I16"), size: 2, floating_point: false },
+    Row { dtype: DType::U16, torch: "torch.uint16", storage_class: None, safetensors: Some("U16"), size: 2, floating_point: false },
+    Row { dtype: DType::U32, torch: "torch.uint32", storage_class: None, safetensors: Some("U32"), size: 4, floating_point: false },
+    Row { dtype: DType::U64, torch: "torch.uint64", storage_class: None, safetensors: Some("U64"), size: 8, floating_point: false },
+    Row { dtype: DType::F8E4M3FN, torch: "torch.float8_e4m3fn", storage_class: None, safetensors: Some("F8_E4M3"), size: 1, floating_point: true },
+    Row { dtype: DType::F8E5M2, torch: "torch.float8_e5m2", storage_class: None, safetensors: Some("F8_E5M2"), size: 1, floating_point: true },
+    Row { dtype: DType::C64, torch: "torch.complex64", storage_class: Some("ComplexFloatStorage"), safetensors: Some("C64"), size: 8, floating_point: false },
+    Row { dtype: DType::C128, torch: "torch.complex128", storage_class: Some("ComplexDoubleStorage"), safetensors: None, size: 16, floating_point: false },
 ];
 
 /// PyTorch dtypes a file may name that the crate cannot hold: a checkpoint that has them is
 /// read far enough to list them, and refused by name where their values are needed.
 pub(crate) const OTHER_TORCH_DTYPES: &[&str] = &[
     "complex32",
-    "complex64",
-    "complex128",
     "float8_e4m3fnuz",
     "float8_e5m2fnuz",
 ];
 
 impl DType {
     /// All supported dtypes.
-    pub const ALL: [DType; 15] = {
-        let mut all = [DType::F32; 15];
+    pub const ALL: [DType; 17] = {
+        let mut all = [DType::F32; 17];
         let mut i = 0;
         while i < TABLE.len() {
             all[i] = TABLE[i].dtype;
@@ -145,8 +149,9 @@ impl DType {
             .map(|r| r.dtype)
     }
 
-    /// The name a safetensors header gives this dtype (`F32`).
-    pub const fn safetensors_name(self) -> &'static str {
+    /// The name a safetensors header gives this dtype (`F32`), or `None` where the format
+    /// has none (`torch.complex128`).
+    pub const fn safetensors_name(self) -> Option<&'static str> {
         self.row().safetensors
     }
 
@@ -154,7 +159,7 @@ impl DType {
     pub fn from_safetensors_name(name: &str) -> Option<DType> {
         TABLE
             .iter()
-            .find(|r| r.safetensors == name)
+            .find(|r| r.safetensors == Some(name))
             .map(|r| r.dtype)
     }
 }
@@ -176,12 +181,14 @@ mod tests {
             assert_eq!(d.row().dtype, *d);
             assert_eq!(DType::from_torch_name(d.torch_attr()), Some(*d));
             assert_eq!(DType::from_torch_name(d.torch_name()), Some(*d));
-            assert_eq!(DType::from_safetensors_name(d.safetensors_name()), Some(*d));
+            if let Some(name) = d.safetensors_name() {
+                assert_eq!(DType::from_safetensors_name(name), Some(*d));
+            }
             if let Some(class) = d.storage_class() {
                 assert_eq!(DType::from_storage_class(class), Some(*d));
             }
         }
-        assert_eq!(DType::from_torch_name("complex64"), None);
+        assert_eq!(DType::from_torch_name("complex32"), None);
         assert!(OTHER_TORCH_DTYPES
             .iter()
             .all(|n| DType::from_torch_name(n).is_none()));

@@ -180,7 +180,8 @@ impl HostTensor {
         Ok(())
     }
 
-    /// Every element converted to `f64` (bool as 0/1), for display and comparisons.
+    /// Every element converted to `f64` (bool as 0/1, complex as its real part), for display
+    /// and comparisons.
     pub fn to_f64_vec(&self) -> Vec<f64> {
         let b = self.as_bytes();
         match self.dtype {
@@ -197,6 +198,8 @@ impl HostTensor {
             DType::U32 => cast::<u32>(b).iter().map(|&v| v as f64).collect(),
             DType::U64 => cast::<u64>(b).iter().map(|&v| v as f64).collect(),
             DType::F8E4M3FN => b.iter().map(|&v| f8e4m3fn_to_f64(v)).collect(),
+            DType::C64 => cast::<f32>(b).iter().step_by(2).map(|&v| v as f64).collect(),
+            DType::C128 => cast::<f64>(b).iter().step_by(2).copied().collect(),
             // e5m2 is the upper byte of an IEEE half.
             DType::F8E5M2 => b
                 .iter()

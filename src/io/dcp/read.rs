@@ -553,7 +553,7 @@ pub(crate) struct SafetensorsPlan {
 impl SafetensorsPlan {
     pub(crate) fn new(ckpt: &DcpCheckpoint) -> Result<Self> {
         let placeholders = Placeholders::new(ckpt)?;
-        let (tensors, meta) = crate::io::safetensors::parts(&placeholders.obj);
+        let (tensors, meta) = crate::io::safetensors::parts(&placeholders.obj)?;
         let order: Vec<(String, usize)> = tensors
             .iter()
             .filter_map(|(name, t)| {

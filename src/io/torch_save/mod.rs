@@ -48,7 +48,7 @@ pub use convert::{
     model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, value_to_pyobj,
     SavedModelStateDict,
 };
-pub use pyobj::PyObj;
+pub use pyobj::{PyObj, QDType, QScheme, QuantizedTensor, RichTensor, SparseLayout, TensorValue};
 
 use crate::error::{Error, Result};
 use crate::io::output::StreamedFile;

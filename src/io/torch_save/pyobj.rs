@@ -2,7 +2,7 @@
 
 use crate::io::pickle::long;
 use crate::optim_state::ShardedTensor;
-use crate::tensor::HostTensor;
+use crate::tensor::{DType, HostTensor};
 
 /// A Python object as `torch.save` stores it: the containers and scalars of state dicts, and
 /// tensors.
@@ -51,6 +51,268 @@ pub enum PyObj {
     /// global shape and the shard's offsets. Consolidate the ranks' files
     /// ([`crate::offline::consolidate_sharded`]) to get the full tensors.
     Sharded(ShardedTensor<HostTensor>),
+    /// A tensor that is more than its dense values: an `nn.Parameter`, a tensor with
+    /// `requires_grad` or Python attributes (FSDP1's full state dict marks its tensors with
+    /// `_has_been_cloned`), or a sparse, quantized or meta tensor.
+    RichTensor(Box<RichTensor>),
+    /// `complex`: real and imaginary parts.
+    Complex(f64, f64),
+    /// `set`, in the stream's order.
+    Set(Vec<PyObj>),
+    /// `bytearray`.
+    ByteArray(Vec<u8>),
+    /// `collections.Counter`, in order.
+    Counter(Vec<(PyObj, PyObj)>),
+    /// `torch.device(type, index)`, e.g. `("cuda", Some(0))`.
+    Device(String, Option<i64>),
+    /// A `torch` constant held as a value: a dtype (`torch.bfloat16`, including those the
+    /// crate holds no tensors of, such as `torch.uint4`), a layout (`torch.sparse_coo`) or a
+    /// quantization scheme (`torch.per_tensor_affine`), by its Python name.
+    TorchConst(String),
+}
+
+/// A tensor with what `torch.load` keeps besides its values ([`PyObj::RichTensor`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RichTensor {
+    /// The values.
+    pub value: TensorValue,
+    /// `tensor.requires_grad`.
+    pub requires_grad: bool,
+    /// Whether it is an `nn.Parameter` (`_rebuild_parameter`) rather than a plain tensor.
+    pub parameter: bool,
+    /// Python attributes set on it (`tensor.__dict__`), in order.
+    pub attrs: Vec<(String, PyObj)>,
+}
+
+/// The values of a [`RichTensor`], by layout.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorValue {
+    /// A dense (strided) tensor.
+    Dense(HostTensor),
+    /// `torch.sparse_coo`: `indices` (`int64`, `[sparse_dims, nnz]`), `values`
+    /// (`[nnz, dense dims…]`), the tensor's size, and whether it was saved coalesced
+    /// (`None` for files older than that flag).
+    SparseCoo {
+        /// `int64`, `[sparse_dims, nnz]`.
+        indices: HostTensor,
+        /// `[nnz, dense dims…]`.
+        values: HostTensor,
+        /// The size of the tensor.
+        size: Vec<usize>,
+        /// `tensor.is_coalesced()` as saved (`None` in files older than the flag).
+        coalesced: Option<bool>,
+    },
+    /// A compressed sparse layout (CSR, CSC, BSR, BSC): compressed and plain indices, the
+    /// values, and the tensor's size.
+    SparseCompressed {
+        /// Which compressed layout.
+        layout: SparseLayout,
+        /// `crow_indices` (CSR, BSR) or `ccol_indices` (CSC, BSC).
+        compressed_indices: HostTensor,
+        /// `col_indices` or `row_indices`.
+        plain_indices: HostTensor,
+        /// The stored values (blocks for BSR / BSC).
+        values: HostTensor,
+        /// The size of the tensor.
+        size: Vec<usize>,
+    },
+    /// A quantized tensor.
+    Quantized(QuantizedTensor),
+    /// A tensor on the `meta` device: a dtype, size and stride, and no data.
+    Meta {
+        /// Its dtype.
+        dtype: DType,
+        /// Its size.
+        size: Vec<usize>,
+        /// Its stride.
+        stride: Vec<usize>,
+    },
+}
+
+/// The compressed sparse layouts, by PyTorch's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SparseLayout {
+    /// `torch.sparse_csr`
+    Csr,
+    /// `torch.sparse_csc`
+    Csc,
+    /// `torch.sparse_bsr`
+    Bsr,
+    /// `torch.sparse_bsc`
+    Bsc,
+}
+
+impl SparseLayout {
+    /// All of them.
+    pub const ALL: [SparseLayout; 4] = [
+        SparseLayout::Csr,
+        SparseLayout::Csc,
+        SparseLayout::Bsr,
+        SparseLayout::Bsc,
+    ];
+
+    /// PyTorch's name, e.g. `torch.sparse_csr`.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            SparseLayout::Csr => "torch.sparse_csr",
+            SparseLayout::Csc => "torch.sparse_csc",
+            SparseLayout::Bsr => "torch.sparse_bsr",
+            SparseLayout::Bsc => "torch.sparse_bsc",
+        }
+    }
+}
+
+/// A quantized tensor: its integer values and how they map to reals.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizedTensor {
+    /// The quantized dtype.
+    pub dtype: QDType,
+    /// The integer values (`tensor.int_repr()`): `int8` for `qint8`, `uint8` for `quint8`,
+    /// `int32` for `qint32`.
+    pub int_repr: HostTensor,
+    /// The quantization parameters.
+    pub scheme: QScheme,
+}
+
+/// The quantized dtypes `torch.save` stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QDType {
+    /// `torch.qint8`
+    QInt8,
+    /// `torch.quint8`
+    QUInt8,
+    /// `torch.qint32`
+    QInt32,
+}
+
+impl QDType {
+    /// All of them.
+    pub const ALL: [QDType; 3] = [QDType::QInt8, QDType::QUInt8, QDType::QInt32];
+
+    /// PyTorch's name, e.g. `torch.qint8`.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            QDType::QInt8 => "torch.qint8",
+            QDType::QUInt8 => "torch.quint8",
+            QDType::QInt32 => "torch.qint32",
+        }
+    }
+
+    /// The typed storage class `torch.save` pickles for it (`QInt8Storage`).
+    pub fn storage_class(self) -> &'static str {
+        match self {
+            QDType::QInt8 => "QInt8Storage",
+            QDType::QUInt8 => "QUInt8Storage",
+            QDType::QInt32 => "QInt32Storage",
+        }
+    }
+
+    /// The integer dtype of its values.
+    pub fn int_dtype(self) -> DType {
+        match self {
+            QDType::QInt8 => DType::I8,
+            QDType::QUInt8 => DType::U8,
+            QDType::QInt32 => DType::I32,
+        }
+    }
+}
+
+/// Quantization parameters, as `_rebuild_qtensor` takes them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QScheme {
+    /// `torch.per_tensor_affine`: one scale and zero point.
+    PerTensorAffine {
+        /// `q_scale()`.
+        scale: f64,
+        /// `q_zero_point()`.
+        zero_point: i64,
+    },
+    /// `torch.per_channel_affine` (`float_qparams` false) or
+    /// `torch.per_channel_affine_float_qparams` (true): a scale and zero point per index of
+    /// `axis`, as tensors.
+    PerChannel {
+        /// Whether the scheme is `per_channel_affine_float_qparams`.
+        float_qparams: bool,
+        /// `q_per_channel_scales()`.
+        scales: HostTensor,
+        /// `q_per_channel_zero_points()`.
+        zero_points: HostTensor,
+        /// `q_per_channel_axis()`.
+        axis: i64,
+    },
+}
+
+impl RichTensor {
+    /// What it is, for messages: "sparse COO tensor", "quantized tensor (torch.qint8)", …
+    pub fn kind(&self) -> String {
+        match &self.value {
+            TensorValue::Dense(_) if self.parameter => "Parameter".into(),
+            TensorValue::Dense(_) => "Tensor".into(),
+            TensorValue::SparseCoo { .. } => "sparse COO tensor".into(),
+            TensorValue::SparseCompressed { layout, .. } => {
+                format!("sparse tensor ({})", layout.torch_name())
+            }
+            TensorValue::Quantized(q) => format!("quantized tensor ({})", q.dtype.torch_name()),
+            TensorValue::Meta { .. } => "meta tensor".into(),
+        }
+    }
+
+    /// The size of the tensor it stands for.
+    pub fn size(&self) -> &[usize] {
+        match &self.value {
+            TensorValue::Dense(t) => t.shape(),
+            TensorValue::SparseCoo { size, .. } | TensorValue::SparseCompressed { size, .. } => {
+                size
+            }
+            TensorValue::Quantized(q) => q.int_repr.shape(),
+            TensorValue::Meta { size, .. } => size,
+        }
+    }
+
+    /// The dtype name of its elements, as PyTorch prints it.
+    pub fn dtype_name(&self) -> &'static str {
+        match &self.value {
+            TensorValue::Dense(t) => t.dtype().torch_name(),
+            TensorValue::SparseCoo { values, .. } | TensorValue::SparseCompressed { values, .. } => {
+                values.dtype().torch_name()
+            }
+            TensorValue::Quantized(q) => q.dtype.torch_name(),
+            TensorValue::Meta { dtype, .. } => dtype.torch_name(),
+        }
+    }
+
+    /// Its dense values, if it is dense.
+    pub fn dense(&self) -> Option<&HostTensor> {
+        match &self.value {
+            TensorValue::Dense(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Every tensor it holds (values, indices, quantization parameters), in a fixed order.
+    pub fn tensors(&self) -> Vec<&HostTensor> {
+        match &self.value {
+            TensorValue::Dense(t) => vec![t],
+            TensorValue::SparseCoo {
+                indices, values, ..
+            } => vec![indices, values],
+            TensorValue::SparseCompressed {
+                compressed_indices,
+                plain_indices,
+                values,
+                ..
+            } => vec![compressed_indices, plain_indices, values],
+            TensorValue::Quantized(q) => match &q.scheme {
+                QScheme::PerTensorAffine { .. } => vec![&q.int_repr],
+                QScheme::PerChannel {
+                    scales,
+                    zero_points,
+                    ..
+                } => vec![&q.int_repr, scales, zero_points],
+            },
+            TensorValue::Meta { .. } => vec![],
+        }
+    }
 }
 
 impl PyObj {
@@ -70,6 +332,14 @@ impl PyObj {
             PyObj::OrderedDict { .. } => "collections.OrderedDict",
             PyObj::Tensor(_) => "Tensor",
             PyObj::Sharded(_) => "sharded tensor",
+            PyObj::RichTensor(r) if r.parameter => "Parameter",
+            PyObj::RichTensor(_) => "Tensor",
+            PyObj::Complex(..) => "complex",
+            PyObj::Set(_) => "set",
+            PyObj::ByteArray(_) => "bytearray",
+            PyObj::Counter(_) => "collections.Counter",
+            PyObj::Device(..) => "torch.device",
+            PyObj::TorchConst(_) => "torch constant",
         }
     }
 
@@ -83,6 +353,8 @@ impl PyObj {
             PyObj::Bool(b) => format!("bool {}", if *b { "True" } else { "False" }),
             PyObj::Str(s) if s.len() <= 40 => format!("str {s:?}"),
             PyObj::Tensor(t) => format!("Tensor {:?} ({})", t.shape(), t.dtype()),
+            PyObj::RichTensor(r) => format!("{} {:?} ({})", r.kind(), r.size(), r.dtype_name()),
+            PyObj::TorchConst(name) => name.clone(),
             other => other.type_name().into(),
         }
     }
@@ -110,6 +382,16 @@ impl PyObj {
                 a[..b.len()].copy_from_slice(b);
                 Some(i128::from_le_bytes(a))
             }
+            _ => None,
+        }
+    }
+
+    /// The dense values of a tensor: a [`PyObj::Tensor`], or a dense [`PyObj::RichTensor`]
+    /// (a Parameter, a tensor with attributes), whose extras a format of values drops.
+    pub fn dense_tensor(&self) -> Option<&HostTensor> {
+        match self {
+            PyObj::Tensor(t) => Some(t),
+            PyObj::RichTensor(r) => r.dense(),
             _ => None,
         }
     }
@@ -144,7 +426,23 @@ impl PyObj {
         match (self, other) {
             (PyObj::Float(a), PyObj::Float(b)) => a.to_bits() == b.to_bits(),
             (PyObj::Tuple(a), PyObj::Tuple(b)) | (PyObj::List(a), PyObj::List(b)) => seq(a, b),
-            (PyObj::Dict(a), PyObj::Dict(b)) => pairs(a, b),
+            (PyObj::Dict(a), PyObj::Dict(b)) | (PyObj::Counter(a), PyObj::Counter(b)) => {
+                pairs(a, b)
+            }
+            (PyObj::Set(a), PyObj::Set(b)) => seq(a, b),
+            (PyObj::Complex(a, b), PyObj::Complex(c, d)) => {
+                a.to_bits() == c.to_bits() && b.to_bits() == d.to_bits()
+            }
+            (PyObj::RichTensor(a), PyObj::RichTensor(b)) => {
+                a.value == b.value
+                    && a.requires_grad == b.requires_grad
+                    && a.parameter == b.parameter
+                    && a.attrs.len() == b.attrs.len()
+                    && a.attrs
+                        .iter()
+                        .zip(&b.attrs)
+                        .all(|((k1, v1), (k2, v2))| k1 == k2 && v1.bit_eq(v2))
+            }
             (
                 PyObj::OrderedDict { items: a, attrs: x },
                 PyObj::OrderedDict { items: b, attrs: y },

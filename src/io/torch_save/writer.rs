@@ -1,7 +1,7 @@
 //! Writing [`PyObj`]s as `torch.save` archives: a protocol-2 pickler that emits what Python's
 //! pickler emits for the same values, and the archive records PyTorch 2.13 writes.
 
-use super::pyobj::PyObj;
+use super::pyobj::{PyObj, QScheme, RichTensor, TensorValue};
 use super::unpickle::{contiguous_strides, MAX_DEPTH};
 use super::zip::{Positioned, ZipWriter};
 use crate::error::{Error, Result};
@@ -119,6 +119,23 @@ impl<'a> StoragePlan<'a> {
                     Self::collect(v, tensors, depth + 1)?;
                 }
                 for (_, v) in attrs {
+                    Self::collect(v, tensors, depth + 1)?;
+                }
+            }
+            PyObj::Counter(items) => {
+                for (k, v) in items {
+                    Self::collect(k, tensors, depth + 1)?;
+                    Self::collect(v, tensors, depth + 1)?;
+                }
+            }
+            PyObj::Set(v) => {
+                for x in v {
+                    Self::collect(x, tensors, depth + 1)?;
+                }
+            }
+            PyObj::RichTensor(r) => {
+                tensors.extend(r.tensors());
+                for (_, v) in &r.attrs {
                     Self::collect(v, tensors, depth + 1)?;
                 }
             }
@@ -333,19 +350,23 @@ impl<'a> Pickler<'a> {
         self.e.memoize();
     }
 
-    /// `_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict())` of a typed
-    /// storage, or `_rebuild_tensor_v3(..., dtype)` of an untyped one for the dtypes that
-    /// have no typed storage class.
+    /// A plain tensor: [`Pickler::tensor_call`], called.
     fn tensor(&mut self, t: &'a HostTensor) -> Result<()> {
+        self.tensor_call(t, false);
+        self.call()
+    }
+
+    /// Ends a call whose function and argument tuple are on the stack (`REDUCE`).
+    fn call(&mut self) -> Result<()> {
+        self.e.op(op::REDUCE);
+        self.e.memoize();
+        Ok(())
+    }
+
+    /// The persistent id of `t`'s storage, `('storage', torch.<class>, key, 'cpu', numel)`,
+    /// loaded (`BINPERSID`), then `t`'s element offset in it, size and (contiguous) stride.
+    fn storage_view(&mut self, t: &'a HostTensor, class: Option<&'static str>) {
         let (key, numel, offset) = self.plan.place(t);
-        let class = t.dtype().storage_class();
-        match class {
-            Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
-            None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
-        }
-        self.e.op(op::MARK);
-        // Persistent id: ('storage', torch.<T>Storage, key, 'cpu', numel), or
-        // ('storage', torch.storage.UntypedStorage, key, 'cpu', bytes).
         self.e.op(op::MARK);
         self.str("storage");
         match class {
@@ -364,7 +385,21 @@ impl<'a> Pickler<'a> {
         let shape = lazy_shape.as_deref().unwrap_or(t.shape());
         self.dims(shape);
         self.dims(&contiguous_strides(shape));
-        self.e.bool(false); // requires_grad
+    }
+
+    /// The function and argument tuple of a dense tensor, not yet called:
+    /// `_rebuild_tensor_v2, (storage, offset, size, stride, requires_grad, OrderedDict())` of
+    /// a typed storage, or `_rebuild_tensor_v3, (..., dtype)` of an untyped one for the
+    /// dtypes that have no typed storage class.
+    fn tensor_call(&mut self, t: &'a HostTensor, requires_grad: bool) {
+        let class = t.dtype().storage_class();
+        match class {
+            Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
+            None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
+        }
+        self.e.op(op::MARK);
+        self.storage_view(t, class);
+        self.e.bool(requires_grad);
         self.ordered_dict();
         if class.is_none() {
             let d = t.dtype();
@@ -372,9 +407,219 @@ impl<'a> Pickler<'a> {
         }
         self.e.op(op::TUPLE);
         self.e.memoize();
-        self.e.op(op::REDUCE);
+    }
+
+    /// A [`RichTensor`] as PyTorch pickles it: a Parameter through `_rebuild_parameter`
+    /// (`_with_state` when it has attributes), another tensor with attributes through
+    /// `_rebuild_from_type_v2(func, torch.Tensor, args, state)`, else its own rebuild call.
+    fn rich_tensor(&mut self, r: &'a RichTensor) -> Result<()> {
+        let state = !r.attrs.is_empty();
+        if r.parameter {
+            let TensorValue::Dense(t) = &r.value else {
+                return Err(Error::Unsupported(format!(
+                    "writing an nn.Parameter holding a {}",
+                    r.kind()
+                )));
+            };
+            if state {
+                self.global(
+                    "torch._utils",
+                    "_rebuild_parameter_with_state",
+                    "rebuild_param_state",
+                );
+            } else {
+                self.global("torch._utils", "_rebuild_parameter", "rebuild_param");
+            }
+            self.e.op(op::MARK);
+            self.tensor(t)?;
+            self.e.bool(r.requires_grad);
+            self.ordered_dict();
+            if state {
+                self.attrs(&r.attrs)?;
+            }
+            self.e.op(op::TUPLE);
+            self.e.memoize();
+            return self.call();
+        }
+        if !state {
+            self.value_func(&r.value);
+            self.value_args(&r.value, r.requires_grad)?;
+            return self.call();
+        }
+        self.global("torch._tensor", "_rebuild_from_type_v2", "rebuild_from_type");
+        self.e.op(op::MARK);
+        self.value_func(&r.value);
+        self.global("torch", "Tensor", "Tensor");
+        self.value_args(&r.value, r.requires_grad)?;
+        self.attrs(&r.attrs)?;
+        self.e.op(op::TUPLE);
+        self.e.memoize();
+        self.call()
+    }
+
+    /// The rebuild function of a tensor value.
+    fn value_func(&mut self, v: &'a TensorValue) {
+        match v {
+            TensorValue::Dense(t) => match t.dtype().storage_class() {
+                Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
+                None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
+            },
+            TensorValue::SparseCoo { .. } | TensorValue::SparseCompressed { .. } => {
+                self.global("torch._utils", "_rebuild_sparse_tensor", "rebuild_sparse")
+            }
+            TensorValue::Quantized(_) => {
+                self.global("torch._utils", "_rebuild_qtensor", "rebuild_qtensor")
+            }
+            TensorValue::Meta { .. } => self.global(
+                "torch._utils",
+                "_rebuild_meta_tensor_no_storage",
+                "rebuild_meta",
+            ),
+        }
+    }
+
+    /// The argument tuple of [`Pickler::value_func`]'s function.
+    fn value_args(&mut self, v: &'a TensorValue, requires_grad: bool) -> Result<()> {
+        match v {
+            TensorValue::Dense(t) => {
+                let class = t.dtype().storage_class();
+                self.e.op(op::MARK);
+                self.storage_view(t, class);
+                self.e.bool(requires_grad);
+                self.ordered_dict();
+                if class.is_none() {
+                    let d = t.dtype();
+                    self.global("torch", d.torch_attr(), d.torch_name());
+                }
+                self.e.op(op::TUPLE);
+            }
+            TensorValue::SparseCoo {
+                indices,
+                values,
+                size,
+                coalesced,
+            } => {
+                self.layout("torch.sparse_coo");
+                self.e.op(op::MARK);
+                self.tensor(indices)?;
+                self.tensor(values)?;
+                self.size(size)?;
+                if let Some(c) = coalesced {
+                    self.e.bool(*c);
+                }
+                self.e.op(op::TUPLE);
+                self.e.memoize();
+                self.e.op(op::TUPLE2);
+            }
+            TensorValue::SparseCompressed {
+                layout,
+                compressed_indices,
+                plain_indices,
+                values,
+                size,
+            } => {
+                self.layout(layout.torch_name());
+                self.e.op(op::MARK);
+                self.tensor(compressed_indices)?;
+                self.tensor(plain_indices)?;
+                self.tensor(values)?;
+                self.size(size)?;
+                self.e.op(op::TUPLE);
+                self.e.memoize();
+                self.e.op(op::TUPLE2);
+            }
+            TensorValue::Quantized(q) => {
+                self.e.op(op::MARK);
+                self.storage_view(&q.int_repr, Some(q.dtype.storage_class()));
+                self.e.op(op::MARK);
+                match &q.scheme {
+                    QScheme::PerTensorAffine { scale, zero_point } => {
+                        self.global("torch", "per_tensor_affine", "per_tensor_affine");
+                        self.e.float(*scale);
+                        self.e.int(*zero_point);
+                    }
+                    QScheme::PerChannel {
+                        float_qparams,
+                        scales,
+                        zero_points,
+                        axis,
+                    } => {
+                        if *float_qparams {
+                            self.global(
+                                "torch",
+                                "per_channel_affine_float_qparams",
+                                "per_channel_affine_float_qparams",
+                            );
+                        } else {
+                            self.global("torch", "per_channel_affine", "per_channel_affine");
+                        }
+                        self.tensor(scales)?;
+                        self.tensor(zero_points)?;
+                        self.e.int(*axis);
+                    }
+                }
+                self.e.op(op::TUPLE);
+                self.e.memoize();
+                self.e.bool(requires_grad);
+                self.ordered_dict();
+                self.e.op(op::TUPLE);
+            }
+            TensorValue::Meta {
+                dtype,
+                size,
+                stride,
+            } => {
+                self.e.op(op::MARK);
+                self.global("torch", dtype.torch_attr(), dtype.torch_name());
+                self.dims(size);
+                self.dims(stride);
+                self.e.bool(requires_grad);
+                self.e.op(op::TUPLE);
+            }
+        }
         self.e.memoize();
         Ok(())
+    }
+
+    /// `torch.serialization._get_layout(name)`, called.
+    fn layout(&mut self, name: &'static str) {
+        self.global("torch.serialization", "_get_layout", "get_layout");
+        self.str(name);
+        self.e.op(op::TUPLE1);
+        self.e.memoize();
+        self.e.op(op::REDUCE);
+        self.e.memoize();
+    }
+
+    /// A `torch.Size`, as Python pickles it: `torch.Size((d0, d1, ...))`.
+    fn size(&mut self, dims: &'a [usize]) -> Result<()> {
+        self.global("torch", "Size", "Size");
+        self.tuple_of(dims, |p, &d| {
+            p.e.int(d as i64);
+            Ok(())
+        })?;
+        self.e.op(op::TUPLE1);
+        self.e.memoize();
+        self.call()
+    }
+
+    /// An attribute dict (the `state` of a tensor or Parameter).
+    fn attrs(&mut self, attrs: &'a [(String, PyObj)]) -> Result<()> {
+        self.e.op(op::EMPTY_DICT);
+        self.e.memoize();
+        self.set_items(attrs, |p, k, v| {
+            p.str(k);
+            p.obj(v)
+        })
+    }
+
+    /// `builtin(arg)`, e.g. `set([...])`, as protocol 2 writes a builtin with no opcode.
+    fn builtin_of(&mut self, name: &'static str, arg: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        self.global("__builtin__", name, name);
+        arg(self)?;
+        self.e.op(op::TUPLE1);
+        self.e.memoize();
+        self.call()
     }
 
     /// `bytes`: protocol 2 has no bytes opcode, so Python writes
@@ -412,20 +657,7 @@ impl<'a> Pickler<'a> {
                 self.e.op(op::REDUCE);
                 self.e.memoize();
             }
-            PyObj::List(items) => {
-                self.e.op(op::EMPTY_LIST);
-                self.e.memoize();
-                for batch in items.chunks(BATCH) {
-                    if batch.len() > 1 {
-                        self.e.op(op::MARK);
-                    }
-                    for x in batch {
-                        self.obj(x)?;
-                    }
-                    self.e
-                        .op(if batch.len() > 1 { op::APPENDS } else { op::APPEND });
-                }
-            }
+            PyObj::List(items) => self.obj_list(items)?,
             PyObj::Dict(items) => {
                 self.e.op(op::EMPTY_DICT);
                 self.e.memoize();
@@ -436,6 +668,46 @@ impl<'a> Pickler<'a> {
             }
             PyObj::OrderedDict { items, attrs } => self.ordered_dict_of(items, attrs)?,
             PyObj::Tensor(t) => self.tensor(t)?,
+            PyObj::RichTensor(r) => self.rich_tensor(r)?,
+            PyObj::Complex(re, im) => {
+                self.global("__builtin__", "complex", "complex");
+                self.e.float(*re);
+                self.e.float(*im);
+                self.e.op(op::TUPLE2);
+                self.e.memoize();
+                self.call()?;
+            }
+            PyObj::Set(items) => self.builtin_of("set", |p| p.obj_list(items))?,
+            PyObj::ByteArray(b) => self.builtin_of("bytearray", |p| {
+                p.bytes(b);
+                Ok(())
+            })?,
+            PyObj::Counter(items) => {
+                self.global("collections", "Counter", "Counter");
+                self.e.op(op::EMPTY_DICT);
+                self.e.memoize();
+                self.set_items(items, |p, k, v| {
+                    p.obj(k)?;
+                    p.obj(v)
+                })?;
+                self.e.op(op::TUPLE1);
+                self.e.memoize();
+                self.call()?;
+            }
+            PyObj::Device(kind, index) => {
+                self.global("torch", "device", "device");
+                self.fresh_str(kind);
+                match index {
+                    Some(i) => {
+                        self.e.int(*i);
+                        self.e.op(op::TUPLE2);
+                    }
+                    None => self.e.op(op::TUPLE1),
+                }
+                self.e.memoize();
+                self.call()?;
+            }
+            PyObj::TorchConst(name) => self.torch_const(name)?,
             PyObj::Sharded(s) => {
                 return Err(Error::Unsupported(format!(
                     "writing a sharded tensor (local piece of {:?}) to a torch.save file; consolidate the ranks' files first (fsdp-ckpt consolidate-sharded)",
@@ -443,6 +715,45 @@ impl<'a> Pickler<'a> {
                 )))
             }
         }
+        Ok(())
+    }
+
+    /// A `list`.
+    fn obj_list(&mut self, items: &'a [PyObj]) -> Result<()> {
+        self.e.op(op::EMPTY_LIST);
+        self.e.memoize();
+        for batch in items.chunks(BATCH) {
+            if batch.len() > 1 {
+                self.e.op(op::MARK);
+            }
+            for x in batch {
+                self.obj(x)?;
+            }
+            self.e
+                .op(if batch.len() > 1 { op::APPENDS } else { op::APPEND });
+        }
+        Ok(())
+    }
+
+    /// A `torch` constant: a dtype or quantization scheme as the global `torch.<name>`, a
+    /// layout as `torch.serialization._get_layout(name)`.
+    fn torch_const(&mut self, name: &str) -> Result<()> {
+        let Some(attr) = name.strip_prefix("torch.").filter(|a| {
+            !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        }) else {
+            return Err(Error::Unsupported(format!(
+                "writing the torch constant {name:?}: not a `torch.<name>`"
+            )));
+        };
+        if attr.starts_with("sparse_") || attr == "strided" {
+            self.global("torch.serialization", "_get_layout", "get_layout");
+            self.fresh_str(name);
+            self.e.op(op::TUPLE1);
+            self.e.memoize();
+            return self.call();
+        }
+        self.e.global("torch", attr);
+        self.e.memoize();
         Ok(())
     }
 
@@ -458,12 +769,7 @@ impl<'a> Pickler<'a> {
             p.obj(v)
         })?;
         if !attrs.is_empty() {
-            self.e.op(op::EMPTY_DICT);
-            self.e.memoize();
-            self.set_items(attrs, |p, k, v| {
-                p.str(k);
-                p.obj(v)
-            })?;
+            self.attrs(attrs)?;
             self.e.op(op::BUILD);
         }
         Ok(())

@@ -8,6 +8,7 @@
 //! final conversion to [`PyObj`] bounds depth and size, since shared references (the memo)
 //! let a small stream name one object many times.
 
+mod rich;
 mod subclass;
 mod tensor;
 
@@ -19,6 +20,8 @@ use crate::tensor::{DType, HostTensor};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use super::pyobj::QDType;
+use rich::RichView;
 use subclass::{Class, ShardedView};
 use tensor::{Tensors, View};
 
@@ -78,23 +81,107 @@ enum Global {
     /// `getattr`, only for `ShardedTensor.ProcessGroupState`.
     Getattr,
     RebuildParameter,
+    RebuildParameterWithState,
+    /// `torch._utils._rebuild_tensor`, the first version (no `requires_grad`).
+    RebuildTensorV1,
+    RebuildSparse,
+    RebuildQTensor,
+    RebuildMeta,
+    /// `torch.Tensor`, only as `_rebuild_from_type_v2`'s type.
+    TensorClass,
     Storage(DType),
+    /// A quantized typed storage (`torch.QInt8Storage`).
+    QStorage(QDType),
+    /// A quantization scheme such as `torch.per_tensor_affine`, by its attribute name.
+    QScheme(&'static str),
+    /// An allow-listed dtype the crate holds no tensors of (`torch.uint4`), by its
+    /// attribute name: readable as a value.
+    OtherDtype(&'static str),
     CodecsEncode,
     Bytes,
     TorchSize,
+    Complex,
+    Set,
+    ByteArray,
+    Counter,
+    /// A global `torch.load(weights_only=True)` allows that the crate refuses when it is
+    /// used, with the reason (no use in checkpoints).
+    Refused(&'static str, &'static str),
 }
 
-/// `torch.load(weights_only=True)`'s allow-list, as far as state dicts use it.
+/// Dtypes `torch.load(weights_only=True)` allows as values besides the crate's own
+/// ([`DType`]): the quantized, bit and shell dtypes.
+const OTHER_DTYPES: &[&str] = &[
+    "complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16",
+    "bits1x8", "bits2x4", "bits4x2", "float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e5m2fnuz",
+    "float8_e4m3fnuz", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "uint1",
+    "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+];
+
+/// The globals `torch.load(weights_only=True)` allows that the crate refuses, and why.
+const REFUSED: &[(&str, &str, &str)] = &[
+    (
+        "torch._utils",
+        "_rebuild_nested_tensor",
+        "nested tensors have no place in a state dict",
+    ),
+    (
+        "torch._utils",
+        "_rebuild_device_tensor_from_numpy",
+        "it rebuilds a tensor of a device without storage (XLA, MTIA) from a NumPy array",
+    ),
+    (
+        "torch._utils",
+        "_rebuild_device_tensor_from_cpu_tensor",
+        "it rebuilds a tensor of a device without storage (XLA, MTIA); move the tensors to the CPU before saving",
+    ),
+    (
+        "torch",
+        "QUInt4x2Storage",
+        "packed 4-bit quantized tensors (torch.quint4x2) are not read",
+    ),
+    (
+        "torch",
+        "QUInt2x4Storage",
+        "packed 2-bit quantized tensors (torch.quint2x4) are not read",
+    ),
+];
+
+/// The layouts `torch.serialization._get_layout` rebuilds by name.
+const LAYOUTS: &[&str] = &[
+    "torch.strided",
+    "torch.sparse_coo",
+    "torch.sparse_csr",
+    "torch.sparse_csc",
+    "torch.sparse_bsr",
+    "torch.sparse_bsc",
+    "torch._mkldnn",
+    "torch.jagged",
+];
+
+/// `torch.load(weights_only=True)`'s allow-list.
 const ALLOWED: Globals<Global> = Globals { resolve };
 
 /// The global `module.name`, if `torch.load(weights_only=True)` allows it here.
 fn resolve(module: &str, name: &str) -> Option<Global> {
+    if let Some(&(_, n, why)) = REFUSED.iter().find(|(m, n, _)| *m == module && *n == name) {
+        return Some(Global::Refused(n, why));
+    }
     if module == "torch" {
         if let Some(d) = DType::from_storage_class(name) {
             return Some(Global::Storage(d));
         }
         if let Some(d) = DType::from_torch_attr(name) {
             return Some(Global::Dtype(d));
+        }
+        if let Some(q) = QDType::ALL.into_iter().find(|q| q.storage_class() == name) {
+            return Some(Global::QStorage(q));
+        }
+        if let Some(q) = rich::QSCHEMES.iter().find(|q| **q == name) {
+            return Some(Global::QScheme(q));
+        }
+        if let Some(d) = OTHER_DTYPES.iter().find(|d| **d == name) {
+            return Some(Global::OtherDtype(d));
         }
     }
     Some(match (module, name) {
@@ -103,6 +190,16 @@ fn resolve(module: &str, name: &str) -> Option<Global> {
         ("torch._utils", "_rebuild_tensor_v3") => Global::RebuildTensorV3,
         ("torch.storage", "UntypedStorage") => Global::UntypedStorage,
         ("torch._utils", "_rebuild_parameter") => Global::RebuildParameter,
+        ("torch._utils", "_rebuild_parameter_with_state") => Global::RebuildParameterWithState,
+        ("torch._utils", "_rebuild_tensor") => Global::RebuildTensorV1,
+        ("torch._utils", "_rebuild_sparse_tensor") => Global::RebuildSparse,
+        ("torch._utils", "_rebuild_qtensor") => Global::RebuildQTensor,
+        ("torch._utils", "_rebuild_meta_tensor_no_storage") => Global::RebuildMeta,
+        ("torch", "Tensor") => Global::TensorClass,
+        ("builtins" | "__builtin__", "complex") => Global::Complex,
+        ("builtins" | "__builtin__", "set") => Global::Set,
+        ("builtins" | "__builtin__", "bytearray") => Global::ByteArray,
+        ("collections", "Counter") => Global::Counter,
         ("torch", "Size") => Global::TorchSize,
         ("_codecs", "encode") => Global::CodecsEncode,
         ("builtins" | "__builtin__", "bytes") => Global::Bytes,
@@ -128,6 +225,16 @@ enum Ext {
     Storage(Rc<str>, Option<DType>, usize),
     /// A `ShardedTensor` or `DTensor`: local shard and global metadata.
     Sharded(Rc<ShardedView>),
+    /// A tensor with more than dense values ([`RichView`]).
+    Rich(Rc<RichView>),
+    /// `complex(real, imag)`.
+    Complex(f64, f64),
+    /// `torch.device(type, index)`.
+    Device(Rc<str>, Option<i64>),
+    /// A layout from `torch.serialization._get_layout(name)`, by its name.
+    Const(Rc<str>),
+    /// `bytearray`.
+    ByteArray(Rc<[u8]>),
 }
 
 /// The arena nodes only `data.pkl` holds.
@@ -137,6 +244,10 @@ enum Object {
     Size(Vec<i64>),
     /// A `collections.OrderedDict`, with the attributes `BUILD` set on it.
     OrderedDict(Dict<Global, Ext>, Vec<(String, V)>),
+    /// `set(items)`.
+    Set(Vec<V>),
+    /// `collections.Counter(dict)`.
+    Counter(Dict<Global, Ext>),
     /// An instance of an allow-listed metadata class: the attributes `BUILD` set, kept as
     /// data (constructor arguments are not needed by anything read from them).
     Record {
@@ -149,6 +260,9 @@ enum Object {
 struct TorchLoad<'l> {
     /// Storages declared so far: key → (dtype, elements), as in [`Ext::Storage`].
     storages: HashMap<Rc<str>, (Option<DType>, usize)>,
+    /// The storages declared quantized, with their quantized dtype (their elements are
+    /// that dtype's integers).
+    quantized: HashMap<Rc<str>, QDType>,
     tensors: RefCell<Tensors<'l>>,
 }
 
@@ -193,7 +307,7 @@ impl<'l> Format for TorchLoad<'l> {
 
     fn ext_dict(node: &mut Object) -> Option<&mut Dict<Global, Ext>> {
         match node {
-            Object::OrderedDict(d, _) => Some(d),
+            Object::OrderedDict(d, _) | Object::Counter(d) => Some(d),
             _ => None,
         }
     }
@@ -203,6 +317,14 @@ impl<'l> Format for TorchLoad<'l> {
             Ext::Tensor(_) => "Tensor".into(),
             Ext::Storage(k, ..) => format!("storage {k:?}"),
             Ext::Sharded(_) => "sharded tensor".into(),
+            Ext::Rich(r) => match &r.value {
+                rich::ValueView::Dense(_) => "Tensor".into(),
+                _ => "sparse, quantized or meta tensor".into(),
+            },
+            Ext::Complex(..) => "complex".into(),
+            Ext::Device(..) => "torch.device".into(),
+            Ext::Const(name) => name.to_string(),
+            Ext::ByteArray(_) => "bytearray".into(),
         }
     }
 
@@ -210,6 +332,8 @@ impl<'l> Format for TorchLoad<'l> {
         match n {
             Object::Size(_) => "torch.Size".into(),
             Object::OrderedDict(..) => "collections.OrderedDict".into(),
+            Object::Set(_) => "set".into(),
+            Object::Counter(_) => "collections.Counter".into(),
             Object::Record { class, .. } => format!("{class:?}"),
         }
     }
@@ -249,6 +373,7 @@ pub(crate) fn unpickle(
 ) -> Result<Unpickled> {
     let state = TorchLoad {
         storages: HashMap::new(),
+        quantized: HashMap::new(),
         tensors: RefCell::new(Tensors::new(mode, store)),
     };
     let mut vm = Machine::new(file, data, &ALLOWED, state);
@@ -316,16 +441,32 @@ impl Vm<'_, '_> {
             Global::Bytes if a.is_empty() => Ok(V::Bytes(Rc::from(&[][..]))),
             Global::Bytes => Err(self.err("bytes() with arguments")),
             Global::CodecsEncode => self.codecs_encode(a),
-            Global::RebuildParameter => match a {
-                [t @ V::Ext(Ext::Tensor(_)), V::Bool(_), _] => Ok(t.clone()),
-                _ => Err(self
-                    .err("torch._utils._rebuild_parameter needs (tensor, requires_grad, hooks)")),
-            },
+            Global::RebuildParameter => self.rebuild_parameter(a, false),
+            Global::RebuildParameterWithState => self.rebuild_parameter(a, true),
+            Global::RebuildTensorV1 => self.rebuild_tensor_v1(a),
             Global::RebuildTensorV2 => self.rebuild_tensor(a, false),
             Global::RebuildTensorV3 => self.rebuild_tensor(a, true),
+            Global::RebuildSparse => self.rebuild_sparse(a),
+            Global::RebuildQTensor => self.rebuild_qtensor(a),
+            Global::RebuildMeta => self.rebuild_meta(a),
+            Global::Complex => self.complex(a),
+            Global::Set | Global::ByteArray | Global::Counter => self.builtin(g, a),
+            Global::Refused(name, why) => Err(Error::Unsupported(format!(
+                "`{}` calls {name}, which torch.load(weights_only=True) allows but this crate does not read: {why}",
+                self.file()
+            ))),
+            Global::TensorClass => Err(self.err("calling torch.Tensor")),
+            Global::QStorage(q) => Err(self.err(format!("calling torch.{}", q.storage_class()))),
+            Global::QScheme(q) => Err(self.err(format!("calling torch.{q}"))),
+            Global::OtherDtype(d) => Err(self.err(format!("calling torch.{d}"))),
             Global::Storage(d) => Err(self.err(format!("calling torch storage class ({d})"))),
             Global::UntypedStorage => Err(self.err("calling torch.storage.UntypedStorage")),
-            Global::Class(class @ (Class::Device | Class::Layout | Class::MemoryFormat)) => {
+            Global::Class(Class::Device) => self.device(a),
+            Global::Class(Class::Layout) => match a {
+                [V::Str(name)] if LAYOUTS.contains(&&**name) => Ok(V::Ext(Ext::Const(name.clone()))),
+                _ => Err(self.err("torch.serialization._get_layout needs the name of a torch layout")),
+            },
+            Global::Class(class @ Class::MemoryFormat) => {
                 Ok(self.alloc(Node::Ext(Object::Record {
                     class,
                     attrs: Vec::new(),
@@ -344,6 +485,20 @@ impl Vm<'_, '_> {
                 Err(self.err("_rebuild_wrapper_subclass outside _rebuild_from_type_v2"))
             }
             Global::RebuildFromTypeV2 => match a {
+                [V::Global(
+                    f @ (Global::RebuildTensorV1
+                    | Global::RebuildTensorV2
+                    | Global::RebuildTensorV3
+                    | Global::RebuildSparse
+                    | Global::RebuildQTensor
+                    | Global::RebuildMeta),
+                ), V::Global(Global::TensorClass), args, state] => {
+                    let Some(args) = self.tuple_items(args).map(<[V]>::to_vec) else {
+                        return Err(self.err("_rebuild_from_type_v2: args must be a tuple"));
+                    };
+                    let built = self.call(*f, &args)?;
+                    self.with_state(&built, state)
+                }
                 [V::Global(Global::RebuildWrapperSubclass), V::Global(Global::Class(class @ (Class::ShardedTensor | Class::DTensor))), args, state] =>
                 {
                     let Some(args) = self.tuple_items(args).map(<[V]>::to_vec) else {
@@ -352,7 +507,7 @@ impl Vm<'_, '_> {
                     self.rebuild_subclass(*class, &args, state)
                 }
                 _ => Err(self.err(
-                    "_rebuild_from_type_v2 is only allowed for _rebuild_wrapper_subclass of a ShardedTensor or DTensor",
+                    "_rebuild_from_type_v2 is only allowed for a torch.Tensor rebuilt by a tensor rebuild function, or for _rebuild_wrapper_subclass of a ShardedTensor or DTensor",
                 )),
             },
             Global::Dtype(d) => Err(self.err(format!("calling {d}"))),
@@ -430,8 +585,13 @@ impl Vm<'_, '_> {
             return Err(self
                 .err("persistent id must be ('storage', torch.<T>Storage, key, location, numel)"));
         };
+        let quantized = match class {
+            Global::QStorage(q) => Some(*q),
+            _ => None,
+        };
         let dtype = match class {
             Global::Storage(d) => Some(*d),
+            Global::QStorage(q) => Some(q.int_dtype()),
             Global::UntypedStorage => None,
             other => {
                 return Err(self.err(format!(
@@ -444,7 +604,7 @@ impl Vm<'_, '_> {
         }
         let numel = self.int_arg(numel, "storage numel")?;
         if let Some(&(d, n)) = self.state.storages.get(key) {
-            if d != dtype {
+            if d != dtype || self.state.quantized.get(key).copied() != quantized {
                 let name = |d: Option<DType>| d.map_or("untyped".to_string(), |d| d.to_string());
                 return Err(self.storage_err(
                     key,
@@ -463,6 +623,9 @@ impl Vm<'_, '_> {
             .get_mut()
             .declare(key, dtype.unwrap_or(DType::U8), numel)?;
         self.state.storages.insert(key.clone(), (dtype, numel));
+        if let Some(q) = quantized {
+            self.state.quantized.insert(key.clone(), q);
+        }
         Ok(V::Ext(Ext::Storage(key.clone(), dtype, numel)))
     }
 
@@ -495,6 +658,15 @@ impl Vm<'_, '_> {
                     _ => None,
                 },
             }),
+            V::Ext(Ext::Rich(r)) => self.rich_to_pyobj(r, path, depth, budget)?,
+            V::Ext(Ext::Complex(re, im)) => PyObj::Complex(*re, *im),
+            V::Ext(Ext::Device(kind, index)) => PyObj::Device(kind.to_string(), *index),
+            V::Ext(Ext::Const(name)) => PyObj::TorchConst(name.to_string()),
+            V::Ext(Ext::ByteArray(b)) => PyObj::ByteArray(b.to_vec()),
+            V::Global(Global::Dtype(d)) => PyObj::TorchConst(d.torch_name().into()),
+            V::Global(Global::OtherDtype(d) | Global::QScheme(d)) => {
+                PyObj::TorchConst(format!("torch.{d}"))
+            }
             V::Global(_) | V::Ext(Ext::Storage(..)) => {
                 return Err(self.err(format!(
                     "a bare {} in the result is not supported",
@@ -536,6 +708,8 @@ impl Vm<'_, '_> {
             Some(Node::List(items)) => PyObj::List(seq(items, budget)?),
             Some(Node::Dict(d)) => PyObj::Dict(pairs(d, budget)?),
             Some(Node::Ext(Object::Size(dims))) => PyObj::Size(dims.clone()),
+            Some(Node::Ext(Object::Set(items))) => PyObj::Set(seq(items, budget)?),
+            Some(Node::Ext(Object::Counter(d))) => PyObj::Counter(pairs(d, budget)?),
             Some(Node::Ext(Object::OrderedDict(d, attrs))) => PyObj::OrderedDict {
                 items: pairs(d, budget)?,
                 attrs: attrs

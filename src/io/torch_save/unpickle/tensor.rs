@@ -14,7 +14,7 @@ use std::rc::Rc;
 #[derive(Debug)]
 pub(super) struct View {
     key: Rc<str>,
-    dtype: DType,
+    pub(super) dtype: DType,
     offset: usize,
     pub(super) size: Vec<usize>,
     stride: Vec<usize>,
@@ -103,13 +103,17 @@ impl Vm<'_, '_> {
                 a.len()
             )));
         }
-        let (key, dtype, snumel) = self.storage_arg(name, &a[0], a.get(6).filter(|_| v3))?;
-        let offset = self.int_arg(&a[1], "storage_offset")?;
-        let size = self.int_tuple(&a[2], "size")?;
-        let stride = self.int_tuple(&a[3], "stride")?;
-        if !matches!(a[4], V::Bool(_)) {
-            return Err(self.err("_rebuild_tensor_v2: requires_grad must be a bool"));
+        let v3_dtype = a.get(6).filter(|_| v3);
+        if let V::Ext(Ext::Storage(key, ..)) = &a[0] {
+            if self.state.quantized.contains_key(key) {
+                return Err(self.storage_err(key, format!("a quantized storage rebuilt by {name}")));
+            }
         }
+        let view = self.view_of_storage(name, &a[..4], v3_dtype)?;
+        let requires_grad = match a[4] {
+            V::Bool(b) => b,
+            _ => return Err(self.err("_rebuild_tensor_v2: requires_grad must be a bool")),
+        };
         let is_dict = |v: &V| {
             matches!(
                 self.node(v),
@@ -132,20 +136,54 @@ impl Vm<'_, '_> {
                 return Err(self.err("_rebuild_tensor_v2: tensor metadata is not supported"));
             }
         }
+        Ok(Self::rich(super::rich::RichView {
+            value: super::rich::ValueView::Dense(view),
+            requires_grad,
+            parameter: false,
+            attrs: Vec::new(),
+        }))
+    }
+
+    /// `_rebuild_tensor(storage, storage_offset, size, stride)`, the first version.
+    pub(super) fn rebuild_tensor_v1(&mut self, a: &[V]) -> Result<V> {
+        if a.len() != 4 {
+            return Err(self.err(format!(
+                "torch._utils._rebuild_tensor takes 4 arguments, got {}",
+                a.len()
+            )));
+        }
+        Ok(V::Ext(Ext::Tensor(
+            self.view_of_storage("_rebuild_tensor", a, None)?,
+        )))
+    }
+
+    /// The view `(storage, storage_offset, size, stride)` of `a` describes, checked to lie
+    /// inside the storage (whose dtype `v3_dtype` gives when it is untyped).
+    fn view_of_storage(&self, name: &str, a: &[V], v3_dtype: Option<&V>) -> Result<Rc<View>> {
+        let (key, dtype, snumel) = self.storage_arg(name, &a[0], v3_dtype)?;
+        let offset = self.int_arg(&a[1], "storage_offset")?;
+        let size = self.int_tuple(&a[2], "size")?;
+        let stride = self.int_tuple(&a[3], "stride")?;
         if size.len() != stride.len() {
             return Err(self.err(format!(
-                "_rebuild_tensor_v2: size {size:?} and stride {stride:?} differ in length"
+                "{name}: size {size:?} and stride {stride:?} differ in length"
             )));
         }
         let numel = self.check_view(&key, snumel, offset, &size, &stride)?;
-        Ok(V::Ext(Ext::Tensor(Rc::new(View {
+        Ok(Rc::new(View {
             key,
             dtype,
             offset,
             size,
             stride,
             numel,
-        }))))
+        }))
+    }
+
+    /// The view of a quantized tensor's storage (`_rebuild_qtensor`'s first four arguments),
+    /// as its integer values.
+    pub(super) fn view_of(&self, a: &[V], name: &str) -> Result<Rc<View>> {
+        self.view_of_storage(name, a, None)
     }
 
     /// The storage argument of `name` (and the dtype argument of `_rebuild_tensor_v3`):
