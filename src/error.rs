@@ -646,8 +646,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// A tensor cannot be stored in the output format (its shape's element or byte count
-    /// overflows what the format can describe).
+    /// A tensor cannot be stored in the output format: its shape's element or byte count
+    /// overflows what the format can describe, or the format has no place for its kind
+    /// (sparse, quantized, meta) or dtype (safetensors has no complex128).
     #[error("tensor `{tensor}` with shape {shape:?} cannot be stored: {reason}")]
     TensorNotStorable {
         /// The tensor's name in the object (its path, e.g. `state/0/exp_avg`).

@@ -91,7 +91,8 @@ pub(crate) fn write_dcp(
     lazy: &mut dyn LazyTensors,
     pg: &dyn ProcessGroup,
 ) -> Result<u64> {
-    let plan = pg.agree(PlannedDcp::new(obj, out, lazy))?;
+    let obj = obj.values_only("a DCP checkpoint")?;
+    let plan = pg.agree(PlannedDcp::new(&obj, out, lazy))?;
     let tmp = pg.on_root(|| plan.stage(out))?;
     let mine = plan.write_share(&tmp, (pg.rank(), pg.world_size()), lazy);
     let committed = pg

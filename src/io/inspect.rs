@@ -22,8 +22,9 @@
 //! assert!(s.to_string().contains("w  float32 [2, 3]"));
 //! ```
 
-use super::safetensors::named_tensors;
+use super::safetensors::{named_other_tensors, named_tensors};
 use super::torch_save::{model_from_pyobj, optim_from_pyobj, Headers, PyObj};
+use super::torch_save::{RichTensor, TensorValue};
 use crate::optim_state::{OptimStateDict, ParamKey, Value};
 use crate::tensor::{DType, HostTensor};
 use serde::Serialize;
@@ -56,6 +57,10 @@ pub struct TensorInfo {
     /// The value of a one-element tensor.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub value: Option<Json>,
+    /// What it is when it is not a plain dense tensor: `sparse COO tensor`, `sparse tensor
+    /// (torch.sparse_csr)`, `quantized tensor (torch.qint8)`, `meta tensor`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layout: Option<String>,
 }
 
 fn float_json(x: f64) -> Json {
@@ -105,6 +110,24 @@ fn tensor_info(name: &str, t: &HostTensor, sh: Shapes<'_>) -> TensorInfo {
         shape: sh.of(t),
         bytes: sh.nbytes(t),
         value: scalar_json(t),
+        layout: None,
+    }
+}
+
+/// A sparse, quantized or meta tensor: its dtype and size, the bytes of the tensors that
+/// hold it, and what it is.
+fn other_tensor_info(name: &str, r: &RichTensor, sh: Shapes<'_>) -> TensorInfo {
+    let shape = match &r.value {
+        TensorValue::Quantized(q) => sh.of(&q.int_repr),
+        _ => r.size().to_vec(),
+    };
+    TensorInfo {
+        name: name.to_string(),
+        dtype: r.dtype_name().trim_start_matches("torch.").to_string(),
+        shape,
+        bytes: r.tensors().iter().map(|t| sh.nbytes(t)).sum(),
+        value: None,
+        layout: Some(r.kind()),
     }
 }
 
@@ -245,8 +268,13 @@ impl Summary {
 
     fn summarize(obj: &PyObj, sh: Shapes<'_>) -> Summary {
         let all = named_tensors(obj);
-        let tensor_count = all.len();
-        let total_tensor_bytes = all.iter().map(|(_, t)| sh.nbytes(t)).sum();
+        let others: Vec<TensorInfo> = named_other_tensors(obj)
+            .iter()
+            .map(|(n, r)| other_tensor_info(n, r, sh))
+            .collect();
+        let tensor_count = all.len() + others.len();
+        let total_tensor_bytes = all.iter().map(|(_, t)| sh.nbytes(t)).sum::<usize>()
+            + others.iter().map(|t| t.bytes).sum::<usize>();
         if let Ok(osd) = optim_from_pyobj(obj.clone()) {
             return Summary {
                 kind: Kind::Optimizer,
@@ -269,7 +297,10 @@ impl Summary {
             Err(_) => (
                 Kind::Other,
                 Some(obj.type_name()),
-                all.iter().map(|(n, t)| tensor_info(n, t, sh)).collect(),
+                all.iter()
+                    .map(|(n, t)| tensor_info(n, t, sh))
+                    .chain(others)
+                    .collect(),
             ),
         };
         Summary {
@@ -368,6 +399,9 @@ fn human_bytes(n: usize) -> String {
 
 fn fmt_tensor(t: &TensorInfo) -> String {
     let mut s = format!("{} {:?}", t.dtype, t.shape);
+    if let Some(layout) = &t.layout {
+        s.push_str(&format!(" ({layout})"));
+    }
     if let Some(v) = &t.value {
         s.push_str(&format!(" = {v}"));
     }

@@ -152,6 +152,8 @@ struct Encoder<'a> {
     tensors: Vec<(String, &'a HostTensor)>,
     /// The first value met that safetensors cannot hold.
     refused: Option<Error>,
+    /// The sparse, quantized and meta tensors met, by name.
+    others: Vec<(String, &'a crate::io::torch_save::RichTensor)>,
 }
 
 impl<'a> Encoder<'a> {
@@ -233,14 +235,21 @@ impl<'a> Encoder<'a> {
                     json!({ "tensor": name })
                 }
                 None => {
-                    self.refused.get_or_insert_with(|| Error::TensorNotStorable {
-                        tensor: if path.is_empty() { "<root>".into() } else { path.into() },
-                        shape: r.size().to_vec(),
-                        reason: format!(
-                            "it is a {}; safetensors stores only dense tensors",
-                            r.kind()
-                        ),
-                    });
+                    let name = self.name(path);
+                    self.others.push((name, r));
+                    self.refused
+                        .get_or_insert_with(|| Error::TensorNotStorable {
+                            tensor: if path.is_empty() {
+                                "<root>".into()
+                            } else {
+                                path.into()
+                            },
+                            shape: r.size().to_vec(),
+                            reason: format!(
+                                "it is a {}; safetensors stores only dense tensors",
+                                r.kind()
+                            ),
+                        });
                     Json::Null
                 }
             },
@@ -295,9 +304,25 @@ pub fn named_tensors(obj: &PyObj) -> Vec<(String, &HostTensor)> {
         used: HashSet::new(),
         tensors: Vec::new(),
         refused: None,
+        others: Vec::new(),
     };
     enc.encode(obj, "");
     enc.tensors
+}
+
+/// The sparse, quantized and meta tensors of `obj`, which a safetensors file cannot hold,
+/// named as [`named_tensors`] names tensors.
+pub(crate) fn named_other_tensors(
+    obj: &PyObj,
+) -> Vec<(String, &crate::io::torch_save::RichTensor)> {
+    let mut enc = Encoder {
+        used: HashSet::new(),
+        tensors: Vec::new(),
+        refused: None,
+        others: Vec::new(),
+    };
+    enc.encode(obj, "");
+    enc.others
 }
 
 /// The names the tensors of `obj` get in a safetensors file, in the order they are met.
@@ -312,19 +337,23 @@ fn st_err(file: &str, reason: impl std::fmt::Display) -> Error {
     }
 }
 
+/// Named tensors and `__metadata__` entries.
+pub(crate) type Parts<T> = (Vec<(String, T)>, HashMap<String, String>);
+
 /// The tensors of `obj` with their names, and the `__metadata__` entries describing it; an
 /// error naming the first value safetensors cannot hold (a sparse or quantized tensor, a
 /// dtype it has no name for).
-pub(crate) fn parts(obj: &PyObj) -> Result<(Vec<(String, &HostTensor)>, HashMap<String, String>)> {
+pub(crate) fn parts(obj: &PyObj) -> Result<Parts<&HostTensor>> {
     let (tensors, meta) = prepare(obj)?;
     Ok((tensors.into_iter().map(|(n, t)| (n, t.0)).collect(), meta))
 }
 
-fn prepare(obj: &PyObj) -> Result<(Vec<(String, TensorRef<'_>)>, HashMap<String, String>)> {
+fn prepare(obj: &PyObj) -> Result<Parts<TensorRef<'_>>> {
     let mut enc = Encoder {
         used: HashSet::new(),
         tensors: Vec::new(),
         refused: None,
+        others: Vec::new(),
     };
     let skeleton = enc.encode(obj, "");
     if let Some(e) = enc.refused {
@@ -714,9 +743,9 @@ impl Decoder<'_> {
             ("dict", d) => Ok(PyObj::Dict(self.pairs(d, path)?)),
             ("counter", d) => Ok(PyObj::Counter(self.pairs(d, path)?)),
             ("set", Json::Array(xs)) => Ok(PyObj::Set(self.decode_items(xs, path)?)),
-            ("bytearray", Json::String(s)) => {
-                unhex(s).map(PyObj::ByteArray).ok_or_else(|| self.bad(path, j))
-            }
+            ("bytearray", Json::String(s)) => unhex(s)
+                .map(PyObj::ByteArray)
+                .ok_or_else(|| self.bad(path, j)),
             ("complex", Json::Array(parts)) => match parts.as_slice() {
                 [Json::String(re), Json::String(im)] => parse_float(re)
                     .zip(parse_float(im))

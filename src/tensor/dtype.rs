@@ -81,11 +81,7 @@ const TABLE: [Row; 17] = [
 
 /// PyTorch dtypes a file may name that the crate cannot hold: a checkpoint that has them is
 /// read far enough to list them, and refused by name where their values are needed.
-pub(crate) const OTHER_TORCH_DTYPES: &[&str] = &[
-    "complex32",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-];
+pub(crate) const OTHER_TORCH_DTYPES: &[&str] = &["complex32", "float8_e4m3fnuz", "float8_e5m2fnuz"];
 
 impl DType {
     /// All supported dtypes.

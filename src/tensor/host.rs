@@ -198,7 +198,11 @@ impl HostTensor {
             DType::U32 => cast::<u32>(b).iter().map(|&v| v as f64).collect(),
             DType::U64 => cast::<u64>(b).iter().map(|&v| v as f64).collect(),
             DType::F8E4M3FN => b.iter().map(|&v| f8e4m3fn_to_f64(v)).collect(),
-            DType::C64 => cast::<f32>(b).iter().step_by(2).map(|&v| v as f64).collect(),
+            DType::C64 => cast::<f32>(b)
+                .iter()
+                .step_by(2)
+                .map(|&v| v as f64)
+                .collect(),
             DType::C128 => cast::<f64>(b).iter().step_by(2).copied().collect(),
             // e5m2 is the upper byte of an IEEE half.
             DType::F8E5M2 => b

@@ -140,6 +140,9 @@ fn encode(dtype: DType, values: &[f64]) -> Vec<u8> {
                 DType::U16 => (x as u16).to_le_bytes().to_vec(),
                 DType::U32 => (x as u32).to_le_bytes().to_vec(),
                 DType::U64 => (x as u64).to_le_bytes().to_vec(),
+                // A real number: its real part, imaginary part 0.
+                DType::C64 => [(x as f32).to_le_bytes(), 0f32.to_le_bytes()].concat(),
+                DType::C128 => [x.to_le_bytes(), 0f64.to_le_bytes()].concat(),
                 DType::F8E4M3FN | DType::F8E5M2 => {
                     unreachable!("no reduction is defined for {dtype}")
                 }
@@ -165,13 +168,19 @@ fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
             DType::U16 => f64::from(u16::from_le_bytes(c.try_into().unwrap())),
             DType::U32 => f64::from(u32::from_le_bytes(c.try_into().unwrap())),
             DType::U64 => u64::from_le_bytes(c.try_into().unwrap()) as f64,
+            // The real part (the inputs' imaginary parts are 0, and so are their sums).
+            DType::C64 => f64::from(f32::from_le_bytes(c[..4].try_into().unwrap())),
+            DType::C128 => f64::from_le_bytes(c[..8].try_into().unwrap()),
             DType::F8E4M3FN | DType::F8E5M2 => unreachable!("no reduction is defined for {dtype}"),
         })
         .collect()
 }
 
 fn is_float(dtype: DType) -> bool {
-    matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    matches!(
+        dtype,
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 | DType::C64 | DType::C128
+    )
 }
 
 /// Asserts that `got` is the rank-order reduction `want`: bit for bit, or, when the backend
@@ -201,12 +210,15 @@ fn assert_reduced(got: &[u8], want: &[u8], dtype: DType, exact: bool, what: &str
 /// integer datatype.
 fn refuses(pg: &dyn ProcessGroup, dtype: DType, op: ReduceOp) -> bool {
     fsdp::collectives::check_reduction(dtype, op, 0).is_err()
-        || (pg.backend() == "nccl" && matches!(dtype, DType::I16 | DType::U16))
+        || (pg.backend() == "nccl"
+            && matches!(dtype, DType::I16 | DType::U16 | DType::C64 | DType::C128))
 }
 
 fn ops_of(dtype: DType) -> Vec<ReduceOp> {
     if dtype == DType::Bool {
         vec![ReduceOp::Max]
+    } else if matches!(dtype, DType::C64 | DType::C128) {
+        vec![ReduceOp::Sum, ReduceOp::Avg]
     } else {
         vec![ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max]
     }

@@ -3,7 +3,7 @@
 Run with PyTorch 2.13:  .venv/bin/python tests/golden/torch_save_fixtures.py
 Each `<name>.pt` gets a `<name>.json` beside it describing its contents bit for bit (see
 check_torch_load.py for the format). `legacy.pt` uses the pre-1.6 format and has no JSON: the
-reader must refuse it with a typed error.
+test reads it as `{"a": torch.ones(2)}` (tests/golden/torch_load/ covers the format further).
 """
 
 import collections

@@ -18,4 +18,5 @@ mod roundtrip_props;
 mod sharded_load;
 mod state_dict;
 mod tcp_store;
+mod torch_load;
 mod torch_save;

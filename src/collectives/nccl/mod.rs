@@ -579,7 +579,7 @@ impl NcclProcessGroup {
 }
 
 /// The NCCL datatype that reduces `dtype` (bool as bytes: only `max`, a logical or, is
-/// allowed); `None` for the dtypes NCCL cannot reduce (16-bit integers, float8).
+/// allowed); `None` for the dtypes NCCL cannot reduce (16-bit integers, float8, complex).
 fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
     use sys::ncclDataType_t as T;
     Some(match dtype {
@@ -593,7 +593,9 @@ fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
         DType::I8 => T::ncclInt8,
         DType::U32 => T::ncclUint32,
         DType::U64 => T::ncclUint64,
-        DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2 => return None,
+        DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2 | DType::C64 | DType::C128 => {
+            return None
+        }
     })
 }
 
@@ -934,7 +936,12 @@ mod tests {
             let Some(t) = nccl_dtype(d) else {
                 assert!(matches!(
                     d,
-                    DType::I16 | DType::U16 | DType::F8E4M3FN | DType::F8E5M2
+                    DType::I16
+                        | DType::U16
+                        | DType::F8E4M3FN
+                        | DType::F8E5M2
+                        | DType::C64
+                        | DType::C128
                 ));
                 continue;
             };

@@ -300,7 +300,8 @@ pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
 /// tensors' size, and the data file's pages leave the page cache as they are written. The
 /// steps of a [`PlannedDcp`], run by this one process.
 fn save_dcp_streaming(obj: &PyObj, out: &Path, lazy: &mut dyn LazyTensors) -> Result<u64> {
-    let plan = PlannedDcp::new(obj, out, lazy)?;
+    let obj = obj.values_only("a DCP checkpoint")?;
+    let plan = PlannedDcp::new(&obj, out, lazy)?;
     let tmp = plan.stage(out)?;
     let result = plan
         .write_share(&tmp, (0, 1), lazy)

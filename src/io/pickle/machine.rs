@@ -92,6 +92,14 @@ pub(crate) struct Machine<'a, F: Format> {
     pub(crate) state: F,
 }
 
+/// How every error of a stream that ends too early begins.
+const TRUNCATED: &str = "truncated";
+
+/// Whether `e` is a stream's error for ending too early (more bytes might complete it).
+pub(crate) fn truncated(e: &Error) -> bool {
+    matches!(e, Error::Pickle { reason, .. } if reason.starts_with(TRUNCATED))
+}
+
 impl<'a, F: Format> Machine<'a, F> {
     /// A machine for the stream `data` (`file` names it in errors) that resolves only what
     /// `globals` allows.
@@ -122,7 +130,7 @@ impl<'a, F: Format> Machine<'a, F> {
             self.op_pos = self.pos;
             let Some(&op) = self.data.get(self.pos) else {
                 self.op = 0;
-                return Err(self.err("truncated: the stream ends without STOP"));
+                return Err(self.err(format!("{TRUNCATED}: the stream ends without STOP")));
             };
             self.op = op;
             self.pos += 1;
@@ -138,6 +146,12 @@ impl<'a, F: Format> Machine<'a, F> {
                 return Err(self.unsupported_opcode());
             }
         }
+    }
+
+    /// The bytes of the stream read so far (after [`Machine::run`]: up to and with its
+    /// `STOP`).
+    pub(crate) fn consumed(&self) -> usize {
+        self.pos
     }
 
     /// The arena, once the stream has run.
@@ -233,7 +247,7 @@ impl<'a, F: Format> Machine<'a, F> {
         let data = self.data;
         let left = data.len() - self.pos;
         if n > left {
-            return Err(self.err(format!("truncated: needs {n} bytes, {left} left")));
+            return Err(self.err(format!("{TRUNCATED}: needs {n} bytes, {left} left")));
         }
         let s = &data[self.pos..self.pos + n];
         self.pos += n;
@@ -260,7 +274,7 @@ impl<'a, F: Format> Machine<'a, F> {
     fn line(&mut self) -> Result<String> {
         let rest = &self.data[self.pos..];
         let Some(n) = rest.iter().position(|&b| b == b'\n') else {
-            return Err(self.err("truncated: unterminated line"));
+            return Err(self.err(format!("{TRUNCATED}: unterminated line")));
         };
         let s = std::str::from_utf8(&rest[..n])
             .map_err(|_| self.err("global name is not UTF-8"))?

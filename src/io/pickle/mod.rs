@@ -13,7 +13,7 @@ pub(crate) mod op;
 pub(crate) mod value;
 
 pub(crate) use emit::Emitter;
-pub(crate) use machine::{Format, Machine};
+pub(crate) use machine::{truncated, Format, Machine};
 pub(crate) use value::{Dict, Node, Value};
 
 /// The Python globals (classes, functions, constants) a format's streams may name, and what

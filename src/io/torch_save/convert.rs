@@ -1,6 +1,6 @@
 //! Conversions between [`PyObj`] and the crate's state dicts.
 
-use super::pyobj::PyObj;
+use super::pyobj::{PyObj, TensorValue};
 use crate::error::{Error, Result};
 use crate::optim_state::{OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::HostTensor;
@@ -82,6 +82,10 @@ fn value_from(obj: PyObj, path: &str) -> Result<Value> {
         PyObj::Float(x) => Value::Float(x),
         PyObj::Str(s) => Value::Str(s),
         PyObj::Tensor(t) => Value::Tensor(t),
+        PyObj::RichTensor(r) => match r.value {
+            TensorValue::Dense(t) => Value::Tensor(t),
+            _ => return Err(unexpected(path, "a dense tensor", &PyObj::RichTensor(r))),
+        },
         PyObj::Sharded(s) => Value::Sharded(s),
         // A state dict's values have no torch.Size: one reads as the tuple it is a subclass of.
         PyObj::Size(v) => Value::Tuple(v.into_iter().map(Value::Int).collect()),
@@ -305,7 +309,14 @@ pub fn model_from_pyobj(obj: PyObj) -> Result<SavedModelStateDict> {
             PyObj::Tensor(t) => {
                 out.tensors.insert(name, t);
             }
-            other => return Err(unexpected(&format!("[{name:?}]"), "a tensor", &other)),
+            // FSDP1's full state dict marks its tensors with `_has_been_cloned`; the values
+            // are what a model state dict holds.
+            PyObj::RichTensor(r) if matches!(r.value, TensorValue::Dense(_)) => {
+                if let TensorValue::Dense(t) = r.value {
+                    out.tensors.insert(name, t);
+                }
+            }
+            other => return Err(unexpected(&format!("[{name:?}]"), "a dense tensor", &other)),
         }
     }
     for (k, v) in attrs {

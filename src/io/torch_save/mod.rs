@@ -39,6 +39,7 @@
 //! ```
 
 mod convert;
+mod legacy;
 mod pyobj;
 mod unpickle;
 pub(crate) mod writer;
@@ -207,7 +208,10 @@ impl<'h> FileTensors<'h> {
         {
             return Ok(None);
         }
-        let (name, src) = open(path)?;
+        let (name, mut src) = open(path)?;
+        if starts_legacy(&name, &mut src)? {
+            return Ok(None);
+        }
         let (zip, prefix) = open_archive(&name, src)?;
         Ok(Some(FileTensors {
             headers,
@@ -416,9 +420,12 @@ pub fn save_model_state_dict(msd: &SavedModelStateDict, path: impl AsRef<Path>) 
 
 fn read_archive<S: Source>(
     file: &str,
-    src: S,
+    mut src: S,
     mode: unpickle::Mode,
 ) -> Result<unpickle::Unpickled> {
+    if starts_legacy(file, &mut src)? {
+        return legacy::read(file, src, mode);
+    }
     let (mut zip, prefix) = open_archive(file, src)?;
     // `torch.load` reads these records when present (`_load` in torch/serialization.py):
     // extracted as PyTorch would; `version >= b"1"` takes any `.format_version`, but
@@ -447,6 +454,17 @@ fn read_archive<S: Source>(
         })?;
     let mut store = ArchiveStorages { zip, prefix, file };
     unpickle::unpickle(file, &pkl, &mut store, mode)
+}
+
+/// Whether `src` holds a legacy (pickle stream) file rather than a zip archive.
+fn starts_legacy<S: Source>(file: &str, src: &mut S) -> Result<bool> {
+    let mut head = [0u8; 2];
+    if src.len() < 2 {
+        return Ok(false);
+    }
+    src.read_at(0, &mut head)
+        .map_err(|e| Error::io("reading", Path::new(file))(e))?;
+    Ok(legacy::is_legacy(&head))
 }
 
 /// Opens the archive `src` as PyTorch's `PyTorchStreamReader` does and `torch.load` lists it:

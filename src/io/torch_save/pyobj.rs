@@ -1,5 +1,6 @@
 //! [`PyObj`]: the Python values a `torch.save` file of a state dict holds.
 
+use crate::error::Result;
 use crate::io::pickle::long;
 use crate::optim_state::ShardedTensor;
 use crate::tensor::{DType, HostTensor};
@@ -231,7 +232,8 @@ pub enum QScheme {
     /// `torch.per_channel_affine_float_qparams` (true): a scale and zero point per index of
     /// `axis`, as tensors.
     PerChannel {
-        /// Whether the scheme is `per_channel_affine_float_qparams`.
+        /// Whether the scheme is `per_channel_affine_float_qparams`: the zero points are
+        /// floats (their dtype decides it when PyTorch rebuilds the tensor).
         float_qparams: bool,
         /// `q_per_channel_scales()`.
         scales: HostTensor,
@@ -273,9 +275,8 @@ impl RichTensor {
     pub fn dtype_name(&self) -> &'static str {
         match &self.value {
             TensorValue::Dense(t) => t.dtype().torch_name(),
-            TensorValue::SparseCoo { values, .. } | TensorValue::SparseCompressed { values, .. } => {
-                values.dtype().torch_name()
-            }
+            TensorValue::SparseCoo { values, .. }
+            | TensorValue::SparseCompressed { values, .. } => values.dtype().torch_name(),
             TensorValue::Quantized(q) => q.dtype.torch_name(),
             TensorValue::Meta { dtype, .. } => dtype.torch_name(),
         }
@@ -394,6 +395,81 @@ impl PyObj {
             PyObj::RichTensor(r) => r.dense(),
             _ => None,
         }
+    }
+
+    /// This object as a format that holds tensor values only (DCP, this crate's checkpoint)
+    /// stores it: Parameters and tensors with `requires_grad` or attributes become their
+    /// plain values, as `dcp.save` stores them. A sparse, quantized or meta tensor, which
+    /// such a format has no place for, is an error naming its path and kind. Borrowed when
+    /// nothing changes.
+    pub fn values_only(&self, format: &str) -> Result<std::borrow::Cow<'_, PyObj>> {
+        use std::borrow::Cow;
+        fn walk(o: &PyObj, path: &str, format: &str) -> Result<Option<PyObj>> {
+            let at = |seg: &str| {
+                if path.is_empty() {
+                    seg.to_string()
+                } else {
+                    format!("{path}.{seg}")
+                }
+            };
+            let seq = |items: &[PyObj]| -> Result<Option<Vec<PyObj>>> {
+                let mut out: Option<Vec<PyObj>> = None;
+                for (i, x) in items.iter().enumerate() {
+                    if let Some(y) = walk(x, &at(&i.to_string()), format)? {
+                        out.get_or_insert_with(|| items.to_vec())[i] = y;
+                    }
+                }
+                Ok(out)
+            };
+            let pairs = |items: &[(PyObj, PyObj)]| -> Result<Option<Vec<(PyObj, PyObj)>>> {
+                let mut out: Option<Vec<(PyObj, PyObj)>> = None;
+                for (i, (k, v)) in items.iter().enumerate() {
+                    let seg = match k {
+                        PyObj::Str(s) => s.clone(),
+                        other => other.describe(),
+                    };
+                    if let Some(y) = walk(v, &at(&seg), format)? {
+                        out.get_or_insert_with(|| items.to_vec())[i].1 = y;
+                    }
+                }
+                Ok(out)
+            };
+            Ok(match o {
+                PyObj::RichTensor(r) => match r.dense() {
+                    Some(t) => Some(PyObj::Tensor(t.clone())),
+                    None => {
+                        return Err(crate::error::Error::TensorNotStorable {
+                            tensor: if path.is_empty() {
+                                "<root>".into()
+                            } else {
+                                path.into()
+                            },
+                            shape: r.size().to_vec(),
+                            reason: format!(
+                                "it is a {}; {format} stores only dense tensors",
+                                r.kind()
+                            ),
+                        })
+                    }
+                },
+                PyObj::Tuple(v) => seq(v)?.map(PyObj::Tuple),
+                PyObj::List(v) => seq(v)?.map(PyObj::List),
+                PyObj::Set(v) => seq(v)?.map(PyObj::Set),
+                PyObj::Dict(items) => pairs(items)?.map(PyObj::Dict),
+                PyObj::Counter(items) => pairs(items)?.map(PyObj::Counter),
+                PyObj::OrderedDict { items, attrs } => {
+                    pairs(items)?.map(|items| PyObj::OrderedDict {
+                        items,
+                        attrs: attrs.clone(),
+                    })
+                }
+                _ => None,
+            })
+        }
+        Ok(match walk(self, "", format)? {
+            Some(o) => Cow::Owned(o),
+            None => Cow::Borrowed(self),
+        })
     }
 
     /// The items of a `dict` or `OrderedDict`.

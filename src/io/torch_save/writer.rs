@@ -446,7 +446,11 @@ impl<'a> Pickler<'a> {
             self.value_args(&r.value, r.requires_grad)?;
             return self.call();
         }
-        self.global("torch._tensor", "_rebuild_from_type_v2", "rebuild_from_type");
+        self.global(
+            "torch._tensor",
+            "_rebuild_from_type_v2",
+            "rebuild_from_type",
+        );
         self.e.op(op::MARK);
         self.value_func(&r.value);
         self.global("torch", "Tensor", "Tensor");
@@ -539,20 +543,14 @@ impl<'a> Pickler<'a> {
                         self.e.int(*zero_point);
                     }
                     QScheme::PerChannel {
-                        float_qparams,
                         scales,
                         zero_points,
                         axis,
+                        ..
                     } => {
-                        if *float_qparams {
-                            self.global(
-                                "torch",
-                                "per_channel_affine_float_qparams",
-                                "per_channel_affine_float_qparams",
-                            );
-                        } else {
-                            self.global("torch", "per_channel_affine", "per_channel_affine");
-                        }
+                        // As PyTorch pickles both per-channel schemes: the zero points'
+                        // dtype says which it is.
+                        self.global("torch", "per_channel_affine", "per_channel_affine");
                         self.tensor(scales)?;
                         self.tensor(zero_points)?;
                         self.e.int(*axis);
@@ -614,7 +612,11 @@ impl<'a> Pickler<'a> {
     }
 
     /// `builtin(arg)`, e.g. `set([...])`, as protocol 2 writes a builtin with no opcode.
-    fn builtin_of(&mut self, name: &'static str, arg: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+    fn builtin_of(
+        &mut self,
+        name: &'static str,
+        arg: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         self.global("__builtin__", name, name);
         arg(self)?;
         self.e.op(op::TUPLE1);
@@ -729,8 +731,11 @@ impl<'a> Pickler<'a> {
             for x in batch {
                 self.obj(x)?;
             }
-            self.e
-                .op(if batch.len() > 1 { op::APPENDS } else { op::APPEND });
+            self.e.op(if batch.len() > 1 {
+                op::APPENDS
+            } else {
+                op::APPEND
+            });
         }
         Ok(())
     }
@@ -738,9 +743,10 @@ impl<'a> Pickler<'a> {
     /// A `torch` constant: a dtype or quantization scheme as the global `torch.<name>`, a
     /// layout as `torch.serialization._get_layout(name)`.
     fn torch_const(&mut self, name: &str) -> Result<()> {
-        let Some(attr) = name.strip_prefix("torch.").filter(|a| {
-            !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-        }) else {
+        let Some(attr) = name
+            .strip_prefix("torch.")
+            .filter(|a| !a.is_empty() && a.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'))
+        else {
             return Err(Error::Unsupported(format!(
                 "writing the torch constant {name:?}: not a `torch.<name>`"
             )));

@@ -13,15 +13,15 @@ mod subclass;
 mod tensor;
 
 use super::pyobj::PyObj;
+use super::pyobj::QDType;
 use crate::error::{Error, Result};
 use crate::io::pickle::{Dict, Format, Globals, Machine, Node, Value};
 use crate::optim_state::ShardedTensor;
 use crate::tensor::{DType, HostTensor};
+use rich::RichView;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-use super::pyobj::QDType;
-use rich::RichView;
 use subclass::{Class, ShardedView};
 use tensor::{Tensors, View};
 
@@ -37,6 +37,47 @@ pub(crate) trait Storages {
     fn check(&mut self, key: &str, dtype: DType, numel: usize) -> Result<()>;
     /// Reads storage `key` (already checked) as a flat tensor.
     fn read(&mut self, key: &str, dtype: DType, numel: usize) -> Result<HostTensor>;
+    /// Whether the stream is a legacy file's, whose persistent ids carry a sixth item
+    /// (`view_metadata`).
+    fn legacy(&self) -> bool {
+        false
+    }
+    /// Called when the stream has run, with the bytes it took, before any storage is read.
+    fn stream_ended(&mut self, _consumed: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Storages of a stream that declares none.
+struct NoStorages;
+
+impl Storages for NoStorages {
+    fn check(&mut self, key: &str, _: DType, _: usize) -> Result<()> {
+        Err(Error::Unsupported(format!(
+            "a storage ({key:?}) where none may be"
+        )))
+    }
+    fn read(&mut self, key: &str, _: DType, _: usize) -> Result<HostTensor> {
+        Err(Error::Unsupported(format!(
+            "a storage ({key:?}) where none may be"
+        )))
+    }
+}
+
+/// Runs a pickle that holds plain values (no storage) at the start of `data`; returns the
+/// object and the bytes the stream took (the legacy format's header pickles).
+pub(crate) fn plain(file: &str, data: &[u8]) -> Result<(PyObj, usize)> {
+    let mut store = NoStorages;
+    let state = TorchLoad {
+        storages: HashMap::new(),
+        quantized: HashMap::new(),
+        tensors: RefCell::new(Tensors::new(Mode::Headers, &mut store)),
+    };
+    let mut vm = Machine::new(file, data, &ALLOWED, state);
+    let result = vm.run()?;
+    let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
+    let obj = vm.to_pyobj(&result, &Path::Root, 0, &mut budget)?;
+    Ok((obj, vm.consumed()))
 }
 
 /// How tensors are produced.
@@ -112,10 +153,35 @@ enum Global {
 /// Dtypes `torch.load(weights_only=True)` allows as values besides the crate's own
 /// ([`DType`]): the quantized, bit and shell dtypes.
 const OTHER_DTYPES: &[&str] = &[
-    "complex32", "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16",
-    "bits1x8", "bits2x4", "bits4x2", "float8_e8m0fnu", "float4_e2m1fn_x2", "float8_e5m2fnuz",
-    "float8_e4m3fnuz", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "uint1",
-    "uint2", "uint3", "uint4", "uint5", "uint6", "uint7",
+    "complex32",
+    "qint8",
+    "quint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "float8_e5m2fnuz",
+    "float8_e4m3fnuz",
+    "int1",
+    "int2",
+    "int3",
+    "int4",
+    "int5",
+    "int6",
+    "int7",
+    "uint1",
+    "uint2",
+    "uint3",
+    "uint4",
+    "uint5",
+    "uint6",
+    "uint7",
 ];
 
 /// The globals `torch.load(weights_only=True)` allows that the crate refuses, and why.
@@ -378,6 +444,8 @@ pub(crate) fn unpickle(
     };
     let mut vm = Machine::new(file, data, &ALLOWED, state);
     let result = vm.run()?;
+    let consumed = vm.consumed();
+    vm.state.tensors.get_mut().store().stream_ended(consumed)?;
     // A legitimate stream has at most one node per opcode, so a result that expands shared
     // references to far more nodes than that is an attack (or a cycle).
     let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
@@ -579,12 +647,24 @@ impl Vm<'_, '_> {
                 )))
             }
         };
-        let [V::Str(tag), V::Global(class), V::Str(key), V::Str(_location), numel] =
-            items.as_slice()
-        else {
-            return Err(self
-                .err("persistent id must be ('storage', torch.<T>Storage, key, location, numel)"));
+        let legacy = self.state.tensors.get_mut().store().legacy();
+        let (items, view) = match items.split_at_checked(5) {
+            Some((id, [view])) if legacy => (id, Some(view)),
+            _ => (items.as_slice(), None),
         };
+        let [V::Str(tag), V::Global(class), V::Str(key), V::Str(_location), numel] = items else {
+            return Err(self.err(if legacy {
+                "persistent id must be ('storage', torch.<T>Storage, key, location, numel, view_metadata)"
+            } else {
+                "persistent id must be ('storage', torch.<T>Storage, key, location, numel)"
+            }));
+        };
+        if legacy && !matches!(view, Some(V::None)) {
+            return Err(self.storage_err(
+                key,
+                "a legacy storage view (view_metadata), which PyTorch has not written since it stopped saving views",
+            ));
+        }
         let quantized = match class {
             Global::QStorage(q) => Some(*q),
             _ => None,

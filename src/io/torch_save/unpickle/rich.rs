@@ -104,7 +104,10 @@ impl Vm<'_, '_> {
         match v {
             V::Float(x) => Ok(*x),
             V::Int(i) => Ok(*i as f64),
-            other => Err(self.err(format!("{what} must be a float, found {}", self.kind(other)))),
+            other => Err(self.err(format!(
+                "{what} must be a float, found {}",
+                self.kind(other)
+            ))),
         }
     }
 
@@ -156,7 +159,10 @@ impl Vm<'_, '_> {
                 parameter: r.parameter,
                 attrs: r.attrs.clone(),
             }),
-            other => Err(self.err(format!("{what} must be a tensor, found {}", self.kind(other)))),
+            other => Err(self.err(format!(
+                "{what} must be a tensor, found {}",
+                self.kind(other)
+            ))),
         }
     }
 
@@ -326,10 +332,11 @@ impl Vm<'_, '_> {
         let name = layout.torch_name();
         let bad = |why: String| Err(self.err(format!("{name} tensor of size {size:?}: {why}")));
         let [rows, cols] = size[..] else {
-            return bad("only 2-D compressed sparse tensors are read (no batch or dense dims)".into());
+            return bad(
+                "only 2-D compressed sparse tensors are read (no batch or dense dims)".into(),
+            );
         };
-        if !matches!(compressed.dtype, DType::I32 | DType::I64) || plain.dtype != compressed.dtype
-        {
+        if !matches!(compressed.dtype, DType::I32 | DType::I64) || plain.dtype != compressed.dtype {
             return bad(format!(
                 "indices are {} and {}, not one of torch.int32 / torch.int64",
                 compressed.dtype, plain.dtype
@@ -408,8 +415,11 @@ impl Vm<'_, '_> {
                         scales.size, zero_points.size, view.size
                     )));
                 }
+                // PyTorch pickles both schemes as `per_channel_affine`; the zero points'
+                // dtype tells them apart when it rebuilds the tensor.
                 SchemeView::PerChannel {
-                    float_qparams: *s == "per_channel_affine_float_qparams",
+                    float_qparams: *s == "per_channel_affine_float_qparams"
+                        || zero_points.dtype.is_floating_point(),
                     scales,
                     zero_points,
                     axis,
@@ -425,7 +435,11 @@ impl Vm<'_, '_> {
         };
         let requires_grad = self.bool_arg(&a[5], "_rebuild_qtensor's requires_grad")?;
         Ok(V::Ext(Ext::Rich(Rc::new(RichView {
-            value: ValueView::Quantized { dtype, view, scheme },
+            value: ValueView::Quantized {
+                dtype,
+                view,
+                scheme,
+            },
             requires_grad,
             parameter: false,
             attrs: Vec::new(),
@@ -619,7 +633,12 @@ impl Vm<'_, '_> {
 
     /// Every COO index lies inside the size (PyTorch's `check_invariants` on load); skipped
     /// for placeholders, whose data is not read.
-    fn check_coo_indices(&self, indices: &HostTensor, size: &[usize], path: &Path<'_>) -> Result<()> {
+    fn check_coo_indices(
+        &self,
+        indices: &HostTensor,
+        size: &[usize],
+        path: &Path<'_>,
+    ) -> Result<()> {
         let Ok(ix) = indices.as_slice::<i64>() else {
             return Ok(());
         };

@@ -75,6 +75,11 @@ impl<'l> Tensors<'l> {
         }
     }
 
+    /// Where the storages come from.
+    pub(super) fn store(&mut self) -> &mut dyn Storages {
+        &mut *self.store
+    }
+
     /// Checks a newly declared storage `key` of `numel` elements of `unit` against its
     /// entry, and counts its bytes.
     pub(super) fn declare(&mut self, key: &str, unit: DType, numel: usize) -> Result<()> {
@@ -152,9 +157,11 @@ impl Vm<'_, '_> {
                 a.len()
             )));
         }
-        Ok(V::Ext(Ext::Tensor(
-            self.view_of_storage("_rebuild_tensor", a, None)?,
-        )))
+        Ok(V::Ext(Ext::Tensor(self.view_of_storage(
+            "_rebuild_tensor",
+            a,
+            None,
+        )?)))
     }
 
     /// The view `(storage, storage_offset, size, stride)` of `a` describes, checked to lie
