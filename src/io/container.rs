@@ -34,10 +34,17 @@ pub(crate) fn header(
     let mut at = 0u64;
     let mut relative = Vec::with_capacity(entries.len());
     for e in entries {
+        let Some(dtype) = e.dtype.safetensors_name() else {
+            return Err(Error::TensorNotStorable {
+                tensor: e.name.clone(),
+                shape: e.shape.clone(),
+                reason: format!("safetensors has no dtype for {}", e.dtype),
+            });
+        };
         map.insert(
             e.name.clone(),
             serde_json::json!({
-                "dtype": e.dtype.safetensors_name(),
+                "dtype": dtype,
                 "shape": e.shape,
                 "data_offsets": [at, at + e.nbytes],
             }),

@@ -7,19 +7,23 @@
 //! `torch.load(path, weights_only=True)`; on top of that it converts optimizer and model state
 //! dicts.
 //!
-//! What is read: the containers and scalars of state dicts (`dict`, `OrderedDict`, `list`,
-//! `tuple`, `str`, `int` of any size, `float`, `bool`, `None`, `bytes`, `torch.Size`) and
-//! tensors of dtypes f32, f64, f16, bf16, i64, i32, u8 and bool (`_rebuild_tensor_v2` of a
-//! typed storage), int8 and int16 (the same), and uint16, uint32, uint64, float8_e4m3fn and
-//! float8_e5m2 (`_rebuild_tensor_v3` of an `UntypedStorage` with the dtype), whatever device
-//! they were saved from; they are written back the way PyTorch writes each.
-//! FSDP1's `ShardedTensor` and FSDP2's `DTensor` (sharded optimizer states) are read as
-//! [`PyObj::Sharded`]: the local shard with the global shape and its offsets, through an
-//! allow-list of their inert metadata classes (no process group, nothing that runs code). Like `weights_only=True`, nothing is executed and any other Python global is
-//! refused with [`Error::UnsupportedPickleGlobal`]. Contiguous tensors are zero-copy views of
-//! their storage, so tensors that shared a storage when saved share one buffer when loaded;
-//! non-contiguous ones (a transposed tensor) are copied into contiguous memory. Malformed
-//! input of any kind gives an error, never a panic.
+//! What is read: what `torch.load(path, weights_only=True)` reads in PyTorch 2.13, in the zip
+//! format and the legacy one (`_use_new_zipfile_serialization=False`): the containers and
+//! scalars of state dicts (`dict`, `OrderedDict`, `list`, `tuple`, `str`, `int` of any size,
+//! `float`, `complex`, `bool`, `None`, `bytes`, `bytearray`, `set`, `Counter`, `torch.Size`,
+//! `torch.device`, dtypes and other torch constants) and tensors of every dtype of the
+//! crate's table (complex included), whatever device they were saved from. Parameters and
+//! tensors with `requires_grad` or Python attributes (FSDP1's full state dict marks its
+//! tensors with `_has_been_cloned`), sparse, quantized and meta tensors are
+//! [`PyObj::RichTensor`]s. FSDP1's `ShardedTensor` and FSDP2's `DTensor` (sharded optimizer
+//! states) are read as [`PyObj::Sharded`]: the local shard with the global shape and its
+//! offsets, through an allow-list of their inert metadata classes (no process group, nothing
+//! that runs code). Like `weights_only=True`, nothing is executed and any other Python global
+//! is refused with [`Error::UnsupportedPickleGlobal`]; the few allowed globals with no place
+//! in a checkpoint (nested tensors, …) are refused by name ([`Error::Unsupported`]).
+//! Contiguous tensors are zero-copy views of their storage, so tensors that shared a storage
+//! when saved share one buffer when loaded; non-contiguous ones (a transposed tensor) are
+//! copied into contiguous memory. Malformed input of any kind gives an error, never a panic.
 //!
 //! What is written: the same records, in PyTorch's order, uncompressed, each entry's data
 //! aligned to 64 bytes; tensors viewing one buffer share one storage. [`save`] writes to a
