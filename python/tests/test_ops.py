@@ -198,3 +198,50 @@ def test_an_output_holding_other_files_is_refused_and_kept(tmp_path):
 def test_a_single_path_where_rank_files_are_expected_is_a_type_error(tmp_path):
     with pytest.raises(TypeError):
         fsdp_ckpt.consolidate_sharded(FLAT / "rank0.pt", tmp_path / "out.pt")
+
+
+TORCH_LOAD = GOLDEN / "torch_load"
+
+
+def torch_load_describe():
+    """`describe` of tests/golden/torch_load/check.py: what torch.load(weights_only=True) reads,
+    Parameters, attributes, sparse indices and quantization parameters included."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_load_check", TORCH_LOAD / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.describe
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["fsdp1_full_state_dict", "parameter_with_state", "sparse_coo", "sparse_bsr", "quantized_per_channel", "meta", "values", "legacy_format"],
+)
+def test_every_kind_weights_only_reads_converts_to_an_equal_pt(name, tmp_path):
+    describe = torch_load_describe()
+    out = tmp_path / "out.pt"
+    fsdp_ckpt.convert(TORCH_LOAD / f"{name}.pt", out)
+    original = torch.load(TORCH_LOAD / f"{name}.pt", weights_only=True)
+    assert describe(torch.load(out, weights_only=True)) == describe(original)
+
+
+def test_inspect_names_sparse_and_quantized_tensors():
+    found = fsdp_ckpt.inspect(TORCH_LOAD / "quantized_per_tensor.pt")
+    layouts = {t["name"]: t.get("layout") for t in found["tensors"]}
+    assert layouts == {n: f"quantized tensor (torch.{n})" for n in ["qint8", "quint8", "qint32"]}
+    coo = fsdp_ckpt.inspect(TORCH_LOAD / "sparse_coo.pt")["tensors"]
+    assert [(t["name"], t["shape"], t["layout"]) for t in coo] == [("s", [2, 3], "sparse COO tensor")]
+
+
+def test_an_fsdp1_full_state_dict_goes_to_dcp_by_its_values_and_sparse_is_refused_by_name(tmp_path):
+    dcp = tmp_path / "dcp"
+    fsdp_ckpt.torch_save_to_dcp(TORCH_LOAD / "fsdp1_full_state_dict.pt", dcp)
+    back = tmp_path / "back.pt"
+    fsdp_ckpt.consolidate(dcp, back)
+    original = torch.load(TORCH_LOAD / "fsdp1_full_state_dict.pt", weights_only=True)
+    same(dict((k, v.detach().clone()) for k, v in original.items()), load(back))
+    with pytest.raises(fsdp_ckpt.Error) as e:
+        fsdp_ckpt.convert(TORCH_LOAD / "sparse_coo.pt", tmp_path / "s.safetensors")
+    assert e.value.kind == "TensorNotStorable" and "sparse COO" in str(e.value)
+    assert not (tmp_path / "s.safetensors").exists()

@@ -11,6 +11,7 @@ weights_only reads them, with the reason.
 """
 
 import collections
+import copyreg
 import json
 import os
 import pickle
@@ -28,6 +29,20 @@ OUT = Path(__file__).resolve().parent / "torch_load"
 
 
 Opt = collections.namedtuple("Opt", "lr")
+
+
+class NewObjParameter:
+    """Pickles as `NEWOBJ(torch.nn.Parameter, (data,))`, the form weights_only also reads."""
+
+    def __init__(self, data):
+        self.data = data
+
+    @property
+    def __class__(self):  # what pickle's NEWOBJ check compares with `__newobj__`'s class
+        return nn.Parameter
+
+    def __reduce_ex__(self, protocol):
+        return (copyreg.__newobj__, (nn.Parameter, self.data))
 
 
 def save(name, obj, **kw):
@@ -147,6 +162,12 @@ def main():
         _use_new_zipfile_serialization=False,
     )
 
+    save("parameter_newobj", {"p": NewObjParameter(torch.randn(3))})
+
+    # Refused by both: opcodes of later pickle protocols (bytes, framing), which the
+    # weights_only unpickler does not execute.
+    save("protocol_3_bytes", {"b": b"abc", "t": torch.ones(2)}, pickle_protocol=3)
+    save("protocol_4", {"t": torch.ones(2), "name": "x" * 10}, pickle_protocol=4)
     # Refused by both: a global outside the allow-list.
     save("refused_custom_class", {"opt": Opt(0.1)})
     # Read by weights_only, refused by the crate by name (see expected.json).

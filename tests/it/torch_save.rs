@@ -530,12 +530,31 @@ fn unsupported_pickle_content_is_named() {
         matches!(&e, Error::UnsupportedPickleOpcode { opcode: 0xff, .. }),
         "{e}"
     );
-    // Dtypes the crate has no DType for are refused by name (int16 used to be one of them).
-    for class in ["ComplexFloatStorage", "complex64", "float8_e4m3fnuz"] {
+    // Dtypes are values of their own, those the crate holds no tensors of too (as
+    // weights_only reads them); a name outside the allow-list is refused by name.
+    for dtype in ["complex64", "float8_e4m3fnuz", "uint4"] {
+        let p = [&b"\x80\x02ctorch\n"[..], dtype.as_bytes(), b"\n."].concat();
+        let o = torch_save::load_from_bytes(&with_pickle(&p)).unwrap();
+        assert_eq!(o, PyObj::TorchConst(format!("torch.{dtype}")));
+    }
+    for class in ["ComplexHalfStorage", "float3"] {
         let p = [&b"\x80\x02ctorch\n"[..], class.as_bytes(), b"\n."].concat();
         let e = torch_save::load_from_bytes(&with_pickle(&p)).unwrap_err();
         assert!(
             matches!(&e, Error::UnsupportedPickleGlobal { module, name, .. } if module == "torch" && name == class),
+            "{e}"
+        );
+    }
+    // Opcodes weights_only does not execute (protocol 0/1's POP and LIST, protocol 4's
+    // FRAME, even one longer than the stream) are refused by name.
+    for (bad, op) in [
+        (&b"\x80\x02N0N."[..], "POP"),
+        (b"\x80\x02(l.", "LIST"),
+        (b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00N.", "FRAME"),
+    ] {
+        let e = torch_save::load_from_bytes(&with_pickle(bad)).unwrap_err();
+        assert!(
+            matches!(&e, Error::UnsupportedPickleOpcode { name, .. } if name == op),
             "{e}"
         );
     }
@@ -544,8 +563,6 @@ fn unsupported_pickle_content_is_named() {
         b"\x80\x02]",
         b"\x80\x02h\x05.",
         b"\x80\x02X\xff\x00\x00\x00ab",
-        // A FRAME longer than the rest of the stream (PyTorch refuses every FRAME).
-        b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00N.",
     ] {
         let e = torch_save::load_from_bytes(&with_pickle(bad)).unwrap_err();
         assert!(matches!(e, Error::Pickle { .. }), "{bad:?}: {e}");
@@ -572,7 +589,7 @@ fn cycles_deep_nesting_and_blowups_are_errors_not_crashes() {
     // 200 000 nested lists built through the memo, without a deep stack.
     let mut p = b"\x80\x02]q\x00".to_vec();
     for _ in 0..200_000 {
-        p.extend_from_slice(b"]h\x00aq\x000");
+        p.extend_from_slice(b"]h\x00aq\x00");
     }
     p.extend_from_slice(b"h\x00.");
     let e = torch_save::load_from_bytes(&with_pickle(&p)).unwrap_err();
@@ -580,7 +597,7 @@ fn cycles_deep_nesting_and_blowups_are_errors_not_crashes() {
     // Each level holds the previous twice: 2^60 nodes if expanded.
     let mut p = b"\x80\x02]q\x00".to_vec();
     for _ in 0..60 {
-        p.extend_from_slice(b"(h\x00h\x00lq\x000");
+        p.extend_from_slice(b"(h\x00h\x00tq\x00");
     }
     p.extend_from_slice(b"h\x00.");
     let e = torch_save::load_from_bytes(&with_pickle(&p)).unwrap_err();

@@ -68,6 +68,12 @@ pub(crate) trait Format: Sized {
         let _ = node;
         None
     }
+    /// Whether the format's reader executes opcode `op` at all (`torch.load(weights_only=True)`
+    /// knows only protocol 2's; `pickle.load` every one). An opcode it does not is refused
+    /// before it runs.
+    fn knows_opcode(_op: u8) -> bool {
+        true
+    }
     /// What a value of its own is, for messages.
     fn ext_kind(x: &Self::Ext) -> String;
     /// What a node of its own is, for messages.
@@ -134,6 +140,9 @@ impl<'a, F: Format> Machine<'a, F> {
             };
             self.op = op;
             self.pos += 1;
+            if !F::knows_opcode(op) {
+                return Err(self.unsupported_opcode());
+            }
             if op == op::STOP {
                 return self.pop();
             }

@@ -130,6 +130,8 @@ enum Global {
     RebuildMeta,
     /// `torch.Tensor`, only as `_rebuild_from_type_v2`'s type.
     TensorClass,
+    /// `torch.nn.parameter.Parameter`, only for `NEWOBJ` (`Parameter(data, requires_grad)`).
+    ParameterClass,
     Storage(DType),
     /// A quantized typed storage (`torch.QInt8Storage`).
     QStorage(QDType),
@@ -262,6 +264,7 @@ fn resolve(module: &str, name: &str) -> Option<Global> {
         ("torch._utils", "_rebuild_qtensor") => Global::RebuildQTensor,
         ("torch._utils", "_rebuild_meta_tensor_no_storage") => Global::RebuildMeta,
         ("torch", "Tensor") => Global::TensorClass,
+        ("torch.nn.parameter", "Parameter") => Global::ParameterClass,
         ("builtins" | "__builtin__", "complex") => Global::Complex,
         ("builtins" | "__builtin__", "set") => Global::Set,
         ("builtins" | "__builtin__", "bytearray") => Global::ByteArray,
@@ -343,6 +346,12 @@ impl<'l> Format for TorchLoad<'l> {
 
     fn newobj(m: &mut Machine<'_, Self>, cls: Global, args: Vec<V>) -> Result<V> {
         let node = match (cls, args.as_slice()) {
+            (Global::ParameterClass, [data]) => {
+                return m.rebuild_parameter(&[data.clone(), V::Bool(true), V::None], false)
+            }
+            (Global::ParameterClass, [data, rg]) => {
+                return m.rebuild_parameter(&[data.clone(), rg.clone(), V::None], false)
+            }
             (Global::OrderedDict, []) => Object::OrderedDict(Dict::default(), Vec::new()),
             (Global::Class(class), _)
                 if !matches!(class, Class::ShardedTensor | Class::DTensor) =>
@@ -376,6 +385,50 @@ impl<'l> Format for TorchLoad<'l> {
             Object::OrderedDict(d, _) | Object::Counter(d) => Some(d),
             _ => None,
         }
+    }
+
+    /// The opcodes `torch._weights_only_unpickler.Unpickler.load` executes: those of protocol
+    /// 2 that `torch.save` writes (a file written with `pickle_protocol=3` or higher holding
+    /// bytes, or with 4's framing, is refused as PyTorch refuses it).
+    fn knows_opcode(op: u8) -> bool {
+        use crate::io::pickle::op::*;
+        matches!(
+            op,
+            GLOBAL
+                | NEWOBJ
+                | REDUCE
+                | BUILD
+                | APPEND
+                | APPENDS
+                | SETITEM
+                | SETITEMS
+                | MARK
+                | TUPLE
+                | TUPLE1
+                | TUPLE2
+                | TUPLE3
+                | NONE
+                | NEWFALSE
+                | NEWTRUE
+                | EMPTY_TUPLE
+                | EMPTY_LIST
+                | EMPTY_DICT
+                | EMPTY_SET
+                | BININT
+                | BININT1
+                | BININT2
+                | BINFLOAT
+                | BINUNICODE
+                | SHORT_BINSTRING
+                | BINPERSID
+                | BINGET
+                | LONG_BINGET
+                | BINPUT
+                | LONG_BINPUT
+                | LONG1
+                | PROTO
+                | STOP
+        )
     }
 
     fn ext_kind(x: &Ext) -> String {
@@ -524,6 +577,7 @@ impl Vm<'_, '_> {
                 self.file()
             ))),
             Global::TensorClass => Err(self.err("calling torch.Tensor")),
+            Global::ParameterClass => Err(self.err("calling torch.nn.Parameter")),
             Global::QStorage(q) => Err(self.err(format!("calling torch.{}", q.storage_class()))),
             Global::QScheme(q) => Err(self.err(format!("calling torch.{q}"))),
             Global::OtherDtype(d) => Err(self.err(format!("calling torch.{d}"))),
