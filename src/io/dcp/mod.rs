@@ -36,8 +36,9 @@ pub use read::{
 };
 pub(crate) use read::{Placeholders, SafetensorsPlan, Streamed};
 
-pub use write::save_dcp;
-pub(crate) use write::PlannedDcp;
+pub use read::{ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES};
+pub use write::{save_dcp, save_dcp_with, Compression, DcpWriteOptions};
+pub(crate) use write::{save_dcp_compressed, PlannedDcp};
 
 use crate::error::Result;
 
