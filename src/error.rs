@@ -728,7 +728,7 @@ pub enum Error {
     /// more bytes than it may hold: its tensor chunk's bytes plus the `torch.save` archive
     /// around them, or the limit on a non-tensor value. A few KB of zstd can otherwise expand
     /// to gigabytes (a zstd bomb); reading stops at the limit.
-    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: bytes {offset}..+{length} decompress to more than the {limit} bytes this item may hold ({what}); refusing it (a zstd bomb or a corrupt checkpoint)", shown(.key), shown(.file))]
+    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: the item decompresses to more than the {limit} bytes it may hold ({what}); refusing it (a zstd bomb or a corrupt checkpoint)", shown(.key), shown(.file))]
     DcpExpansion {
         /// The checkpoint directory.
         dir: String,
@@ -736,10 +736,6 @@ pub enum Error {
         key: String,
         /// The data file as the metadata names it (`relative_path`).
         file: String,
-        /// Start of the compressed range.
-        offset: u64,
-        /// Length of the compressed range.
-        length: u64,
         /// The most bytes the item may decompress to.
         limit: u64,
         /// What the limit is made of.

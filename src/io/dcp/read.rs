@@ -250,8 +250,6 @@ impl DcpCheckpoint {
                 dir: self.dir_name(),
                 key: key.to_string(),
                 file: f.clone(),
-                offset: info.offset,
-                length: info.length,
                 limit,
                 what: what.to_string(),
             });
