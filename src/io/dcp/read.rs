@@ -997,3 +997,55 @@ impl std::fmt::Display for DcpSummary {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descs(d: &[&str]) -> Vec<String> {
+        d.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn descriptors_resolve_as_pytorchs_registry_resolves_them() {
+        // `name, _, version = desc.partition("/")`; `ZStandard.from_descriptor` wants a major
+        // version of 1; the list chains.
+        assert_eq!(zstd_layers(&[]), Ok(0));
+        assert_eq!(zstd_layers(&descs(&["stream.zstd/1"])), Ok(1));
+        assert_eq!(zstd_layers(&descs(&["stream.zstd/1.7"])), Ok(1));
+        assert_eq!(
+            zstd_layers(&descs(&["stream.zstd/1", "stream.zstd/1"])),
+            Ok(2)
+        );
+        for bad in [
+            "stream.zstd",
+            "stream.zstd/",
+            "stream.zstd/2",
+            "stream.zstd/10",
+            "stream.zstd@corp/1",
+            "stream.lz4/1",
+            "",
+        ] {
+            let err = zstd_layers(&descs(&["stream.zstd/1", bad])).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn zstd_bound_leaves_room_for_incompressible_data_and_never_overflows() {
+        // xorshift bytes: zstd cannot shrink them, so its frame is larger than the data.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let data: Vec<u8> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
+            .collect();
+        let once = zstd::encode_all(&data[..], 3).unwrap();
+        assert!(once.len() > data.len(), "incompressible");
+        assert!(once.len() as u64 <= zstd_bound(data.len() as u64));
+        assert_eq!(zstd_bound(u64::MAX), u64::MAX);
+    }
+}
