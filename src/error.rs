@@ -725,6 +725,39 @@ pub enum Error {
         reason: String,
     },
 
+    /// A compressed DCP item (`transform_descriptors == ["stream.zstd/1"]`) decompresses to
+    /// more bytes than it may hold: its tensor chunk's bytes plus the `torch.save` archive
+    /// around them, or the limit on a non-tensor value. A few KB of zstd can otherwise expand
+    /// to gigabytes (a zstd bomb); reading stops at the limit.
+    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: the item decompresses to more than the {limit} bytes it may hold ({what}); refusing it (a zstd bomb or a corrupt checkpoint)", shown(.key), shown(.file))]
+    DcpExpansion {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The data file as the metadata names it (`relative_path`).
+        file: String,
+        /// The most bytes the item may decompress to.
+        limit: u64,
+        /// What the limit is made of.
+        what: String,
+    },
+
+    /// A DCP directory written with `FileSystemWriter(serialization_format=
+    /// SerializationFormat.SAFETENSORS)`: each data file is one safetensors file and every
+    /// tensor item's recorded range starts at its header, not at the item. PyTorch 2.13's own
+    /// `dcp.load` and `dcp_to_torch_save` fail on it; the crate refuses it rather than guess
+    /// the layout.
+    #[error("DCP checkpoint `{dir}`: file `{}` (key `{}`) is a safetensors file: the directory was written with serialization_format=SerializationFormat.SAFETENSORS, whose .metadata records no usable byte range for any tensor (each points at the file's header); PyTorch 2.13 cannot read it either (its dcp.load and dcp_to_torch_save fail on it), so it is refused", shown(.file), shown(.key))]
+    DcpSafetensorsData {
+        /// The checkpoint directory.
+        dir: String,
+        /// The data file as the metadata names it.
+        file: String,
+        /// The key whose range was looked at.
+        key: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.

@@ -71,6 +71,11 @@ enum Command {
         /// With `--to fsdp`: the number of ranks of the checkpoint to write.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         world_size: Option<u32>,
+        /// With `--to dcp`: compress every item, as PyTorch's
+        /// `FileSystemWriter(_extensions=[ZStandard()])` does (`zstd`, the only choice);
+        /// `dcp.load` reads it back. Written by one process.
+        #[arg(long, value_name = "ALGO", value_parser = ["zstd"])]
+        compress: Option<String>,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -299,6 +304,11 @@ fn eprint_line(line: &str) {
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
+/// The DCP compression `--compress` names (clap allows only `zstd`).
+fn compression(compress: Option<&str>) -> Option<io::dcp::Compression> {
+    compress.map(|_| io::dcp::Compression::Zstd)
+}
+
 /// Runs a command in this process alone, as without a launcher.
 fn run_alone(cli: Cli) -> Result<()> {
     let p = Bars::new(cli.quiet);
@@ -321,12 +331,14 @@ fn run_alone(cli: Cli) -> Result<()> {
             to,
             model,
             world_size,
+            compress,
         } => {
             let opts = ops::ConvertOptions {
                 to,
                 model,
                 world_size: world_size.map(|n| n as usize),
                 max_expansion_bytes,
+                compression: compression(compress.as_deref()),
             };
             ops::convert(&input, &output, &opts, &Solo, &p)?
         }
@@ -443,12 +455,14 @@ mod launcher {
                 ref to,
                 ref model,
                 world_size,
+                ref compress,
             } => {
                 let opts = ops::ConvertOptions {
                     to: to.clone(),
                     model: model.clone(),
                     world_size: world_size.map(|n| n as usize),
                     max_expansion_bytes,
+                    compression: compression(compress.as_deref()),
                 };
                 if !ops::convert_splits(input, &opts) {
                     return on_root_alone(cli, pg);

@@ -208,6 +208,9 @@ pub struct ConvertOptions {
     /// Bytes that copies of non-contiguous tensors of a torch.save input may allocate beyond
     /// the file's storage bytes.
     pub max_expansion_bytes: u64,
+    /// With `to = "dcp"`: how the DCP directory stores its items (`--compress zstd`);
+    /// `None` stores them plain.
+    pub compression: Option<io::dcp::Compression>,
 }
 
 impl Default for ConvertOptions {
@@ -217,6 +220,7 @@ impl Default for ConvertOptions {
             model: None,
             world_size: None,
             max_expansion_bytes: io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES,
+            compression: None,
         }
     }
 }
@@ -407,6 +411,13 @@ pub fn convert(
             output.display()
         )));
     }
+    if opts.compression.is_some() && opts.to.as_deref() != Some("dcp") {
+        return Err(Error::Unsupported(format!(
+            "convert {} {}: --compress applies to the DCP directory `--to dcp` writes",
+            input.display(),
+            output.display()
+        )));
+    }
     match opts.to.as_deref() {
         None => convert_file(input, output, opts.max_expansion_bytes, p),
         Some("fsdp") => dcp_to_fsdp(input, output, opts, pg, p),
@@ -415,7 +426,7 @@ pub fn convert(
                 "convert --to {to} takes no --model or --world-size (they describe the checkpoint `--to fsdp` writes)"
             )))
         }
-        Some("dcp") => to_dcp(input, output, pg, p),
+        Some("dcp") => to_dcp(input, output, opts.compression.unwrap_or_default(), pg, p),
         Some(to) => Err(Error::Unsupported(format!(
             "convert --to {to}: the formats are `dcp` and `fsdp`"
         ))),
@@ -468,8 +479,16 @@ fn convert_file(
 /// ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
 /// [`convert::torch_save_to_dcp`] for a file); process 0 writes `.metadata` and installs the
 /// directory. The output is the same for any number of processes (a DCP directory's
-/// `.metadata` differs only in its random save id).
-fn to_dcp(input: &Path, output: &Path, pg: &dyn ProcessGroup, p: &dyn Progress) -> Result<Written> {
+/// `.metadata` differs only in its random save id). With `compression` (`--compress zstd`)
+/// every item is a zstd frame and process 0 writes them all.
+fn to_dcp(
+    input: &Path,
+    output: &Path,
+    compression: io::dcp::Compression,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let opts = io::dcp::DcpWriteOptions::default().compression(compression);
     let from_checkpoint = pg.agree(to_dcp_input(input))? == Input::Checkpoint;
     if from_checkpoint {
         pg.agree(checkpoint::read_manifest(input))?;
@@ -478,9 +497,9 @@ fn to_dcp(input: &Path, output: &Path, pg: &dyn ProcessGroup, p: &dyn Progress) 
     p.start(&phase("converting", pg), None);
     let written = if from_checkpoint {
         // The full optimizer state dict of the crate's sharded checkpoint, streamed.
-        convert::checkpoint_to_dcp(input, output, pg, |b| p.update(b))
+        convert::checkpoint_to_dcp_with(input, output, pg, &opts, |b| p.update(b))
     } else {
-        convert::torch_save_to_dcp(input, output, pg)
+        convert::torch_save_to_dcp_with(input, output, pg, &opts)
     };
     p.finish();
     let written = written?;
@@ -491,9 +510,14 @@ fn to_dcp(input: &Path, output: &Path, pg: &dyn ProcessGroup, p: &dyn Progress) 
         count: None,
         world_size: None,
         message: format!(
-            "converted {} -> DCP directory {}{}: {written} bytes of tensors",
+            "converted {} -> DCP directory {}{}{}: {written} bytes of tensors",
             input.display(),
             output.display(),
+            if compression == io::dcp::Compression::Zstd {
+                " (zstd)"
+            } else {
+                ""
+            },
             as_a_job(pg)
         ),
     })

@@ -246,3 +246,129 @@ fn convert_a_sharded_checkpoint_to_dcp_keeps_its_full_dict() {
     let got = torch_save::load(&back).unwrap();
     assert!(got.bit_eq(&want), "{got:?}\n{want:?}");
 }
+
+/// A fixture of `tests/golden/dcp_forms/` (every form `FileSystemWriter` writes).
+fn form(p: &str) -> PathBuf {
+    tool::golden("dcp_forms").join(p)
+}
+
+#[test]
+fn inspect_verify_and_consolidate_every_writer_form_pytorch_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["zstd_ws3", "per_item_ws2", "threads_ws3"] {
+        let dir = form(&format!("{name}/ckpt"));
+        let expected = torch_save::load(form(&format!("{name}/expected.pt"))).unwrap();
+        let text = ok(&run(&[&"inspect", &dir]));
+        assert_eq!(
+            text.contains("through stream.zstd/1"),
+            name == "zstd_ws3",
+            "{name}: {text}"
+        );
+        assert!(ok(&run(&[&"verify", &dir])).contains("OK"), "{name}");
+        let pt = tmp.path().join(format!("{name}.pt"));
+        ok(&run(&[&"consolidate", &dir, &pt]));
+        assert!(torch_save::load(&pt).unwrap().bit_eq(&expected), "{name}");
+        let st = tmp.path().join(format!("{name}.safetensors"));
+        ok(&run(&[&"consolidate", &dir, &st]));
+        assert!(io::load(&st).unwrap().bit_eq(&expected), "{name}");
+    }
+}
+
+#[test]
+fn a_safetensors_serialized_directory_is_refused_by_every_command() {
+    let dir = form("safetensors_ws2/ckpt");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out.pt");
+    for args in [
+        vec![&"inspect" as &dyn AsRef<std::ffi::OsStr>, &dir],
+        vec![&"verify", &dir],
+        vec![&"consolidate", &dir, &out],
+    ] {
+        let res = run(&args);
+        assert_eq!(res.status.code(), Some(1));
+        let stderr = String::from_utf8_lossy(&res.stderr);
+        assert!(
+            stderr.contains("serialization_format=SerializationFormat.SAFETENSORS"),
+            "{stderr}"
+        );
+        assert!(
+            stderr.contains("PyTorch 2.13 cannot read it either"),
+            "{stderr}"
+        );
+    }
+    assert!(!out.exists());
+}
+
+#[test]
+fn convert_a_compressed_pytorch_directory_to_a_checkpoint_keeps_its_optimizer_state() {
+    use fsdp::offline::DescFile;
+    use fsdp::WrapPolicy;
+    let tmp = tempfile::tempdir().unwrap();
+    let desc = tmp.path().join("desc.json");
+    let policy = WrapPolicy::units(&["net1", "net2", ""]);
+    std::fs::write(
+        &desc,
+        DescFile::new(common::dcp_fixture_net(), policy).to_json(),
+    )
+    .unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let input = form("zstd_ws3/ckpt");
+    ok(&run(&[
+        &"convert",
+        &input,
+        &ckpt,
+        &"--to",
+        &"fsdp",
+        &"--model",
+        &desc,
+        &"--world-size",
+        &"2",
+    ]));
+    let back = tmp.path().join("back.pt");
+    ok(&run(&[&"consolidate", &ckpt, &back]));
+    let got = torch_save::optim_from_pyobj(torch_save::load(&back).unwrap()).unwrap();
+    let expected = torch_save::load(form("zstd_ws3/expected.pt")).unwrap();
+    let want = torch_save::optim_from_pyobj(expected.get("optim").cloned().unwrap()).unwrap();
+    assert_eq!(got.state, want.state);
+}
+
+#[test]
+fn convert_to_dcp_with_compress_zstd_writes_frames_that_read_back_equal() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = form("zstd_ws3/expected.pt");
+    let out = tmp.path().join("dcp");
+    let res = run(&[
+        &"convert",
+        &input,
+        &out,
+        &"--to",
+        &"dcp",
+        &"--compress",
+        &"zstd",
+    ]);
+    ok(&res);
+    let said = String::from_utf8_lossy(&res.stderr);
+    assert!(said.contains("(zstd)"), "{said}");
+    assert!(ok(&run(&[&"inspect", &out])).contains("through stream.zstd/1"));
+    ok(&run(&[&"verify", &out]));
+    let back = tmp.path().join("back.pt");
+    ok(&run(&[&"consolidate", &out, &back]));
+    let expected = torch_save::load(&input).unwrap();
+    assert!(torch_save::load(&back).unwrap().bit_eq(&expected));
+    // --compress belongs to --to dcp; an algorithm other than zstd is a usage error.
+    let other = tmp.path().join("other.safetensors");
+    let res = run(&[&"convert", &input, &other, &"--compress", &"zstd"]);
+    assert_eq!(res.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&res.stderr).contains("--compress applies to"));
+    assert!(!other.exists());
+    let res = run(&[
+        &"convert",
+        &input,
+        &tmp.path().join("lz4"),
+        &"--to",
+        &"dcp",
+        &"--compress",
+        &"lz4",
+    ]);
+    assert_eq!(res.status.code(), Some(2));
+}

@@ -630,6 +630,7 @@ fn commit(reports: Vec<RankChunks>, tmp: &Path, dir: &Path) -> Result<()> {
                     file,
                     offset: c.offset,
                     length: c.length,
+                    zstd: false,
                 })
                 .collect(),
         })

@@ -6,7 +6,7 @@
 
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::Result;
-use crate::io::dcp::PlannedDcp;
+use crate::io::dcp::{Compression, DcpWriteOptions, PlannedDcp};
 use crate::io::output::{create_planned_file, finish_planned_file, tmp_io_err};
 use crate::io::torch_save::writer::{LazyTensors, PlannedArchive};
 use crate::io::torch_save::{self, PyObj};
@@ -85,13 +85,20 @@ pub(crate) fn write_torch_save(
 /// non-tensor values), and process 0 writes `.metadata` and renames the directory into
 /// place. The data file is the same for any number of processes (`.metadata` differs only in
 /// its random save id). Returns the tensor bytes written.
+///
+/// With [`Compression::Zstd`] the frames' lengths are known only once written, so process 0
+/// writes the whole directory in order and the others wait for its outcome.
 pub(crate) fn write_dcp(
     obj: &PyObj,
     out: &Path,
     lazy: &mut dyn LazyTensors,
     pg: &dyn ProcessGroup,
+    opts: &DcpWriteOptions,
 ) -> Result<u64> {
     let obj = obj.values_only("a DCP checkpoint")?;
+    if opts.compression == Compression::Zstd {
+        return pg.on_root(|| crate::io::dcp::save_dcp_compressed(&obj, out, lazy));
+    }
     let plan = pg.agree(PlannedDcp::new(&obj, out, lazy))?;
     let tmp = pg.on_root(|| plan.stage(out))?;
     let mine = plan.write_share(&tmp, (pg.rank(), pg.world_size()), lazy);

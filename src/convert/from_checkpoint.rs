@@ -8,6 +8,7 @@ use crate::checkpoint::stream::{
 };
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::Result;
+use crate::io::dcp::DcpWriteOptions;
 use std::path::Path;
 
 /// Writes the full dict of the checkpoint in `src` — what `full_optim_state_dict` returned
@@ -76,8 +77,23 @@ pub fn checkpoint_to_dcp(
     pg: &dyn ProcessGroup,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
+    checkpoint_to_dcp_with(src, dst, pg, &DcpWriteOptions::default(), progress)
+}
+
+/// [`checkpoint_to_dcp`] with the writer's options: [`Compression::Zstd`] stores every item
+/// as a zstd frame, as `FileSystemWriter(_extensions=[ZStandard()])` does (written by
+/// process 0 alone, still streamed one checksum block at a time).
+///
+/// [`Compression::Zstd`]: crate::io::dcp::Compression::Zstd
+pub fn checkpoint_to_dcp_with(
+    src: &Path,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    opts: &DcpWriteOptions,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
     pg.on_root(|| prepare_dcp_output(src, dst))?;
     let sk = pg.agree(Skeleton::new(src))?;
     let mut lazy = Streamed::new(src, dst, &sk, progress);
-    write_dcp(&sk.obj, dst, &mut lazy, pg)
+    write_dcp(&sk.obj, dst, &mut lazy, pg, opts)
 }

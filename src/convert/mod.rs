@@ -31,9 +31,11 @@ mod from_dcp;
 mod to_dcp;
 
 pub use crate::checkpoint::from_dcp::dcp_to_checkpoint;
-pub use from_checkpoint::{checkpoint_to_dcp, checkpoint_to_safetensors, checkpoint_to_torch_save};
+pub use from_checkpoint::{
+    checkpoint_to_dcp, checkpoint_to_dcp_with, checkpoint_to_safetensors, checkpoint_to_torch_save,
+};
 pub use from_dcp::{dcp_to_safetensors, dcp_to_torch_save};
-pub use to_dcp::torch_save_to_dcp;
+pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
 
 #[cfg(doc)]
 use crate::collectives::ProcessGroup;

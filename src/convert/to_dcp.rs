@@ -3,7 +3,7 @@
 use super::coordinate::write_dcp;
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::Result;
-use crate::io::dcp::Headers;
+use crate::io::dcp::{DcpWriteOptions, Headers};
 use std::path::Path;
 
 /// Writes the state dict in the `torch.save` (or `.safetensors`) file `src` as the DCP
@@ -18,10 +18,24 @@ use std::path::Path;
 /// `.metadata` and installs the directory; a file with shared storages is converted by
 /// process 0 alone. Returns the tensor bytes written.
 pub fn torch_save_to_dcp(src: &Path, dst: &Path, pg: &dyn ProcessGroup) -> Result<u64> {
+    torch_save_to_dcp_with(src, dst, pg, &DcpWriteOptions::default())
+}
+
+/// [`torch_save_to_dcp`] with the writer's options: [`Compression::Zstd`] stores every item
+/// as a zstd frame, as `FileSystemWriter(_extensions=[ZStandard()])` does (written by
+/// process 0 alone, the tensors still streamed from the file).
+///
+/// [`Compression::Zstd`]: crate::io::dcp::Compression::Zstd
+pub fn torch_save_to_dcp_with(
+    src: &Path,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    opts: &DcpWriteOptions,
+) -> Result<u64> {
     let headers = pg.agree(Headers::read(src))?;
     let streamer = pg.agree(headers.streamer(src, dst))?;
     match streamer {
-        Some(mut lazy) => write_dcp(headers.obj(), dst, lazy.as_mut(), pg),
-        None => pg.on_root(|| crate::io::dcp::save_dcp(&crate::io::load(src)?, dst)),
+        Some(mut lazy) => write_dcp(headers.obj(), dst, lazy.as_mut(), pg, opts),
+        None => pg.on_root(|| crate::io::dcp::save_dcp_with(&crate::io::load(src)?, dst, opts)),
     }
 }

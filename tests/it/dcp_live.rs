@@ -682,7 +682,7 @@ fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_mo
 
 /// Runs `load_in_torch.py` on `(directory, expected dict file, world size, wrapper)` cases:
 /// PyTorch loads each directory into that wrapping and finds the expected dicts.
-fn load_in_torch<const N: usize>(cases: [(PathBuf, PathBuf, &str, &str); N]) {
+pub(crate) fn load_in_torch<const N: usize>(cases: [(PathBuf, PathBuf, &str, &str); N]) {
     let mut cmd = std::process::Command::new(python());
     cmd.arg(golden("load_in_torch.py"));
     for (dir, expected, ws, wrapper) in &cases {

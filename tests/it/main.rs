@@ -5,6 +5,7 @@ mod collectives;
 #[path = "../common/mod.rs"]
 mod common;
 mod dcp;
+mod dcp_forms;
 mod dcp_live;
 mod error_paths;
 mod fsdp2_comm;

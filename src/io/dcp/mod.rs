@@ -12,7 +12,11 @@
 //! is executed) and checks every data reference stays inside the directory. Tensors are then
 //! assembled on demand from any N-D grid of chunks ([`DcpCheckpoint::read_tensor`]), reading
 //! only their byte ranges; [`verify`] checks everything; [`summary`] describes the directory.
-//! [`save_dcp`] writes a state dict as a DCP directory. The conversions to and from other
+//! Items stored through zstd (`FileSystemWriter(_extensions=[ZStandard()])`) are decompressed
+//! as streams, each bounded ([`ARCHIVE_ALLOWANCE`], [`MAX_OBJECT_BYTES`]); a directory written
+//! with `serialization_format=SAFETENSORS`, which PyTorch cannot read back, is refused.
+//! [`save_dcp`] writes a state dict as a DCP directory ([`save_dcp_with`]: zstd-compressed
+//! too). The conversions to and from other
 //! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this
 //! module gives them the plans and the byte moving.
 
@@ -36,8 +40,9 @@ pub use read::{
 };
 pub(crate) use read::{Placeholders, SafetensorsPlan, Streamed};
 
-pub use write::save_dcp;
-pub(crate) use write::PlannedDcp;
+pub use read::{ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES};
+pub use write::{save_dcp, save_dcp_with, Compression, DcpWriteOptions};
+pub(crate) use write::{save_dcp_compressed, PlannedDcp};
 
 use crate::error::Result;
 

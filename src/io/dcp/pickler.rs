@@ -26,6 +26,9 @@ pub(crate) struct StoredChunk<'a> {
     pub file: &'a str,
     pub offset: u64,
     pub length: u64,
+    /// Stored as one zstd frame (`transform_descriptors=["stream.zstd/1"]`, `length` the
+    /// compressed bytes), as `FileSystemWriter(_extensions=[ZStandard()])` stores it.
+    pub zstd: bool,
 }
 
 /// A protocol-2 writer of DCP's classes, without memo: every object is written where it
@@ -209,6 +212,13 @@ fn storage_entry(p: &mut P, r: &Record<'_>, index: usize, c: &StoredChunk<'_>) {
             p.int(c.offset);
             p.e.str("length");
             p.int(c.length);
+            // Left out without transforms, as PyTorch's `__getstate__` leaves out `None`.
+            if c.zstd {
+                p.e.str("transform_descriptors");
+                p.e.op(op::EMPTY_LIST);
+                p.e.str(super::read::ZSTD_DESCRIPTOR);
+                p.e.op(op::APPEND);
+            }
         },
     );
 }

@@ -38,12 +38,65 @@ impl DcpCheckpoint {
                 .entry(info.relative_path.clone())
                 .or_insert_with(|| confine(&root, &info.relative_path, "data file"));
         }
-        Ok(DcpCheckpoint {
+        let ckpt = DcpCheckpoint {
             dir,
             metadata,
             files,
             drop_behind: None,
-        })
+        };
+        ckpt.refuse_safetensors_data()?;
+        Ok(ckpt)
+    }
+
+    /// Refuses a directory `FileSystemWriter(serialization_format=SAFETENSORS)` wrote
+    /// ([`Error::DcpSafetensorsData`]), which PyTorch cannot read back either: the first
+    /// plain tensor chunk (in metadata order) is looked at, and its range starts with a
+    /// safetensors header (an 8-byte little-endian length, then `{`) whose JSON holds the
+    /// `DCP_SHARDING_INFO` PyTorch writes there, where a `torch.save` archive (`PK\x03\x04`)
+    /// belongs. A range that is neither is left to the reads to report.
+    fn refuse_safetensors_data(&self) -> Result<()> {
+        let first = self.metadata.entries.iter().find_map(|e| match &e.kind {
+            EntryKind::Tensor(t) => data_chunks(t).next().map(|c| (&e.key, c)),
+            EntryKind::Bytes => None,
+        });
+        let Some((key, chunk)) = first else {
+            return Ok(());
+        };
+        let k = StorageKey {
+            fqn: key.clone(),
+            offset: Some(chunk.offsets.clone()),
+        };
+        let Some(Ok(info)) = self.metadata.storage.get(&k) else {
+            return Ok(());
+        };
+        let Some(Ok((path, len))) = self.files.get(&info.relative_path) else {
+            return Ok(());
+        };
+        if !info.transforms.is_empty() || info.offset.saturating_add(9) > *len {
+            return Ok(());
+        }
+        let Ok(mut file) = File::open(path) else {
+            return Ok(());
+        };
+        // Enough of the header to hold `__metadata__`, which the safetensors writer puts first.
+        let mut head = Vec::new();
+        let read = file
+            .seek(SeekFrom::Start(info.offset))
+            .and_then(|_| (&mut file).take(8 + 4096).read_to_end(&mut head));
+        if read.is_err() || head.len() < 9 || head[8] != b'{' {
+            return Ok(());
+        }
+        let header_len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+        let fits = header_len <= len - info.offset - 8;
+        let sharding = head.windows(17).any(|w| w == b"DCP_SHARDING_INFO");
+        if fits && sharding {
+            return Err(Error::DcpSafetensorsData {
+                dir: self.dir_name(),
+                file: info.relative_path.clone(),
+                key: key.clone(),
+            });
+        }
+        Ok(())
     }
 
     /// This checkpoint, dropping the data-file pages it has read from the page cache
@@ -116,19 +169,11 @@ impl DcpCheckpoint {
     }
 
     /// Checks that `info`'s range lies inside its (confined, existing) file and holds at
-    /// least `min_len` bytes; returns the file.
+    /// least `min_len` bytes (unless it is compressed: then it may be shorter), and that its
+    /// transforms are ones the crate reads ([`zstd_layers`]); returns the file.
     fn checked_range(&self, key: &str, info: &StorageInfo, min_len: u64) -> Result<&Path> {
         let f = &info.relative_path;
-        if !info.transforms.is_empty() {
-            return Err(self.storage_err(
-                key,
-                f,
-                format!(
-                    "stored through transforms {:?}, which are not supported",
-                    info.transforms
-                ),
-            ));
-        }
+        let layers = zstd_layers(&info.transforms).map_err(|r| self.storage_err(key, f, r))?;
         let (path, len) = match self.files.get(f) {
             Some(Ok((p, len))) => (p, *len),
             Some(Err(reason)) => return Err(self.storage_err(key, f, reason.clone())),
@@ -145,7 +190,7 @@ impl DcpCheckpoint {
                 ),
             ));
         }
-        if info.length < min_len {
+        if layers == 0 && info.length < min_len {
             return Err(self.storage_err(
                 key,
                 f,
@@ -158,15 +203,58 @@ impl DcpCheckpoint {
         Ok(path)
     }
 
-    /// Reads the bytes of `info` (after [`Self::checked_range`]).
-    fn read_range(&self, key: &str, info: &StorageInfo, min_len: u64) -> Result<Vec<u8>> {
-        let path = self.checked_range(key, info, min_len)?;
+    /// Reads the bytes of `info` (after [`Self::checked_range`]), decompressed when it is
+    /// compressed: at most `limit` bytes (`what` says what the limit is made of), else
+    /// [`Error::DcpExpansion`]. `reserve` is what the caller expects (allocated at once).
+    fn read_item(
+        &self,
+        key: &str,
+        info: &StorageInfo,
+        (limit, what): (u64, &str),
+        reserve: u64,
+    ) -> Result<Vec<u8>> {
+        let path = self.checked_range(key, info, 0)?;
         let f = &info.relative_path;
         let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
         let mut file = File::open(path).map_err(io)?;
         file.seek(SeekFrom::Start(info.offset)).map_err(io)?;
-        let mut buf = vec![0u8; info.length as usize];
-        file.read_exact(&mut buf).map_err(io)?;
+        let layers = zstd_layers(&info.transforms).map_err(|r| self.storage_err(key, f, r))?;
+        if layers == 0 {
+            let mut buf = vec![0u8; info.length as usize];
+            file.read_exact(&mut buf).map_err(io)?;
+            return Ok(buf);
+        }
+        let mut stream: Box<dyn Read> = Box::new(file.take(info.length));
+        for _ in 0..layers {
+            let decoder = zstd::stream::read::Decoder::new(stream).map_err(io)?;
+            // One frame, as PyTorch's `zstandard` stream reader reads (bytes after it are
+            // ignored); an inner layer may hold a little more than the outer one's output.
+            stream = Box::new(decoder.single_frame().take(zstd_bound(limit)));
+        }
+        let mut buf = Vec::with_capacity(reserve.min(limit) as usize);
+        stream
+            .take(limit.saturating_add(1))
+            .read_to_end(&mut buf)
+            .map_err(|e| {
+                self.storage_err(
+                    key,
+                    f,
+                    format!(
+                        "bytes {}..+{} do not decompress as {:?}: {e}",
+                        info.offset, info.length, info.transforms
+                    ),
+                )
+            })?;
+        if buf.len() as u64 > limit {
+            return Err(Error::DcpExpansion {
+                dir: self.dir_name(),
+                key: key.to_string(),
+                file: f.clone(),
+                limit,
+                what: what.to_string(),
+            });
+        }
+        self.drop_read_pages(path, info.offset, info.offset + info.length);
         Ok(buf)
     }
 
@@ -210,9 +298,21 @@ impl DcpCheckpoint {
             "chunk at {:?}, bytes {}..+{}",
             chunk.offsets, info.offset, info.length
         );
-        let obj = torch_save::load_from_file_range(path, info.offset, info.length)
-            .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
-        self.drop_read_pages(path, info.offset, info.offset + info.length);
+        let parsed = if info.transforms.is_empty() {
+            let obj = torch_save::load_from_file_range(path, info.offset, info.length);
+            self.drop_read_pages(path, info.offset, info.offset + info.length);
+            obj
+        } else {
+            let need = chunk_bytes(&chunk.sizes, dtype);
+            let limit = need.saturating_add(ARCHIVE_ALLOWANCE);
+            let what = format!(
+                "the chunk's {need} bytes of {dtype} plus {ARCHIVE_ALLOWANCE} for the torch.save archive around them"
+            );
+            let raw = self.read_item(key, info, (limit, &what), need + 4096)?;
+            torch_save::load_from_bytes(&raw)
+        };
+        let obj =
+            parsed.map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
         let PyObj::Tensor(t) = obj else {
             return Err(self.storage_err(
                 key,
@@ -299,7 +399,8 @@ impl DcpCheckpoint {
     /// The non-tensor value stored under `key` (a `torch.save`d object).
     pub fn read_object(&self, key: &str) -> Result<PyObj> {
         let info = self.storage(key, None)?;
-        let raw = self.read_range(key, info, 0)?;
+        let what = "the limit on a non-tensor value";
+        let raw = self.read_item(key, info, (MAX_OBJECT_BYTES, what), info.length)?;
         torch_save::load_from_bytes(&raw).map_err(|e| {
             self.storage_err(
                 key,
@@ -337,6 +438,56 @@ fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
     volume(sizes)
         .and_then(|n| n.checked_mul(dtype.size()))
         .map_or(u64::MAX, |n| n as u64)
+}
+
+/// What a compressed tensor chunk may decompress to beyond its elements' bytes: the
+/// `torch.save` archive around them. That archive (`archive/data.pkl` of a few hundred bytes,
+/// `byteorder`, `version`, `.format_version`, `.storage_alignment`,
+/// `.data/serialization_id`, the storage padded to 64 bytes, their zip headers and the
+/// central directory) takes about 1.5 KiB whatever the tensor; 64 KiB leaves room for any
+/// archive `torch.save` writes of one tensor, and nothing a bomb could use.
+pub const ARCHIVE_ALLOWANCE: u64 = 64 << 10;
+
+/// The most bytes a compressed non-tensor value (a param-group option, a step, a user's plain
+/// value: a small pickle) may decompress to: 64 MiB, the limit the crate reads any small
+/// metadata it holds in memory whole with ([`crate::io::output::SMALL_METADATA_MAX_BYTES`]).
+pub const MAX_OBJECT_BYTES: u64 = crate::io::output::SMALL_METADATA_MAX_BYTES;
+
+/// The zstd descriptor PyTorch's `ZStandard` extension records (`registry_name()/1`).
+pub(crate) const ZSTD_DESCRIPTOR: &str = "stream.zstd/1";
+
+/// How many zstd layers the `transform_descriptors` of a record stand for, resolved as
+/// PyTorch's `ExtensionRegistry.from_descriptor_list` resolves them: each descriptor is
+/// `name[@local-domain][/version]`, the name before the first `/` is looked up in the
+/// registry, whose only built-in entry is `stream.zstd`, and `ZStandard.from_descriptor`
+/// takes a version whose major part (before the first `.`) is `1`. Several descriptors chain,
+/// each undone in turn (only zstd exists, so their order cannot matter). Why not, otherwise.
+fn zstd_layers(descriptors: &[String]) -> std::result::Result<usize, String> {
+    for d in descriptors {
+        let (name, version) = d.split_once('/').unwrap_or((d, ""));
+        if name != "stream.zstd" {
+            return Err(format!(
+                "stored through the transform {:?}, which PyTorch's extension registry does not know (it knows `stream.zstd`) and the crate cannot undo",
+                crate::error::shown(d)
+            ));
+        }
+        if version.split('.').next() != Some("1") {
+            return Err(format!(
+                "stored through {:?}: a zstd stream of version {:?}, which PyTorch's ZStandard extension refuses (it reads version 1)",
+                crate::error::shown(d),
+                crate::error::shown(version)
+            ));
+        }
+    }
+    Ok(descriptors.len())
+}
+
+/// The most an inner zstd layer may decompress to when the outer one may give `limit` bytes:
+/// zstd's worst-case growth of incompressible data (`ZSTD_compressBound`) plus a frame.
+fn zstd_bound(limit: u64) -> u64 {
+    limit
+        .saturating_add(limit / 128)
+        .saturating_add(ARCHIVE_ALLOWANCE)
 }
 
 impl Drop for DcpCheckpoint {
@@ -703,6 +854,10 @@ pub struct DataFileSummary {
     pub bytes: Option<u64>,
     /// Ranges stored in it.
     pub ranges: usize,
+    /// The stream transforms its ranges were stored through (`stream.zstd/1` for
+    /// `FileSystemWriter(_extensions=[ZStandard()])`), each once; empty for plain ranges.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub transforms: Vec<String>,
 }
 
 /// What `fsdp-ckpt inspect` prints for a DCP directory.
@@ -755,13 +910,19 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
             },
         })
         .collect();
-    let mut ranges: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut ranges: BTreeMap<&str, (usize, Vec<String>)> = BTreeMap::new();
     for info in md.storage.values().flatten() {
-        *ranges.entry(&info.relative_path).or_default() += 1;
+        let (n, transforms) = ranges.entry(&info.relative_path).or_default();
+        *n += 1;
+        for t in &info.transforms {
+            if !transforms.contains(t) {
+                transforms.push(t.clone());
+            }
+        }
     }
     let files: Vec<DataFileSummary> = ranges
         .into_iter()
-        .map(|(name, n)| DataFileSummary {
+        .map(|(name, (n, mut transforms))| DataFileSummary {
             name: name.to_string(),
             bytes: ckpt
                 .files
@@ -769,6 +930,10 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
                 .and_then(|f| f.as_ref().ok())
                 .map(|f| f.1),
             ranges: n,
+            transforms: {
+                transforms.sort();
+                transforms
+            },
         })
         .collect();
     let world_size = files
@@ -815,7 +980,12 @@ impl std::fmt::Display for DcpSummary {
             let b = file
                 .bytes
                 .map_or("missing".to_string(), |b| format!("{b} bytes"));
-            writeln!(f, "  {} ({b}, {} ranges)", file.name, file.ranges)?;
+            let through = if file.transforms.is_empty() {
+                String::new()
+            } else {
+                format!(", through {}", file.transforms.join(" + "))
+            };
+            writeln!(f, "  {} ({b}, {} ranges{through})", file.name, file.ranges)?;
         }
         writeln!(f, "keys:")?;
         for e in &self.entries {
@@ -825,5 +995,57 @@ impl std::fmt::Display for DcpSummary {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn descs(d: &[&str]) -> Vec<String> {
+        d.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn descriptors_resolve_as_pytorchs_registry_resolves_them() {
+        // `name, _, version = desc.partition("/")`; `ZStandard.from_descriptor` wants a major
+        // version of 1; the list chains.
+        assert_eq!(zstd_layers(&[]), Ok(0));
+        assert_eq!(zstd_layers(&descs(&["stream.zstd/1"])), Ok(1));
+        assert_eq!(zstd_layers(&descs(&["stream.zstd/1.7"])), Ok(1));
+        assert_eq!(
+            zstd_layers(&descs(&["stream.zstd/1", "stream.zstd/1"])),
+            Ok(2)
+        );
+        for bad in [
+            "stream.zstd",
+            "stream.zstd/",
+            "stream.zstd/2",
+            "stream.zstd/10",
+            "stream.zstd@corp/1",
+            "stream.lz4/1",
+            "",
+        ] {
+            let err = zstd_layers(&descs(&["stream.zstd/1", bad])).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn zstd_bound_leaves_room_for_incompressible_data_and_never_overflows() {
+        // xorshift bytes: zstd cannot shrink them, so its frame is larger than the data.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let data: Vec<u8> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 32) as u8
+            })
+            .collect();
+        let once = zstd::encode_all(&data[..], 3).unwrap();
+        assert!(once.len() > data.len(), "incompressible");
+        assert!(once.len() as u64 <= zstd_bound(data.len() as u64));
+        assert_eq!(zstd_bound(u64::MAX), u64::MAX);
     }
 }

@@ -15,6 +15,38 @@ use std::path::Path;
 /// The one data file a single-process save writes.
 const DATA_FILE: &str = "__0_0.distcp";
 
+/// How the DCP writer stores each item in the data file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
+pub enum Compression {
+    /// Each item a plain `torch.save` archive, as `FileSystemWriter()` writes it.
+    #[default]
+    None,
+    /// Each item one zstd frame of its archive (level 3, with a checksum), recorded as
+    /// `transform_descriptors=["stream.zstd/1"]`: what
+    /// `FileSystemWriter(_extensions=[ZStandard()])` writes, and `dcp.load` reads back.
+    Zstd,
+}
+
+/// Options of the DCP writer ([`save_dcp_with`], `convert::torch_save_to_dcp_with`,
+/// `convert::checkpoint_to_dcp_with`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct DcpWriteOptions {
+    /// How each item is stored. With [`Compression::Zstd`] the items' lengths are known only
+    /// once they are compressed, so one process writes the whole data file in order (a job
+    /// of several processes leaves it to process 0).
+    pub compression: Compression,
+}
+
+impl DcpWriteOptions {
+    /// Sets [`DcpWriteOptions::compression`] (the struct is `#[non_exhaustive]`).
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+}
+
 /// One flattened value: its key, its path in the nested dict, the value.
 struct Item<'a> {
     key: String,
@@ -137,6 +169,26 @@ struct DataPlan<'a> {
     objects: std::collections::HashMap<usize, Vec<u8>>,
     len: u64,
     tensor_bytes: u64,
+    /// Whether the ranges are zstd frames ([`DataPlan::write_compressed`]).
+    zstd: bool,
+}
+
+/// A writer that counts the bytes written through it.
+struct Counted<W> {
+    inner: W,
+    n: u64,
+}
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.n += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 impl<'a> DataPlan<'a> {
@@ -187,6 +239,7 @@ impl<'a> DataPlan<'a> {
             objects,
             len: at,
             tensor_bytes,
+            zstd: false,
         })
     }
 
@@ -231,6 +284,62 @@ impl<'a> DataPlan<'a> {
         Ok(())
     }
 
+    /// Writes every archive into `tmp`'s data file one after another, each compressed as one
+    /// zstd frame, and records where each landed (replacing the planned plain ranges); the
+    /// file is synced. The tensors `lazy` streams go through the compressor as they come.
+    fn write_compressed(&mut self, tmp: &Path, lazy: &mut dyn LazyTensors) -> Result<()> {
+        let path = tmp.join(DATA_FILE);
+        let name = path.display().to_string();
+        // Staged at the plain length: the frames start at 0 and end where they end.
+        let file = OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(|e| io_err("opening", &path, e))?;
+        let io = |e: std::io::Error| io_err("writing", &path, e);
+        let mut out = Counted {
+            inner: std::io::BufWriter::with_capacity(
+                1 << 20,
+                crate::io::output::StreamedFile::new(file),
+            ),
+            n: 0,
+        };
+        for &i in &self.file_order {
+            let start = out.n;
+            let mut z =
+                zstd::stream::write::Encoder::new(&mut out, zstd::DEFAULT_COMPRESSION_LEVEL)
+                    .map_err(io)?;
+            z.include_checksum(true).map_err(io)?;
+            let mut plain = Counted { inner: z, n: 0 };
+            let s = &self.stored[i];
+            plain = match self.objects.get(&i) {
+                Some(bytes) => {
+                    plain.write_all(bytes).map_err(io)?;
+                    plain
+                }
+                None => torch_save::writer::write_with(s.item.value, ARCHIVE, &name, plain, lazy)?,
+            };
+            if plain.n != s.length {
+                return Err(Error::Internal(format!(
+                    "`{}` took {} bytes before compression, {} were planned",
+                    s.item.key, plain.n, s.length
+                )));
+            }
+            plain.inner.finish().map_err(io)?;
+            let s = &mut self.stored[i];
+            s.offset = start;
+            s.length = out.n - start;
+        }
+        self.len = out.n;
+        self.zstd = true;
+        let file = out
+            .inner
+            .into_inner()
+            .map_err(|e| io(e.into_error()))?
+            .into_file();
+        file.sync_all().map_err(|e| io_err("syncing", &path, e))
+    }
+
     /// The values process `rank` of `world_size` writes: the tensors whose archive starts in
     /// its equal share of the tensor bytes, and on process 0 the non-tensor values too.
     fn share(&self, rank: usize, world_size: usize) -> Vec<usize> {
@@ -272,7 +381,8 @@ impl<'a> DataPlan<'a> {
     /// checkpoint id `name`), syncs and renames `tmp` to `out`.
     fn commit(&self, tmp: &Path, out: &Path, name: &str) -> Result<()> {
         let origins = origins(&self.stored);
-        let md = super::pickler::metadata_pickle(&stored_view(&self.stored, &origins), name)?;
+        let records = stored_view(&self.stored, &origins, self.zstd);
+        let md = super::pickler::metadata_pickle(&records, name)?;
         write_synced(&tmp.join(".metadata"), &md)?;
         sync_dir(tmp)?;
         std::fs::rename(tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
@@ -292,7 +402,38 @@ const ARCHIVE: &str = "archive";
 /// synced, then renamed into place. `storage_meta.checkpoint_id` is `out`'s last component.
 /// Returns the bytes of tensor data written.
 pub fn save_dcp(obj: &PyObj, out: &Path) -> Result<u64> {
-    save_dcp_streaming(obj, out, &mut torch_save::writer::Eager)
+    save_dcp_with(obj, out, &DcpWriteOptions::default())
+}
+
+/// [`save_dcp`] with options: [`Compression::Zstd`] stores every item as a zstd frame, as
+/// `FileSystemWriter(_extensions=[ZStandard()])` does.
+pub fn save_dcp_with(obj: &PyObj, out: &Path, opts: &DcpWriteOptions) -> Result<u64> {
+    match opts.compression {
+        Compression::None => save_dcp_streaming(obj, out, &mut torch_save::writer::Eager),
+        Compression::Zstd => save_dcp_compressed(obj, out, &mut torch_save::writer::Eager),
+    }
+}
+
+/// [`save_dcp_streaming`] with every item compressed ([`Compression::Zstd`]): the items are
+/// planned as for a plain directory (their archives' lengths check the bytes compressed),
+/// written one after another through the compressor, and `.metadata` records where each
+/// frame landed. One process writes it all.
+pub(crate) fn save_dcp_compressed(
+    obj: &PyObj,
+    out: &Path,
+    lazy: &mut dyn LazyTensors,
+) -> Result<u64> {
+    let obj = obj.values_only("a DCP checkpoint")?;
+    let mut plan = PlannedDcp::new(&obj, out, lazy)?;
+    let tmp = plan.stage(out)?;
+    let result = plan
+        .plan
+        .write_compressed(&tmp, lazy)
+        .and_then(|()| plan.commit(&tmp, out));
+    if result.is_err() {
+        crate::io::output::discard_tmp_dir(&tmp);
+    }
+    result.map(|()| plan.tensor_bytes())
 }
 
 /// [`save_dcp`] of an object whose tensors `lazy` recognizes are placeholders, streamed by it
@@ -392,7 +533,11 @@ fn dir_name(out: &Path) -> Result<String> {
 }
 
 /// The view of stored items the pickler needs: each value whole, as one chunk at the origin.
-fn stored_view<'s>(stored: &'s [Stored<'_>], origins: &'s [Vec<usize>]) -> Vec<Record<'s>> {
+fn stored_view<'s>(
+    stored: &'s [Stored<'_>],
+    origins: &'s [Vec<usize>],
+    zstd: bool,
+) -> Vec<Record<'s>> {
     stored
         .iter()
         .zip(origins)
@@ -411,6 +556,7 @@ fn stored_view<'s>(stored: &'s [Stored<'_>], origins: &'s [Vec<usize>]) -> Vec<R
                     file: DATA_FILE,
                     offset: s.offset,
                     length: s.length,
+                    zstd,
                 }],
             }
         })
