@@ -724,6 +724,93 @@ pub enum Error {
         reason: String,
     },
 
+    /// A DCP directory saved with per-rank metadata (`dcp.save(..., use_collectives=False)`)
+    /// lacks the `__{rank}.metadata` of a rank: ranks must be numbered `0..N` without a gap,
+    /// and a rank that wrote data files (`__{rank}_{n}.distcp`) must have its metadata.
+    #[error("DCP checkpoint `{}` with per-rank metadata: `__{rank}.metadata` is missing ({found}); every rank's file is needed to merge them into one checkpoint", shown(.dir))]
+    DcpRankMissing {
+        /// The checkpoint directory.
+        dir: String,
+        /// The rank whose metadata file is missing.
+        rank: usize,
+        /// What was found instead (the ranks with metadata, the data file naming this rank).
+        found: String,
+    },
+
+    /// Two per-rank metadata files of a DCP directory describe one key differently (a tensor
+    /// on one rank and a non-tensor value on the other, another dtype, global shape or
+    /// `planner_data` path), so they are not parts of one checkpoint.
+    #[error("DCP checkpoint `{}`, key `{}`: `__{rank}.metadata` and `__{other_rank}.metadata` disagree: {reason}", shown(.dir), shown(.key))]
+    DcpRanksDisagree {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The rank that described the key first.
+        rank: usize,
+        /// The rank that describes it differently.
+        other_rank: usize,
+        /// How they differ.
+        reason: String,
+    },
+
+    /// An item that two ranks of a per-rank DCP directory both saved (a replicated tensor
+    /// chunk such as an optimizer `step`, or a non-tensor value such as a `param_groups`
+    /// option) is stored with different bytes by each: the ranks did not save one state.
+    #[error("DCP checkpoint `{}`, key `{}`{}: ranks {rank} and {other_rank} both saved it, with different bytes (`{}` bytes {}..+{} against `{}` bytes {}..+{}); a replicated item must be the same on every rank", shown(.dir), shown(.key), .offsets.as_ref().map(|o| format!(" (chunk at {o:?})")).unwrap_or_default(), shown(.file), .range.0, .range.1, shown(.other_file), .other_range.0, .other_range.1)]
+    DcpReplicasDiffer {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The chunk's offsets (`None` for a non-tensor value).
+        offsets: Option<Vec<usize>>,
+        /// The first rank holding the item.
+        rank: usize,
+        /// Its data file.
+        file: String,
+        /// Its byte range (start, length).
+        range: (u64, u64),
+        /// The rank whose copy differs.
+        other_rank: usize,
+        /// Its data file.
+        other_file: String,
+        /// Its byte range (start, length).
+        other_range: (u64, u64),
+    },
+
+    /// A safetensors file of a DCP directory in Hugging Face storage
+    /// (`HuggingFaceStorageWriter`) does not describe its tensors as the writer does: a
+    /// malformed header, a missing or malformed `DCP_SHARDING_INFO` entry, an unsupported
+    /// dtype, data offsets outside the file.
+    #[error("DCP checkpoint in Hugging Face storage, file `{}`{}: {reason}", shown(.file), .key.as_ref().map(|k| format!(", key `{}`", shown(k))).unwrap_or_default())]
+    DcpHfFile {
+        /// The safetensors file.
+        file: String,
+        /// The tensor, when one is at fault.
+        key: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Two safetensors files of a DCP directory in Hugging Face storage describe one tensor
+    /// differently (dtype or number of dimensions), or the directory's files are not one
+    /// checkpoint (some with `DCP_SHARDING_INFO` and some without, an index naming another
+    /// file).
+    #[error("DCP checkpoint in Hugging Face storage `{}`{}: `{}` and `{}` disagree: {reason}", shown(.dir), .key.as_ref().map(|k| format!(", key `{}`", shown(k))).unwrap_or_default(), shown(.file), shown(.other_file))]
+    DcpHfDisagree {
+        /// The checkpoint directory.
+        dir: String,
+        /// The tensor, when one is at fault.
+        key: Option<String>,
+        /// The file that described it first.
+        file: String,
+        /// The file that describes it differently.
+        other_file: String,
+        /// How they differ.
+        reason: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.

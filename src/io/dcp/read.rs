@@ -5,6 +5,7 @@ use super::metadata::{
     Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
 };
 use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
+use super::Source;
 use crate::error::{Error, Result};
 use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::{DType, HostTensor};
@@ -18,6 +19,8 @@ use std::path::{Component, Path, PathBuf};
 pub struct DcpCheckpoint {
     dir: PathBuf,
     metadata: Metadata,
+    /// Where the metadata came from (and so how chunks are stored).
+    source: Source,
     /// `relative_path` → (the file, its length), or why it is unusable.
     files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
     /// With drop-behind (offline streams that read each chunk once), what has been read of
@@ -26,12 +29,27 @@ pub struct DcpCheckpoint {
 }
 
 impl DcpCheckpoint {
-    /// Reads `dir/.metadata` and resolves every data file it names. A file that escapes the
-    /// directory or is missing is reported when a key stored in it is read.
+    /// Reads the directory's metadata and resolves every data file it names. A file that
+    /// escapes the directory or is missing is reported when a key stored in it is read.
+    ///
+    /// The metadata comes from whichever source the directory has ([`Source`], in this
+    /// order): `.metadata`; the per-rank `__{rank}.metadata` files of a save without
+    /// collectives, merged into one global view and checked to agree
+    /// ([`super::per_rank`]); or the safetensors headers of Hugging Face storage
+    /// (`DCP_SHARDING_INFO`, [`super::hf_storage`]). Everything above (tensors, the nested
+    /// dict, consolidation, verification, resharding) reads the one [`Metadata`] alike.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         let root = dir.canonicalize().map_err(Error::io("resolving", &dir))?;
-        let metadata = metadata_in(&dir, &root)?;
+        let (metadata, source) = match Source::of(&dir)? {
+            Some(Source::PerRank { .. }) => {
+                let (md, ranks) = super::per_rank::merge(&dir, &root)?;
+                (md, Source::PerRank { ranks })
+            }
+            Some(Source::HfStorage { .. }) => super::hf_storage::read(&dir, &root)?,
+            // `.metadata`, or nothing: then its absence is the error.
+            _ => (metadata_in(&dir, &root)?, Source::Metadata),
+        };
         let mut files = HashMap::new();
         for info in metadata.storage.values().flatten() {
             files
@@ -41,6 +59,7 @@ impl DcpCheckpoint {
         Ok(DcpCheckpoint {
             dir,
             metadata,
+            source,
             files,
             drop_behind: None,
         })
@@ -64,9 +83,14 @@ impl DcpCheckpoint {
         }
     }
 
-    /// The parsed `.metadata`.
+    /// The parsed metadata (of `.metadata`, or built from another [`Source`]).
     pub fn metadata(&self) -> &Metadata {
         &self.metadata
+    }
+
+    /// Where the metadata came from.
+    pub fn source(&self) -> &Source {
+        &self.source
     }
 
     /// The entry of flattened key `key`.
@@ -204,6 +228,9 @@ impl DcpCheckpoint {
     /// chunk's shape.
     fn read_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<HostTensor> {
         let info = self.storage(key, Some(&chunk.offsets))?;
+        if self.source.raw_chunks() {
+            return self.read_raw_chunk(key, chunk, dtype, info);
+        }
         let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
         let at = format!(
@@ -233,6 +260,34 @@ impl DcpCheckpoint {
             ));
         }
         Ok(t)
+    }
+
+    /// A chunk stored as its raw little-endian elements (Hugging Face storage: a
+    /// safetensors tensor's `data_offsets`), exactly its bytes long.
+    fn read_raw_chunk(
+        &self,
+        key: &str,
+        chunk: &Chunk,
+        dtype: DType,
+        info: &StorageInfo,
+    ) -> Result<HostTensor> {
+        let need = chunk_bytes(&chunk.sizes, dtype);
+        if info.length != need {
+            return Err(self.storage_err(
+                key,
+                &info.relative_path,
+                format!(
+                    "chunk at {:?} of shape {:?} {dtype} needs {need} bytes, {} are stored",
+                    chunk.offsets, chunk.sizes, info.length
+                ),
+            ));
+        }
+        let bytes = self.read_range(key, info, need)?;
+        if let Ok(path) = self.checked_range(key, info, need) {
+            self.drop_read_pages(path, info.offset, info.offset + info.length);
+        }
+        HostTensor::from_bytes(dtype, &chunk.sizes, &bytes)
+            .map_err(|e| self.storage_err(key, &info.relative_path, e.to_string()))
     }
 
     /// The whole tensor stored under flattened key `key`, assembled from its chunks (any
@@ -317,8 +372,18 @@ impl DcpCheckpoint {
             EntryKind::Tensor(t) => tensor(i, t),
             EntryKind::Bytes => self.read_object(&entries[i].key),
         };
-        nest(entries, &mut leaf)
-            .map_err(|e| e.into_error(&self.dir.join(".metadata").display().to_string()))
+        nest(entries, &mut leaf).map_err(|e| e.into_error(&self.metadata_name()))
+    }
+
+    /// What errors name as the metadata: `DIR/.metadata`, or the files it was built from.
+    pub(crate) fn metadata_name(&self) -> String {
+        match &self.source {
+            Source::Metadata => self.dir.join(".metadata").display().to_string(),
+            Source::PerRank { ranks } => {
+                format!("{}/__{{0..{}}}.metadata", self.dir.display(), ranks - 1)
+            }
+            Source::HfStorage { .. } => format!("{}/*.safetensors", self.dir.display()),
+        }
     }
 
     /// The whole nested state dict in memory (every tensor assembled).
@@ -363,7 +428,11 @@ impl Drop for DcpCheckpoint {
 /// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
 /// leading out; the file must exist and be a regular file. Returns it with its length, or
 /// why not (`what` names the file in the reason: "data file", "metadata file").
-fn confine(root: &Path, relative: &str, what: &str) -> std::result::Result<(PathBuf, u64), String> {
+pub(super) fn confine(
+    root: &Path,
+    relative: &str,
+    what: &str,
+) -> std::result::Result<(PathBuf, u64), String> {
     let rel = Path::new(relative);
     if relative.is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
         return Err(format!(
@@ -405,13 +474,20 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
 
 /// [`read_metadata`] of `dir`, whose canonical path is `root`.
 fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
-    let path = dir.join(".metadata");
+    metadata_file_in(dir, root, ".metadata")
+}
+
+/// Reads and parses the metadata file `name` of `dir` (canonical path `root`) as
+/// [`read_metadata`] reads `.metadata`.
+pub(super) fn metadata_file_in(dir: &Path, root: &Path, name: &str) -> Result<Metadata> {
+    let path = dir.join(name);
+    let file = name;
     let name = path.display().to_string();
     let refused = |reason: String| Error::DcpMetadata {
         file: name.clone(),
         reason,
     };
-    let (real, len) = confine(root, ".metadata", "metadata file").map_err(refused)?;
+    let (real, len) = confine(root, file, "metadata file").map_err(refused)?;
     if len > MAX_METADATA_BYTES {
         return Err(refused(format!(
             "{len} bytes, more than the {MAX_METADATA_BYTES} read"
@@ -714,8 +790,11 @@ pub struct DcpSummary {
     pub format: &'static str,
     /// The DCP version recorded.
     pub version: Option<String>,
-    /// The world size the data files imply: one more than the highest rank in their
-    /// `__{rank}_{n}.distcp` names (`None` when no file is named so).
+    /// Where the metadata came from.
+    pub source: Source,
+    /// The world size that saved it: the number of per-rank metadata files or of Hugging
+    /// Face shard indices, or else one more than the highest rank in the data files'
+    /// `__{rank}_{n}.distcp` names (`None` when none of these says).
     pub world_size: Option<usize>,
     /// Every key in metadata order.
     pub entries: Vec<EntrySummary>,
@@ -771,15 +850,20 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
             ranges: n,
         })
         .collect();
-    let world_size = files
-        .iter()
-        .filter_map(|f| rank_of(&f.name))
-        .max()
-        .map(|r| r + 1);
+    let world_size = match ckpt.source {
+        Source::PerRank { ranks } => Some(ranks),
+        Source::HfStorage { ranks, .. } => ranks,
+        Source::Metadata => files
+            .iter()
+            .filter_map(|f| rank_of(&f.name))
+            .max()
+            .map(|r| r + 1),
+    };
     Ok(DcpSummary {
         checkpoint: dir.display().to_string(),
         format: "dcp",
         version: md.version.clone(),
+        source: ckpt.source.clone(),
         world_size,
         entries,
         files,
@@ -803,10 +887,20 @@ impl std::fmt::Display for DcpSummary {
             self.checkpoint,
             self.version.as_deref().unwrap_or("?")
         )?;
+        writeln!(f, "metadata: {}", self.source.describe())?;
         let ws = self.world_size.map_or("?".to_string(), |w| w.to_string());
+        let from = match self.source {
+            Source::Metadata => "from the file names",
+            Source::PerRank { .. } => "from the metadata files",
+            Source::HfStorage {
+                form: super::HfForm::Rank0,
+                ..
+            } => "rank 0 saved the full state dict alone",
+            Source::HfStorage { .. } => "from the shard file names",
+        };
         writeln!(
             f,
-            "world size {ws} (from the file names), {} keys, {} bytes of tensors",
+            "world size {ws} ({from}), {} keys, {} bytes of tensors",
             self.entries.len(),
             self.tensor_bytes
         )?;
