@@ -19,9 +19,8 @@ linears first, then the root). It writes `tests/golden/dcp_sources/<scenario>/`:
   gives. `pytorch.txt` records what PyTorch's own `dcp_to_torch_save` makes of `ckpt/`: it
   finds no `.metadata`, falls back to `__0.metadata` and returns tensors whose other ranks'
   rows are whatever memory held (checked here: the result differs from `expected.pt`).
-* `per_rank_disagree_step`, `per_rank_disagree_lr` (2 ranks) — as `per_rank_ws2`, but rank 1
-  saves a different replicated value (one parameter's `step` tensor, the group's `lr`): the
-  per-rank files disagree on an item both hold.
+* `per_rank_disagree_step` (2 ranks) — as `per_rank_ws2`, but rank 1 saves a different
+  `step` tensor for one parameter: the per-rank files disagree on a replicated item.
 * `hf_rank0`, `hf_rank0_mapped` — `get_model_state_dict(full_state_dict=True)` saved by rank 0
   alone (`no_dist=True`) with `HuggingFaceStorageWriter(ckpt)` (one file
   `model-00001-of-00001.safetensors`) or with an `fqn_to_index_mapping` over two files;
@@ -45,8 +44,9 @@ The model mixes row counts that split evenly and unevenly on 2 and 3 ranks, a on
 
 `hostile/` holds `__{rank}.metadata` variants of `per_rank_ws3` (each
 `<case>.__<rank>.metadata`, to put in a copy of that checkpoint): a chunk overlapping another
-rank's, a key whose dtype or global shape disagrees with another rank's, a chunk with no rows
-of its own missing (a gap in the tiling).
+rank's, a key whose dtype or global shape disagrees with another rank's, a chunk missing (a
+gap in the tiling), a non-tensor value that is a tensor on another rank, and rank 1's copy of
+the replicated `lr` pointing at the bytes of `eps` (replicated values that differ).
 """
 
 import json
@@ -94,7 +94,6 @@ SCENARIOS = {
     "per_rank_ws2": (2, "per_rank"),
     "per_rank_ws3": (3, "per_rank"),
     "per_rank_disagree_step": (2, "per_rank"),
-    "per_rank_disagree_lr": (2, "per_rank"),
     "hf_rank0": (2, "hf"),
     "hf_rank0_mapped": (2, "hf"),
     "hf_distributed": (2, "hf"),
@@ -157,8 +156,6 @@ def save_per_rank(rank, model, name, out):
     msd, osd = get_state_dict(model, optim)
     if rank == 1 and name == "per_rank_disagree_step":
         osd["state"]["fc2.bias"]["step"] = osd["state"]["fc2.bias"]["step"] + 1
-    if rank == 1 and name == "per_rank_disagree_lr":
-        osd["param_groups"][0]["lr"] = 0.5
     dcp.save({"model": msd, "optim": osd}, checkpoint_id="ckpt", use_collectives=False)
     full_msd, full_osd = get_state_dict(
         model, optim, options=StateDictOptions(full_state_dict=True)
@@ -366,6 +363,12 @@ def hostile(base="per_rank_ws3"):
         k = "optim.param_groups.0.lr"
         md.state_dict_metadata[k] = type(src)(src.properties, src.size, [])
 
+    def lr_differs(md):
+        lr = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.lr")
+        eps = next(k for k in md.storage_data if k.fqn == "optim.param_groups.0.eps")
+        md.storage_data[lr] = md.storage_data[eps]
+
+    variant("lr_differs", 1, lr_differs)
     variant("overlap", 1, overlap)
     variant("wrong_dtype", 2, wrong_dtype)
     variant("wrong_size", 2, wrong_size)
