@@ -6,6 +6,7 @@ mod collectives;
 mod common;
 mod dcp;
 mod dcp_live;
+mod dcp_sources;
 mod error_paths;
 mod fsdp2_comm;
 mod fsdp2_layout;
