@@ -757,7 +757,7 @@ pub enum Error {
     /// An item that two ranks of a per-rank DCP directory both saved (a replicated tensor
     /// chunk such as an optimizer `step`, or a non-tensor value such as a `param_groups`
     /// option) is stored with different bytes by each: the ranks did not save one state.
-    #[error("DCP checkpoint `{}`, key `{}`{}: ranks {rank} and {other_rank} both saved it, with different bytes (`{}` bytes {}..+{} against `{}` bytes {}..+{}); a replicated item must be the same on every rank", shown(.dir), shown(.key), .offsets.as_ref().map(|o| format!(" (chunk at {o:?})")).unwrap_or_default(), shown(.file), .range.0, .range.1, shown(.other_file), .other_range.0, .other_range.1)]
+    #[error("DCP checkpoint `{}`, key `{}`{}: ranks {} and {} both saved it, with different bytes ({} against {}); a replicated item must be the same on every rank", shown(.dir), shown(.key), .offsets.as_ref().map(|o| format!(" (chunk at {o:?})")).unwrap_or_default(), .first.rank, .second.rank, .first, .second)]
     DcpReplicasDiffer {
         /// The checkpoint directory.
         dir: String,
@@ -765,18 +765,10 @@ pub enum Error {
         key: String,
         /// The chunk's offsets (`None` for a non-tensor value).
         offsets: Option<Vec<usize>>,
-        /// The first rank holding the item.
-        rank: usize,
-        /// Its data file.
-        file: String,
-        /// Its byte range (start, length).
-        range: (u64, u64),
-        /// The rank whose copy differs.
-        other_rank: usize,
-        /// Its data file.
-        other_file: String,
-        /// Its byte range (start, length).
-        other_range: (u64, u64),
+        /// The lowest rank's copy.
+        first: Box<StoredCopy>,
+        /// The copy that differs from it.
+        second: Box<StoredCopy>,
     },
 
     /// A safetensors file of a DCP directory in Hugging Face storage
@@ -797,10 +789,8 @@ pub enum Error {
     /// differently (dtype or number of dimensions), or the directory's files are not one
     /// checkpoint (some with `DCP_SHARDING_INFO` and some without, an index naming another
     /// file).
-    #[error("DCP checkpoint in Hugging Face storage `{}`{}: `{}` and `{}` disagree: {reason}", shown(.dir), .key.as_ref().map(|k| format!(", key `{}`", shown(k))).unwrap_or_default(), shown(.file), shown(.other_file))]
+    #[error("DCP checkpoint in Hugging Face storage{}: `{}` and `{}` disagree: {reason}", .key.as_ref().map(|k| format!(", key `{}`", shown(k))).unwrap_or_default(), shown(.file), shown(.other_file))]
     DcpHfDisagree {
-        /// The checkpoint directory.
-        dir: String,
         /// The tensor, when one is at fault.
         key: Option<String>,
         /// The file that described it first.
@@ -1073,6 +1063,31 @@ mod io_kind_serde {
             .copied()
             .find(|k| format!("{k:?}") == name)
             .unwrap_or(ErrorKind::Other))
+    }
+}
+
+/// One rank's stored copy of a DCP item ([`Error::DcpReplicasDiffer`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoredCopy {
+    /// The rank that saved it.
+    pub rank: usize,
+    /// Its data file, relative to the checkpoint directory.
+    pub file: String,
+    /// The start of its byte range.
+    pub offset: u64,
+    /// The length of its byte range.
+    pub length: u64,
+}
+
+impl std::fmt::Display for StoredCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` bytes {}..+{}",
+            shown(&self.file),
+            self.offset,
+            self.length
+        )
     }
 }
 

@@ -37,6 +37,9 @@ fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
     (tmp, dst)
 }
 
+/// What a hostile case's error must be.
+type Expect = dyn Fn(&Error) -> bool;
+
 const PER_RANK: [(&str, usize); 2] = [("per_rank_ws2", 2), ("per_rank_ws3", 3)];
 
 const HF: [(&str, HfForm, Option<usize>, usize); 5] = [
@@ -174,17 +177,15 @@ fn replicated_items_must_hold_the_same_bytes_on_every_rank() {
         Error::DcpReplicasDiffer {
             key,
             offsets,
-            rank,
-            other_rank,
-            file,
-            other_file,
+            first,
+            second,
             ..
         } => {
             assert_eq!(key, "optim.state.fc2.bias.step");
             assert_eq!(offsets, Some(vec![]));
-            assert_eq!((rank, other_rank), (0, 1));
+            assert_eq!((first.rank, second.rank), (0, 1));
             assert_eq!(
-                (file.as_str(), other_file.as_str()),
+                (first.file.as_str(), second.file.as_str()),
                 ("__0_0.distcp", "__1_0.distcp")
             );
         }
@@ -199,7 +200,7 @@ fn replicated_items_must_hold_the_same_bytes_on_every_rank() {
     .unwrap();
     let e = DcpCheckpoint::open(&dir).unwrap_err();
     assert!(
-        matches!(&e, Error::DcpReplicasDiffer { key, offsets: None, other_rank: 1, .. } if key == "optim.param_groups.0.lr"),
+        matches!(&e, Error::DcpReplicasDiffer { key, offsets: None, second, .. } if key == "optim.param_groups.0.lr" && second.rank == 1),
         "{e}"
     );
     // Nothing is written from such a directory.
@@ -210,7 +211,7 @@ fn replicated_items_must_hold_the_same_bytes_on_every_rank() {
 
 #[test]
 fn rank_files_that_disagree_are_refused_naming_key_and_ranks() {
-    let cases: [(&str, usize, &dyn Fn(&Error) -> bool); 5] = [
+    let cases: [(&str, usize, &Expect); 5] = [
         ("overlap", 1, &|e| {
             matches!(e, Error::DcpChunks { key, reason, .. }
                 if key == "model.fc1.weight" && reason.contains("overlap") && reason.contains("rank 1"))
@@ -372,7 +373,7 @@ fn hostile_hf_storage_is_refused_naming_file_and_key() {
     let header = |f: fn(&mut serde_json::Map<String, serde_json::Value>)| -> Edit {
         Box::new(move |dir: &Path| edit_header(&dir.join(RANK1), f))
     };
-    let cases: Vec<(&str, Edit, &dyn Fn(&Error) -> bool)> = vec![
+    let cases: Vec<(&str, Edit, &Expect)> = vec![
         (
             // Rank 1's rows of fc1.weight (3..6 of 6) claimed at 7..10: the inferred shape
             // grows to 10 rows with a gap.

@@ -54,7 +54,7 @@ const MAX_HEADER: u64 = 100_000_000;
 /// The largest index file read.
 const MAX_INDEX: u64 = 1 << 28;
 
-/// Which form of Hugging Face storage a directory holds (see [the module](self)).
+/// Which form of Hugging Face storage a directory holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HfForm {
@@ -85,11 +85,14 @@ struct Header {
     data_start: u64,
     /// The file's length.
     len: u64,
-    /// The tensors: name → (dtype name, shape, data_offsets), by name.
-    tensors: Vec<(String, String, Vec<usize>, (u64, u64))>,
+    /// The tensors, by name.
+    tensors: Vec<HeaderTensor>,
     /// `__metadata__`, when present.
     metadata: Option<serde_json::Map<String, serde_json::Value>>,
 }
+
+/// One tensor of a header: (name, dtype name, shape, data_offsets).
+type HeaderTensor = (String, String, Vec<usize>, (u64, u64));
 
 fn file_err(file: &str, key: Option<&str>, reason: impl Into<String>) -> Error {
     Error::DcpHfFile {
@@ -329,7 +332,6 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
                         unreachable!("every entry here is a tensor")
                     };
                     let disagree = |reason: String| Error::DcpHfDisagree {
-                        dir: dir_name.clone(),
                         key: Some(key.clone()),
                         file: first_file[i].clone(),
                         other_file: shown_name.clone(),
@@ -482,7 +484,6 @@ fn check_index(dir: &Path, root: &Path, held_by: &HashMap<String, Vec<String>>) 
         return Ok(());
     }
     let disagree = |key: Option<&str>, other: &str, reason: String| Error::DcpHfDisagree {
-        dir: dir.display().to_string(),
         key: key.map(str::to_string),
         file: index_name.clone(),
         other_file: other.to_string(),

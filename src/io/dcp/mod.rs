@@ -12,6 +12,16 @@
 //! is executed) and checks every data reference stays inside the directory. Tensors are then
 //! assembled on demand from any N-D grid of chunks ([`DcpCheckpoint::read_tensor`]), reading
 //! only their byte ranges; [`verify`] checks everything; [`summary`] describes the directory.
+//! The metadata may come from elsewhere than `.metadata` ([`Source`]): `dcp.save(...,
+//! use_collectives=False)` writes one `__{rank}.metadata` per rank, each describing only its
+//! own items, which [`DcpCheckpoint::open`] merges into one global view after checking that
+//! they are parts of one checkpoint (ranks without gaps, keys described alike, chunks tiling
+//! each tensor, replicated items stored with identical bytes); `HuggingFaceStorageWriter`
+//! writes safetensors files whose headers' `DCP_SHARDING_INFO` gives each tensor's offsets
+//! ([`HfForm`]: rank 0's full dict, every rank's shards, or those shards in `sharded/` beside
+//! PyTorch's merged files, of which the shards are read), its chunks raw little-endian
+//! elements. Everything above reads the one [`Metadata`].
+//!
 //! [`save_dcp`] writes a state dict as a DCP directory. The conversions to and from other
 //! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this
 //! module gives them the plans and the byte moving.

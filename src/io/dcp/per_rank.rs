@@ -357,16 +357,20 @@ fn check_replicas(dir: &Path, root: &Path, files: &[RankFile], merging: &Merging
     };
     for (key, offsets, a, b) in &merging.replicas {
         let (ia, ib) = (record(*a, key, offsets)?, record(*b, key, offsets)?);
+        let copy = |rank: usize, info: &StorageInfo| {
+            Box::new(crate::error::StoredCopy {
+                rank,
+                file: info.relative_path.clone(),
+                offset: info.offset,
+                length: info.length,
+            })
+        };
         let differ = || Error::DcpReplicasDiffer {
             dir: dir_name.clone(),
             key: key.clone(),
             offsets: offsets.clone(),
-            rank: *a,
-            file: ia.relative_path.clone(),
-            range: (ia.offset, ia.length),
-            other_rank: *b,
-            other_file: ib.relative_path.clone(),
-            other_range: (ib.offset, ib.length),
+            first: copy(*a, &ia),
+            second: copy(*b, &ib),
         };
         if ia.length != ib.length || ia.transforms != ib.transforms {
             return Err(differ());

@@ -35,8 +35,8 @@ impl DcpCheckpoint {
     /// The metadata comes from whichever source the directory has ([`Source`], in this
     /// order): `.metadata`; the per-rank `__{rank}.metadata` files of a save without
     /// collectives, merged into one global view and checked to agree
-    /// ([`super::per_rank`]); or the safetensors headers of Hugging Face storage
-    /// (`DCP_SHARDING_INFO`, [`super::hf_storage`]). Everything above (tensors, the nested
+    /// (`per_rank.rs`); or the safetensors headers of Hugging Face storage
+    /// (`DCP_SHARDING_INFO`, `hf_storage.rs`). Everything above (tensors, the nested
     /// dict, consolidation, verification, resharding) reads the one [`Metadata`] alike.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
