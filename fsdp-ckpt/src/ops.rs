@@ -459,7 +459,7 @@ fn convert_file(
 }
 
 /// `convert IN OUT_DIR --to dcp`, from a file, from the crate's checkpoint directory or from
-/// a DCP directory of any form, by the processes of `pg`: each writes its share of the
+/// a DCP directory with per-rank metadata or in Hugging Face storage, by the processes of `pg`: each writes its share of the
 /// tensors into the one data file ([`convert::checkpoint_to_dcp`] for the crate's checkpoint
 /// directory, [`convert::dcp_to_dcp`] for a DCP directory (per-rank metadata or Hugging Face
 /// storage rewritten with one `.metadata`), [`convert::torch_save_to_dcp`] for a file);
@@ -516,14 +516,21 @@ fn as_a_job(pg: &dyn ProcessGroup) -> String {
     }
 }
 
-/// The input of `convert … --to dcp`: a checkpoint of this crate, a file, or a DCP directory.
+/// The input of `convert … --to dcp`: a checkpoint of this crate, a file, or a DCP directory
+/// whose metadata is not one `.metadata` (per-rank files, Hugging Face storage); one with
+/// `.metadata` is already what this writes.
 fn to_dcp_input(input: &Path) -> Result<Input> {
     expect_input(
         "convert --to dcp",
         input,
-        "a checkpoint of this crate, a torch.save or safetensors file, or a DCP directory",
-        |i| i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)),
+        "a checkpoint of this crate, a torch.save or safetensors file, or a DCP directory with per-rank metadata or in Hugging Face storage",
+        to_dcp_takes,
     )
+}
+
+/// Whether `convert … --to dcp` takes `i` ([`to_dcp_input`]).
+fn to_dcp_takes(i: Input) -> bool {
+    i != Input::Dcp && (i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)))
 }
 
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
@@ -536,8 +543,7 @@ pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
         Some("dcp") => {
             opts.model.is_none()
                 && opts.world_size.is_none()
-                && recognize(input)
-                    .is_ok_and(|i| i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)))
+                && recognize(input).is_ok_and(to_dcp_takes)
         }
         Some("fsdp") => true,
         _ => false,

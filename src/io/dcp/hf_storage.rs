@@ -31,9 +31,9 @@
 //! `safe_open(...).keys()`); PyTorch's order follows the directory listing, which is not
 //! stable.
 
+use super::files::confine;
 use super::metadata::{Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta};
 use super::plan::{check_tiling, volume};
-use super::read::confine;
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 use std::collections::HashMap;

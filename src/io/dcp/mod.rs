@@ -26,6 +26,7 @@
 //! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this
 //! module gives them the plans and the byte moving.
 
+mod files;
 mod hf_storage;
 mod metadata;
 mod per_rank;

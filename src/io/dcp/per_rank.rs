@@ -14,9 +14,9 @@
 //! value such as a `param_groups` option) is accepted only when every copy's stored bytes are
 //! identical; the lowest rank's copy is read.
 
+use super::files::{confine, metadata_file_in};
 use super::metadata::{Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey};
 use super::plan::{check_tiling, holds_elements};
-use super::read::{confine, metadata_file_in};
 use crate::error::{Error, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::Path;

@@ -1,9 +1,8 @@
 //! Reading a DCP directory: confined data-file access, chunk parsing, tensor assembly, and
 //! the consolidation, verification and summary built on them.
 
-use super::metadata::{
-    Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
-};
+use super::files::{confine, metadata_file_in};
+use super::metadata::{Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta};
 use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
 use super::Source;
 use crate::error::{Error, Result};
@@ -12,7 +11,7 @@ use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 /// An opened DCP directory: its metadata, with every data file resolved inside it.
 #[derive(Debug)]
@@ -425,45 +424,6 @@ impl Drop for DcpCheckpoint {
     }
 }
 
-/// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
-/// leading out; the file must exist and be a regular file. Returns it with its length, or
-/// why not (`what` names the file in the reason: "data file", "metadata file").
-pub(super) fn confine(
-    root: &Path,
-    relative: &str,
-    what: &str,
-) -> std::result::Result<(PathBuf, u64), String> {
-    let rel = Path::new(relative);
-    if relative.is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-        return Err(format!(
-            "relative_path {:?} is not a plain path inside the checkpoint directory",
-            crate::error::shown(relative)
-        ));
-    }
-    let path = root.join(rel);
-    let real = match path.canonicalize() {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(format!("the {what} is missing"))
-        }
-        Err(e) => return Err(format!("cannot resolve the {what}: {e}")),
-    };
-    if !real.starts_with(root) {
-        return Err(format!(
-            "{:?} leads outside the checkpoint directory (through a symlink)",
-            crate::error::shown(relative)
-        ));
-    }
-    match std::fs::metadata(&real) {
-        Ok(m) if m.is_file() => Ok((real, m.len())),
-        Ok(m) => Err(format!(
-            "the {what} is a {}, not a regular file",
-            crate::io::output::file_kind(&m.file_type())
-        )),
-        Err(e) => Err(format!("cannot stat the {what}: {e}")),
-    }
-}
-
 /// Reads and parses `dir/.metadata`: a regular file inside `dir` (a symlink may not lead out
 /// of it, as for data files) of at most 1 GiB (`MAX_METADATA_BYTES`), read without blocking on a
 /// FIFO.
@@ -475,29 +435,6 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
 /// [`read_metadata`] of `dir`, whose canonical path is `root`.
 fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
     metadata_file_in(dir, root, ".metadata")
-}
-
-/// Reads and parses the metadata file `name` of `dir` (canonical path `root`) as
-/// [`read_metadata`] reads `.metadata`.
-pub(super) fn metadata_file_in(dir: &Path, root: &Path, name: &str) -> Result<Metadata> {
-    let path = dir.join(name);
-    let file = name;
-    let name = path.display().to_string();
-    let refused = |reason: String| Error::DcpMetadata {
-        file: name.clone(),
-        reason,
-    };
-    let (real, len) = confine(root, file, "metadata file").map_err(refused)?;
-    if len > MAX_METADATA_BYTES {
-        return Err(refused(format!(
-            "{len} bytes, more than the {MAX_METADATA_BYTES} read"
-        )));
-    }
-    let data = crate::io::output::read_regular(&real, MAX_METADATA_BYTES).map_err(|e| match e {
-        crate::io::output::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
-        other => refused(other.to_string()),
-    })?;
-    super::parse_metadata(&name, &data)
 }
 
 /// The placeholders of a nested DCP state dict ([`Placeholders`]), streamed one assembled
