@@ -758,6 +758,83 @@ pub enum Error {
         key: String,
     },
 
+    /// A DCP directory saved with per-rank metadata (`dcp.save(..., use_collectives=False)`)
+    /// lacks the `__{rank}.metadata` of a rank: ranks must be numbered `0..N` without a gap,
+    /// and a rank that wrote data files (`__{rank}_{n}.distcp`) must have its metadata.
+    #[error("DCP checkpoint `{}` with per-rank metadata: `__{rank}.metadata` is missing ({found}); every rank's file is needed to merge them into one checkpoint", shown(.dir))]
+    DcpRankMissing {
+        /// The checkpoint directory.
+        dir: String,
+        /// The rank whose metadata file is missing.
+        rank: usize,
+        /// What was found instead (the ranks with metadata, the data file naming this rank).
+        found: String,
+    },
+
+    /// Two per-rank metadata files of a DCP directory describe one key differently (a tensor
+    /// on one rank and a non-tensor value on the other, another dtype, global shape or
+    /// `planner_data` path), so they are not parts of one checkpoint.
+    #[error("DCP checkpoint `{}`, key `{}`: `__{rank}.metadata` and `__{other_rank}.metadata` disagree: {reason}", shown(.dir), shown(.key))]
+    DcpRanksDisagree {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The rank that described the key first.
+        rank: usize,
+        /// The rank that describes it differently.
+        other_rank: usize,
+        /// How they differ.
+        reason: String,
+    },
+
+    /// An item that two ranks of a per-rank DCP directory both saved (a replicated tensor
+    /// chunk such as an optimizer `step`, or a non-tensor value such as a `param_groups`
+    /// option) is stored with different bytes by each: the ranks did not save one state.
+    #[error("DCP checkpoint `{}`, key `{}`{}: ranks {} and {} both saved it, with different bytes ({} against {}); a replicated item must be the same on every rank", shown(.dir), shown(.key), .offsets.as_ref().map(|o| format!(" (chunk at {o:?})")).unwrap_or_default(), .first.rank, .second.rank, .first, .second)]
+    DcpReplicasDiffer {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The chunk's offsets (`None` for a non-tensor value).
+        offsets: Option<Vec<usize>>,
+        /// The lowest rank's copy.
+        first: Box<StoredCopy>,
+        /// The copy that differs from it.
+        second: Box<StoredCopy>,
+    },
+
+    /// A safetensors file of a DCP directory in Hugging Face storage
+    /// (`HuggingFaceStorageWriter`) does not describe its tensors as the writer does: a
+    /// malformed header, a missing or malformed `DCP_SHARDING_INFO` entry, an unsupported
+    /// dtype, data offsets outside the file.
+    #[error("DCP checkpoint in Hugging Face storage, file `{}`{}: {reason}", shown(.file), .key.as_ref().map(|k| format!(", key `{}`", shown(k))).unwrap_or_default())]
+    DcpHfFile {
+        /// The safetensors file.
+        file: String,
+        /// The tensor, when one is at fault.
+        key: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Two safetensors files of a DCP directory in Hugging Face storage describe one tensor
+    /// differently (dtype or number of dimensions), or the directory's files are not one
+    /// checkpoint (some with `DCP_SHARDING_INFO` and some without, an index naming another
+    /// file).
+    #[error("DCP checkpoint in Hugging Face storage{}: `{}` and `{}` disagree: {reason}", .key.as_ref().map(|k| format!(", key `{}`", shown(k))).unwrap_or_default(), shown(.file), shown(.other_file))]
+    DcpHfDisagree {
+        /// The tensor, when one is at fault.
+        key: Option<String>,
+        /// The file that described it first.
+        file: String,
+        /// The file that describes it differently.
+        other_file: String,
+        /// How they differ.
+        reason: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.
@@ -1020,6 +1097,31 @@ mod io_kind_serde {
             .copied()
             .find(|k| format!("{k:?}") == name)
             .unwrap_or(ErrorKind::Other))
+    }
+}
+
+/// One rank's stored copy of a DCP item ([`Error::DcpReplicasDiffer`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoredCopy {
+    /// The rank that saved it.
+    pub rank: usize,
+    /// Its data file, relative to the checkpoint directory.
+    pub file: String,
+    /// The start of its byte range.
+    pub offset: u64,
+    /// The length of its byte range.
+    pub length: u64,
+}
+
+impl std::fmt::Display for StoredCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` bytes {}..+{}",
+            shown(&self.file),
+            self.offset,
+            self.length
+        )
     }
 }
 

@@ -29,7 +29,7 @@ mod fsdp2;
 // public modules above (the formats, checkpoints, conversions and collectives) or is private.
 
 // Errors: one enum for every layer.
-pub use error::{Error, IoError, LookupSite, Result};
+pub use error::{Error, IoError, LookupSite, Result, StoredCopy};
 
 // Tensors: the host tensor, the dtype table and the backend trait (libtorch with `tch`).
 #[cfg(feature = "tch")]

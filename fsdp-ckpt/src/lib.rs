@@ -39,10 +39,14 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Show what an optimizer or model state dict file holds: keys and key types, state
-    /// names, dtypes, shapes, steps, param groups, total tensor bytes.
+    /// Show what an optimizer or model state dict file holds (keys and key types, state
+    /// names, dtypes, shapes, steps, param groups, total tensor bytes), what a sharded
+    /// checkpoint directory of this crate holds, or what a PyTorch DCP directory holds, in
+    /// any form dcp.save writes: `.metadata`; per-rank `__{rank}.metadata` files
+    /// (use_collectives=False), merged; Hugging Face storage (HuggingFaceStorageWriter:
+    /// safetensors files with DCP_SHARDING_INFO, rank-0, distributed or consolidated).
     Inspect {
-        /// The file (.pt, .pth or .safetensors).
+        /// The file (.pt, .pth or .safetensors) or directory.
         file: PathBuf,
         /// Machine-readable JSON instead of text.
         #[arg(long)]
@@ -59,10 +63,11 @@ enum Command {
         /// may allocate beyond the file's storage bytes.
         #[arg(long, value_name = "BYTES", default_value_t = io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES)]
         max_expansion_bytes: u64,
-        /// Write a directory instead: `dcp`, a PyTorch DCP directory (from a torch.save or
-        /// safetensors file, or from this crate's sharded checkpoint directory); `fsdp`, this
-        /// crate's sharded checkpoint from a DCP directory (needs `--model` and
-        /// `--world-size`).
+        /// Write a directory instead: `dcp`, a PyTorch DCP directory with one `.metadata`
+        /// (from a torch.save or safetensors file, from this crate's sharded checkpoint
+        /// directory, or from a DCP directory with per-rank metadata or in Hugging Face
+        /// storage); `fsdp`, this crate's sharded checkpoint from a DCP directory of any form
+        /// (needs `--model` and `--world-size`).
         #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp"])]
         to: Option<String>,
         /// With `--to fsdp`: the model description and wrapping policy (JSON; see README).
@@ -149,17 +154,22 @@ enum Command {
         policy: Option<PathBuf>,
     },
     /// Write the full (unflattened, name-keyed) optimizer state dict of a sharded checkpoint
-    /// directory as `.safetensors` or `torch.save` (`.pt`), streaming with bounded memory.
+    /// directory, or the whole state of a PyTorch DCP directory (`.metadata`, per-rank
+    /// `__{rank}.metadata` files merged and checked to agree, or Hugging Face storage with
+    /// DCP_SHARDING_INFO; `sharded/` of a consolidated one), as `.safetensors` or
+    /// `torch.save` (`.pt`), streaming with bounded memory.
     Consolidate {
-        /// The checkpoint directory.
+        /// The checkpoint or DCP directory.
         input: PathBuf,
         /// Output file (.safetensors, .pt or .pth).
         output: PathBuf,
     },
-    /// Check a sharded checkpoint directory completely: commit marker, manifest, file
-    /// lengths and headers, every checksum block.
+    /// Check a sharded checkpoint directory completely (commit marker, manifest, file
+    /// lengths and headers, every checksum block), or a PyTorch DCP directory of any form
+    /// (`.metadata`, per-rank `__{rank}.metadata` files, Hugging Face storage): every byte
+    /// range, chunk and value, and the tiling of every tensor.
     Verify {
-        /// The checkpoint directory.
+        /// The checkpoint or DCP directory.
         input: PathBuf,
     },
 }

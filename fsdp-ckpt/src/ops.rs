@@ -325,33 +325,28 @@ fn expect_input(
 
 /// The refusal of `input`, recognized as `found`, by `command`, which takes `wants`.
 fn wrong_input(command: &str, input: &Path, wants: &str, found: Input) -> Error {
-    let hint = match found {
-        Input::DcpPerRank => {
-            " (per-rank metadata, written by dcp.save(..., use_collectives=False), is not read yet)"
-        }
-        _ => "",
-    };
     Error::Unsupported(format!(
-        "{command} takes {wants}; `{}` is {}{hint}",
+        "{command} takes {wants}; `{}` is {}",
         input.display(),
         found.describe()
     ))
 }
 
 /// `inspect PATH`: a summary of a state dict file (from its structure alone, never its tensor
-/// data), of the crate's checkpoint directory (its manifest), or of a DCP directory (its
-/// `.metadata`).
+/// data), of the crate's checkpoint directory (its manifest), or of a DCP directory of any
+/// form (its `.metadata`, its per-rank `__{rank}.metadata` files merged, or the
+/// `DCP_SHARDING_INFO` headers of Hugging Face storage).
 pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
     let format =
         match recognize(path)? {
-            Input::Dcp => return Ok(Inspection::Dcp(dcp::summary(path)?)),
+            i if i.is_dcp() => return Ok(Inspection::Dcp(dcp::summary(path)?)),
             Input::Checkpoint => {
                 return Ok(Inspection::Checkpoint(
                     checkpoint::CheckpointSummary::of_dir(path)?,
                 ))
             }
             Input::File(format) => format,
-            found @ Input::DcpPerRank => return Err(wrong_input(
+            found => return Err(wrong_input(
                 "inspect",
                 path,
                 "a DCP directory, a checkpoint of this crate, or a torch.save or safetensors file",
@@ -378,10 +373,10 @@ pub fn verify(input: &Path, p: &dyn Progress) -> Result<Verified> {
         "verify",
         input,
         "a DCP directory or a checkpoint of this crate (inspect reads single files)",
-        |i| matches!(i, Input::Dcp | Input::Checkpoint),
+        |i| i.is_dcp() || i == Input::Checkpoint,
     )?;
     step(p, "verifying", || {
-        Ok(if found == Input::Dcp {
+        Ok(if found.is_dcp() {
             Verified::Dcp {
                 input: input.to_path_buf(),
                 report: dcp::verify(input)?,
@@ -474,13 +469,15 @@ fn convert_file(
     })
 }
 
-/// `convert IN OUT_DIR --to dcp`, from a file or from the crate's checkpoint directory, by
-/// the processes of `pg`: each writes its share of the tensors into the one data file
+/// `convert IN OUT_DIR --to dcp`, from a file, from the crate's checkpoint directory or from
+/// a DCP directory with per-rank metadata or in Hugging Face storage, by the processes of
+/// `pg`: each writes its share of the tensors into the one data file
 /// ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
-/// [`convert::torch_save_to_dcp`] for a file); process 0 writes `.metadata` and installs the
-/// directory. The output is the same for any number of processes (a DCP directory's
-/// `.metadata` differs only in its random save id). With `compression` (`--compress zstd`)
-/// every item is a zstd frame and process 0 writes them all.
+/// [`convert::dcp_to_dcp`] for a DCP directory (per-rank metadata or Hugging Face storage
+/// rewritten with one `.metadata`), [`convert::torch_save_to_dcp`] for a file); process 0
+/// writes `.metadata` and installs the directory. The output is the same for any number of
+/// processes (a DCP directory's `.metadata` differs only in its random save id). With
+/// `compression` (`--compress zstd`) every item is a zstd frame and process 0 writes them all.
 fn to_dcp(
     input: &Path,
     output: &Path,
@@ -489,7 +486,8 @@ fn to_dcp(
     p: &dyn Progress,
 ) -> Result<Written> {
     let opts = io::dcp::DcpWriteOptions::default().compression(compression);
-    let from_checkpoint = pg.agree(to_dcp_input(input))? == Input::Checkpoint;
+    let found = pg.agree(to_dcp_input(input))?;
+    let from_checkpoint = found == Input::Checkpoint;
     if from_checkpoint {
         pg.agree(checkpoint::read_manifest(input))?;
     }
@@ -498,6 +496,8 @@ fn to_dcp(
     let written = if from_checkpoint {
         // The full optimizer state dict of the crate's sharded checkpoint, streamed.
         convert::checkpoint_to_dcp_with(input, output, pg, &opts, |b| p.update(b))
+    } else if found.is_dcp() {
+        convert::dcp_to_dcp_with(input, output, pg, &opts)
     } else {
         convert::torch_save_to_dcp_with(input, output, pg, &opts)
     };
@@ -541,27 +541,34 @@ fn as_a_job(pg: &dyn ProcessGroup) -> String {
     }
 }
 
-/// The input of `convert … --to dcp`: a checkpoint of this crate or a file.
+/// The input of `convert … --to dcp`: a checkpoint of this crate, a file, or a DCP directory
+/// whose metadata is not one `.metadata` (per-rank files, Hugging Face storage); one with
+/// `.metadata` is already what this writes.
 fn to_dcp_input(input: &Path) -> Result<Input> {
     expect_input(
         "convert --to dcp",
         input,
-        "a checkpoint of this crate or a torch.save or safetensors file",
-        |i| matches!(i, Input::Checkpoint | Input::File(_)),
+        "a checkpoint of this crate, a torch.save or safetensors file, or a DCP directory with per-rank metadata or in Hugging Face storage",
+        to_dcp_takes,
     )
 }
 
+/// Whether `convert … --to dcp` takes `i` ([`to_dcp_input`]).
+fn to_dcp_takes(i: Input) -> bool {
+    i != Input::Dcp && (i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)))
+}
+
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
-/// the crate's checkpoint directory or from a file (a data file whose layout is known before
-/// any byte is written; a `.pt` whose tensors are views into shared storages is converted by
-/// process 0 alone), and `--to fsdp` (each process writes its share of the rank files).
-/// File-to-file conversions run on one process.
+/// the crate's checkpoint directory, a DCP directory or a file (a data file whose layout is
+/// known before any byte is written; a `.pt` whose tensors are views into shared storages is
+/// converted by process 0 alone), and `--to fsdp` (each process writes its share of the rank
+/// files). File-to-file conversions run on one process.
 pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
     match opts.to.as_deref() {
         Some("dcp") => {
             opts.model.is_none()
                 && opts.world_size.is_none()
-                && matches!(recognize(input), Ok(Input::Checkpoint | Input::File(_)))
+                && recognize(input).is_ok_and(to_dcp_takes)
         }
         Some("fsdp") => true,
         _ => false,
@@ -609,9 +616,7 @@ fn fsdp_target(
     if ws == 0 {
         return Err(usage("a world size of at least 1"));
     }
-    expect_input("convert --to fsdp", input, "a DCP directory", |i| {
-        i == Input::Dcp
-    })?;
+    expect_input("convert --to fsdp", input, "a DCP directory", Input::is_dcp)?;
     let spec = DescFile::from_json_file(model)?;
     output::check_not_overlapping(output, &[input, model])?;
     fsdp::flat_param::ModelLayout::new(&spec.model, &spec.policy, ws)
@@ -652,7 +657,7 @@ pub fn consolidate(
     p: &dyn Progress,
 ) -> Result<Written> {
     let format = FileFormat::from_path(out)?;
-    let is_dcp = pg.agree(consolidate_input(input))? == Input::Dcp;
+    let is_dcp = pg.agree(consolidate_input(input))?.is_dcp();
     pg.on_root(|| {
         output::check_not_overlapping(out, &[input])?;
         output::check_file_output(out)
@@ -706,7 +711,7 @@ fn consolidate_input(input: &Path) -> Result<Input> {
         "consolidate",
         input,
         "a DCP directory or a checkpoint of this crate",
-        |i| matches!(i, Input::Dcp | Input::Checkpoint),
+        |i| i.is_dcp() || i == Input::Checkpoint,
     )
 }
 

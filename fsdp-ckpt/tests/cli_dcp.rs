@@ -372,3 +372,157 @@ fn convert_to_dcp_with_compress_zstd_writes_frames_that_read_back_equal() {
     ]);
     assert_eq!(res.status.code(), Some(2));
 }
+
+// ----- DCP directories whose metadata is not one `.metadata` (tests/golden/dcp_sources) -----
+
+fn source(p: &str) -> PathBuf {
+    tool::golden("dcp_sources").join(p)
+}
+
+#[test]
+fn per_rank_metadata_is_inspected_verified_consolidated_and_converted() {
+    let dir = source("per_rank_ws3/ckpt");
+    let text = ok(&run(&[&"inspect", &dir]));
+    assert!(
+        text.contains("3 per-rank `__{rank}.metadata` files"),
+        "{text}"
+    );
+    assert!(
+        text.contains("world size 3 (from the metadata files)"),
+        "{text}"
+    );
+    assert!(
+        text.contains("model.fc2.weight torch.float32 [5, 6] (3 chunks)"),
+        "{text}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(&run(&[&"inspect", &dir, &"--json"]))).unwrap();
+    assert_eq!(json["source"]["kind"], "per_rank");
+    assert_eq!(json["world_size"], 3);
+    assert!(ok(&run(&[&"verify", &dir])).contains(": OK ("));
+    // The saving run's full get_state_dict, which PyTorch's dcp_to_torch_save does not give.
+    let expected = torch_save::load(source("per_rank_ws3/expected.pt")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let pt = tmp.path().join("full.pt");
+    ok(&run(&[&"consolidate", &dir, &pt]));
+    assert!(torch_save::load(&pt).unwrap().bit_eq(&expected));
+    let st = tmp.path().join("full.safetensors");
+    ok(&run(&[&"consolidate", &dir, &st]));
+    assert!(io::load(&st).unwrap().bit_eq(&expected));
+    // One `.metadata`, read back equal.
+    let global = tmp.path().join("global");
+    ok(&run(&[&"convert", &dir, &global, &"--to", &"dcp"]));
+    assert!(global.join(".metadata").is_file());
+    let back = tmp.path().join("back.pt");
+    ok(&run(&[&"consolidate", &global, &back]));
+    assert!(torch_save::load(&back).unwrap().bit_eq(&expected));
+    // The crate's checkpoint for 2 ranks keeps the optimizer state.
+    use fsdp::offline::DescFile;
+    use fsdp::{DType, ModelDesc, WrapPolicy};
+    let f = DType::F32;
+    let model = ModelDesc::new()
+        .param("fc1.weight", &[6, 3], f)
+        .param("fc1.bias", &[6], f)
+        .param("fc2.weight", &[5, 6], f)
+        .param("fc2.bias", &[5], f)
+        .param("out.weight", &[1, 5], f)
+        .param("out.bias", &[1], f);
+    let desc = tmp.path().join("desc.json");
+    std::fs::write(
+        &desc,
+        DescFile::new(model, WrapPolicy::units(&["fc1", "fc2", "out", ""])).to_json(),
+    )
+    .unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    ok(&run(&[
+        &"convert",
+        &dir,
+        &ckpt,
+        &"--to",
+        &"fsdp",
+        &"--model",
+        &desc,
+        &"--world-size",
+        &"2",
+    ]));
+    ok(&run(&[&"verify", &ckpt]));
+    let optim = tmp.path().join("optim.pt");
+    ok(&run(&[&"consolidate", &ckpt, &optim]));
+    let got = torch_save::optim_from_pyobj(torch_save::load(&optim).unwrap()).unwrap();
+    let want = torch_save::optim_from_pyobj(expected.get("optim").cloned().unwrap()).unwrap();
+    assert_eq!(got.state, want.state);
+}
+
+#[test]
+fn per_rank_metadata_with_a_rank_missing_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    std::fs::create_dir(&dir).unwrap();
+    for e in std::fs::read_dir(source("per_rank_ws3/ckpt")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    std::fs::remove_file(dir.join("__1.metadata")).unwrap();
+    let pt = tmp.path().join("out.pt");
+    for args in [
+        vec![&"verify" as &dyn AsRef<std::ffi::OsStr>, &dir],
+        vec![&"consolidate", &dir, &pt],
+    ] {
+        let out = run(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("`__1.metadata` is missing"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    assert!(!pt.exists());
+}
+
+#[test]
+fn every_hf_storage_form_is_inspected_verified_and_consolidated_as_pytorch_loads_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, says) in [
+        ("hf_rank0", "saved by rank 0"),
+        ("hf_rank0_mapped", "saved by rank 0"),
+        ("hf_distributed", "saved by every rank"),
+        ("hf_distributed_mapped", "saved by every rank"),
+        ("hf_consolidated", "`sharded/` shards are read"),
+    ] {
+        let dir = source(name).join("ckpt");
+        let text = ok(&run(&[&"inspect", &dir]));
+        assert!(text.contains(says), "{name}: {text}");
+        assert!(text.contains("head.weight torch.bfloat16 [4, 2]"), "{text}");
+        assert!(ok(&run(&[&"verify", &dir])).contains("7 tensors"), "{name}");
+        let expected = torch_save::load(source(name).join("expected.pt")).unwrap();
+        let pt = tmp.path().join(format!("{name}.pt"));
+        ok(&run(&[&"consolidate", &dir, &pt]));
+        assert!(torch_save::load(&pt).unwrap().bit_eq(&expected), "{name}");
+        let st = tmp.path().join(format!("{name}.safetensors"));
+        ok(&run(&[&"consolidate", &dir, &st]));
+        assert!(io::load(&st).unwrap().bit_eq(&expected), "{name}");
+        let global = tmp.path().join(format!("{name}_dcp"));
+        ok(&run(&[&"convert", &dir, &global, &"--to", &"dcp"]));
+        let back = tmp.path().join(format!("{name}_back.pt"));
+        ok(&run(&[&"consolidate", &global, &back]));
+        assert!(torch_save::load(&back).unwrap().bit_eq(&expected), "{name}");
+    }
+}
+
+#[test]
+fn a_plain_hugging_face_directory_is_not_read_as_dcp() {
+    // hf_consolidated's merged files alone: no DCP_SHARDING_INFO.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hf");
+    std::fs::create_dir(&dir).unwrap();
+    for e in std::fs::read_dir(source("hf_consolidated/ckpt")).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+    }
+    for cmd in ["inspect", "verify"] {
+        let out = run(&[&cmd, &dir]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("carry no `DCP_SHARDING_INFO`"), "{err}");
+    }
+}

@@ -59,8 +59,9 @@ def inspect(path: Path) -> Dict[str, Any]:
 
     ``path`` is a ``.pt``/``.pth``/``.safetensors`` file (keys, dtypes, shapes, steps, param
     groups, tensor bytes), the crate's checkpoint directory (its manifest), or a PyTorch DCP
-    directory (keys, dtypes, global shapes, chunk counts, the data files and the world size
-    they imply). The dict is what ``fsdp-ckpt inspect --json PATH`` prints.
+    directory of any form: ``.metadata``, per-rank ``__{rank}.metadata`` files (merged), or
+    Hugging Face storage (``DCP_SHARDING_INFO`` headers) (keys, dtypes, global shapes, chunk
+    counts, the data files, where the metadata came from and the world size). The dict is what ``fsdp-ckpt inspect --json PATH`` prints.
     """
     return json.loads(_native.inspect(os.fspath(path)))
 
@@ -113,7 +114,9 @@ def consolidate(input: Path, output: Path, *, progress: Progress = None) -> Dict
 
     ``input`` is a PyTorch DCP directory (the output is what
     ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes: same nesting, key
-    order and key types, bit-identical tensors) or the crate's checkpoint directory (the full,
+    order and key types, bit-identical tensors; per-rank ``__{rank}.metadata`` files are merged,
+    giving the saving run's full state dict where PyTorch's own function returns other ranks'
+    rows uninitialised; Hugging Face storage gives what ``HuggingFaceStorageReader`` loads) or the crate's checkpoint directory (the full,
     name-keyed optimizer state dict). ``output`` ends in ``.pt``/``.pth`` or ``.safetensors``.
     Streamed: memory stays near the largest tensor, not the checkpoint's size.
     """

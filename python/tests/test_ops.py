@@ -50,6 +50,29 @@ def test_consolidate_a_pytorch_dcp_directory_equals_dcp_to_torch_save(case, tmp_
     assert report["tensor_bytes"] > 0
 
 
+SOURCE_CASES = [
+    "per_rank_ws2",
+    "per_rank_ws3",
+    "hf_rank0",
+    "hf_rank0_mapped",
+    "hf_distributed",
+    "hf_distributed_mapped",
+    "hf_consolidated",
+]
+
+
+@pytest.mark.parametrize("case", SOURCE_CASES)
+def test_every_dcp_form_consolidates_to_what_pytorch_holds(case, tmp_path):
+    # Per-rank metadata: the saving run's full get_state_dict (not dcp_to_torch_save's
+    # result); Hugging Face storage: HuggingFaceStorageReader's load.
+    ckpt = GOLDEN / "dcp_sources" / case / "ckpt"
+    out = tmp_path / "full.pt"
+    fsdp_ckpt.consolidate(ckpt, out)
+    same(load(GOLDEN / "dcp_sources" / case / "expected.pt"), load(out))
+    assert fsdp_ckpt.inspect(ckpt)["format"] == "dcp"
+    assert fsdp_ckpt.verify(ckpt)["format"] == "dcp"
+
+
 def test_inspect_and_verify_a_dcp_directory():
     ckpt = GOLDEN / "dcp" / "fsdp2_adam_ws4" / "ckpt"
     found = fsdp_ckpt.inspect(ckpt)

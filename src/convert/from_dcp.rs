@@ -1,10 +1,10 @@
 //! A DCP directory consolidated into one file: what `dcp_to_torch_save` writes, or the same
 //! dict as `.safetensors`.
 
-use super::coordinate::{write_planned_file, write_torch_save};
+use super::coordinate::{write_dcp, write_planned_file, write_torch_save};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::Result;
-use crate::io::dcp::{DcpCheckpoint, Placeholders, SafetensorsPlan, Streamed};
+use crate::io::dcp::{DcpCheckpoint, DcpWriteOptions, Placeholders, SafetensorsPlan, Streamed};
 use std::path::Path;
 
 /// Writes the DCP checkpoint in `src` to `dst` as the `torch.save` file
@@ -55,4 +55,32 @@ pub fn dcp_to_safetensors(
         |file, tmp, _| plan.write_header(file, dst, tmp),
     )?;
     Ok(written.iter().sum())
+}
+
+/// Writes the DCP checkpoint in `src`, of any form [`DcpCheckpoint::open`] reads (per-rank
+/// metadata, Hugging Face storage, or `.metadata`), as a DCP directory `dst` with one global
+/// `.metadata`: the nested dict [`dcp_to_torch_save`] writes, saved as
+/// [`crate::io::dcp::save_dcp`] saves it (what `torch_save_to_dcp` of that file writes), its
+/// tensors streamed one at a time. `dst` may not overlap `src`.
+///
+/// Run by the processes of `pg` (see [the module](super)): each streams its share of the
+/// tensors into the one data file, and process 0 writes `.metadata` and installs the
+/// directory. Returns the tensor bytes written.
+pub fn dcp_to_dcp(src: &Path, dst: &Path, pg: &dyn ProcessGroup) -> Result<u64> {
+    dcp_to_dcp_with(src, dst, pg, &DcpWriteOptions::default())
+}
+
+/// [`dcp_to_dcp`] with the writer's options ([`DcpWriteOptions`]: zstd compression, written
+/// by process 0 alone).
+pub fn dcp_to_dcp_with(
+    src: &Path,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    opts: &DcpWriteOptions,
+) -> Result<u64> {
+    pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    let ckpt = pg.agree(DcpCheckpoint::open(src))?.dropping_behind();
+    let placeholders = pg.agree(Placeholders::new(&ckpt))?;
+    let mut lazy = Streamed::new(&ckpt, &placeholders, |_| {});
+    write_dcp(&placeholders.obj, dst, &mut lazy, pg, opts)
 }

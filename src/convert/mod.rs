@@ -3,9 +3,13 @@
 //!
 //! | from \ to | `torch.save` file | `.safetensors` file | DCP directory | the crate's checkpoint |
 //! | --- | --- | --- | --- | --- |
-//! | DCP directory | [`dcp_to_torch_save`] | [`dcp_to_safetensors`] | | [`dcp_to_checkpoint`] |
+//! | DCP directory (any form) | [`dcp_to_torch_save`] | [`dcp_to_safetensors`] | [`dcp_to_dcp`] | [`dcp_to_checkpoint`] |
 //! | `torch.save` / `.safetensors` file | [`crate::io::load`], [`crate::io::save`] | [`crate::io::load`], [`crate::io::save`] | [`torch_save_to_dcp`] | |
 //! | the crate's checkpoint | [`checkpoint_to_torch_save`] | [`checkpoint_to_safetensors`] | [`checkpoint_to_dcp`] | [`crate::checkpoint::reshard`] |
+//!
+//! A DCP directory is read in every form [`crate::io::dcp::DcpCheckpoint::open`] reads: one
+//! `.metadata`, per-rank `__{rank}.metadata` files (merged), or Hugging Face storage
+//! (`DCP_SHARDING_INFO` headers); [`dcp_to_dcp`] rewrites the others with one `.metadata`.
 //!
 //! Each is a job run by a process group: one process passes [`Solo`](crate::collectives::Solo),
 //! and the processes of an MPI job (or any [`ProcessGroup`]) each call it with the same
@@ -34,7 +38,7 @@ pub use crate::checkpoint::from_dcp::dcp_to_checkpoint;
 pub use from_checkpoint::{
     checkpoint_to_dcp, checkpoint_to_dcp_with, checkpoint_to_safetensors, checkpoint_to_torch_save,
 };
-pub use from_dcp::{dcp_to_safetensors, dcp_to_torch_save};
+pub use from_dcp::{dcp_to_dcp, dcp_to_dcp_with, dcp_to_safetensors, dcp_to_torch_save};
 pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
 
 #[cfg(doc)]

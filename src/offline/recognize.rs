@@ -1,8 +1,23 @@
 //! What an input path is: the one recognition step every offline command takes first, so
 //! that each form is told apart by one precedence table and an unknown input is described
 //! by what it holds rather than by the first reader's complaint.
+//!
+//! A directory is the first of these forms whose marker it holds (`DIRECTORY_FORMS`):
+//!
+//! | order | marker | form |
+//! | --- | --- | --- |
+//! | 1 | `.metadata` (any kind of entry) | [`Input::Dcp`]: `dcp.save` |
+//! | 2 | `__{rank}.metadata` | [`Input::DcpPerRank`]: `dcp.save(..., use_collectives=False)` |
+//! | 3 | `manifest.json` or `COMMITTED` | [`Input::Checkpoint`]: this crate's checkpoint |
+//! | 4 | a `.safetensors` file whose header's `__metadata__` has `DCP_SHARDING_INFO`, here or in `sharded/` | [`Input::DcpHf`]: `HuggingFaceStorageWriter` |
+//!
+//! The order is PyTorch's where PyTorch has one (its loader reads `.metadata` before a rank's
+//! own file); the crate's checkpoint never holds DCP markers; Hugging Face storage comes last
+//! because telling it apart reads file headers. A directory of safetensors files without
+//! `DCP_SHARDING_INFO` is a plain Hugging Face model directory, which no form matches.
 
 use crate::error::{Error, Result};
+use crate::io::dcp::HfForm;
 use crate::io::FileFormat;
 use std::path::Path;
 
@@ -14,6 +29,9 @@ pub enum Input {
     /// A PyTorch DCP directory with per-rank metadata files (`__0.metadata`, …) and no
     /// `.metadata`: what `dcp.save(..., use_collectives=False)` writes.
     DcpPerRank,
+    /// A PyTorch DCP directory in Hugging Face storage (`HuggingFaceStorageWriter`):
+    /// safetensors files whose headers carry `DCP_SHARDING_INFO`, in one of three forms.
+    DcpHf(HfForm),
     /// This crate's sharded checkpoint directory (`manifest.json`, `COMMITTED`).
     Checkpoint,
     /// A single state dict file.
@@ -21,11 +39,26 @@ pub enum Input {
 }
 
 impl Input {
+    /// Whether this is a DCP directory of any form (what [`crate::io::dcp::DcpCheckpoint`]
+    /// opens).
+    pub fn is_dcp(self) -> bool {
+        matches!(self, Input::Dcp | Input::DcpPerRank | Input::DcpHf(_))
+    }
+
     /// What the input is, for messages ("a DCP directory").
     pub fn describe(self) -> &'static str {
         match self {
             Input::Dcp => "a DCP directory",
             Input::DcpPerRank => "a DCP directory with per-rank metadata",
+            Input::DcpHf(HfForm::Rank0) => {
+                "a DCP directory in Hugging Face storage (saved by rank 0)"
+            }
+            Input::DcpHf(HfForm::Distributed) => {
+                "a DCP directory in Hugging Face storage (saved by every rank)"
+            }
+            Input::DcpHf(HfForm::Consolidated) => {
+                "a DCP directory in Hugging Face storage (saved by every rank, consolidated)"
+            }
             Input::Checkpoint => "a checkpoint of this crate",
             Input::File(FileFormat::TorchSave) => "a torch.save file",
             Input::File(FileFormat::Safetensors) => "a safetensors file",
@@ -40,7 +73,8 @@ struct Form {
     probe: fn(&Path) -> Result<Option<Input>>,
 }
 
-/// The directory forms, in precedence order: the first whose probe matches decides.
+/// The directory forms, in precedence order: the first whose probe matches decides (see [the
+/// module](self) for the table).
 const DIRECTORY_FORMS: &[Form] = &[
     Form {
         marker: "`.metadata`",
@@ -53,6 +87,10 @@ const DIRECTORY_FORMS: &[Form] = &[
     Form {
         marker: "`manifest.json`",
         probe: crate_checkpoint,
+    },
+    Form {
+        marker: "`.safetensors` files with `DCP_SHARDING_INFO`",
+        probe: dcp_hf,
     },
 ];
 
@@ -120,6 +158,13 @@ fn dcp_per_rank(dir: &Path) -> Result<Option<Input>> {
     Ok(found.then_some(Input::DcpPerRank))
 }
 
+/// Safetensors files whose headers carry `DCP_SHARDING_INFO` (in the directory, or in its
+/// `sharded/` subdirectory) mark a DCP directory in Hugging Face storage
+/// ([`crate::io::dcp::hf_form`]).
+fn dcp_hf(dir: &Path) -> Result<Option<Input>> {
+    Ok(crate::io::dcp::hf_form(dir)?.map(Input::DcpHf))
+}
+
 /// `manifest.json` or `COMMITTED` marks this crate's checkpoint (complete or not: its reader
 /// says which part is missing).
 fn crate_checkpoint(dir: &Path) -> Result<Option<Input>> {
@@ -144,15 +189,23 @@ fn entries(dir: &Path) -> Result<Vec<String>> {
 /// (files counted by extension).
 fn unrecognized_dir(dir: &Path) -> Error {
     let markers: Vec<&str> = DIRECTORY_FORMS.iter().map(|f| f.marker).collect();
-    let holds = match entries(dir) {
-        Err(e) => format!("it cannot be listed: {e}"),
-        Ok(names) if names.is_empty() => "it is empty".to_string(),
-        Ok(names) => format!("it holds {}", count_by_extension(&names)),
+    let (holds, plain_hf) = match entries(dir) {
+        Err(e) => (format!("it cannot be listed: {e}"), false),
+        Ok(names) if names.is_empty() => ("it is empty".to_string(), false),
+        Ok(names) => (
+            format!("it holds {}", count_by_extension(&names)),
+            names.iter().any(|n| n.ends_with(".safetensors")),
+        ),
+    };
+    let hint = if plain_hf {
+        "; its safetensors files carry no `DCP_SHARDING_INFO`, so it is not a DCP checkpoint in Hugging Face storage (a plain Hugging Face model directory? those are not read yet)"
+    } else {
+        ""
     };
     Error::UnrecognizedInput {
         path: dir.display().to_string(),
         found: format!(
-            "it is neither a DCP directory (no `.metadata` or `__0.metadata`) nor a checkpoint of this crate (no `manifest.json`); {holds} (looked for {})",
+            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`); {holds} (looked for {}){hint}",
             markers.join(", ")
         ),
     }

@@ -7,6 +7,7 @@ mod common;
 mod dcp;
 mod dcp_forms;
 mod dcp_live;
+mod dcp_sources;
 mod error_paths;
 mod fsdp2_comm;
 mod fsdp2_layout;

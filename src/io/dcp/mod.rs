@@ -12,6 +12,16 @@
 //! is executed) and checks every data reference stays inside the directory. Tensors are then
 //! assembled on demand from any N-D grid of chunks ([`DcpCheckpoint::read_tensor`]), reading
 //! only their byte ranges; [`verify`] checks everything; [`summary`] describes the directory.
+//! The metadata may come from elsewhere than `.metadata` ([`Source`]): `dcp.save(...,
+//! use_collectives=False)` writes one `__{rank}.metadata` per rank, each describing only its
+//! own items, which [`DcpCheckpoint::open`] merges into one global view after checking that
+//! they are parts of one checkpoint (ranks without gaps, keys described alike, chunks tiling
+//! each tensor, replicated items stored with identical bytes); `HuggingFaceStorageWriter`
+//! writes safetensors files whose headers' `DCP_SHARDING_INFO` gives each tensor's offsets
+//! ([`HfForm`]: rank 0's full dict, every rank's shards, or those shards in `sharded/` beside
+//! PyTorch's merged files, of which the shards are read), its chunks raw little-endian
+//! elements. Everything above reads the one [`Metadata`].
+//!
 //! Items stored through zstd (`FileSystemWriter(_extensions=[ZStandard()])`) are decompressed
 //! as streams, each bounded ([`ARCHIVE_ALLOWANCE`], [`MAX_OBJECT_BYTES`]); a directory written
 //! with `serialization_format=SAFETENSORS`, which PyTorch cannot read back, is refused.
@@ -20,7 +30,10 @@
 //! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this
 //! module gives them the plans and the byte moving.
 
+mod files;
+mod hf_storage;
 mod metadata;
+mod per_rank;
 mod pickler;
 mod plan;
 mod read;
@@ -40,11 +53,77 @@ pub use read::{
 };
 pub(crate) use read::{Placeholders, SafetensorsPlan, Streamed};
 
+pub use hf_storage::{hf_form, HfForm, SHARDING_INFO_KEY};
 pub use read::{ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES};
 pub use write::{save_dcp, save_dcp_with, Compression, DcpWriteOptions};
 pub(crate) use write::{save_dcp_compressed, PlannedDcp};
 
 use crate::error::Result;
+
+/// Where a DCP directory's metadata comes from ([`DcpCheckpoint::open`] reads each into the
+/// same [`Metadata`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Source {
+    /// `.metadata`, written by a collective `dcp.save`.
+    Metadata,
+    /// One `__{rank}.metadata` per rank (`dcp.save(..., use_collectives=False)`), merged.
+    PerRank {
+        /// The number of ranks (files).
+        ranks: usize,
+    },
+    /// The safetensors headers of Hugging Face storage (`DCP_SHARDING_INFO`).
+    HfStorage {
+        /// Which form.
+        form: HfForm,
+        /// The safetensors files read.
+        files: usize,
+        /// The ranks that saved them (the distributed forms; `None` for rank 0's).
+        ranks: Option<usize>,
+    },
+}
+
+impl Source {
+    /// Which source `dir` has, in precedence order: `.metadata` (any kind of entry: its reader
+    /// says what is wrong with it), `__{rank}.metadata` files, Hugging Face storage
+    /// ([`hf_form`]); `None` for none of them. The counts of the returned value are not yet
+    /// known (zero).
+    pub fn of(dir: &Path) -> Result<Option<Source>> {
+        if std::fs::symlink_metadata(dir.join(".metadata")).is_ok() {
+            return Ok(Some(Source::Metadata));
+        }
+        if per_rank::has_rank_metadata(dir)? {
+            return Ok(Some(Source::PerRank { ranks: 0 }));
+        }
+        Ok(hf_form(dir)?.map(|form| Source::HfStorage {
+            form,
+            files: 0,
+            ranks: None,
+        }))
+    }
+
+    /// Whether chunks are stored as raw elements (Hugging Face storage) rather than
+    /// `torch.save` archives.
+    pub(crate) fn raw_chunks(&self) -> bool {
+        matches!(self, Source::HfStorage { .. })
+    }
+
+    /// What it is, for summaries ("`.metadata`", "3 per-rank `__{rank}.metadata` files").
+    pub fn describe(&self) -> String {
+        match self {
+            Source::Metadata => "`.metadata`".into(),
+            Source::PerRank { ranks } => format!(
+                "{ranks} per-rank `__{{rank}}.metadata` files (saved without collectives), merged"
+            ),
+            Source::HfStorage { form, files, .. } => format!(
+                "{}: {DCP_SHARDING_INFO} of {files} safetensors file{}",
+                form.describe(),
+                if *files == 1 { "" } else { "s" },
+                DCP_SHARDING_INFO = SHARDING_INFO_KEY
+            ),
+        }
+    }
+}
 
 /// Parses the bytes of a `.metadata` file (`file` names it in errors): its records, and the
 /// nested dict's paths checked and placed as PyTorch's loader places them

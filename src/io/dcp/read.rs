@@ -1,23 +1,25 @@
 //! Reading a DCP directory: confined data-file access, chunk parsing, tensor assembly, and
 //! the consolidation, verification and summary built on them.
 
-use super::metadata::{
-    Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta, MAX_METADATA_BYTES,
-};
+use super::files::{confine, metadata_file_in};
+use super::metadata::{Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey, TensorMeta};
 use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
+use super::Source;
 use crate::error::{Error, Result};
 use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
 use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 /// An opened DCP directory: its metadata, with every data file resolved inside it.
 #[derive(Debug)]
 pub struct DcpCheckpoint {
     dir: PathBuf,
     metadata: Metadata,
+    /// Where the metadata came from (and so how chunks are stored).
+    source: Source,
     /// `relative_path` → (the file, its length), or why it is unusable.
     files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
     /// With drop-behind (offline streams that read each chunk once), what has been read of
@@ -26,12 +28,27 @@ pub struct DcpCheckpoint {
 }
 
 impl DcpCheckpoint {
-    /// Reads `dir/.metadata` and resolves every data file it names. A file that escapes the
-    /// directory or is missing is reported when a key stored in it is read.
+    /// Reads the directory's metadata and resolves every data file it names. A file that
+    /// escapes the directory or is missing is reported when a key stored in it is read.
+    ///
+    /// The metadata comes from whichever source the directory has ([`Source`], in this
+    /// order): `.metadata`; the per-rank `__{rank}.metadata` files of a save without
+    /// collectives, merged into one global view and checked to agree
+    /// (`per_rank.rs`); or the safetensors headers of Hugging Face storage
+    /// (`DCP_SHARDING_INFO`, `hf_storage.rs`). Everything above (tensors, the nested
+    /// dict, consolidation, verification, resharding) reads the one [`Metadata`] alike.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
         let root = dir.canonicalize().map_err(Error::io("resolving", &dir))?;
-        let metadata = metadata_in(&dir, &root)?;
+        let (metadata, source) = match Source::of(&dir)? {
+            Some(Source::PerRank { .. }) => {
+                let (md, ranks) = super::per_rank::merge(&dir, &root)?;
+                (md, Source::PerRank { ranks })
+            }
+            Some(Source::HfStorage { .. }) => super::hf_storage::read(&dir, &root)?,
+            // `.metadata`, or nothing: then its absence is the error.
+            _ => (metadata_in(&dir, &root)?, Source::Metadata),
+        };
         let mut files = HashMap::new();
         for info in metadata.storage.values().flatten() {
             files
@@ -41,6 +58,7 @@ impl DcpCheckpoint {
         let ckpt = DcpCheckpoint {
             dir,
             metadata,
+            source,
             files,
             drop_behind: None,
         };
@@ -117,9 +135,14 @@ impl DcpCheckpoint {
         }
     }
 
-    /// The parsed `.metadata`.
+    /// The parsed metadata (of `.metadata`, or built from another [`Source`]).
     pub fn metadata(&self) -> &Metadata {
         &self.metadata
+    }
+
+    /// Where the metadata came from.
+    pub fn source(&self) -> &Source {
+        &self.source
     }
 
     /// The entry of flattened key `key`.
@@ -292,6 +315,9 @@ impl DcpCheckpoint {
     /// chunk's shape.
     fn read_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<HostTensor> {
         let info = self.storage(key, Some(&chunk.offsets))?;
+        if self.source.raw_chunks() {
+            return self.read_raw_chunk(key, chunk, dtype, info);
+        }
         let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
         let at = format!(
@@ -333,6 +359,34 @@ impl DcpCheckpoint {
             ));
         }
         Ok(t)
+    }
+
+    /// A chunk stored as its raw little-endian elements (Hugging Face storage: a
+    /// safetensors tensor's `data_offsets`), exactly its bytes long.
+    fn read_raw_chunk(
+        &self,
+        key: &str,
+        chunk: &Chunk,
+        dtype: DType,
+        info: &StorageInfo,
+    ) -> Result<HostTensor> {
+        let need = chunk_bytes(&chunk.sizes, dtype);
+        if info.length != need {
+            return Err(self.storage_err(
+                key,
+                &info.relative_path,
+                format!(
+                    "chunk at {:?} of shape {:?} {dtype} needs {need} bytes, {} are stored",
+                    chunk.offsets, chunk.sizes, info.length
+                ),
+            ));
+        }
+        let bytes = self.read_item(key, info, (need, "the chunk's bytes"), need)?;
+        if let Ok(path) = self.checked_range(key, info, need) {
+            self.drop_read_pages(path, info.offset, info.offset + info.length);
+        }
+        HostTensor::from_bytes(dtype, &chunk.sizes, &bytes)
+            .map_err(|e| self.storage_err(key, &info.relative_path, e.to_string()))
     }
 
     /// The whole tensor stored under flattened key `key`, assembled from its chunks (any
@@ -418,8 +472,18 @@ impl DcpCheckpoint {
             EntryKind::Tensor(t) => tensor(i, t),
             EntryKind::Bytes => self.read_object(&entries[i].key),
         };
-        nest(entries, &mut leaf)
-            .map_err(|e| e.into_error(&self.dir.join(".metadata").display().to_string()))
+        nest(entries, &mut leaf).map_err(|e| e.into_error(&self.metadata_name()))
+    }
+
+    /// What errors name as the metadata: `DIR/.metadata`, or the files it was built from.
+    pub(crate) fn metadata_name(&self) -> String {
+        match &self.source {
+            Source::Metadata => self.dir.join(".metadata").display().to_string(),
+            Source::PerRank { ranks } => {
+                format!("{}/__{{0..{}}}.metadata", self.dir.display(), ranks - 1)
+            }
+            Source::HfStorage { .. } => format!("{}/*.safetensors", self.dir.display()),
+        }
     }
 
     /// The whole nested state dict in memory (every tensor assembled).
@@ -511,41 +575,6 @@ impl Drop for DcpCheckpoint {
     }
 }
 
-/// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
-/// leading out; the file must exist and be a regular file. Returns it with its length, or
-/// why not (`what` names the file in the reason: "data file", "metadata file").
-fn confine(root: &Path, relative: &str, what: &str) -> std::result::Result<(PathBuf, u64), String> {
-    let rel = Path::new(relative);
-    if relative.is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
-        return Err(format!(
-            "relative_path {:?} is not a plain path inside the checkpoint directory",
-            crate::error::shown(relative)
-        ));
-    }
-    let path = root.join(rel);
-    let real = match path.canonicalize() {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(format!("the {what} is missing"))
-        }
-        Err(e) => return Err(format!("cannot resolve the {what}: {e}")),
-    };
-    if !real.starts_with(root) {
-        return Err(format!(
-            "{:?} leads outside the checkpoint directory (through a symlink)",
-            crate::error::shown(relative)
-        ));
-    }
-    match std::fs::metadata(&real) {
-        Ok(m) if m.is_file() => Ok((real, m.len())),
-        Ok(m) => Err(format!(
-            "the {what} is a {}, not a regular file",
-            crate::io::output::file_kind(&m.file_type())
-        )),
-        Err(e) => Err(format!("cannot stat the {what}: {e}")),
-    }
-}
-
 /// Reads and parses `dir/.metadata`: a regular file inside `dir` (a symlink may not lead out
 /// of it, as for data files) of at most 1 GiB (`MAX_METADATA_BYTES`), read without blocking on a
 /// FIFO.
@@ -556,23 +585,7 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata> {
 
 /// [`read_metadata`] of `dir`, whose canonical path is `root`.
 fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
-    let path = dir.join(".metadata");
-    let name = path.display().to_string();
-    let refused = |reason: String| Error::DcpMetadata {
-        file: name.clone(),
-        reason,
-    };
-    let (real, len) = confine(root, ".metadata", "metadata file").map_err(refused)?;
-    if len > MAX_METADATA_BYTES {
-        return Err(refused(format!(
-            "{len} bytes, more than the {MAX_METADATA_BYTES} read"
-        )));
-    }
-    let data = crate::io::output::read_regular(&real, MAX_METADATA_BYTES).map_err(|e| match e {
-        crate::io::output::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
-        other => refused(other.to_string()),
-    })?;
-    super::parse_metadata(&name, &data)
+    metadata_file_in(dir, root, ".metadata")
 }
 
 /// The placeholders of a nested DCP state dict ([`Placeholders`]), streamed one assembled
@@ -869,8 +882,11 @@ pub struct DcpSummary {
     pub format: &'static str,
     /// The DCP version recorded.
     pub version: Option<String>,
-    /// The world size the data files imply: one more than the highest rank in their
-    /// `__{rank}_{n}.distcp` names (`None` when no file is named so).
+    /// Where the metadata came from.
+    pub source: Source,
+    /// The world size that saved it: the number of per-rank metadata files or of Hugging
+    /// Face shard indices, or else one more than the highest rank in the data files'
+    /// `__{rank}_{n}.distcp` names (`None` when none of these says).
     pub world_size: Option<usize>,
     /// Every key in metadata order.
     pub entries: Vec<EntrySummary>,
@@ -936,15 +952,20 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
             },
         })
         .collect();
-    let world_size = files
-        .iter()
-        .filter_map(|f| rank_of(&f.name))
-        .max()
-        .map(|r| r + 1);
+    let world_size = match ckpt.source {
+        Source::PerRank { ranks } => Some(ranks),
+        Source::HfStorage { ranks, .. } => ranks,
+        Source::Metadata => files
+            .iter()
+            .filter_map(|f| rank_of(&f.name))
+            .max()
+            .map(|r| r + 1),
+    };
     Ok(DcpSummary {
         checkpoint: dir.display().to_string(),
         format: "dcp",
         version: md.version.clone(),
+        source: ckpt.source.clone(),
         world_size,
         entries,
         files,
@@ -968,10 +989,20 @@ impl std::fmt::Display for DcpSummary {
             self.checkpoint,
             self.version.as_deref().unwrap_or("?")
         )?;
+        writeln!(f, "metadata: {}", self.source.describe())?;
         let ws = self.world_size.map_or("?".to_string(), |w| w.to_string());
+        let from = match self.source {
+            Source::Metadata => "from the file names",
+            Source::PerRank { .. } => "from the metadata files",
+            Source::HfStorage {
+                form: super::HfForm::Rank0,
+                ..
+            } => "rank 0 saved the full state dict alone",
+            Source::HfStorage { .. } => "from the shard file names",
+        };
         writeln!(
             f,
-            "world size {ws} (from the file names), {} keys, {} bytes of tensors",
+            "world size {ws} ({from}), {} keys, {} bytes of tensors",
             self.entries.len(),
             self.tensor_bytes
         )?;
