@@ -565,8 +565,11 @@ impl Vm<'_, '_> {
             Global::RebuildParameter => self.rebuild_parameter(a, false),
             Global::RebuildParameterWithState => self.rebuild_parameter(a, true),
             Global::RebuildTensorV1 => self.rebuild_tensor_v1(a),
-            Global::RebuildTensorV2 => self.rebuild_tensor(a, false),
-            Global::RebuildTensorV3 => self.rebuild_tensor(a, true),
+            Global::RebuildTensorV2 | Global::RebuildTensorV3 => {
+                let (view, requires_grad) =
+                    self.rebuild_tensor(a, g == Global::RebuildTensorV3)?;
+                Ok(Self::dense(view, requires_grad))
+            }
             Global::RebuildSparse => self.rebuild_sparse(a),
             Global::RebuildQTensor => self.rebuild_qtensor(a),
             Global::RebuildMeta => self.rebuild_meta(a),

@@ -179,6 +179,16 @@ impl Vm<'_, '_> {
         }
     }
 
+    /// A dense tensor `view` with its `requires_grad` (`_rebuild_tensor_v2` / `_v3`).
+    pub(super) fn dense(view: Rc<View>, requires_grad: bool) -> V {
+        Self::rich(RichView {
+            value: ValueView::Dense(view),
+            requires_grad,
+            parameter: false,
+            attrs: Vec::new(),
+        })
+    }
+
     /// `_rebuild_parameter(data, requires_grad, backward_hooks)` and
     /// `_rebuild_parameter_with_state(data, requires_grad, backward_hooks, state)`.
     pub(super) fn rebuild_parameter(&mut self, a: &[V], with_state: bool) -> Result<V> {

@@ -95,7 +95,8 @@ impl Vm<'_, '_> {
     /// `_rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])`
     /// of a typed storage, or `_rebuild_tensor_v3(..., hooks, dtype[, metadata])` of an
     /// untyped one.
-    pub(super) fn rebuild_tensor(&mut self, a: &[V], v3: bool) -> Result<V> {
+    /// Returns the view and its `requires_grad`.
+    pub(super) fn rebuild_tensor(&mut self, a: &[V], v3: bool) -> Result<(Rc<View>, bool)> {
         let (name, nargs) = if v3 {
             ("_rebuild_tensor_v3", 7)
         } else {
@@ -141,12 +142,7 @@ impl Vm<'_, '_> {
                 return Err(self.err("_rebuild_tensor_v2: tensor metadata is not supported"));
             }
         }
-        Ok(Self::rich(super::rich::RichView {
-            value: super::rich::ValueView::Dense(view),
-            requires_grad,
-            parameter: false,
-            attrs: Vec::new(),
-        }))
+        Ok((view, requires_grad))
     }
 
     /// `_rebuild_tensor(storage, storage_offset, size, stride)`, the first version.
