@@ -25,8 +25,13 @@ mod shard_dir;
 
 /// Inspect, convert, consolidate and shard PyTorch (FSDP) checkpoint files.
 ///
-/// Formats follow the file extension: `.pt`/`.pth` (also `.bin`, `.ckpt`) are torch.save
-/// files, `.safetensors` are single safetensors files.
+/// Inputs are recognised before any command reads them. Files: `.pt`/`.pth` (also `.bin`,
+/// `.ckpt`) are torch.save files, zip or legacy format, holding whatever
+/// torch.load(weights_only=True) reads (Parameters, tensor attributes, complex, sparse,
+/// quantized and meta tensors included); `.safetensors` are single safetensors files.
+/// Directories: PyTorch DCP in every form dcp.save writes (`.metadata`, zstd-compressed
+/// items, per-rank `__{rank}.metadata` files, Hugging Face storage with DCP_SHARDING_INFO),
+/// and this crate's sharded checkpoint (`manifest.json`).
 #[derive(Parser, Debug)]
 #[command(name = "fsdp-ckpt", version)]
 struct Cli {
@@ -52,8 +57,10 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Convert between torch.save and safetensors (formats chosen by extension); the dict
-    /// comes back equal after a round trip.
+    /// Convert a file between torch.save and safetensors (formats chosen by extension; a
+    /// legacy torch.save input is written in the zip format; what safetensors cannot hold,
+    /// such as a sparse tensor, is refused by name): the dict comes back equal after a round
+    /// trip. With `--to dcp` or `--to fsdp`, write a directory instead (below).
     Convert {
         /// Input file.
         input: PathBuf,
