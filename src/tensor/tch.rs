@@ -67,6 +67,8 @@ pub fn dtype_to_kind(dtype: DType) -> Result<Kind> {
         DType::I16 => Kind::Int16,
         DType::F8E4M3FN => Kind::Float8e4m3fn,
         DType::F8E5M2 => Kind::Float8e5m2,
+        DType::C64 => Kind::ComplexFloat,
+        DType::C128 => Kind::ComplexDouble,
         DType::U16 | DType::U32 | DType::U64 => {
             return Err(Error::Unsupported(format!(
                 "tch tensors of {dtype}: tch 0.26 has no kind for it"
@@ -76,7 +78,7 @@ pub fn dtype_to_kind(dtype: DType) -> Result<Kind> {
 }
 
 /// The dtype of a libtorch kind; [`Error::Unsupported`] for kinds outside [`DType::ALL`]
-/// (complex, quantized, the `fnuz` float8 variants).
+/// (complex32, quantized, the `fnuz` float8 variants).
 pub fn kind_to_dtype(kind: Kind) -> Result<DType> {
     Ok(match kind {
         Kind::Float => DType::F32,
@@ -91,10 +93,13 @@ pub fn kind_to_dtype(kind: Kind) -> Result<DType> {
         Kind::Int16 => DType::I16,
         Kind::Float8e4m3fn => DType::F8E4M3FN,
         Kind::Float8e5m2 => DType::F8E5M2,
+        Kind::ComplexFloat => DType::C64,
+        Kind::ComplexDouble => DType::C128,
         other => {
             return Err(Error::Unsupported(format!(
                 "tch tensors of kind {other:?}: fsdp handles float32, float64, float16, \
-                 bfloat16, float8_e4m3fn, float8_e5m2, int64, int32, int16, int8, uint8 and bool"
+                 bfloat16, float8_e4m3fn, float8_e5m2, complex64, complex128, int64, int32, \
+                 int16, int8, uint8 and bool"
             )))
         }
     })
