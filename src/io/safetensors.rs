@@ -157,6 +157,18 @@ struct Encoder<'a> {
 }
 
 impl<'a> Encoder<'a> {
+    /// Walks `obj`: the encoder with what it met, and the JSON skeleton.
+    fn run(obj: &'a PyObj) -> (Self, Json) {
+        let mut enc = Encoder {
+            used: HashSet::new(),
+            tensors: Vec::new(),
+            refused: None,
+            others: Vec::new(),
+        };
+        let skeleton = enc.encode(obj, "");
+        (enc, skeleton)
+    }
+
     fn name(&mut self, path: &str) -> String {
         let base = if path.is_empty() { "tensor" } else { path };
         let mut name = base.to_string();
@@ -238,18 +250,7 @@ impl<'a> Encoder<'a> {
                     let name = self.name(path);
                     self.others.push((name, r));
                     self.refused
-                        .get_or_insert_with(|| Error::TensorNotStorable {
-                            tensor: if path.is_empty() {
-                                "<root>".into()
-                            } else {
-                                path.into()
-                            },
-                            shape: r.size().to_vec(),
-                            reason: format!(
-                                "it is a {}; safetensors stores only dense tensors",
-                                r.kind()
-                            ),
-                        });
+                        .get_or_insert_with(|| r.not_storable(path, "safetensors"));
                     Json::Null
                 }
             },
@@ -300,14 +301,7 @@ fn parse_float(s: &str) -> Option<f64> {
 /// Every tensor of `obj` with the name it gets in a safetensors file, in the order they are
 /// met (depth first, in dict order).
 pub fn named_tensors(obj: &PyObj) -> Vec<(String, &HostTensor)> {
-    let mut enc = Encoder {
-        used: HashSet::new(),
-        tensors: Vec::new(),
-        refused: None,
-        others: Vec::new(),
-    };
-    enc.encode(obj, "");
-    enc.tensors
+    Encoder::run(obj).0.tensors
 }
 
 /// The sparse, quantized and meta tensors of `obj`, which a safetensors file cannot hold,
@@ -315,14 +309,7 @@ pub fn named_tensors(obj: &PyObj) -> Vec<(String, &HostTensor)> {
 pub(crate) fn named_other_tensors(
     obj: &PyObj,
 ) -> Vec<(String, &crate::io::torch_save::RichTensor)> {
-    let mut enc = Encoder {
-        used: HashSet::new(),
-        tensors: Vec::new(),
-        refused: None,
-        others: Vec::new(),
-    };
-    enc.encode(obj, "");
-    enc.others
+    Encoder::run(obj).0.others
 }
 
 /// The names the tensors of `obj` get in a safetensors file, in the order they are met.
@@ -349,13 +336,7 @@ pub(crate) fn parts(obj: &PyObj) -> Result<Parts<&HostTensor>> {
 }
 
 fn prepare(obj: &PyObj) -> Result<Parts<TensorRef<'_>>> {
-    let mut enc = Encoder {
-        used: HashSet::new(),
-        tensors: Vec::new(),
-        refused: None,
-        others: Vec::new(),
-    };
-    let skeleton = enc.encode(obj, "");
+    let (enc, skeleton) = Encoder::run(obj);
     if let Some(e) = enc.refused {
         return Err(e);
     }

@@ -11,7 +11,7 @@
 //! [`Error::UnsupportedPickleGlobal`]: crate::error::Error::UnsupportedPickleGlobal
 
 use crate::error::Result;
-use crate::io::pickle::{self, Dict, Format, Globals, Machine, Value};
+use crate::io::pickle::{self, Dict, Format, Globals, Machine, Value, TORCH_LAYOUTS};
 use crate::tensor::DType;
 use crate::tensor::OTHER_TORCH_DTYPES;
 use std::convert::Infallible;
@@ -65,19 +65,6 @@ pub(crate) struct Pickled {
 /// Deepest tuple nesting a dict key may have (a deeper one is refused as unhashable; Python
 /// would recurse that deep to hash it).
 const MAX_HASH_DEPTH: usize = 64;
-
-/// The names `torch.serialization._get_layout` knows: `str()` of each `torch.layout` of
-/// PyTorch 2.13. Any other name is a `KeyError` there.
-const LAYOUTS: &[&str] = &[
-    "torch.strided",
-    "torch.sparse_coo",
-    "torch.sparse_csr",
-    "torch.sparse_csc",
-    "torch.sparse_bsr",
-    "torch.sparse_bsc",
-    "torch._mkldnn",
-    "torch.jagged",
-];
 
 /// The globals `.metadata` may name.
 const ALLOWED: Globals<Global> = Globals { resolve };
@@ -209,7 +196,7 @@ fn reduce(m: &mut Machine<'_, DcpMetadata>, f: Global, a: &[V]) -> Result<V> {
                 .to_vec();
             Ok(m.alloc(Node::Tuple(dims)))
         }
-        (Global::GetLayout, [V::Str(s)]) if LAYOUTS.contains(&&**s) => Ok(V::Str(s.clone())),
+        (Global::GetLayout, [V::Str(s)]) if TORCH_LAYOUTS.contains(&&**s) => Ok(V::Str(s.clone())),
         (Global::GetLayout, [V::Str(s)]) => Err(m.err(format!(
             "`{}` is not a torch layout",
             crate::error::shown(s)

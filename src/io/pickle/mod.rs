@@ -16,6 +16,20 @@ pub(crate) use emit::Emitter;
 pub(crate) use machine::{truncated, Format, Machine};
 pub(crate) use value::{Dict, Node, Value};
 
+/// The names `torch.serialization._get_layout` knows: `str()` of each `torch.layout` of
+/// PyTorch 2.13. Any other name is a `KeyError` there. Both `torch.save`'s `data.pkl` and DCP's
+/// `.metadata` rebuild layouts through it.
+pub(crate) const TORCH_LAYOUTS: &[&str] = &[
+    "torch.strided",
+    "torch.sparse_coo",
+    "torch.sparse_csr",
+    "torch.sparse_csc",
+    "torch.sparse_bsr",
+    "torch.sparse_bsc",
+    "torch._mkldnn",
+    "torch.jagged",
+];
+
 /// The Python globals (classes, functions, constants) a format's streams may name, and what
 /// each resolves to: any other one is refused with
 /// [`Error::UnsupportedPickleGlobal`](crate::error::Error::UnsupportedPickleGlobal) before

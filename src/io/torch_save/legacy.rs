@@ -38,7 +38,7 @@ pub(super) fn read<S: Source>(file: &str, mut src: S, mode: unpickle::Mode) -> R
     loop {
         let mut head = vec![0u8; window as usize];
         src.read_at(0, &mut head)
-            .map_err(|e| Error::io("reading", std::path::Path::new(file))(e))?;
+            .map_err(Error::io("reading", std::path::Path::new(file)))?;
         let mut store = LegacyStorages {
             file,
             src: &mut src,
@@ -157,7 +157,7 @@ impl<S: Source> Storages for LegacyStorages<'_, '_, S> {
             }
             self.src
                 .read_at(at, &mut count)
-                .map_err(|e| Error::io("reading", std::path::Path::new(self.file))(e))?;
+                .map_err(Error::io("reading", std::path::Path::new(self.file)))?;
             let stored = u64::from_le_bytes(count);
             if stored != numel as u64 {
                 return Err(self.storage_err(
@@ -199,7 +199,7 @@ impl<S: Source> Storages for LegacyStorages<'_, '_, S> {
         HostTensor::filled_by(dtype, &[numel], |buf| {
             self.src
                 .read_at(start, buf)
-                .map_err(|e| Error::io("reading", std::path::Path::new(file))(e))
+                .map_err(Error::io("reading", std::path::Path::new(file)))
         })
     }
 }

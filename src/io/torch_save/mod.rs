@@ -467,7 +467,7 @@ fn starts_legacy<S: Source>(file: &str, src: &mut S) -> Result<bool> {
         return Ok(false);
     }
     src.read_at(0, &mut head)
-        .map_err(|e| Error::io("reading", Path::new(file))(e))?;
+        .map_err(Error::io("reading", Path::new(file)))?;
     Ok(legacy::is_legacy(&head))
 }
 

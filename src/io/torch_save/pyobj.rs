@@ -282,6 +282,23 @@ impl RichTensor {
         }
     }
 
+    /// The refusal of a format that holds only dense tensors (`format` names it) to store
+    /// this one, found at `path` in the object.
+    pub(crate) fn not_storable(&self, path: &str, format: &str) -> crate::error::Error {
+        crate::error::Error::TensorNotStorable {
+            tensor: if path.is_empty() {
+                "<root>".into()
+            } else {
+                path.into()
+            },
+            shape: self.size().to_vec(),
+            reason: format!(
+                "it is a {}; {format} stores only dense tensors",
+                self.kind()
+            ),
+        }
+    }
+
     /// Its dense values, if it is dense.
     pub fn dense(&self) -> Option<&HostTensor> {
         match &self.value {
@@ -437,20 +454,7 @@ impl PyObj {
             Ok(match o {
                 PyObj::RichTensor(r) => match r.dense() {
                     Some(t) => Some(PyObj::Tensor(t.clone())),
-                    None => {
-                        return Err(crate::error::Error::TensorNotStorable {
-                            tensor: if path.is_empty() {
-                                "<root>".into()
-                            } else {
-                                path.into()
-                            },
-                            shape: r.size().to_vec(),
-                            reason: format!(
-                                "it is a {}; {format} stores only dense tensors",
-                                r.kind()
-                            ),
-                        })
-                    }
+                    None => return Err(r.not_storable(path, format)),
                 },
                 PyObj::Tuple(v) => seq(v)?.map(PyObj::Tuple),
                 PyObj::List(v) => seq(v)?.map(PyObj::List),

@@ -350,9 +350,11 @@ impl<'a> Pickler<'a> {
         self.e.memoize();
     }
 
-    /// A plain tensor: [`Pickler::tensor_call`], called.
+    /// A plain tensor: `_rebuild_tensor_v2(...)` (or `_v3`), called.
     fn tensor(&mut self, t: &'a HostTensor) -> Result<()> {
-        self.tensor_call(t, false);
+        self.dense_func(t);
+        self.dense_args(t, false);
+        self.e.memoize();
         self.call()
     }
 
@@ -387,16 +389,19 @@ impl<'a> Pickler<'a> {
         self.dims(&contiguous_strides(shape));
     }
 
-    /// The function and argument tuple of a dense tensor, not yet called:
-    /// `_rebuild_tensor_v2, (storage, offset, size, stride, requires_grad, OrderedDict())` of
-    /// a typed storage, or `_rebuild_tensor_v3, (..., dtype)` of an untyped one for the
-    /// dtypes that have no typed storage class.
-    fn tensor_call(&mut self, t: &'a HostTensor, requires_grad: bool) {
-        let class = t.dtype().storage_class();
-        match class {
+    /// The rebuild function of a dense tensor: `_rebuild_tensor_v2` of a typed storage, or
+    /// `_rebuild_tensor_v3` for the dtypes that have no typed storage class.
+    fn dense_func(&mut self, t: &HostTensor) {
+        match t.dtype().storage_class() {
             Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
             None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
         }
+    }
+
+    /// The argument tuple of [`Pickler::dense_func`]'s function, not memoized:
+    /// `(storage, offset, size, stride, requires_grad, OrderedDict()[, dtype])`.
+    fn dense_args(&mut self, t: &'a HostTensor, requires_grad: bool) {
+        let class = t.dtype().storage_class();
         self.e.op(op::MARK);
         self.storage_view(t, class);
         self.e.bool(requires_grad);
@@ -406,7 +411,6 @@ impl<'a> Pickler<'a> {
             self.global("torch", d.torch_attr(), d.torch_name());
         }
         self.e.op(op::TUPLE);
-        self.e.memoize();
     }
 
     /// A [`RichTensor`] as PyTorch pickles it: a Parameter through `_rebuild_parameter`
@@ -464,10 +468,7 @@ impl<'a> Pickler<'a> {
     /// The rebuild function of a tensor value.
     fn value_func(&mut self, v: &'a TensorValue) {
         match v {
-            TensorValue::Dense(t) => match t.dtype().storage_class() {
-                Some(_) => self.global("torch._utils", "_rebuild_tensor_v2", "rebuild"),
-                None => self.global("torch._utils", "_rebuild_tensor_v3", "rebuild_v3"),
-            },
+            TensorValue::Dense(t) => self.dense_func(t),
             TensorValue::SparseCoo { .. } | TensorValue::SparseCompressed { .. } => {
                 self.global("torch._utils", "_rebuild_sparse_tensor", "rebuild_sparse")
             }
@@ -485,18 +486,7 @@ impl<'a> Pickler<'a> {
     /// The argument tuple of [`Pickler::value_func`]'s function.
     fn value_args(&mut self, v: &'a TensorValue, requires_grad: bool) -> Result<()> {
         match v {
-            TensorValue::Dense(t) => {
-                let class = t.dtype().storage_class();
-                self.e.op(op::MARK);
-                self.storage_view(t, class);
-                self.e.bool(requires_grad);
-                self.ordered_dict();
-                if class.is_none() {
-                    let d = t.dtype();
-                    self.global("torch", d.torch_attr(), d.torch_name());
-                }
-                self.e.op(op::TUPLE);
-            }
+            TensorValue::Dense(t) => self.dense_args(t, requires_grad),
             TensorValue::SparseCoo {
                 indices,
                 values,

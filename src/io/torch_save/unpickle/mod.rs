@@ -15,7 +15,7 @@ mod tensor;
 use super::pyobj::PyObj;
 use super::pyobj::QDType;
 use crate::error::{Error, Result};
-use crate::io::pickle::{Dict, Format, Globals, Machine, Node, Value};
+use crate::io::pickle::{Dict, Format, Globals, Machine, Node, Value, TORCH_LAYOUTS};
 use crate::optim_state::ShardedTensor;
 use crate::tensor::{DType, HostTensor};
 use rich::RichView;
@@ -67,19 +67,9 @@ impl Storages for NoStorages {
 /// Runs a pickle that holds plain values (no storage) at the start of `data`; returns the
 /// object and the bytes the stream took (the legacy format's header pickles).
 pub(crate) fn plain(file: &str, data: &[u8]) -> Result<(PyObj, usize)> {
-    let mut store = NoStorages;
-    let state = TorchLoad {
-        storages: HashMap::new(),
-        quantized: HashMap::new(),
-        tensors: RefCell::new(Tensors::new(Mode::Headers, &mut store)),
-    };
-    let mut vm = Machine::new(file, data, &ALLOWED, state);
-    let result = vm.run()?;
-    let mut budget = data.len().saturating_mul(16).saturating_add(1 << 16);
-    let obj = vm.to_pyobj(&result, &Path::Root, 0, &mut budget)?;
-    Ok((obj, vm.consumed()))
+    let u = unpickle(file, data, &mut NoStorages, Mode::Headers)?;
+    Ok((u.obj, u.consumed))
 }
-
 /// How tensors are produced.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Mode {
@@ -101,6 +91,8 @@ pub(crate) struct Unpickled {
     /// of its storage, contiguous and of the storage's own dtype (its bytes are the storage
     /// entry's, so it can be streamed from the archive).
     pub whole: HashMap<usize, String>,
+    /// The bytes of `data` the stream took, up to and with its `STOP`.
+    pub consumed: usize,
 }
 
 /// The callables and classes a stream may name.
@@ -213,18 +205,6 @@ const REFUSED: &[(&str, &str, &str)] = &[
         "QUInt2x4Storage",
         "packed 2-bit quantized tensors (torch.quint2x4) are not read",
     ),
-];
-
-/// The layouts `torch.serialization._get_layout` rebuilds by name.
-const LAYOUTS: &[&str] = &[
-    "torch.strided",
-    "torch.sparse_coo",
-    "torch.sparse_csr",
-    "torch.sparse_csc",
-    "torch.sparse_bsr",
-    "torch.sparse_bsc",
-    "torch._mkldnn",
-    "torch.jagged",
 ];
 
 /// `torch.load(weights_only=True)`'s allow-list.
@@ -506,7 +486,12 @@ pub(crate) fn unpickle(
     let tensors = vm.state.tensors.get_mut();
     let shapes = std::mem::take(&mut tensors.shapes);
     let whole = std::mem::take(&mut tensors.whole);
-    Ok(Unpickled { obj, shapes, whole })
+    Ok(Unpickled {
+        obj,
+        shapes,
+        whole,
+        consumed,
+    })
 }
 
 impl Vm<'_, '_> {
@@ -588,7 +573,7 @@ impl Vm<'_, '_> {
             Global::UntypedStorage => Err(self.err("calling torch.storage.UntypedStorage")),
             Global::Class(Class::Device) => self.device(a),
             Global::Class(Class::Layout) => match a {
-                [V::Str(name)] if LAYOUTS.contains(&&**name) => Ok(V::Ext(Ext::Const(name.clone()))),
+                [V::Str(name)] if TORCH_LAYOUTS.contains(&&**name) => Ok(V::Ext(Ext::Const(name.clone()))),
                 _ => Err(self.err("torch.serialization._get_layout needs the name of a torch layout")),
             },
             Global::Class(class @ Class::MemoryFormat) => {

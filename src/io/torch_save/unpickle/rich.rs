@@ -353,9 +353,9 @@ impl Vm<'_, '_> {
             ));
         }
         let blocked = matches!(layout, SparseLayout::Bsr | SparseLayout::Bsc);
-        let (block, nnz) = match (blocked, &values.size[..], &plain.size[..]) {
-            (false, [nnz], [p]) if nnz == p => ([1, 1], *nnz),
-            (true, [nnz, bh, bw], [p]) if nnz == p && *bh > 0 && *bw > 0 => ([*bh, *bw], *nnz),
+        let block = match (blocked, &values.size[..], &plain.size[..]) {
+            (false, [nnz], [p]) if nnz == p => [1, 1],
+            (true, [nnz, bh, bw], [p]) if nnz == p && *bh > 0 && *bw > 0 => [*bh, *bw],
             _ => {
                 return bad(format!(
                     "plain indices {:?} and values {:?} do not fit",
@@ -377,7 +377,6 @@ impl Vm<'_, '_> {
                 compressed_dim + 1
             ));
         }
-        let _ = nnz;
         Ok(())
     }
 
