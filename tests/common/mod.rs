@@ -15,6 +15,23 @@ use fsdp::{
     Value, WrapPolicy,
 };
 
+/// The Python with PyTorch 2.13 that the tests compare with: `FSDP_PYTHON`, else the crate's
+/// `.venv` (`scripts/setup-venv.sh`). Without one the test fails: these tests are never
+/// skipped.
+pub fn python() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
+        return p.into();
+    }
+    let venv = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with PyTorch found: set FSDP_PYTHON to a python that has torch 2.13, or run \
+         scripts/setup-venv.sh to create .venv in the crate root; this test compares with \
+         PyTorch and is never skipped"
+    );
+    venv
+}
+
 /// Every file of the directory `dir` (names sorted) with its bytes: two outputs compared
 /// byte for byte.
 pub fn files_of(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {

@@ -26,18 +26,6 @@ fn golden(p: &str) -> PathBuf {
         .join(p)
 }
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python with PyTorch found: set FSDP_PYTHON or run scripts/setup-venv.sh"
-    );
-    venv
-}
-
 /// A copy of scenario `name`'s checkpoint in a fresh temporary directory (`<tmp>/ckpt`).
 fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
     let tmp = tempfile::tempdir().unwrap();
@@ -132,7 +120,7 @@ fn pytorch_loads_the_consolidated_file_equal_to_its_own() {
         args.push(golden(name).join("expected.pt"));
         args.push(out);
     }
-    let res = std::process::Command::new(python())
+    let res = std::process::Command::new(crate::common::python())
         .arg(golden("check_equal.py"))
         .args(&args)
         .output()
@@ -525,7 +513,7 @@ fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
         args.push(input);
         args.push(out);
     }
-    let res = std::process::Command::new(python())
+    let res = std::process::Command::new(crate::common::python())
         .arg(golden("check_dcp_writer.py"))
         .args(&args)
         .output()

@@ -346,18 +346,6 @@ fn metadata_disagreeing_with_the_model_names_the_key_and_the_file() {
     assert_names(&err, "optim.state.net2.0.bias.exp_avg_sq");
 }
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python with PyTorch found: set FSDP_PYTHON or run scripts/setup-venv.sh"
-    );
-    venv
-}
-
 /// `{"optim": full}`, the nested dict `get_state_dict` + `dcp.save` would hold.
 fn optim_only(full: &OptimStateDict) -> PyObj {
     PyObj::Dict(vec![(
@@ -683,7 +671,7 @@ fn tied_parameters_are_saved_under_both_names_so_pytorch_loads_them_into_tied_mo
 /// Runs `load_in_torch.py` on `(directory, expected dict file, world size, wrapper)` cases:
 /// PyTorch loads each directory into that wrapping and finds the expected dicts.
 pub(crate) fn load_in_torch<const N: usize>(cases: [(PathBuf, PathBuf, &str, &str); N]) {
-    let mut cmd = std::process::Command::new(python());
+    let mut cmd = std::process::Command::new(crate::common::python());
     cmd.arg(golden("load_in_torch.py"));
     for (dir, expected, ws, wrapper) in &cases {
         cmd.arg(dir).arg(expected).arg(ws).arg(wrapper);

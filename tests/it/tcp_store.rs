@@ -7,27 +7,13 @@ use fsdp::collectives::tcp_store::TcpStoreClient;
 use fsdp::Error;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(30);
-
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    if venv.exists() {
-        return venv;
-    }
-    panic!(
-        "no Python with PyTorch found: set FSDP_PYTHON, or run scripts/setup-venv.sh to create \
-         .venv in the crate root; this test speaks to PyTorch's own TCPStore and is never skipped"
-    );
-}
 
 /// A PyTorch `TCPStore` server process, driven line by line.
 struct PyStore {
@@ -40,7 +26,7 @@ impl PyStore {
     fn start(backend: &str) -> Self {
         let script =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/tcp_store_server.py");
-        let mut child = Command::new(python())
+        let mut child = Command::new(crate::common::python())
             .arg(script)
             .arg(backend)
             .stdin(Stdio::piped())

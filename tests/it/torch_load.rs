@@ -9,6 +9,7 @@
 //! `expected.json` names the kinds the crate refuses by design although `weights_only` reads
 //! them.
 
+use crate::torch_save::{dtype_name, hex};
 use fsdp::collectives::Solo;
 use fsdp::io::torch_save::{self, PyObj, QScheme, RichTensor, TensorValue};
 use fsdp::{Error, HostTensor};
@@ -24,21 +25,9 @@ fn fixture(name: &str) -> PathBuf {
     dir().join(format!("{name}.pt"))
 }
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python with PyTorch found: set FSDP_PYTHON or run scripts/setup-venv.sh"
-    );
-    venv
-}
-
 /// Runs `check.py` with `args`; its standard output, or a panic with its errors.
 fn check_py(args: &[&std::ffi::OsStr]) -> String {
-    let out = Command::new(python())
+    let out = Command::new(crate::common::python())
         .arg(dir().join("check.py"))
         .args(args)
         .output()
@@ -64,33 +53,6 @@ fn files() -> Vec<PathBuf> {
 }
 
 // ----- the JSON form of check.py's `describe` -----
-
-fn dtype_name(d: fsdp::DType) -> &'static str {
-    use fsdp::DType::*;
-    match d {
-        F32 => "f32",
-        F64 => "f64",
-        F16 => "f16",
-        BF16 => "bf16",
-        I64 => "i64",
-        I32 => "i32",
-        U8 => "u8",
-        Bool => "bool",
-        I8 => "i8",
-        I16 => "i16",
-        U16 => "u16",
-        U32 => "u32",
-        U64 => "u64",
-        F8E4M3FN => "f8e4m3fn",
-        F8E5M2 => "f8e5m2",
-        C64 => "c64",
-        C128 => "c128",
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
 
 fn bits(x: f64) -> String {
     x.to_bits().to_string()

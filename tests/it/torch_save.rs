@@ -59,7 +59,7 @@ fn dtype_from(s: &str) -> DType {
     }
 }
 
-fn dtype_name(d: DType) -> &'static str {
+pub(crate) fn dtype_name(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::F64 => "f64",
@@ -81,7 +81,7 @@ fn dtype_name(d: DType) -> &'static str {
     }
 }
 
-fn hex(b: &[u8]) -> String {
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -1367,21 +1367,6 @@ proptest! {
 
 // ----- PyTorch loads what Rust writes -----
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("FSDP_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    if venv.exists() {
-        return venv;
-    }
-    panic!(
-        "no Python with PyTorch found: set FSDP_PYTHON to a python that has torch 2.13, or create \
-         .venv in the crate root (python -m venv .venv && .venv/bin/pip install torch==2.13.0); \
-         this test checks that PyTorch loads the files Rust writes and is never skipped"
-    );
-}
-
 fn write_case(dir: &Path, name: &str, obj: &PyObj, shared: Json) {
     torch_save::save(obj, dir.join(format!("{name}.pt"))).unwrap();
     let expected = json!({ "object": to_json(obj), "shared": shared });
@@ -1390,7 +1375,7 @@ fn write_case(dir: &Path, name: &str, obj: &PyObj, shared: Json) {
 
 #[test]
 fn pytorch_loads_rust_written_files() {
-    let python = python();
+    let python = crate::common::python();
     let dir = tempfile::tempdir().unwrap();
     for name in FIXTURES {
         let obj = torch_save::load(fixture(name)).unwrap();
