@@ -835,6 +835,63 @@ pub enum Error {
         reason: String,
     },
 
+    /// Exporting a Hugging Face model directory: the checkpoint holds no tensor in the chosen
+    /// subtree (an optimizer-only checkpoint), or, with the default `model.` prefix, holds
+    /// tensors outside both `model.` and `optim.` that the export would lose.
+    #[error("exporting `{input}` as a Hugging Face model: {reason}")]
+    HfSelection {
+        /// The checkpoint being exported.
+        input: String,
+        /// What is selected, what is left out, and which option decides it.
+        reason: String,
+    },
+
+    /// A key rename rule (`--rename FROM=TO`, `--rename-map`) is malformed.
+    #[error("rename rule `{}`: {reason}", shown(.rule))]
+    HfRename {
+        /// The rule as written, or the rename map file.
+        rule: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// Two tensors would have one name in the output (after the prefix is stripped or added,
+    /// and the renames applied).
+    #[error("`{}` and `{}` would both be named `{}`; change the renames so that every tensor keeps its own name", shown(.first), shown(.second), shown(.name))]
+    HfNameCollision {
+        /// The name both would get.
+        name: String,
+        /// The first tensor's name before renaming.
+        first: String,
+        /// The second tensor's name before renaming.
+        second: String,
+    },
+
+    /// A tied weight (`--tie NAME=SOURCE`, or the `tie_word_embeddings` default) cannot be
+    /// dropped: a name is missing, or its tensor differs from the source's.
+    #[error("tie `{}={}`: {reason}", shown(.name), shown(.kept))]
+    HfTie {
+        /// The tensor that would be dropped.
+        name: String,
+        /// The tensor it is tied to, which is kept.
+        kept: String,
+        /// Why they cannot be tied.
+        reason: String,
+    },
+
+    /// A Hugging Face model directory's index and files disagree, or a file is missing: the
+    /// index maps a tensor to a file that lacks it, a file holds a tensor the index does not
+    /// name or names elsewhere, a tensor is in two files, the index is not JSON.
+    #[error("Hugging Face model `{}`{}: {reason}", shown(.file), .key.as_ref().map(|k| format!(", tensor `{}`", shown(k))).unwrap_or_default())]
+    HfModelDir {
+        /// The file at fault (the index, or a `.safetensors` file).
+        file: String,
+        /// The tensor, when one is at fault.
+        key: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.

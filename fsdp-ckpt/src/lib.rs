@@ -42,6 +42,57 @@ struct Cli {
     command: Command,
 }
 
+/// The Hugging Face options of `convert`.
+#[derive(clap::Args, Debug, Clone)]
+struct HfArgs {
+    /// With `--to hf`: the most bytes of tensors per file, as `save_pretrained`'s
+    /// `max_shard_size`: `KB`, `MB`, `GB`, `TB` are decimal (huggingface_hub's meaning),
+    /// `KiB`, `MiB`, `GiB` binary; a larger tensor gets a file of its own. Default 50GB (for
+    /// a DCP directory in Hugging Face storage: the files its shard names imply).
+    #[arg(long, value_name = "SIZE")]
+    max_shard_size: Option<String>,
+    /// With `--to hf` or `--to dcp` of a Hugging Face model: cast floating-point tensors
+    /// (round to nearest even, as `Tensor.to`); integer and bool tensors keep their dtype.
+    #[arg(long, value_name = "DTYPE", value_parser = ["bf16", "f16", "f32"])]
+    dtype: Option<String>,
+    /// With `--to hf`: the subtree holding the model, stripped from the names (default
+    /// `model.`; `''` takes every tensor outside `optim.`). With `--to dcp` of a Hugging
+    /// Face model: added to every name (default `model.`).
+    #[arg(long, value_name = "P")]
+    prefix: Option<String>,
+    /// Rename keys: a regular expression and its replacement (`$1` or `\1` for groups),
+    /// applied to every match; repeatable, in order, after the prefix is stripped (export)
+    /// or before it is added (import).
+    #[arg(long, value_name = "FROM=TO")]
+    rename: Vec<String>,
+    /// Rename rules from a JSON file: `{"FROM": "TO", ...}` in order, or `[["FROM", "TO"], ...]`;
+    /// applied after the `--rename` rules.
+    #[arg(long, value_name = "FILE.json")]
+    rename_map: Option<PathBuf>,
+    /// With `--to hf`: NAME is tied to SOURCE and left out, once checked to be equal to it;
+    /// repeatable.
+    #[arg(long, value_name = "NAME=SOURCE")]
+    tie: Vec<String>,
+    /// With `--to hf`: a `config.json` copied into the directory; with
+    /// `"tie_word_embeddings": true` it also ties `lm_head.weight=model.embed_tokens.weight`.
+    #[arg(long, value_name = "config.json")]
+    config: Option<PathBuf>,
+}
+
+impl HfArgs {
+    fn options(&self) -> ops::HfOptions {
+        ops::HfOptions {
+            max_shard_size: self.max_shard_size.clone(),
+            dtype: self.dtype.clone(),
+            prefix: self.prefix.clone(),
+            rename: self.rename.clone(),
+            rename_map: self.rename_map.clone(),
+            tie: self.tie.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Show what an optimizer or model state dict file holds (keys and key types, state
@@ -60,7 +111,7 @@ enum Command {
     /// Convert a file between torch.save and safetensors (formats chosen by extension; a
     /// legacy torch.save input is written in the zip format; what safetensors cannot hold,
     /// such as a sparse tensor, is refused by name): the dict comes back equal after a round
-    /// trip. With `--to dcp` or `--to fsdp`, write a directory instead (below).
+    /// trip. With `--to dcp`, `--to fsdp` or `--to hf`, write a directory instead (below).
     Convert {
         /// Input file.
         input: PathBuf,
@@ -72,10 +123,13 @@ enum Command {
         max_expansion_bytes: u64,
         /// Write a directory instead: `dcp`, a PyTorch DCP directory with one `.metadata`
         /// (from a torch.save or safetensors file, from this crate's sharded checkpoint
-        /// directory, or from a DCP directory with per-rank metadata or in Hugging Face
-        /// storage); `fsdp`, this crate's sharded checkpoint from a DCP directory of any form
-        /// (needs `--model` and `--world-size`).
-        #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp"])]
+        /// directory, from a Hugging Face model directory, or from a DCP directory with
+        /// per-rank metadata or in Hugging Face storage); `fsdp`, this crate's sharded
+        /// checkpoint from a DCP directory of any form (needs `--model` and `--world-size`);
+        /// `hf`, a Hugging Face model directory as `save_pretrained` writes it
+        /// (`model.safetensors`, or `model-*-of-*.safetensors` and the index) of the model
+        /// weights of a DCP directory, this crate's checkpoint or a file.
+        #[arg(long, value_name = "FORMAT", value_parser = ["dcp", "fsdp", "hf"])]
         to: Option<String>,
         /// With `--to fsdp`: the model description and wrapping policy (JSON; see README).
         #[arg(long = "model", value_name = "DESC.json")]
@@ -88,6 +142,8 @@ enum Command {
         /// `dcp.load` reads it back. Written by one process.
         #[arg(long, value_name = "ALGO", value_parser = ["zstd"])]
         compress: Option<String>,
+        #[command(flatten)]
+        hf: HfArgs,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.
@@ -349,6 +405,7 @@ fn run_alone(cli: Cli) -> Result<()> {
             model,
             world_size,
             compress,
+            hf,
         } => {
             let opts = ops::ConvertOptions {
                 to,
@@ -356,6 +413,7 @@ fn run_alone(cli: Cli) -> Result<()> {
                 world_size: world_size.map(|n| n as usize),
                 max_expansion_bytes,
                 compression: compression(compress.as_deref()),
+                hf: hf.options(),
             };
             ops::convert(&input, &output, &opts, &Solo, &p)?
         }
@@ -473,6 +531,7 @@ mod launcher {
                 ref model,
                 world_size,
                 ref compress,
+                ref hf,
             } => {
                 let opts = ops::ConvertOptions {
                     to: to.clone(),
@@ -480,6 +539,7 @@ mod launcher {
                     world_size: world_size.map(|n| n as usize),
                     max_expansion_bytes,
                     compression: compression(compress.as_deref()),
+                    hf: hf.options(),
                 };
                 if !ops::convert_splits(input, &opts) {
                     return on_root_alone(cli, pg);

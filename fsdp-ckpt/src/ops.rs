@@ -211,6 +211,9 @@ pub struct ConvertOptions {
     /// With `to = "dcp"`: how the DCP directory stores its items (`--compress zstd`);
     /// `None` stores them plain.
     pub compression: Option<io::dcp::Compression>,
+    /// With `to = "hf"`, or `to = "dcp"` from a Hugging Face model directory: how keys,
+    /// dtypes and files map.
+    pub hf: HfOptions,
 }
 
 impl Default for ConvertOptions {
@@ -221,7 +224,123 @@ impl Default for ConvertOptions {
             world_size: None,
             max_expansion_bytes: io::torch_save::LoadOptions::DEFAULT_MAX_EXPANSION_BYTES,
             compression: None,
+            hf: HfOptions::default(),
         }
+    }
+}
+
+/// The Hugging Face options of [`convert`], as the command line gives them.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HfOptions {
+    /// `--max-shard-size` (`50GB`, `60KB`, `512MiB`); export only.
+    pub max_shard_size: Option<String>,
+    /// `--dtype bf16|f16|f32`: cast floating-point tensors.
+    pub dtype: Option<String>,
+    /// `--prefix P`: export the subtree P (default `model.`), or import under P (default
+    /// `model.`).
+    pub prefix: Option<String>,
+    /// `--rename FROM=TO`, in order.
+    pub rename: Vec<String>,
+    /// `--rename-map FILE.json`, applied after the `--rename` rules.
+    pub rename_map: Option<PathBuf>,
+    /// `--tie NAME=SOURCE`; export only.
+    pub tie: Vec<String>,
+    /// `--config config.json`; export only.
+    pub config: Option<PathBuf>,
+}
+
+impl HfOptions {
+    /// Whether any option is given.
+    fn any(&self) -> bool {
+        *self != HfOptions::default()
+    }
+
+    /// The options only the export takes, by their flags, when given.
+    fn export_only(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.max_shard_size.is_some() {
+            v.push("--max-shard-size");
+        }
+        if !self.tie.is_empty() {
+            v.push("--tie");
+        }
+        if self.config.is_some() {
+            v.push("--config");
+        }
+        v
+    }
+
+    fn dtype(&self) -> Result<Option<fsdp::DType>> {
+        self.dtype
+            .as_deref()
+            .map(|d| match d {
+                "bf16" | "bfloat16" => Ok(fsdp::DType::BF16),
+                "f16" | "fp16" | "float16" => Ok(fsdp::DType::F16),
+                "f32" | "fp32" | "float32" => Ok(fsdp::DType::F32),
+                other => Err(Error::Unsupported(format!(
+                    "--dtype {other}: the choices are bf16, f16 and f32"
+                ))),
+            })
+            .transpose()
+    }
+
+    fn renames(&self) -> Result<Vec<io::hf::Rename>> {
+        let mut rules: Vec<io::hf::Rename> = self
+            .rename
+            .iter()
+            .map(|r| io::hf::Rename::parse(r))
+            .collect::<Result<_>>()?;
+        if let Some(map) = &self.rename_map {
+            rules.extend(io::hf::Rename::from_json_file(map)?);
+        }
+        Ok(rules)
+    }
+
+    fn export(&self) -> Result<convert::HfExportOptions> {
+        let ties = self
+            .tie
+            .iter()
+            .map(|t| {
+                t.split_once('=')
+                    .map(|(n, k)| (n.to_string(), k.to_string()))
+                    .ok_or_else(|| Error::HfTie {
+                        name: t.clone(),
+                        kept: String::new(),
+                        reason:
+                            "expected NAME=SOURCE (the tensor to leave out, `=`, the one it equals)"
+                                .into(),
+                    })
+            })
+            .collect::<Result<_>>()?;
+        Ok(convert::HfExportOptions {
+            max_shard_size: self
+                .max_shard_size
+                .as_deref()
+                .map(io::hf::parse_shard_size)
+                .transpose()?,
+            dtype: self.dtype()?,
+            prefix: self.prefix.clone(),
+            renames: self.renames()?,
+            ties,
+            config: self.config.clone(),
+        })
+    }
+
+    fn import(&self, compression: io::dcp::Compression) -> Result<convert::HfImportOptions> {
+        if let Some(flag) = self.export_only().first() {
+            return Err(Error::Unsupported(format!(
+                "{flag} applies to `--to hf` (the export); importing a Hugging Face model takes --prefix, --rename, --rename-map and --dtype"
+            )));
+        }
+        Ok(convert::HfImportOptions {
+            prefix: self
+                .prefix
+                .clone()
+                .unwrap_or_else(|| io::hf::MODEL_PREFIX.into()),
+            renames: self.renames()?,
+            dtype: self.dtype()?,
+            write: io::dcp::DcpWriteOptions::default().compression(compression),
+        })
     }
 }
 
@@ -413,6 +532,13 @@ pub fn convert(
             output.display()
         )));
     }
+    if opts.hf.any() && !matches!(opts.to.as_deref(), Some("hf") | Some("dcp")) {
+        return Err(Error::Unsupported(format!(
+            "convert {} {}: --max-shard-size, --dtype, --prefix, --rename, --rename-map, --tie and --config apply to `--to hf` (and some to `--to dcp` of a Hugging Face model directory)",
+            input.display(),
+            output.display()
+        )));
+    }
     match opts.to.as_deref() {
         None => convert_file(input, output, opts.max_expansion_bytes, p),
         Some("fsdp") => dcp_to_fsdp(input, output, opts, pg, p),
@@ -421,9 +547,10 @@ pub fn convert(
                 "convert --to {to} takes no --model or --world-size (they describe the checkpoint `--to fsdp` writes)"
             )))
         }
-        Some("dcp") => to_dcp(input, output, opts.compression.unwrap_or_default(), pg, p),
+        Some("dcp") => to_dcp(input, output, opts, pg, p),
+        Some("hf") => to_hf(input, output, &opts.hf, pg, p),
         Some(to) => Err(Error::Unsupported(format!(
-            "convert --to {to}: the formats are `dcp` and `fsdp`"
+            "convert --to {to}: the formats are `dcp`, `fsdp` and `hf`"
         ))),
     }
 }
@@ -481,12 +608,20 @@ fn convert_file(
 fn to_dcp(
     input: &Path,
     output: &Path,
-    compression: io::dcp::Compression,
+    convert_opts: &ConvertOptions,
     pg: &dyn ProcessGroup,
     p: &dyn Progress,
 ) -> Result<Written> {
+    let compression = convert_opts.compression.unwrap_or_default();
     let opts = io::dcp::DcpWriteOptions::default().compression(compression);
     let found = pg.agree(to_dcp_input(input))?;
+    if found != Input::HfModel && convert_opts.hf.any() {
+        return Err(Error::Unsupported(format!(
+            "convert {} --to dcp: --prefix, --rename, --rename-map and --dtype apply to a Hugging Face model directory, and the input is {}",
+            input.display(),
+            found.describe()
+        )));
+    }
     let from_checkpoint = found == Input::Checkpoint;
     if from_checkpoint {
         pg.agree(checkpoint::read_manifest(input))?;
@@ -496,6 +631,11 @@ fn to_dcp(
     let written = if from_checkpoint {
         // The full optimizer state dict of the crate's sharded checkpoint, streamed.
         convert::checkpoint_to_dcp_with(input, output, pg, &opts, |b| p.update(b))
+    } else if found == Input::HfModel {
+        convert_opts
+            .hf
+            .import(compression)
+            .and_then(|o| convert::hf_to_dcp(input, output, &o, pg))
     } else if found.is_dcp() {
         convert::dcp_to_dcp_with(input, output, pg, &opts)
     } else {
@@ -548,14 +688,67 @@ fn to_dcp_input(input: &Path) -> Result<Input> {
     expect_input(
         "convert --to dcp",
         input,
-        "a checkpoint of this crate, a torch.save or safetensors file, or a DCP directory with per-rank metadata or in Hugging Face storage",
+        "a checkpoint of this crate, a torch.save or safetensors file, a Hugging Face model directory, or a DCP directory with per-rank metadata or in Hugging Face storage",
         to_dcp_takes,
     )
 }
 
 /// Whether `convert … --to dcp` takes `i` ([`to_dcp_input`]).
 fn to_dcp_takes(i: Input) -> bool {
-    i != Input::Dcp && (i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)))
+    i != Input::Dcp
+        && (i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_) | Input::HfModel))
+}
+
+/// `convert IN OUT_DIR --to hf`: the model weights of a DCP directory (any form), the
+/// crate's checkpoint or a file, as the Hugging Face model directory `save_pretrained`
+/// writes ([`convert::checkpoint_to_hf`]); by the processes of `pg`, each writing its share
+/// of the files, process 0 the index.
+fn to_hf(
+    input: &Path,
+    output: &Path,
+    hf: &HfOptions,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let opts = hf.export()?;
+    expect_input(
+        "convert --to hf",
+        input,
+        "a DCP directory (any form), a checkpoint of this crate saved with the model, or a torch.save or safetensors file",
+        |i| i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)),
+    )?;
+    p.start(&phase("exporting", pg), None);
+    let done = convert::checkpoint_to_hf(input, output, &opts, pg);
+    p.finish();
+    let done = done?;
+    let dropped = if done.dropped.is_empty() {
+        String::new()
+    } else {
+        let d: Vec<String> = done
+            .dropped
+            .iter()
+            .map(|(n, k)| format!("{n} (= {k})"))
+            .collect();
+        format!("; left out as tied: {}", d.join(", "))
+    };
+    Ok(Written {
+        operation: "convert",
+        output: output.to_path_buf(),
+        tensor_bytes: done.total_size,
+        count: Some(done.tensors),
+        world_size: None,
+        message: format!(
+            "exported {} -> Hugging Face model {}{}: {} tensors, {} parameters, {} bytes in {} file(s){}{dropped}",
+            input.display(),
+            output.display(),
+            as_a_job(pg),
+            done.tensors,
+            done.total_parameters,
+            done.total_size,
+            done.files.len(),
+            if done.indexed { " and the index" } else { "" },
+        ),
+    })
 }
 
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
@@ -570,7 +763,7 @@ pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
                 && opts.world_size.is_none()
                 && recognize(input).is_ok_and(to_dcp_takes)
         }
-        Some("fsdp") => true,
+        Some("fsdp") | Some("hf") => true,
         _ => false,
     }
 }

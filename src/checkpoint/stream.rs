@@ -62,6 +62,34 @@ impl Skeleton {
         })
     }
 
+    /// The model's parameter values the checkpoint holds (`Fsdp::save_checkpoint` with the
+    /// model), as `{"model": {name: placeholder}}` in model order: what a Hugging Face export
+    /// of the checkpoint takes. An optimizer-only checkpoint gives an empty `model`.
+    pub(crate) fn model_params(dir: &Path) -> Result<Self> {
+        let mut manifest = read_manifest(dir)?;
+        manifest.params = std::mem::take(&mut manifest.model_params);
+        let mut stands_for: HashMap<usize, (usize, usize)> = HashMap::new();
+        let mut items = Vec::new();
+        for (ri, rec) in manifest.params.iter().enumerate() {
+            for (si, (_, v)) in rec.states.iter().enumerate() {
+                if let StoredValue::Tensor { dtype, .. } = v {
+                    let t = HostTensor::zeros(*dtype, &[1]);
+                    stands_for.insert(t.as_bytes().as_ptr() as usize, (ri, si));
+                    items.push((PyObj::Str(rec.name.clone()), PyObj::Tensor(t)));
+                }
+            }
+        }
+        let model = PyObj::OrderedDict {
+            items,
+            attrs: Vec::new(),
+        };
+        Ok(Skeleton {
+            manifest,
+            obj: PyObj::Dict(vec![(PyObj::Str("model".into()), model)]),
+            stands_for,
+        })
+    }
+
     /// The stored tensor state placeholder `t` stands for: (name for messages, dtype, shape,
     /// pieces).
     fn stored(&self, t: &HostTensor) -> Option<(String, DType, &[usize], &[Piece])> {

@@ -32,14 +32,18 @@
 mod coordinate;
 mod from_checkpoint;
 mod from_dcp;
+mod from_hf;
 mod to_dcp;
+mod to_hf;
 
 pub use crate::checkpoint::from_dcp::dcp_to_checkpoint;
 pub use from_checkpoint::{
     checkpoint_to_dcp, checkpoint_to_dcp_with, checkpoint_to_safetensors, checkpoint_to_torch_save,
 };
 pub use from_dcp::{dcp_to_dcp, dcp_to_dcp_with, dcp_to_safetensors, dcp_to_torch_save};
+pub use from_hf::{hf_to_dcp, HfImportOptions};
 pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
+pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported};
 
 #[cfg(doc)]
 use crate::collectives::ProcessGroup;

@@ -8,6 +8,7 @@
 
 pub(crate) mod container;
 pub mod dcp;
+pub mod hf;
 pub mod inspect;
 pub mod output;
 pub(crate) mod pickle;

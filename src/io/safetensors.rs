@@ -80,7 +80,7 @@ const MEMORY: &str = "<memory>";
 
 /// The `safetensors` crate's dtype for `d`, by its name in the one dtype table; `None` for
 /// the dtypes safetensors has no name for (refused before anything is laid out).
-fn to_st_dtype(d: DType) -> Option<Dtype> {
+pub(crate) fn to_st_dtype(d: DType) -> Option<Dtype> {
     use serde::de::IntoDeserializer;
     use serde::Deserialize;
     let name: serde::de::value::StrDeserializer<'_, serde::de::value::Error> =

@@ -10,11 +10,12 @@
 //! | 2 | `__{rank}.metadata` | [`Input::DcpPerRank`]: `dcp.save(..., use_collectives=False)` |
 //! | 3 | `manifest.json` or `COMMITTED` | [`Input::Checkpoint`]: this crate's checkpoint |
 //! | 4 | a `.safetensors` file whose header's `__metadata__` has `DCP_SHARDING_INFO`, here or in `sharded/` | [`Input::DcpHf`]: `HuggingFaceStorageWriter` |
+//! | 5 | `model.safetensors.index.json`, or `.safetensors` files (none with `DCP_SHARDING_INFO`) | [`Input::HfModel`]: `save_pretrained` |
 //!
 //! The order is PyTorch's where PyTorch has one (its loader reads `.metadata` before a rank's
 //! own file); the crate's checkpoint never holds DCP markers; Hugging Face storage comes last
 //! because telling it apart reads file headers. A directory of safetensors files without
-//! `DCP_SHARDING_INFO` is a plain Hugging Face model directory, which no form matches.
+//! `DCP_SHARDING_INFO` is a plain Hugging Face model directory, recognised last.
 
 use crate::error::{Error, Result};
 use crate::io::dcp::HfForm;
@@ -34,6 +35,9 @@ pub enum Input {
     DcpHf(HfForm),
     /// This crate's sharded checkpoint directory (`manifest.json`, `COMMITTED`).
     Checkpoint,
+    /// A Hugging Face model directory (`save_pretrained`): `model.safetensors`, or
+    /// `model-*-of-*.safetensors` files and `model.safetensors.index.json`.
+    HfModel,
     /// A single state dict file.
     File(FileFormat),
 }
@@ -60,6 +64,7 @@ impl Input {
                 "a DCP directory in Hugging Face storage (saved by every rank, consolidated)"
             }
             Input::Checkpoint => "a checkpoint of this crate",
+            Input::HfModel => "a Hugging Face model directory",
             Input::File(FileFormat::TorchSave) => "a torch.save file",
             Input::File(FileFormat::Safetensors) => "a safetensors file",
         }
@@ -91,6 +96,10 @@ const DIRECTORY_FORMS: &[Form] = &[
     Form {
         marker: "`.safetensors` files with `DCP_SHARDING_INFO`",
         probe: dcp_hf,
+    },
+    Form {
+        marker: "`model.safetensors.index.json`",
+        probe: hf_model,
     },
 ];
 
@@ -165,6 +174,12 @@ fn dcp_hf(dir: &Path) -> Result<Option<Input>> {
     Ok(crate::io::dcp::hf_form(dir)?.map(Input::DcpHf))
 }
 
+/// `model.safetensors.index.json` or `.safetensors` files (after [`dcp_hf`] found none with
+/// `DCP_SHARDING_INFO`) mark a Hugging Face model directory.
+fn hf_model(dir: &Path) -> Result<Option<Input>> {
+    Ok(crate::io::hf::looks_like_model_dir(dir).then_some(Input::HfModel))
+}
+
 /// `manifest.json` or `COMMITTED` marks this crate's checkpoint (complete or not: its reader
 /// says which part is missing).
 fn crate_checkpoint(dir: &Path) -> Result<Option<Input>> {
@@ -189,23 +204,15 @@ fn entries(dir: &Path) -> Result<Vec<String>> {
 /// (files counted by extension).
 fn unrecognized_dir(dir: &Path) -> Error {
     let markers: Vec<&str> = DIRECTORY_FORMS.iter().map(|f| f.marker).collect();
-    let (holds, plain_hf) = match entries(dir) {
-        Err(e) => (format!("it cannot be listed: {e}"), false),
-        Ok(names) if names.is_empty() => ("it is empty".to_string(), false),
-        Ok(names) => (
-            format!("it holds {}", count_by_extension(&names)),
-            names.iter().any(|n| n.ends_with(".safetensors")),
-        ),
-    };
-    let hint = if plain_hf {
-        "; its safetensors files carry no `DCP_SHARDING_INFO`, so it is not a DCP checkpoint in Hugging Face storage (a plain Hugging Face model directory? those are not read yet)"
-    } else {
-        ""
+    let holds = match entries(dir) {
+        Err(e) => format!("it cannot be listed: {e}"),
+        Ok(names) if names.is_empty() => "it is empty".to_string(),
+        Ok(names) => format!("it holds {}", count_by_extension(&names)),
     };
     Error::UnrecognizedInput {
         path: dir.display().to_string(),
         found: format!(
-            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`); {holds} (looked for {}){hint}",
+            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`) nor a Hugging Face model directory (no `.safetensors` files); {holds} (looked for {})",
             markers.join(", ")
         ),
     }

@@ -2,6 +2,7 @@
 //! algorithms are written against; with the `tch` feature, `TchTensor` implements it over
 //! libtorch tensors (module `tch`).
 
+pub(crate) mod cast;
 mod dtype;
 mod host;
 mod storage;

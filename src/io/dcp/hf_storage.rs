@@ -235,6 +235,22 @@ fn shard_rank(name: &str) -> Option<usize> {
     i.checked_sub(1)
 }
 
+/// The model file (`i` from 1, of `n`) a Hugging Face storage data file holds tensors of:
+/// `model-{i:05}-of-{n:05}.safetensors`, or a rank's shard of it,
+/// `shard-{rank+1:05}-model-{i:05}-of-{n:05}.safetensors` (under `sharded/` in the
+/// consolidated form). This is the file plan `consolidate_safetensors_files` follows.
+pub(crate) fn model_file_of(relative_path: &str) -> Option<(usize, usize)> {
+    let name = relative_path.rsplit('/').next()?;
+    let name = name.strip_suffix(".safetensors")?;
+    let rest = match name.strip_prefix("shard-") {
+        Some(r) => r.split_once('-')?.1,
+        None => name,
+    };
+    let (i, n) = rest.strip_prefix("model-")?.split_once("-of-")?;
+    let (i, n): (usize, usize) = (i.parse().ok()?, n.parse().ok()?);
+    (1..=n).contains(&i).then_some((i, n))
+}
+
 /// The global metadata of the Hugging Face storage directory `dir` (canonical path `root`),
 /// and its [`super::Source`]; see [the module](self).
 pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)> {
@@ -559,5 +575,15 @@ mod tests {
             None
         );
         assert_eq!(shard_rank("model-00001-of-00001.safetensors"), None);
+        assert_eq!(
+            model_file_of("sharded/shard-00002-model-00003-of-00004.safetensors"),
+            Some((3, 4))
+        );
+        assert_eq!(
+            model_file_of("model-00001-of-00001.safetensors"),
+            Some((1, 1))
+        );
+        assert_eq!(model_file_of("model-00005-of-00004.safetensors"), None);
+        assert_eq!(model_file_of("__0_0.distcp"), None);
     }
 }

@@ -145,6 +145,24 @@ impl DcpCheckpoint {
         &self.source
     }
 
+    /// For a checkpoint in Hugging Face storage, the model file (`i` of `n`) each tensor's
+    /// chunks were saved for, by key (see `hf_storage::model_file_of`): the file plan
+    /// `consolidate_safetensors_files` follows. `None` for another source, or when some
+    /// tensor's chunks name no model file or two.
+    pub(crate) fn hf_model_files(&self) -> Option<HashMap<String, (usize, usize)>> {
+        if !matches!(self.source, Source::HfStorage { .. }) {
+            return None;
+        }
+        let mut of: HashMap<String, (usize, usize)> = HashMap::new();
+        for (key, info) in &self.metadata.storage {
+            let file = super::hf_storage::model_file_of(&info.as_ref().ok()?.relative_path)?;
+            if *of.entry(key.fqn.clone()).or_insert(file) != file {
+                return None;
+            }
+        }
+        Some(of)
+    }
+
     /// The entry of flattened key `key`.
     pub fn entry(&self, key: &str) -> Option<&Entry> {
         self.metadata.entries.iter().find(|e| e.key == key)

@@ -1,0 +1,136 @@
+//! A Hugging Face model directory imported as a DCP directory, for FSDP ranks to load.
+
+use super::coordinate::write_dcp;
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use crate::error::Result;
+use crate::io::dcp::DcpWriteOptions;
+use crate::io::hf::{self, names, HfModelDir, Rename};
+use crate::io::torch_save::writer::LazyTensors;
+use crate::io::torch_save::PyObj;
+use crate::tensor::{DType, HostTensor};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// How [`hf_to_dcp`] imports.
+#[derive(Debug, Clone)]
+pub struct HfImportOptions {
+    /// Added to every key (after the renames): `model.` by default, so that the directory
+    /// loads as the `model` part of `get_state_dict` (`dcp.load({"model": msd})`).
+    pub prefix: String,
+    /// Key renames, applied in order to the model's names.
+    pub renames: Vec<Rename>,
+    /// Cast floating-point tensors to this dtype, as `Tensor.to` does.
+    pub dtype: Option<DType>,
+    /// The DCP writer's options.
+    pub write: DcpWriteOptions,
+}
+
+impl Default for HfImportOptions {
+    fn default() -> Self {
+        HfImportOptions {
+            prefix: hf::MODEL_PREFIX.into(),
+            renames: Vec::new(),
+            dtype: None,
+            write: DcpWriteOptions::default(),
+        }
+    }
+}
+
+/// Writes the Hugging Face model directory `src` (`model.safetensors.index.json` and its
+/// files, or one `model.safetensors`; the index checked against every file's header) as the
+/// DCP directory `dst`, its keys `prefix + name`, as `dcp.save({"model": state_dict})` writes
+/// it: an FSDP2 or FSDP1 model at any world size loads it with `dcp.load` and
+/// `set_model_state_dict`. The tensors stream from the files (memory holds one 4 MiB chunk).
+///
+/// Run by the processes of `pg` (see [the module](super)): each streams its share of the
+/// tensors into the one data file, and process 0 writes `.metadata` and installs the
+/// directory. Returns the tensor bytes written.
+pub fn hf_to_dcp(
+    src: &Path,
+    dst: &Path,
+    opts: &HfImportOptions,
+    pg: &dyn ProcessGroup,
+) -> Result<u64> {
+    pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    let dir = pg.agree(HfModelDir::open(src))?;
+    let files = pg.agree(dir.streamer(dst))?;
+    let (obj, mut lazy) = pg.agree(imported(&dir, files, opts))?;
+    write_dcp(&obj, dst, &mut lazy, pg, &opts.write)
+}
+
+/// The state dict the DCP directory holds, nested under the prefix's parts
+/// (`{"model": {name: tensor}}`), with what streams its placeholders (cast as asked).
+fn imported<'h>(
+    dir: &'h HfModelDir,
+    files: hf::read::Files<'h>,
+    opts: &HfImportOptions,
+) -> Result<(PyObj, Cast<'h>)> {
+    let names: Vec<String> = dir.tensors.iter().map(|(n, _)| n.clone()).collect();
+    let renamed = names::rename_all(&opts.renames, &names)?;
+    let mut lazy = Cast {
+        files,
+        casts: HashMap::new(),
+    };
+    let mut items = Vec::with_capacity(renamed.len());
+    for ((_, t), name) in dir.tensors.iter().zip(renamed) {
+        let t = lazy.cast(t, opts.dtype)?;
+        items.push((PyObj::Str(name), PyObj::Tensor(t)));
+    }
+    let mut obj = PyObj::OrderedDict {
+        items,
+        attrs: Vec::new(),
+    };
+    for part in opts.prefix.split('.').filter(|p| !p.is_empty()).rev() {
+        obj = PyObj::Dict(vec![(PyObj::Str(part.to_string()), obj)]);
+    }
+    Ok((obj, lazy))
+}
+
+/// The files' placeholders, with some replaced by placeholders of another dtype whose bytes
+/// are cast on the way.
+struct Cast<'h> {
+    files: hf::read::Files<'h>,
+    /// Cast placeholder's storage → (the file's placeholder, its dtype).
+    casts: HashMap<usize, (HostTensor, DType)>,
+}
+
+impl Cast<'_> {
+    /// `t` (a placeholder or a value read whole) as it is written with `dtype`.
+    fn cast(&mut self, t: &HostTensor, dtype: Option<DType>) -> Result<HostTensor> {
+        let from = t.dtype();
+        let Some(to) = dtype.filter(|&to| crate::tensor::cast::casts(from, to)) else {
+            return Ok(t.clone());
+        };
+        if self.files.shape_of(t).is_none() {
+            let mut out = Vec::new();
+            crate::tensor::cast::cast(from, to, t.as_bytes(), &mut out);
+            return HostTensor::from_bytes(to, t.shape(), &out);
+        }
+        let placeholder = HostTensor::zeros(to, &[0]);
+        self.casts
+            .insert(placeholder.storage_id(), (t.clone(), from));
+        Ok(placeholder)
+    }
+}
+
+impl LazyTensors for Cast<'_> {
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        match self.casts.get(&t.storage_id()) {
+            Some((src, _)) => self.files.shape_of(src),
+            None => self.files.shape_of(t),
+        }
+    }
+
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        let Some((src, from)) = self.casts.get(&t.storage_id()) else {
+            return self.files.stream(t, sink);
+        };
+        let mut caster = hf::write::Caster::between(*from, t.dtype());
+        self.files
+            .stream(src, &mut |chunk| caster.push(chunk, sink))
+    }
+}

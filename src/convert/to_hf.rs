@@ -1,0 +1,546 @@
+//! A checkpoint exported as a Hugging Face model directory: what `save_pretrained` writes of
+//! the model's weights, streamed one tensor at a time.
+
+use crate::checkpoint::stream::Skeleton;
+use crate::collectives::{ProcessGroup, ProcessGroupExt};
+use crate::error::{Error, Result};
+use crate::io::dcp::{DcpCheckpoint, Headers, Placeholders};
+use crate::io::hf::plan::{self, DirPlan, PlannedTensor};
+use crate::io::hf::{self, names, Rename};
+use crate::io::torch_save::writer::LazyTensors;
+use crate::io::torch_save::PyObj;
+use crate::offline::{recognize, Input};
+use crate::tensor::{DType, HostTensor};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// How [`checkpoint_to_hf`] exports.
+#[derive(Debug, Clone, Default)]
+pub struct HfExportOptions {
+    /// The most bytes of tensors per file (`save_pretrained`'s `max_shard_size`); `None`:
+    /// [`hf::DEFAULT_MAX_SHARD_SIZE`], or, for a DCP directory in Hugging Face storage, the
+    /// files its shard names imply (what `consolidate_safetensors_files` writes).
+    pub max_shard_size: Option<u64>,
+    /// Cast floating-point tensors to this dtype (`bf16`, `f16`, `f32`) as `Tensor.to` does;
+    /// integer and bool tensors keep theirs.
+    pub dtype: Option<DType>,
+    /// The subtree that holds the model: `None` for `model.` (refused when tensors lie
+    /// outside `model.` and `optim.`), `Some("")` for every tensor outside `optim.`.
+    pub prefix: Option<String>,
+    /// Key renames, applied in order once the prefix is stripped.
+    pub renames: Vec<Rename>,
+    /// Tied weights `(name, kept)`: `name` is checked to equal `kept` and left out.
+    pub ties: Vec<(String, String)>,
+    /// A `config.json` to copy into the directory; with `"tie_word_embeddings": true` it
+    /// also ties `lm_head.weight` to `model.embed_tokens.weight`.
+    pub config: Option<PathBuf>,
+}
+
+/// What [`checkpoint_to_hf`] wrote.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct HfExported {
+    /// The `.safetensors` files, in order.
+    pub files: Vec<String>,
+    /// Whether `model.safetensors.index.json` was written.
+    pub indexed: bool,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Their bytes (the index's `total_size`).
+    pub total_size: u64,
+    /// Their elements (the index's `total_parameters`).
+    pub total_parameters: u64,
+    /// Tied tensors left out, each with the tensor it equals: `(dropped, kept)`.
+    pub dropped: Vec<(String, String)>,
+}
+
+/// Exports the model weights of `src` — a DCP directory of any form, the crate's checkpoint
+/// (saved with the model), or a `torch.save` / `.safetensors` file — as the Hugging Face
+/// model directory `dst` (missing or empty): `model.safetensors`, or
+/// `model-{i:05}-of-{n:05}.safetensors` files and `model.safetensors.index.json`, split and
+/// laid out as `save_pretrained` writes them ([`crate::io::hf`]).
+///
+/// The tensors are streamed one at a time (memory holds the largest, cast when `dtype`
+/// asks), into a temporary directory beside `dst` that is renamed into place once every file
+/// and the index are written and synced: the directory appears whole or not at all. Run by
+/// the processes of `pg` (see [the module](super)), each writes its share of the files and
+/// process 0 the index.
+pub fn checkpoint_to_hf(
+    src: &Path,
+    dst: &Path,
+    opts: &HfExportOptions,
+    pg: &dyn ProcessGroup,
+) -> Result<HfExported> {
+    pg.on_root(|| check_output(src, dst, opts))?;
+    let source = pg.agree(Opened::open(src))?;
+    let mut lazy = pg.agree(source.streamer(dst))?;
+    let tensors = pg.agree(source.tensors(lazy.as_ref()))?;
+    let config = pg.agree(opts.config.as_deref().map(read_config).transpose())?;
+    let chosen = pg.agree(choose(src, &source, &tensors, opts, config.as_ref()))?;
+    let plan = pg.agree(make_plan(&source, &tensors, &chosen, opts))?;
+    pg.on_root(|| check_ties(&tensors, &chosen.ties, lazy.as_mut()))?;
+    let tmp = pg.on_root(|| crate::io::output::make_tmp_dir(dst))?;
+    let mine = write_share(&plan, &tensors, lazy.as_mut(), (dst, &tmp), pg);
+    let committed = pg
+        .all_gather_agreed(mine)
+        .and_then(|_| pg.on_root(|| commit(&plan, config.as_ref(), &tmp, dst)));
+    if committed.is_err() && pg.rank() == 0 {
+        crate::io::output::discard_tmp_dir(&tmp);
+    }
+    committed?;
+    Ok(HfExported {
+        files: plan.files.iter().map(|f| f.name.clone()).collect(),
+        indexed: plan.indexed,
+        tensors: plan.files.iter().map(|f| f.tensors.len()).sum(),
+        total_size: plan.total_size,
+        total_parameters: plan.total_parameters,
+        dropped: chosen
+            .ties
+            .iter()
+            .map(|t| (t.name.clone(), t.kept.clone()))
+            .collect(),
+    })
+}
+
+/// The output may be a missing path or an empty directory, outside the input and config.
+fn check_output(src: &Path, dst: &Path, opts: &HfExportOptions) -> Result<()> {
+    let mut inputs = vec![src];
+    inputs.extend(opts.config.as_deref());
+    crate::io::output::check_dir_output(dst, hf::HF_MODEL_DIR, &inputs)?;
+    crate::io::output::clean_stale_temporaries(dst, None)?;
+    Ok(())
+}
+
+/// An opened checkpoint: its object with placeholders for the tensors, and what streams them.
+struct Opened {
+    path: PathBuf,
+    kind: Kind,
+}
+
+enum Kind {
+    Dcp(DcpCheckpoint, Placeholders),
+    File(Headers),
+    /// A `torch.save` file whose tensors share storages in ways that do not stream: read whole.
+    Loaded(PyObj),
+    Checkpoint(Skeleton),
+}
+
+/// One tensor of the checkpoint: its flattened key, its placeholder (or value), and its real
+/// shape.
+struct SourceTensor {
+    key: String,
+    t: HostTensor,
+    shape: Vec<usize>,
+}
+
+impl SourceTensor {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+impl Opened {
+    fn open(src: &Path) -> Result<Self> {
+        let kind = match recognize(src)? {
+            i if i.is_dcp() => {
+                let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
+                let placeholders = Placeholders::new(&ckpt)?;
+                Kind::Dcp(ckpt, placeholders)
+            }
+            Input::Checkpoint => Kind::Checkpoint(Skeleton::model_params(src)?),
+            Input::File(_) => {
+                let headers = Headers::read(src)?;
+                if headers.streamer(src, src)?.is_some() {
+                    Kind::File(headers)
+                } else {
+                    Kind::Loaded(crate::io::load(src)?)
+                }
+            }
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "exporting {} `{}` as a Hugging Face model: it is one already",
+                    other.describe(),
+                    src.display()
+                )))
+            }
+        };
+        Ok(Opened {
+            path: src.to_path_buf(),
+            kind,
+        })
+    }
+
+    fn obj(&self) -> &PyObj {
+        match &self.kind {
+            Kind::Dcp(_, p) => &p.obj,
+            Kind::File(h) => h.obj(),
+            Kind::Loaded(o) => o,
+            Kind::Checkpoint(s) => &s.obj,
+        }
+    }
+
+    /// Whether this is a DCP directory in Hugging Face storage, whose model keys sit at the
+    /// top level (the default prefix is then `''`).
+    fn hf_storage(&self) -> Option<&DcpCheckpoint> {
+        match &self.kind {
+            Kind::Dcp(ckpt, _)
+                if matches!(ckpt.source(), crate::io::dcp::Source::HfStorage { .. }) =>
+            {
+                Some(ckpt)
+            }
+            _ => None,
+        }
+    }
+
+    /// What streams the placeholders while `out` is written.
+    fn streamer<'s>(&'s self, out: &'s Path) -> Result<Box<dyn LazyTensors + 's>> {
+        Ok(match &self.kind {
+            Kind::Dcp(ckpt, p) => Box::new(crate::io::dcp::Streamed::new(ckpt, p, |_| {})),
+            Kind::File(h) => h
+                .streamer(&self.path, out)?
+                .ok_or_else(|| Error::Internal("a streamable file stopped streaming".into()))?,
+            Kind::Loaded(_) => Box::new(crate::io::torch_save::writer::Eager),
+            Kind::Checkpoint(s) => Box::new(crate::checkpoint::stream::Streamed::new(
+                &self.path,
+                out,
+                s,
+                |_| {},
+            )),
+        })
+    }
+
+    /// The tensors, flattened (bytes entries and other values left out), with their real
+    /// shapes. A tensor `safetensors` cannot hold (sparse, quantized) is refused by name.
+    fn tensors(&self, lazy: &dyn LazyTensors) -> Result<Vec<SourceTensor>> {
+        let obj = self.obj().values_only("a Hugging Face model")?;
+        Ok(names::flatten(&obj)
+            .into_iter()
+            .map(|(key, t)| SourceTensor {
+                shape: lazy.shape_of(&t).unwrap_or_else(|| t.shape().to_vec()),
+                key,
+                t,
+            })
+            .collect())
+    }
+}
+
+/// A `config.json` to copy, and whether it ties the word embeddings.
+struct Config {
+    bytes: Vec<u8>,
+    tie_word_embeddings: bool,
+}
+
+fn read_config(path: &Path) -> Result<Config> {
+    let bytes = crate::io::output::read_small_file(path)?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| Error::HfModelDir {
+            file: path.display().to_string(),
+            key: None,
+            reason: format!("the model configuration is not JSON: {e}"),
+        })?;
+    Ok(Config {
+        tie_word_embeddings: json.get("tie_word_embeddings")
+            == Some(&serde_json::Value::Bool(true)),
+        bytes,
+    })
+}
+
+/// `transformers`' tie for causal LMs with `tie_word_embeddings`: the output projection is
+/// the input embedding, and `save_pretrained` leaves it out.
+const DEFAULT_TIE: (&str, &str) = ("lm_head.weight", "model.embed_tokens.weight");
+
+/// The tensors chosen: (index into the source's tensors, name in the output), in the
+/// source's order, and the ties that leave some out.
+struct Chosen {
+    picked: Vec<(usize, String)>,
+    ties: Vec<Tie>,
+}
+
+/// A tensor left out as equal to another: both names, and their source indices.
+struct Tie {
+    name: String,
+    kept: String,
+    dropped_src: usize,
+    kept_src: usize,
+}
+
+/// Selection (prefix), renames and ties; see [`HfExportOptions`].
+fn choose(
+    src: &Path,
+    source: &Opened,
+    tensors: &[SourceTensor],
+    opts: &HfExportOptions,
+    config: Option<&Config>,
+) -> Result<Chosen> {
+    let keys: Vec<String> = tensors.iter().map(|t| t.key.clone()).collect();
+    let prefix = match (&opts.prefix, source.hf_storage()) {
+        (Some(p), _) => Some(p.as_str()),
+        (None, Some(_)) => Some(""),
+        (None, None) => None,
+    };
+    let selected = names::select(src, &keys, prefix)?;
+    let stripped: Vec<String> = selected.iter().map(|(_, n)| n.clone()).collect();
+    let renamed = names::rename_all(&opts.renames, &stripped)?;
+    let picked: Vec<(usize, String)> = selected.iter().map(|(i, _)| *i).zip(renamed).collect();
+    let by_name: HashMap<&str, usize> = picked.iter().map(|(i, n)| (n.as_str(), *i)).collect();
+
+    let mut asked: Vec<(String, String, bool)> = opts
+        .ties
+        .iter()
+        .map(|(n, k)| (n.clone(), k.clone(), true))
+        .collect();
+    let (n, k) = DEFAULT_TIE;
+    if config.is_some_and(|c| c.tie_word_embeddings) && !asked.iter().any(|(a, _, _)| a == n) {
+        asked.push((n.into(), k.into(), false));
+    }
+    let mut ties: Vec<Tie> = Vec::new();
+    for (name, kept, explicit) in asked {
+        let err = |reason: String| Error::HfTie {
+            name: name.clone(),
+            kept: kept.clone(),
+            reason,
+        };
+        let (Some(&d), Some(&k)) = (by_name.get(name.as_str()), by_name.get(kept.as_str())) else {
+            if !explicit {
+                // `tie_word_embeddings` with the head already left out of the checkpoint.
+                continue;
+            }
+            let missing = if by_name.contains_key(name.as_str()) {
+                &kept
+            } else {
+                &name
+            };
+            return Err(err(format!(
+                "the export has no tensor `{missing}` (names are compared after the prefix is stripped and the renames applied)"
+            )));
+        };
+        if ties.iter().any(|t| t.name == name) {
+            continue;
+        }
+        ties.push(Tie {
+            name,
+            kept,
+            dropped_src: d,
+            kept_src: k,
+        });
+    }
+    ties.extend(shared_storages(tensors, &picked, &ties));
+    if let Some(t) = ties.iter().find(|t| ties.iter().any(|o| o.name == t.kept)) {
+        return Err(Error::HfTie {
+            name: t.name.clone(),
+            kept: t.kept.clone(),
+            reason: format!("`{}` is itself left out as tied to another tensor; tie both to the one that is kept", t.kept),
+        });
+    }
+    Ok(Chosen { picked, ties })
+}
+
+/// Tensors of a `torch.save` file that are one view of one storage (tied weights saved as
+/// one tensor): every one after the first is left out.
+fn shared_storages(tensors: &[SourceTensor], picked: &[(usize, String)], ties: &[Tie]) -> Vec<Tie> {
+    let view = |t: &SourceTensor| {
+        (
+            t.t.storage_id(),
+            t.t.as_bytes().as_ptr() as usize,
+            t.t.nbytes(),
+            t.t.dtype(),
+            t.shape.clone(),
+        )
+    };
+    let mut first: HashMap<_, &(usize, String)> = HashMap::new();
+    let mut out = Vec::new();
+    for p in picked {
+        if ties.iter().any(|t| t.name == p.1) {
+            continue;
+        }
+        match first.get(&view(&tensors[p.0])) {
+            Some(k) => out.push(Tie {
+                name: p.1.clone(),
+                kept: k.1.clone(),
+                dropped_src: p.0,
+                kept_src: k.0,
+            }),
+            None => {
+                first.insert(view(&tensors[p.0]), p);
+            }
+        }
+    }
+    out
+}
+
+/// The directory plan: the chosen tensors not tied away, in the source's order, cast as
+/// asked, split as `save_pretrained` splits (or as the Hugging Face storage's shard names
+/// say, for such a source without `max_shard_size`).
+fn make_plan(
+    source: &Opened,
+    tensors: &[SourceTensor],
+    chosen: &Chosen,
+    opts: &HfExportOptions,
+) -> Result<DirPlan> {
+    if let Some(to) = opts.dtype {
+        if !(to.is_floating_point() && crate::tensor::cast::castable_to(to)) {
+            return Err(Error::InvalidArgument {
+                op: "exporting a Hugging Face model".into(),
+                rank: 0,
+                reason: format!(
+                    "--dtype {to}: the export casts to bfloat16, float16, float32 or float64"
+                ),
+            });
+        }
+    }
+    let planned: Vec<PlannedTensor> = chosen
+        .picked
+        .iter()
+        .filter(|(_, n)| !chosen.ties.iter().any(|t| &t.name == n))
+        .map(|(i, name)| {
+            let from = tensors[*i].t.dtype();
+            let to = match opts.dtype {
+                Some(to) if crate::tensor::cast::casts(from, to) => to,
+                _ => from,
+            };
+            PlannedTensor {
+                name: name.clone(),
+                source: *i,
+                from,
+                to,
+                shape: tensors[*i].shape.clone(),
+            }
+        })
+        .collect();
+    let implied = source
+        .hf_storage()
+        .filter(|_| opts.max_shard_size.is_none())
+        .and_then(|ckpt| ckpt.hf_model_files());
+    match implied {
+        Some(files) => {
+            let mut named: std::collections::BTreeMap<(usize, usize), Vec<usize>> =
+                Default::default();
+            for (j, p) in planned.iter().enumerate() {
+                let Some(&file) = files.get(&tensors[p.source].key) else {
+                    return plan::split_plan(&planned, hf::DEFAULT_MAX_SHARD_SIZE);
+                };
+                named.entry(file).or_default().push(j);
+            }
+            let named = named
+                .into_iter()
+                .map(|((i, n), g)| (format!("model-{i:05}-of-{n:05}.safetensors"), g))
+                .collect();
+            plan::dir_plan(&planned, named, true)
+        }
+        None => plan::split_plan(
+            &planned,
+            opts.max_shard_size.unwrap_or(hf::DEFAULT_MAX_SHARD_SIZE),
+        ),
+    }
+}
+
+/// Streams tensor `t`'s bytes (in its own dtype) through `sink`.
+fn stream_tensor(
+    t: &SourceTensor,
+    lazy: &mut dyn LazyTensors,
+    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> Result<()> {
+    if lazy.shape_of(&t.t).is_some() {
+        return lazy.stream(&t.t, sink);
+    }
+    sink(t.t.as_bytes()).map_err(|e| Error::Internal(format!("buffering `{}`: {e}", t.key)))
+}
+
+/// Checks that each tie's two tensors are equal: dtype, shape and every byte (the kept one
+/// held in memory, the other streamed against it).
+fn check_ties(tensors: &[SourceTensor], ties: &[Tie], lazy: &mut dyn LazyTensors) -> Result<()> {
+    for tie in ties {
+        let (d, k) = (&tensors[tie.dropped_src], &tensors[tie.kept_src]);
+        let err = |reason: String| Error::HfTie {
+            name: tie.name.clone(),
+            kept: tie.kept.clone(),
+            reason,
+        };
+        if d.t.dtype() != k.t.dtype() || d.shape != k.shape {
+            return Err(err(format!(
+                "`{}` is {} {:?} and `{}` is {} {:?}; tied tensors are one tensor",
+                tie.name,
+                d.t.dtype(),
+                d.shape,
+                tie.kept,
+                k.t.dtype(),
+                k.shape
+            )));
+        }
+        if d.t.storage_id() == k.t.storage_id()
+            && d.t.as_bytes().as_ptr() == k.t.as_bytes().as_ptr()
+        {
+            continue;
+        }
+        let mut kept = Vec::with_capacity(k.numel() * k.t.dtype().size());
+        stream_tensor(k, lazy, &mut |b| {
+            kept.extend_from_slice(b);
+            Ok(())
+        })?;
+        let (mut at, mut differs) = (0usize, None);
+        stream_tensor(d, lazy, &mut |b| {
+            if differs.is_none() {
+                let theirs = kept.get(at..at + b.len()).unwrap_or(&[]);
+                if let Some(p) = b.iter().zip(theirs).position(|(x, y)| x != y) {
+                    differs = Some(at + p);
+                } else if theirs.len() < b.len() {
+                    differs = Some(at + theirs.len());
+                }
+            }
+            at += b.len();
+            Ok(())
+        })?;
+        if let Some(byte) = differs {
+            let element = byte / d.t.dtype().size();
+            return Err(err(format!(
+                "their values differ (first at element {element}); equal tensors are no proof of a tie, but different ones disprove it: export both (drop the tie) or fix the checkpoint"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Writes this process's files of `plan` into the temporary `tmp` of `out`: each file goes to
+/// the process whose equal span of the directory's bytes holds its first byte.
+fn write_share(
+    plan: &DirPlan,
+    tensors: &[SourceTensor],
+    lazy: &mut dyn LazyTensors,
+    (out, tmp): (&Path, &Path),
+    pg: &dyn ProcessGroup,
+) -> Result<()> {
+    let total: u64 = plan.files.iter().map(|f| f.len()).sum();
+    let mut at = 0u64;
+    for f in &plan.files {
+        let start = at;
+        at += f.len();
+        if crate::io::output::writer_of(start, total, pg.world_size()) != pg.rank() {
+            continue;
+        }
+        let path = tmp.join(&f.name);
+        let file = std::fs::File::create(&path)
+            .map_err(crate::io::output::tmp_io_err("creating", out, &path))?;
+        hf::write::write_file(f, file, (out, &path), &mut |pt, sink| {
+            stream_tensor(&tensors[pt.source], lazy, sink)
+        })?;
+    }
+    Ok(())
+}
+
+/// With every file written: the index and the config, then the directory renamed into place.
+fn commit(plan: &DirPlan, config: Option<&Config>, tmp: &Path, out: &Path) -> Result<()> {
+    use crate::io::output::{sync_dir, write_synced};
+    if plan.indexed {
+        write_synced(&tmp.join(hf::INDEX_FILE), &plan.index_json()?)?;
+    }
+    if let Some(c) = config {
+        write_synced(&tmp.join(hf::CONFIG_FILE), &c.bytes)?;
+    }
+    sync_dir(tmp)?;
+    crate::io::output::check_dir_output(out, hf::HF_MODEL_DIR, &[])?;
+    std::fs::rename(tmp, out).map_err(Error::io("renaming into place", out))?;
+    sync_dir(
+        out.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new(".")),
+    )
+}

@@ -1,0 +1,214 @@
+//! A Hugging Face model directory read for conversion: its index checked against its files'
+//! headers, and the tensors streamed from the files.
+
+use super::{INDEX_FILE, SINGLE_FILE};
+use crate::error::{Error, Result};
+use crate::io::safetensors::{FileTensors, Headers};
+use crate::io::torch_save::writer::LazyTensors;
+use crate::tensor::HostTensor;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// A model directory whose index (when it has one) and file headers agree: every tensor the
+/// index maps is in its file, no file holds a tensor the index maps elsewhere or not at all,
+/// and no tensor is in two files.
+pub(crate) struct HfModelDir {
+    /// Each file's name, path and headers, in name order.
+    files: Vec<(String, PathBuf, Headers)>,
+    /// Every tensor: its name and its placeholder (or value, for one element), by name.
+    pub(crate) tensors: Vec<(String, HostTensor)>,
+}
+
+/// The error for file `file` of the model directory (`key`, the tensor at fault).
+fn dir_err(file: &Path, key: Option<&str>, reason: impl Into<String>) -> Error {
+    Error::HfModelDir {
+        file: file.display().to_string(),
+        key: key.map(str::to_string),
+        reason: reason.into(),
+    }
+}
+
+impl HfModelDir {
+    /// Reads `dir`: [`INDEX_FILE`] and the files its `weight_map` names, or, without an
+    /// index, its one `.safetensors` file ([`SINGLE_FILE`] by convention).
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
+        let index_path = dir.join(INDEX_FILE);
+        let weight_map = match std::fs::symlink_metadata(&index_path) {
+            Ok(_) => Some(read_index(&index_path)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(Error::io("reading", &index_path)(e)),
+        };
+        let names: Vec<String> = match &weight_map {
+            Some(map) => {
+                let mut n: Vec<String> = map.values().cloned().collect();
+                n.sort();
+                n.dedup();
+                n
+            }
+            None => vec![lone_file(dir)?],
+        };
+        let mut files = Vec::with_capacity(names.len());
+        for name in names {
+            let path = dir.join(&name);
+            if !path.is_file() {
+                let key = weight_map
+                    .as_ref()
+                    .and_then(|m| m.iter().find(|(_, f)| **f == name).map(|(k, _)| k.clone()));
+                return Err(dir_err(
+                    &path,
+                    key.as_deref(),
+                    format!("{INDEX_FILE} maps tensors to this file, and it is missing"),
+                ));
+            }
+            let headers = crate::io::safetensors::load_headers(&path)?;
+            files.push((name, path, headers));
+        }
+        let tensors = check_against_index(dir, &files, weight_map.as_ref())?;
+        Ok(HfModelDir { files, tensors })
+    }
+
+    /// What streams the tensors' bytes from their files while `out` is written.
+    pub(crate) fn streamer<'h>(&'h self, out: &'h Path) -> Result<Files<'h>> {
+        let streams = self
+            .files
+            .iter()
+            .map(|(_, path, headers)| FileTensors::open(path, headers, out))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Files(streams))
+    }
+}
+
+/// The `weight_map` of the index `path`: tensor name → file name (a plain name in the same
+/// directory).
+fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: BTreeMap<String, String>,
+    }
+    let bytes = crate::io::output::read_small_file(path)?;
+    let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
+        dir_err(
+            path,
+            None,
+            format!("not a model index (a JSON object with a `weight_map` of tensor name to file name): {e}"),
+        )
+    })?;
+    for (key, file) in &index.weight_map {
+        let plain = !file.is_empty()
+            && !file.contains('/')
+            && !file.contains('\\')
+            && file != "."
+            && file != "..";
+        if !plain {
+            return Err(dir_err(
+                path,
+                Some(key),
+                format!("maps it to `{file}`, which is not a file name in the same directory"),
+            ));
+        }
+    }
+    Ok(index.weight_map)
+}
+
+/// The one `.safetensors` file of a directory without an index.
+fn lone_file(dir: &Path) -> Result<String> {
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(Error::io("listing", dir))? {
+        let name = e.map_err(Error::io("listing", dir))?.file_name();
+        let name = name.to_string_lossy().into_owned();
+        if name.ends_with(".safetensors") {
+            names.push(name);
+        }
+    }
+    names.sort();
+    match names.len() {
+        1 => Ok(names.remove(0)),
+        0 => Err(dir_err(
+            dir,
+            None,
+            format!("it holds neither {INDEX_FILE} nor a `.safetensors` file"),
+        )),
+        _ if names.iter().any(|n| n == SINGLE_FILE) => Ok(SINGLE_FILE.to_string()),
+        n => Err(dir_err(
+            &dir.join(INDEX_FILE),
+            None,
+            format!(
+                "it is missing, and the directory holds {n} `.safetensors` files ({}): which tensors each holds is the index's to say",
+                super::names::listed(&names.iter().map(String::as_str).collect::<Vec<_>>())
+            ),
+        )),
+    }
+}
+
+/// Every tensor of `files` by name, checked against `weight_map`: the same names, each in
+/// the file the index says and in no other.
+fn check_against_index(
+    dir: &Path,
+    files: &[(String, PathBuf, Headers)],
+    weight_map: Option<&BTreeMap<String, String>>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let mut found: BTreeMap<String, (usize, HostTensor)> = BTreeMap::new();
+    for (fi, (name, path, headers)) in files.iter().enumerate() {
+        for (key, t) in super::names::flatten(&headers.obj) {
+            if let Some((other, _)) = found.get(&key) {
+                return Err(dir_err(
+                    path,
+                    Some(&key),
+                    format!("the tensor is also in `{}`", files[*other].0),
+                ));
+            }
+            if let Some(map) = weight_map {
+                match map.get(&key) {
+                    Some(f) if f == name => {}
+                    Some(f) => {
+                        return Err(dir_err(
+                            path,
+                            Some(&key),
+                            format!("the file holds the tensor, and {INDEX_FILE} maps it to `{f}`"),
+                        ))
+                    }
+                    None => {
+                        return Err(dir_err(
+                            path,
+                            Some(&key),
+                            format!("the file holds the tensor, and {INDEX_FILE} does not name it"),
+                        ))
+                    }
+                }
+            }
+            found.insert(key, (fi, t));
+        }
+    }
+    if let Some(map) = weight_map {
+        if let Some((key, file)) = map.iter().find(|(k, _)| !found.contains_key(*k)) {
+            return Err(dir_err(
+                &dir.join(file),
+                Some(key),
+                format!(
+                    "{INDEX_FILE} maps the tensor to this file, and its header does not hold it"
+                ),
+            ));
+        }
+    }
+    Ok(found.into_iter().map(|(k, (_, t))| (k, t)).collect())
+}
+
+/// The placeholders of several files, each streamed from its own file.
+pub(crate) struct Files<'h>(Vec<FileTensors<'h>>);
+
+impl LazyTensors for Files<'_> {
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        self.0.iter().find_map(|f| f.shape_of(t))
+    }
+
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        match self.0.iter_mut().find(|f| f.shape_of(t).is_some()) {
+            Some(f) => f.stream(t, sink),
+            None => Ok(()),
+        }
+    }
+}
