@@ -69,12 +69,14 @@ struct HfArgs {
     /// applied after the `--rename` rules.
     #[arg(long, value_name = "FILE.json")]
     rename_map: Option<PathBuf>,
-    /// With `--to hf`: NAME is tied to SOURCE and left out, once checked to be equal to it;
-    /// repeatable.
+    /// With `--to hf`: NAME is tied to SOURCE and left out, once checked to be equal to it.
+    /// With `--to dcp` of a Hugging Face model: NAME is written as a copy of SOURCE (a tied
+    /// weight `save_pretrained` left out, which `dcp.load` of the model needs). Repeatable.
     #[arg(long, value_name = "NAME=SOURCE")]
     tie: Vec<String>,
     /// With `--to hf`: a `config.json` copied into the directory; with
-    /// `"tie_word_embeddings": true` it also ties `lm_head.weight=model.embed_tokens.weight`.
+    /// `"tie_word_embeddings": true` it also ties `lm_head.weight=model.embed_tokens.weight`
+    /// (on import: restores `lm_head.weight` from it when the directory lacks it).
     #[arg(long, value_name = "config.json")]
     config: Option<PathBuf>,
 }

@@ -243,9 +243,9 @@ pub struct HfOptions {
     pub rename: Vec<String>,
     /// `--rename-map FILE.json`, applied after the `--rename` rules.
     pub rename_map: Option<PathBuf>,
-    /// `--tie NAME=SOURCE`; export only.
+    /// `--tie NAME=SOURCE`: left out of the export, restored as a copy on import.
     pub tie: Vec<String>,
-    /// `--config config.json`; export only.
+    /// `--config config.json`: copied into the export; its `tie_word_embeddings` ties.
     pub config: Option<PathBuf>,
 }
 
@@ -260,12 +260,6 @@ impl HfOptions {
         let mut v = Vec::new();
         if self.max_shard_size.is_some() {
             v.push("--max-shard-size");
-        }
-        if !self.tie.is_empty() {
-            v.push("--tie");
-        }
-        if self.config.is_some() {
-            v.push("--config");
         }
         v
     }
@@ -296,9 +290,8 @@ impl HfOptions {
         Ok(rules)
     }
 
-    fn export(&self) -> Result<convert::HfExportOptions> {
-        let ties = self
-            .tie
+    fn ties(&self) -> Result<Vec<(String, String)>> {
+        self.tie
             .iter()
             .map(|t| {
                 t.split_once('=')
@@ -311,7 +304,10 @@ impl HfOptions {
                                 .into(),
                     })
             })
-            .collect::<Result<_>>()?;
+            .collect()
+    }
+
+    fn export(&self) -> Result<convert::HfExportOptions> {
         Ok(convert::HfExportOptions {
             max_shard_size: self
                 .max_shard_size
@@ -321,7 +317,7 @@ impl HfOptions {
             dtype: self.dtype()?,
             prefix: self.prefix.clone(),
             renames: self.renames()?,
-            ties,
+            ties: self.ties()?,
             config: self.config.clone(),
         })
     }
@@ -329,7 +325,7 @@ impl HfOptions {
     fn import(&self, compression: io::dcp::Compression) -> Result<convert::HfImportOptions> {
         if let Some(flag) = self.export_only().first() {
             return Err(Error::Unsupported(format!(
-                "{flag} applies to `--to hf` (the export); importing a Hugging Face model takes --prefix, --rename, --rename-map and --dtype"
+                "{flag} applies to `--to hf` (the export); importing a Hugging Face model takes --prefix, --rename, --rename-map, --dtype, --tie and --config"
             )));
         }
         Ok(convert::HfImportOptions {
@@ -339,6 +335,8 @@ impl HfOptions {
                 .unwrap_or_else(|| io::hf::MODEL_PREFIX.into()),
             renames: self.renames()?,
             dtype: self.dtype()?,
+            ties: self.ties()?,
+            config: self.config.clone(),
             write: io::dcp::DcpWriteOptions::default().compression(compression),
         })
     }
@@ -617,7 +615,7 @@ fn to_dcp(
     let found = pg.agree(to_dcp_input(input))?;
     if found != Input::HfModel && convert_opts.hf.any() {
         return Err(Error::Unsupported(format!(
-            "convert {} --to dcp: --prefix, --rename, --rename-map and --dtype apply to a Hugging Face model directory, and the input is {}",
+            "convert {} --to dcp: --prefix, --rename, --rename-map, --dtype, --tie and --config apply to a Hugging Face model directory, and the input is {}",
             input.display(),
             found.describe()
         )));

@@ -21,6 +21,14 @@ pub struct HfImportOptions {
     pub renames: Vec<Rename>,
     /// Cast floating-point tensors to this dtype, as `Tensor.to` does.
     pub dtype: Option<DType>,
+    /// Tied weights `(name, source)` the directory leaves out, as `save_pretrained` does:
+    /// `name` is written as a copy of `source` (names after the renames, before the
+    /// prefix), since `get_model_state_dict` of the model holds both and `dcp.load` needs
+    /// every key.
+    pub ties: Vec<(String, String)>,
+    /// The model's `config.json`: with `"tie_word_embeddings": true`, `lm_head.weight` is
+    /// restored from `model.embed_tokens.weight` when the directory lacks it.
+    pub config: Option<std::path::PathBuf>,
     /// The DCP writer's options.
     pub write: DcpWriteOptions,
 }
@@ -31,6 +39,8 @@ impl Default for HfImportOptions {
             prefix: hf::MODEL_PREFIX.into(),
             renames: Vec::new(),
             dtype: None,
+            ties: Vec::new(),
+            config: None,
             write: DcpWriteOptions::default(),
         }
     }
@@ -76,6 +86,14 @@ fn imported<'h>(
         let t = lazy.cast(t, opts.dtype)?;
         items.push((PyObj::Str(name), PyObj::Tensor(t)));
     }
+    for (name, source) in restored_ties(&items, opts)? {
+        let copy = items
+            .iter()
+            .find(|(k, _)| matches!(k, PyObj::Str(k) if *k == source))
+            .map(|(_, t)| t.clone())
+            .expect("restored_ties checked the source");
+        items.push((PyObj::Str(name), copy));
+    }
     let mut obj = PyObj::OrderedDict {
         items,
         attrs: Vec::new(),
@@ -84,6 +102,36 @@ fn imported<'h>(
         obj = PyObj::Dict(vec![(PyObj::Str(part.to_string()), obj)]);
     }
     Ok((obj, lazy))
+}
+
+/// The tied names to write as copies of their sources: `opts.ties`, each checked (its source
+/// present, its name absent), and with a config that ties word embeddings, `lm_head.weight`
+/// when the directory lacks it.
+fn restored_ties(items: &[(PyObj, PyObj)], opts: &HfImportOptions) -> Result<Vec<(String, String)>> {
+    let has = |n: &str| items.iter().any(|(k, _)| matches!(k, PyObj::Str(k) if k == n));
+    let mut out = Vec::new();
+    for (name, source) in &opts.ties {
+        let err = |reason: String| crate::error::Error::HfTie {
+            name: name.clone(),
+            kept: source.clone(),
+            reason,
+        };
+        if !has(source) {
+            return Err(err(format!("the model directory has no tensor `{source}` (names are compared after the renames)")));
+        }
+        if has(name) {
+            return Err(err(format!("the model directory holds `{name}` already; a tie restores a tensor `save_pretrained` left out")));
+        }
+        out.push((name.clone(), source.clone()));
+    }
+    if let Some(path) = &opts.config {
+        let (name, source) = super::to_hf::DEFAULT_TIE;
+        let tied = super::to_hf::read_config(path)?.tie_word_embeddings;
+        if tied && !has(name) && has(source) && !out.iter().any(|(n, _)| n == name) {
+            out.push((name.into(), source.into()));
+        }
+    }
+    Ok(out)
 }
 
 /// The files' placeholders, with some replaced by placeholders of another dtype whose bytes

@@ -224,12 +224,12 @@ impl Opened {
 }
 
 /// A `config.json` to copy, and whether it ties the word embeddings.
-struct Config {
+pub(super) struct Config {
     bytes: Vec<u8>,
-    tie_word_embeddings: bool,
+    pub(super) tie_word_embeddings: bool,
 }
 
-fn read_config(path: &Path) -> Result<Config> {
+pub(super) fn read_config(path: &Path) -> Result<Config> {
     let bytes = crate::io::output::read_small_file(path)?;
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::HfModelDir {
@@ -246,7 +246,7 @@ fn read_config(path: &Path) -> Result<Config> {
 
 /// `transformers`' tie for causal LMs with `tie_word_embeddings`: the output projection is
 /// the input embedding, and `save_pretrained` leaves it out.
-const DEFAULT_TIE: (&str, &str) = ("lm_head.weight", "model.embed_tokens.weight");
+pub(super) const DEFAULT_TIE: (&str, &str) = ("lm_head.weight", "model.embed_tokens.weight");
 
 /// The tensors chosen: (index into the source's tensors, name in the output), in the
 /// source's order, and the ties that leave some out.
@@ -261,6 +261,8 @@ struct Tie {
     kept: String,
     dropped_src: usize,
     kept_src: usize,
+    /// Saved as one storage (nothing to compare).
+    same_storage: bool,
 }
 
 /// Selection (prefix), renames and ties; see [`HfExportOptions`].
@@ -321,9 +323,10 @@ fn choose(
             kept,
             dropped_src: d,
             kept_src: k,
+            same_storage: false,
         });
     }
-    ties.extend(shared_storages(tensors, &picked, &ties));
+    ties.extend(shared_storages(source, tensors, &picked, &ties));
     if let Some(t) = ties.iter().find(|t| ties.iter().any(|o| o.name == t.kept)) {
         return Err(Error::HfTie {
             name: t.name.clone(),
@@ -336,12 +339,23 @@ fn choose(
 
 /// Tensors of a `torch.save` file that are one view of one storage (tied weights saved as
 /// one tensor): every one after the first is left out.
-fn shared_storages(tensors: &[SourceTensor], picked: &[(usize, String)], ties: &[Tie]) -> Vec<Tie> {
+fn shared_storages(
+    source: &Opened,
+    tensors: &[SourceTensor],
+    picked: &[(usize, String)],
+    ties: &[Tie],
+) -> Vec<Tie> {
     let view = |t: &SourceTensor| {
+        let storage = match &source.kind {
+            Kind::File(h) => h.storage_key(&t.t).map(str::to_string),
+            _ => None,
+        };
         (
-            t.t.storage_id(),
-            t.t.as_bytes().as_ptr() as usize,
-            t.t.nbytes(),
+            storage.unwrap_or_else(|| format!("{:x}", t.t.storage_id())),
+            match &source.kind {
+                Kind::File(_) => 0,
+                _ => t.t.as_bytes().as_ptr() as usize,
+            },
             t.t.dtype(),
             t.shape.clone(),
         )
@@ -352,15 +366,17 @@ fn shared_storages(tensors: &[SourceTensor], picked: &[(usize, String)], ties: &
         if ties.iter().any(|t| t.name == p.1) {
             continue;
         }
-        match first.get(&view(&tensors[p.0])) {
+        let v = view(&tensors[p.0]);
+        match first.get(&v) {
             Some(k) => out.push(Tie {
                 name: p.1.clone(),
                 kept: k.1.clone(),
                 dropped_src: p.0,
                 kept_src: k.0,
+                same_storage: true,
             }),
             None => {
-                first.insert(view(&tensors[p.0]), p);
+                first.insert(v, p);
             }
         }
     }
@@ -466,9 +482,7 @@ fn check_ties(tensors: &[SourceTensor], ties: &[Tie], lazy: &mut dyn LazyTensors
                 k.shape
             )));
         }
-        if d.t.storage_id() == k.t.storage_id()
-            && d.t.as_bytes().as_ptr() == k.t.as_bytes().as_ptr()
-        {
+        if tie.same_storage {
             continue;
         }
         let mut kept = Vec::with_capacity(k.numel() * k.t.dtype().size());

@@ -21,15 +21,18 @@ pub(crate) fn header(
     entries: &[Entry],
     metadata: &BTreeMap<String, String>,
 ) -> Result<(Vec<u8>, Vec<u64>)> {
-    let mut map = serde_json::Map::new();
+    // Written as the `safetensors` library writes it: `__metadata__` first, then each tensor
+    // in data order with its keys `dtype`, `shape`, `data_offsets`, compact.
+    let ser = |what: &str, v: &dyn erased_json::Json| {
+        v.to_json().map_err(|e| Error::Serialization {
+            what: what.into(),
+            reason: e.to_string(),
+        })
+    };
+    let mut json = String::from("{");
     if !metadata.is_empty() {
-        map.insert(
-            "__metadata__".into(),
-            serde_json::to_value(metadata).map_err(|e| Error::Serialization {
-                what: "safetensors metadata".into(),
-                reason: e.to_string(),
-            })?,
-        );
+        json.push_str("\"__metadata__\":");
+        json.push_str(&ser("safetensors metadata", metadata)?);
     }
     let mut at = 0u64;
     let mut relative = Vec::with_capacity(entries.len());
@@ -41,22 +44,20 @@ pub(crate) fn header(
                 reason: format!("safetensors has no dtype for {}", e.dtype),
             });
         };
-        map.insert(
-            e.name.clone(),
-            serde_json::json!({
-                "dtype": dtype,
-                "shape": e.shape,
-                "data_offsets": [at, at + e.nbytes],
-            }),
-        );
+        if json.len() > 1 {
+            json.push(',');
+        }
+        json.push_str(&ser("a safetensors tensor name", &e.name)?);
+        json.push_str(&format!(
+            ":{{\"dtype\":\"{dtype}\",\"shape\":{},\"data_offsets\":[{at},{}]}}",
+            ser("a safetensors shape", &e.shape)?,
+            at + e.nbytes
+        ));
         relative.push(at);
         at += e.nbytes;
     }
-    let mut json =
-        serde_json::to_vec(&serde_json::Value::Object(map)).map_err(|e| Error::Serialization {
-            what: "safetensors header".into(),
-            reason: e.to_string(),
-        })?;
+    json.push('}');
+    let mut json = json.into_bytes();
     while json.len() % 8 != 0 {
         json.push(b' ');
     }
@@ -65,4 +66,16 @@ pub(crate) fn header(
     out.extend_from_slice(&json);
     let base = out.len() as u64;
     Ok((out, relative.into_iter().map(|r| base + r).collect()))
+}
+
+/// Values serialized to compact JSON (a tensor name, a shape, the metadata map).
+mod erased_json {
+    pub(super) trait Json {
+        fn to_json(&self) -> serde_json::Result<String>;
+    }
+    impl<T: serde::Serialize> Json for T {
+        fn to_json(&self) -> serde_json::Result<String> {
+            serde_json::to_string(self)
+        }
+    }
 }

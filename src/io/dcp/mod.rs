@@ -183,6 +183,15 @@ impl Headers {
         })
     }
 
+    /// Which stored storage placeholder `t` streams, for a `torch.save` file: equal for
+    /// tensors saved as one storage.
+    pub(crate) fn storage_key(&self, t: &crate::tensor::HostTensor) -> Option<&str> {
+        match self {
+            Headers::TorchSave(h) => h.storage_key(t),
+            Headers::Safetensors(_) => None,
+        }
+    }
+
     /// The object, with placeholders for the tensors the streamer streams.
     pub(crate) fn obj(&self) -> &crate::io::torch_save::PyObj {
         match self {

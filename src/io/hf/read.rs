@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 pub(crate) struct HfModelDir {
     /// Each file's name, path and headers, in name order.
     files: Vec<(String, PathBuf, Headers)>,
-    /// Every tensor: its name and its placeholder (or value, for one element), by name.
+    /// Every tensor: its name and its placeholder (or value, for one element), in file
+    /// order, then by name.
     pub(crate) tensors: Vec<(String, HostTensor)>,
 }
 
@@ -190,7 +191,12 @@ fn check_against_index(
             ));
         }
     }
-    Ok(found.into_iter().map(|(k, (_, t))| (k, t)).collect())
+    // File order, then name order within a file: as close to the model's order as the
+    // directory keeps (each file holds a run of it; its header sorts by name).
+    let mut tensors: Vec<(usize, String, HostTensor)> =
+        found.into_iter().map(|(k, (fi, t))| (fi, k, t)).collect();
+    tensors.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+    Ok(tensors.into_iter().map(|(_, k, t)| (k, t)).collect())
 }
 
 /// The placeholders of several files, each streamed from its own file.

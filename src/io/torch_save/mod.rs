@@ -111,6 +111,12 @@ pub struct Headers {
 }
 
 impl Headers {
+    /// The archive's storage key of a placeholder that is its whole storage: equal for
+    /// tensors saved as one storage (tied weights).
+    pub(crate) fn storage_key(&self, t: &HostTensor) -> Option<&str> {
+        self.whole.get(&t.storage_id()).map(String::as_str)
+    }
+
     /// The real shape of a tensor of [`Headers::obj`] (or of a clone of it).
     pub fn shape<'a>(&'a self, t: &'a HostTensor) -> &'a [usize] {
         self.shapes
