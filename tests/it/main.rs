@@ -13,6 +13,7 @@ mod fsdp2_comm;
 mod fsdp2_layout;
 mod fsdp2_state_dict_golden;
 mod golden_fsdp;
+mod hf;
 mod layering;
 mod optim_parity;
 mod optim_state_scenarios;

@@ -1,0 +1,487 @@
+//! Hugging Face model directories against the real libraries: the export equals
+//! `save_pretrained` of the same weights (transformers 5.24, huggingface_hub 2.4) byte for
+//! byte, the import loads into FSDP2 ranks with logits equal to the original model's (live
+//! PyTorch), and bad inputs get typed errors. Fixtures: `tests/golden/hf/gen.py`.
+
+use crate::common::python;
+use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::convert::{self, HfExportOptions, HfImportOptions};
+use fsdp::io::hf::{self, Rename};
+use fsdp::io::torch_save::PyObj;
+use fsdp::offline::{recognize, Input};
+use fsdp::{DType, Error, HostTensor};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn golden(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/hf")
+        .join(p)
+}
+
+fn dcp_sources(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/dcp_sources")
+        .join(p)
+}
+
+fn export(src: &Path, opts: &HfExportOptions) -> (tempfile::TempDir, PathBuf, convert::HfExported) {
+    let t = tempfile::tempdir().unwrap();
+    let out = t.path().join("hf");
+    let done = convert::checkpoint_to_hf(src, &out, opts, &Solo).unwrap();
+    (t, out, done)
+}
+
+fn sized(max: &str) -> HfExportOptions {
+    HfExportOptions {
+        max_shard_size: Some(hf::parse_shard_size(max).unwrap()),
+        ..Default::default()
+    }
+}
+
+/// The model files of a directory (`.safetensors` and the index) with their bytes.
+fn model_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors") || n == hf::INDEX_FILE)
+        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Every tensor of a model directory by name: (dtype, shape, bytes).
+fn tensors_of(dir: &Path) -> BTreeMap<String, (DType, Vec<usize>, Vec<u8>)> {
+    let mut all = BTreeMap::new();
+    for (name, _) in model_files(dir) {
+        if !name.ends_with(".safetensors") {
+            continue;
+        }
+        let PyObj::OrderedDict { items, .. } =
+            fsdp::io::safetensors::load(dir.join(&name)).unwrap()
+        else {
+            panic!("{name}: not a flat state dict")
+        };
+        for (k, v) in items {
+            let (PyObj::Str(k), PyObj::Tensor(t)) = (k, v) else {
+                panic!()
+            };
+            let t: HostTensor = t;
+            assert!(
+                all.insert(
+                    k.clone(),
+                    (t.dtype(), t.shape().to_vec(), t.as_bytes().to_vec())
+                )
+                .is_none(),
+                "{k} twice"
+            );
+        }
+    }
+    all
+}
+
+#[test]
+fn an_fsdp2_dcp_checkpoint_exports_byte_for_byte_as_save_pretrained_writes_it() {
+    for (model, refs) in [
+        (
+            "llama_untied",
+            &["hf_60KB", "hf_60KB_bf16", "hf_default", "hf_15KB"][..],
+        ),
+        ("llama_tied", &["hf_60KB", "hf_60KB_bf16", "hf_default"][..]),
+    ] {
+        let tied = model == "llama_tied";
+        for reference in refs {
+            let mut opts = match *reference {
+                "hf_default" => HfExportOptions::default(),
+                "hf_15KB" => sized("15KB"),
+                _ => sized("60KB"),
+            };
+            if reference.ends_with("bf16") {
+                opts.dtype = Some(DType::BF16);
+            }
+            let ref_dir = golden(&format!("{model}/{reference}"));
+            if tied {
+                // `tie_word_embeddings: true` drops `lm_head.weight`, as save_pretrained does.
+                opts.config = Some(ref_dir.join("config.json"));
+            }
+            let (_t, out, done) = export(&golden(&format!("{model}/dcp")), &opts);
+            assert_eq!(
+                model_files(&out),
+                model_files(&ref_dir),
+                "{model}/{reference}: files differ from save_pretrained's"
+            );
+            assert_eq!(done.indexed, *reference != "hf_default");
+            let dropped: Vec<(String, String)> = if tied {
+                vec![("lm_head.weight".into(), "model.embed_tokens.weight".into())]
+            } else {
+                vec![]
+            };
+            assert_eq!(done.dropped, dropped, "{model}/{reference}");
+            if tied {
+                assert_eq!(
+                    std::fs::read(out.join("config.json")).unwrap(),
+                    std::fs::read(ref_dir.join("config.json")).unwrap()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_export_is_the_same_for_any_number_of_processes() {
+    let src = golden("llama_untied/dcp");
+    let (_t, whole, _) = export(&src, &sized("60KB"));
+    for ws in [2, 3] {
+        let t = tempfile::tempdir().unwrap();
+        let out = t.path().join("hf");
+        for r in ThreadGroup::run(ws, |pg| {
+            convert::checkpoint_to_hf(&src, &out, &sized("60KB"), &pg)
+        }) {
+            assert_eq!(r.unwrap().files.len(), 3);
+        }
+        assert_eq!(model_files(&out), model_files(&whole), "{ws} processes");
+    }
+}
+
+#[test]
+fn a_torch_save_state_dict_with_tied_storage_exports_the_tensor_once() {
+    // `torch.save(model.state_dict())` of the tied model: one storage for the head and the
+    // embedding; the first name is kept.
+    let src = golden("llama_tied/state_dict.pt");
+    let opts = HfExportOptions {
+        prefix: Some(String::new()),
+        ..Default::default()
+    };
+    let (_t, out, done) = export(&src, &opts);
+    assert_eq!(
+        done.dropped,
+        [(
+            "lm_head.weight".to_string(),
+            "model.embed_tokens.weight".to_string()
+        )]
+    );
+    assert_eq!(
+        model_files(&out),
+        model_files(&golden("llama_tied/hf_default"))
+    );
+    // The same file with the default prefix is refused: its keys are top level.
+    let t = tempfile::tempdir().unwrap();
+    let err = convert::checkpoint_to_hf(
+        &src,
+        &t.path().join("hf"),
+        &HfExportOptions::default(),
+        &Solo,
+    )
+    .unwrap_err();
+    match err {
+        Error::HfSelection { reason, .. } => {
+            assert!(
+                reason.contains("`lm_head.weight`") && reason.contains("--prefix ''"),
+                "{reason}"
+            )
+        }
+        e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn hugging_face_storage_exports_with_the_file_plan_its_shard_names_imply() {
+    // What PyTorch's consolidate_safetensors_files(sharded/, ckpt/, mapping) wrote beside the
+    // shards: the same file names, tensors per file and weight_map.
+    let pytorch = dcp_sources("hf_consolidated/ckpt");
+    for src in [
+        dcp_sources("hf_consolidated/ckpt"),
+        dcp_sources("hf_distributed_mapped/ckpt"),
+    ] {
+        let (_t, out, done) = export(&src, &HfExportOptions::default());
+        assert!(done.indexed);
+        let names = |d: &Path| -> Vec<String> {
+            model_files(d)
+                .into_iter()
+                .map(|(n, _)| n)
+                .filter(|n| n.ends_with(".safetensors"))
+                .collect()
+        };
+        assert_eq!(names(&out), names(&pytorch), "{}", src.display());
+        for f in names(&out) {
+            assert_eq!(
+                tensors_of_file(&out.join(&f)),
+                tensors_of_file(&pytorch.join(&f)),
+                "{f}"
+            );
+        }
+        let weight_map = |d: &Path| -> serde_json::Value {
+            let v: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(d.join(hf::INDEX_FILE)).unwrap()).unwrap();
+            v["weight_map"].clone()
+        };
+        assert_eq!(weight_map(&out), weight_map(&pytorch));
+    }
+}
+
+fn tensors_of_file(p: &Path) -> BTreeMap<String, (DType, Vec<usize>, Vec<u8>)> {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::copy(p, d.path().join("model.safetensors")).unwrap();
+    tensors_of(d.path())
+}
+
+/// Runs `tests/golden/hf/load_check.py`: an FSDP2-wrapped LlamaForCausalLM at `ws` ranks
+/// loads `dcp` (`dcp.load` + `set_model_state_dict`) and its logits must equal the
+/// reference's exactly.
+fn fsdp2_loads(config: &Path, dcp: &Path, logits: &Path, ws: usize) {
+    let out = std::process::Command::new(python())
+        .arg(golden("load_check.py"))
+        .args([config, dcp, logits])
+        .arg(ws.to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "FSDP2 at {ws} ranks did not reproduce the model:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_save_pretrained_directory_imports_into_dcp_that_fsdp2_loads_at_any_world_size() {
+    for model in ["llama_untied", "llama_tied"] {
+        let hf_dir = golden(&format!("{model}/hf_60KB"));
+        assert_eq!(recognize(&hf_dir).unwrap(), Input::HfModel);
+        let t = tempfile::tempdir().unwrap();
+        let dcp = t.path().join("dcp");
+        let opts = HfImportOptions {
+            // The tied model's directory lacks lm_head.weight; the config restores it.
+            config: Some(hf_dir.join("config.json")),
+            ..Default::default()
+        };
+        let bytes = convert::hf_to_dcp(&hf_dir, &dcp, &opts, &Solo).unwrap();
+        assert_eq!(
+            bytes, 137_856,
+            "{model}: every weight, the head restored when tied"
+        );
+        for ws in [2, 3] {
+            fsdp2_loads(
+                &hf_dir.join("config.json"),
+                &dcp,
+                &golden(&format!("{model}/logits.pt")),
+                ws,
+            );
+        }
+        // And back: the exported files hold the original tensors.
+        let mut back = sized("60KB");
+        if model == "llama_tied" {
+            back.config = Some(hf_dir.join("config.json"));
+        }
+        let (_t2, out, _) = export(&dcp, &back);
+        assert_eq!(tensors_of(&out), tensors_of(&hf_dir), "{model}");
+    }
+}
+
+#[test]
+fn the_import_renames_prefixes_and_casts() {
+    let hf_dir = golden("llama_untied/hf_default");
+    let t = tempfile::tempdir().unwrap();
+    let dcp = t.path().join("dcp");
+    let opts = HfImportOptions {
+        prefix: "student.".into(),
+        renames: vec![Rename::parse(r"^model\.=").unwrap()],
+        dtype: Some(DType::BF16),
+        ..Default::default()
+    };
+    convert::hf_to_dcp(&hf_dir, &dcp, &opts, &Solo).unwrap();
+    let ckpt = fsdp::io::dcp::DcpCheckpoint::open(&dcp).unwrap();
+    let w = ckpt
+        .read_tensor("student.layers.0.mlp.up_proj.weight")
+        .unwrap();
+    assert_eq!(w.dtype(), DType::BF16);
+    let original = &tensors_of(&hf_dir)["model.layers.0.mlp.up_proj.weight"];
+    let f32s: Vec<f32> = bytemuck::pod_collect_to_vec(&original.2);
+    let want: Vec<u8> = f32s
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+        .collect();
+    assert_eq!(w.as_bytes(), want);
+    assert!(ckpt.entry("student.lm_head.weight").is_some());
+}
+
+/// A copy of a golden model directory to damage.
+fn copy_dir(src: &Path) -> (tempfile::TempDir, PathBuf) {
+    let t = tempfile::tempdir().unwrap();
+    let dst = t.path().join("model");
+    std::fs::create_dir(&dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+    (t, dst)
+}
+
+fn import_err(dir: &Path) -> Error {
+    let t = tempfile::tempdir().unwrap();
+    convert::hf_to_dcp(
+        dir,
+        &t.path().join("dcp"),
+        &HfImportOptions::default(),
+        &Solo,
+    )
+    .unwrap_err()
+}
+
+#[test]
+fn a_damaged_model_directory_is_refused_naming_file_and_tensor() {
+    let src = golden("llama_untied/hf_60KB");
+    let index_path = |d: &Path| d.join(hf::INDEX_FILE);
+
+    // A corrupt index.
+    let (_t, d) = copy_dir(&src);
+    std::fs::write(index_path(&d), b"{\"weight_map\": {\"a\": ").unwrap();
+    assert!(
+        matches!(import_err(&d), Error::HfModelDir { ref file, .. } if file.ends_with(hf::INDEX_FILE))
+    );
+
+    // A missing shard.
+    let (_t, d) = copy_dir(&src);
+    std::fs::remove_file(d.join("model-00002-of-00003.safetensors")).unwrap();
+    match import_err(&d) {
+        Error::HfModelDir { file, key, reason } => {
+            assert!(file.ends_with("model-00002-of-00003.safetensors"), "{file}");
+            assert!(key.is_some() && reason.contains("missing"), "{reason}");
+        }
+        e => panic!("{e}"),
+    }
+
+    // The index maps a tensor to another file than the one holding it.
+    let (_t, d) = copy_dir(&src);
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(index_path(&d)).unwrap()).unwrap();
+    index["weight_map"]["lm_head.weight"] = "model-00001-of-00003.safetensors".into();
+    std::fs::write(index_path(&d), serde_json::to_vec(&index).unwrap()).unwrap();
+    match import_err(&d) {
+        Error::HfModelDir { key, reason, .. } => {
+            assert_eq!(key.as_deref(), Some("lm_head.weight"));
+            assert!(
+                reason.contains("maps it to `model-00001-of-00003.safetensors`"),
+                "{reason}"
+            );
+        }
+        e => panic!("{e}"),
+    }
+
+    // A tensor the index does not name (an extra tensor in a file).
+    let (_t, d) = copy_dir(&src);
+    let mut index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(index_path(&d)).unwrap()).unwrap();
+    index["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .remove("model.norm.weight");
+    std::fs::write(index_path(&d), serde_json::to_vec(&index).unwrap()).unwrap();
+    match import_err(&d) {
+        Error::HfModelDir { key, reason, .. } => {
+            assert_eq!(key.as_deref(), Some("model.norm.weight"));
+            assert!(reason.contains("does not name it"), "{reason}");
+        }
+        e => panic!("{e}"),
+    }
+
+    // A tensor in two files: one file copied over another's name in a two-file directory.
+    let (_t, d) = copy_dir(&golden("llama_untied/hf_60KB_bf16"));
+    let (a, b) = (
+        d.join("model-00001-of-00002.safetensors"),
+        d.join("model-00002-of-00002.safetensors"),
+    );
+    std::fs::copy(&a, &b).unwrap();
+    assert!(matches!(
+        import_err(&d),
+        Error::HfModelDir { key: Some(_), .. }
+    ));
+}
+
+#[test]
+fn export_refusals_are_typed() {
+    let src = golden("llama_untied/dcp");
+    let t = tempfile::tempdir().unwrap();
+
+    // Two keys renamed to one name.
+    let opts = HfExportOptions {
+        renames: vec![Rename::parse(r"(gate|up)_proj=gate_up").unwrap()],
+        ..Default::default()
+    };
+    match convert::checkpoint_to_hf(&src, &t.path().join("a"), &opts, &Solo).unwrap_err() {
+        Error::HfNameCollision {
+            name,
+            first,
+            second,
+        } => {
+            assert_eq!(name, "model.layers.0.mlp.gate_up.weight");
+            assert_eq!(first, "model.layers.0.mlp.gate_proj.weight");
+            assert_eq!(second, "model.layers.0.mlp.up_proj.weight");
+        }
+        e => panic!("{e}"),
+    }
+
+    // A tie whose two tensors differ (the untied model's head is not its embedding).
+    let opts = HfExportOptions {
+        ties: vec![("lm_head.weight".into(), "model.embed_tokens.weight".into())],
+        ..Default::default()
+    };
+    match convert::checkpoint_to_hf(&src, &t.path().join("b"), &opts, &Solo).unwrap_err() {
+        Error::HfTie { name, kept, reason } => {
+            assert_eq!(
+                (name.as_str(), kept.as_str()),
+                ("lm_head.weight", "model.embed_tokens.weight")
+            );
+            assert!(reason.contains("differ"), "{reason}");
+        }
+        e => panic!("{e}"),
+    }
+
+    // An output directory that already holds files is left alone.
+    let full = t.path().join("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("README.md"), b"mine").unwrap();
+    match convert::checkpoint_to_hf(&src, &full, &HfExportOptions::default(), &Solo).unwrap_err() {
+        Error::OutputRefused { reason, .. } => assert!(reason.contains("README.md"), "{reason}"),
+        e => panic!("{e}"),
+    }
+    assert_eq!(std::fs::read(full.join("README.md")).unwrap(), b"mine");
+    for name in ["a", "b"] {
+        assert!(
+            !t.path().join(name).exists(),
+            "{name}: a failed export left output"
+        );
+    }
+
+    // A raw HF state dict saved to DCP: a `model.` subtree next to a top-level lm_head.
+    let raw = t.path().join("raw");
+    let w = HostTensor::from_bytes(DType::F32, &[2], &[0u8; 8]).unwrap();
+    let obj = PyObj::Dict(vec![
+        (
+            PyObj::Str("model.embed_tokens.weight".into()),
+            PyObj::Tensor(w.clone()),
+        ),
+        (PyObj::Str("lm_head.weight".into()), PyObj::Tensor(w)),
+    ]);
+    fsdp::io::dcp::save_dcp(&obj, &raw).unwrap();
+    match convert::checkpoint_to_hf(
+        &raw,
+        &t.path().join("c"),
+        &HfExportOptions::default(),
+        &Solo,
+    )
+    .unwrap_err()
+    {
+        Error::HfSelection { reason, .. } => {
+            assert!(reason.contains("`lm_head.weight`"), "{reason}")
+        }
+        e => panic!("{e}"),
+    }
+    let opts = HfExportOptions {
+        prefix: Some(String::new()),
+        ..Default::default()
+    };
+    let done = convert::checkpoint_to_hf(&raw, &t.path().join("c"), &opts, &Solo).unwrap();
+    assert_eq!(done.tensors, 2);
+}
