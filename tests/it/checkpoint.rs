@@ -10,6 +10,7 @@ use fsdp::collectives::Solo;
 use fsdp::collectives::ThreadGroup;
 use fsdp::convert;
 use fsdp::flat_param::ModelLayout;
+use fsdp::io::torch_save::PyObj;
 use fsdp::param_shards::{shard_tensors, synthetic_params};
 use fsdp::{
     DType, Error, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamGroup, ParamKey, ParamState,
@@ -1449,4 +1450,44 @@ fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_th
             "{cached} bytes of the .pt output stayed cached"
         );
     }
+}
+
+#[test]
+fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_model() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 2.0);
+    let layout = ModelLayout::new(&model, &common::wrap(false), 1).unwrap();
+    let values = synthetic_params(&layout);
+    let root = tmp();
+    let (with_model, optim_only) = (root.path().join("with"), root.path().join("optim"));
+    ThreadGroup::run(2, |pg| {
+        let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+        let params = fsdp.optim_params();
+        let local = fsdp.shard_full_optim_state_dict(&full, &params).unwrap();
+        let shards = shard_tensors(fsdp.layout(), fsdp.rank(), &params, &values).unwrap();
+        let opts = SaveOptions::default();
+        fsdp.save_checkpoint(&local, &params, &shards, &with_model, &opts)
+            .unwrap();
+        fsdp.save_optim_checkpoint(&local, &params, &optim_only, &opts)
+            .unwrap();
+    });
+
+    let out = root.path().join("hf");
+    let opts = convert::HfExportOptions::default();
+    let done = convert::checkpoint_to_hf(&with_model, &out, &opts, &Solo).unwrap();
+    assert_eq!(done.tensors, model.params.len());
+    let exported = fsdp::io::safetensors::load(out.join("model.safetensors")).unwrap();
+    for (p, v) in model.params.iter().zip(&values) {
+        let got = exported.get(&p.name).expect("every parameter exported");
+        let PyObj::Tensor(got) = got else { panic!() };
+        assert!(got.bit_eq(v.as_ref().unwrap()), "{}", p.name);
+    }
+
+    // An optimizer-only checkpoint has no model to export.
+    let err = convert::checkpoint_to_hf(&optim_only, &root.path().join("none"), &opts, &Solo)
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::HfSelection { reason, .. } if reason.contains("no tensors at all")),
+        "{err}"
+    );
 }
