@@ -76,6 +76,12 @@ fn main() {
             "convert_to_dcp_np3_writes_the_single_process_data_file",
             || convert_to_dcp_matches_single_process(3),
         ),
+        ("convert_to_hf_np2_writes_the_single_process_files", || {
+            convert_to_hf_matches_single_process(2)
+        }),
+        ("convert_to_hf_np3_writes_the_single_process_files", || {
+            convert_to_hf_matches_single_process(3)
+        }),
         (
             "convert_dcp_to_fsdp_np2_writes_the_single_process_bytes",
             || convert_to_fsdp_matches_single_process(2),
@@ -284,6 +290,39 @@ fn convert_to_dcp_matches_single_process(np: usize) {
         tool::ok(&tool::run(&[&"consolidate", &ckpt, &full]));
         convert_alone_and_as_job(np, &full, &root, &format!("-{ext}"));
     }
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// The FSDP2 DCP checkpoint of a tiny Llama (tests/golden/hf) exported to a Hugging Face
+/// model by the tool alone and by N processes, each writing its share of the files: the same
+/// files, byte for byte; and that model directory imported back to DCP the same way.
+fn convert_to_hf_matches_single_process(np: usize) {
+    let root = scratch(&format!("convert-hf-np{np}"));
+    let src = tool::golden("hf").join("llama_untied/dcp");
+    let (alone, job) = (root.join("alone"), root.join("job"));
+    let args = |out: &Path| -> Vec<std::ffi::OsString> {
+        vec![
+            "convert".into(),
+            src.clone().into(),
+            out.into(),
+            "--to".into(),
+            "hf".into(),
+            "--max-shard-size".into(),
+            "60KB".into(),
+        ]
+    };
+    tool::ok(&tool::run(&as_refs(&args(&alone))));
+    let outcome = mpirun(np, &as_refs(&args(&job)));
+    assert!(
+        outcome.status.is_some_and(|s| s.success()),
+        "convert --to hf at {np} processes failed: {}",
+        outcome.describe()
+    );
+    assert_eq!(names_in(&job).len(), 4, "3 files and the index");
+    assert_eq!(common::files_of(&alone), common::files_of(&job));
+    assert_eq!(outcome.stderr.matches("exported ").count(), 1);
+    assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
+    convert_alone_and_as_job(np, &job, &root, "-import");
     std::fs::remove_dir_all(&root).unwrap();
 }
 

@@ -1,0 +1,179 @@
+//! The contract forms `fsdp-ckpt convert IN OUT_DIR --to hf` and `fsdp-ckpt convert HF_DIR
+//! OUT --to dcp`, from outside the crate, against `save_pretrained`'s files
+//! (`tests/golden/hf/`, from transformers 5.24).
+
+use std::path::{Path, PathBuf};
+
+mod tool;
+use tool::{fails, ok, run};
+
+fn golden(p: &str) -> PathBuf {
+    tool::golden("hf").join(p)
+}
+
+/// The `.safetensors` files and the index of a directory, with their bytes.
+fn model_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors") || n.ends_with(".index.json"))
+        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
+/// The report line (standard error) of a run that must succeed.
+fn said(out: &std::process::Output) -> String {
+    ok(out);
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn convert_to_hf_writes_what_save_pretrained_writes() {
+    let t = tempfile::tempdir().unwrap();
+    let dcp = golden("llama_tied/dcp");
+    let reference = golden("llama_tied/hf_60KB_bf16");
+    let out = t.path().join("hf");
+    let config = golden("llama_tied/hf_60KB/config.json");
+    let text = said(&run(&[
+        &"convert",
+        &dcp,
+        &out,
+        &"--to",
+        &"hf",
+        &"--max-shard-size",
+        &"60KB",
+        &"--dtype",
+        &"bf16",
+        &"--config",
+        &config,
+    ]));
+    assert!(
+        text.contains("left out as tied: lm_head.weight (= model.embed_tokens.weight)"),
+        "{text}"
+    );
+    assert!(text.contains("in 2 file(s) and the index"), "{text}");
+    assert_eq!(model_files(&out), model_files(&reference));
+    assert_eq!(
+        std::fs::read(out.join("config.json")).unwrap(),
+        std::fs::read(&config).unwrap()
+    );
+}
+
+#[test]
+fn convert_to_hf_renames_with_rules_and_a_map() {
+    let t = tempfile::tempdir().unwrap();
+    let map = t.path().join("map.json");
+    // torchtitan-style names back to Hugging Face's, in two steps.
+    std::fs::write(
+        &map,
+        br#"{"^layers\\.": "model.layers.", "^tok_embeddings": "model.embed_tokens"}"#,
+    )
+    .unwrap();
+    let out = t.path().join("hf");
+    ok(&run(&[
+        &"convert",
+        &golden("llama_untied/dcp"),
+        &out,
+        &"--to",
+        &"hf",
+        &"--rename",
+        &r"^model\.(layers|embed_tokens)=\1",
+        &"--rename",
+        &r"^embed_tokens=tok_embeddings",
+        &"--rename-map",
+        &map,
+    ]));
+    // The renames undo each other: the default file again.
+    assert_eq!(
+        model_files(&out),
+        model_files(&golden("llama_untied/hf_default"))
+    );
+}
+
+#[test]
+fn convert_hf_dir_to_dcp_and_back() {
+    let t = tempfile::tempdir().unwrap();
+    let hf = golden("llama_untied/hf_60KB");
+    let (dcp, back) = (t.path().join("dcp"), t.path().join("back"));
+    let text = said(&run(&[&"convert", &hf, &dcp, &"--to", &"dcp"]));
+    assert!(text.contains("-> DCP directory"), "{text}");
+    let inspect = ok(&run(&[&"inspect", &dcp]));
+    assert!(
+        inspect.contains("model.lm_head.weight torch.float32 [128, 32]"),
+        "{inspect}"
+    );
+    ok(&run(&[&"convert", &dcp, &back, &"--to", &"hf"]));
+    ok(&run(&[&"verify", &dcp]));
+    assert!(back.join("model.safetensors").is_file());
+}
+
+#[test]
+fn bad_inputs_and_options_fail_with_a_message_naming_them() {
+    let t = tempfile::tempdir().unwrap();
+    let dcp = golden("llama_untied/dcp");
+    let occupied = t.path().join("occupied");
+    std::fs::create_dir(&occupied).unwrap();
+    std::fs::write(occupied.join("tokenizer.json"), b"{}").unwrap();
+    fails(
+        &run(&[&"convert", &dcp, &occupied, &"--to", &"hf"]),
+        &["refusing to write", "tokenizer.json"],
+    );
+    fails(
+        &run(&[
+            &"convert",
+            &dcp,
+            &t.path().join("a"),
+            &"--to",
+            &"hf",
+            &"--max-shard-size",
+            &"ten",
+        ]),
+        &["--max-shard-size ten"],
+    );
+    fails(
+        &run(&[
+            &"convert",
+            &dcp,
+            &t.path().join("b"),
+            &"--to",
+            &"hf",
+            &"--tie",
+            &"lm_head.weight=model.embed_tokens.weight",
+        ]),
+        &["tie `lm_head.weight=model.embed_tokens.weight`", "differ"],
+    );
+    fails(
+        &run(&[
+            &"convert",
+            &dcp,
+            &t.path().join("c"),
+            &"--to",
+            &"hf",
+            &"--rename",
+            &"(q|k)_proj=qk",
+        ]),
+        &["would both be named", "self_attn.qk.weight"],
+    );
+    fails(
+        &run(&[&"convert", &dcp, &t.path().join("d"), &"--dtype", &"bf16"]),
+        &["apply to `--to hf`"],
+    );
+    let hf = golden("llama_untied/hf_60KB");
+    fails(
+        &run(&[
+            &"convert",
+            &hf,
+            &t.path().join("e"),
+            &"--to",
+            &"dcp",
+            &"--max-shard-size",
+            &"1GB",
+        ]),
+        &["--max-shard-size applies to `--to hf`"],
+    );
+    for name in ["a", "b", "c", "d", "e"] {
+        assert!(!t.path().join(name).exists(), "{name}");
+    }
+}
