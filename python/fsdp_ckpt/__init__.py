@@ -19,7 +19,7 @@ FSDP-wrapped model; they need PyTorch, the rest of the package does not.
 
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import _native
 from ._errors import Error
@@ -86,15 +86,33 @@ def convert(
     world_size: Optional[int] = None,
     max_expansion_bytes: Optional[int] = None,
     progress: Progress = None,
+    max_shard_size: Union[str, int, None] = None,
+    dtype: Optional[str] = None,
+    prefix: Optional[str] = None,
+    rename: Union[Mapping[str, str], Sequence[Union[str, Tuple[str, str]]], None] = None,
+    rename_map: Optional[Path] = None,
+    tie: Union[Mapping[str, str], Sequence[Union[str, Tuple[str, str]]], None] = None,
+    config: Optional[Path] = None,
 ) -> Dict[str, Any]:
     """Converts a checkpoint; ``fsdp-ckpt convert``.
 
     Without ``to``: torch.save <-> safetensors, formats by extension; the dict comes back equal
     after a round trip. ``to="dcp"``: a DCP directory, from a ``.pt``/``.safetensors`` file
-    (what ``torch_save_to_dcp`` writes) or from the crate's checkpoint directory.
+    (what ``torch_save_to_dcp`` writes), from the crate's checkpoint directory, or from a
+    Hugging Face model directory (keys under ``prefix``, default ``"model."``).
     ``to="fsdp"``: the crate's checkpoint from a DCP directory, for ``world_size`` ranks of the
     model that ``model`` (a DESC.json) describes. ``max_expansion_bytes`` caps what copies of
     non-contiguous tensors of a torch.save input may allocate beyond its storage bytes.
+
+    ``to="hf"``: the model weights of a DCP directory, the crate's checkpoint or a file as the
+    Hugging Face model directory ``save_pretrained`` writes. ``max_shard_size`` (``"50GB"``
+    by default; ``"60KB"``, ``"512MiB"`` or bytes) splits the files as huggingface_hub does;
+    ``dtype`` (``"bf16"``, ``"f16"``, ``"f32"``) casts floating-point tensors; ``prefix`` is
+    the subtree holding the model (``"model."`` by default, ``""`` for every tensor outside
+    ``optim.``); ``rename`` maps keys with regular expressions (a dict, or ``"FROM=TO"``
+    strings / ``(FROM, TO)`` pairs, applied in order; ``rename_map`` a JSON file of them);
+    ``tie`` leaves out ``NAME`` once checked equal to ``SOURCE``; ``config`` is copied in as
+    ``config.json`` and its ``tie_word_embeddings`` ties the head to the embedding.
     """
     return json.loads(
         _native.convert(
@@ -105,8 +123,35 @@ def convert(
             world_size,
             max_expansion_bytes,
             progress,
+            None if max_shard_size is None else str(max_shard_size),
+            dtype,
+            prefix,
+            _rules(rename, "rename"),
+            None if rename_map is None else os.fspath(rename_map),
+            _rules(tie, "tie"),
+            None if config is None else os.fspath(config),
         )
     )
+
+
+def _rules(rules, what: str) -> List[str]:
+    """``FROM=TO`` strings from a mapping, pairs, or strings (a ``FROM`` containing ``=``
+    belongs in a ``rename_map`` file)."""
+    if rules is None:
+        return []
+    if isinstance(rules, str):
+        raise TypeError(f"{what}: give a list of FROM=TO strings or a mapping, not one string")
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    out = []
+    for r in items:
+        if isinstance(r, str):
+            out.append(r)
+        else:
+            a, b = r
+            if "=" in a:
+                raise ValueError(f"{what}: {a!r} contains '='; put such a rule in rename_map")
+            out.append(f"{a}={b}")
+    return out
 
 
 def consolidate(input: Path, output: Path, *, progress: Progress = None) -> Dict[str, Any]:

@@ -153,7 +153,7 @@ fn verify(py: Python<'_>, path: PathBuf, progress: Option<Py<PyAny>>) -> PyResul
 }
 
 #[pyfunction]
-#[pyo3(signature = (input, output, to=None, model=None, world_size=None, max_expansion_bytes=None, progress=None))]
+#[pyo3(signature = (input, output, to=None, model=None, world_size=None, max_expansion_bytes=None, progress=None, max_shard_size=None, dtype=None, prefix=None, rename=Vec::new(), rename_map=None, tie=Vec::new(), config=None))]
 #[allow(clippy::too_many_arguments)] // Python keyword arguments
 fn convert(
     py: Python<'_>,
@@ -164,11 +164,27 @@ fn convert(
     world_size: Option<usize>,
     max_expansion_bytes: Option<u64>,
     progress: Option<Py<PyAny>>,
+    max_shard_size: Option<String>,
+    dtype: Option<String>,
+    prefix: Option<String>,
+    rename: Vec<String>,
+    rename_map: Option<PathBuf>,
+    tie: Vec<String>,
+    config: Option<PathBuf>,
 ) -> PyResult<String> {
     let mut opts = ops::ConvertOptions {
         to,
         model,
         world_size,
+        hf: ops::HfOptions {
+            max_shard_size,
+            dtype,
+            prefix,
+            rename,
+            rename_map,
+            tie,
+            config,
+        },
         ..Default::default()
     };
     if let Some(n) = max_expansion_bytes {

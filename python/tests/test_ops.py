@@ -268,3 +268,35 @@ def test_an_fsdp1_full_state_dict_goes_to_dcp_by_its_values_and_sparse_is_refuse
         fsdp_ckpt.convert(TORCH_LOAD / "sparse_coo.pt", tmp_path / "s.safetensors")
     assert e.value.kind == "TensorNotStorable" and "sparse COO" in str(e.value)
     assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_convert_to_hf_and_back_as_save_pretrained_and_fsdp_expect(tmp_path):
+    # tests/golden/hf: an FSDP2 DCP checkpoint of a tiny Llama and save_pretrained's files.
+    hf = GOLDEN / "hf" / "llama_tied"
+    out = tmp_path / "hf"
+    report = fsdp_ckpt.convert(
+        hf / "dcp", out, to="hf", max_shard_size="60KB", dtype="bf16", config=hf / "hf_60KB" / "config.json"
+    )
+    assert report["count"] == 20
+    reference = hf / "hf_60KB_bf16"
+    names = sorted(p.name for p in reference.glob("*.safetensors"))
+    assert sorted(p.name for p in out.glob("*.safetensors")) == names
+    for n in names + ["model.safetensors.index.json"]:
+        assert (out / n).read_bytes() == (reference / n).read_bytes(), n
+    # A rename mapping, in order: the names change, the tensors do not.
+    renamed = tmp_path / "renamed"
+    fsdp_ckpt.convert(hf / "dcp", renamed, to="hf", config=hf / "hf_60KB" / "config.json", rename={r"^model\.": "", r"^layers\.(\d+)\.": r"blocks.\1."})
+    from safetensors.torch import load_file
+
+    got = load_file(renamed / "model.safetensors")
+    want = load_file(hf / "hf_default" / "model.safetensors")
+    assert torch.equal(got["blocks.1.mlp.up_proj.weight"], want["model.layers.1.mlp.up_proj.weight"])
+    assert "lm_head.weight" not in got
+    # Import: the directory becomes DCP under `model.`, the tied head restored.
+    dcp = tmp_path / "dcp"
+    fsdp_ckpt.convert(hf / "hf_60KB", dcp, to="dcp", config=hf / "hf_60KB" / "config.json")
+    keys = {e["key"] for e in fsdp_ckpt.inspect(dcp)["entries"]}
+    assert {"model.lm_head.weight", "model.model.embed_tokens.weight"} <= keys
+    with pytest.raises(fsdp_ckpt.Error, match="would both be named"):
+        fsdp_ckpt.convert(hf / "dcp", tmp_path / "bad", to="hf", rename=[("(q|k)_proj", "qk")])
+    assert not (tmp_path / "bad").exists()
