@@ -62,10 +62,28 @@ pub fn hf_to_dcp(
     pg: &dyn ProcessGroup,
 ) -> Result<u64> {
     pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    pg.agree(not_dcp_storage(src))?;
     let dir = pg.agree(HfModelDir::open(src))?;
     let files = pg.agree(dir.streamer(dst))?;
     let (obj, mut lazy) = pg.agree(imported(&dir, files, opts))?;
     write_dcp(&obj, dst, &mut lazy, pg, &opts.write)
+}
+
+/// Refuses a DCP checkpoint in Hugging Face storage: its files hold shards of tensors
+/// (`DCP_SHARDING_INFO`), not a model's tensors, and [`super::dcp_to_dcp`] reads it.
+fn not_dcp_storage(src: &Path) -> Result<()> {
+    match crate::io::dcp::hf_form(src)? {
+        None => Ok(()),
+        Some(form) => Err(crate::error::Error::HfModelDir {
+            file: src.display().to_string(),
+            key: None,
+            reason: format!(
+                "its headers carry {}: it is a DCP checkpoint in {}, whose keys are kept as saved (convert::dcp_to_dcp, `convert --to dcp`)",
+                crate::io::dcp::SHARDING_INFO_KEY,
+                form.describe()
+            ),
+        }),
+    }
 }
 
 /// The state dict the DCP directory holds, nested under the prefix's parts
@@ -107,8 +125,15 @@ fn imported<'h>(
 /// The tied names to write as copies of their sources: `opts.ties`, each checked (its source
 /// present, its name absent), and with a config that ties word embeddings, `lm_head.weight`
 /// when the directory lacks it.
-fn restored_ties(items: &[(PyObj, PyObj)], opts: &HfImportOptions) -> Result<Vec<(String, String)>> {
-    let has = |n: &str| items.iter().any(|(k, _)| matches!(k, PyObj::Str(k) if k == n));
+fn restored_ties(
+    items: &[(PyObj, PyObj)],
+    opts: &HfImportOptions,
+) -> Result<Vec<(String, String)>> {
+    let has = |n: &str| {
+        items
+            .iter()
+            .any(|(k, _)| matches!(k, PyObj::Str(k) if k == n))
+    };
     let mut out = Vec::new();
     for (name, source) in &opts.ties {
         let err = |reason: String| crate::error::Error::HfTie {

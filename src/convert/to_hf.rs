@@ -9,7 +9,6 @@ use crate::io::hf::plan::{self, DirPlan, PlannedTensor};
 use crate::io::hf::{self, names, Rename};
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::PyObj;
-use crate::offline::{recognize, Input};
 use crate::tensor::{DType, HostTensor};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -139,29 +138,38 @@ impl SourceTensor {
 }
 
 impl Opened {
+    /// Opens `src` by the recognition table's precedence (`crate::offline::recognize`, which
+    /// this layer does not call): a file, a DCP directory of any form, the crate's checkpoint.
     fn open(src: &Path) -> Result<Self> {
-        let kind = match recognize(src)? {
-            i if i.is_dcp() => {
-                let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
-                let placeholders = Placeholders::new(&ckpt)?;
-                Kind::Dcp(ckpt, placeholders)
+        let meta = std::fs::metadata(src).map_err(Error::io("opening the input", src))?;
+        let checkpoint_marked = || {
+            [crate::checkpoint::MANIFEST, crate::checkpoint::COMMIT]
+                .iter()
+                .any(|m| std::fs::symlink_metadata(src.join(m)).is_ok())
+        };
+        let kind = if !meta.is_dir() {
+            let headers = Headers::read(src)?;
+            if headers.streamer(src, src)?.is_some() {
+                Kind::File(headers)
+            } else {
+                Kind::Loaded(crate::io::load(src)?)
             }
-            Input::Checkpoint => Kind::Checkpoint(Skeleton::model_params(src)?),
-            Input::File(_) => {
-                let headers = Headers::read(src)?;
-                if headers.streamer(src, src)?.is_some() {
-                    Kind::File(headers)
-                } else {
-                    Kind::Loaded(crate::io::load(src)?)
-                }
-            }
-            other => {
-                return Err(Error::Unsupported(format!(
-                    "exporting {} `{}` as a Hugging Face model: it is one already",
-                    other.describe(),
-                    src.display()
-                )))
-            }
+        } else if crate::io::dcp::Source::of(src)?.is_some() {
+            let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
+            let placeholders = Placeholders::new(&ckpt)?;
+            Kind::Dcp(ckpt, placeholders)
+        } else if checkpoint_marked() {
+            Kind::Checkpoint(Skeleton::model_params(src)?)
+        } else {
+            let found = if hf::looks_like_model_dir(src) {
+                "it is a Hugging Face model directory already"
+            } else {
+                "it is neither a DCP directory nor a checkpoint of this crate"
+            };
+            return Err(Error::UnrecognizedInput {
+                path: src.display().to_string(),
+                found: found.into(),
+            });
         };
         Ok(Opened {
             path: src.to_path_buf(),
@@ -453,12 +461,13 @@ fn make_plan(
 fn stream_tensor(
     t: &SourceTensor,
     lazy: &mut dyn LazyTensors,
+    out: &Path,
     sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
 ) -> Result<()> {
     if lazy.shape_of(&t.t).is_some() {
         return lazy.stream(&t.t, sink);
     }
-    sink(t.t.as_bytes()).map_err(|e| Error::Internal(format!("buffering `{}`: {e}", t.key)))
+    sink(t.t.as_bytes()).map_err(Error::io("writing", out))
 }
 
 /// Checks that each tie's two tensors are equal: dtype, shape and every byte (the kept one
@@ -486,12 +495,12 @@ fn check_ties(tensors: &[SourceTensor], ties: &[Tie], lazy: &mut dyn LazyTensors
             continue;
         }
         let mut kept = Vec::with_capacity(k.numel() * k.t.dtype().size());
-        stream_tensor(k, lazy, &mut |b| {
+        stream_tensor(k, lazy, Path::new("memory"), &mut |b| {
             kept.extend_from_slice(b);
             Ok(())
         })?;
         let (mut at, mut differs) = (0usize, None);
-        stream_tensor(d, lazy, &mut |b| {
+        stream_tensor(d, lazy, Path::new("memory"), &mut |b| {
             if differs.is_none() {
                 let theirs = kept.get(at..at + b.len()).unwrap_or(&[]);
                 if let Some(p) = b.iter().zip(theirs).position(|(x, y)| x != y) {
@@ -534,7 +543,7 @@ fn write_share(
         let file = std::fs::File::create(&path)
             .map_err(crate::io::output::tmp_io_err("creating", out, &path))?;
         hf::write::write_file(f, file, (out, &path), &mut |pt, sink| {
-            stream_tensor(&tensors[pt.source], lazy, sink)
+            stream_tensor(&tensors[pt.source], lazy, out, sink)
         })?;
     }
     Ok(())

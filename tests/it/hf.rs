@@ -386,6 +386,14 @@ fn a_damaged_model_directory_is_refused_naming_file_and_tensor() {
         e => panic!("{e}"),
     }
 
+    // Hugging Face storage is DCP (shards of tensors), not a model directory.
+    match import_err(&dcp_sources("hf_rank0/ckpt")) {
+        Error::HfModelDir { reason, .. } => {
+            assert!(reason.contains("DCP_SHARDING_INFO"), "{reason}")
+        }
+        e => panic!("{e}"),
+    }
+
     // A tensor in two files: one file copied over another's name in a two-file directory.
     let (_t, d) = copy_dir(&golden("llama_untied/hf_60KB_bf16"));
     let (a, b) = (
