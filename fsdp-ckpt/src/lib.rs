@@ -145,7 +145,7 @@ enum Command {
         #[arg(long, value_name = "ALGO", value_parser = ["zstd"])]
         compress: Option<String>,
         #[command(flatten)]
-        hf: HfArgs,
+        hf: Box<HfArgs>,
     },
     /// Consolidate the local `optim.state_dict()` every rank of a PyTorch FSDP run saved into
     /// the dict `FSDP.full_optim_state_dict` returns.

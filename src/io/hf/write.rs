@@ -124,13 +124,19 @@ mod tests {
             .collect();
         let mut whole = Vec::new();
         Caster::new(&t)
-            .push(&src, &mut |b| Ok(whole.extend_from_slice(b)))
+            .push(&src, &mut |b| {
+                whole.extend_from_slice(b);
+                Ok(())
+            })
             .unwrap();
         let mut split = Vec::new();
         let mut c = Caster::new(&t);
         for piece in src.chunks(3) {
-            c.push(piece, &mut |b| Ok(split.extend_from_slice(b)))
-                .unwrap();
+            c.push(piece, &mut |b| {
+                split.extend_from_slice(b);
+                Ok(())
+            })
+            .unwrap();
         }
         assert_eq!(whole, split);
         assert_eq!(&whole[..2], &0x3F80u16.to_le_bytes());
