@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces every figure in BENCHMARKS.md: every benchmark (optimizer-state transforms,
-# checkpoints, the three side-by-side runs with PyTorch, and the scale run) in one go,
+# checkpoints, the side-by-side runs with PyTorch, the scale run and the Hugging Face export) in one go,
 # each headed by the machine, its load average and the date, so that the
 # numbers carry their conditions. Needs .venv (PyTorch 2.13) for the side-by-side run; installs
 # it when missing. Extra arguments name a subset: `scripts/bench.sh checkpoint`. When `mpirun`
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-venv.sh
 benches=("$@")
-[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side dcp state_dict scale)
+[ ${#benches[@]} -gt 0 ] || benches=(optim_state checkpoint side_by_side dcp state_dict scale hf_export)
 conditions() {
     echo "== $1: $(date -u '+%Y-%m-%d %H:%M UTC'), $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB," \
         "load average $(cut -d' ' -f1-3 /proc/loadavg), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
