@@ -285,12 +285,12 @@ def test_convert_to_hf_and_back_as_save_pretrained_and_fsdp_expect(tmp_path):
         assert (out / n).read_bytes() == (reference / n).read_bytes(), n
     # A rename mapping, in order: the names change, the tensors do not.
     renamed = tmp_path / "renamed"
-    fsdp_ckpt.convert(hf / "dcp", renamed, to="hf", config=hf / "hf_60KB" / "config.json", rename={r"^model\.": "", r"^layers\.(\d+)\.": r"blocks.\1."})
+    fsdp_ckpt.convert(hf / "dcp", renamed, to="hf", config=hf / "hf_60KB" / "config.json", rename={r"\.mlp\.": ".ffn.", r"\.ffn\.up_(\w+)": r".ffn.w3_\1"})
     from safetensors.torch import load_file
 
     got = load_file(renamed / "model.safetensors")
     want = load_file(hf / "hf_default" / "model.safetensors")
-    assert torch.equal(got["blocks.1.mlp.up_proj.weight"], want["model.layers.1.mlp.up_proj.weight"])
+    assert torch.equal(got["model.layers.1.ffn.w3_proj.weight"], want["model.layers.1.mlp.up_proj.weight"])
     assert "lm_head.weight" not in got
     # Import: the directory becomes DCP under `model.`, the tied head restored.
     dcp = tmp_path / "dcp"
