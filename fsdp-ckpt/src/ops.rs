@@ -103,6 +103,8 @@ pub enum Inspection {
     Checkpoint(checkpoint::CheckpointSummary),
     /// A PyTorch DCP directory (from its `.metadata`).
     Dcp(dcp::DcpSummary),
+    /// A Hugging Face model directory (from its index and headers).
+    HfModel(io::hf::HfSummary),
 }
 
 impl Inspection {
@@ -127,6 +129,7 @@ impl Inspection {
             }
             Inspection::Checkpoint(s) => serde_json::to_value(s).map_err(ser),
             Inspection::Dcp(s) => serde_json::to_value(s).map_err(ser),
+            Inspection::HfModel(s) => serde_json::to_value(s).map_err(ser),
         }
     }
 }
@@ -144,6 +147,7 @@ impl std::fmt::Display for Inspection {
             }
             Inspection::Checkpoint(s) => writeln!(f, "{s}"),
             Inspection::Dcp(s) => write!(f, "{s}"),
+            Inspection::HfModel(s) => write!(f, "{s}"),
         }
     }
 }
@@ -463,10 +467,11 @@ pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
                 ))
             }
             Input::File(format) => format,
+            Input::HfModel => return Ok(Inspection::HfModel(io::hf::summary(path)?)),
             found => return Err(wrong_input(
                 "inspect",
                 path,
-                "a DCP directory, a checkpoint of this crate, or a torch.save or safetensors file",
+                "a DCP directory, a checkpoint of this crate, a Hugging Face model directory, or a torch.save or safetensors file",
                 found,
             )),
         };

@@ -97,6 +97,15 @@ fn convert_hf_dir_to_dcp_and_back() {
     let t = tempfile::tempdir().unwrap();
     let hf = golden("llama_untied/hf_60KB");
     let (dcp, back) = (t.path().join("dcp"), t.path().join("back"));
+    let shown = ok(&run(&[&"inspect", &hf]));
+    assert!(
+        shown.contains("21 tensors, 34464 parameters, 137856 bytes in 3 file(s) and the index"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("lm_head.weight torch.float32 [128, 32] (model-00003-of-00003.safetensors)"),
+        "{shown}"
+    );
     let text = said(&run(&[&"convert", &hf, &dcp, &"--to", &"dcp"]));
     assert!(text.contains("-> DCP directory"), "{text}");
     let inspect = ok(&run(&[&"inspect", &dcp]));

@@ -25,6 +25,7 @@ pub(crate) mod write;
 pub use names::{Rename, MODEL_PREFIX, OPTIM_PREFIX};
 pub use plan::{parse_shard_size, DEFAULT_MAX_SHARD_SIZE};
 pub(crate) use read::HfModelDir;
+pub use read::{summary, HfSummary, HfTensorSummary};
 
 use std::path::Path;
 

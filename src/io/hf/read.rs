@@ -18,6 +18,10 @@ pub(crate) struct HfModelDir {
     /// Every tensor: its name and its placeholder (or value, for one element), in file
     /// order, then by name.
     pub(crate) tensors: Vec<(String, HostTensor)>,
+    /// The file index of each tensor.
+    file_of: Vec<usize>,
+    /// Whether the directory has an index.
+    indexed: bool,
 }
 
 /// The error for file `file` of the model directory (`key`, the tensor at fault).
@@ -64,8 +68,16 @@ impl HfModelDir {
             let headers = crate::io::safetensors::load_headers(&path)?;
             files.push((name, path, headers));
         }
-        let tensors = check_against_index(dir, &files, weight_map.as_ref())?;
-        Ok(HfModelDir { files, tensors })
+        let (tensors, file_of) = check_against_index(dir, &files, weight_map.as_ref())?
+            .into_iter()
+            .map(|(fi, k, t)| ((k, t), fi))
+            .unzip();
+        Ok(HfModelDir {
+            files,
+            tensors,
+            file_of,
+            indexed: weight_map.is_some(),
+        })
     }
 
     /// What streams the tensors' bytes from their files while `out` is written.
@@ -76,6 +88,102 @@ impl HfModelDir {
             .map(|(_, path, headers)| FileTensors::open(path, headers, out))
             .collect::<Result<Vec<_>>>()?;
         Ok(Files(streams))
+    }
+}
+
+/// What `fsdp-ckpt inspect` prints for a Hugging Face model directory.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct HfSummary {
+    /// The directory.
+    pub dir: String,
+    /// `hf`.
+    pub format: &'static str,
+    /// Whether it has `model.safetensors.index.json`.
+    pub indexed: bool,
+    /// Its `.safetensors` files, in name order, with their bytes.
+    pub files: Vec<(String, u64)>,
+    /// Every tensor in file order, then by name.
+    pub tensors: Vec<HfTensorSummary>,
+    /// Bytes of all tensors.
+    pub total_size: u64,
+    /// Elements of all tensors.
+    pub total_parameters: u64,
+}
+
+/// One tensor of an [`HfSummary`].
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct HfTensorSummary {
+    /// Its name.
+    pub name: String,
+    /// `torch.float32`, …
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// The file holding it.
+    pub file: String,
+}
+
+/// Describes the Hugging Face model directory `dir` from its index and headers (checked
+/// against each other as for a conversion; no tensor data is read).
+pub fn summary(dir: &Path) -> Result<HfSummary> {
+    let model = HfModelDir::open(dir)?;
+    let shapes = model.streamer(dir)?;
+    let mut tensors = Vec::with_capacity(model.tensors.len());
+    let (mut total_size, mut total_parameters) = (0u64, 0u64);
+    for ((name, t), &fi) in model.tensors.iter().zip(&model.file_of) {
+        let shape = shapes.shape_of(t).unwrap_or_else(|| t.shape().to_vec());
+        let n = shape.iter().product::<usize>() as u64;
+        total_parameters += n;
+        total_size += n * t.dtype().size() as u64;
+        tensors.push(HfTensorSummary {
+            name: name.clone(),
+            dtype: t.dtype().torch_name().into(),
+            shape,
+            file: model.files[fi].0.clone(),
+        });
+    }
+    let files = model
+        .files
+        .iter()
+        .map(|(name, path, _)| {
+            let len = std::fs::metadata(path)
+                .map_err(Error::io("reading", path))?
+                .len();
+            Ok((name.clone(), len))
+        })
+        .collect::<Result<_>>()?;
+    Ok(HfSummary {
+        dir: dir.display().to_string(),
+        format: "hf",
+        indexed: model.indexed,
+        files,
+        tensors,
+        total_size,
+        total_parameters,
+    })
+}
+
+impl std::fmt::Display for HfSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "Hugging Face model: {}", self.dir)?;
+        writeln!(
+            f,
+            "{} tensors, {} parameters, {} bytes in {} file(s){}",
+            self.tensors.len(),
+            self.total_parameters,
+            self.total_size,
+            self.files.len(),
+            if self.indexed { " and the index" } else { "" }
+        )?;
+        writeln!(f, "files:")?;
+        for (name, len) in &self.files {
+            writeln!(f, "  {name} ({len} bytes)")?;
+        }
+        writeln!(f, "tensors:")?;
+        for t in &self.tensors {
+            writeln!(f, "  {} {} {:?} ({})", t.name, t.dtype, t.shape, t.file)?;
+        }
+        Ok(())
     }
 }
 
@@ -147,7 +255,7 @@ fn check_against_index(
     dir: &Path,
     files: &[(String, PathBuf, Headers)],
     weight_map: Option<&BTreeMap<String, String>>,
-) -> Result<Vec<(String, HostTensor)>> {
+) -> Result<Vec<(usize, String, HostTensor)>> {
     let mut found: BTreeMap<String, (usize, HostTensor)> = BTreeMap::new();
     for (fi, (name, path, headers)) in files.iter().enumerate() {
         for (key, t) in super::names::flatten(&headers.obj) {
@@ -196,7 +304,7 @@ fn check_against_index(
     let mut tensors: Vec<(usize, String, HostTensor)> =
         found.into_iter().map(|(k, (fi, t))| (fi, k, t)).collect();
     tensors.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-    Ok(tensors.into_iter().map(|(_, k, t)| (k, t)).collect())
+    Ok(tensors)
 }
 
 /// The placeholders of several files, each streamed from its own file.
