@@ -102,7 +102,8 @@ enum Command {
     /// checkpoint directory of this crate holds, or what a PyTorch DCP directory holds, in
     /// any form dcp.save writes: `.metadata`; per-rank `__{rank}.metadata` files
     /// (use_collectives=False), merged; Hugging Face storage (HuggingFaceStorageWriter:
-    /// safetensors files with DCP_SHARDING_INFO, rank-0, distributed or consolidated).
+    /// safetensors files with DCP_SHARDING_INFO, rank-0, distributed or consolidated); or
+    /// what a Hugging Face model directory (save_pretrained) holds.
     Inspect {
         /// The file (.pt, .pth or .safetensors) or directory.
         file: PathBuf,

@@ -509,7 +509,7 @@ fn every_hf_storage_form_is_inspected_verified_and_consolidated_as_pytorch_loads
 
 #[test]
 fn a_plain_hugging_face_directory_is_not_read_as_dcp() {
-    // hf_consolidated's merged files alone: no DCP_SHARDING_INFO.
+    // hf_consolidated's merged files alone: no DCP_SHARDING_INFO, a model directory.
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("hf");
     std::fs::create_dir(&dir).unwrap();
@@ -519,10 +519,10 @@ fn a_plain_hugging_face_directory_is_not_read_as_dcp() {
             std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
         }
     }
-    for cmd in ["inspect", "verify"] {
-        let out = run(&[&cmd, &dir]);
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{err}");
-        assert!(err.contains("carry no `DCP_SHARDING_INFO`"), "{err}");
-    }
+    let shown = ok(&run(&[&"inspect", &dir]));
+    assert!(shown.starts_with("Hugging Face model:"), "{shown}");
+    let out = run(&[&"verify", &dir]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("is a Hugging Face model directory"), "{err}");
 }
