@@ -102,14 +102,15 @@ fn a_full_standard_output_is_an_error_and_a_closed_pipe_ends_quietly() {
 
 #[test]
 fn an_unrecognised_directory_is_described_by_what_it_holds() {
+    // The pre-safetensors Hugging Face layout (pickled shards), which no form matches.
     let tmp = tempfile::tempdir().unwrap();
     let hf = tmp.path().join("hf");
     std::fs::create_dir(&hf).unwrap();
     for f in [
-        "model-00001-of-00003.safetensors",
-        "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors",
-        "model.safetensors.index.json",
+        "pytorch_model-00001-of-00003.bin",
+        "pytorch_model-00002-of-00003.bin",
+        "pytorch_model-00003-of-00003.bin",
+        "pytorch_model.bin.index.json",
     ] {
         std::fs::write(hf.join(f), b"{}").unwrap();
     }
@@ -125,10 +126,30 @@ fn an_unrecognised_directory_is_described_by_what_it_holds() {
             &[
                 "neither a DCP directory (no `.metadata`",
                 "nor a checkpoint of this crate (no `manifest.json`)",
-                "3 `.safetensors` files",
+                "nor a Hugging Face model directory",
+                "3 `.bin` files",
             ],
         );
         assert!(!err.contains("COMMITTED"), "{err}");
+    }
+    // With safetensors files and an index it is a model directory, whose broken index is
+    // named.
+    let st = tmp.path().join("st");
+    std::fs::create_dir(&st).unwrap();
+    for f in [
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ] {
+        std::fs::write(st.join(f), b"{}").unwrap();
+    }
+    for args in [
+        vec![&"inspect" as &dyn AsRef<std::ffi::OsStr>, &st],
+        vec![&"convert", &st, &tmp.path().join("e"), &"--to", &"dcp"],
+    ] {
+        fails(
+            &run(&args),
+            &["model.safetensors.index.json", "missing field `weight_map`"],
+        );
     }
     let empty = tmp.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
