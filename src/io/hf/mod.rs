@@ -7,15 +7,15 @@
 //! * each file's `__metadata__` is `{"format": "pt"}`, its tensors laid out as the
 //!   `safetensors` library lays them out (descending dtype, then name);
 //! * the files are split as huggingface_hub's `split_state_dict_into_shards_factory` splits
-//!   ([`plan`]); `config.json` is the model's, which a checkpoint does not hold.
+//!   (`plan.rs`); `config.json` is the model's, which a checkpoint does not hold.
 //!
 //! A directory whose headers carry `DCP_SHARDING_INFO` is not one of these: it is a DCP
 //! checkpoint in Hugging Face storage ([`crate::io::dcp`]), whose keys are kept as saved.
 //!
-//! This module plans the directory ([`plan`]), maps checkpoint keys to model names
-//! ([`names`]), writes one planned file from a stream of tensor bytes ([`write`]) and reads
-//! a directory back, checking its index against its files ([`read`]). Running a plan over a
-//! process group is [`crate::convert`]'s.
+//! This module plans the directory (`plan.rs`), maps checkpoint keys to model names
+//! (`names.rs`, [`Rename`]), writes one planned file from a stream of tensor bytes
+//! (`write.rs`) and reads a directory back, checking its index against its files (`read.rs`,
+//! [`summary`]). Running a plan over a process group is [`crate::convert`]'s.
 
 pub(crate) mod names;
 pub(crate) mod plan;
