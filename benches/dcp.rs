@@ -18,13 +18,17 @@
 //! `cargo bench --bench dcp [-- --embed ROWS --layers N --reps R]`
 
 mod common;
-use common::{disk_bytes, loadavg, raw_write, status_bytes, venv_python};
+use common::{
+    disk_bytes, gb, loadavg, mb, python_run, python_timed, raw_write, s, status_bytes, venv_python,
+};
 use fsdp::collectives::Solo;
 use fsdp::convert;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Instant;
+
+/// The Python side of this bench.
+const SCRIPT: &str = "benches/dcp_side_by_side.py";
 
 const CHILD_ENV: &str = "FSDP_DCP_BENCH_CHILD";
 
@@ -54,6 +58,7 @@ fn main() {
         loadavg()
     );
     python_run(
+        SCRIPT,
         &py,
         &[
             "make",
@@ -64,7 +69,7 @@ fn main() {
             &layers.to_string(),
         ],
     );
-    python_timed(&py, &["to_dcp", &s(&full), &s(&dcp)]);
+    python_timed(SCRIPT, &py, &["to_dcp", &s(&full), &s(&dcp)]);
     let dcp_bytes = disk_bytes(&dcp);
     let largest = (embed * 1024 * 4) as u64;
     let adam = 2 * (embed * 1024 + layers * 1024 * 4096) as u64 * 4;
@@ -81,14 +86,19 @@ fn main() {
     let (ours_pt, theirs_pt) = (root.join("ours.pt"), root.join("theirs.pt"));
     for _ in 0..reps {
         ours.push(crate_child("consolidate", &dcp, &ours_pt));
-        theirs.push(python_timed(&py, &["to_torch", &s(&dcp), &s(&theirs_pt)]));
+        theirs.push(python_timed(
+            SCRIPT,
+            &py,
+            &["to_torch", &s(&dcp), &s(&theirs_pt)],
+        ));
         let _ = std::fs::remove_file(&theirs_pt);
         theirs_synced.push(python_timed(
+            SCRIPT,
             &py,
             &["to_torch_synced", &s(&dcp), &s(&theirs_pt)],
         ));
     }
-    python_run(&py, &["same", &s(&ours_pt), &s(&theirs_pt)]);
+    python_run(SCRIPT, &py, &["same", &s(&ours_pt), &s(&theirs_pt)]);
     let _ = std::fs::remove_file(&ours_pt);
     let _ = std::fs::remove_file(&theirs_pt);
 
@@ -102,7 +112,11 @@ fn main() {
         let _ = std::fs::remove_dir_all(&ours_dir);
         ours_w.push(crate_child("to_dcp", &full, &ours_dir));
         let _ = std::fs::remove_dir_all(&theirs_dir);
-        theirs_w.push(python_timed(&py, &["to_dcp", &s(&full), &s(&theirs_dir)]));
+        theirs_w.push(python_timed(
+            SCRIPT,
+            &py,
+            &["to_dcp", &s(&full), &s(&theirs_dir)],
+        ));
         raw.push((raw_write(&raw_file, disk_bytes(&ours_dir)), 0));
         let _ = std::fs::remove_file(&raw_file);
     }
@@ -202,62 +216,7 @@ fn child(spec: &str) {
 }
 
 fn crate_child(op: &str, input: &Path, output: &Path) -> (f64, u64) {
-    let out = Command::new(std::env::current_exe().expect("this bench"))
-        .env(
-            CHILD_ENV,
-            format!("{op}\n{}\n{}", input.display(), output.display()),
-        )
-        .output()
-        .expect("running the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("CHILD "))
-        .unwrap_or_else(|| {
-            panic!(
-                "child {op} failed: {}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    let f: Vec<&str> = line.split_whitespace().collect();
+    let spec = format!("{op}\n{}\n{}", input.display(), output.display());
+    let f = common::child_fields(CHILD_ENV, &spec, op);
     (f[0].parse().unwrap(), f[1].parse().unwrap())
-}
-
-fn python_run(py: &Path, args: &[&str]) -> String {
-    let out = Command::new(py)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/dcp_side_by_side.py"))
-        .args(args)
-        .output()
-        .expect("running python");
-    assert!(
-        out.status.success(),
-        "python {args:?} failed: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A timed PyTorch run: (seconds, peak RSS) from its JSON line.
-fn python_timed(py: &Path, args: &[&str]) -> (f64, u64) {
-    let out = python_run(py, args);
-    let v: serde_json::Value =
-        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json line");
-    (
-        v["seconds"].as_f64().unwrap(),
-        v["peak_rss"].as_u64().unwrap(),
-    )
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
-
-fn gb(b: u64) -> String {
-    format!("{:.2}", b as f64 / 1e9)
-}
-
-fn mb(b: u64) -> String {
-    format!("{:.0}", b as f64 / 1e6)
 }

@@ -33,13 +33,17 @@
 //! `cargo bench --bench hf_export [-- --embed ROWS --hidden H --layers N --shard-mb MB --reps R]`
 
 mod common;
-use common::{disk_bytes, loadavg, raw_write, status_bytes, venv_python};
+use common::{
+    disk_bytes, gb, loadavg, mb, python_run, python_timed, raw_write, s, status_bytes, venv_python,
+};
 use fsdp::collectives::Solo;
 use fsdp::convert;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Instant;
+
+/// The Python side of this bench.
+const SCRIPT: &str = "benches/hf_export_side_by_side.py";
 
 const CHILD_ENV: &str = "FSDP_HF_BENCH_CHILD";
 
@@ -83,6 +87,7 @@ fn main() {
         4 * hidden,
     );
     let made = python_run(
+        SCRIPT,
         &py,
         &[
             "make",
@@ -132,6 +137,7 @@ fn main() {
         out_bytes = disk_bytes(&ours_dir);
         let _ = std::fs::remove_dir_all(&theirs_dir);
         theirs.push(python_timed(
+            SCRIPT,
             &py,
             &[
                 "torch_route",
@@ -145,16 +151,18 @@ fn main() {
         let _ = std::fs::remove_file(&tmp_pt);
         let _ = std::fs::remove_dir_all(&cons_dir);
         cons.push(python_timed(
+            SCRIPT,
             &py,
             &["consolidate", &s(&store), &s(&cons_dir), &s(&mapping)],
         ));
         raw.push((raw_write(&raw_file, out_bytes), 0));
         let _ = std::fs::remove_file(&raw_file);
     }
-    let baseline = python_timed(&py, &["baseline"]).1;
+    let baseline = python_timed(SCRIPT, &py, &["baseline"]).1;
     println!(
         "{}",
         python_run(
+            SCRIPT,
             &py,
             &["same", &s(&ours_dir), &s(&theirs_dir), &s(&cons_dir)]
         )
@@ -260,62 +268,7 @@ fn child(spec: &str) {
 }
 
 fn crate_child(input: &Path, output: &Path, shard_bytes: &str) -> (f64, u64) {
-    let out = Command::new(std::env::current_exe().expect("this bench"))
-        .env(
-            CHILD_ENV,
-            format!("{}\n{}\n{shard_bytes}", input.display(), output.display()),
-        )
-        .output()
-        .expect("running the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("CHILD "))
-        .unwrap_or_else(|| {
-            panic!(
-                "child export failed: {}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    let f: Vec<&str> = line.split_whitespace().collect();
+    let spec = format!("{}\n{}\n{shard_bytes}", input.display(), output.display());
+    let f = common::child_fields(CHILD_ENV, &spec, "export");
     (f[0].parse().unwrap(), f[1].parse().unwrap())
-}
-
-fn python_run(py: &Path, args: &[&str]) -> String {
-    let out = Command::new(py)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/hf_export_side_by_side.py"))
-        .args(args)
-        .output()
-        .expect("running python");
-    assert!(
-        out.status.success(),
-        "python {args:?} failed: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A timed PyTorch run: (seconds, peak RSS) from its JSON line.
-fn python_timed(py: &Path, args: &[&str]) -> (f64, u64) {
-    let out = python_run(py, args);
-    let v: serde_json::Value =
-        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json line");
-    (
-        v["seconds"].as_f64().unwrap(),
-        v["peak_rss"].as_u64().unwrap(),
-    )
-}
-
-fn s(p: &Path) -> String {
-    p.display().to_string()
-}
-
-fn gb(b: u64) -> String {
-    format!("{:.2}", b as f64 / 1e9)
-}
-
-fn mb(b: u64) -> String {
-    format!("{:.0}", b as f64 / 1e6)
 }

@@ -94,7 +94,7 @@
 mod common;
 #[path = "side_by_side/mpi.rs"]
 mod mpi_column;
-use common::{deep_copy, filled, venv_python};
+use common::{deep_copy, filled, reset_hwm, status_bytes, venv_python};
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
 use fsdp::{
@@ -351,19 +351,6 @@ impl Drop for Cluster {
     }
 }
 
-fn status_bytes(field: &str) -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map(|k| k * 1024)
-        .unwrap_or(0)
-}
-
-fn reset_hwm() -> bool {
-    std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
 /// Child mode: build the inputs for one op, reset VmHWM, run it once on both ranks, print
 /// `seconds rss_before peak hwm_reset_ok`.
 fn child(op: Op, layers: usize, save_path: PathBuf) {
@@ -428,27 +415,8 @@ struct ChildResult {
 }
 
 fn run_child(op: Op, layers: usize, save_path: &Path) -> ChildResult {
-    let exe = std::env::current_exe().expect("current exe");
-    let out = Command::new(exe)
-        .env(
-            "FSDP_SBS_CHILD",
-            format!("{},{layers},{}", op.name(), save_path.display()),
-        )
-        .output()
-        .expect("running the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("CHILD "))
-        .unwrap_or_else(|| {
-            panic!(
-                "child for {} failed: {}\n{}",
-                op.name(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    let f: Vec<&str> = line.split_whitespace().collect();
+    let spec = format!("{},{layers},{}", op.name(), save_path.display());
+    let f = common::child_fields("FSDP_SBS_CHILD", &spec, &format!("for {}", op.name()));
     ChildResult {
         secs: f[0].parse().unwrap(),
         before: f[1].parse().unwrap(),

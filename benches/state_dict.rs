@@ -120,22 +120,7 @@ struct Measured {
 }
 
 fn run_child(op: &str, layers: usize, reps: usize) -> Measured {
-    let out = Command::new(std::env::current_exe().expect("current exe"))
-        .env(CHILD_ENV, format!("{op},{layers},{reps}"))
-        .output()
-        .expect("running the child");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("CHILD "))
-        .unwrap_or_else(|| {
-            panic!(
-                "child {op} failed: {}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            )
-        });
-    let f: Vec<&str> = line.split_whitespace().collect();
+    let f = common::child_fields(CHILD_ENV, &format!("{op},{layers},{reps}"), op);
     Measured {
         times: f[0].split(',').map(|t| t.parse().unwrap()).collect(),
         peak: f[1].parse().unwrap(),

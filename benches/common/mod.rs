@@ -197,3 +197,69 @@ pub fn shard_and_release(
     }
     local
 }
+
+/// Runs this bench's executable again with `env_var` set to `spec` (one measurement in a
+/// fresh process) and returns the fields of the line it prints after `CHILD `. A child that
+/// prints none fails the bench, naming `what` and the child's status and stderr.
+pub fn child_fields(env_var: &str, spec: &str, what: &str) -> Vec<String> {
+    let out = std::process::Command::new(std::env::current_exe().expect("this bench"))
+        .env(env_var, spec)
+        .output()
+        .expect("running the child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("CHILD "))
+        .unwrap_or_else(|| {
+            panic!(
+                "child {what} failed: {}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )
+        });
+    line.split_whitespace().map(str::to_string).collect()
+}
+
+/// Runs the Python side of a side-by-side bench (`script`, relative to the crate root) with
+/// `py` and returns its standard output; a failing run fails the bench.
+pub fn python_run(script: &str, py: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new(py)
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(script))
+        .args(args)
+        .output()
+        .expect("running python");
+    assert!(
+        out.status.success(),
+        "python {args:?} failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A timed run of [`python_run`]: (seconds, peak RSS) from its last line, a JSON object with
+/// `seconds` and `peak_rss`.
+pub fn python_timed(script: &str, py: &std::path::Path, args: &[&str]) -> (f64, u64) {
+    let out = python_run(script, py, args);
+    let v: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or("")).expect("json line");
+    (
+        v["seconds"].as_f64().unwrap(),
+        v["peak_rss"].as_u64().unwrap(),
+    )
+}
+
+/// A path as a string argument.
+pub fn s(p: &std::path::Path) -> String {
+    p.display().to_string()
+}
+
+/// Bytes as decimal gigabytes, two decimals.
+pub fn gb(b: u64) -> String {
+    format!("{:.2}", b as f64 / 1e9)
+}
+
+/// Bytes as decimal megabytes, no decimals.
+pub fn mb(b: u64) -> String {
+    format!("{:.0}", b as f64 / 1e6)
+}
