@@ -353,20 +353,23 @@ fn shared_storages(
     picked: &[(usize, String)],
     ties: &[Tie],
 ) -> Vec<Tie> {
+    /// Where a tensor's bytes are: the archive storage a `torch.save` placeholder streams,
+    /// or the memory it views (storage, first byte).
+    #[derive(PartialEq, Eq, Hash)]
+    enum Bytes<'a> {
+        Stored(&'a str),
+        Memory(usize, usize),
+    }
     let view = |t: &SourceTensor| {
-        let storage = match &source.kind {
-            Kind::File(h) => h.storage_key(&t.t).map(str::to_string),
+        let stored = match &source.kind {
+            Kind::File(h) => h.storage_key(&t.t),
             _ => None,
         };
-        (
-            storage.unwrap_or_else(|| format!("{:x}", t.t.storage_id())),
-            match &source.kind {
-                Kind::File(_) => 0,
-                _ => t.t.as_bytes().as_ptr() as usize,
-            },
-            t.t.dtype(),
-            t.shape.clone(),
-        )
+        let bytes = match stored {
+            Some(key) => Bytes::Stored(key),
+            None => Bytes::Memory(t.t.storage_id(), t.t.as_bytes().as_ptr() as usize),
+        };
+        (bytes, t.t.dtype(), t.shape.clone())
     };
     let mut first: HashMap<_, &(usize, String)> = HashMap::new();
     let mut out = Vec::new();

@@ -354,6 +354,21 @@ fn prepare(obj: &PyObj) -> Result<Parts<TensorRef<'_>>> {
     Ok((tensors, meta))
 }
 
+/// The `.safetensors` entries of `dir` (every name ending so, as PyTorch's reader lists them),
+/// sorted by name.
+pub(crate) fn file_names(dir: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(Error::io("listing", dir))? {
+        let name = e.map_err(Error::io("listing", dir))?.file_name();
+        let name = name.to_string_lossy();
+        if name.ends_with(".safetensors") {
+            names.push(name.into_owned());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
 /// The largest header safetensors readers accept (the `safetensors` crate's limit).
 const MAX_HEADER_BYTES: usize = 100_000_000;
 

@@ -178,21 +178,6 @@ fn header(path: &Path, file: &str) -> Result<Header> {
     })
 }
 
-/// The `.safetensors` entries of `dir` (every name ending so, as PyTorch's reader lists them),
-/// sorted by name.
-fn safetensors_names(dir: &Path) -> Result<Vec<String>> {
-    let mut names = Vec::new();
-    for e in std::fs::read_dir(dir).map_err(Error::io("listing", dir))? {
-        let name = e.map_err(Error::io("listing", dir))?.file_name();
-        let name = name.to_string_lossy();
-        if name.ends_with(".safetensors") {
-            names.push(name.into_owned());
-        }
-    }
-    names.sort();
-    Ok(names)
-}
-
 /// Whether the regular file `path`'s header carries `DCP_SHARDING_INFO` (`false` for a file
 /// that is unreadable or no safetensors file: the reader reports those).
 fn has_sharding_info(path: &Path, file: &str) -> bool {
@@ -210,7 +195,7 @@ fn has_sharding_info(path: &Path, file: &str) -> bool {
 /// consolidated form). A directory of safetensors files without it is a plain Hugging Face
 /// model directory, not this.
 pub fn hf_form(dir: &Path) -> Result<Option<HfForm>> {
-    let names = safetensors_names(dir)?;
+    let names = crate::io::safetensors::file_names(dir)?;
     if let Some(n) = names.iter().find(|n| has_sharding_info(&dir.join(n), n)) {
         return Ok(Some(if n.starts_with("shard-") {
             HfForm::Distributed
@@ -268,7 +253,7 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
         String::new()
     };
     let data_dir = dir.join(&prefix);
-    let names = safetensors_names(&data_dir)?;
+    let names = crate::io::safetensors::file_names(&data_dir)?;
     let mut entries: Vec<Entry> = Vec::new();
     let mut at: HashMap<String, usize> = HashMap::new();
     // Per entry: the file that first described it, and each chunk's file.

@@ -58,12 +58,6 @@ pub const HF_MODEL_DIR: crate::io::output::DirKind = crate::io::output::DirKind 
 /// Whether `dir` looks like a plain Hugging Face model directory: it holds
 /// [`INDEX_FILE`] or `.safetensors` files (their headers are checked when it is read).
 pub(crate) fn looks_like_model_dir(dir: &Path) -> bool {
-    if dir.join(INDEX_FILE).exists() {
-        return true;
-    }
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries
-            .flatten()
-            .any(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
-    })
+    dir.join(INDEX_FILE).exists()
+        || crate::io::safetensors::file_names(dir).is_ok_and(|names| !names.is_empty())
 }

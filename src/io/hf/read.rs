@@ -221,15 +221,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
 
 /// The one `.safetensors` file of a directory without an index.
 fn lone_file(dir: &Path) -> Result<String> {
-    let mut names = Vec::new();
-    for e in std::fs::read_dir(dir).map_err(Error::io("listing", dir))? {
-        let name = e.map_err(Error::io("listing", dir))?.file_name();
-        let name = name.to_string_lossy().into_owned();
-        if name.ends_with(".safetensors") {
-            names.push(name);
-        }
-    }
-    names.sort();
+    let mut names = crate::io::safetensors::file_names(dir)?;
     match names.len() {
         1 => Ok(names.remove(0)),
         0 => Err(dir_err(
