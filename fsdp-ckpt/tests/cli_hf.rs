@@ -2,25 +2,16 @@
 //! OUT --to dcp`, from outside the crate, against `save_pretrained`'s files
 //! (`tests/golden/hf/`, from transformers 5.24).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
 mod tool;
+use common::model_files;
 use tool::{fails, ok, run};
 
 fn golden(p: &str) -> PathBuf {
     tool::golden("hf").join(p)
-}
-
-/// The `.safetensors` files and the index of a directory, with their bytes.
-fn model_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".safetensors") || n.ends_with(".index.json"))
-        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
-        .collect();
-    v.sort();
-    v
 }
 
 /// The report line (standard error) of a run that must succeed.

@@ -47,6 +47,39 @@ pub fn files_of(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
     v
 }
 
+/// A copy of the directory `src`, subdirectories included, at `<fresh temporary>/name`: a
+/// fixture to damage.
+pub fn copy_dir(src: &std::path::Path, name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    fn copy(src: &std::path::Path, dst: &std::path::Path) {
+        std::fs::create_dir(dst).unwrap();
+        for e in std::fs::read_dir(src).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                copy(&e.path(), &dst.join(e.file_name()));
+            } else {
+                std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+            }
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join(name);
+    copy(src, &dst);
+    (tmp, dst)
+}
+
+/// The model files of a Hugging Face directory (`.safetensors` files and the index) with
+/// their bytes, by name: two exports compared byte for byte.
+pub fn model_files(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors") || n.ends_with(".index.json"))
+        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
+        .collect();
+    v.sort();
+    v
+}
+
 /// The `Net` of the DCP fixtures (tests/golden/dcp/gen.py, untied, nothing frozen).
 pub fn dcp_fixture_net() -> ModelDesc {
     let f = DType::F32;

@@ -26,16 +26,9 @@ fn golden(p: &str) -> PathBuf {
         .join(p)
 }
 
-/// A copy of scenario `name`'s checkpoint in a fresh temporary directory (`<tmp>/ckpt`).
+/// A copy of `name`'s `ckpt/` in a fresh temporary directory (`<tmp>/ckpt`).
 fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
-    let tmp = tempfile::tempdir().unwrap();
-    let dst = tmp.path().join("ckpt");
-    std::fs::create_dir(&dst).unwrap();
-    for e in std::fs::read_dir(golden(name).join("ckpt")).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-    }
-    (tmp, dst)
+    crate::common::copy_dir(&golden(name).join("ckpt"), "ckpt")
 }
 
 #[test]

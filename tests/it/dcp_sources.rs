@@ -18,23 +18,9 @@ fn golden(p: &str) -> PathBuf {
         .join(p)
 }
 
-/// A copy of `name`'s `ckpt/` (with its subdirectories) in a fresh temporary directory.
+/// A copy of `name`'s `ckpt/` in a fresh temporary directory (`<tmp>/ckpt`).
 fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
-    fn copy(src: &Path, dst: &Path) {
-        std::fs::create_dir(dst).unwrap();
-        for e in std::fs::read_dir(src).unwrap() {
-            let e = e.unwrap();
-            if e.file_type().unwrap().is_dir() {
-                copy(&e.path(), &dst.join(e.file_name()));
-            } else {
-                std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-            }
-        }
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let dst = tmp.path().join("ckpt");
-    copy(&golden(name).join("ckpt"), &dst);
-    (tmp, dst)
+    crate::common::copy_dir(&golden(name).join("ckpt"), "ckpt")
 }
 
 /// What a hostile case's error must be.

@@ -3,7 +3,7 @@
 //! byte, the import loads into FSDP2 ranks with logits equal to the original model's (live
 //! PyTorch), and bad inputs get typed errors. Fixtures: `tests/golden/hf/gen.py`.
 
-use crate::common::python;
+use crate::common::{self, model_files, python};
 use fsdp::collectives::{Solo, ThreadGroup};
 use fsdp::convert::{self, HfExportOptions, HfImportOptions};
 use fsdp::io::hf::{self, Rename};
@@ -37,18 +37,6 @@ fn sized(max: &str) -> HfExportOptions {
         max_shard_size: Some(hf::parse_shard_size(max).unwrap()),
         ..Default::default()
     }
-}
-
-/// The model files of a directory (`.safetensors` and the index) with their bytes.
-fn model_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut v: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".safetensors") || n == hf::INDEX_FILE)
-        .map(|n| (n.clone(), std::fs::read(dir.join(&n)).unwrap()))
-        .collect();
-    v.sort();
-    v
 }
 
 /// Every tensor of a model directory by name: (dtype, shape, bytes).
@@ -306,18 +294,6 @@ fn the_import_renames_prefixes_and_casts() {
     assert!(ckpt.entry("student.lm_head.weight").is_some());
 }
 
-/// A copy of a golden model directory to damage.
-fn copy_dir(src: &Path) -> (tempfile::TempDir, PathBuf) {
-    let t = tempfile::tempdir().unwrap();
-    let dst = t.path().join("model");
-    std::fs::create_dir(&dst).unwrap();
-    for e in std::fs::read_dir(src).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
-    }
-    (t, dst)
-}
-
 fn import_err(dir: &Path) -> Error {
     let t = tempfile::tempdir().unwrap();
     convert::hf_to_dcp(
@@ -335,14 +311,14 @@ fn a_damaged_model_directory_is_refused_naming_file_and_tensor() {
     let index_path = |d: &Path| d.join(hf::INDEX_FILE);
 
     // A corrupt index.
-    let (_t, d) = copy_dir(&src);
+    let (_t, d) = common::copy_dir(&src, "model");
     std::fs::write(index_path(&d), b"{\"weight_map\": {\"a\": ").unwrap();
     assert!(
         matches!(import_err(&d), Error::HfModelDir { ref file, .. } if file.ends_with(hf::INDEX_FILE))
     );
 
     // A missing shard.
-    let (_t, d) = copy_dir(&src);
+    let (_t, d) = common::copy_dir(&src, "model");
     std::fs::remove_file(d.join("model-00002-of-00003.safetensors")).unwrap();
     match import_err(&d) {
         Error::HfModelDir { file, key, reason } => {
@@ -353,7 +329,7 @@ fn a_damaged_model_directory_is_refused_naming_file_and_tensor() {
     }
 
     // The index maps a tensor to another file than the one holding it.
-    let (_t, d) = copy_dir(&src);
+    let (_t, d) = common::copy_dir(&src, "model");
     let mut index: serde_json::Value =
         serde_json::from_slice(&std::fs::read(index_path(&d)).unwrap()).unwrap();
     index["weight_map"]["lm_head.weight"] = "model-00001-of-00003.safetensors".into();
@@ -370,7 +346,7 @@ fn a_damaged_model_directory_is_refused_naming_file_and_tensor() {
     }
 
     // A tensor the index does not name (an extra tensor in a file).
-    let (_t, d) = copy_dir(&src);
+    let (_t, d) = common::copy_dir(&src, "model");
     let mut index: serde_json::Value =
         serde_json::from_slice(&std::fs::read(index_path(&d)).unwrap()).unwrap();
     index["weight_map"]
@@ -395,7 +371,7 @@ fn a_damaged_model_directory_is_refused_naming_file_and_tensor() {
     }
 
     // A tensor in two files: one file copied over another's name in a two-file directory.
-    let (_t, d) = copy_dir(&golden("llama_untied/hf_60KB_bf16"));
+    let (_t, d) = common::copy_dir(&golden("llama_untied/hf_60KB_bf16"), "model");
     let (a, b) = (
         d.join("model-00001-of-00002.safetensors"),
         d.join("model-00002-of-00002.safetensors"),
