@@ -35,6 +35,9 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::lazy::LazyTensor;
 
 /// Where a stored value sits in the nested state dict `get_state_dict` returns.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -297,11 +300,7 @@ fn write_rank<T: Tensor>(
         .transpose()?
         .unwrap_or_default();
     let mut report: KeyedStates = Vec::new();
-    let mut plan = Plan {
-        entries: Vec::new(),
-        data: Vec::new(),
-        at: Vec::new(),
-    };
+    let mut plan: Plan<&[u8]> = Plan::default();
     plan_pieces(layout, lr, &saved, &mut report, &mut plan)?;
     let n_optim = report.len();
     plan_pieces(layout, lr, &model_saved, &mut report, &mut plan)?;
@@ -665,7 +664,7 @@ pub(crate) fn load_dcp<T: Tensor>(
 /// A DCP directory opened for loading ranks of `layout` ([`load_dcp`]): its metadata read
 /// and checked against the model and its param groups read, once for any number of ranks.
 pub(super) struct DcpOptimState<'d> {
-    ckpt: DcpCheckpoint,
+    ckpt: Arc<DcpCheckpoint>,
     dir: &'d Path,
     /// Per fully qualified name with state: its entries' indices in the metadata.
     states: HashMap<String, Vec<usize>>,
@@ -675,7 +674,11 @@ pub(super) struct DcpOptimState<'d> {
 impl<'d> DcpOptimState<'d> {
     /// Opens `dir` and checks its metadata against `layout`'s model.
     pub(super) fn open(dir: &'d Path, layout: &ModelLayout) -> Result<Self> {
-        let ckpt = DcpCheckpoint::open(dir)?;
+        Self::opened(DcpCheckpoint::open(dir)?, dir, layout)
+    }
+
+    /// [`Self::open`] of an opened directory.
+    pub(super) fn opened(ckpt: DcpCheckpoint, dir: &'d Path, layout: &ModelLayout) -> Result<Self> {
         let states = check_against_model(&ckpt, dir, layout)?;
         let group_entries: Vec<usize> = ckpt
             .metadata()
@@ -689,11 +692,16 @@ impl<'d> DcpOptimState<'d> {
             .collect();
         let groups = read_optim(&ckpt, dir, &group_entries)?.param_groups;
         Ok(DcpOptimState {
-            ckpt,
+            ckpt: Arc::new(ckpt),
             dir,
             states,
             groups,
         })
+    }
+
+    /// The opened directory.
+    pub(super) fn checkpoint(&self) -> &DcpCheckpoint {
+        &self.ckpt
     }
 
     /// Rank `rank`'s optimizer state dict (see [`load_dcp`]).
@@ -702,6 +710,48 @@ impl<'d> DcpOptimState<'d> {
         layout: &ModelLayout,
         rank: usize,
         params: &OptimParams,
+    ) -> Result<OptimStateDict<T>> {
+        let ckpt = &self.ckpt;
+        self.load_with(layout, rank, params, &|key, range| {
+            let t = match range {
+                Some((start, len)) => ckpt.read_flat_range(key, start, len)?,
+                None => ckpt.read_tensor(key)?,
+            };
+            T::from_host(t)
+        })
+    }
+
+    /// Rank `rank`'s optimizer state dict as [`Self::load`] gives it, with every
+    /// positive-dim tensor state standing for where its elements lie, unread: what a
+    /// conversion plans its rank files with, to stream them afterwards.
+    pub(super) fn plan(
+        &self,
+        layout: &ModelLayout,
+        rank: usize,
+        params: &OptimParams,
+    ) -> Result<OptimStateDict<LazyTensor>> {
+        let ckpt = &self.ckpt;
+        self.load_with(layout, rank, params, &|key, range| {
+            let (shape, range) = match range {
+                Some((start, len)) => (vec![len], (start, len)),
+                None => {
+                    let shape = tensor_size(ckpt, key)?;
+                    let numel = shape.iter().product();
+                    (shape, (0, numel))
+                }
+            };
+            LazyTensor::stored(ckpt, key, range, &shape)
+        })
+    }
+
+    /// [`Self::load`] with each positive-dim tensor state made by `tensor` from its key and
+    /// the flat element range wanted (`None`: all of it).
+    fn load_with<T: Tensor>(
+        &self,
+        layout: &ModelLayout,
+        rank: usize,
+        params: &OptimParams,
+        tensor: &TensorFn<'_, T>,
     ) -> Result<OptimStateDict<T>> {
         let groups = self
             .groups
@@ -717,27 +767,43 @@ impl<'d> DcpOptimState<'d> {
             dir: self.dir,
             states: &self.states,
             rank,
+            tensor,
         };
         flatten_from_source(layout, &mut source, groups.as_deref(), Vec::new(), params)
     }
 }
 
-/// A DCP directory as a [`ShardSource`]: the rank's part of each parameter's state, read
+/// Makes a positive-dim tensor state from its DCP key and the flat element range wanted
+/// (`None`: the whole tensor).
+type TensorFn<'a, T> = dyn Fn(&str, Option<(usize, usize)>) -> Result<T> + 'a;
+
+/// The global shape of the tensor stored under `key`.
+fn tensor_size(ckpt: &DcpCheckpoint, key: &str) -> Result<Vec<usize>> {
+    match ckpt.entry(key).map(|e| &e.kind) {
+        Some(EntryKind::Tensor(t)) => Ok(t.size.clone()),
+        _ => Err(Error::Internal(format!(
+            "`{key}` is no tensor of the DCP directory"
+        ))),
+    }
+}
+
+/// A DCP directory as a [`ShardSource`]: the rank's part of each parameter's state, made
 /// when the flattening asks for it.
-struct DcpSource<'c> {
+struct DcpSource<'c, T> {
     ckpt: &'c DcpCheckpoint,
     dir: &'c Path,
     /// Per fully qualified name with state: its entries' indices in the metadata.
     states: &'c HashMap<String, Vec<usize>>,
     rank: usize,
+    tensor: &'c TensorFn<'c, T>,
 }
 
-impl DcpSource<'_> {
+impl<T: Tensor> DcpSource<'_, T> {
     /// The dict holding only the state of `fqns` (those the directory has state for): whole,
     /// or with `ranges`, each positive-dim tensor state of `fqns[i]` only elements
-    /// `ranges[i].0..+ranges[i].1` of its flattening, as a 1-D tensor, read alone
-    /// ([`DcpCheckpoint::read_flat_range`]).
-    fn dict_of<T: Tensor>(
+    /// `ranges[i].0..+ranges[i].1` of its flattening, as a 1-D tensor, made alone by
+    /// `self.tensor`. While the dict is nested those states stand as empty placeholders.
+    fn dict_of(
         &self,
         fqns: &[&str],
         ranges: Option<&[(usize, usize)]>,
@@ -748,28 +814,59 @@ impl DcpSource<'_> {
             .flatten()
             .copied()
             .collect();
-        let read = |e: &dcp::Entry| -> Result<PyObj> {
-            let part = match (&e.kind, &e.path, ranges) {
-                (EntryKind::Tensor(t), Some(path), Some(ranges)) if !t.size.is_empty() => {
-                    match path.get(2) {
-                        Some(PathItem::Key(fqn)) => {
-                            fqns.iter().position(|f| f == fqn).map(|i| ranges[i])
-                        }
-                        _ => None,
-                    }
-                }
-                _ => None,
+        // (fqn, state name) → (key, range) of each positive-dim tensor state.
+        let mut made: HashMap<(&str, &str), (&str, Option<(usize, usize)>)> = HashMap::new();
+        for &i in &entries {
+            let e = &self.ckpt.metadata().entries[i];
+            let (EntryKind::Tensor(t), Some([_, _, PathItem::Key(fqn), PathItem::Key(n)])) =
+                (&e.kind, e.path.as_deref())
+            else {
+                continue;
             };
-            match (&e.kind, part) {
-                (EntryKind::Tensor(_), Some((start, len))) => Ok(PyObj::Tensor(
-                    self.ckpt.read_flat_range(&e.key, start, len)?,
-                )),
-                (EntryKind::Tensor(_), None) => Ok(PyObj::Tensor(self.ckpt.read_tensor(&e.key)?)),
+            if t.size.is_empty() || t.dtype().is_none() {
+                continue;
+            }
+            let range = ranges.and_then(|r| fqns.iter().position(|f| f == fqn).map(|i| r[i]));
+            made.insert((fqn.as_str(), n.as_str()), (e.key.as_str(), range));
+        }
+        let read = |e: &dcp::Entry| -> Result<PyObj> {
+            match (&e.kind, e.path.as_deref()) {
+                (EntryKind::Tensor(t), Some([_, _, PathItem::Key(fqn), PathItem::Key(n)]))
+                    if made.contains_key(&(fqn.as_str(), n.as_str())) =>
+                {
+                    let dtype = t.dtype().unwrap_or(DType::U8);
+                    Ok(PyObj::Tensor(HostTensor::zeros(dtype, &[0])))
+                }
+                (EntryKind::Tensor(_), _) => Ok(PyObj::Tensor(self.ckpt.read_tensor(&e.key)?)),
                 (EntryKind::Bytes, _) => self.ckpt.read_object(&e.key),
             }
         };
-        read_optim_with(self.ckpt, self.dir, &entries, read)?
-            .try_map(|t: &HostTensor| T::from_host(t.clone()))
+        let host = read_optim_with(self.ckpt, self.dir, &entries, read)?;
+        let mut state = indexmap::IndexMap::with_capacity(host.state.len());
+        for (k, st) in host.state {
+            let fqn = k.as_name().unwrap_or_default().to_string();
+            let mut out: ParamState<T> = indexmap::IndexMap::with_capacity(st.len());
+            for (n, v) in st {
+                let v = match made.get(&(fqn.as_str(), n.as_str())) {
+                    Some(&(key, range)) => Value::Tensor((self.tensor)(key, range)?),
+                    None => v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
+                };
+                out.insert(n, v);
+            }
+            state.insert(k, out);
+        }
+        let param_groups = host
+            .param_groups
+            .map(|gs| {
+                gs.iter()
+                    .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .transpose()?;
+        Ok(OptimStateDict {
+            state,
+            param_groups,
+        })
     }
 }
 
@@ -785,7 +882,7 @@ fn member_ranges(fl: &crate::flat_param::FlatParamLayout, rank: usize) -> Vec<(u
     ranges
 }
 
-impl<T: Tensor> ShardSource<T> for DcpSource<'_> {
+impl<T: Tensor> ShardSource<T> for DcpSource<'_, T> {
     /// Reads only the rank's element ranges of each member's tensor states.
     fn flat_param(&mut self, layout: &ModelLayout, f: usize) -> Result<Option<ParamState<T>>> {
         let fl = &layout.flat_params[f];
@@ -815,7 +912,7 @@ impl<T: Tensor> ShardSource<T> for DcpSource<'_> {
             return Ok(None);
         }
         let range = (info.intra_param_start_idx, info.numel_in_shard);
-        let mut part = self.dict_of::<T>(&[fqn], Some(&[range]))?;
+        let mut part = self.dict_of(&[fqn], Some(&[range]))?;
         Ok(part
             .state
             .shift_remove(&crate::optim_state::ParamKey::Name(fqn.to_string()))

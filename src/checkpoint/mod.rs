@@ -25,9 +25,11 @@
 mod background;
 mod dcp;
 pub(crate) mod from_dcp;
+mod lazy;
 mod load;
 mod manifest;
 mod prefetch;
+mod rank_file;
 mod reshard;
 mod save;
 pub(crate) mod stream;

@@ -7,6 +7,7 @@ use super::manifest::{
     commit_text, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKSUM_BLOCK, MANIFEST,
 };
+use super::rank_file::RankFile;
 use super::save::{CrashPoint, SaveOptions};
 use super::{install, sync_dir, COMMIT};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
@@ -16,9 +17,7 @@ use crate::io::container::{self, Entry};
 use crate::model::WrapPolicy;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// How many new rank files one pass over the input writes at once (each an open file with a
 /// 1 MiB buffer).
@@ -318,27 +317,13 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
         meta.insert("format".to_string(), super::FORMAT.to_string());
         meta.insert("rank".to_string(), rank.to_string());
         let (header, offsets) = container::header(&entries, &meta)?;
-        let name = format!("rank{rank}.safetensors");
-        let path = tmp.join(&name);
-        let file = File::create(&path).map_err(Error::io("creating", &path))?;
-        let mut out = RankFile {
-            w: BufWriter::with_capacity(1 << 20, file),
-            path,
-            writeback: super::Writeback::new(0),
-            total: entries.iter().map(|e| e.nbytes).sum(),
-            copied: 0,
-            crash_mid_file: rank == 0,
-        };
-        out.w
-            .write_all(&header)
-            .map_err(Error::io("writing", &out.path))?;
+        let total = entries.iter().map(|e| e.nbytes).sum();
+        let out = RankFile::create(tmp, rank, header, total)?.crashing_mid_file(rank == 0);
         Ok(OpenRankFile {
             rank,
-            name,
             pieces: Vec::with_capacity(wanted.len()),
             wanted,
             offsets,
-            header,
             out,
         })
     }
@@ -384,7 +369,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
             self.copied += self.block.len() as u64;
             (self.progress)(self.copied);
             if out.write(&self.block)? {
-                out.w.flush().map_err(Error::io("writing", &out.path))?;
+                out.flush()?;
                 self.crash_at(CrashPoint::MidFile)?;
             }
         }
@@ -405,66 +390,23 @@ struct RankWritten {
     pieces: Vec<(usize, usize, Piece)>,
 }
 
-/// A rank file being written.
-struct RankFile {
-    w: BufWriter<File>,
-    path: PathBuf,
-    writeback: super::Writeback,
-    /// Data bytes the file will hold.
-    total: u64,
-    /// Data bytes written so far.
-    copied: u64,
-    /// Whether this is the file [`CrashPoint::MidFile`] stops in (rank 0's).
-    crash_mid_file: bool,
-}
-
-impl RankFile {
-    /// Appends `bytes`; returns whether the file is now half written (the crash point).
-    fn write(&mut self, bytes: &[u8]) -> Result<bool> {
-        self.w
-            .write_all(bytes)
-            .map_err(Error::io("writing", &self.path))?;
-        self.writeback
-            .wrote(self.w.get_ref(), bytes.len() as u64)
-            .map_err(Error::io("writing", &self.path))?;
-        self.copied += bytes.len() as u64;
-        Ok(self.crash_mid_file && self.copied * 2 >= self.total)
-    }
-}
-
 /// A rank file open during a pass: what it holds, in file order, and the pieces written.
 struct OpenRankFile {
     rank: usize,
-    name: String,
     /// The pieces it holds, in file order, and the byte offset of each.
     wanted: Vec<Wanted>,
     offsets: Vec<u64>,
     /// The pieces written so far (the next one to write is `wanted[pieces.len()]`).
     pieces: Vec<(usize, usize, Piece)>,
-    header: Vec<u8>,
     out: RankFile,
 }
 
 impl OpenRankFile {
     /// Flushes and syncs the file; its record and pieces.
     fn finish(self) -> Result<RankWritten> {
-        let path = self.out.path;
-        let file = self
-            .out
-            .w
-            .into_inner()
-            .map_err(|e| Error::io("writing", &path)(e.into_error()))?;
-        file.sync_all().map_err(Error::io("syncing", &path))?;
-        let len = file.metadata().map_err(Error::io("reading", &path))?.len();
-        let file = FileRecord {
-            name: self.name,
-            len,
-            header_len: self.header.len() as u64,
-            header_crc32c: crc32c::crc32c(&self.header),
-        };
         Ok(RankWritten {
             rank: self.rank,
-            file,
+            file: self.out.finish()?,
             pieces: self.pieces,
         })
     }

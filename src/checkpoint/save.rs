@@ -66,8 +66,36 @@ pub(super) struct RankReport {
     model: Vec<(OptimStateKey, Vec<(String, LocalValue)>)>,
 }
 
-/// A local parameter with the host copies (views for HostTensor) of the values to save.
-pub(super) type Saved<'l> = Vec<(&'l LocalParam, Vec<(String, Value<HostTensor>)>)>;
+/// A local parameter with the values to save: host copies (views for HostTensor), or
+/// [`super::lazy::LazyTensor`]s when a DCP directory is converted.
+pub(super) type Saved<'l, T = HostTensor> = Vec<(&'l LocalParam, Vec<(String, Value<T>)>)>;
+
+/// A saved tensor whose element ranges become a rank file's pieces.
+pub(super) trait Pieces: Tensor {
+    /// One piece's data: borrowed bytes of a host tensor, a narrowed view otherwise.
+    type Piece<'a>
+    where
+        Self: 'a;
+
+    /// Elements `start..start + len` of the flattening.
+    fn piece(&self, start: usize, len: usize) -> Result<Self::Piece<'_>>;
+}
+
+impl Pieces for HostTensor {
+    type Piece<'a> = &'a [u8];
+
+    fn piece(&self, start: usize, len: usize) -> Result<&[u8]> {
+        let size = self.dtype().size();
+        self.as_bytes()
+            .get(start * size..(start + len) * size)
+            .ok_or_else(|| Error::OutOfBounds {
+                context: format!("a piece of a {:?} tensor", self.shape()),
+                start,
+                end: start + len,
+                numel: self.numel(),
+            })
+    }
+}
 
 /// Per parameter: its state key and state values (flat, sharded, as the optimizer holds them).
 pub(super) type KeyedStates = Vec<(OptimStateKey, Vec<(String, LocalValue)>)>;
@@ -179,12 +207,22 @@ pub(crate) fn save<T: Tensor>(
     pg.broadcast_agreed(outcome.as_ref(), 0)
 }
 
-/// One rank's pieces: which bytes of which local tensor go where.
-pub(super) struct Plan<'a> {
+/// One rank's pieces: which bytes of which local tensor go where (`P`: each piece's data).
+pub(super) struct Plan<P> {
     pub(super) entries: Vec<Entry>,
-    pub(super) data: Vec<&'a [u8]>,
+    pub(super) data: Vec<P>,
     /// Per entry: (state key, state name, element start, element len).
     pub(super) at: Vec<(usize, usize, usize, usize)>,
+}
+
+impl<P> Default for Plan<P> {
+    fn default() -> Self {
+        Plan {
+            entries: Vec::new(),
+            data: Vec::new(),
+            at: Vec::new(),
+        }
+    }
 }
 
 /// Writes this rank's data file into `tmp` and returns its report for the manifest (and, on
@@ -213,11 +251,7 @@ pub(super) fn write_rank<T: Tensor>(
         .unwrap_or_default();
     // Per saved key: its member keys (flat) or itself, with the element ranges this rank holds.
     let mut report_params: KeyedStates = Vec::new();
-    let mut plan = Plan {
-        entries: Vec::new(),
-        data: Vec::new(),
-        at: Vec::new(),
-    };
+    let mut plan = Plan::default();
     plan_pieces(layout, layout_rank, &saved, &mut report_params, &mut plan)?;
     let n_optim = report_params.len();
     plan_pieces(
@@ -238,15 +272,22 @@ pub(super) fn write_rank<T: Tensor>(
     let parts = (layout_rank == 0)
         .then(|| dict_parts(layout, &local, osd))
         .transpose()?;
+    Ok((rank_report(file, report_params, n_optim), parts))
+}
+
+/// The report of a written rank file: its record, and the states of its parameters (the
+/// first `n_optim` optimizer state, the rest model parameters) that have any.
+pub(super) fn rank_report(
+    file: FileRecord,
+    mut report_params: KeyedStates,
+    n_optim: usize,
+) -> RankReport {
     let nonempty = |v: KeyedStates| v.into_iter().filter(|(_, v)| !v.is_empty()).collect();
-    Ok((
-        RankReport {
-            file,
-            model: nonempty(report_params.split_off(n_optim)),
-            params: nonempty(report_params),
-        },
-        parts,
-    ))
+    RankReport {
+        file,
+        model: nonempty(report_params.split_off(n_optim)),
+        params: nonempty(report_params),
+    }
 }
 
 /// Host copies (views for HostTensor) of the state of every local parameter this rank saves:
@@ -256,7 +297,17 @@ pub(super) fn host_states<'l, T: Tensor>(
     osd: &OptimStateDict<T>,
     local: &'l [LocalParam],
 ) -> Result<Saved<'l>> {
-    let mut saved: Saved = Vec::new();
+    states_to_save(layout_rank, osd, local, &mut |t: &T| t.to_host())
+}
+
+/// [`host_states`] with each value made by `to_save`.
+pub(super) fn states_to_save<'l, T: Tensor, U: Tensor>(
+    layout_rank: usize,
+    osd: &OptimStateDict<T>,
+    local: &'l [LocalParam],
+    to_save: &mut impl FnMut(&T) -> Result<U>,
+) -> Result<Saved<'l, U>> {
+    let mut saved: Saved<U> = Vec::new();
     for l in local {
         let Some(st) = osd.state.get(&l.key) else {
             continue;
@@ -275,7 +326,7 @@ pub(super) fn host_states<'l, T: Tensor>(
                     found: "a sharded tensor".into(),
                 });
             }
-            vals.push((n.clone(), v.try_map(&mut |t: &T| t.to_host())?));
+            vals.push((n.clone(), v.try_map(to_save)?));
         }
         saved.push((l, vals));
     }
@@ -317,21 +368,13 @@ pub(super) fn host_model_params<'l, T: Tensor>(
 /// `report_params`. Returns the file's record.
 fn write_data_file(
     layout_rank: usize,
-    plan: &mut Plan<'_>,
+    plan: &mut Plan<&[u8]>,
     report_params: &mut KeyedStates,
     n_optim: usize,
     tmp: &Path,
     opts: &SaveOptions,
 ) -> Result<FileRecord> {
-    for (e, &(k, si, start, _)) in plan.entries.iter_mut().zip(&plan.at) {
-        let (state, _) = &report_params[k].1[si];
-        let section = if k >= n_optim { MODEL_ENTRY_PREFIX } else { "" };
-        e.name = format!("{section}{}/{state}/{start}", report_params[k].0.names[0]);
-    }
-    let mut meta = BTreeMap::new();
-    meta.insert("format".to_string(), FORMAT.to_string());
-    meta.insert("rank".to_string(), layout_rank.to_string());
-    let (header, offsets) = container::header(&plan.entries, &meta)?;
+    let (header, offsets) = rank_file_header(layout_rank, plan, report_params, n_optim)?;
     let name = format!("rank{layout_rank}.safetensors");
     let path = tmp.join(&name);
     let mut file = File::create(&path).map_err(Error::io("creating", &path))?;
@@ -353,17 +396,8 @@ fn write_data_file(
                 .map_err(Error::io("writing", &path))?;
         }
         written += bytes.len() as u64;
-        let (k, state, start, len) = plan.at[i];
-        let piece = Piece {
-            file: layout_rank,
-            start,
-            len,
-            offset: offsets[i],
-            crc32c: block_checksums(bytes),
-        };
-        if let (_, LocalValue::Tensor { pieces, .. }) = &mut report_params[k].1[state] {
-            pieces.push(piece);
-        }
+        let crcs = block_checksums(bytes);
+        record_piece(report_params, layout_rank, plan.at[i], offsets[i], crcs);
     }
     if layout_rank == 0 {
         crash_point(opts, CrashPoint::MidFile)?;
@@ -377,18 +411,59 @@ fn write_data_file(
     })
 }
 
+/// Names the planned entries (`{param}/{state}/{start}`, model parameters under
+/// [`MODEL_ENTRY_PREFIX`]) and builds rank `layout_rank`'s file header; each entry's data
+/// offset.
+pub(super) fn rank_file_header<P>(
+    layout_rank: usize,
+    plan: &mut Plan<P>,
+    report_params: &KeyedStates,
+    n_optim: usize,
+) -> Result<(Vec<u8>, Vec<u64>)> {
+    for (e, &(k, si, start, _)) in plan.entries.iter_mut().zip(&plan.at) {
+        let (state, _) = &report_params[k].1[si];
+        let section = if k >= n_optim { MODEL_ENTRY_PREFIX } else { "" };
+        e.name = format!("{section}{}/{state}/{start}", report_params[k].0.names[0]);
+    }
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), FORMAT.to_string());
+    meta.insert("rank".to_string(), layout_rank.to_string());
+    container::header(&plan.entries, &meta)
+}
+
+/// Records the written piece `at` (state key, state name, start, len) of rank file `file`,
+/// at byte `offset`, with its block checksums.
+pub(super) fn record_piece(
+    report_params: &mut KeyedStates,
+    file: usize,
+    (k, state, start, len): (usize, usize, usize, usize),
+    offset: u64,
+    crc32c: Vec<u32>,
+) {
+    let piece = Piece {
+        file,
+        start,
+        len,
+        offset,
+        crc32c,
+    };
+    if let Some((_, LocalValue::Tensor { pieces, .. })) = report_params[k].1.get_mut(state) {
+        pieces.push(piece);
+    }
+}
+
 /// Prefix of the data-file entry names of model parameter pieces (`@param/{name}/param/{start}`);
 /// `@` appears in no parameter name, so they never collide with optimizer state entries.
 pub(super) const MODEL_ENTRY_PREFIX: &str = "@param/";
 
 /// Queues the pieces of `saved` (local parameters with their host values) that this rank
 /// holds, adding each parameter's (member) keys and state slots to `report`.
-pub(super) fn plan_pieces<'a>(
+pub(super) fn plan_pieces<'a, T: Pieces>(
     layout: &ModelLayout,
     layout_rank: usize,
-    saved: &'a Saved,
+    saved: &'a Saved<T>,
     report_params: &mut KeyedStates,
-    plan: &mut Plan<'a>,
+    plan: &mut Plan<T::Piece<'a>>,
 ) -> Result<()> {
     for (l, vals) in saved {
         match l.resolved {
@@ -421,12 +496,12 @@ pub(super) fn plan_pieces<'a>(
 
 /// The state of one flat parameter's local shard: every member gets a key and every state's
 /// name; a tensor state is cut at the shard's member boundaries (padding skipped) into pieces.
-fn plan_flat_pieces<'a>(
+fn plan_flat_pieces<'a, T: Pieces>(
     fl: &FlatParamLayout,
     layout_rank: usize,
-    vals: &'a [(String, Value<HostTensor>)],
+    vals: &'a [(String, Value<T>)],
     report_params: &mut KeyedStates,
-    plan: &mut Plan<'a>,
+    plan: &mut Plan<T::Piece<'a>>,
 ) -> Result<()> {
     let c = fl.shard_numel();
     let first = report_params.len();
@@ -443,6 +518,7 @@ fn plan_flat_pieces<'a>(
             Value::Tensor(t) if t.dim() > 0 => t,
             // Scalars are shared by every member of the flat parameter.
             _ => {
+                let v = v.try_map(&mut |t: &T| t.to_host())?;
                 for (_, list) in &mut report_params[first..] {
                     list.push((n.clone(), LocalValue::Value(v.clone())));
                 }
@@ -463,13 +539,12 @@ fn plan_flat_pieces<'a>(
         for (mi, m) in fl.members.iter().enumerate() {
             tensor_slot(&mut report_params[first + mi].1, n, t.dtype(), &m.shape);
         }
-        let size = t.dtype().size();
         let mut pos = 0;
         for piece in &pieces {
             match *piece {
                 ShardPiece::Padding(len) => pos += len,
                 ShardPiece::Member { member, start, len } => {
-                    let bytes = &t.as_bytes()[pos * size..(pos + len) * size];
+                    let data = t.piece(pos, len)?;
                     pos += len;
                     let k = first + member;
                     let si = tensor_slot(
@@ -478,7 +553,7 @@ fn plan_flat_pieces<'a>(
                         t.dtype(),
                         &fl.members[member].shape,
                     );
-                    push_entry(plan, (k, si, start, len), t.dtype(), bytes);
+                    push_entry(plan, (k, si, start, len), t.dtype(), data);
                 }
             }
         }
@@ -497,12 +572,12 @@ struct OrigShard<'k> {
 
 /// The state of one original parameter (`use_orig_params`, or unmanaged): one piece per
 /// tensor state, holding this rank's elements.
-fn plan_orig_pieces<'a>(
+fn plan_orig_pieces<'a, T: Pieces>(
     local: &OrigShard<'_>,
     layout_rank: usize,
-    vals: &'a [(String, Value<HostTensor>)],
+    vals: &'a [(String, Value<T>)],
     report_params: &mut KeyedStates,
-    plan: &mut Plan<'a>,
+    plan: &mut Plan<T::Piece<'a>>,
 ) -> Result<()> {
     let OrigShard {
         key,
@@ -527,12 +602,13 @@ fn plan_orig_pieces<'a>(
                 }
                 let si = tensor_slot(&mut report_params[k].1, n, t.dtype(), shape);
                 if want > 0 {
-                    push_entry(plan, (k, si, start, want), t.dtype(), t.as_bytes());
+                    push_entry(plan, (k, si, start, want), t.dtype(), t.piece(0, want)?);
                 }
             }
-            other => report_params[k]
-                .1
-                .push((n.clone(), LocalValue::Value(other.clone()))),
+            other => report_params[k].1.push((
+                n.clone(),
+                LocalValue::Value(other.try_map(&mut |t: &T| t.to_host())?),
+            )),
         }
     }
     Ok(())
@@ -561,19 +637,14 @@ fn tensor_slot(
 }
 
 /// Queues `bytes` (elements `at.2..at.2 + at.3` of state `at.1` of parameter `at.0`).
-fn push_entry<'a>(
-    plan: &mut Plan<'a>,
-    at: (usize, usize, usize, usize),
-    dtype: DType,
-    bytes: &'a [u8],
-) {
+fn push_entry<P>(plan: &mut Plan<P>, at: (usize, usize, usize, usize), dtype: DType, data: P) {
     plan.entries.push(Entry {
         name: String::new(),
         dtype,
         shape: vec![at.3],
-        nbytes: bytes.len() as u64,
+        nbytes: (at.3 * dtype.size()) as u64,
     });
-    plan.data.push(bytes);
+    plan.data.push(data);
     plan.at.push(at);
 }
 

@@ -51,7 +51,7 @@ pub use read::{
     read_metadata, summary, verify, DataFileSummary, DcpCheckpoint, DcpSummary, EntrySummary,
     VerifyReport,
 };
-pub(crate) use read::{Placeholders, SafetensorsPlan, Streamed};
+pub(crate) use read::{Placeholders, RangeReader, SafetensorsPlan, Streamed};
 
 pub use hf_storage::{hf_form, HfForm, SHARDING_INFO_KEY};
 pub use read::{ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES};

@@ -426,13 +426,28 @@ impl DcpCheckpoint {
     /// whole and checked as [`Self::read_tensor`] checks it; for another grid the whole tensor
     /// is assembled first. What a rank reads of a parameter's state for its shard.
     pub fn read_flat_range(&self, key: &str, start: usize, len: usize) -> Result<HostTensor> {
+        let dtype = self.flat_range_dtype(key, start, len)?;
+        let mut reader = RangeReader::new(self);
+        HostTensor::filled_by(dtype, &[len], |out| {
+            let mut at = 0;
+            reader.read(key, start, len, &mut |bytes| {
+                out[at..at + bytes.len()].copy_from_slice(bytes);
+                at += bytes.len();
+                Ok(())
+            })
+        })
+    }
+
+    /// Checks the tensor under `key` ([`Self::plan_tensor`]) and that elements
+    /// `start..start + len` lie inside it; its dtype.
+    pub(crate) fn flat_range_dtype(&self, key: &str, start: usize, len: usize) -> Result<DType> {
         let bytes = self.plan_tensor(key)?;
-        let (t, dtype) = self.tensor_meta(key)?;
+        let (_, dtype) = self.tensor_meta(key)?;
         let es = dtype.size();
-        let end = start
+        let inside = start
             .checked_add(len)
-            .filter(|&e| e.checked_mul(es).is_some_and(|b| b <= bytes));
-        let Some(end) = end else {
+            .is_some_and(|e| e.checked_mul(es).is_some_and(|b| b <= bytes));
+        if !inside {
             return Err(self.chunk_err(
                 key,
                 format!(
@@ -440,32 +455,8 @@ impl DcpCheckpoint {
                     bytes / es
                 ),
             ));
-        };
-        let slabs = (!t.size.is_empty())
-            .then(|| row_slabs(&t.size, data_chunks(t)))
-            .flatten();
-        let Some(slabs) = slabs else {
-            let full = self.read_tensor(key)?;
-            return HostTensor::filled_by(dtype, &[len], |out| {
-                out.copy_from_slice(&full.as_bytes()[start * es..end * es]);
-                Ok(())
-            });
-        };
-        // The slabs tile the rows, so together they fill every byte of the range.
-        let row: usize = t.size[1..].iter().product();
-        HostTensor::filled_by(dtype, &[len], |out| {
-            for c in slabs {
-                let (lo, hi) = (c.offsets[0] * row, (c.offsets[0] + c.sizes[0]) * row);
-                let (a, b) = (lo.max(start), hi.min(end));
-                if a >= b {
-                    continue;
-                }
-                let part = self.read_chunk(key, c, dtype)?;
-                out[(a - start) * es..(b - start) * es]
-                    .copy_from_slice(&part.as_bytes()[(a - lo) * es..(b - lo) * es]);
-            }
-            Ok(())
-        })
+        }
+        Ok(dtype)
     }
 
     /// The non-tensor value stored under `key` (a `torch.save`d object).
@@ -695,6 +686,109 @@ fn row_slabs<'c>(
     }
     slabs.sort_by_key(|c| c.offsets.first().copied().unwrap_or(0));
     Some(slabs)
+}
+
+/// Reads element ranges of a DCP directory's tensors front to back, holding the last unit it
+/// read: a chunk when the tensor's chunks are slabs of whole rows, else the whole tensor
+/// assembled. Ranges that follow one another through a tensor (one output rank's piece,
+/// then the next rank's) so read each chunk once, and memory holds one unit (at most the
+/// largest tensor) besides the one being read.
+pub(crate) struct RangeReader<'c> {
+    ckpt: &'c DcpCheckpoint,
+    held: Option<Held>,
+    units_read: u64,
+}
+
+/// The unit a [`RangeReader`] holds: its tensor's key, which unit, and its elements.
+struct Held {
+    key: String,
+    /// The chunk's offsets, or `None` for the whole tensor.
+    chunk: Option<Vec<usize>>,
+    data: HostTensor,
+}
+
+impl<'c> RangeReader<'c> {
+    pub(crate) fn new(ckpt: &'c DcpCheckpoint) -> Self {
+        RangeReader {
+            ckpt,
+            held: None,
+            units_read: 0,
+        }
+    }
+
+    /// How many units (chunks or whole tensors) were read from disk so far.
+    pub(crate) fn units_read(&self) -> u64 {
+        self.units_read
+    }
+
+    /// Hands elements `start..start + len` of the flattening of the tensor under `key` to
+    /// `sink` in order, one slice per unit they lie in; every unit read is checked as
+    /// [`DcpCheckpoint::read_tensor`] checks it.
+    pub(crate) fn read(
+        &mut self,
+        key: &str,
+        start: usize,
+        len: usize,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let dtype = self.ckpt.flat_range_dtype(key, start, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let (t, _) = self.ckpt.tensor_meta(key)?;
+        let es = dtype.size();
+        let end = start + len;
+        let slabs = (!t.size.is_empty())
+            .then(|| row_slabs(&t.size, data_chunks(t)))
+            .flatten();
+        let ckpt = self.ckpt;
+        let Some(slabs) = slabs else {
+            let whole = self.unit(key, None, || ckpt.read_tensor(key))?;
+            return sink(&whole.as_bytes()[start * es..end * es]);
+        };
+        // The slabs tile the rows, so together they hand over every byte of the range.
+        let row: usize = t.size[1..].iter().product();
+        for c in slabs {
+            let (lo, hi) = (c.offsets[0] * row, (c.offsets[0] + c.sizes[0]) * row);
+            let (a, b) = (lo.max(start), hi.min(end));
+            if a >= b {
+                continue;
+            }
+            let part = self.unit(key, Some(&c.offsets), || ckpt.read_chunk(key, c, dtype))?;
+            sink(&part.as_bytes()[(a - lo) * es..(b - lo) * es])?;
+        }
+        Ok(())
+    }
+
+    /// The unit `chunk` (`None`: the whole tensor) of `key`: the held one, or read by `read`
+    /// after the held one is dropped.
+    fn unit(
+        &mut self,
+        key: &str,
+        chunk: Option<&[usize]>,
+        read: impl FnOnce() -> Result<HostTensor>,
+    ) -> Result<&HostTensor> {
+        let hit = self
+            .held
+            .as_ref()
+            .is_some_and(|h| h.key == key && h.chunk.as_deref() == chunk);
+        if !hit {
+            self.held = None;
+            let data = read()?;
+            self.units_read += 1;
+            self.held = Some(Held {
+                key: key.to_string(),
+                chunk: chunk.map(<[usize]>::to_vec),
+                data,
+            });
+        }
+        match &self.held {
+            Some(h) => Ok(&h.data),
+            None => Err(Error::Internal(
+                "a DCP range reader lost the unit it read".into(),
+            )),
+        }
+    }
 }
 
 /// The nested dict of a DCP checkpoint with a one-element placeholder per tensor (each
