@@ -57,18 +57,18 @@
 
 mod common;
 use common::{
-    disk_bytes, evict, full_adam_state, loadavg, raw_read, raw_write, shard_and_release,
-    status_bytes, venv_python,
+    adam_param_groups, adam_state_of, deep_copy, disk_bytes, evict, free_bytes, loadavg, raw_read,
+    raw_write, status_bytes, venv_python,
 };
 use fsdp::collectives::Solo;
 use fsdp::convert;
 
 use fsdp::checkpoint::{self, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
-use fsdp::{DType, Fsdp, ModelDesc, WrapPolicy};
+use fsdp::{DType, Fsdp, ModelDesc, OptimStateDict, WrapPolicy};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// World size of the saved state (PyTorch's FSDP1 run uses the same).
@@ -76,7 +76,12 @@ const WS: usize = 2;
 const RESHARD_WS: usize = 3;
 const OUT: usize = 1024;
 const IN: usize = 4096;
-const DEFAULT_UNITS: &str = "6,24,96,239";
+const DEFAULT_UNITS: &str = "6,24,96,239,478";
+/// Units whose full state one step of the input build holds at once.
+const MAKE_BATCH: usize = 16;
+/// The bound issue 27 sets on DCP -> checkpoint's peak RSS: twice the largest tensor plus
+/// 64 MiB.
+const DCP_TO_FSDP_BOUND: u64 = 2 * (OUT * IN * 4) as u64 + (64 << 20);
 /// Sizes (parameters) up to which PyTorch also checks the two DCP consolidations equal.
 const CHECK_EQUAL_UP_TO: usize = 150_000_000;
 
@@ -111,8 +116,8 @@ fn child(args: &[String]) {
     match op {
         "make" => make(
             args[1].parse().expect("a unit count"),
-            b,
-            Path::new(&args[3]),
+            Some(b).filter(|p| !p.as_os_str().is_empty()),
+            Some(Path::new(&args[3])).filter(|p| !p.as_os_str().is_empty()),
         ),
         "dcp-to-fsdp" => {
             let units: usize = args[3].parse().expect("a unit count");
@@ -152,20 +157,42 @@ fn run_op(op: &str, src: &Path, dst: &Path) {
     }
 }
 
-/// Builds the full Adam state of `units` units, shards it over [`WS`] thread ranks and saves
-/// it as the crate's checkpoint `ckpt` and the DCP directory `dcp`.
-fn make(units: usize, ckpt: &Path, dcp: &Path) {
+/// Builds the Adam state of `units` units on [`WS`] thread ranks and saves it as the crate's
+/// checkpoint `ckpt` and/or the DCP directory `dcp`. Each rank shards the full dict
+/// [`MAKE_BATCH`] units at a time and keeps its own copy of its shard, so memory holds the
+/// ranks' shards (the state's size) and one batch, not the full dict besides.
+fn make(units: usize, ckpt: Option<&Path>, dcp: Option<&Path>) {
     fsdp::tensor::set_buffer_cache_limit(0);
     let (model, policy) = (model(units), policy(units));
-    let full = Mutex::new(Some(Arc::new(full_adam_state(&model))));
     ThreadGroup::run(WS, |pg| {
         let pg: Arc<dyn ProcessGroup> = Arc::new(pg);
         let fsdp = Fsdp::new(&model, &policy, pg.clone()).expect("Fsdp::new");
         let params = fsdp.optim_params();
-        let local = shard_and_release(&fsdp, pg.as_ref(), &full, &params);
-        fsdp.save_optim_checkpoint(&local, &params, ckpt, &SaveOptions::default())
-            .expect("save_optim_checkpoint");
-        fsdp.save_dcp(&local, &params, None, dcp).expect("save_dcp");
+        let shard = |part: &OptimStateDict| {
+            deep_copy(
+                &fsdp
+                    .shard_full_optim_state_dict(part, &params)
+                    .expect("shard_full_optim_state_dict"),
+            )
+        };
+        let groups = OptimStateDict {
+            state: Default::default(),
+            param_groups: adam_param_groups(&model),
+        };
+        let mut local = shard(&groups);
+        for first in (0..units).step_by(MAKE_BATCH) {
+            // Unit `u` is parameters 2u (weight) and 2u + 1 (bias).
+            let last = (first + MAKE_BATCH).min(units);
+            let part = adam_state_of(&model, 2 * first..2 * last);
+            local.state.extend(shard(&part).state);
+        }
+        if let Some(ckpt) = ckpt {
+            fsdp.save_optim_checkpoint(&local, &params, ckpt, &SaveOptions::default())
+                .expect("save_optim_checkpoint");
+        }
+        if let Some(dcp) = dcp {
+            fsdp.save_dcp(&local, &params, None, dcp).expect("save_dcp");
+        }
     });
 }
 
@@ -253,128 +280,215 @@ struct Row {
     bytes: u64,
     raw_write: f64,
     raw_read: f64,
+    /// Seconds spent building and saving the inputs (once or twice, see [`Disk`]).
     make_secs: f64,
+    disk: Disk,
     /// The most bytes under the bench directory at once, sampled before each removal.
     disk_peak: u64,
     ops: Vec<(String, Outcome)>,
 }
 
-const CRATE_OPS: [(&str, &str); 6] = [
+/// How a size's inputs share the disk: both saved at once (checkpoint, DCP directory, an
+/// output of each and the crate's DCP consolidation kept for PyTorch's equality check: about
+/// 4× the state), or one after the other, each with one output at a time (about 2×).
+#[derive(Clone, Copy, PartialEq)]
+enum Disk {
+    Together,
+    Apart,
+}
+
+/// The disk plan of a size of `bytes` of state with `free` bytes free, or `None` when input
+/// and output do not fit together.
+fn disk_plan(bytes: u64, free: u64) -> Option<Disk> {
+    // Files carry headers and archives; 5 % covers them, 2 GB keeps the disk usable.
+    let need = |n: f64| (bytes as f64 * n * 1.05) as u64 + (2 << 30);
+    if free >= need(4.0) {
+        Some(Disk::Together)
+    } else if free >= need(2.0) {
+        Some(Disk::Apart)
+    } else {
+        None
+    }
+}
+
+/// The operations on the checkpoint, then those on the DCP directory: (child op, label).
+const CKPT_OPS: [(&str, &str); 4] = [
     ("consolidate-pt", "consolidate .pt"),
     ("consolidate-st", "consolidate .safetensors"),
     ("reshard", "reshard 2 -> 3"),
     ("convert-dcp", "convert to DCP"),
+];
+const DCP_OPS: [(&str, &str); 2] = [
     ("dcp-consolidate", "DCP consolidate (.pt)"),
     ("dcp-to-fsdp", "DCP to checkpoint for 3 ranks"),
 ];
 
-fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usize>; 2]) -> Row {
+/// One size's run in progress.
+struct SizeRun<'a> {
+    root: &'a Path,
+    units: usize,
+    row: Row,
+}
+
+impl SizeRun<'_> {
+    /// Saves the inputs named (an empty path for the other) and records the time.
+    fn make(&mut self, ckpt: &Path, dcp: &Path) {
+        let Outcome::Ran { secs, peak, .. } =
+            crate_child(&["make", &self.units.to_string(), &s(ckpt), &s(dcp)])
+        else {
+            unreachable!("crate_child panics on failure");
+        };
+        println!(
+            "  inputs saved in {secs:.1} s (peak RSS {:.2} GB): checkpoint {:.2} GB, DCP {:.2} GB",
+            peak as f64 / 1e9,
+            disk_bytes(ckpt) as f64 / 1e9,
+            disk_bytes(dcp) as f64 / 1e9
+        );
+        self.row.make_secs += secs;
+    }
+
+    /// Runs the crate's operations `ops` on `src`, each output removed after it.
+    fn crate_ops(&mut self, ops: &[(&str, &str)], src: &Path, keep_dcp_pt: bool) {
+        let root = self.root;
+        for &(op, label) in ops {
+            let dst = match op {
+                "dcp-consolidate" => root.join("dcp.pt"),
+                "dcp-to-fsdp" => root.join("from-dcp"),
+                "reshard" => root.join("ckpt3"),
+                "convert-dcp" => root.join("converted"),
+                "consolidate-st" => root.join("full.safetensors"),
+                _ => root.join("full.pt"),
+            };
+            let o = crate_child(&[op, &s(src), &s(&dst), &self.units.to_string()]);
+            report(label, self.row.bytes, &o);
+            if op == "reshard" || op == "dcp-to-fsdp" {
+                checkpoint::verify(&dst).expect("the written checkpoint verifies");
+            }
+            if op == "dcp-to-fsdp" {
+                if let Outcome::Ran { peak, .. } = o {
+                    println!(
+                        "    peak RSS {:.1} MB against the bound of 2 x the largest tensor + 64 MiB = {:.1} MB: {}",
+                        peak as f64 / 1e6,
+                        DCP_TO_FSDP_BOUND as f64 / 1e6,
+                        if peak <= DCP_TO_FSDP_BOUND { "within" } else { "OVER" }
+                    );
+                }
+            }
+            self.row.disk_peak = self.row.disk_peak.max(disk_bytes(root));
+            if !(op == "dcp-consolidate" && keep_dcp_pt) {
+                remove(&dst);
+            }
+            self.row.ops.push((label.to_string(), o));
+        }
+    }
+
+    /// The same operations by `fsdp-ckpt` under `mpirun`, when there is such a tool.
+    fn tool_ops(&mut self, ops: &[(&str, &str)], src: &Path) {
+        let Some((tool, nps)) = mpi_tool() else {
+            return;
+        };
+        let root = self.root;
+        // The model description `convert --to fsdp` takes.
+        let desc = root.join("desc.json");
+        let text = fsdp::offline::DescFile::new(model(self.units), policy(self.units)).to_json();
+        std::fs::write(&desc, text).expect("writing desc.json");
+        let to_fsdp = ["--to", "fsdp", "--model", &s(&desc), "--world-size", "3"].map(String::from);
+        for &np in &nps {
+            for &(op, label) in ops {
+                let (dst, args): (PathBuf, &[&str]) = match op {
+                    "reshard" => (root.join("ckpt3"), &["--world-size", "3"]),
+                    "consolidate-st" => (root.join("full.safetensors"), &[]),
+                    "consolidate-pt" => (root.join("full.pt"), &[]),
+                    "convert-dcp" => (root.join("converted"), &["--to", "dcp"]),
+                    "dcp-consolidate" => (root.join("dcp-np.pt"), &[]),
+                    _ => (root.join("from-dcp"), &[]),
+                };
+                let what = match op {
+                    "reshard" => "reshard",
+                    "convert-dcp" | "dcp-to-fsdp" => "convert",
+                    _ => "consolidate",
+                };
+                let mut argv = vec![what.to_string(), s(src), s(&dst)];
+                argv.extend(args.iter().map(|a| a.to_string()));
+                if op == "dcp-to-fsdp" {
+                    argv.extend(to_fsdp.iter().cloned());
+                }
+                let o = tool_job(&tool, np, &argv, src);
+                let label = format!("fsdp-ckpt {label}, mpirun -np {np}");
+                report(&label, self.row.bytes, &o);
+                self.row.disk_peak = self.row.disk_peak.max(disk_bytes(root));
+                remove(&dst);
+                self.row.ops.push((label, o));
+            }
+        }
+    }
+}
+
+fn run_size(
+    root: &Path,
+    py: &Path,
+    units: usize,
+    disk: Disk,
+    torch_failed: &mut [Option<usize>; 2],
+) -> Row {
     let model = model(units);
     let params = model.numel();
     let bytes = (params * 2 * 4) as u64;
     let (ckpt, dcp) = (root.join("ckpt"), root.join("dcp"));
     println!(
-        "\n== {units} units, {params} parameters, {:.2} GB of Adam state; load average {}",
+        "\n== {units} units, {params} parameters, {:.2} GB of Adam state; load average {}; {}",
         bytes as f64 / 1e9,
-        loadavg()
-    );
-    let make_secs = match crate_child(&["make", &units.to_string(), &s(&ckpt), &s(&dcp)]) {
-        Outcome::Ran { secs, peak, .. } => {
-            println!(
-                "  inputs saved in {secs:.1} s (peak RSS {:.2} GB): checkpoint {:.2} GB, DCP {:.2} GB",
-                peak as f64 / 1e9,
-                disk_bytes(&ckpt) as f64 / 1e9,
-                disk_bytes(&dcp) as f64 / 1e9
-            );
-            secs
+        loadavg(),
+        match disk {
+            Disk::Together => "checkpoint and DCP directory saved together",
+            Disk::Apart => "checkpoint and DCP directory saved one after the other (disk)",
         }
-        _ => unreachable!("crate_child panics on failure"),
+    );
+    let mut run = SizeRun {
+        root,
+        units,
+        row: Row {
+            units,
+            params,
+            bytes,
+            raw_write: 0.0,
+            raw_read: 0.0,
+            make_secs: 0.0,
+            disk,
+            disk_peak: 0,
+            ops: Vec::new(),
+        },
     };
+    let none = PathBuf::new();
+    match disk {
+        Disk::Together => run.make(&ckpt, &dcp),
+        Disk::Apart => run.make(&ckpt, &none),
+    }
 
     let raw = root.join("raw.bin");
     let rw = raw_write(&raw, bytes);
     evict(&raw);
     let rr = raw_read(&raw);
-    let mut disk_peak = disk_bytes(root);
+    run.row.disk_peak = disk_bytes(root);
     let _ = std::fs::remove_file(&raw);
     println!("  raw write+fsync {rw:.2} s, raw read (cold) {rr:.2} s");
+    (run.row.raw_write, run.row.raw_read) = (rw, rr);
 
-    let mut ops = Vec::new();
+    // The checkpoint's operations, then the DCP directory's (saved now when apart).
+    let check_equal = params <= CHECK_EQUAL_UP_TO;
+    run.crate_ops(&CKPT_OPS, &ckpt, false);
+    if disk == Disk::Apart {
+        run.tool_ops(&CKPT_OPS, &ckpt);
+        remove(&ckpt);
+        run.make(&none, &dcp);
+    }
+    run.crate_ops(&DCP_OPS, &dcp, check_equal);
+    if disk == Disk::Together {
+        run.tool_ops(&CKPT_OPS, &ckpt);
+    }
+    run.tool_ops(&DCP_OPS, &dcp);
+    let mut row = run.row;
     let dcp_pt = root.join("dcp.pt");
-    for (op, label) in CRATE_OPS {
-        let (src, dst) = match op {
-            "dcp-consolidate" => (&dcp, dcp_pt.clone()),
-            "dcp-to-fsdp" => (&dcp, root.join("from-dcp")),
-            "reshard" => (&ckpt, root.join("ckpt3")),
-            "convert-dcp" => (&ckpt, root.join("converted")),
-            "consolidate-st" => (&ckpt, root.join("full.safetensors")),
-            _ => (&ckpt, root.join("full.pt")),
-        };
-        let o = crate_child(&[op, &s(src), &s(&dst), &units.to_string()]);
-        report(label, bytes, &o);
-        if op == "reshard" || op == "dcp-to-fsdp" {
-            checkpoint::verify(&dst).expect("the written checkpoint verifies");
-        }
-        if op != "dcp-consolidate" {
-            disk_peak = disk_peak.max(disk_bytes(root));
-            remove(&dst);
-        }
-        ops.push((label.to_string(), o));
-    }
-
-    if let Some((tool, nps)) = mpi_tool() {
-        // The model description `convert --to fsdp` takes.
-        let desc = root.join("desc.json");
-        let text = fsdp::offline::DescFile::new(model.clone(), policy(units)).to_json();
-        std::fs::write(&desc, text).expect("writing desc.json");
-        let to_fsdp = ["--to", "fsdp", "--model", &s(&desc), "--world-size", "3"].map(String::from);
-        for &np in &nps {
-            for (label, src, dst, args) in [
-                (
-                    "reshard 2 -> 3",
-                    &ckpt,
-                    root.join("ckpt3"),
-                    &["--world-size", "3"][..],
-                ),
-                (
-                    "consolidate .safetensors",
-                    &ckpt,
-                    root.join("full.safetensors"),
-                    &[],
-                ),
-                ("consolidate .pt", &ckpt, root.join("full.pt"), &[]),
-                (
-                    "convert to DCP",
-                    &ckpt,
-                    root.join("converted"),
-                    &["--to", "dcp"],
-                ),
-                ("DCP consolidate (.pt)", &dcp, root.join("dcp-np.pt"), &[]),
-                (
-                    "DCP to checkpoint for 3 ranks",
-                    &dcp,
-                    root.join("from-dcp"),
-                    &to_fsdp.each_ref().map(String::as_str)[..],
-                ),
-            ] {
-                let what = if args.first() == Some(&"--to") {
-                    "convert"
-                } else if label.starts_with("reshard") {
-                    "reshard"
-                } else {
-                    "consolidate"
-                };
-                let mut argv = vec![what.to_string(), s(src), s(&dst)];
-                argv.extend(args.iter().map(|a| a.to_string()));
-                let o = tool_job(&tool, np, &argv, src);
-                let label = format!("fsdp-ckpt {label}, mpirun -np {np}");
-                report(&label, bytes, &o);
-                disk_peak = disk_peak.max(disk_bytes(root));
-                remove(&dst);
-                ops.push((label, o));
-            }
-        }
-    }
 
     // PyTorch: dcp_to_torch_save of the same directory.
     let theirs = root.join("theirs.pt");
@@ -392,7 +506,7 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         )
     });
     report("PyTorch dcp_to_torch_save + fsync", bytes, &o);
-    if matches!(o, Outcome::Ran { .. }) && params <= CHECK_EQUAL_UP_TO {
+    if matches!(o, Outcome::Ran { .. }) && check_equal {
         let same = Command::new(py)
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/dcp_side_by_side.py"))
             .args(["same", &s(&dcp_pt), &s(&theirs)])
@@ -405,8 +519,9 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         );
         println!("  PyTorch: both DCP consolidations are equal (structure, key order, bits)");
     }
-    ops.push(("PyTorch dcp_to_torch_save + fsync".into(), o));
-    disk_peak = disk_peak.max(disk_bytes(root));
+    row.ops
+        .push(("PyTorch dcp_to_torch_save + fsync".into(), o));
+    row.disk_peak = row.disk_peak.max(disk_bytes(root));
     remove(&theirs);
     remove(&dcp_pt);
     remove(&dcp);
@@ -450,18 +565,10 @@ fn run_size(root: &Path, py: &Path, units: usize, torch_failed: &mut [Option<usi
         bytes,
         &o,
     );
-    ops.push(("PyTorch FSDP1 full_optim_state_dict + save".into(), o));
+    row.ops
+        .push(("PyTorch FSDP1 full_optim_state_dict + save".into(), o));
     remove(&ckpt);
-    Row {
-        units,
-        params,
-        bytes,
-        raw_write: rw,
-        raw_read: rr,
-        make_secs,
-        disk_peak,
-        ops,
-    }
+    row
 }
 
 /// The `fsdp-ckpt` executable built with `mpi` (`SCALE_BENCH_TOOL`, which `scripts/bench.sh`
@@ -596,33 +703,60 @@ fn summary(rows: &[Row]) {
     }
     println!("\n## Linearity: seconds per GB of Adam state, each size against the largest\n");
     let last = rows.last().expect("a size");
-    for (i, (label, _)) in last.ops.iter().enumerate() {
+    for (label, last_o) in &last.ops {
         let per_gb: Vec<String> = rows
             .iter()
-            .map(|r| match &r.ops[i].1 {
-                Outcome::Ran { secs, .. } => {
-                    let mine = secs / (r.bytes as f64 / 1e9);
-                    match &last.ops[i].1 {
-                        Outcome::Ran { secs: l, .. } => format!(
-                            "{:.1}M: {mine:.2} s/GB ({:.2}x)",
-                            r.params as f64 / 1e6,
-                            mine / (l / (last.bytes as f64 / 1e9))
-                        ),
-                        _ => format!("{:.1}M: {mine:.2} s/GB", r.params as f64 / 1e6),
+            .map(
+                |r| match r.ops.iter().find(|(l, _)| l == label).map(|(_, o)| o) {
+                    Some(Outcome::Ran { secs, .. }) => {
+                        let mine = secs / (r.bytes as f64 / 1e9);
+                        match last_o {
+                            Outcome::Ran { secs: l, .. } => format!(
+                                "{:.1}M: {mine:.2} s/GB ({:.2}x)",
+                                r.params as f64 / 1e6,
+                                mine / (l / (last.bytes as f64 / 1e9))
+                            ),
+                            _ => format!("{:.1}M: {mine:.2} s/GB", r.params as f64 / 1e6),
+                        }
                     }
-                }
-                _ => format!("{:.1}M: -", r.params as f64 / 1e6),
-            })
+                    _ => format!("{:.1}M: -", r.params as f64 / 1e6),
+                },
+            )
             .collect();
         println!("* {label}: {}", per_gb.join("; "));
+    }
+    println!("\n## DCP to checkpoint against reshard (target: at most 1.3x) and its peak RSS\n");
+    for r in rows {
+        let of = |label: &str| {
+            r.ops.iter().find_map(|(l, o)| match o {
+                Outcome::Ran { secs, peak, .. } if l == label => Some((*secs, *peak)),
+                _ => None,
+            })
+        };
+        if let (Some((d, peak)), Some((re, _))) =
+            (of("DCP to checkpoint for 3 ranks"), of("reshard 2 -> 3"))
+        {
+            println!(
+                "* {:.1}M: {d:.2} s against {re:.2} s, {:.2}x; peak RSS {:.1} MB (bound {:.1} MB)",
+                r.params as f64 / 1e6,
+                d / re,
+                peak as f64 / 1e6,
+                DCP_TO_FSDP_BOUND as f64 / 1e6
+            );
+        }
     }
     let made: Vec<String> = rows
         .iter()
         .map(|r| {
             format!(
-                "{} units: built and saved in {:.1} s, at most {:.1} GB on disk",
+                "{} units: built and saved in {:.1} s{}, at most {:.1} GB on disk",
                 r.units,
                 r.make_secs,
+                if r.disk == Disk::Apart {
+                    " (checkpoint and DCP directory one after the other)"
+                } else {
+                    ""
+                },
                 r.disk_peak as f64 / 1e9
             )
         })
@@ -651,11 +785,26 @@ fn main() {
         loadavg()
     );
     let mut torch_failed = [None, None];
-    let rows: Vec<Row> = units
-        .iter()
-        .map(|&u| run_size(&root, &py, u, &mut torch_failed))
-        .collect();
+    let mut rows: Vec<Row> = Vec::new();
+    for &u in &units {
+        let bytes = model(u).numel() as u64 * 8;
+        let free = free_bytes(&root);
+        let Some(disk) = disk_plan(bytes, free) else {
+            println!(
+                "\n== stopping before {u} units ({:.2} GB of Adam state): an input and an output need about {:.1} GB, {:.1} GB are free under {}",
+                bytes as f64 / 1e9,
+                bytes as f64 * 2.1 / 1e9 + 2.1,
+                free as f64 / 1e9,
+                root.display()
+            );
+            break;
+        };
+        rows.push(run_size(&root, &py, u, disk, &mut torch_failed));
+    }
     println!("\nload average at end: {}", loadavg());
+    if rows.is_empty() {
+        return;
+    }
     summary(&rows);
     remove(&root);
 }

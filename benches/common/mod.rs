@@ -18,10 +18,13 @@ pub fn filled(shape: &[usize], seed: f32) -> HostTensor {
     t
 }
 
-/// The full (unflattened, name-keyed) Adam state dict of `model`, as after one step.
-pub fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
+/// The state of [`full_adam_state`] for the parameters `range` of `model` only (the same
+/// values), without param groups: a part of the full dict, for building large states piece by
+/// piece.
+pub fn adam_state_of(model: &ModelDesc, range: std::ops::Range<usize>) -> OptimStateDict {
     let mut sd = OptimStateDict::default();
-    for (i, p) in model.params.iter().enumerate() {
+    for i in range {
+        let p = &model.params[i];
         let mut st = ParamState::new();
         st.insert("step".into(), Value::Tensor(HostTensor::scalar(1.0f32)));
         st.insert("exp_avg".into(), Value::Tensor(filled(&p.shape, i as f32)));
@@ -31,6 +34,33 @@ pub fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
         );
         sd.state.insert(ParamKey::Name(p.name.clone()), st);
     }
+    sd
+}
+
+/// Bytes free for an unprivileged user on the file system holding `path` (0 when unknown).
+pub fn free_bytes(path: &std::path::Path) -> u64 {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_bytes()) else {
+        return 0;
+    };
+    // SAFETY: statvfs fills the struct it is given from a NUL-terminated path.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return 0;
+    }
+    st.f_bavail as u64 * st.f_frsize as u64
+}
+
+/// The full (unflattened, name-keyed) Adam state dict of `model`, as after one step.
+pub fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
+    let mut sd = adam_state_of(model, 0..model.params.len());
+    sd.param_groups = adam_param_groups(model);
+    sd
+}
+
+/// The param groups of [`full_adam_state`]: one group of every parameter with Adam's options.
+pub fn adam_param_groups(model: &ModelDesc) -> Option<Vec<ParamGroup>> {
     let options: IndexMap<String, Value> = [
         ("lr", Value::Float(1e-3)),
         (
@@ -49,8 +79,7 @@ pub fn full_adam_state(model: &ModelDesc) -> OptimStateDict {
         .iter()
         .map(|p| ParamKey::Name(p.name.clone()))
         .collect();
-    sd.param_groups = Some(vec![ParamGroup { options, params }]);
-    sd
+    Some(vec![ParamGroup { options, params }])
 }
 
 /// A copy that owns its storage, as an optimizer's own state does (shard results are views
