@@ -774,8 +774,9 @@ pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
 /// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
 /// checkpoint of the DCP directory's optimizer state for N ranks of the described model, as
 /// N live ranks loading their shards ([`fsdp::Fsdp::load_dcp`]) and saving would write it,
-/// written one rank at a time ([`convert::dcp_to_checkpoint`]); by the processes of `pg`,
-/// output rank `r` is written by process `r % N` and process 0 commits.
+/// streamed up to 16 rank files per pass over the input ([`convert::dcp_to_checkpoint`]);
+/// by the processes of `pg`, output rank `r` is written by process `r % N` and process 0
+/// commits.
 fn dcp_to_fsdp(
     input: &Path,
     output: &Path,

@@ -777,6 +777,10 @@ impl<'d> DcpOptimState<'d> {
 /// (`None`: the whole tensor).
 type TensorFn<'a, T> = dyn Fn(&str, Option<(usize, usize)>) -> Result<T> + 'a;
 
+/// Where a positive-dim tensor state comes from: its DCP key and the flat element range
+/// wanted (`None`: all of it).
+type Made<'a> = (&'a str, Option<(usize, usize)>);
+
 /// The global shape of the tensor stored under `key`.
 fn tensor_size(ckpt: &DcpCheckpoint, key: &str) -> Result<Vec<usize>> {
     match ckpt.entry(key).map(|e| &e.kind) {
@@ -815,7 +819,7 @@ impl<T: Tensor> DcpSource<'_, T> {
             .copied()
             .collect();
         // (fqn, state name) → (key, range) of each positive-dim tensor state.
-        let mut made: HashMap<(&str, &str), (&str, Option<(usize, usize)>)> = HashMap::new();
+        let mut made: HashMap<(&str, &str), Made<'_>> = HashMap::new();
         for &i in &entries {
             let e = &self.ckpt.metadata().entries[i];
             let (EntryKind::Tensor(t), Some([_, _, PathItem::Key(fqn), PathItem::Key(n)])) =

@@ -88,7 +88,7 @@ impl Part {
 }
 
 /// Zeros handed to a sink at most this many bytes at a time.
-const ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
 
 impl LazyTensor {
     /// Elements `start..start + len` of the flattening of `ckpt`'s tensor `key`, of `shape`
