@@ -9,7 +9,11 @@
 //!   (the crate's output is durable before its rename; `torch.save` never syncs); both outputs
 //!   must be equal (structure, key order, bits), checked by PyTorch;
 //! - to DCP: `fsdp::io::dcp::torch_save_to_dcp` (`fsdp-ckpt convert IN.pt OUT_DIR --to dcp`)
-//!   against `torch_save_to_dcp`, and against a raw write + fsync of the directory's bytes.
+//!   against `torch_save_to_dcp`, and against a raw write + fsync of the directory's bytes;
+//! - to DCP from shared storages: the same, from a `.pt` of the same model whose tensors are
+//!   views into three flat storages (weights, `exp_avg`, `exp_avg_sq`, as `torch.save` of FSDP1
+//!   flat parameters' views keeps them) plus a tied head, each storage read whole once; its
+//!   peak RSS is judged against 2 x the largest storage + 64 MiB.
 //!
 //! Peak RSS is each process's own high-water mark (VmHWM for the crate, ru_maxrss for
 //! PyTorch, interpreter included). Files live under `target/dcp-bench` and are removed at the
@@ -121,6 +125,39 @@ fn main() {
         let _ = std::fs::remove_file(&raw_file);
     }
 
+    let shared = root.join("shared.pt");
+    python_run(
+        SCRIPT,
+        &py,
+        &[
+            "make_shared",
+            &s(&shared),
+            "--embed",
+            &embed.to_string(),
+            "--layers",
+            &layers.to_string(),
+        ],
+    );
+    let shared_largest = ((embed * 1024 + layers * 1024 * 4096) * 4) as u64;
+    let (mut ours_s, mut theirs_s) = (Runs::default(), Runs::default());
+    for _ in 0..reps {
+        let _ = std::fs::remove_dir_all(&ours_dir);
+        ours_s.push(crate_child("to_dcp", &shared, &ours_dir));
+        let _ = std::fs::remove_dir_all(&theirs_dir);
+        theirs_s.push(python_timed(
+            SCRIPT,
+            &py,
+            &["to_dcp", &s(&shared), &s(&theirs_dir)],
+        ));
+    }
+    let shared_bytes = disk_bytes(&ours_dir);
+    println!(
+        "shared-storage input: {} GB .pt, largest storage {} MB; DCP directory {} GB",
+        gb(disk_bytes(&shared)),
+        mb(shared_largest),
+        gb(shared_bytes)
+    );
+
     println!();
     println!(
         "{:<34} {:>9} {:>9} {:>12}",
@@ -145,6 +182,8 @@ fn main() {
         raw.median_secs(),
         dcp_bytes as f64 / 1e9 / raw.median_secs()
     );
+    row("to DCP, shared storages: fsdp", &ours_s, shared_bytes);
+    row("  ... torch_save_to_dcp", &theirs_s, shared_bytes);
     println!();
     let speedup = theirs.median_secs() / ours.median_secs();
     let speedup_synced = theirs_synced.median_secs() / ours.median_secs();
@@ -161,7 +200,16 @@ fn main() {
         raw.median_secs() / ours_w.median_secs(),
         theirs_w.median_secs() / ours_w.median_secs()
     );
-    println!("runs (s): fsdp consolidate {:?}; dcp_to_torch_save {:?}; fsdp to DCP {:?}; torch_save_to_dcp {:?}; raw {:?}", ours.secs, theirs.secs, ours_w.secs, theirs_w.secs, raw.secs);
+    let shared_cap = 2 * shared_largest + 64 * 1024 * 1024;
+    println!(
+        "to DCP from shared storages: {:.1}x torch_save_to_dcp; peak RSS {} MB (PyTorch {} MB) against the cap 2 x largest storage + 64 MiB = {} MB ({})",
+        theirs_s.median_secs() / ours_s.median_secs(),
+        ours_s.peak_mb(),
+        theirs_s.peak_mb(),
+        mb(shared_cap),
+        if ours_s.peak() <= shared_cap { "within" } else { "OVER" }
+    );
+    println!("runs (s): fsdp consolidate {:?}; dcp_to_torch_save {:?}; fsdp to DCP {:?}; torch_save_to_dcp {:?}; raw {:?}; shared storages: fsdp to DCP {:?}, torch_save_to_dcp {:?}", ours.secs, theirs.secs, ours_w.secs, theirs_w.secs, raw.secs, ours_s.secs, theirs_s.secs);
     println!("load average after: {}", loadavg());
     let _ = std::fs::remove_dir_all(&root);
 }

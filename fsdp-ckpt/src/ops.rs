@@ -756,8 +756,9 @@ fn to_hf(
 
 /// Whether `convert INPUT …` splits its work across the processes of a job: `--to dcp` from
 /// the crate's checkpoint directory, a DCP directory or a file (a data file whose layout is
-/// known before any byte is written; a `.pt` whose tensors are views into shared storages is
-/// converted by process 0 alone), and `--to fsdp` (each process writes its share of the rank
+/// known before any byte is written; from a `.pt` whose tensors are views into shared
+/// storages, each storage's tensors are one process's; a legacy-format `.pt`, or one
+/// `torch.load` refuses to expand, is converted by process 0 alone), and `--to fsdp` (each process writes its share of the rank
 /// files). File-to-file conversions run on one process.
 pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
     match opts.to.as_deref() {

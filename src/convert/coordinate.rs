@@ -82,7 +82,8 @@ pub(crate) fn write_torch_save(
 /// `obj` (a state dict) written as the DCP directory `out`, its placeholder tensors streamed
 /// by `lazy`: process 0 stages the temporary directory with the data file at its planned
 /// length, each process writes the archives of its share of the tensors (process 0 also the
-/// non-tensor values), and process 0 writes `.metadata` and renames the directory into
+/// non-tensor values; the tensors `lazy` cuts from one read of its input are one process's,
+/// written one after another), and process 0 writes `.metadata` and renames the directory into
 /// place. The data file is the same for any number of processes (`.metadata` differs only in
 /// its random save id). Returns the tensor bytes written.
 ///

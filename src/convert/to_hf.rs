@@ -4,7 +4,7 @@
 use crate::checkpoint::stream::Skeleton;
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
-use crate::io::dcp::{DcpCheckpoint, Headers, Placeholders};
+use crate::io::dcp::{DcpCheckpoint, Headers, Placeholders, Views};
 use crate::io::hf::plan::{self, DirPlan, PlannedTensor};
 use crate::io::hf::{self, names, Rename};
 use crate::io::torch_save::writer::LazyTensors;
@@ -149,7 +149,7 @@ impl Opened {
         };
         let kind = if !meta.is_dir() {
             let headers = Headers::read(src)?;
-            if headers.streamer(src, src)?.is_some() {
+            if headers.streamer(src, src, Views::Whole)?.is_some() {
                 Kind::File(headers)
             } else {
                 Kind::Loaded(crate::io::load(src)?)
@@ -204,7 +204,7 @@ impl Opened {
         Ok(match &self.kind {
             Kind::Dcp(ckpt, p) => Box::new(crate::io::dcp::Streamed::new(ckpt, p, |_| {})),
             Kind::File(h) => h
-                .streamer(&self.path, out)?
+                .streamer(&self.path, out, Views::Whole)?
                 .ok_or_else(|| Error::Internal("a streamable file stopped streaming".into()))?,
             Kind::Loaded(_) => Box::new(crate::io::torch_save::writer::Eager),
             Kind::Checkpoint(s) => Box::new(crate::checkpoint::stream::Streamed::new(

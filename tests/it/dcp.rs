@@ -655,8 +655,8 @@ fn a_truncated_or_lying_safetensors_file_fails_on_every_process_naming_it() {
 }
 
 #[test]
-fn a_file_of_views_into_one_storage_converts_the_ordinary_way_and_a_corrupt_storage_fails() {
-    // Two halves of one buffer: views, not whole storages, so nothing is streamed.
+fn a_file_of_views_into_one_storage_converts_and_a_corrupt_storage_fails() {
+    // Two halves of one buffer: views, not whole storages, streamed from one read of it.
     let whole = HostTensor::from_vec1(&(0..64).map(|i| i as f32).collect::<Vec<_>>());
     let views = PyObj::Dict(vec![
         (
@@ -697,6 +697,147 @@ fn a_file_of_views_into_one_storage_converts_the_ordinary_way_and_a_corrupt_stor
     for r in ThreadGroup::run(2, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
         assert_eq!(r.unwrap_err(), alone);
     }
+    assert!(!out.exists(), "no output");
+}
+
+/// `tests/golden/dcp/shared_storage/input.pt` (its `gen.py`): tensors that are views into
+/// shared storages, at offsets, transposed, strided, expanded, tied, apart in dict order.
+fn shared_storage_input() -> PathBuf {
+    golden("shared_storage/input.pt")
+}
+
+/// The DCP directory `<parent>/ckpt` (one name for all, as `.metadata` records it).
+fn ckpt_in(parent: &Path, what: &str) -> PathBuf {
+    let dir = parent.join(what);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("ckpt")
+}
+
+/// Asserts that the DCP directories `a` and `b` hold the same data file and the same
+/// `.metadata` but for its random save id.
+fn same_dcp(a: &Path, b: &Path, what: &str) {
+    assert!(
+        data_file(a) == data_file(b),
+        "{what}: the data file differs"
+    );
+    assert_eq!(
+        dcp::read_metadata(a).unwrap(),
+        dcp::read_metadata(b).unwrap(),
+        "{what}: .metadata"
+    );
+    let len = |d: &Path| std::fs::metadata(d.join(".metadata")).unwrap().len();
+    assert_eq!(len(a), len(b), "{what}: .metadata length");
+}
+
+#[test]
+fn a_file_of_views_into_shared_storages_streams_the_in_memory_bytes_split_across_1_to_4_processes()
+{
+    let input = shared_storage_input();
+    let tmp = tempfile::tempdir().unwrap();
+    let zstd = dcp::DcpWriteOptions::default().compression(dcp::Compression::Zstd);
+    for opts in [dcp::DcpWriteOptions::default(), zstd] {
+        let what = format!("{:?}", opts.compression);
+        let in_memory = ckpt_in(tmp.path(), &format!("in-memory-{what}"));
+        let loaded = torch_save::load(&input).unwrap();
+        let written = dcp::save_dcp_with(&loaded, &in_memory, &opts).unwrap();
+        let streamed = ckpt_in(tmp.path(), &format!("streamed-{what}"));
+        assert_eq!(
+            convert::torch_save_to_dcp_with(&input, &streamed, &Solo, &opts).unwrap(),
+            written
+        );
+        same_dcp(&streamed, &in_memory, &what);
+        assert!(
+            DcpCheckpoint::open(&streamed)
+                .unwrap()
+                .load()
+                .unwrap()
+                .bit_eq(&loaded),
+            "{what}: the state read back differs"
+        );
+        for ws in 1..=4 {
+            let split = ckpt_in(tmp.path(), &format!("split-{what}-{ws}"));
+            let run = ThreadGroup::run(ws, |pg| {
+                convert::torch_save_to_dcp_with(&input, &split, &pg, &opts)
+            });
+            for r in run {
+                assert_eq!(r.unwrap(), written, "{what}, {ws} processes");
+            }
+            same_dcp(&split, &in_memory, &format!("{what}, {ws} processes"));
+        }
+    }
+    // PyTorch reads it back as it reads its own `torch_save_to_dcp` output.
+    let plain = tmp.path().join("streamed-None/ckpt");
+    let res = std::process::Command::new(crate::common::python())
+        .arg(golden("check_dcp_writer.py"))
+        .args([&input, &plain])
+        .output()
+        .unwrap();
+    assert!(
+        res.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&res.stdout),
+        String::from_utf8_lossy(&res.stderr)
+    );
+}
+
+#[test]
+fn a_damaged_shared_storage_fails_its_crc_on_every_process_and_installs_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("input.pt");
+    let mut bytes = std::fs::read(shared_storage_input()).unwrap();
+    // Element 45 of the float32 storage every `flat` view and `late` share.
+    let at = bytes
+        .windows(4)
+        .position(|w| w == 1045.0f32.to_le_bytes())
+        .unwrap();
+    bytes[at] ^= 0x01;
+    std::fs::write(&input, &bytes).unwrap();
+    let zstd = dcp::DcpWriteOptions::default().compression(dcp::Compression::Zstd);
+    for opts in [dcp::DcpWriteOptions::default(), zstd] {
+        let out = tmp.path().join("out");
+        let alone = convert::torch_save_to_dcp_with(&input, &out, &Solo, &opts).unwrap_err();
+        match &alone {
+            Error::TorchSaveArchive {
+                file,
+                entry,
+                reason,
+                ..
+            } => {
+                assert_eq!(file, &input.display().to_string(), "{alone}");
+                assert_eq!(entry.as_deref(), Some("input/data/0"), "{alone}");
+                assert!(reason.contains("CRC-32"), "{alone}");
+            }
+            other => panic!("not a CRC error: {other}"),
+        }
+        // The in-memory read fails alike.
+        assert_eq!(torch_save::load(&input).unwrap_err(), alone);
+        for ws in [2, 3] {
+            let run = ThreadGroup::run(ws, |pg| {
+                convert::torch_save_to_dcp_with(&input, &out, &pg, &opts)
+            });
+            for r in run {
+                assert_eq!(r.unwrap_err(), alone, "{ws} processes");
+            }
+        }
+        assert!(!out.exists(), "no output");
+        assert_eq!(
+            std::fs::read_dir(tmp.path()).unwrap().count(),
+            1,
+            "no temporary left"
+        );
+    }
+}
+
+#[test]
+fn views_whose_copies_loading_refuses_are_refused_alike_when_converted() {
+    // 200 stride-0 views of 64 MiB each over one 4-element storage: loading refuses to copy
+    // them (TensorExpansion), and so does the conversion, which reads it the same way.
+    let input =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/expansion_bomb/expansion_bomb.pt");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let err = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
+    assert!(matches!(err, Error::TensorExpansion { .. }), "{err}");
     assert!(!out.exists(), "no output");
 }
 

@@ -139,6 +139,7 @@ pub fn parse_metadata(file: &str, data: &[u8]) -> Result<Metadata> {
 use crate::io::safetensors::FileTensors as SafetensorsTensors;
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::FileTensors as TorchSaveTensors;
+pub(crate) use crate::io::torch_save::Views;
 use std::path::Path;
 
 /// What a DCP directory is for the replace rule of [`crate::io::output::check_dir_output`]:
@@ -201,16 +202,18 @@ impl Headers {
     }
 
     /// What streams the placeholders' bytes from `input` while `out` is written; `None` when
-    /// they cannot be streamed (a `torch.save` tensor that is not its whole storage).
+    /// they cannot be streamed: a legacy `torch.save` file, or one with a tensor that is not
+    /// its whole storage unless `views` is [`Views::Shared`] (see
+    /// `torch_save::FileTensors::open`).
     pub(crate) fn streamer<'h>(
         &'h self,
         input: &'h Path,
         out: &'h Path,
+        views: Views,
     ) -> Result<Option<Box<dyn LazyTensors + 'h>>> {
         Ok(match self {
-            Headers::TorchSave(h) => {
-                TorchSaveTensors::open(input, h, out)?.map(|t| Box::new(t) as Box<dyn LazyTensors>)
-            }
+            Headers::TorchSave(h) => TorchSaveTensors::open(input, h, out, views)?
+                .map(|t| Box::new(t) as Box<dyn LazyTensors>),
             Headers::Safetensors(h) => Some(Box::new(SafetensorsTensors::open(input, h, out)?)),
         })
     }

@@ -340,28 +340,51 @@ impl<'a> DataPlan<'a> {
         file.sync_all().map_err(|e| io_err("syncing", &path, e))
     }
 
-    /// The values process `rank` of `world_size` writes: the tensors whose archive starts in
-    /// its equal share of the tensor bytes, and on process 0 the non-tensor values too.
-    fn share(&self, rank: usize, world_size: usize) -> Vec<usize> {
+    /// The values process `rank` of `world_size` writes, in the order to write them: on
+    /// process 0 the non-tensor values, then the tensors of its equal share of the tensor
+    /// bytes. The tensors are cut into groups, each written by one process, in order of their
+    /// first tensor: the tensors `lazy` cuts from one read of its input
+    /// ([`LazyTensors::read_group`]) form one group, written one after another (so that the
+    /// input is read once), and every other tensor a group of its own. A group belongs to the
+    /// process whose share holds its start when the groups are laid end to end (for groups
+    /// of one tensor, where its archive starts in the file).
+    fn share(&self, rank: usize, world_size: usize, lazy: &dyn LazyTensors) -> Vec<usize> {
         let first = self
             .file_order
             .iter()
             .find(|&&i| self.stored[i].tensor.is_some())
             .map_or(self.len, |&i| self.stored[i].offset);
-        self.file_order
+        let (objects, tensors): (Vec<usize>, Vec<usize>) = self
+            .file_order
             .iter()
-            .copied()
-            .filter(|&i| {
-                let s = &self.stored[i];
-                let writer = match s.tensor {
-                    Some(_) => {
-                        crate::io::output::writer_of(s.offset - first, self.len - first, world_size)
+            .partition(|&&i| self.stored[i].tensor.is_none());
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut by_read: std::collections::HashMap<usize, usize> = Default::default();
+        for i in tensors {
+            let read = match self.stored[i].item.value {
+                PyObj::Tensor(t) => lazy.read_group(t),
+                _ => None,
+            };
+            match read.and_then(|g| by_read.get(&g)) {
+                Some(&at) => groups[at].push(i),
+                None => {
+                    if let Some(g) = read {
+                        by_read.insert(g, groups.len());
                     }
-                    None => 0,
-                };
-                writer == rank
-            })
-            .collect()
+                    groups.push(vec![i]);
+                }
+            }
+        }
+        let mut mine = if rank == 0 { objects } else { Vec::new() };
+        let mut at = 0;
+        for group in groups {
+            let len: u64 = group.iter().map(|&i| self.stored[i].length).sum();
+            if crate::io::output::writer_of(at, self.len - first, world_size) == rank {
+                mine.extend(group);
+            }
+            at += len;
+        }
+        mine
     }
 
     /// Creates the data file in the temporary directory `tmp` at its planned length.
@@ -505,7 +528,7 @@ impl<'a> PlannedDcp<'a> {
             .write(true)
             .open(&path)
             .map_err(|e| io_err("opening", &path, e))?;
-        let share = self.plan.share(rank, world_size);
+        let share = self.plan.share(rank, world_size, lazy);
         self.plan.write(&file, &path, share.into_iter(), lazy)?;
         file.sync_all().map_err(|e| io_err("syncing", &path, e))
     }

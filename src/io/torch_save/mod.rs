@@ -108,6 +108,10 @@ pub struct Headers {
     shapes: std::collections::HashMap<usize, Vec<usize>>,
     /// The storage key of each placeholder that is its whole storage.
     whole: std::collections::HashMap<usize, String>,
+    /// Where each placeholder lies in its storage.
+    views: std::collections::HashMap<usize, unpickle::PlaceholderView>,
+    /// The expansion allowance [`load`] needs for the file's non-contiguous tensors.
+    expansion_needed: u64,
 }
 
 impl Headers {
@@ -153,6 +157,8 @@ pub fn load_headers(path: impl AsRef<Path>) -> Result<Headers> {
         obj: u.obj,
         shapes: u.shapes,
         whole: u.whole,
+        views: u.views,
+        expansion_needed: u.expansion_needed,
     })
 }
 
@@ -193,29 +199,65 @@ pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> 
     Ok(read_archive(&name, src, mode)?.obj)
 }
 
+/// Which `torch.save` files [`FileTensors::open`] streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Views {
+    /// Only files whose every placeholder is its whole storage.
+    Whole,
+    /// Also files with views into shared storages (tied weights, views at an offset, strided
+    /// views, storages larger than their views): each such storage is read whole once per
+    /// run of its views, its CRC-32 checked, and its views cut from it.
+    Shared,
+}
+
 /// The placeholders of a [`Headers`] read from the `torch.save` file `path`, streamed from
-/// the file 4 MiB at a time ([`crate::io::stream_range`]) when the archive is written (each
-/// placeholder's storage entry, its CRC-32 checked at its end; the pages read are dropped
-/// from the page cache). Only for headers whose every placeholder is its whole storage
-/// ([`FileTensors::open`] checks).
+/// the file when the archive is written. A placeholder that is its whole storage streams 4
+/// MiB at a time ([`crate::io::stream_range`]) from its storage entry, its CRC-32 checked at
+/// its end. A storage that some placeholder views only in part (a *shared* storage, with
+/// [`Views::Shared`]) is read whole, its CRC-32 checked, and held while its views are
+/// written, each as its elements in row-major order (what [`load`] materializes); it is
+/// dropped when a placeholder of another shared storage is streamed. So memory holds one
+/// shared storage, and a writer that streams the views of each storage one after another
+/// ([`writer::LazyTensors::read_group`]) reads each once. The pages read are dropped from
+/// the page cache.
 pub(crate) struct FileTensors<'h> {
     headers: &'h Headers,
     zip: ZipReader<FileSource>,
     prefix: String,
     /// The output being written, for messages.
     out: &'h Path,
+    /// The shared storages, by key, each with its index (keys in order).
+    shared: std::collections::HashMap<String, usize>,
+    /// The shared storage read last (its key and bytes).
+    held: Option<(String, HostTensor)>,
+    /// Whole reads of shared storages so far, and the most bytes held at once.
+    reads: usize,
+    peak_held: u64,
 }
 
 impl<'h> FileTensors<'h> {
     /// Streams `headers`' placeholders from the file `path` they were read from, writing
-    /// `out`; `None` when a placeholder is not its whole storage (a view into a larger or
-    /// shared storage, a non-contiguous one), which must be read the ordinary way.
-    pub(crate) fn open(path: &Path, headers: &'h Headers, out: &'h Path) -> Result<Option<Self>> {
-        if headers
-            .shapes
-            .keys()
-            .any(|id| !headers.whole.contains_key(id))
-        {
+    /// `out`; `None` when it cannot: a legacy file, a placeholder that is not its whole
+    /// storage with [`Views::Whole`], or, with [`Views::Shared`], non-contiguous views whose
+    /// copies [`load`] refuses ([`Error::TensorExpansion`]: the file must fail as [`load`]
+    /// fails).
+    pub(crate) fn open(
+        path: &Path,
+        headers: &'h Headers,
+        out: &'h Path,
+        views: Views,
+    ) -> Result<Option<Self>> {
+        let partial: std::collections::BTreeSet<&str> = headers
+            .views
+            .iter()
+            .filter(|(id, _)| !headers.whole.contains_key(id))
+            .map(|(_, v)| v.key.as_str())
+            .collect();
+        let refused = match views {
+            Views::Whole => !partial.is_empty(),
+            Views::Shared => headers.expansion_needed > LoadOptions::DEFAULT_MAX_EXPANSION_BYTES,
+        };
+        if refused {
             return Ok(None);
         }
         let (name, mut src) = open(path)?;
@@ -228,23 +270,54 @@ impl<'h> FileTensors<'h> {
             zip,
             prefix,
             out,
+            shared: partial
+                .into_iter()
+                .enumerate()
+                .map(|(i, k)| (k.to_string(), i))
+                .collect(),
+            held: None,
+            reads: 0,
+            peak_held: 0,
         }))
     }
-}
 
-impl writer::LazyTensors for FileTensors<'_> {
-    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
-        self.headers.shapes.get(&t.storage_id()).cloned()
+    /// How many times a shared storage was read whole, and the most bytes of shared
+    /// storages held at once.
+    #[cfg(test)]
+    pub(crate) fn held_stats(&self) -> (usize, u64) {
+        (self.reads, self.peak_held)
     }
 
-    fn stream(
+    /// The shared storage `key`'s bytes: the one held, or read whole now (its CRC-32
+    /// checked) in place of the one held.
+    fn hold(&mut self, key: &str) -> Result<&[u8]> {
+        if self.held.as_ref().is_none_or(|(k, _)| k != key) {
+            // Dropped first: memory holds one shared storage at a time.
+            self.held = None;
+            let entry = storage_entry(&self.zip, &self.prefix, key)?;
+            let start = self.zip.data_start(&entry)?;
+            let len = usize::try_from(entry.size).map_err(|_| {
+                Error::Internal(format!("storage {key} is larger than the address space"))
+            })?;
+            let zip = &mut self.zip;
+            let bytes = HostTensor::filled_by_reads(DType::U8, &[len], |buf| {
+                zip.read_part(&entry, start, buf)?;
+                zip.check_crc(&entry, start, crc32fast::hash(buf))
+            })?;
+            self.zip.drop_cached(start, entry.size);
+            self.reads += 1;
+            self.peak_held = self.peak_held.max(entry.size);
+            self.held = Some((key.to_string(), bytes));
+        }
+        Ok(self.held.as_ref().map_or(&[][..], |(_, b)| b.as_bytes()))
+    }
+
+    /// Streams the whole storage `key` 4 MiB at a time, checking its CRC-32 at the end.
+    fn stream_whole(
         &mut self,
-        t: &HostTensor,
+        key: &str,
         sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
     ) -> Result<()> {
-        let Some(key) = self.headers.whole.get(&t.storage_id()) else {
-            return Ok(());
-        };
         let entry = storage_entry(&self.zip, &self.prefix, key)?;
         let start = self.zip.data_start(&entry)?;
         let mut crc = crc32fast::Hasher::new();
@@ -261,6 +334,77 @@ impl writer::LazyTensors for FileTensors<'_> {
         self.zip.check_crc(&entry, start, crc.finalize())?;
         self.zip.drop_cached(start, entry.size);
         Ok(())
+    }
+}
+
+/// Hands the elements of `view` (of `shape`, elements of `esize` bytes) of the storage
+/// `bytes` to `sink` in row-major order, at most 4 MiB at a time. `None` when the view does
+/// not lie inside `bytes` (the reader checked that it does).
+fn stream_view(
+    bytes: &[u8],
+    esize: usize,
+    view: &unpickle::PlaceholderView,
+    shape: &[usize],
+    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> Option<std::io::Result<()>> {
+    let chunk = super::STREAM_CHUNK as usize;
+    let range = |first: usize, n: usize| bytes.get(first * esize..(first + n) * esize);
+    if view.contiguous {
+        let all = range(view.offset, shape.iter().product())?;
+        return Some(all.chunks(chunk).try_for_each(sink));
+    }
+    let total = shape.iter().product::<usize>() * esize;
+    let mut buf = Vec::with_capacity(chunk.min(total));
+    for (first, n) in unpickle::strided_runs(view.offset, shape, &view.stride) {
+        let mut run = range(first, n)?;
+        while !run.is_empty() {
+            let take = run.len().min(chunk - buf.len());
+            buf.extend_from_slice(&run[..take]);
+            run = &run[take..];
+            if buf.len() == chunk {
+                if let Err(e) = sink(&buf) {
+                    return Some(Err(e));
+                }
+                buf.clear();
+            }
+        }
+    }
+    Some(if buf.is_empty() { Ok(()) } else { sink(&buf) })
+}
+
+impl writer::LazyTensors for FileTensors<'_> {
+    fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
+        self.headers.shapes.get(&t.storage_id()).cloned()
+    }
+
+    fn read_group(&self, t: &HostTensor) -> Option<usize> {
+        let view = self.headers.views.get(&t.storage_id())?;
+        self.shared.get(&view.key).copied()
+    }
+
+    fn stream(
+        &mut self,
+        t: &HostTensor,
+        sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<()> {
+        let headers = self.headers;
+        let Some(view) = headers.views.get(&t.storage_id()) else {
+            return Ok(());
+        };
+        if !self.shared.contains_key(&view.key) {
+            return self.stream_whole(&view.key, sink);
+        }
+        let shape = headers.shape(t);
+        let out = self.out;
+        let bytes = self.hold(&view.key)?;
+        match stream_view(bytes, t.dtype().size(), view, shape, sink) {
+            Some(written) => written.map_err(Error::io("writing", out)),
+            None => Err(Error::Internal(format!(
+                "a view of storage {} lies outside its {} bytes",
+                view.key,
+                bytes.len()
+            ))),
+        }
     }
 }
 

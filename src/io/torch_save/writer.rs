@@ -19,6 +19,13 @@ const BATCH: usize = 1000;
 pub(crate) trait LazyTensors {
     /// The real shape of `t` when it is a placeholder (its dtype is the real one).
     fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>>;
+    /// Which whole read of the input placeholder `t`'s bytes are cut from, when other
+    /// placeholders' are cut from it too (views of one stored storage); `None` when `t` is
+    /// read alone. A writer free to choose its order streams the placeholders of one group
+    /// one after another, so that the input is read once for them all.
+    fn read_group(&self, _t: &HostTensor) -> Option<usize> {
+        None
+    }
     /// Writes placeholder `t`'s bytes, in order, through `sink`.
     fn stream(
         &mut self,

@@ -25,7 +25,7 @@ use std::rc::Rc;
 use subclass::{Class, ShardedView};
 use tensor::{Tensors, View};
 
-pub(crate) use tensor::contiguous_strides;
+pub(crate) use tensor::{contiguous_strides, strided_runs, PlaceholderView};
 
 /// Deepest nesting of containers accepted in the result.
 pub(crate) const MAX_DEPTH: usize = 200;
@@ -91,6 +91,12 @@ pub(crate) struct Unpickled {
     /// of its storage, contiguous and of the storage's own dtype (its bytes are the storage
     /// entry's, so it can be streamed from the archive).
     pub whole: HashMap<usize, String>,
+    /// In [`Mode::Headers`]: where each placeholder lies in its storage.
+    pub views: HashMap<usize, PlaceholderView>,
+    /// In [`Mode::Headers`]: the smallest `max_expansion_bytes` with which [`Mode::Full`]
+    /// would read the stream (0 when it copies no more than the storages' bytes); a larger
+    /// one is refused there with [`Error::TensorExpansion`].
+    pub expansion_needed: u64,
     /// The bytes of `data` the stream took, up to and with its `STOP`.
     pub consumed: usize,
 }
@@ -486,10 +492,14 @@ pub(crate) fn unpickle(
     let tensors = vm.state.tensors.get_mut();
     let shapes = std::mem::take(&mut tensors.shapes);
     let whole = std::mem::take(&mut tensors.whole);
+    let views = std::mem::take(&mut tensors.views);
+    let expansion_needed = tensors.expansion_needed;
     Ok(Unpickled {
         obj,
         shapes,
         whole,
+        views,
+        expansion_needed,
         consumed,
     })
 }

@@ -59,6 +59,26 @@ pub(super) struct Tensors<'l> {
     /// Storage keys of the placeholders that are their whole storage
     /// ([`super::Unpickled::whole`]).
     pub(super) whole: HashMap<usize, String>,
+    /// Where each placeholder lies in its storage ([`super::Unpickled::views`]).
+    pub(super) views: HashMap<usize, PlaceholderView>,
+    /// The allowance [`Mode::Full`] would need ([`super::Unpickled::expansion_needed`]).
+    pub(super) expansion_needed: u64,
+}
+
+/// Where a placeholder's elements lie in the storage it views ([`Mode::Headers`]): what a
+/// reader of the storage's bytes needs to produce the tensor's, in row-major order, as
+/// [`Mode::Full`] materializes it (the placeholder gives the dtype, and the real shape is
+/// recorded beside).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PlaceholderView {
+    /// The storage's key (its archive entry is `data/<key>`).
+    pub(crate) key: String,
+    /// The first element, in elements of the tensor's dtype from the storage's start.
+    pub(crate) offset: usize,
+    /// Strides, in elements of the tensor's dtype.
+    pub(crate) stride: Vec<usize>,
+    /// Whether the elements lie one after another in row-major order.
+    pub(crate) contiguous: bool,
 }
 
 impl<'l> Tensors<'l> {
@@ -72,6 +92,8 @@ impl<'l> Tensors<'l> {
             copied: 0,
             shapes: HashMap::new(),
             whole: HashMap::new(),
+            views: HashMap::new(),
+            expansion_needed: 0,
         }
     }
 
@@ -296,6 +318,23 @@ impl Vm<'_, '_> {
                 if self.is_whole_storage(view) {
                     ts.whole.insert(p.storage_id(), view.key.to_string());
                 }
+                let contiguous = view.is_contiguous();
+                if !contiguous {
+                    // What `charge_copy` would count in `Mode::Full`.
+                    let nbytes = (view.numel as u64).saturating_mul(view.dtype.size() as u64);
+                    ts.copied = ts.copied.saturating_add(nbytes);
+                    let over = ts.copied.saturating_sub(ts.storage_bytes);
+                    ts.expansion_needed = ts.expansion_needed.max(over);
+                }
+                ts.views.insert(
+                    p.storage_id(),
+                    PlaceholderView {
+                        key: view.key.to_string(),
+                        offset: view.offset,
+                        stride: view.stride.clone(),
+                        contiguous,
+                    },
+                );
                 p
             }
             _ if view.numel == 0 => HostTensor::zeros(view.dtype, &view.size),
@@ -369,23 +408,75 @@ impl Vm<'_, '_> {
 fn strided_copy(storage: &HostTensor, view: &View) -> Result<HostTensor> {
     let esize = view.dtype.size();
     let src = storage.as_bytes();
-    let size = &view.size;
-    HostTensor::filled_by(view.dtype, size, |out: &mut [u8]| {
-        let mut idx = vec![0usize; size.len()];
-        let mut at = view.offset;
-        for chunk in out.chunks_exact_mut(esize) {
-            chunk.copy_from_slice(&src[at * esize..(at + 1) * esize]);
-            // Odometer increment; `at` stays within the checked view.
-            for d in (0..size.len()).rev() {
-                idx[d] += 1;
-                if idx[d] < size[d] {
-                    at += view.stride[d];
-                    break;
-                }
-                at -= (size[d] - 1) * view.stride[d];
-                idx[d] = 0;
-            }
+    HostTensor::filled_by(view.dtype, &view.size, |out: &mut [u8]| {
+        let mut to = 0;
+        for (first, n) in strided_runs(view.offset, &view.size, &view.stride) {
+            let run = &src[first * esize..(first + n) * esize];
+            out[to..to + run.len()].copy_from_slice(run);
+            to += run.len();
         }
         Ok::<(), Error>(())
     })
+}
+
+/// The elements of the strided view `(offset, size, stride)` of a storage, in row-major
+/// order, as runs of consecutive storage elements `(first, count)`: the innermost dimension
+/// is one run when its stride is 1, else one run per element. A view with a zero in its size
+/// has none. The caller has checked that the view lies inside its storage.
+pub(crate) fn strided_runs<'a>(
+    offset: usize,
+    size: &'a [usize],
+    stride: &'a [usize],
+) -> impl Iterator<Item = (usize, usize)> + 'a {
+    let n = size.len();
+    let (outer, run) = match size.last().zip(stride.last()) {
+        Some((&d, &1)) => (n - 1, d),
+        _ => (n, 1),
+    };
+    let mut idx = vec![0usize; outer];
+    let mut at = offset;
+    let mut done = size.contains(&0);
+    std::iter::from_fn(move || {
+        if done {
+            return None;
+        }
+        let this = (at, run);
+        // Odometer increment over the outer dimensions; `at` stays within the view.
+        done = true;
+        for d in (0..outer).rev() {
+            idx[d] += 1;
+            if idx[d] < size[d] {
+                at += stride[d];
+                done = false;
+                break;
+            }
+            at -= (size[d] - 1) * stride[d];
+            idx[d] = 0;
+        }
+        Some(this)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::strided_runs;
+
+    #[test]
+    fn strided_runs_walk_a_view_in_row_major_order() {
+        let runs = |o, size: &[usize], stride: &[usize]| -> Vec<(usize, usize)> {
+            strided_runs(o, size, stride).collect()
+        };
+        // A [2, 3] row-major view at offset 4: one run per row.
+        assert_eq!(runs(4, &[2, 3], &[3, 1]), [(4, 3), (7, 3)]);
+        // Its transpose: one element at a time, column by column.
+        assert_eq!(
+            runs(0, &[3, 2], &[1, 3]),
+            [(0, 1), (3, 1), (1, 1), (4, 1), (2, 1), (5, 1)]
+        );
+        // Stride 0 (expanded), 0-d, and empty views.
+        assert_eq!(runs(2, &[3], &[0]), [(2, 1), (2, 1), (2, 1)]);
+        assert_eq!(runs(5, &[], &[]), [(5, 1)]);
+        assert_eq!(runs(0, &[2, 0], &[1, 1]), []);
+        assert_eq!(runs(1, &[2, 1, 2], &[4, 9, 1]), [(1, 2), (5, 2)]);
+    }
 }
