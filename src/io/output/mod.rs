@@ -22,12 +22,17 @@
 //! an earlier output of its kind (`crate::checkpoint::CHECKPOINT_DIR` for checkpoints; the
 //! tool's `shard-torch` defines its own).
 
+mod direct;
 mod install;
 mod read;
 mod replace;
 mod temp;
 mod writeback;
 
+pub(crate) use direct::{direct_io_default, Bounce, DataFile};
+#[cfg(feature = "fault-injection")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+pub use direct::{direct_reads, force_direct_io, refuse_direct_io};
 #[cfg(feature = "fault-injection")]
 #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
 pub use install::force_rename_fallback;
