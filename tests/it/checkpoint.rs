@@ -1666,7 +1666,7 @@ fn reshard_and_consolidation_with_direct_reads_write_the_bytes_of_buffered_reads
     assert!(a.2 == b.2, "the consolidated .pt files differ");
     common::assert_same_state(
         &fsdp::io::safetensors::load_optim_state_dict(
-            &root.path().join("direct-true/full.safetensors"),
+            root.path().join("direct-true/full.safetensors"),
         )
         .unwrap(),
         &full,

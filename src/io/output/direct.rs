@@ -280,7 +280,8 @@ mod hooks {
     /// (`at_first_read`), as some FUSE and overlay mounts do, so that the fallback to ordinary
     /// reads runs.
     pub fn refuse_direct_io(at_open: bool, at_first_read: bool) {
-        REFUSED.with(|r| r.set(u8::from(at_open) * AT_OPEN | u8::from(at_first_read) * AT_READ));
+        REFUSED
+            .with(|r| r.set((u8::from(at_open) * AT_OPEN) | (u8::from(at_first_read) * AT_READ)));
     }
 
     /// Test probe (feature `fault-injection`): how many reads the calling thread has made with

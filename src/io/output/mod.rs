@@ -1,6 +1,7 @@
 //! Safe outputs: which existing paths a writer may replace, how a finished output is
 //! installed, how stale temporaries of killed runs are cleaned, and how metadata files are
-//! read without blocking on a FIFO or reading a device forever.
+//! read without blocking on a FIFO or reading a device forever; data files can be read past
+//! the page cache (`O_DIRECT`, with a fallback, in `direct`).
 //!
 //! Every writer of a directory (a checkpoint save or reshard, `shard-torch`) follows one
 //! rule, [`check_dir_output`]: the output path may be replaced only if it is missing, an
