@@ -24,8 +24,12 @@
 //!   whole-file reads of the same bytes (4 MiB `pread`s into fresh memory, straight or through
 //!   a bounce buffer, and with `O_DIRECT`) measured before each `load` child. The three loads'
 //!   repetitions are interleaved, so that drift in the disk's speed hits them alike.
+//! - `load-direct`: `load` with `LoadOptions::direct_io` (`O_DIRECT` reads through an aligned
+//!   bounce buffer, no read-ahead), interleaved with the other loads (issue 27, part 4).
+//! - `reshard-direct`: `reshard` with direct reads (`FSDP_DIRECT_IO=1` in its child),
+//!   interleaved with `reshard` when both run.
 //!
-//! `CKPT_BENCH_OPS=load,reshard` runs a subset of the last six (saving always runs: the
+//! `CKPT_BENCH_OPS=load,reshard` runs a subset of the last eight (saving always runs: the
 //! others read its checkpoint). Each of them runs in `CKPT_BENCH_REPS` fresh child processes
 //! (this binary re-executed with `--child`), each making `CKPT_BENCH_CALLS` calls (default 3,
 //! at least 2) with the files to read evicted and the output removed before each, untimed. The
@@ -260,10 +264,15 @@ fn read_direct(path: &Path) -> bool {
 }
 
 /// The load variants, measured interleaved ([`load_phases`]).
-const LOADS: [&str; 3] = ["load", "load-no-read-ahead", "load-unverified"];
+const LOADS: [&str; 4] = [
+    "load",
+    "load-no-read-ahead",
+    "load-unverified",
+    "load-direct",
+];
 
 /// Whether `op` is one of the load variants (`load`, `load-no-read-ahead`,
-/// `load-unverified`).
+/// `load-unverified`, `load-direct`).
 fn is_load(op: &str) -> bool {
     op.starts_with("load")
 }
@@ -532,7 +541,12 @@ fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
             let opts = LoadOptions::default().verify(false);
             load_once(src, &opts).1
         }
-        "reshard" => {
+        "load-direct" => {
+            let opts = LoadOptions::default().direct_io(true);
+            load_once(src, &opts).1
+        }
+        // `child` set FSDP_DIRECT_IO=1 for it.
+        "reshard" | "reshard-direct" => {
             checkpoint::reshard(src, dst, RESHARD_WS, None, &Solo, |_| {}).expect("offline reshard")
         }
         "consolidate" => convert::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
@@ -574,6 +588,11 @@ fn child(args: &[String]) {
     let calls: usize = args[1].parse().expect("a call count");
     let src = PathBuf::from(&args[2]);
     let dst = PathBuf::from(args.get(3).map_or("", String::as_str));
+    // Reshard has no options of its own for direct reads: the variable, before any thread.
+    std::env::set_var(
+        "FSDP_DIRECT_IO",
+        if op == "reshard-direct" { "1" } else { "0" },
+    );
     let hwm_start = vm_hwm_kib();
     let rchar = proc_io("rchar");
     let mut bytes = 0;
@@ -753,10 +772,21 @@ fn load_phases(
     src: &Path,
     f: &BenchFiles<'_>,
 ) -> Vec<(&'static str, OpRuns)> {
+    interleaved_phases(ops, src, Path::new(""), f)
+}
+
+/// The variants `ops` of one operation on `src` (output `dst`), their repetitions interleaved
+/// as in [`load_phases`].
+fn interleaved_phases(
+    ops: &[&'static str],
+    src: &Path,
+    dst: &Path,
+    f: &BenchFiles<'_>,
+) -> Vec<(&'static str, OpRuns)> {
     let mut runs: Vec<(&str, OpRuns)> = ops.iter().map(|op| (*op, OpRuns::default())).collect();
     for i in 0..f.reps {
         for (op, o) in &mut runs {
-            op_rep(op, src, Path::new(""), f, i, o);
+            op_rep(op, src, dst, f, i, o);
         }
     }
     for (op, o) in &runs {
@@ -905,16 +935,18 @@ fn main() {
     let full_pt = root.join("full.pt");
     let loads: Vec<&str> = LOADS.into_iter().filter(|op| wanted(op)).collect();
     let mut ops = load_phases(&loads, &ckpt4, &files);
-    for (op, dst) in [
-        ("reshard", &ckpt2),
-        ("consolidate", &full_out),
-        ("consolidate-pt", &full_pt),
-    ] {
+    let reshards: Vec<&str> = ["reshard", "reshard-direct"]
+        .into_iter()
+        .filter(|op| wanted(op))
+        .collect();
+    if !reshards.is_empty() {
+        ops.extend(interleaved_phases(&reshards, &ckpt4, &ckpt2, &files));
+        checkpoint::verify(&ckpt2).expect("the resharded checkpoint verifies");
+        let _ = std::fs::remove_dir_all(&ckpt2);
+    }
+    for (op, dst) in [("consolidate", &full_out), ("consolidate-pt", &full_pt)] {
         if wanted(op) {
             ops.push((op, op_phase(op, &ckpt4, dst, &files)));
-        }
-        if op == "reshard" && ckpt2.exists() {
-            checkpoint::verify(&ckpt2).expect("the resharded checkpoint verifies");
         }
         let _ = std::fs::remove_dir_all(dst);
         let _ = std::fs::remove_file(dst);
@@ -947,7 +979,8 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
     for (op, o) in ops {
         let (c, w) = (o.cold.median(), o.warm.median());
         let target = match *op {
-            "reshard" | "load-no-read-ahead" | "load-unverified" => "",
+            "reshard" | "reshard-direct" | "load-no-read-ahead" | "load-unverified"
+            | "load-direct" => "",
             _ if c / w <= 1.5 => "met",
             _ => "MISSED",
         };
@@ -997,6 +1030,7 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
     }
     println!("(ratio = baseline seconds / op seconds: 1.0 = as fast as the baseline; targets: save and load >= 0.5, reshard and consolidation >= 0.7 against max(read, write) and best copy)");
     load_steps_summary(bytes, ops);
+    direct_summary(ops);
     println!();
     println!("copies of the same bytes (median s, GB/s), before the operations:");
     for (op, o) in ops.iter().filter(|o| !is_load(o.0)) {
@@ -1012,6 +1046,31 @@ fn summary(bytes: u64, reps: usize, (save, rw): (&Timing, &Timing), ops: &[(&str
             line += &format!(", {name} {:.2} ({:.2})", t.median(), gbs(bytes, t.median()));
         }
         println!("{line}");
+    }
+}
+
+/// Direct reads against buffered ones, per operation measured both ways: the median cold and
+/// warm seconds and how much faster the direct median is (issue 27 makes `O_DIRECT` the
+/// default only at 10 % or more).
+fn direct_summary(ops: &[(&str, &OpRuns)]) {
+    let find = |name: &str| ops.iter().find(|o| o.0 == name).map(|o| o.1);
+    let pairs: Vec<(&str, &OpRuns, &OpRuns)> = ["load", "reshard"]
+        .into_iter()
+        .filter_map(|op| Some((op, find(op)?, find(&format!("{op}-direct"))?)))
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    println!();
+    println!("direct (O_DIRECT) against buffered reads (medians; faster = 1 - direct / buffered):");
+    for (op, b, d) in pairs {
+        for (kind, tb, td) in [("cold", &b.cold, &d.cold), ("warm", &b.warm, &d.warm)] {
+            let (mb, md) = (tb.median(), td.median());
+            println!(
+                "  {op:<8} {kind}: buffered {mb:.2} s, direct {md:.2} s, direct {:+.1} % faster",
+                (1.0 - md / mb) * 100.0
+            );
+        }
     }
 }
 
@@ -1049,7 +1108,7 @@ fn load_steps_summary(bytes: u64, ops: &[(&str, &OpRuns)]) {
             ratio(w, b)
         );
     }
-    println!("(load-no-read-ahead - load = the read-ahead's gain, which also overlaps the checksums with the disk; load - load-unverified = what the checksums cost)");
+    println!("(load-no-read-ahead - load = the read-ahead's gain, which also overlaps the checksums with the disk; load - load-unverified = what the checksums cost; load-direct = O_DIRECT reads through a bounce buffer, no read-ahead)");
     let Some((_, o)) = loads.iter().find(|o| o.0 == "load") else {
         return;
     };

@@ -7,13 +7,12 @@ use super::manifest::{
 use super::prefetch;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, Ownership, ShardPiece};
+use crate::io::output::{Bounce, DataFile};
 use crate::optim_state::flatten::{flatten_from_source, ShardSource};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
 use indexmap::IndexMap;
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -27,7 +26,14 @@ pub struct LoadOptions {
     /// Have a thread ask the kernel for the rank's next byte ranges (64 MiB ahead) while the
     /// reader copies and checksums, so the disk works meanwhile (default `true`; see
     /// BENCHMARKS.md for its measured gain). Off, every block read waits for the disk.
+    /// Direct reads skip it (they do not go through the page cache it fills).
     pub read_ahead: bool,
+    /// Read the data files with `O_DIRECT` (Linux), bypassing the page cache: less CPU per
+    /// byte, and nothing of the checkpoint left cached. Pieces need no alignment (aligned
+    /// ranges are read through a bounce buffer), and a file system that refuses `O_DIRECT` is
+    /// read through the page cache instead, silently. Default: `FSDP_DIRECT_IO=1` or `0` when
+    /// set, else off (BENCHMARKS.md, "Direct reads", has the measurement behind that).
+    pub direct_io: bool,
 }
 
 impl Default for LoadOptions {
@@ -35,6 +41,7 @@ impl Default for LoadOptions {
         LoadOptions {
             verify: true,
             read_ahead: true,
+            direct_io: crate::io::output::direct_io_default(),
         }
     }
 }
@@ -52,14 +59,23 @@ impl LoadOptions {
         self.read_ahead = on;
         self
     }
+    /// Sets [`LoadOptions::direct_io`].
+    pub fn direct_io(mut self, on: bool) -> Self {
+        self.direct_io = on;
+        self
+    }
 }
 
 /// Reads byte ranges of a checkpoint's data files.
 pub(super) struct Reader<'m> {
     dir: PathBuf,
     manifest: &'m Manifest,
-    files: Vec<Option<File>>,
+    files: Vec<Option<DataFile>>,
     verify: bool,
+    /// Open the data files with `O_DIRECT` ([`LoadOptions::direct_io`]).
+    direct: bool,
+    /// The aligned buffer direct reads go through.
+    bounce: Bounce,
     /// The last checksum block read and verified, whole.
     scratch: Vec<u8>,
     /// Which block `scratch` holds: (file, byte offset of its piece, block index). Ranges that
@@ -74,17 +90,27 @@ pub(super) struct Reader<'m> {
 }
 
 impl<'m> Reader<'m> {
+    /// A reader of the checkpoint `dir` described by `manifest`, checking checksums when
+    /// `verify`, reading directly or not as [`crate::io::output::direct_io_default`] says.
     pub(super) fn new(dir: &Path, manifest: &'m Manifest, verify: bool) -> Self {
         Reader {
             dir: dir.to_path_buf(),
             manifest,
             files: (0..manifest.files.len()).map(|_| None).collect(),
             verify,
+            direct: crate::io::output::direct_io_default(),
+            bounce: Bounce::default(),
             scratch: Vec::new(),
             cached: None,
             consumed: Arc::new(AtomicU64::new(0)),
             drop_behind: None,
         }
+    }
+
+    /// This reader, with `O_DIRECT` reads or without ([`LoadOptions::direct_io`]).
+    pub(super) fn direct_io(mut self, on: bool) -> Self {
+        self.direct = on;
+        self
     }
 
     /// This reader, dropping the pages it has read from the page cache
@@ -108,13 +134,14 @@ impl<'m> Reader<'m> {
     }
 
     /// Opens data file `i`, checking its length and header checksum once.
-    fn file(&mut self, i: usize, tensor: &str) -> Result<&File> {
+    fn file(&mut self, i: usize, tensor: &str) -> Result<()> {
         if self.files[i].is_none() {
             let rec = &self.manifest.files[i];
             let path = self.dir.join(&rec.name);
-            let f = crate::io::output::open_regular(&path)
+            let mut f = DataFile::open(&path, self.direct)
                 .map_err(|e| self.corrupt(i, tensor, format!("cannot open: {e}")))?;
             let len = f
+                .file()
                 .metadata()
                 .map_err(|e| self.corrupt(i, tensor, format!("cannot stat: {e}")))?
                 .len();
@@ -130,7 +157,7 @@ impl<'m> Reader<'m> {
             }
             if self.verify {
                 let mut header = vec![0u8; usize::try_from(rec.header_len).unwrap_or(0)];
-                f.read_exact_at(&mut header, 0)
+                f.read_exact_at(&mut header, 0, &mut self.bounce)
                     .map_err(|e| self.corrupt(i, tensor, format!("cannot read the header: {e}")))?;
                 if crc32c::crc32c(&header) != rec.header_crc32c {
                     return Err(self.corrupt(
@@ -139,14 +166,14 @@ impl<'m> Reader<'m> {
                         "the safetensors header fails its checksum".into(),
                     ));
                 }
-                if let Some(dropper) = self.drop_behind.as_mut() {
+                if let Some(dropper) = self.drop_behind.as_mut().filter(|_| !f.is_direct()) {
                     // The data follows the header: one run from byte 0.
-                    dropper.read(i, &f, 0, rec.header_len);
+                    dropper.read(i, f.file(), 0, rec.header_len);
                 }
             }
             self.files[i] = Some(f);
         }
-        Ok(self.files[i].as_ref().expect("opened above"))
+        Ok(())
     }
 
     /// Reads elements `[start, start + dst.len() / size)` of a tensor state stored as
@@ -211,12 +238,26 @@ impl<'m> Reader<'m> {
     ) -> Result<()> {
         let fi = p.file;
         self.file(fi, tensor)?;
-        let f = self.files[fi].as_ref().expect("opened above");
+        let Reader {
+            files,
+            verify,
+            bounce,
+            scratch,
+            cached,
+            consumed,
+            drop_behind,
+            ..
+        } = self;
+        let Some(f) = files[fi].as_mut() else {
+            return Err(Error::Internal(format!(
+                "data file {fi} not open after opening"
+            )));
+        };
         let read_err = |what: String, e: std::io::Error| format!("cannot read {what}: {e}");
-        let result: std::result::Result<(), String> = if !self.verify {
+        let result: std::result::Result<(), String> = if !*verify {
             let at = p.offset + byte_lo as u64;
-            self.consumed.fetch_add(out.len() as u64, Ordering::Relaxed);
-            f.read_exact_at(out, at)
+            consumed.fetch_add(out.len() as u64, Ordering::Relaxed);
+            f.read_exact_at(out, at, bounce)
                 .map_err(|e| read_err(format!("{} bytes at {at}", out.len()), e))
         } else {
             let byte_hi = byte_lo + out.len();
@@ -226,11 +267,11 @@ impl<'m> Reader<'m> {
                 let blo = b * CHECKSUM_BLOCK;
                 let bhi = (blo + CHECKSUM_BLOCK).min(piece_bytes);
                 let at = p.offset + blo as u64;
-                if blo >= byte_lo && bhi <= byte_hi && self.cached != Some((fi, p.offset, b)) {
+                if blo >= byte_lo && bhi <= byte_hi && *cached != Some((fi, p.offset, b)) {
                     // A whole block wanted: read and check it in place, no copy.
                     let dst = &mut out[blo - byte_lo..bhi - byte_lo];
-                    self.consumed.fetch_add(dst.len() as u64, Ordering::Relaxed);
-                    if let Err(e) = f.read_exact_at(dst, at) {
+                    consumed.fetch_add(dst.len() as u64, Ordering::Relaxed);
+                    if let Err(e) = f.read_exact_at(dst, at, bounce) {
                         result = Err(read_err(
                             format!("block {b} ({} bytes at {at})", bhi - blo),
                             e,
@@ -247,43 +288,44 @@ impl<'m> Reader<'m> {
                     b += 1;
                     continue;
                 }
-                if self.cached != Some((fi, p.offset, b)) {
-                    self.cached = None;
-                    self.scratch.resize(bhi - blo, 0);
-                    self.consumed
-                        .fetch_add(self.scratch.len() as u64, Ordering::Relaxed);
-                    if let Err(e) = f.read_exact_at(&mut self.scratch, at) {
+                if *cached != Some((fi, p.offset, b)) {
+                    *cached = None;
+                    scratch.resize(bhi - blo, 0);
+                    consumed.fetch_add(scratch.len() as u64, Ordering::Relaxed);
+                    if let Err(e) = f.read_exact_at(scratch, at, bounce) {
                         result = Err(read_err(
                             format!("block {b} ({} bytes at {at})", bhi - blo),
                             e,
                         ));
                         break;
                     }
-                    if p.crc32c.get(b).copied() != Some(crc32c::crc32c(&self.scratch)) {
+                    if p.crc32c.get(b).copied() != Some(crc32c::crc32c(scratch)) {
                         result = Err(format!(
                             "block {b} of the piece at byte {} fails its checksum (bit rot or a partial write)",
                             p.offset
                         ));
                         break;
                     }
-                    self.cached = Some((fi, p.offset, b));
+                    *cached = Some((fi, p.offset, b));
                 }
                 let (lo, hi) = (blo.max(byte_lo), bhi.min(byte_hi));
-                out[lo - byte_lo..hi - byte_lo].copy_from_slice(&self.scratch[lo - blo..hi - blo]);
+                out[lo - byte_lo..hi - byte_lo].copy_from_slice(&scratch[lo - blo..hi - blo]);
                 b += 1;
             }
             result
         };
-        if let (Ok(()), Some(dropper)) = (&result, self.drop_behind.as_mut()) {
+        // Direct reads leave nothing cached to drop.
+        if let (Ok(()), Some(dropper)) = (&result, drop_behind.as_mut().filter(|_| !f.is_direct()))
+        {
             // What was read: the checksum blocks around the range (or, unverified, the bytes).
-            let (lo, hi) = if self.verify {
+            let (lo, hi) = if *verify {
                 let lo = byte_lo / CHECKSUM_BLOCK * CHECKSUM_BLOCK;
                 let hi = (byte_lo + out.len()).div_ceil(CHECKSUM_BLOCK) * CHECKSUM_BLOCK;
                 (lo, hi.min(piece_bytes))
             } else {
                 (byte_lo, byte_lo + out.len())
             };
-            dropper.read(fi, f, p.offset + lo as u64, p.offset + hi as u64);
+            dropper.read(fi, f.file(), p.offset + lo as u64, p.offset + hi as u64);
         }
         result.map_err(|reason| self.corrupt(fi, tensor, reason))
     }
@@ -317,8 +359,8 @@ impl Drop for Reader<'_> {
     fn drop(&mut self) {
         if let Some(dropper) = self.drop_behind.as_mut() {
             for (i, f) in self.files.iter().enumerate() {
-                if let Some(f) = f {
-                    dropper.finish(&i, f);
+                if let Some(f) = f.as_ref().filter(|f| !f.is_direct()) {
+                    dropper.finish(&i, f.file());
                 }
             }
         }
@@ -451,7 +493,8 @@ impl CheckpointSource<'_> {
             .collect();
         let consumed = self.reader.consumed.clone();
         let dir = self.reader.dir.clone();
-        prefetch::with_read_ahead(&dir, &names, ranges, &consumed, || work(self))
+        let direct = self.reader.direct;
+        prefetch::with_read_ahead(&dir, &names, ranges, &consumed, direct, || work(self))
     }
 
     /// This rank's padded shard of tensor state `sname` of flat parameter `fl`: member ranges
@@ -542,7 +585,7 @@ pub fn load<T: Tensor>(
     states_in_consolidated_order(&mut manifest)?;
     let records = index_records(dir, &manifest, layout)?;
     let mut src = CheckpointSource {
-        reader: Reader::new(dir, &manifest, opts.verify),
+        reader: Reader::new(dir, &manifest, opts.verify).direct_io(opts.direct_io),
         records,
         rank,
     };
@@ -609,7 +652,7 @@ pub fn load_model_params<T: Tensor>(
     };
     let records = index_records(dir, &manifest, layout)?;
     let mut src = CheckpointSource {
-        reader: Reader::new(dir, &manifest, opts.verify),
+        reader: Reader::new(dir, &manifest, opts.verify).direct_io(opts.direct_io),
         records,
         rank,
     };
@@ -636,7 +679,7 @@ pub fn load_model_params<T: Tensor>(
 /// `full_optim_state_dict` returned it when saving. Holds every tensor in memory.
 pub fn load_full(dir: &Path, opts: &LoadOptions) -> Result<OptimStateDict> {
     let manifest = read_manifest(dir)?;
-    let mut reader = Reader::new(dir, &manifest, opts.verify);
+    let mut reader = Reader::new(dir, &manifest, opts.verify).direct_io(opts.direct_io);
     let mut state: IndexMap<ParamKey, ParamState> = IndexMap::new();
     let layout = ModelLayout::new(&manifest.model, &manifest.policy, manifest.world_size)?;
     for rec in &manifest.params {

@@ -7,6 +7,7 @@
 
 use super::manifest::{ParamRecord, StoredValue, CHECKSUM_BLOCK};
 use crate::flat_param::{ModelLayout, ShardPiece};
+use crate::io::output::DataFile;
 use crate::optim_state::keys::Resolved;
 use std::collections::HashMap;
 use std::path::Path;
@@ -112,11 +113,16 @@ pub(super) fn planned_reads(
 /// Runs `work` while a thread reads `ranges` of the data files `names` (inside `dir`) ahead,
 /// staying at most [`WINDOW`] bytes ahead of `consumed` (bytes the reader has read so far).
 /// Read-ahead is advice: failures are ignored, and the reader checks everything it reads.
+/// With `direct` (the reader opens the files with `O_DIRECT`), files that accept `O_DIRECT`
+/// are skipped: direct reads do not use the page cache, so fetching into it would read the
+/// bytes twice; files whose file system refuses it (read through the page cache) are still
+/// read ahead.
 pub(super) fn with_read_ahead<R>(
     dir: &Path,
     names: &[String],
     ranges: Vec<Range>,
     consumed: &AtomicU64,
+    direct: bool,
     work: impl FnOnce() -> R,
 ) -> R {
     if ranges.is_empty() || !cfg!(target_os = "linux") {
@@ -127,7 +133,9 @@ pub(super) fn with_read_ahead<R>(
         let stop2 = stop.clone();
         let spawned = std::thread::Builder::new()
             .name("fsdp-read-ahead".into())
-            .spawn_scoped(s, move || read_ahead(dir, names, &ranges, consumed, &stop2));
+            .spawn_scoped(s, move || {
+                read_ahead(dir, names, &ranges, consumed, direct, &stop2)
+            });
         let out = work();
         stop.store(true, Ordering::Relaxed);
         if let Ok(h) = spawned {
@@ -142,9 +150,11 @@ fn read_ahead(
     names: &[String],
     ranges: &[Range],
     consumed: &AtomicU64,
+    direct: bool,
     stop: &AtomicBool,
 ) {
-    let mut files: Vec<Option<std::fs::File>> = (0..names.len()).map(|_| None).collect();
+    // Per file: not opened yet, opened (`None`: unreadable or read directly, skipped).
+    let mut files: Vec<Option<Option<DataFile>>> = (0..names.len()).map(|_| None).collect();
     let mut issued = 0u64;
     for &(file, offset, len) in ranges {
         let mut at = 0;
@@ -163,11 +173,13 @@ fn read_ahead(
             let Some(slot) = files.get_mut(file) else {
                 return;
             };
-            if slot.is_none() {
-                *slot = crate::io::output::open_regular(&dir.join(&names[file])).ok();
-            }
-            if let Some(f) = slot {
-                advise_will_need(f, offset + at, n);
+            let opened = slot.get_or_insert_with(|| {
+                DataFile::open(&dir.join(&names[file]), direct)
+                    .ok()
+                    .filter(|f| !f.is_direct())
+            });
+            if let Some(f) = opened {
+                advise_will_need(f.file(), offset + at, n);
             }
             at += n;
             issued += n;
@@ -253,6 +265,7 @@ mod tests {
             &["rank0.safetensors".to_string()],
             vec![(0, 0, 3 * REQUEST), (5, 0, 10)],
             &consumed,
+            false,
             || 42,
         );
         assert_eq!(out, 42);

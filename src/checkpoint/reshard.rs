@@ -45,7 +45,10 @@ fn range_of(layout: &ModelLayout, param: usize, rank: usize) -> Option<(usize, u
 }
 
 /// Rewrites the checkpoint `src` for `world_size` ranks under `policy` (the saved policy when
-/// `None`) into `dst`, committed atomically like a save. Every block read is verified.
+/// `None`) into `dst`, committed atomically like a save. Every block read is verified. Reads
+/// go through the page cache, or bypass it when `FSDP_DIRECT_IO=1` ([`LoadOptions::direct_io`]).
+///
+/// [`LoadOptions::direct_io`]: super::LoadOptions::direct_io
 /// Returns the tensor bytes copied.
 ///
 /// The job is split across the processes of `pg` (`&Solo` for one process; each process

@@ -1491,3 +1491,284 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
         "{err}"
     );
 }
+
+// ----- direct reads (O_DIRECT) -----
+
+use fsdp::io::output::{direct_reads, force_direct_io, refuse_direct_io};
+
+/// Each rank's dict loaded from `dir` with `opts`, and the direct reads its thread made.
+fn load_counting(
+    model: &ModelDesc,
+    policy: &WrapPolicy,
+    world_size: usize,
+    dir: &Path,
+    opts: &LoadOptions,
+    refuse: (bool, bool),
+) -> Vec<(OptimStateDict, u64)> {
+    ThreadGroup::run(world_size, |pg| {
+        refuse_direct_io(refuse.0, refuse.1);
+        let fsdp = Fsdp::new(model, policy, Arc::new(pg)).unwrap();
+        let before = direct_reads();
+        let loaded = fsdp
+            .load_optim_checkpoint(dir, &fsdp.optim_params(), opts)
+            .unwrap_or_else(|e| panic!("rank {}: {e}", fsdp.rank()));
+        (loaded, direct_reads() - before)
+    })
+}
+
+/// Whether the file system of `dir` lets a file be opened with `O_DIRECT`.
+fn accepts_direct(dir: &Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let probe = dir.join("direct-probe");
+    std::fs::write(&probe, [0u8; 4096]).unwrap();
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&probe)
+        .is_ok();
+    std::fs::remove_file(&probe).unwrap();
+    ok
+}
+
+#[test]
+fn direct_loads_give_the_bits_of_buffered_loads_whatever_the_piece_offsets_and_file_lengths() {
+    // Small pieces at unaligned offsets (the nested model); pieces of several 4 MiB checksum
+    // blocks starting and ending inside blocks, and odd element counts (the second model).
+    let big = ModelDesc::new()
+        .param("a.weight", &[1031, 1033], DType::F32)
+        .param("a.bias", &[1031], DType::F32)
+        .param("b.weight", &[777, 1024], DType::F32);
+    let cases = [
+        (
+            common::nested_model(),
+            common::wrap(false),
+            common::wrap_alt(),
+            3,
+            [2, 5],
+        ),
+        (
+            big,
+            WrapPolicy::units(&["a", "b"]),
+            WrapPolicy::units(&["b", ""]),
+            3,
+            [2, 4],
+        ),
+    ];
+    for (model, policy, alt, save_ws, load_wss) in cases {
+        let full = full_adam(&model, 3.0);
+        let root = tmp();
+        let dir = root.path().join("ckpt");
+        for r in save_at(
+            &model,
+            &policy,
+            save_ws,
+            &full,
+            &dir,
+            &SaveOptions::default(),
+        ) {
+            r.unwrap();
+        }
+        let m = read_manifest(&dir).unwrap();
+        assert!(
+            m.files.iter().any(|f| f.len % 4096 != 0),
+            "a data file whose length is not a multiple of 4096"
+        );
+        assert!(
+            m.files.iter().any(|f| f.header_len % 4096 != 0),
+            "pieces at unaligned offsets"
+        );
+        let direct_works = accepts_direct(root.path());
+        for ws in load_wss {
+            for verify in [true, false] {
+                let buffered = LoadOptions::default().verify(verify).direct_io(false);
+                let direct = buffered.clone().direct_io(true);
+                let a = load_counting(&model, &alt, ws, &dir, &buffered, (false, false));
+                let b = load_counting(&model, &alt, ws, &dir, &direct, (false, false));
+                for (rank, ((a, na), (b, nb))) in a.iter().zip(&b).enumerate() {
+                    let what = format!("ws {ws}, rank {rank}, verify {verify}");
+                    assert_identical(a, b, &what);
+                    assert_eq!(*na, 0, "{what}: buffered loads make no direct reads");
+                    if direct_works {
+                        assert!(*nb > 0, "{what}: the direct load read directly");
+                    }
+                }
+            }
+        }
+        // The full dict, and the direct load against what was saved.
+        let direct = LoadOptions::default().direct_io(true);
+        assert_identical(
+            &load_full(&dir, &direct).unwrap(),
+            &load_full(&dir, &LoadOptions::default().direct_io(false)).unwrap(),
+            "load_full",
+        );
+        for (rank, (loaded, expected)) in load_with(&model, &alt, 2, &full, &dir, &direct)
+            .iter()
+            .enumerate()
+        {
+            assert_identical(loaded, expected, &format!("direct, rank {rank}"));
+        }
+    }
+}
+
+#[test]
+fn reshard_and_consolidation_with_direct_reads_write_the_bytes_of_buffered_reads() {
+    // Pieces of several checksum blocks, split by the new ranks inside blocks.
+    let model = ModelDesc::new()
+        .param("a.weight", &[1500, 1031], DType::F32)
+        .param("a.bias", &[1500], DType::F32)
+        .param("b.weight", &[700, 1024], DType::F32);
+    let full = full_adam(&model, 2.0);
+    let root = tmp();
+    let src = root.path().join("ws3");
+    for r in save_at(
+        &model,
+        &WrapPolicy::units(&["a", "b"]),
+        3,
+        &full,
+        &src,
+        &SaveOptions::default(),
+    ) {
+        r.unwrap();
+    }
+    let alt = WrapPolicy::units(&["b", ""]);
+    let direct_works = accepts_direct(root.path());
+    let mut outputs = Vec::new();
+    for direct in [false, true] {
+        force_direct_io(Some(direct));
+        let before = direct_reads();
+        let out = root.path().join(format!("direct-{direct}"));
+        std::fs::create_dir(&out).unwrap();
+        let resharded = out.join("ws2");
+        checkpoint::reshard(&src, &resharded, 2, Some(&alt), &Solo, |_| {}).unwrap();
+        convert::checkpoint_to_safetensors(&src, &out.join("full.safetensors"), &Solo, |_| {})
+            .unwrap();
+        convert::checkpoint_to_torch_save(&src, &out.join("full.pt"), &Solo, |_| {}).unwrap();
+        assert_eq!(
+            verify(&resharded).unwrap(),
+            read_manifest(&src).unwrap().tensor_bytes()
+        );
+        let reads = direct_reads() - before;
+        force_direct_io(None);
+        if !direct {
+            assert_eq!(reads, 0, "buffered reads only");
+        } else if direct_works {
+            assert!(reads > 0, "the direct run read directly");
+        }
+        outputs.push((
+            contents(&resharded),
+            std::fs::read(out.join("full.safetensors")).unwrap(),
+            std::fs::read(out.join("full.pt")).unwrap(),
+        ));
+    }
+    let (a, b) = (&outputs[0], &outputs[1]);
+    assert!(a.0 == b.0, "the resharded checkpoints differ");
+    assert!(a.1 == b.1, "the consolidated .safetensors files differ");
+    assert!(a.2 == b.2, "the consolidated .pt files differ");
+    common::assert_same_state(
+        &fsdp::io::safetensors::load_optim_state_dict(
+            root.path().join("direct-true/full.safetensors"),
+        )
+        .unwrap(),
+        &full,
+        "consolidated with direct reads vs saved",
+    );
+}
+
+#[test]
+fn a_flipped_byte_fails_a_direct_read_with_the_error_of_a_buffered_one() {
+    let (_root, dir) = saved();
+    let file = dir.join("rank1.safetensors");
+    let original = std::fs::read(&file).unwrap();
+    let header = read_manifest(&dir).unwrap().files[1].header_len as usize;
+    let model = common::nested_model();
+    let load = |direct: bool| {
+        ThreadGroup::run(1, |pg| -> fsdp::Result<OptimStateDict> {
+            let fsdp = Fsdp::new(&model, &common::wrap(false), Arc::new(pg)).unwrap();
+            let opts = LoadOptions::default().direct_io(direct);
+            fsdp.load_optim_checkpoint(&dir, &fsdp.optim_params(), &opts)
+        })
+        .pop()
+        .unwrap()
+    };
+    // In the header, at the first data byte, in the middle and at the last byte (the end of
+    // the file is not aligned).
+    for at in [
+        header / 2,
+        header,
+        (header + original.len()) / 2,
+        original.len() - 1,
+    ] {
+        let mut bytes = original.clone();
+        bytes[at] ^= 0x08;
+        std::fs::write(&file, &bytes).unwrap();
+        let (buffered, direct) = (load(false).unwrap_err(), load(true).unwrap_err());
+        assert!(
+            matches!(&direct, Error::CheckpointCorrupt { rank: 1, .. }),
+            "byte {at}: {direct:?}"
+        );
+        assert_eq!(direct.to_string(), buffered.to_string(), "byte {at}");
+        force_direct_io(Some(true));
+        let verified = verify(&dir);
+        force_direct_io(None);
+        assert!(
+            matches!(verified, Err(Error::CheckpointCorrupt { rank: 1, .. })),
+            "byte {at}: {verified:?}"
+        );
+    }
+    std::fs::write(&file, &original).unwrap();
+    load(true).unwrap();
+}
+
+#[test]
+fn a_file_system_refusing_o_direct_is_read_through_the_page_cache_with_direct_io_on() {
+    let model = common::nested_model();
+    let full = full_adam(&model, 5.0);
+    let root = tmp();
+    let dir = root.path().join("ckpt");
+    for r in save_at(
+        &model,
+        &common::wrap(true),
+        2,
+        &full,
+        &dir,
+        &SaveOptions::default(),
+    ) {
+        r.unwrap();
+    }
+    let direct = LoadOptions::default().direct_io(true);
+    // Refused at `open` (tmpfs before Linux 6.6) or at the first read (some FUSE mounts).
+    for refuse in [(true, false), (false, true)] {
+        for verify in [true, false] {
+            let opts = direct.clone().verify(verify);
+            let loaded = load_counting(&model, &common::wrap_alt(), 3, &dir, &opts, refuse);
+            let expected = load_with(&model, &common::wrap_alt(), 3, &full, &dir, &opts);
+            for (rank, ((loaded, n), (_, expected))) in loaded.iter().zip(&expected).enumerate() {
+                let what = format!("refused {refuse:?}, verify {verify}, rank {rank}");
+                assert_identical(loaded, expected, &what);
+                assert_eq!(*n, 0, "{what}: no direct read succeeded");
+            }
+        }
+    }
+    // A real tmpfs, where there is one: it refuses O_DIRECT before Linux 6.6 and accepts it
+    // since; the load works either way.
+    if let Ok(shm) = tempfile::tempdir_in("/dev/shm") {
+        let dir = shm.path().join("ckpt");
+        for r in save_at(
+            &model,
+            &common::wrap(true),
+            2,
+            &full,
+            &dir,
+            &SaveOptions::default(),
+        ) {
+            r.unwrap();
+        }
+        for (rank, (loaded, expected)) in
+            load_with(&model, &common::wrap_alt(), 3, &full, &dir, &direct)
+                .iter()
+                .enumerate()
+        {
+            assert_identical(loaded, expected, &format!("/dev/shm, rank {rank}"));
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! Safe outputs: which existing paths a writer may replace, how a finished output is
 //! installed, how stale temporaries of killed runs are cleaned, and how metadata files are
-//! read without blocking on a FIFO or reading a device forever.
+//! read without blocking on a FIFO or reading a device forever; data files can be read past
+//! the page cache (`O_DIRECT`, with a fallback, in `direct`).
 //!
 //! Every writer of a directory (a checkpoint save or reshard, `shard-torch`) follows one
 //! rule, [`check_dir_output`]: the output path may be replaced only if it is missing, an
@@ -22,12 +23,17 @@
 //! an earlier output of its kind (`crate::checkpoint::CHECKPOINT_DIR` for checkpoints; the
 //! tool's `shard-torch` defines its own).
 
+mod direct;
 mod install;
 mod read;
 mod replace;
 mod temp;
 mod writeback;
 
+pub(crate) use direct::{direct_io_default, Bounce, DataFile};
+#[cfg(feature = "fault-injection")]
+#[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
+pub use direct::{direct_reads, force_direct_io, refuse_direct_io};
 #[cfg(feature = "fault-injection")]
 #[cfg_attr(docsrs, doc(cfg(feature = "fault-injection")))]
 pub use install::force_rename_fallback;

@@ -54,12 +54,20 @@ impl From<ReadRegularError> for std::io::Error {
 /// writer) and checks that what was opened is a regular file (not a FIFO or a device such as
 /// `/dev/zero`, which would be read forever).
 pub(crate) fn open_regular(path: &Path) -> std::result::Result<File, ReadRegularError> {
+    open_regular_with(path, 0)
+}
+
+/// [`open_regular`] with more `open` flags (`O_DIRECT`), Unix only (ignored elsewhere).
+pub(crate) fn open_regular_with(
+    path: &Path,
+    #[cfg_attr(not(unix), allow(unused_variables))] flags: i32,
+) -> std::result::Result<File, ReadRegularError> {
     let mut opts = std::fs::OpenOptions::new();
     opts.read(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
-        opts.custom_flags(libc::O_NONBLOCK);
+        opts.custom_flags(libc::O_NONBLOCK | flags);
     }
     let f = opts.open(path).map_err(ReadRegularError::Io)?;
     let meta = f.metadata().map_err(ReadRegularError::Io)?;
