@@ -305,9 +305,9 @@ mod tests {
     }
 
     /// The PyTorch fixture's model (`tests/common::dcp_fixture_net`).
-    fn fixture_net() -> crate::ModelDesc {
-        let f = crate::DType::F32;
-        crate::ModelDesc::new()
+    fn fixture_net() -> crate::model::ModelDesc {
+        let f = crate::tensor::DType::F32;
+        crate::model::ModelDesc::new()
             .param("embed.weight", &[10, 4], f)
             .param("net1.0.weight", &[10, 4], f)
             .param("net1.0.bias", &[10], f)
@@ -341,7 +341,8 @@ mod tests {
             .sum();
         assert!(chunks > 20, "{chunks}");
         for orig in [false, true] {
-            let policy = crate::WrapPolicy::units(&["net1", "net2", ""]).with_orig_params(orig);
+            let policy =
+                crate::model::WrapPolicy::units(&["net1", "net2", ""]).with_orig_params(orig);
             // 3 and 5 ranks: one pass; 20 ranks: two passes (16 + 4).
             for (ws, passes) in [(3, 1), (5, 1), (20, 2)] {
                 let layout = ModelLayout::new(&fixture_net(), &policy, ws).unwrap();
