@@ -845,32 +845,17 @@ impl<T: Tensor> DcpSource<'_, T> {
                 (EntryKind::Bytes, _) => self.ckpt.read_object(&e.key),
             }
         };
-        let host = read_optim_with(self.ckpt, self.dir, &entries, read)?;
-        let mut state = indexmap::IndexMap::with_capacity(host.state.len());
-        for (k, st) in host.state {
-            let fqn = k.as_name().unwrap_or_default().to_string();
-            let mut out: ParamState<T> = indexmap::IndexMap::with_capacity(st.len());
+        let mut dict = read_optim_with(self.ckpt, self.dir, &entries, read)?
+            .try_map(|t: &HostTensor| T::from_host(t.clone()))?;
+        for (k, st) in &mut dict.state {
+            let fqn = k.as_name().unwrap_or_default();
             for (n, v) in st {
-                let v = match made.get(&(fqn.as_str(), n.as_str())) {
-                    Some(&(key, range)) => Value::Tensor((self.tensor)(key, range)?),
-                    None => v.try_map(&mut |t: &HostTensor| T::from_host(t.clone()))?,
-                };
-                out.insert(n, v);
+                if let Some(&(key, range)) = made.get(&(fqn, n.as_str())) {
+                    *v = Value::Tensor((self.tensor)(key, range)?);
+                }
             }
-            state.insert(k, out);
         }
-        let param_groups = host
-            .param_groups
-            .map(|gs| {
-                gs.iter()
-                    .map(|g| g.try_map(&mut |t: &HostTensor| T::from_host(t.clone())))
-                    .collect::<Result<Vec<_>>>()
-            })
-            .transpose()?;
-        Ok(OptimStateDict {
-            state,
-            param_groups,
-        })
+        Ok(dict)
     }
 }
 

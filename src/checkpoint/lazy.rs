@@ -99,7 +99,7 @@ impl LazyTensor {
         (start, len): (usize, usize),
         shape: &[usize],
     ) -> Result<Self> {
-        let dtype = ckpt.flat_range_dtype(key, start, len)?;
+        let (_, dtype) = ckpt.flat_range_meta(key, start, len)?;
         let parts = vec![Part::Stored {
             ckpt: Arc::clone(ckpt),
             key: key.into(),
@@ -142,14 +142,11 @@ impl LazyTensor {
     }
 
     fn numel_of(shape: &[usize]) -> Result<usize> {
-        shape
-            .iter()
-            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| Error::ShapeMismatch {
-                context: "a tensor's shape overflows".into(),
-                expected: Vec::new(),
-                found: shape.to_vec(),
-            })
+        crate::tensor::checked_numel(shape).ok_or_else(|| Error::ShapeMismatch {
+            context: "a tensor's shape overflows".into(),
+            expected: Vec::new(),
+            found: shape.to_vec(),
+        })
     }
 }
 
@@ -211,15 +208,7 @@ impl Tensor for LazyTensor {
     }
 
     fn narrow_flat(&self, start: usize, len: usize) -> Result<Self> {
-        let numel = self.numel();
-        if start.checked_add(len).is_none_or(|end| end > numel) {
-            return Err(Error::OutOfBounds {
-                context: format!("narrow_flat of a {:?} tensor", self.shape),
-                start,
-                end: start.saturating_add(len),
-                numel,
-            });
-        }
+        crate::tensor::check_narrow(&self.shape, start, len, "tensor")?;
         let mut parts = Vec::new();
         let (mut at, end) = (0, start + len);
         for p in &self.parts {

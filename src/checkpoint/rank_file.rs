@@ -4,9 +4,20 @@
 
 use super::manifest::FileRecord;
 use crate::error::{Error, Result};
+use crate::io::container::{self, Entry};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+
+/// The header of rank `rank`'s file holding `entries` (its metadata: the format and the
+/// rank); each entry's data offset.
+pub(super) fn header(rank: usize, entries: &[Entry]) -> Result<(Vec<u8>, Vec<u64>)> {
+    let mut meta = BTreeMap::new();
+    meta.insert("format".to_string(), super::FORMAT.to_string());
+    meta.insert("rank".to_string(), rank.to_string());
+    container::header(entries, &meta)
+}
 
 /// A rank file being written.
 pub(super) struct RankFile {

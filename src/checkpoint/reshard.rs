@@ -7,16 +7,15 @@ use super::manifest::{
     commit_text, read_manifest, FileRecord, Manifest, ParamRecord, Piece, StoredValue,
     CHECKSUM_BLOCK, MANIFEST,
 };
-use super::rank_file::RankFile;
+use super::rank_file::{self, RankFile};
 use super::save::{CrashPoint, SaveOptions};
 use super::{install, sync_dir, COMMIT};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
-use crate::io::container::{self, Entry};
+use crate::io::container::Entry;
 use crate::model::WrapPolicy;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::path::Path;
 
 /// How many new rank files one pass over the input writes at once (each an open file with a
@@ -47,9 +46,9 @@ fn range_of(layout: &ModelLayout, param: usize, rank: usize) -> Option<(usize, u
 /// Rewrites the checkpoint `src` for `world_size` ranks under `policy` (the saved policy when
 /// `None`) into `dst`, committed atomically like a save. Every block read is verified. Reads
 /// go through the page cache, or bypass it when `FSDP_DIRECT_IO=1` ([`LoadOptions::direct_io`]).
+/// Returns the tensor bytes copied.
 ///
 /// [`LoadOptions::direct_io`]: super::LoadOptions::direct_io
-/// Returns the tensor bytes copied.
 ///
 /// The job is split across the processes of `pg` (`&Solo` for one process; each process
 /// calls it with the same arguments, the paths naming the same directories on every process,
@@ -316,10 +315,7 @@ impl<'a, P: FnMut(u64)> Reshard<'a, P> {
     /// Creates `rank{rank}.safetensors` in `tmp` and writes its header.
     fn open_rank_file(&self, rank: usize, tmp: &Path) -> Result<OpenRankFile> {
         let (entries, wanted) = self.rank_entries(rank);
-        let mut meta = BTreeMap::new();
-        meta.insert("format".to_string(), super::FORMAT.to_string());
-        meta.insert("rank".to_string(), rank.to_string());
-        let (header, offsets) = container::header(&entries, &meta)?;
+        let (header, offsets) = rank_file::header(rank, &entries)?;
         let total = entries.iter().map(|e| e.nbytes).sum();
         let out = RankFile::create(tmp, rank, header, total)?.crashing_mid_file(rank == 0);
         Ok(OpenRankFile {

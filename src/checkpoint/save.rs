@@ -10,13 +10,13 @@ use super::{sync_dir, GroupContext, COMMIT};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, ShardPiece};
-use crate::io::container::{self, Entry};
+use crate::io::container::Entry;
 use crate::optim_state::consolidate::named_param_groups;
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
 use crate::tensor::{DType, HostTensor, Tensor};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -425,10 +425,7 @@ pub(super) fn rank_file_header<P>(
         let section = if k >= n_optim { MODEL_ENTRY_PREFIX } else { "" };
         e.name = format!("{section}{}/{state}/{start}", report_params[k].0.names[0]);
     }
-    let mut meta = BTreeMap::new();
-    meta.insert("format".to_string(), FORMAT.to_string());
-    meta.insert("rank".to_string(), layout_rank.to_string());
-    container::header(&plan.entries, &meta)
+    super::rank_file::header(layout_rank, &plan.entries)
 }
 
 /// Records the written piece `at` (state key, state name, start, len) of rank file `file`,

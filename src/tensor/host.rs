@@ -219,15 +219,7 @@ impl HostTensor {
 
     /// Elements `[start, start + len)` of the flattened tensor as a 1-D view (no copy).
     pub fn narrow_flat(&self, start: usize, len: usize) -> Result<Self> {
-        let numel = self.numel();
-        if start.checked_add(len).is_none_or(|end| end > numel) {
-            return Err(Error::OutOfBounds {
-                context: format!("narrow_flat of a {:?} tensor", self.shape),
-                start,
-                end: start.saturating_add(len),
-                numel,
-            });
-        }
+        super::check_narrow(&self.shape, start, len, "tensor")?;
         Ok(HostTensor {
             dtype: self.dtype,
             shape: vec![len],
@@ -238,8 +230,7 @@ impl HostTensor {
 
     /// The same elements with another shape (no copy).
     pub fn reshape(&self, shape: &[usize]) -> Result<Self> {
-        let numel = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        if numel != Some(self.numel()) {
+        if super::checked_numel(shape) != Some(self.numel()) {
             return Err(Error::ShapeMismatch {
                 context: "reshape".into(),
                 expected: shape.to_vec(),

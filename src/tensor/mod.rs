@@ -20,8 +20,28 @@ pub use storage::{
     buffer_cache_limit, cached_buffer_bytes, release_cached_buffers, set_buffer_cache_limit,
 };
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::fmt::Debug;
+
+/// The element count of `shape`, or `None` when it overflows.
+pub(crate) fn checked_numel(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+}
+
+/// Checks that elements `start..start + len` lie in a tensor of `shape` (`what` names the
+/// tensor's kind in the error), as every backend's [`Tensor::narrow_flat`] must.
+pub(crate) fn check_narrow(shape: &[usize], start: usize, len: usize, what: &str) -> Result<()> {
+    let numel: usize = shape.iter().product();
+    if start.checked_add(len).is_none_or(|end| end > numel) {
+        return Err(Error::OutOfBounds {
+            context: format!("narrow_flat of a {shape:?} {what}"),
+            start,
+            end: start.saturating_add(len),
+            numel,
+        });
+    }
+    Ok(())
+}
 
 /// A Rust element type with a PyTorch dtype and a plain-bytes representation.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {

@@ -301,15 +301,7 @@ impl Tensor for TchTensor {
     }
 
     fn narrow_flat(&self, start: usize, len: usize) -> Result<Self> {
-        let numel = self.numel();
-        if start.checked_add(len).is_none_or(|end| end > numel) {
-            return Err(Error::OutOfBounds {
-                context: format!("narrow_flat of a {:?} tch tensor", self.shape),
-                start,
-                end: start.saturating_add(len),
-                numel,
-            });
-        }
+        super::check_narrow(&self.shape, start, len, "tch tensor")?;
         let flat = self.flat("narrow_flat")?;
         let inner = flat
             .f_narrow(0, start as i64, len as i64)

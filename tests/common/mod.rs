@@ -32,6 +32,28 @@ pub fn python() -> std::path::PathBuf {
     venv
 }
 
+/// Runs the Python script `script` of [`python`] with `args`; its standard output, or a panic
+/// naming the script and its arguments, with everything it printed.
+pub fn python_script(
+    script: &std::path::Path,
+    args: impl IntoIterator<Item = impl AsRef<std::ffi::OsStr>>,
+) -> String {
+    let args: Vec<std::ffi::OsString> = args.into_iter().map(|a| a.as_ref().into()).collect();
+    let out = std::process::Command::new(python())
+        .arg(script)
+        .args(&args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{} {args:?} failed:\n{}{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// Every file of the directory `dir` (names sorted) with its bytes: two outputs compared
 /// byte for byte.
 pub fn files_of(dir: &std::path::Path) -> Vec<(String, Vec<u8>)> {

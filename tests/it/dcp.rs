@@ -113,17 +113,7 @@ fn pytorch_loads_the_consolidated_file_equal_to_its_own() {
         args.push(golden(name).join("expected.pt"));
         args.push(out);
     }
-    let res = std::process::Command::new(crate::common::python())
-        .arg(golden("check_equal.py"))
-        .args(&args)
-        .output()
-        .unwrap();
-    assert!(
-        res.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&res.stdout),
-        String::from_utf8_lossy(&res.stderr)
-    );
+    crate::common::python_script(&golden("check_equal.py"), &args);
 }
 
 #[test]
@@ -506,17 +496,7 @@ fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
         args.push(input);
         args.push(out);
     }
-    let res = std::process::Command::new(crate::common::python())
-        .arg(golden("check_dcp_writer.py"))
-        .args(&args)
-        .output()
-        .unwrap();
-    assert!(
-        res.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&res.stdout),
-        String::from_utf8_lossy(&res.stderr)
-    );
+    crate::common::python_script(&golden("check_dcp_writer.py"), &args);
 }
 
 /// The data file of the DCP directory `dir`.
@@ -767,17 +747,7 @@ fn a_file_of_views_into_shared_storages_streams_the_in_memory_bytes_split_across
     }
     // PyTorch reads it back as it reads its own `torch_save_to_dcp` output.
     let plain = tmp.path().join("streamed-None/ckpt");
-    let res = std::process::Command::new(crate::common::python())
-        .arg(golden("check_dcp_writer.py"))
-        .args([&input, &plain])
-        .output()
-        .unwrap();
-    assert!(
-        res.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&res.stdout),
-        String::from_utf8_lossy(&res.stderr)
-    );
+    crate::common::python_script(&golden("check_dcp_writer.py"), [&input, &plain]);
 }
 
 #[test]

@@ -15,7 +15,6 @@ use fsdp::io::torch_save::{self, PyObj, QScheme, RichTensor, TensorValue};
 use fsdp::{Error, HostTensor};
 use serde_json::{json, Value as Json};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/torch_load")
@@ -27,18 +26,7 @@ fn fixture(name: &str) -> PathBuf {
 
 /// Runs `check.py` with `args`; its standard output, or a panic with its errors.
 fn check_py(args: &[&std::ffi::OsStr]) -> String {
-    let out = Command::new(crate::common::python())
-        .arg(dir().join("check.py"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "check.py {args:?} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    crate::common::python_script(&dir().join("check.py"), args)
 }
 
 fn files() -> Vec<PathBuf> {

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 
 /// Number of elements of a box, or `None` on overflow.
 pub fn volume(sizes: &[usize]) -> Option<usize> {
-    sizes.iter().try_fold(1usize, |a, &d| a.checked_mul(d))
+    crate::tensor::checked_numel(sizes)
 }
 
 /// Whether `chunk` holds any element. PyTorch never reads a chunk that holds none (FSDP2

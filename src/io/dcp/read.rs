@@ -426,11 +426,11 @@ impl DcpCheckpoint {
     /// whole and checked as [`Self::read_tensor`] checks it; for another grid the whole tensor
     /// is assembled first. What a rank reads of a parameter's state for its shard.
     pub fn read_flat_range(&self, key: &str, start: usize, len: usize) -> Result<HostTensor> {
-        let dtype = self.flat_range_dtype(key, start, len)?;
+        let (t, dtype) = self.flat_range_meta(key, start, len)?;
         let mut reader = RangeReader::new(self);
         HostTensor::filled_by(dtype, &[len], |out| {
             let mut at = 0;
-            reader.read(key, start, len, &mut |bytes| {
+            reader.read_checked(key, (t, dtype), start, len, &mut |bytes| {
                 out[at..at + bytes.len()].copy_from_slice(bytes);
                 at += bytes.len();
                 Ok(())
@@ -439,10 +439,15 @@ impl DcpCheckpoint {
     }
 
     /// Checks the tensor under `key` ([`Self::plan_tensor`]) and that elements
-    /// `start..start + len` lie inside it; its dtype.
-    pub(crate) fn flat_range_dtype(&self, key: &str, start: usize, len: usize) -> Result<DType> {
+    /// `start..start + len` lie inside it; its metadata and dtype.
+    pub(crate) fn flat_range_meta(
+        &self,
+        key: &str,
+        start: usize,
+        len: usize,
+    ) -> Result<(&TensorMeta, DType)> {
         let bytes = self.plan_tensor(key)?;
-        let (_, dtype) = self.tensor_meta(key)?;
+        let (t, dtype) = self.tensor_meta(key)?;
         let es = dtype.size();
         let inside = start
             .checked_add(len)
@@ -456,7 +461,7 @@ impl DcpCheckpoint {
                 ),
             ));
         }
-        Ok(dtype)
+        Ok((t, dtype))
     }
 
     /// The non-tensor value stored under `key` (a `torch.save`d object).
@@ -731,11 +736,23 @@ impl<'c> RangeReader<'c> {
         len: usize,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        let dtype = self.ckpt.flat_range_dtype(key, start, len)?;
+        let meta = self.ckpt.flat_range_meta(key, start, len)?;
+        self.read_checked(key, meta, start, len, sink)
+    }
+
+    /// [`Self::read`] of a range [`DcpCheckpoint::flat_range_meta`] checked, with what it
+    /// gave.
+    fn read_checked(
+        &mut self,
+        key: &str,
+        (t, dtype): (&TensorMeta, DType),
+        start: usize,
+        len: usize,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
         if len == 0 {
             return Ok(());
         }
-        let (t, _) = self.ckpt.tensor_meta(key)?;
         let es = dtype.size();
         let end = start + len;
         let slabs = (!t.size.is_empty())
