@@ -113,6 +113,7 @@ fn write_ranks(
         while let Some(i) = next_file(&files) {
             files[i].write_next(&mut reader)?;
         }
+        reader.finish()?;
         units_read += reader.units_read();
         for f in files {
             written.push(f.finish()?);

@@ -6,7 +6,7 @@ use super::metadata::{Chunk, Entry, EntryKind, Metadata, StorageInfo, StorageKey
 use super::plan::{check_tiling, holds_elements, nest, place_chunk, volume};
 use super::Source;
 use crate::error::{Error, Result};
-use crate::io::torch_save::{self, writer::LazyTensors, PyObj};
+use crate::io::torch_save::{self, writer::LazyTensors, LoneTensor, PyObj};
 use crate::tensor::{DType, HostTensor};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -329,6 +329,46 @@ impl DcpCheckpoint {
             .ok_or_else(|| self.chunk_err(key, format!("shape {:?} overflows", t.size)))
     }
 
+    /// One chunk opened to be read forward in pieces ([`LoneTensor`]), when it is stored
+    /// uncompressed as a `torch.save` archive of one whole-storage tensor (what `dcp.save`
+    /// writes); `None` for another form, which [`Self::read_chunk`] reads whole. The tensor
+    /// must be of the metadata's dtype and the chunk's shape.
+    fn open_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<Option<OpenChunk>> {
+        let info = self.storage(key, Some(&chunk.offsets))?;
+        if self.source.raw_chunks() || !info.transforms.is_empty() {
+            return Ok(None);
+        }
+        let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
+        let f = &info.relative_path;
+        let at = format!(
+            "chunk at {:?}, bytes {}..+{}",
+            chunk.offsets, info.offset, info.length
+        );
+        let opened = LoneTensor::open(path, info.offset, info.length)
+            .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
+        let Some(tensor) = opened else {
+            return Ok(None);
+        };
+        if tensor.dtype() != dtype || tensor.shape() != chunk.sizes.as_slice() {
+            return Err(self.storage_err(
+                key,
+                f,
+                format!(
+                    "{at} holds a {:?} {} tensor, but the metadata says {:?} {dtype}",
+                    tensor.shape(),
+                    tensor.dtype(),
+                    chunk.sizes
+                ),
+            ));
+        }
+        Ok(Some(OpenChunk {
+            tensor,
+            path: path.to_path_buf(),
+            range: (info.offset, info.offset + info.length),
+            file: f.clone(),
+        }))
+    }
+
     /// Reads and parses one chunk; it must be a tensor of the metadata's dtype and the
     /// chunk's shape.
     fn read_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<HostTensor> {
@@ -421,7 +461,7 @@ impl DcpCheckpoint {
     }
 
     /// Elements `start..start + len` of the row-major flattening of the tensor stored under
-    /// `key`, as a 1-D tensor. When the chunks are slabs of whole rows (FSDP2 and FSDP1 dim-0
+    /// `key`, as a 1-D tensor. When the chunks are runs of the flattening (FSDP2 and FSDP1 dim-0
     /// shards, single chunks) only the chunks holding some of those elements are read, each
     /// whole and checked as [`Self::read_tensor`] checks it; for another grid the whole tensor
     /// is assembled first. What a rank reads of a parameter's state for its shard.
@@ -434,7 +474,8 @@ impl DcpCheckpoint {
                 out[at..at + bytes.len()].copy_from_slice(bytes);
                 at += bytes.len();
                 Ok(())
-            })
+            })?;
+            reader.finish()
         })
     }
 
@@ -654,11 +695,12 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
             })
         };
         let (meta, dtype) = self.ckpt.tensor_meta(key)?;
-        match row_slabs(&meta.size, data_chunks(meta)) {
-            // Chunks of whole rows (FSDP2 and FSDP1 dim-0 shards, single chunks): in row order
-            // they are the tensor's bytes, so each goes out as it is read, never assembled.
+        match flat_slabs(&meta.size, data_chunks(meta)) {
+            // Chunks that are runs of the flattening (dim-0 shards, single chunks, flat
+            // parameter shards): in order they are the tensor's bytes, so each goes out as it
+            // is read, never assembled.
             Some(slabs) => {
-                for c in slabs {
+                for (_, c) in slabs {
                     let part = self.ckpt.read_chunk(key, c, dtype)?;
                     write(part.as_bytes())?;
                     self.written += part.nbytes() as u64;
@@ -676,40 +718,75 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
     }
 }
 
-/// The chunks in row order when each spans whole rows (all of every dimension after the
-/// first), so that their bytes, one after another, are the tensor's; `None` for another grid.
-/// The chunks must already be known to tile the shape.
-fn row_slabs<'c>(
+/// The chunks in element order, each with the position of its first element in the
+/// tensor's row-major flattening, when each is one run of that flattening (whole rows, or a
+/// part of one row: dim-0 shards, single chunks, and the partial first row, whole rows and
+/// partial last row [`super::plan::flat_range_boxes`] cuts for a flat parameter's shard), so
+/// that their bytes, one after another, are the tensor's; `None` for another grid. The chunks
+/// must already be known to tile the shape.
+fn flat_slabs<'c>(
     size: &[usize],
     chunks: impl Iterator<Item = &'c Chunk>,
-) -> Option<Vec<&'c Chunk>> {
-    let whole_rows =
-        |c: &Chunk| c.sizes.get(1..) == size.get(1..) && c.offsets.iter().skip(1).all(|&o| o == 0);
-    let mut slabs: Vec<&Chunk> = chunks.collect();
-    if !slabs.iter().all(|c| whole_rows(c)) {
-        return None;
+) -> Option<Vec<(usize, &'c Chunk)>> {
+    let mut slabs = Vec::new();
+    for c in chunks {
+        if c.sizes.len() != size.len() || c.offsets.len() != size.len() {
+            return None;
+        }
+        if c.sizes.contains(&0) {
+            continue;
+        }
+        // Size 1 up to some dimension k, all of every dimension after it.
+        let last = size.len().saturating_sub(1);
+        let k = c.sizes.iter().position(|&n| n != 1).unwrap_or(last);
+        let rest_whole = (k + 1..size.len()).all(|j| c.sizes[j] == size[j] && c.offsets[j] == 0);
+        if !rest_whole {
+            return None;
+        }
+        let mut first = 0;
+        for (j, &o) in c.offsets.iter().enumerate() {
+            first = first * size[j] + o;
+        }
+        slabs.push((first, c));
     }
-    slabs.sort_by_key(|c| c.offsets.first().copied().unwrap_or(0));
+    slabs.sort_by_key(|&(first, _)| first);
     Some(slabs)
 }
 
 /// Reads element ranges of a DCP directory's tensors front to back, holding the last unit it
-/// read: a chunk when the tensor's chunks are slabs of whole rows, else the whole tensor
-/// assembled. Ranges that follow one another through a tensor (one output rank's piece,
-/// then the next rank's) so read each chunk once, and memory holds one unit (at most the
-/// largest tensor) besides the one being read.
+/// read: a chunk when the tensor's chunks are runs of its flattening, else the whole tensor
+/// assembled. A chunk `dcp.save` wrote (uncompressed) is read forward a piece at a time
+/// ([`LoneTensor`]), so each piece is still in the CPU cache when it is written; another
+/// is read whole. Ranges that follow one another through a tensor (one output rank's piece,
+/// then the next rank's) so read each chunk once, and memory holds at most one unit (at
+/// most the largest tensor) besides the one being read.
 pub(crate) struct RangeReader<'c> {
     ckpt: &'c DcpCheckpoint,
     held: Option<Held>,
     units_read: u64,
 }
 
-/// The unit a [`RangeReader`] holds: its tensor's key, which unit, and its elements.
+/// The unit a [`RangeReader`] holds: its tensor's key, which unit, and the unit itself.
 struct Held {
     key: String,
     /// The chunk's offsets, or `None` for the whole tensor.
     chunk: Option<Vec<usize>>,
-    data: HostTensor,
+    unit: Unit,
+}
+
+/// A unit read whole, or a chunk read forward in pieces.
+enum Unit {
+    Whole(HostTensor),
+    Open(Box<OpenChunk>),
+}
+
+/// A chunk [`DcpCheckpoint::open_chunk`] opened, with where it lies (for page dropping and
+/// messages).
+struct OpenChunk {
+    tensor: LoneTensor,
+    path: PathBuf,
+    range: (u64, u64),
+    file: String,
 }
 
 impl<'c> RangeReader<'c> {
@@ -721,14 +798,15 @@ impl<'c> RangeReader<'c> {
         }
     }
 
-    /// How many units (chunks or whole tensors) were read from disk so far.
+    /// How many units (chunks or whole tensors) were opened or read so far.
     pub(crate) fn units_read(&self) -> u64 {
         self.units_read
     }
 
     /// Hands elements `start..start + len` of the flattening of the tensor under `key` to
-    /// `sink` in order, one slice per unit they lie in; every unit read is checked as
-    /// [`DcpCheckpoint::read_tensor`] checks it.
+    /// `sink` in order, in pieces; every unit read is checked as
+    /// [`DcpCheckpoint::read_tensor`] checks it, a chunk read in pieces when its last byte
+    /// is read or at [`Self::finish`] (so the caller commits nothing before that).
     pub(crate) fn read(
         &mut self,
         key: &str,
@@ -738,6 +816,22 @@ impl<'c> RangeReader<'c> {
     ) -> Result<()> {
         let meta = self.ckpt.flat_range_meta(key, start, len)?;
         self.read_checked(key, meta, start, len, sink)
+    }
+
+    /// Finishes the unit held: a chunk read in part is read to its end and its checksum
+    /// checked. Call it before committing what was read.
+    pub(crate) fn finish(&mut self) -> Result<()> {
+        match self.held.take() {
+            Some(Held {
+                key,
+                unit: Unit::Open(mut open),
+                ..
+            }) => {
+                let done = open.tensor.finish();
+                opened_done(self.ckpt, &key, &mut open, done)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// [`Self::read`] of a range [`DcpCheckpoint::flat_range_meta`] checked, with what it
@@ -756,54 +850,98 @@ impl<'c> RangeReader<'c> {
         let es = dtype.size();
         let end = start + len;
         let slabs = (!t.size.is_empty())
-            .then(|| row_slabs(&t.size, data_chunks(t)))
+            .then(|| flat_slabs(&t.size, data_chunks(t)))
             .flatten();
-        let ckpt = self.ckpt;
         let Some(slabs) = slabs else {
-            let whole = self.unit(key, None, || ckpt.read_tensor(key))?;
-            return sink(&whole.as_bytes()[start * es..end * es]);
+            return self.unit_part(key, None, dtype, (start * es, end * es), sink);
         };
-        // The slabs tile the rows, so together they hand over every byte of the range.
-        let row: usize = t.size[1..].iter().product();
-        for c in slabs {
-            let (lo, hi) = (c.offsets[0] * row, (c.offsets[0] + c.sizes[0]) * row);
+        // The slabs tile the flattening, so together they hand over every byte of the range.
+        for (lo, c) in slabs {
+            let hi = lo + c.sizes.iter().product::<usize>();
             let (a, b) = (lo.max(start), hi.min(end));
             if a >= b {
                 continue;
             }
-            let part = self.unit(key, Some(&c.offsets), || ckpt.read_chunk(key, c, dtype))?;
-            sink(&part.as_bytes()[(a - lo) * es..(b - lo) * es])?;
+            self.unit_part(key, Some(c), dtype, ((a - lo) * es, (b - lo) * es), sink)?;
         }
         Ok(())
     }
 
-    /// The unit `chunk` (`None`: the whole tensor) of `key`: the held one, or read by `read`
-    /// after the held one is dropped.
-    fn unit(
+    /// Hands bytes `from..to` of the unit `chunk` (`None`: the whole tensor) of `key` to
+    /// `sink`: from the held unit, or from one opened (or read) in its place after the held
+    /// one is finished. A chunk read forward is reopened for bytes before where it stands.
+    fn unit_part(
         &mut self,
         key: &str,
-        chunk: Option<&[usize]>,
-        read: impl FnOnce() -> Result<HostTensor>,
-    ) -> Result<&HostTensor> {
-        let hit = self
-            .held
-            .as_ref()
-            .is_some_and(|h| h.key == key && h.chunk.as_deref() == chunk);
+        chunk: Option<&Chunk>,
+        dtype: DType,
+        (from, to): (usize, usize),
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let offsets = chunk.map(|c| c.offsets.as_slice());
+        let hit = self.held.as_ref().is_some_and(|h| {
+            h.key == key
+                && h.chunk.as_deref() == offsets
+                && match &h.unit {
+                    Unit::Whole(_) => true,
+                    Unit::Open(o) => o.tensor.pos() <= from as u64,
+                }
+        });
         if !hit {
-            self.held = None;
-            let data = read()?;
+            self.finish()?;
+            let ckpt = self.ckpt;
+            let unit = match chunk {
+                None => Unit::Whole(ckpt.read_tensor(key)?),
+                Some(c) => match ckpt.open_chunk(key, c, dtype)? {
+                    Some(open) => Unit::Open(Box::new(open)),
+                    None => Unit::Whole(ckpt.read_chunk(key, c, dtype)?),
+                },
+            };
             self.units_read += 1;
             self.held = Some(Held {
                 key: key.to_string(),
-                chunk: chunk.map(<[usize]>::to_vec),
-                data,
+                chunk: offsets.map(<[usize]>::to_vec),
+                unit,
             });
         }
-        match &self.held {
-            Some(h) => Ok(&h.data),
-            None => Err(Error::Internal(
+        let Some(held) = self.held.as_mut() else {
+            return Err(Error::Internal(
                 "a DCP range reader lost the unit it read".into(),
-            )),
+            ));
+        };
+        match &mut held.unit {
+            Unit::Whole(t) => match t.as_bytes().get(from..to) {
+                Some(bytes) => sink(bytes),
+                None => Err(Error::Internal(format!(
+                    "bytes {from}..{to} of a {}-byte unit of {key}",
+                    t.as_bytes().len()
+                ))),
+            },
+            Unit::Open(open) => {
+                let read = open.tensor.read(from as u64, to as u64, sink);
+                opened_done(self.ckpt, key, open, read)
+            }
+        }
+    }
+}
+
+/// After a read of an opened chunk: its error named with the key and file, or, once all of
+/// it was read and checked, its pages dropped (when the checkpoint drops behind).
+fn opened_done(
+    ckpt: &DcpCheckpoint,
+    key: &str,
+    open: &mut OpenChunk,
+    done: Result<()>,
+) -> Result<()> {
+    match done {
+        // The sink's own errors (writing) pass through unchanged.
+        Err(e @ (Error::Io { .. } | Error::Internal(_))) => Err(e),
+        Err(e) => Err(ckpt.storage_err(key, &open.file, e.to_string())),
+        Ok(()) => {
+            if open.tensor.is_checked() {
+                ckpt.drop_read_pages(&open.path, open.range.0, open.range.1);
+            }
+            Ok(())
         }
     }
 }
@@ -1207,5 +1345,109 @@ mod tests {
         assert!(once.len() > data.len(), "incompressible");
         assert!(once.len() as u64 <= zstd_bound(data.len() as u64));
         assert_eq!(zstd_bound(u64::MAX), u64::MAX);
+    }
+
+    /// A DCP directory holding one f32 tensor `t` of shape `[5, 4]` (elements 0..20) cut as
+    /// a flat parameter's shards are cut ([`super::super::plan::flat_range_boxes`] of the
+    /// element ranges `cuts`), each box a `torch.save` archive in one data file.
+    fn flat_shard_dcp(cuts: &[(usize, usize)]) -> (tempfile::TempDir, Vec<Chunk>) {
+        use super::super::pickler::{metadata_pickle, Record, StoredChunk};
+        let shape = [5usize, 4];
+        let values: Vec<f32> = (0..20).map(|v| v as f32).collect();
+        let mut data = Vec::new();
+        let mut stored = Vec::new();
+        for &(start, len) in cuts {
+            for (c, _) in super::super::plan::flat_range_boxes(&shape, start, len) {
+                let mut part = Vec::new();
+                for r in c.offsets[0]..c.offsets[0] + c.sizes[0] {
+                    let first = r * 4 + c.offsets[1];
+                    part.extend_from_slice(&values[first..first + c.sizes[1]]);
+                }
+                let t = HostTensor::from_slice(&part, &c.sizes).unwrap();
+                let bytes = torch_save::save_to_bytes(&PyObj::Tensor(t)).unwrap();
+                stored.push((c, data.len() as u64, bytes.len() as u64));
+                data.extend_from_slice(&bytes);
+            }
+        }
+        let path = [super::super::PathItem::Key("t".into())];
+        let record = Record {
+            key: "t",
+            path: &path,
+            tensor: Some((DType::F32, &shape)),
+            chunks: stored
+                .iter()
+                .map(|(c, offset, length)| StoredChunk {
+                    offsets: &c.offsets,
+                    sizes: &c.sizes,
+                    file: "__0_0.distcp",
+                    offset: *offset,
+                    length: *length,
+                    zstd: false,
+                })
+                .collect(),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("__0_0.distcp"), &data).unwrap();
+        let md = metadata_pickle(&[record], "test").unwrap();
+        std::fs::write(dir.path().join(".metadata"), md).unwrap();
+        (dir, stored.into_iter().map(|(c, ..)| c).collect())
+    }
+
+    fn f32s(bytes: &[u8]) -> Vec<f32> {
+        bytes
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn chunks_cut_from_flat_shards_are_runs_of_the_flattening_read_once_in_pieces() {
+        // Shards 0..7, 7..16, 16..20: a partial first row, whole rows, a partial last row.
+        let (dir, chunks) = flat_shard_dcp(&[(0, 7), (7, 9), (16, 4)]);
+        assert!(chunks.iter().any(|c| c.sizes[0] == 1 && c.sizes[1] < 4));
+        let slabs = flat_slabs(&[5, 4], chunks.iter()).expect("runs of the flattening");
+        let firsts: Vec<usize> = slabs.iter().map(|(first, _)| *first).collect();
+        assert!(firsts.windows(2).all(|w| w[0] < w[1]), "{firsts:?}");
+        let ckpt = DcpCheckpoint::open(dir.path()).unwrap();
+        // Output ranks of another world size read ranges that cut through the chunks.
+        let mut reader = RangeReader::new(&ckpt);
+        let mut got = Vec::new();
+        for (start, len) in [(0, 3), (3, 6), (9, 2), (11, 9)] {
+            reader
+                .read("t", start, len, &mut |b| {
+                    got.extend(f32s(b));
+                    Ok(())
+                })
+                .unwrap();
+        }
+        reader.finish().unwrap();
+        assert_eq!(got, (0..20).map(|v| v as f32).collect::<Vec<_>>());
+        assert_eq!(reader.units_read(), chunks.len() as u64);
+        // A range before where a chunk's reading stands reopens it: still right.
+        let back = ckpt.read_flat_range("t", 1, 2).unwrap();
+        assert_eq!(f32s(back.as_bytes()), [1.0, 2.0]);
+        // A column cut is not a run of the flattening.
+        let col = Chunk {
+            offsets: vec![0, 0],
+            sizes: vec![5, 2],
+        };
+        assert!(flat_slabs(&[5, 4], [&col].into_iter()).is_none());
+    }
+
+    #[test]
+    fn a_damaged_chunk_fails_its_crc_even_when_only_its_start_is_wanted() {
+        let (dir, _) = flat_shard_dcp(&[(0, 20)]);
+        // Element 19 (the last, 19.0f32) is damaged on disk; elements 0..2 are wanted.
+        let file = dir.path().join("__0_0.distcp");
+        let mut data = std::fs::read(&file).unwrap();
+        let last = 19.0f32.to_le_bytes();
+        let at = data.windows(4).rposition(|w| w == last).unwrap();
+        data[at] ^= 0x40;
+        std::fs::write(&file, &data).unwrap();
+        let ckpt = DcpCheckpoint::open(dir.path()).unwrap();
+        let err = ckpt.read_flat_range("t", 0, 2).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("CRC-32 mismatch"), "{text}");
+        assert!(text.contains("key `t`, file `__0_0.distcp`"), "{text}");
     }
 }

@@ -44,10 +44,13 @@
 
 mod convert;
 mod legacy;
+mod lone_tensor;
 mod pyobj;
 mod unpickle;
 pub(crate) mod writer;
 mod zip;
+
+pub(crate) use lone_tensor::LoneTensor;
 
 pub use convert::{
     model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, value_to_pyobj,
@@ -580,7 +583,18 @@ fn read_archive<S: Source>(
     if starts_legacy(file, &mut src)? {
         return legacy::read(file, src, mode);
     }
-    let (mut zip, prefix) = open_archive(file, src)?;
+    let (zip, prefix) = open_archive(file, src)?;
+    Ok(read_zip(file, zip, prefix, mode)?.0)
+}
+
+/// Reads the records and the pickle of an opened zip archive; gives the archive back, for a
+/// caller that then reads storages from it.
+fn read_zip<S: Source>(
+    file: &str,
+    mut zip: ZipReader<S>,
+    prefix: String,
+    mode: unpickle::Mode,
+) -> Result<(unpickle::Unpickled, ZipReader<S>, String)> {
     // `torch.load` reads these records when present (`_load` in torch/serialization.py):
     // extracted as PyTorch would; `version >= b"1"` takes any `.format_version`, but
     // `int(...)` of `.storage_alignment` must parse.
@@ -607,7 +621,8 @@ fn read_archive<S: Source>(
             entry: pkl_name.clone(),
         })?;
     let mut store = ArchiveStorages { zip, prefix, file };
-    unpickle::unpickle(file, &pkl, &mut store, mode)
+    let u = unpickle::unpickle(file, &pkl, &mut store, mode)?;
+    Ok((u, store.zip, store.prefix))
 }
 
 /// Whether `src` holds a legacy (pickle stream) file rather than a zip archive.

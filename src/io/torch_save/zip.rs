@@ -9,7 +9,7 @@
 
 use crate::error::{Error, Result};
 use std::collections::HashMap;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::Write;
 
 /// Data entries start at multiples of this many bytes (PyTorch's default storage alignment).
 pub(crate) const ALIGNMENT: u64 = 64;
@@ -72,8 +72,7 @@ impl Source for FileSource {
         self.len
     }
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
-        self.file.seek(SeekFrom::Start(self.start + offset))?;
-        self.file.read_exact(buf)
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, self.start + offset)
     }
 }
 
