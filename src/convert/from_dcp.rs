@@ -10,8 +10,9 @@ use std::path::Path;
 /// Writes the DCP checkpoint in `src` to `dst` as the `torch.save` file
 /// `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(src, dst)` writes: the same
 /// nested dict (keys in metadata order, string keys, lists, non-tensor values) with the same
-/// tensors bit for bit. Chunks of whole rows (dim-0 shards) go out one chunk at a time, read
-/// straight from their file; other grids hold one assembled tensor at a time. Every chunk's
+/// tensors bit for bit. Chunks that are runs of the row-major flattening (dim-0 shards, the
+/// partial-row boxes of flat-parameter shards) go out one chunk at a time, read straight from
+/// their file; other grids hold one assembled tensor at a time. Every chunk's
 /// range and tiling is checked before the output is created.
 ///
 /// Run by the processes of `pg` (see [the module](super)), each streams about
