@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 pub struct DcpCheckpoint {
     dir: PathBuf,
     metadata: Metadata,
+    /// Each key's entry index (the first, should a key repeat).
+    by_key: HashMap<String, usize>,
     /// Where the metadata came from (and so how chunks are stored).
     source: Source,
     /// `relative_path` → (the file, its length), or why it is unusable.
@@ -55,9 +57,14 @@ impl DcpCheckpoint {
                 .entry(info.relative_path.clone())
                 .or_insert_with(|| confine(&root, &info.relative_path, "data file"));
         }
+        let mut by_key = HashMap::with_capacity(metadata.entries.len());
+        for (i, e) in metadata.entries.iter().enumerate() {
+            by_key.entry(e.key.clone()).or_insert(i);
+        }
         let ckpt = DcpCheckpoint {
             dir,
             metadata,
+            by_key,
             source,
             files,
             drop_behind: None,
@@ -165,7 +172,7 @@ impl DcpCheckpoint {
 
     /// The entry of flattened key `key`.
     pub fn entry(&self, key: &str) -> Option<&Entry> {
-        self.metadata.entries.iter().find(|e| e.key == key)
+        self.by_key.get(key).map(|&i| &self.metadata.entries[i])
     }
 
     fn dir_name(&self) -> String {
