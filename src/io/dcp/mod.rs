@@ -37,6 +37,8 @@ mod per_rank;
 mod pickler;
 mod plan;
 mod read;
+#[cfg(test)]
+mod tests;
 mod unpickle;
 mod write;
 
