@@ -5,10 +5,9 @@
 
 use super::unpickle::{self, Mode};
 use super::zip::{Entry, FileSource, ZipReader};
-use super::{open_archive, read_zip, starts_legacy, storage_entry};
+use super::{open_archive, open_range, read_zip, starts_legacy, storage_entry};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
-use std::fs::File;
 use std::path::Path;
 
 /// Bytes read at a time: half the L2 cache of the machines measured (2 MiB per core), so a
@@ -40,13 +39,7 @@ impl LoneTensor {
     /// with the pickle): the caller then reads it whole. The pickle and the records are
     /// checked as a full read checks them.
     pub(crate) fn open(path: &Path, start: u64, len: u64) -> Result<Option<Self>> {
-        let name = format!("{} (bytes {start}..+{len})", path.display());
-        let file = File::open(path).map_err(|e| Error::Io {
-            op: "reading".into(),
-            path: path.display().to_string(),
-            source: e.into(),
-        })?;
-        let mut src = FileSource { file, start, len };
+        let (name, mut src) = open_range(path, start, len)?;
         if starts_legacy(&name, &mut src)? {
             return Ok(None);
         }

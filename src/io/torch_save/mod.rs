@@ -184,18 +184,24 @@ fn open(path: &Path) -> Result<(String, FileSource)> {
     ))
 }
 
-/// Reads the object of the `torch.save` archive stored at bytes `start..start + len` of the
-/// file at `path` (as each chunk of a DCP data file is), reading tensor data straight into
-/// the tensors: no copy of the archive is held. The caller checks that the range lies inside
-/// the file; errors name the file and the range.
-pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> {
+/// The archive at bytes `start..start + len` of the file at `path` as a source, with the name
+/// messages give it (the file and the range).
+fn open_range(path: &Path, start: u64, len: u64) -> Result<(String, FileSource)> {
     let name = format!("{} (bytes {start}..+{len})", path.display());
     let file = File::open(path).map_err(|e| Error::Io {
         op: "reading".into(),
         path: path.display().to_string(),
         source: e.into(),
     })?;
-    let src = FileSource { file, start, len };
+    Ok((name, FileSource { file, start, len }))
+}
+
+/// Reads the object of the `torch.save` archive stored at bytes `start..start + len` of the
+/// file at `path` (as each chunk of a DCP data file is), reading tensor data straight into
+/// the tensors: no copy of the archive is held. The caller checks that the range lies inside
+/// the file; errors name the file and the range.
+pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> {
+    let (name, src) = open_range(path, start, len)?;
     let mode = unpickle::Mode::Full {
         max_expansion_bytes: LoadOptions::default().max_expansion_bytes,
     };
