@@ -892,6 +892,64 @@ pub enum Error {
         reason: String,
     },
 
+    // ----- DeepSpeed checkpoints -----
+    /// A DeepSpeed checkpoint directory's `latest` names a tag whose directory is missing.
+    #[error("DeepSpeed checkpoint `{}`: `latest` names the tag `{}`, but there is no directory `{}` beside it", shown(.dir), shown(.tag), shown(.tag))]
+    DeepSpeedMissingTag {
+        /// The checkpoint directory (the one holding `latest`).
+        dir: String,
+        /// The tag `latest` holds.
+        tag: String,
+    },
+
+    /// The rank files of a DeepSpeed ZeRO checkpoint are not one per rank: a rank's
+    /// `*_optim_states.pt` file is missing or given twice, or their number is not the
+    /// checkpoint's `partition_count`.
+    #[error("DeepSpeed checkpoint `{}`: {reason}", shown(.dir))]
+    DeepSpeedRankFiles {
+        /// The tag directory.
+        dir: String,
+        /// The number of ranks the checkpoint needs, when known (`partition_count`).
+        expected: Option<usize>,
+        /// The ranks whose files were found, in order.
+        found: Vec<usize>,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A flat partition of a DeepSpeed ZeRO checkpoint holds fewer elements than its layout
+    /// needs (the file was cut, or belongs to another model or world size).
+    #[error("truncated DeepSpeed partition `{tensor}` in `{}` (rank {rank}): the layout needs {needed} elements{} but it holds {found}", shown(.file), param_suffix(.param))]
+    DeepSpeedTruncated {
+        /// The rank file.
+        file: String,
+        /// The rank.
+        rank: usize,
+        /// The tensor (`single_partition_of_fp32_groups[0]`, `state[1]['exp_avg']`).
+        tensor: String,
+        /// The first parameter that does not fit, when one does not.
+        param: Option<String>,
+        /// Elements the layout needs.
+        needed: usize,
+        /// Elements the tensor holds.
+        found: usize,
+    },
+
+    /// The files of a DeepSpeed checkpoint disagree with each other or with the ZeRO layout:
+    /// shapes, lengths, group paddings, `param_slice_mappings`, steps, names; or a value the
+    /// reader needs is missing or of another type.
+    #[error("inconsistent DeepSpeed checkpoint file `{}`{}{}: {reason}", shown(.file), rank_suffix(.rank), param_suffix(.param))]
+    DeepSpeedInconsistent {
+        /// The file.
+        file: String,
+        /// The rank, when the file is one rank's.
+        rank: Option<usize>,
+        /// The parameter involved, when one is.
+        param: Option<String>,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// A safetensors file is malformed, holds a dtype the crate does not support, or its
     /// `__metadata__` structure entry (see [`crate::io::safetensors`]) does not match its
     /// tensors.
@@ -985,6 +1043,8 @@ pub enum LookupSite {
     FullOptimState,
     /// The optimizer holds it, but the model's layout has no such parameter.
     HeldByOptimizer,
+    /// A DeepSpeed checkpoint's parameters or buffers.
+    DeepSpeedCheckpoint,
 }
 
 impl std::fmt::Display for LookupSite {
@@ -1014,6 +1074,7 @@ impl std::fmt::Display for LookupSite {
                 f,
                 "held by the optimizer (the model's layout has no such parameter)"
             ),
+            LookupSite::DeepSpeedCheckpoint => write!(f, "in the DeepSpeed checkpoint"),
             LookupSite::FullOptimState => write!(
                 f,
                 "in the state of the full optimizer state dict (not in the model description)"
@@ -1218,6 +1279,17 @@ fn format_missing_state(param: &str, state: &str) -> String {
     } else {
         format!("state of {param} has no `{state}`")
     }
+}
+
+fn rank_suffix(rank: &Option<usize>) -> String {
+    rank.map(|r| format!(" (rank {r})")).unwrap_or_default()
+}
+
+fn param_suffix(param: &Option<String>) -> String {
+    param
+        .as_ref()
+        .map(|p| format!(" for parameter `{}`", shown(p)))
+        .unwrap_or_default()
 }
 
 fn entry_suffix(entry: &Option<String>) -> String {

@@ -31,7 +31,8 @@ mod shard_dir;
 /// quantized and meta tensors included); `.safetensors` are single safetensors files.
 /// Directories: PyTorch DCP in every form dcp.save writes (`.metadata`, zstd-compressed
 /// items, per-rank `__{rank}.metadata` files, Hugging Face storage with DCP_SHARDING_INFO),
-/// and this crate's sharded checkpoint (`manifest.json`).
+/// this crate's sharded checkpoint (`manifest.json`), and DeepSpeed ZeRO checkpoints
+/// (`latest` and `*_optim_states.pt`) and universal checkpoints (`zero/`).
 #[derive(Parser, Debug)]
 #[command(name = "fsdp-ckpt", version)]
 struct Cli {
@@ -220,15 +221,21 @@ enum Command {
         policy: Option<PathBuf>,
     },
     /// Write the full (unflattened, name-keyed) optimizer state dict of a sharded checkpoint
-    /// directory, or the whole state of a PyTorch DCP directory (`.metadata`, per-rank
+    /// directory, the whole state of a PyTorch DCP directory (`.metadata`, per-rank
     /// `__{rank}.metadata` files merged and checked to agree, or Hugging Face storage with
-    /// DCP_SHARDING_INFO; `sharded/` of a consolidated one), as `.safetensors` or
-    /// `torch.save` (`.pt`), streaming with bounded memory.
+    /// DCP_SHARDING_INFO; `sharded/` of a consolidated one), or the fp32 weights of a
+    /// DeepSpeed ZeRO or universal checkpoint (what zero_to_fp32's
+    /// get_fp32_state_dict_from_zero_checkpoint returns), as `.safetensors` or `torch.save`
+    /// (`.pt`), streaming with bounded memory.
     Consolidate {
-        /// The checkpoint or DCP directory.
+        /// The checkpoint, DCP or DeepSpeed directory.
         input: PathBuf,
         /// Output file (.safetensors, .pt or .pth).
         output: PathBuf,
+        /// DeepSpeed inputs only: write {"model": weights, "optim": {"state", "param_groups"}}
+        /// with Adam's state, named as get_state_dict(full_state_dict=True) names it.
+        #[arg(long)]
+        optim: bool,
     },
     /// Check a sharded checkpoint directory completely (commit marker, manifest, file
     /// lengths and headers, every checksum block), or a PyTorch DCP directory of any form
@@ -463,7 +470,17 @@ fn run_alone(cli: Cli) -> Result<()> {
             &Solo,
             &p,
         )?,
-        Command::Consolidate { input, output } => ops::consolidate(&input, &output, &Solo, &p)?,
+        Command::Consolidate {
+            input,
+            output,
+            optim,
+        } => ops::consolidate_with(
+            &input,
+            &output,
+            &ops::ConsolidateOptions { optim },
+            &Solo,
+            &p,
+        )?,
     };
     eprint_line(&written.message);
     Ok(())
@@ -523,9 +540,17 @@ mod launcher {
                 pg,
                 &p,
             ),
-            Command::Consolidate { input, output } if ops::consolidate_splits(&input, &output) => {
-                ops::consolidate(&input, &output, pg, &p)
-            }
+            Command::Consolidate {
+                ref input,
+                ref output,
+                optim,
+            } if ops::consolidate_splits(input, output) => ops::consolidate_with(
+                input,
+                output,
+                &ops::ConsolidateOptions { optim },
+                pg,
+                &p,
+            ),
             Command::Convert {
                 ref input,
                 ref output,

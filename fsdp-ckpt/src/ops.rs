@@ -105,6 +105,8 @@ pub enum Inspection {
     Dcp(dcp::DcpSummary),
     /// A Hugging Face model directory (from its index and headers).
     HfModel(io::hf::HfSummary),
+    /// A DeepSpeed ZeRO or universal checkpoint (from its pickles).
+    DeepSpeed(io::deepspeed::Summary),
 }
 
 impl Inspection {
@@ -130,6 +132,7 @@ impl Inspection {
             Inspection::Checkpoint(s) => serde_json::to_value(s).map_err(ser),
             Inspection::Dcp(s) => serde_json::to_value(s).map_err(ser),
             Inspection::HfModel(s) => serde_json::to_value(s).map_err(ser),
+            Inspection::DeepSpeed(s) => serde_json::to_value(s).map_err(ser),
         }
     }
 }
@@ -148,6 +151,7 @@ impl std::fmt::Display for Inspection {
             Inspection::Checkpoint(s) => writeln!(f, "{s}"),
             Inspection::Dcp(s) => write!(f, "{s}"),
             Inspection::HfModel(s) => write!(f, "{s}"),
+            Inspection::DeepSpeed(s) => write!(f, "{s}"),
         }
     }
 }
@@ -454,13 +458,22 @@ fn wrong_input(command: &str, input: &Path, wants: &str, found: Input) -> Error 
 }
 
 /// `inspect PATH`: a summary of a state dict file (from its structure alone, never its tensor
-/// data), of the crate's checkpoint directory (its manifest), or of a DCP directory of any
+/// data), of the crate's checkpoint directory (its manifest), of a DCP directory of any
 /// form (its `.metadata`, its per-rank `__{rank}.metadata` files merged, or the
-/// `DCP_SHARDING_INFO` headers of Hugging Face storage).
+/// `DCP_SHARDING_INFO` headers of Hugging Face storage), or of a DeepSpeed checkpoint (its
+/// pickles: stage, dtype, world size, tag, parameters and their states). A lone file of a
+/// DeepSpeed checkpoint, recognised by its name, is read with DeepSpeed's three inert
+/// globals allowed.
 pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
     let format =
         match recognize(path)? {
             i if i.is_dcp() => return Ok(Inspection::Dcp(dcp::summary(path)?)),
+            i if i.is_deepspeed() => {
+                let ckpt = step(p, &format!("reading {}", path.display()), || {
+                    io::deepspeed::DeepSpeedCheckpoint::open(path)
+                })?;
+                return Ok(Inspection::DeepSpeed(ckpt.summary()));
+            }
             Input::Checkpoint => {
                 return Ok(Inspection::Checkpoint(
                     checkpoint::CheckpointSummary::of_dir(path)?,
@@ -471,12 +484,15 @@ pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
             found => return Err(wrong_input(
                 "inspect",
                 path,
-                "a DCP directory, a checkpoint of this crate, a Hugging Face model directory, or a torch.save or safetensors file",
+                "a DCP directory, a checkpoint of this crate, a DeepSpeed checkpoint, a Hugging Face model directory, or a torch.save or safetensors file",
                 found,
             )),
         };
     let summary = step(p, &format!("reading {}", path.display()), || {
         Ok(match format {
+            FileFormat::TorchSave if fsdp::offline::deepspeed_file(path) => {
+                Summary::of_headers(&io::deepspeed::load_file_headers(path)?)
+            }
             FileFormat::TorchSave => Summary::of_headers(&io::torch_save::load_headers(path)?),
             FileFormat::Safetensors => Summary::of(&io::load(path)?),
         })
@@ -838,9 +854,20 @@ fn fsdp_written(input: &Path, output: &Path, ws: usize, pg: &dyn ProcessGroup) -
     })
 }
 
+/// Options of [`consolidate_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsolidateOptions {
+    /// `--optim`: for a DeepSpeed checkpoint, write `{"model": …, "optim": …}` (the fp32
+    /// weights and Adam's state, named as `get_state_dict(full_state_dict=True)` names them)
+    /// instead of the fp32 weights alone. Refused for other inputs, whose consolidation holds
+    /// whatever they saved.
+    pub optim: bool,
+}
+
 /// `consolidate IN OUT`: the full optimizer state dict of the crate's checkpoint directory,
-/// or the whole state of a DCP directory (what `dcp_to_torch_save` writes), streamed to
-/// `.safetensors` or `.pt` with bounded memory.
+/// the whole state of a DCP directory (what `dcp_to_torch_save` writes), or the fp32 weights
+/// of a DeepSpeed checkpoint (what `get_fp32_state_dict_from_zero_checkpoint` returns),
+/// streamed to `.safetensors` or `.pt` with bounded memory.
 ///
 /// Run by the processes of `pg` (`&Solo` for one; under `mpirun -np N`, see
 /// [`consolidate_splits`]): each writes its share of the file's byte ranges
@@ -854,12 +881,35 @@ pub fn consolidate(
     pg: &dyn ProcessGroup,
     p: &dyn Progress,
 ) -> Result<Written> {
+    consolidate_with(input, out, &ConsolidateOptions::default(), pg, p)
+}
+
+/// [`consolidate`] with options: `--optim` for a DeepSpeed checkpoint
+/// ([`convert::deepspeed_to_torch_save`], [`convert::deepspeed_to_safetensors`]).
+pub fn consolidate_with(
+    input: &Path,
+    out: &Path,
+    opts: &ConsolidateOptions,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
     let format = FileFormat::from_path(out)?;
-    let is_dcp = pg.agree(consolidate_input(input))?.is_dcp();
+    let found = pg.agree(consolidate_input(input))?;
+    if opts.optim && !found.is_deepspeed() {
+        return Err(Error::Unsupported(format!(
+            "consolidate --optim takes a DeepSpeed checkpoint (its optimizer state is kept apart from the weights); `{}` is {}, whose consolidation already holds all it saved: drop --optim",
+            input.display(),
+            found.describe()
+        )));
+    }
     pg.on_root(|| {
         output::check_not_overlapping(out, &[input])?;
         output::check_file_output(out)
     })?;
+    if found.is_deepspeed() {
+        return consolidate_deepspeed(input, out, format, opts, pg, p);
+    }
+    let is_dcp = found.is_dcp();
     let total = pg.agree(if is_dcp {
         dcp::summary(input).map(|s| s.tensor_bytes)
     } else {
@@ -894,6 +944,52 @@ pub fn consolidate(
     })
 }
 
+/// `consolidate DS_DIR OUT [--optim]`: the fp32 weights of a DeepSpeed checkpoint, or with
+/// `--optim` the weights and Adam's state, streamed one parameter at a time.
+fn consolidate_deepspeed(
+    input: &Path,
+    out: &Path,
+    format: FileFormat,
+    opts: &ConsolidateOptions,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let ckpt = pg.agree(step(p, &format!("reading {}", input.display()), || {
+        io::deepspeed::DeepSpeedCheckpoint::open(input)
+    }))?;
+    pg.on_root(|| clean_stale(p, out, None))?;
+    let states = if opts.optim { 3 } else { 1 };
+    let total = ckpt.fp32_bytes() * states;
+    let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
+    p.start(&phase("consolidating", pg), share_total);
+    let what = convert::DeepSpeedOutput { optim: opts.optim };
+    let to = |b| p.update(b);
+    let written = match format {
+        FileFormat::Safetensors => convert::deepspeed_to_safetensors(input, out, what, pg, to),
+        FileFormat::TorchSave => convert::deepspeed_to_torch_save(input, out, what, pg, to),
+    };
+    p.finish();
+    let written = written?;
+    Ok(Written {
+        operation: "consolidate",
+        output: out.to_path_buf(),
+        tensor_bytes: written,
+        count: Some(ckpt.params().len()),
+        world_size: Some(ckpt.world_size()),
+        message: format!(
+            "consolidated DeepSpeed ZeRO-{} checkpoint {} (tag {}, {} ranks) -> {}{}: {} parameters, {written} bytes of {}",
+            ckpt.stage(),
+            input.display(),
+            ckpt.tag(),
+            ckpt.world_size(),
+            out.display(),
+            on_processes(pg),
+            ckpt.params().len(),
+            if opts.optim { "weights and Adam state" } else { "fp32 weights" }
+        ),
+    })
+}
+
 /// How a result message names the processes of a job (nothing for one).
 fn on_processes(pg: &dyn ProcessGroup) -> String {
     if pg.world_size() > 1 {
@@ -903,13 +999,14 @@ fn on_processes(pg: &dyn ProcessGroup) -> String {
     }
 }
 
-/// The input of `consolidate`: a DCP directory or a checkpoint of this crate.
+/// The input of `consolidate`: a DCP directory, a checkpoint of this crate or a DeepSpeed
+/// checkpoint.
 fn consolidate_input(input: &Path) -> Result<Input> {
     expect_input(
         "consolidate",
         input,
-        "a DCP directory or a checkpoint of this crate",
-        |i| i.is_dcp() || i == Input::Checkpoint,
+        "a DCP directory, a checkpoint of this crate or a DeepSpeed checkpoint",
+        |i| i.is_dcp() || i == Input::Checkpoint || i.is_deepspeed(),
     )
 }
 
@@ -970,9 +1067,10 @@ pub fn reshard(
 
 /// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from
 /// the crate's checkpoint directory or a DCP directory to either format (files whose layout
-/// is known before any byte is written), that is whenever `OUTPUT`'s format is known.
-pub fn consolidate_splits(_input: &Path, out: &Path) -> bool {
-    FileFormat::from_path(out).is_ok()
+/// is known before any byte is written), that is whenever `OUTPUT`'s format is known; a
+/// DeepSpeed checkpoint is consolidated by process 0 alone (not yet split).
+pub fn consolidate_splits(input: &Path, out: &Path) -> bool {
+    FileFormat::from_path(out).is_ok() && !recognize(input).is_ok_and(Input::is_deepspeed)
 }
 
 /// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2

@@ -4,10 +4,12 @@
 //! state dicts move between Rust and Python without conversion scripts. [`safetensors`] stores
 //! the same objects as single `.safetensors` files that Python's `safetensors` reads directly.
 //! [`load`] and [`save`] pick one of the two by the file's extension; [`inspect`] summarizes
-//! what a file holds.
+//! what a file holds. [`dcp`], [`hf`] and [`deepspeed`] read (and the first two write) the
+//! directories of PyTorch DCP, Hugging Face and DeepSpeed.
 
 pub(crate) mod container;
 pub mod dcp;
+pub mod deepspeed;
 pub mod hf;
 pub mod inspect;
 pub mod output;

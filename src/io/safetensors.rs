@@ -434,6 +434,137 @@ pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
     })
 }
 
+/// The layout of a `.safetensors` file of an object whose placeholder tensors a
+/// [`LazyTensors`](super::torch_save::writer::LazyTensors) streams, known before any byte is
+/// written: the file [`save`] writes of the object holding the real tensors.
+pub(crate) struct LazyPlan<'o> {
+    tensors: Vec<(String, &'o HostTensor)>,
+    header: Vec<u8>,
+    /// File offset of each tensor's data.
+    starts: Vec<u64>,
+    /// Bytes of each tensor's data.
+    lens: Vec<u64>,
+}
+
+impl<'o> LazyPlan<'o> {
+    /// Plans `obj` (written as `file`), the real shape of each placeholder given by `lazy`.
+    pub(crate) fn new(
+        obj: &'o PyObj,
+        file: &str,
+        lazy: &dyn super::torch_save::writer::LazyTensors,
+    ) -> Result<Self> {
+        let (tensors, meta) = parts(obj)?;
+        let entries: Vec<crate::io::container::Entry> = tensors
+            .iter()
+            .map(|(name, t)| {
+                let shape = lazy.shape_of(t).unwrap_or_else(|| t.shape().to_vec());
+                let nbytes = (shape.iter().product::<usize>() * t.dtype().size()) as u64;
+                crate::io::container::Entry {
+                    name: name.clone(),
+                    dtype: t.dtype(),
+                    shape,
+                    nbytes,
+                }
+            })
+            .collect();
+        let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
+        let (header, starts) = crate::io::container::header(&entries, &meta)?;
+        if header.len() - 8 > MAX_HEADER_BYTES {
+            return Err(Error::Serialization {
+                what: format!("the safetensors header of `{file}`"),
+                reason: format!(
+                    "{} bytes, over the {MAX_HEADER_BYTES}-byte limit of safetensors readers",
+                    header.len() - 8
+                ),
+            });
+        }
+        Ok(LazyPlan {
+            tensors,
+            header,
+            starts,
+            lens: entries.iter().map(|e| e.nbytes).collect(),
+        })
+    }
+
+    /// The file's length.
+    pub(crate) fn file_len(&self) -> u64 {
+        self.header.len() as u64 + self.lens.iter().sum::<u64>()
+    }
+
+    /// Writes the header at the start of `file`, the temporary `tmp` of `out`.
+    pub(crate) fn write_header(&self, file: &std::fs::File, out: &Path, tmp: &Path) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        file.write_all_at(&self.header, 0).map_err(err)
+    }
+
+    /// Writes process `rank`'s share (of `world_size`) of the tensors' data at their places
+    /// in `file` (the temporary `tmp` of `out`): the data is cut into `world_size` spans of
+    /// equal bytes, and each tensor goes to the process whose span holds its first byte.
+    /// Placeholders are streamed by `lazy`, which is finished at the end. Returns the bytes
+    /// written.
+    pub(crate) fn write_share(
+        &self,
+        lazy: &mut dyn super::torch_save::writer::LazyTensors,
+        (file, out, tmp): (&std::fs::File, &Path, &Path),
+        (rank, world_size): (usize, usize),
+    ) -> Result<u64> {
+        use std::os::unix::fs::FileExt;
+        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let data = self.lens.iter().sum::<u64>();
+        let mut writeback = crate::io::output::Writeback::new(0);
+        let mut written = 0u64;
+        for (i, (name, t)) in self.tensors.iter().enumerate() {
+            let from = self.starts[i] - self.header.len() as u64;
+            if crate::io::output::writer_of(from, data, world_size) != rank {
+                continue;
+            }
+            let (start, end) = (self.starts[i], self.starts[i] + self.lens[i]);
+            if lazy.shape_of(t).is_none() {
+                file.write_all_at(t.as_bytes(), start).map_err(&err)?;
+                written += t.nbytes() as u64;
+                continue;
+            }
+            let mut at = start;
+            let mut failed: Option<std::io::Error> = None;
+            let streamed = lazy.stream(t, &mut |chunk| {
+                let mut put = || -> std::io::Result<()> {
+                    if at + chunk.len() as u64 > end {
+                        return Err(std::io::Error::other(format!(
+                            "tensor `{name}` streamed more than its {} planned bytes",
+                            end - start
+                        )));
+                    }
+                    file.write_all_at(chunk, at)?;
+                    writeback.wrote_at(file, at, chunk.len() as u64)
+                };
+                put().map_err(|e| {
+                    let kind = e.kind();
+                    failed = Some(e);
+                    std::io::Error::from(kind)
+                })?;
+                at += chunk.len() as u64;
+                Ok(())
+            });
+            if let Some(e) = failed {
+                return Err(err(e));
+            }
+            streamed?;
+            if at != end {
+                return Err(Error::Internal(format!(
+                    "tensor `{name}` of {} streamed {} of its {} planned bytes",
+                    out.display(),
+                    at - start,
+                    end - start
+                )));
+            }
+            written += end - start;
+        }
+        lazy.finish()?;
+        Ok(written)
+    }
+}
+
 /// Serializes `obj` as a safetensors file in memory (the bytes [`save`] writes).
 pub fn save_to_bytes(obj: &PyObj) -> Result<Vec<u8>> {
     let (mut out, tensors) = layout(obj, MEMORY)?;

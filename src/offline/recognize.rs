@@ -9,13 +9,23 @@
 //! | 1 | `.metadata` (any kind of entry) | [`Input::Dcp`]: `dcp.save` |
 //! | 2 | `__{rank}.metadata` | [`Input::DcpPerRank`]: `dcp.save(..., use_collectives=False)` |
 //! | 3 | `manifest.json` or `COMMITTED` | [`Input::Checkpoint`]: this crate's checkpoint |
-//! | 4 | a `.safetensors` file whose header's `__metadata__` has `DCP_SHARDING_INFO`, here or in `sharded/` | [`Input::DcpHf`]: `HuggingFaceStorageWriter` |
-//! | 5 | `model.safetensors.index.json`, or `.safetensors` files (none with `DCP_SHARDING_INFO`) | [`Input::HfModel`]: `save_pretrained` |
+//! | 4 | `*_optim_states.pt` rank files, or `latest` naming a tag directory of them | [`Input::DeepSpeed`]: DeepSpeed's `engine.save_checkpoint` (ZeRO 1, 2, 3) |
+//! | 5 | `zero/optimizer_state.pt`, or `latest_universal` naming a tag directory with it | [`Input::DeepSpeedUniversal`]: DeepSpeed's `ds_to_universal` |
+//! | 6 | a `.safetensors` file whose header's `__metadata__` has `DCP_SHARDING_INFO`, here or in `sharded/` | [`Input::DcpHf`]: `HuggingFaceStorageWriter` |
+//! | 7 | `model.safetensors.index.json`, or `.safetensors` files (none with `DCP_SHARDING_INFO`) | [`Input::HfModel`]: `save_pretrained` |
 //!
 //! The order is PyTorch's where PyTorch has one (its loader reads `.metadata` before a rank's
 //! own file); the crate's checkpoint never holds DCP markers; Hugging Face storage comes last
 //! because telling it apart reads file headers. A directory of safetensors files without
-//! `DCP_SHARDING_INFO` is a plain Hugging Face model directory, recognised last.
+//! `DCP_SHARDING_INFO` is a plain Hugging Face model directory, recognised last. A `latest`
+//! naming a tag whose directory is missing still marks a DeepSpeed checkpoint: its reader
+//! says which tag is missing.
+//!
+//! A single file is a [`Input::File`] of the format its extension (or its first bytes) says.
+//! A `torch.save` file named as one of a DeepSpeed checkpoint's
+//! ([`deepspeed_file`]: `zero_pp_rank_R_mp_rank_MM_optim_states.pt`, with or without
+//! `bf16_`, `mp_rank_MM_model_states.pt`, …) is read with the three DeepSpeed globals of its
+//! pickles allowed ([`crate::io::deepspeed`]); any other file is not.
 
 use crate::error::{Error, Result};
 use crate::io::dcp::HfForm;
@@ -38,11 +48,23 @@ pub enum Input {
     /// A Hugging Face model directory (`save_pretrained`): `model.safetensors`, or
     /// `model-*-of-*.safetensors` files and `model.safetensors.index.json`.
     HfModel,
+    /// A DeepSpeed ZeRO checkpoint (`engine.save_checkpoint`): the root holding `latest`, or
+    /// a tag directory of `*_optim_states.pt` rank files.
+    DeepSpeed,
+    /// A DeepSpeed universal checkpoint (`ds_to_universal`): a tag directory holding
+    /// `zero/optimizer_state.pt`, or the root holding `latest_universal`.
+    DeepSpeedUniversal,
     /// A single state dict file.
     File(FileFormat),
 }
 
 impl Input {
+    /// Whether this is a DeepSpeed checkpoint of either form (what
+    /// [`crate::io::deepspeed::DeepSpeedCheckpoint`] opens).
+    pub fn is_deepspeed(self) -> bool {
+        matches!(self, Input::DeepSpeed | Input::DeepSpeedUniversal)
+    }
+
     /// Whether this is a DCP directory of any form (what [`crate::io::dcp::DcpCheckpoint`]
     /// opens).
     pub fn is_dcp(self) -> bool {
@@ -65,6 +87,8 @@ impl Input {
             }
             Input::Checkpoint => "a checkpoint of this crate",
             Input::HfModel => "a Hugging Face model directory",
+            Input::DeepSpeed => "a DeepSpeed ZeRO checkpoint",
+            Input::DeepSpeedUniversal => "a DeepSpeed universal checkpoint",
             Input::File(FileFormat::TorchSave) => "a torch.save file",
             Input::File(FileFormat::Safetensors) => "a safetensors file",
         }
@@ -92,6 +116,14 @@ const DIRECTORY_FORMS: &[Form] = &[
     Form {
         marker: "`manifest.json`",
         probe: crate_checkpoint,
+    },
+    Form {
+        marker: "`latest` with a tag directory of `*_optim_states.pt`",
+        probe: deepspeed_zero,
+    },
+    Form {
+        marker: "`zero/optimizer_state.pt`",
+        probe: deepspeed_universal,
     },
     Form {
         marker: "`.safetensors` files with `DCP_SHARDING_INFO`",
@@ -180,6 +212,27 @@ fn hf_model(dir: &Path) -> Result<Option<Input>> {
     Ok(crate::io::hf::looks_like_model_dir(dir).then_some(Input::HfModel))
 }
 
+/// `*_optim_states.pt` rank files, or `latest` naming a tag directory of them (or a
+/// missing one), mark a DeepSpeed ZeRO checkpoint.
+fn deepspeed_zero(dir: &Path) -> Result<Option<Input>> {
+    let found = crate::io::deepspeed::recognize_dir(dir);
+    Ok((found == Some(crate::io::deepspeed::Form::Zero)).then_some(Input::DeepSpeed))
+}
+
+/// `zero/optimizer_state.pt`, or `latest_universal` naming a tag directory with it, marks a
+/// DeepSpeed universal checkpoint.
+fn deepspeed_universal(dir: &Path) -> Result<Option<Input>> {
+    let found = crate::io::deepspeed::recognize_dir(dir);
+    Ok((found == Some(crate::io::deepspeed::Form::Universal)).then_some(Input::DeepSpeedUniversal))
+}
+
+/// Whether the file `path` is named as a file of a DeepSpeed checkpoint, whose pickles are
+/// then read with DeepSpeed's three inert globals allowed
+/// ([`crate::io::deepspeed::is_checkpoint_file`]).
+pub fn deepspeed_file(path: &Path) -> bool {
+    crate::io::deepspeed::is_checkpoint_file(path)
+}
+
 /// `manifest.json` or `COMMITTED` marks this crate's checkpoint (complete or not: its reader
 /// says which part is missing).
 fn crate_checkpoint(dir: &Path) -> Result<Option<Input>> {
@@ -212,7 +265,7 @@ fn unrecognized_dir(dir: &Path) -> Error {
     Error::UnrecognizedInput {
         path: dir.display().to_string(),
         found: format!(
-            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`) nor a Hugging Face model directory (no `.safetensors` files); {holds} (looked for {})",
+            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`) nor a DeepSpeed checkpoint (no `latest` naming a tag of `*_optim_states.pt`, no `zero/optimizer_state.pt`) nor a Hugging Face model directory (no `.safetensors` files); {holds} (looked for {})",
             markers.join(", ")
         ),
     }

@@ -32,7 +32,12 @@ pub(super) fn is_legacy(head: &[u8]) -> bool {
 }
 
 /// Reads the legacy file `src` (`file` names it in errors).
-pub(super) fn read<S: Source>(file: &str, mut src: S, mode: unpickle::Mode) -> Result<Unpickled> {
+pub(super) fn read<S: Source>(
+    file: &str,
+    mut src: S,
+    mode: unpickle::Mode,
+    allow: unpickle::Allow,
+) -> Result<Unpickled> {
     let len = src.len();
     let mut window = len.min(FIRST_WINDOW);
     loop {
@@ -49,7 +54,7 @@ pub(super) fn read<S: Source>(file: &str, mut src: S, mode: unpickle::Mode) -> R
         };
         let attempt = store.preamble().and_then(|start| {
             store.object_start = start;
-            unpickle::unpickle(file, &head[start..], &mut store, mode)
+            unpickle::unpickle(file, &head[start..], &mut store, mode, allow)
         });
         match attempt {
             Err(e) if truncated(&e) && window < len => window = len.min(window * 8),

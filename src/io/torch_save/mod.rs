@@ -46,11 +46,14 @@ mod convert;
 mod legacy;
 mod lone_tensor;
 mod pyobj;
+mod ranged;
 mod unpickle;
 pub(crate) mod writer;
 mod zip;
 
 pub(crate) use lone_tensor::LoneTensor;
+pub(crate) use ranged::StorageReader;
+pub(crate) use unpickle::{Allow, PlaceholderView};
 
 pub use convert::{
     model_from_pyobj, model_to_pyobj, optim_from_pyobj, optim_to_pyobj, value_to_pyobj,
@@ -124,6 +127,12 @@ impl Headers {
         self.whole.get(&t.storage_id()).map(String::as_str)
     }
 
+    /// Where a placeholder of [`Headers::obj`] lies in its storage; `None` for a tensor
+    /// that was read (at most one element).
+    pub(crate) fn view(&self, t: &HostTensor) -> Option<&PlaceholderView> {
+        self.views.get(&t.storage_id())
+    }
+
     /// The real shape of a tensor of [`Headers::obj`] (or of a clone of it).
     pub fn shape<'a>(&'a self, t: &'a HostTensor) -> &'a [usize] {
         self.shapes
@@ -146,7 +155,7 @@ pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<PyObj> {
     let mode = unpickle::Mode::Full {
         max_expansion_bytes: opts.max_expansion_bytes,
     };
-    Ok(read_archive(&name, src, mode)?.obj)
+    Ok(read_archive(&name, src, mode, Allow::TorchLoad)?.obj)
 }
 
 /// Reads the structure of the `torch.save` file at `path`: the pickle and the storage
@@ -154,8 +163,14 @@ pub fn load_with(path: impl AsRef<Path>, opts: &LoadOptions) -> Result<PyObj> {
 /// tensors of at most one element. What `fsdp-ckpt inspect` reads: its memory does not
 /// depend on the tensors' sizes.
 pub fn load_headers(path: impl AsRef<Path>) -> Result<Headers> {
-    let (name, src) = open(path.as_ref())?;
-    let u = read_archive(&name, src, unpickle::Mode::Headers)?;
+    load_headers_with(path.as_ref(), Allow::TorchLoad)
+}
+
+/// [`load_headers`] with the allow-list `allow`: [`Allow::DeepSpeed`] only for the files of
+/// a recognised DeepSpeed checkpoint ([`crate::io::deepspeed`]).
+pub(crate) fn load_headers_with(path: &Path, allow: Allow) -> Result<Headers> {
+    let (name, src) = open(path)?;
+    let u = read_archive(&name, src, unpickle::Mode::Headers, allow)?;
     Ok(Headers {
         obj: u.obj,
         shapes: u.shapes,
@@ -205,7 +220,7 @@ pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> 
     let mode = unpickle::Mode::Full {
         max_expansion_bytes: LoadOptions::default().max_expansion_bytes,
     };
-    Ok(read_archive(&name, src, mode)?.obj)
+    Ok(read_archive(&name, src, mode, Allow::TorchLoad)?.obj)
 }
 
 /// Which `torch.save` files [`FileTensors::open`] streams.
@@ -427,7 +442,7 @@ pub fn load_from_bytes_with(bytes: &[u8], opts: &LoadOptions) -> Result<PyObj> {
     let mode = unpickle::Mode::Full {
         max_expansion_bytes: opts.max_expansion_bytes,
     };
-    Ok(read_archive(MEMORY, zip::SliceSource(bytes), mode)?.obj)
+    Ok(read_archive(MEMORY, zip::SliceSource(bytes), mode, Allow::TorchLoad)?.obj)
 }
 
 /// Writes `obj` to `path` as `torch.save(obj, path)` would, atomically.
@@ -550,6 +565,7 @@ pub(crate) fn write_lazy_share(
         }
         crcs.push((i, crc.finalize()));
     }
+    lazy.finish()?;
     Ok(crcs)
 }
 
@@ -585,12 +601,13 @@ fn read_archive<S: Source>(
     file: &str,
     mut src: S,
     mode: unpickle::Mode,
+    allow: Allow,
 ) -> Result<unpickle::Unpickled> {
     if starts_legacy(file, &mut src)? {
-        return legacy::read(file, src, mode);
+        return legacy::read(file, src, mode, allow);
     }
     let (zip, prefix) = open_archive(file, src)?;
-    Ok(read_zip(file, zip, prefix, mode)?.0)
+    Ok(read_zip(file, zip, prefix, mode, allow)?.0)
 }
 
 /// Reads the records and the pickle of an opened zip archive; gives the archive back, for a
@@ -600,6 +617,7 @@ fn read_zip<S: Source>(
     mut zip: ZipReader<S>,
     prefix: String,
     mode: unpickle::Mode,
+    allow: Allow,
 ) -> Result<(unpickle::Unpickled, ZipReader<S>, String)> {
     // `torch.load` reads these records when present (`_load` in torch/serialization.py):
     // extracted as PyTorch would; `version >= b"1"` takes any `.format_version`, but
@@ -627,7 +645,7 @@ fn read_zip<S: Source>(
             entry: pkl_name.clone(),
         })?;
     let mut store = ArchiveStorages { zip, prefix, file };
-    let u = unpickle::unpickle(file, &pkl, &mut store, mode)?;
+    let u = unpickle::unpickle(file, &pkl, &mut store, mode, allow)?;
     Ok((u, store.zip, store.prefix))
 }
 

@@ -32,6 +32,12 @@ pub(crate) trait LazyTensors {
         t: &HostTensor,
         sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
     ) -> Result<()>;
+    /// Called once a writer has streamed its share, before the output is committed: a
+    /// source that checks what it handed out only once it has read its input through (the
+    /// CRC-32 of a storage read in ranges) finishes that here, and its error fails the write.
+    fn finish(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// No lazy tensors.
@@ -162,6 +168,10 @@ impl<'a> StoragePlan<'a> {
         };
         for t in tensors {
             if let Some(shape) = lazy.shape_of(t) {
+                if plan.by_buffer.contains_key(&t.storage_id()) {
+                    // The same placeholder again (a tied weight): one storage for both.
+                    continue;
+                }
                 // A storage of its own, whatever buffer the placeholder lives in.
                 let numel: usize = shape.iter().product();
                 plan.by_buffer.insert(t.storage_id(), plan.storages.len());
@@ -809,7 +819,7 @@ pub(crate) fn write_with<W: Write>(
 ) -> Result<W> {
     let a = Archive::new(obj, archive, file, lazy)?;
     let io = a.io_err();
-    a.write(ZipWriter::new(out), |z, _, data| {
+    let out = a.write(ZipWriter::new(out), |z, _, data| {
         let mut one = crc32fast::Hasher::new();
         match data {
             StorageData::Bytes(bytes) => {
@@ -822,7 +832,9 @@ pub(crate) fn write_with<W: Write>(
             })?,
         }
         Ok(one)
-    })
+    })?;
+    lazy.finish()?;
+    Ok(out)
 }
 
 /// An object ready to be written as a `torch.save` archive: its pickle and its storages in

@@ -8,6 +8,7 @@
 //! final conversion to [`PyObj`] bounds depth and size, since shared references (the memo)
 //! let a small stream name one object many times.
 
+mod deepspeed;
 mod rich;
 mod subclass;
 mod tensor;
@@ -25,6 +26,7 @@ use std::rc::Rc;
 use subclass::{Class, ShardedView};
 use tensor::{Tensors, View};
 
+pub(crate) use deepspeed::Allow;
 pub(crate) use tensor::{contiguous_strides, strided_runs, PlaceholderView};
 
 /// Deepest nesting of containers accepted in the result.
@@ -67,7 +69,7 @@ impl Storages for NoStorages {
 /// Runs a pickle that holds plain values (no storage) at the start of `data`; returns the
 /// object and the bytes the stream took (the legacy format's header pickles).
 pub(crate) fn plain(file: &str, data: &[u8]) -> Result<(PyObj, usize)> {
-    let u = unpickle(file, data, &mut NoStorages, Mode::Headers)?;
+    let u = unpickle(file, data, &mut NoStorages, Mode::Headers, Allow::TorchLoad)?;
     Ok((u.obj, u.consumed))
 }
 /// How tensors are produced.
@@ -214,7 +216,7 @@ const REFUSED: &[(&str, &str, &str)] = &[
 ];
 
 /// `torch.load(weights_only=True)`'s allow-list.
-const ALLOWED: Globals<Global> = Globals { resolve };
+static ALLOWED: Globals<Global> = Globals { resolve };
 
 /// The global `module.name`, if `torch.load(weights_only=True)` allows it here.
 fn resolve(module: &str, name: &str) -> Option<Global> {
@@ -475,13 +477,14 @@ pub(crate) fn unpickle(
     data: &[u8],
     store: &mut dyn Storages,
     mode: Mode,
+    allow: Allow,
 ) -> Result<Unpickled> {
     let state = TorchLoad {
         storages: HashMap::new(),
         quantized: HashMap::new(),
         tensors: RefCell::new(Tensors::new(mode, store)),
     };
-    let mut vm = Machine::new(file, data, &ALLOWED, state);
+    let mut vm = Machine::new(file, data, allow.globals(), state);
     let result = vm.run()?;
     let consumed = vm.consumed();
     vm.state.tensors.get_mut().store().stream_ended(consumed)?;
@@ -592,6 +595,7 @@ impl Vm<'_, '_> {
                     attrs: Vec::new(),
                 })))
             }
+            Global::Class(Class::ZeroStageEnum) => self.zero_stage(a),
             Global::Class(class) => Err(self.err(format!("calling {class:?}"))),
             Global::Getattr => match a {
                 [V::Global(Global::Class(Class::ShardedTensor)), V::Str(n)]
@@ -852,6 +856,20 @@ impl Vm<'_, '_> {
                     })
                     .collect::<Result<_>>()?,
             },
+            Some(Node::Ext(Object::Record { class, attrs })) if deepspeed::is_attribute_record(*class) => {
+                PyObj::Dict(
+                    attrs
+                        .iter()
+                        .map(|(k, v)| {
+                            let at = Path::Attr(path, k);
+                            Ok((
+                                PyObj::Str(k.clone()),
+                                self.to_pyobj(v, &at, depth + 1, budget)?,
+                            ))
+                        })
+                        .collect::<Result<_>>()?,
+                )
+            }
             Some(Node::Ext(Object::Record { class, .. })) => {
                 return Err(self.err(format!("a bare {class:?} in the result is not supported")))
             }

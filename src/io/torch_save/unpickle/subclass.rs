@@ -46,6 +46,13 @@ pub(super) enum Class {
     FlatLayout,
     Device,
     Layout,
+    /// `deepspeed.runtime.fp16.loss_scaler.LossScaler` (only with [`super::Allow::DeepSpeed`]).
+    LossScaler,
+    /// `deepspeed.runtime.zero.config.ZeroStageEnum` (only with [`super::Allow::DeepSpeed`]).
+    ZeroStageEnum,
+    /// `deepspeed.utils.tensor_fragment.fragment_address` (only with
+    /// [`super::Allow::DeepSpeed`]).
+    FragmentAddress,
 }
 
 impl Class {
