@@ -544,13 +544,9 @@ mod launcher {
                 ref input,
                 ref output,
                 optim,
-            } if ops::consolidate_splits(input, output) => ops::consolidate_with(
-                input,
-                output,
-                &ops::ConsolidateOptions { optim },
-                pg,
-                &p,
-            ),
+            } if ops::consolidate_splits(input, output) => {
+                ops::consolidate_with(input, output, &ops::ConsolidateOptions { optim }, pg, &p)
+            }
             Command::Convert {
                 ref input,
                 ref output,

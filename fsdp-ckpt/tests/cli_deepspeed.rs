@@ -66,11 +66,20 @@ fn inspect_a_deepspeed_checkpoint_shows_stage_dtype_world_size_tag_parameters_an
     assert_eq!(json["optimizer"], "DeepSpeedZeroOptimizer");
     let p = &json["params"][0];
     assert_eq!(p["name"], "emb.weight");
-    assert_eq!(p["states"], serde_json::json!(["fp32", "exp_avg", "exp_avg_sq"]));
+    assert_eq!(
+        p["states"],
+        serde_json::json!(["fp32", "exp_avg", "exp_avg_sq"])
+    );
     assert_eq!(p["step"], 3.0);
     assert_eq!(
         json["param_groups"][1]["members"],
-        serde_json::json!(["fc1.bias", "norm.weight", "norm.bias", "shift", "logit_scale"])
+        serde_json::json!([
+            "fc1.bias",
+            "norm.weight",
+            "norm.bias",
+            "shift",
+            "logit_scale"
+        ])
     );
 }
 
@@ -112,7 +121,12 @@ fn consolidate_writes_zero_to_fp32s_weights_and_with_optim_the_adam_state() {
             assert!(get(&got, n).bit_eq(get(&expected, n)), "{case} {n}");
         }
         let full = tmp.path().join(format!("{case}_optim.safetensors"));
-        ok(&run(&[&"consolidate", &golden(case).join("ckpt"), &full, &"--optim"]));
+        ok(&run(&[
+            &"consolidate",
+            &golden(case).join("ckpt"),
+            &full,
+            &"--optim",
+        ]));
         let got = io::load(&full).unwrap();
         assert_eq!(names(&got), ["model", "optim"]);
         let state = get(get(&got, "optim"), "state");
@@ -142,7 +156,10 @@ fn consolidate_optim_takes_only_deepspeed_checkpoints() {
             &out,
             &"--optim",
         ]),
-        &["consolidate --optim takes a DeepSpeed checkpoint", "is a DCP directory"],
+        &[
+            "consolidate --optim takes a DeepSpeed checkpoint",
+            "is a DCP directory",
+        ],
     );
     assert!(!out.exists());
 }

@@ -219,7 +219,7 @@ impl PartitionedGroup {
             .filter_map(|rank| {
                 let lo = rank * pn;
                 let hi = ((rank + 1) * pn).min(numel);
-                (lo < hi).then_some(Piece {
+                (lo < hi).then(|| Piece {
                     rank,
                     start: offset,
                     len: hi - lo,
@@ -268,10 +268,16 @@ mod tests {
         assert_eq!(g0.pieces(1), [piece(1, 26, 276, 0)]);
         assert_eq!(g0.pieces(2), [piece(1, 302, 115, 0)]);
         assert_eq!([g0.group_padding(0), g0.group_padding(1)], [0, 1]);
-        assert_eq!([g0.cut_partition_numel(0), g0.cut_partition_numel(1)], [418, 417]);
+        assert_eq!(
+            [g0.cut_partition_numel(0), g0.cut_partition_numel(1)],
+            [418, 417]
+        );
         assert_eq!([g0.needed(0), g0.needed(1)], [418, 417]);
         assert_eq!(g0.slice_mappings(0), [(0, 418, 0)]);
-        assert_eq!(g0.slice_mappings(1), [(0, 26, 0), (1, 276, 26), (2, 115, 302)]);
+        assert_eq!(
+            g0.slice_mappings(1),
+            [(0, 26, 0), (1, 276, 26), (2, 115, 302)]
+        );
 
         // fc1.bias, norm.weight, norm.bias 23 each, shift 3, logit_scale 1.
         let g1 = FlatGroup::new(&[23, 23, 23, 3, 1], &[], 2).unwrap();
@@ -302,7 +308,10 @@ mod tests {
             [0, 0, 2, 4]
         );
         assert_eq!(g.cut_partition_numel(3), 0);
-        assert_eq!((0..4).map(|r| g.needed(r)).collect::<Vec<_>>(), [4, 4, 2, 0]);
+        assert_eq!(
+            (0..4).map(|r| g.needed(r)).collect::<Vec<_>>(),
+            [4, 4, 2, 0]
+        );
         // The pieces of every parameter tile it exactly once, in order.
         for i in 0..2 {
             let mut at = 0;
@@ -318,7 +327,10 @@ mod tests {
     fn alignment_paddings_move_the_following_parameters() {
         // parameter_alignment: 3 elements then 1 zero, 5 elements.
         let g = FlatGroup::new(&[3, 5], &[1, 0], 1).unwrap();
-        assert_eq!((g.offset(1), g.padded_numel(), g.aligned_numel()), (4, 9, 10));
+        assert_eq!(
+            (g.offset(1), g.padded_numel(), g.aligned_numel()),
+            (4, 9, 10)
+        );
         assert_eq!(g.pieces(1), [piece(0, 4, 5, 0)]);
         assert_eq!(g.group_padding(0), 1);
         assert!(FlatGroup::new(&[3], &[1, 2], 1).is_none());

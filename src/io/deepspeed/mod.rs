@@ -344,7 +344,10 @@ fn locate(path: &Path) -> Result<(Form, PathBuf, String)> {
     if holds_optim_states(path) {
         return Ok((Form::Zero, path.to_path_buf(), dir_name(path)));
     }
-    for (marker, form) in [("latest_universal", Form::Universal), ("latest", Form::Zero)] {
+    for (marker, form) in [
+        ("latest_universal", Form::Universal),
+        ("latest", Form::Zero),
+    ] {
         if let Some(tag) = read_tag(&path.join(marker))? {
             let dir = path.join(&tag);
             if !dir.is_dir() {
@@ -401,9 +404,11 @@ pub(crate) fn is_universal_tag_dir(dir: &Path) -> bool {
 /// Whether `dir` holds ZeRO optimizer rank files (`*_optim_states.pt`).
 pub(crate) fn holds_optim_states(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries
-            .flatten()
-            .any(|e| e.file_name().to_string_lossy().ends_with("_optim_states.pt"))
+        entries.flatten().any(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .ends_with("_optim_states.pt")
+        })
     })
 }
 
@@ -418,7 +423,10 @@ pub fn recognize_dir(dir: &Path) -> Option<Form> {
     if holds_optim_states(dir) {
         return Some(Form::Zero);
     }
-    for (marker, form) in [("latest_universal", Form::Universal), ("latest", Form::Zero)] {
+    for (marker, form) in [
+        ("latest_universal", Form::Universal),
+        ("latest", Form::Zero),
+    ] {
         let Ok(Some(tag)) = read_tag(&dir.join(marker)) else {
             continue;
         };
@@ -650,9 +658,11 @@ fn shape_of(obj: &PyObj) -> Option<Vec<usize>> {
 /// A parameter name that can name a file of a universal checkpoint and a key: not empty,
 /// one path component.
 fn check_name(p: &Pickled, name: &str) -> Result<()> {
-    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0')
-    {
-        return Err(p.err(Some(name), "a parameter name that is not one path component"));
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
+        return Err(p.err(
+            Some(name),
+            "a parameter name that is not one path component",
+        ));
     }
     Ok(())
 }
@@ -686,11 +696,15 @@ impl ModelStates {
             let mut names = Vec::new();
             for (k, v) in entries {
                 let PyObj::Str(name) = k else {
-                    return Err(p.err(None, format!("`param_shapes[{g}]` has a key that is not a name")));
+                    return Err(p.err(
+                        None,
+                        format!("`param_shapes[{g}]` has a key that is not a name"),
+                    ));
                 };
                 check_name(p, name)?;
-                let shape = shape_of(v)
-                    .ok_or_else(|| p.err(Some(name), "its shape in `param_shapes` is not a shape"))?;
+                let shape = shape_of(v).ok_or_else(|| {
+                    p.err(Some(name), "its shape in `param_shapes` is not a shape")
+                })?;
                 names.push((name.clone(), shape));
             }
             param_shapes.push(names);
@@ -715,14 +729,21 @@ impl ModelStates {
                 .iter()
                 .map(|b| match b {
                     PyObj::Str(s) => Ok(s.clone()),
-                    other => Err(p.err(None, format!("a buffer name that is a {}", other.describe()))),
+                    other => Err(p.err(
+                        None,
+                        format!("a buffer name that is a {}", other.describe()),
+                    )),
                 })
                 .collect::<Result<_>>()?,
         };
         let mut buffers = Vec::new();
         for name in &buffer_names {
-            let t = get(module, name)
-                .ok_or_else(|| p.err(Some(name), "a buffer `buffer_names` lists but `module` lacks"))?;
+            let t = get(module, name).ok_or_else(|| {
+                p.err(
+                    Some(name),
+                    "a buffer `buffer_names` lists but `module` lacks",
+                )
+            })?;
             let t = p.tensor(t, &format!("module['{name}']"))?;
             let shape = p.shape(t);
             let (src, n) = p.src(t, file, &format!("module['{name}']"))?;
@@ -751,7 +772,10 @@ impl ModelStates {
             .iter()
             .map(|(k, _)| match k {
                 PyObj::Str(s) => Ok(s.clone()),
-                other => Err(p.err(None, format!("a `module` key that is a {}", other.describe()))),
+                other => Err(p.err(
+                    None,
+                    format!("a `module` key that is a {}", other.describe()),
+                )),
             })
             .collect::<Result<_>>()?;
         let first_param = param_shapes.iter().flatten().map(|(n, _)| n).next();
@@ -788,7 +812,9 @@ impl ModelStates {
             if !params.contains(primary.as_str()) {
                 return Err(p.err(
                     Some(alias),
-                    format!("`shared_params` ties it to `{primary}`, which is no trained parameter"),
+                    format!(
+                        "`shared_params` ties it to `{primary}`, which is no trained parameter"
+                    ),
                 ));
             }
         }
@@ -826,13 +852,21 @@ fn config_dtype(root: &PyObj) -> DType {
 
 /// A param group's hyper-parameters (its dict without `params`) and the indices `params`
 /// lists.
-fn hyperparameters(p: &Pickled, group: &PyObj, g: usize) -> Result<(Vec<(String, PyObj)>, Vec<usize>)> {
-    let entries = items(group).ok_or_else(|| p.err(None, format!("`param_groups[{g}]` is not a dict")))?;
+fn hyperparameters(
+    p: &Pickled,
+    group: &PyObj,
+    g: usize,
+) -> Result<(Vec<(String, PyObj)>, Vec<usize>)> {
+    let entries =
+        items(group).ok_or_else(|| p.err(None, format!("`param_groups[{g}]` is not a dict")))?;
     let mut hyper = Vec::new();
     let mut ids = None;
     for (k, v) in entries {
         let PyObj::Str(k) = k else {
-            return Err(p.err(None, format!("`param_groups[{g}]` has a key that is not a name")));
+            return Err(p.err(
+                None,
+                format!("`param_groups[{g}]` has a key that is not a name"),
+            ));
         };
         if k == "params" {
             ids = Some(
@@ -945,12 +979,19 @@ fn group_of_subgroups(p: &Pickled, ids: &[Vec<usize>], subgroups: usize) -> Resu
             match group_of.get_mut(s) {
                 Some(slot) if *slot == usize::MAX => *slot = g,
                 Some(_) => {
-                    return Err(p.err(None, format!("param group {g} lists flat group {s}, which another group lists too")))
+                    return Err(p.err(
+                        None,
+                        format!(
+                            "param group {g} lists flat group {s}, which another group lists too"
+                        ),
+                    ))
                 }
                 None => {
                     return Err(p.err(
                         None,
-                        format!("param group {g} lists flat group {s}, but `param_shapes` has {subgroups}"),
+                        format!(
+                        "param group {g} lists flat group {s}, but `param_shapes` has {subgroups}"
+                    ),
                     ))
                 }
             }
@@ -1035,12 +1076,7 @@ impl Summary {
             files: c
                 .files
                 .iter()
-                .map(|f| {
-                    f.strip_prefix(&c.dir)
-                        .unwrap_or(f)
-                        .display()
-                        .to_string()
-                })
+                .map(|f| f.strip_prefix(&c.dir).unwrap_or(f).display().to_string())
                 .collect(),
             state_bytes: c.fp32_bytes() * State::ALL.len() as u64,
             params,
@@ -1109,10 +1145,17 @@ impl std::fmt::Display for Summary {
         for (i, g) in self.param_groups.iter().enumerate() {
             writeln!(f, "  {i}: {}", g["hyperparameters"])?;
         }
-        writeln!(f, "parameters (states fp32, exp_avg, exp_avg_sq: float32 of the shape; step):")?;
+        writeln!(
+            f,
+            "parameters (states fp32, exp_avg, exp_avg_sq: float32 of the shape; step):"
+        )?;
         for p in &self.params {
             let step = p.step.map_or("-".to_string(), |s| s.to_string());
-            writeln!(f, "  {} {:?} group {} step {step}", p.name, p.shape, p.group)?;
+            writeln!(
+                f,
+                "  {} {:?} group {} step {step}",
+                p.name, p.shape, p.group
+            )?;
         }
         if !self.buffers.is_empty() {
             writeln!(f, "buffers:")?;
@@ -1144,8 +1187,14 @@ mod tests {
             optim_file_rank("zero_pp_rank_3_mp_rank_01_optim_states.pt"),
             Some((false, 3, 1))
         );
-        assert_eq!(optim_file_rank("zero_pp_rank__mp_rank_00_optim_states.pt"), None);
-        assert_eq!(optim_file_rank("fp16_zero_pp_rank_0_mp_rank_00_optim_states.pt"), None);
+        assert_eq!(
+            optim_file_rank("zero_pp_rank__mp_rank_00_optim_states.pt"),
+            None
+        );
+        assert_eq!(
+            optim_file_rank("fp16_zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+            None
+        );
         for lone in [
             "a/mp_rank_00_model_states.pt",
             "zero_pp_rank_1_mp_rank_00_model_states.pt",

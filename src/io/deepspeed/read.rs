@@ -5,14 +5,17 @@
 
 use super::layout::{FlatGroup, PartitionedGroup, Piece};
 use super::{
-    check_name, get, get_int, group_of_subgroups, hyperparameters, items, numel,
-    optim_file_rank, DeepSpeedCheckpoint, Form, ModelStates, Parts, Pickled, Span, Src, State,
-    Wrapper,
+    check_name, get, get_int, group_of_subgroups, hyperparameters, items, numel, optim_file_rank,
+    DeepSpeedCheckpoint, Form, ModelStates, Parts, Pickled, Span, Src, State, Wrapper,
 };
 use crate::error::{Error, Result};
 use crate::io::torch_save::{Allow, PyObj};
 use crate::tensor::{DType, HostTensor};
 use std::path::{Path, PathBuf};
+
+/// Which param group each flat group (sub-group) belongs to, and each param group's
+/// hyper-parameters.
+pub(super) type Groups = (Vec<usize>, Vec<Vec<(String, PyObj)>>);
 
 /// Reads the ZeRO checkpoint in the tag directory `dir`.
 pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
@@ -30,7 +33,10 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
     let (stage, wrapper) = stage_of(&optim[0], states[0])?;
     for (p, s) in optim.iter().zip(&states).skip(1) {
         if stage_of(p, s)? != (stage, wrapper) {
-            return Err(p.err(None, format!("saved by another ZeRO stage than rank 0's ({stage})")));
+            return Err(p.err(
+                None,
+                format!("saved by another ZeRO stage than rank 0's ({stage})"),
+            ));
         }
     }
     let model_name = if stage == 3 {
@@ -44,7 +50,9 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
             dir: dir.display().to_string(),
             expected: Some(ws),
             found: (0..ws).collect(),
-            reason: format!("no model states file `{model_name}` (its param_shapes name the parameters)"),
+            reason: format!(
+                "no model states file `{model_name}` (its param_shapes name the parameters)"
+            ),
         });
     }
     let mut files = ranks;
@@ -110,7 +118,10 @@ fn stage_of(p: &Pickled, s: &PyObj) -> Result<(u8, Wrapper)> {
         Some(PyObj::Int(3)) => Ok((3, Wrapper::DeepSpeedZeroOptimizerStage3)),
         Some(other) => Err(p.err(
             None,
-            format!("`zero_stage` is {}, not a ZeRO stage 1 to 3", other.describe()),
+            format!(
+                "`zero_stage` is {}, not a ZeRO stage 1 to 3",
+                other.describe()
+            ),
         )),
     }
 }
@@ -155,7 +166,8 @@ fn rank_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if ranks.iter().any(|(_, bf16, _)| *bf16 != ranks[0].1) {
         return Err(refuse(
             found,
-            "rank files with and without the `bf16_` prefix: two checkpoints in one directory".into(),
+            "rank files with and without the `bf16_` prefix: two checkpoints in one directory"
+                .into(),
         ));
     }
     for (i, (r, _, path)) in ranks.iter().enumerate() {
@@ -237,7 +249,12 @@ impl Builder<'_> {
 
     /// Rank `r`'s Adam state of flat group `g`: (`exp_avg`, `exp_avg_sq`, `step`) from
     /// `state` (the inner optimizer's `state_dict()['state']`).
-    fn adam<'s>(&self, r: usize, state: &'s PyObj, g: usize) -> Result<(&'s HostTensor, &'s HostTensor, HostTensor)> {
+    fn adam<'s>(
+        &self,
+        r: usize,
+        state: &'s PyObj,
+        g: usize,
+    ) -> Result<(&'s HostTensor, &'s HostTensor, HostTensor)> {
         let p = &self.optim[r];
         let s = get_int(state, g as i64)
             .ok_or_else(|| p.err(None, format!("no optimizer state for flat group {g}")))?;
@@ -276,16 +293,14 @@ impl Builder<'_> {
 
     /// ZeRO-1/2 (and `BF16_Optimizer`): each param group one flat group, cut into `ws`
     /// partitions. Returns each flat group's param group and the groups' hyper-parameters.
-    fn zero12(
-        &mut self,
-        dir: &Path,
-        model: &ModelStates,
-        wrapper: Wrapper,
-    ) -> Result<(Vec<usize>, Vec<Vec<(String, PyObj)>>)> {
+    fn zero12(&mut self, dir: &Path, model: &ModelStates, wrapper: Wrapper) -> Result<Groups> {
         let groups = model.param_shapes.len();
         let (optim, states) = (self.optim, self.states);
         let (p0, s0) = (&optim[0], states[0]);
-        let counts = p0.seq(p0.at(s0, "partition_count", "partition_count")?, "partition_count")?;
+        let counts = p0.seq(
+            p0.at(s0, "partition_count", "partition_count")?,
+            "partition_count",
+        )?;
         for (g, c) in counts.iter().enumerate() {
             let c = p0.int(c, "partition_count")?;
             if c != self.ws {
@@ -312,7 +327,15 @@ impl Builder<'_> {
             }
             bases.push(base);
         }
-        let (group_of, hyper) = param_groups(p0, p0.at(bases[0], "param_groups", "base_optimizer_state['param_groups']")?, groups)?;
+        let (group_of, hyper) = param_groups(
+            p0,
+            p0.at(
+                bases[0],
+                "param_groups",
+                "base_optimizer_state['param_groups']",
+            )?,
+            groups,
+        )?;
         let paddings: Vec<Vec<usize>> = match get(s0, "param_alignment_paddings") {
             None | Some(PyObj::None) => vec![Vec::new(); groups],
             Some(list) => p0
@@ -333,7 +356,13 @@ impl Builder<'_> {
                 .map(|(p, s)| {
                     let l = p.seq(p.at(s, name, name)?, name)?;
                     if l.len() != groups {
-                        return Err(p.err(None, format!("`{name}` has {} entries, `param_shapes` {groups} flat groups", l.len())));
+                        return Err(p.err(
+                            None,
+                            format!(
+                                "`{name}` has {} entries, `param_shapes` {groups} flat groups",
+                                l.len()
+                            ),
+                        ));
                     }
                     Ok(l)
                 })
@@ -350,17 +379,28 @@ impl Builder<'_> {
             })?;
             let first_short = |r: usize, n: usize| {
                 (0..names.len())
-                    .find(|&i| layout.pieces(i).iter().any(|pc| pc.rank == r && pc.start + pc.len > n))
+                    .find(|&i| {
+                        layout
+                            .pieces(i)
+                            .iter()
+                            .any(|pc| pc.rank == r && pc.start + pc.len > n)
+                    })
                     .map(|i| names[i].0.clone())
             };
             let mut src = vec![[0usize; 3]; self.ws];
             let mut steps = Vec::new();
             for r in 0..self.ws {
                 let p = &optim[r];
-                let fp32 = p.tensor(&fp32s[r][g], &format!("single_partition_of_fp32_groups[{g}]"))?;
+                let fp32 = p.tensor(
+                    &fp32s[r][g],
+                    &format!("single_partition_of_fp32_groups[{g}]"),
+                )?;
                 if let Some(pads) = get(states[r], "group_paddings") {
                     let pads = p.seq(pads, "group_paddings")?;
-                    let got = pads.get(g).map(|x| p.int(x, "group_paddings")).transpose()?;
+                    let got = pads
+                        .get(g)
+                        .map(|x| p.int(x, "group_paddings"))
+                        .transpose()?;
                     if got != Some(layout.group_padding(r)) {
                         return Err(p.err(None, format!(
                             "`group_paddings[{g}]` is {got:?}, but the ZeRO layout gives {} (flat group of {} elements over {} ranks)",
@@ -410,15 +450,14 @@ impl Builder<'_> {
     }
 
     /// ZeRO-3: each sub-group's parameters partitioned one by one.
-    fn zero3(
-        &mut self,
-        dir: &Path,
-        model: &ModelStates,
-    ) -> Result<(Vec<usize>, Vec<Vec<(String, PyObj)>>)> {
+    fn zero3(&mut self, dir: &Path, model: &ModelStates) -> Result<Groups> {
         let subgroups = model.param_shapes.len();
         let (optim, states) = (self.optim, self.states);
         let (p0, s0) = (&optim[0], states[0]);
-        let count = p0.int(p0.at(s0, "partition_count", "partition_count")?, "partition_count")?;
+        let count = p0.int(
+            p0.at(s0, "partition_count", "partition_count")?,
+            "partition_count",
+        )?;
         if count != self.ws {
             return Err(Error::DeepSpeedRankFiles {
                 dir: dir.display().to_string(),
@@ -434,9 +473,23 @@ impl Builder<'_> {
             .optim
             .iter()
             .zip(states)
-            .map(|(p, s)| p.at(s, "optimizer_state_dict", "optimizer_state_dict['optimizer_state_dict']"))
+            .map(|(p, s)| {
+                p.at(
+                    s,
+                    "optimizer_state_dict",
+                    "optimizer_state_dict['optimizer_state_dict']",
+                )
+            })
             .collect::<Result<_>>()?;
-        let (group_of, hyper) = param_groups(p0, p0.at(inner[0], "param_groups", "optimizer_state_dict['param_groups']")?, subgroups)?;
+        let (group_of, hyper) = param_groups(
+            p0,
+            p0.at(
+                inner[0],
+                "param_groups",
+                "optimizer_state_dict['param_groups']",
+            )?,
+            subgroups,
+        )?;
         let flats: Vec<&[PyObj]> = self
             .optim
             .iter()
@@ -455,7 +508,12 @@ impl Builder<'_> {
                 .ok_or_else(|| p0.err(None, format!("sub-group {s} has sizes that overflow")))?;
             let first_short = |r: usize, n: usize| {
                 (0..names.len())
-                    .find(|&i| layout.pieces(i).iter().any(|pc| pc.rank == r && pc.start + pc.len > n))
+                    .find(|&i| {
+                        layout
+                            .pieces(i)
+                            .iter()
+                            .any(|pc| pc.rank == r && pc.start + pc.len > n)
+                    })
                     .map(|i| names[i].0.clone())
             };
             let mut src = vec![[0usize; 3]; self.ws];
@@ -512,17 +570,17 @@ impl Builder<'_> {
                 })
                 .collect()
         };
-        self.spans.push([spans(State::Fp32), spans(State::ExpAvg), spans(State::ExpAvgSq)]);
+        self.spans.push([
+            spans(State::Fp32),
+            spans(State::ExpAvg),
+            spans(State::ExpAvgSq),
+        ]);
     }
 }
 
 /// The param groups of the inner optimizer's state dict: each group's hyper-parameters, and
 /// which param group each of the `subgroups` flat groups (sub-groups) belongs to.
-pub(super) fn param_groups(
-    p: &Pickled,
-    groups: &PyObj,
-    subgroups: usize,
-) -> Result<(Vec<usize>, Vec<Vec<(String, PyObj)>>)> {
+pub(super) fn param_groups(p: &Pickled, groups: &PyObj, subgroups: usize) -> Result<Groups> {
     let mut hyper = Vec::new();
     let mut ids = Vec::new();
     for (g, group) in p.seq(groups, "param_groups")?.iter().enumerate() {
@@ -555,12 +613,18 @@ fn check_slice_mappings(
     let mut got = Vec::new();
     for (k, v) in saved {
         let PyObj::Str(name) = k else {
-            return Err(p.err(None, format!("`param_slice_mappings[{g}]` has a key that is not a name")));
+            return Err(p.err(
+                None,
+                format!("`param_slice_mappings[{g}]` has a key that is not a name"),
+            ));
         };
         check_name(p, name)?;
         let field = |f: &str| match get(v, f) {
             Some(PyObj::Int(n)) if *n >= 0 => Ok(*n as usize),
-            _ => Err(p.err(Some(name), format!("its `param_slice_mappings` entry has no `{f}` count"))),
+            _ => Err(p.err(
+                Some(name),
+                format!("its `param_slice_mappings` entry has no `{f}` count"),
+            )),
         };
         got.push((name.clone(), field("numel")?, field("start")?));
     }

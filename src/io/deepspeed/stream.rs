@@ -29,10 +29,9 @@ impl<'c> Readers<'c> {
     }
 
     fn reader(&mut self, file: usize) -> Result<&mut StorageReader> {
-        let slot = self
-            .open
-            .get_mut(file)
-            .ok_or_else(|| Error::Internal(format!("no file {file} in the DeepSpeed checkpoint")))?;
+        let slot = self.open.get_mut(file).ok_or_else(|| {
+            Error::Internal(format!("no file {file} in the DeepSpeed checkpoint"))
+        })?;
         if slot.is_none() {
             *slot = Some(StorageReader::open(&self.ckpt.files[file])?);
         }
@@ -47,7 +46,7 @@ impl<'c> Readers<'c> {
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
         let ckpt = self.ckpt;
-        for span in spans {
+        for span in spans.iter().filter(|s| s.len > 0) {
             match &ckpt.srcs[span.src] {
                 Src::Stored {
                     file,
@@ -115,7 +114,11 @@ impl<'c> Readers<'c> {
     /// Bytes read from the files so far.
     #[cfg(test)]
     pub(super) fn bytes_read(&self) -> u64 {
-        self.open.iter().flatten().map(StorageReader::bytes_read).sum()
+        self.open
+            .iter()
+            .flatten()
+            .map(StorageReader::bytes_read)
+            .sum()
     }
 
     /// Checks the CRC-32 of every storage read from (reading each on to its end).
@@ -152,7 +155,6 @@ impl Consolidated {
             .insert(t.storage_id(), (want, shape.to_vec(), dtype));
         t
     }
-
 }
 
 impl DeepSpeedCheckpoint {
@@ -411,4 +413,77 @@ fn to_f32(dtype: DType, bytes: &[u8], out: &mut Vec<u8>) -> Result<()> {
 
 fn bad_width() -> Error {
     Error::Internal("an element of the wrong width".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixture(case: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/golden/deepspeed")
+            .join(case)
+            .join("ckpt")
+    }
+
+    /// Streaming every parameter's states in order reads each storage of the optimizer files
+    /// once (to its end, for its CRC-32), however many parameters share it.
+    #[test]
+    fn in_order_each_storage_is_read_once() {
+        for case in ["zero2_fp32", "zero3_bf16", "zero1_bf16_fp32acc"] {
+            let ckpt = DeepSpeedCheckpoint::open(&fixture(case)).unwrap();
+            let mut readers = Readers::new(&ckpt);
+            for state in State::ALL {
+                for spans in &ckpt.spans {
+                    readers
+                        .stream(&spans[state.index()], &mut |_| Ok(()))
+                        .unwrap();
+                }
+            }
+            readers.finish().unwrap();
+            // Every stored source, its storage counted once.
+            let mut storages = std::collections::BTreeMap::new();
+            for src in &ckpt.srcs {
+                if let Src::Stored { file, key, .. } = src {
+                    if *file < ckpt.world_size {
+                        let mut r = StorageReader::open(&ckpt.files[*file]).unwrap();
+                        let len = r.storage_len(key).unwrap();
+                        storages.insert((*file, key.clone()), len);
+                    }
+                }
+            }
+            assert_eq!(
+                readers.bytes_read(),
+                storages.values().sum::<u64>(),
+                "{case}"
+            );
+        }
+    }
+
+    /// Reading behind a storage's cursor starts a new pass, whose CRC-32 is checked too.
+    #[test]
+    fn reading_backwards_rereads_and_still_checks() {
+        let ckpt = DeepSpeedCheckpoint::open(&fixture("zero2_fp32")).unwrap();
+        let mut readers = Readers::new(&ckpt);
+        let last = ckpt.params.len() - 1;
+        let mut a = Vec::new();
+        readers
+            .stream(&ckpt.spans[last][0], &mut |c| {
+                a.extend_from_slice(c);
+                Ok(())
+            })
+            .unwrap();
+        let mut b = Vec::new();
+        readers
+            .stream(&ckpt.spans[0][0], &mut |c| {
+                b.extend_from_slice(c);
+                Ok(())
+            })
+            .unwrap();
+        readers.finish().unwrap();
+        assert_eq!(a.len(), 4, "logit_scale");
+        assert_eq!(b.len(), 4 * 444, "emb.weight");
+        let emb = ckpt.read("emb.weight", State::Fp32).unwrap();
+        assert_eq!(emb.as_bytes(), &b[..]);
+    }
 }

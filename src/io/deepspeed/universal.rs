@@ -33,11 +33,18 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
         Some(other) => {
             return Err(op.err(
                 None,
-                format!("`zero_stage` is {}, not a ZeRO stage 1 to 3", other.describe()),
+                format!(
+                    "`zero_stage` is {}, not a ZeRO stage 1 to 3",
+                    other.describe()
+                ),
             ))
         }
     };
-    let Some(model_path) = MODEL_FILES.iter().map(|f| dir.join(f)).find(|p| p.is_file()) else {
+    let Some(model_path) = MODEL_FILES
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.is_file())
+    else {
         return Err(Error::DeepSpeedRankFiles {
             dir: dir.display().to_string(),
             expected: None,
@@ -63,10 +70,16 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
             })
             .max()
             .unwrap_or(1),
-        _ => return Err(op.err(None, "no world size (`dp_world_size` of the model states, `partition_count`)")),
+        _ => {
+            return Err(op.err(
+                None,
+                "no world size (`dp_world_size` of the model states, `partition_count`)",
+            ))
+        }
     };
     let subgroups = model.param_shapes.len();
-    let (group_of, hyper) = param_groups(&op, op.at(root, "param_groups", "param_groups")?, subgroups)?;
+    let (group_of, hyper) =
+        param_groups(&op, op.at(root, "param_groups", "param_groups")?, subgroups)?;
     let stage3_state = if stage == 3 {
         let inner = op.at(root, "optimizer_state_dict", "optimizer_state_dict")?;
         Some(op.at(inner, "state", "optimizer_state_dict['state']")?)
@@ -107,12 +120,18 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
             spans.push(per_state);
             steps.push(match stage3_state {
                 Some(state) => {
-                    let s_state = get_int(state, s as i64)
-                        .ok_or_else(|| op.err(None, format!("no optimizer state for sub-group {s}")))?;
-                    step_tensor(&op, op.at(s_state, "step", &format!("state[{s}]['step']"))?, name)?
+                    let s_state = get_int(state, s as i64).ok_or_else(|| {
+                        op.err(None, format!("no optimizer state for sub-group {s}"))
+                    })?;
+                    step_tensor(
+                        &op,
+                        op.at(s_state, "step", &format!("state[{s}]['step']"))?,
+                        name,
+                    )?
                 }
                 None => {
-                    let p = Pickled::load(&zero.join(name).join("step.pt"), None, Allow::TorchLoad)?;
+                    let p =
+                        Pickled::load(&zero.join(name).join("step.pt"), None, Allow::TorchLoad)?;
                     step_tensor(&p, p.root(), name)?
                 }
             });
@@ -148,7 +167,10 @@ fn param_tensor<'p>(p: &'p Pickled, name: &str) -> Result<&'p HostTensor> {
     super::tensor(t).ok_or_else(|| {
         p.err(
             Some(name),
-            format!("holds a {}, not a tensor or {{'param': tensor}}", t.describe()),
+            format!(
+                "holds a {}, not a tensor or {{'param': tensor}}",
+                t.describe()
+            ),
         )
     })
 }
@@ -157,6 +179,9 @@ fn param_tensor<'p>(p: &'p Pickled, name: &str) -> Result<&'p HostTensor> {
 fn step_tensor(p: &Pickled, obj: &PyObj, name: &str) -> Result<HostTensor> {
     match super::tensor(obj) {
         Some(t) if t.numel() == 1 && p.headers.view(t).is_none() => Ok(t.clone()),
-        _ => Err(p.err(Some(name), format!("its step is a {}, not one number", obj.describe()))),
+        _ => Err(p.err(
+            Some(name),
+            format!("its step is a {}, not one number", obj.describe()),
+        )),
     }
 }

@@ -44,7 +44,13 @@ impl LoneTensor {
             return Ok(None);
         }
         let (zip, prefix) = open_archive(&name, src)?;
-        let (u, mut zip, prefix) = read_zip(&name, zip, prefix, Mode::Headers, unpickle::Allow::TorchLoad)?;
+        let (u, mut zip, prefix) = read_zip(
+            &name,
+            zip,
+            prefix,
+            Mode::Headers,
+            unpickle::Allow::TorchLoad,
+        )?;
         let unpickle::Unpickled {
             obj: super::PyObj::Tensor(t),
             shapes,

@@ -856,7 +856,9 @@ impl Vm<'_, '_> {
                     })
                     .collect::<Result<_>>()?,
             },
-            Some(Node::Ext(Object::Record { class, attrs })) if deepspeed::is_attribute_record(*class) => {
+            Some(Node::Ext(Object::Record { class, attrs }))
+                if deepspeed::is_attribute_record(*class) =>
+            {
                 PyObj::Dict(
                     attrs
                         .iter()
