@@ -850,13 +850,16 @@ fn config_dtype(root: &PyObj) -> DType {
     }
 }
 
+/// A param group's hyper-parameters, in order (its dict without `params`).
+type Hyper = Vec<(String, PyObj)>;
+
 /// A param group's hyper-parameters (its dict without `params`) and the indices `params`
 /// lists.
 fn hyperparameters(
     p: &Pickled,
     group: &PyObj,
     g: usize,
-) -> Result<(Vec<(String, PyObj)>, Vec<usize>)> {
+) -> Result<(Hyper, Vec<usize>)> {
     let entries =
         items(group).ok_or_else(|| p.err(None, format!("`param_groups[{g}]` is not a dict")))?;
     let mut hyper = Vec::new();
@@ -895,7 +898,7 @@ struct Parts {
     /// Per sub-group: the param group it belongs to.
     group_of: Vec<usize>,
     /// Per param group: hyper-parameters.
-    hyper: Vec<Vec<(String, PyObj)>>,
+    hyper: Vec<Hyper>,
     /// Per parameter in `param_shapes` order: its step and state spans.
     steps: Vec<HostTensor>,
     spans: Vec<[Vec<Span>; 3]>,

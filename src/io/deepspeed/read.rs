@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 /// Which param group each flat group (sub-group) belongs to, and each param group's
 /// hyper-parameters.
-pub(super) type Groups = (Vec<usize>, Vec<Vec<(String, PyObj)>>);
+pub(super) type Groups = (Vec<usize>, Vec<super::Hyper>);
 
 /// Reads the ZeRO checkpoint in the tag directory `dir`.
 pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
