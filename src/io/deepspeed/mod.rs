@@ -855,11 +855,7 @@ type Hyper = Vec<(String, PyObj)>;
 
 /// A param group's hyper-parameters (its dict without `params`) and the indices `params`
 /// lists.
-fn hyperparameters(
-    p: &Pickled,
-    group: &PyObj,
-    g: usize,
-) -> Result<(Hyper, Vec<usize>)> {
+fn hyperparameters(p: &Pickled, group: &PyObj, g: usize) -> Result<(Hyper, Vec<usize>)> {
     let entries =
         items(group).ok_or_else(|| p.err(None, format!("`param_groups[{g}]` is not a dict")))?;
     let mut hyper = Vec::new();
