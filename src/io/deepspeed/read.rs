@@ -4,10 +4,11 @@
 //! against what each rank holds (`group_paddings`, `param_slice_mappings`, lengths).
 
 use super::layout::{FlatGroup, PartitionedGroup, Piece};
-use super::{
-    check_name, get, get_int, group_of_subgroups, hyperparameters, items, numel, optim_file_rank,
-    DeepSpeedCheckpoint, Form, ModelStates, Parts, Pickled, Span, Src, State, Wrapper,
+use super::pickled::{
+    check_name, get, get_int, group_of_subgroups, hyperparameters, items, Hyper, ModelStates,
+    Parts, Pickled,
 };
+use super::{numel, optim_file_rank, DeepSpeedCheckpoint, Form, Span, Src, State, Wrapper};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{Allow, PyObj};
 use crate::tensor::{DType, HostTensor};
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 /// Which param group each flat group (sub-group) belongs to, and each param group's
 /// hyper-parameters.
-pub(super) type Groups = (Vec<usize>, Vec<super::Hyper>);
+pub(super) type Groups = (Vec<usize>, Vec<Hyper>);
 
 /// Reads the ZeRO checkpoint in the tag directory `dir`.
 pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {

@@ -4,11 +4,9 @@
 //! in `zero/optimizer_state.pt`, and a copy of the model-states file naming the parameters,
 //! buffers and tied aliases.
 
+use super::pickled::{get, get_int, tensor, ModelStates, Parts, Pickled};
 use super::read::param_groups;
-use super::{
-    get, get_int, numel, DeepSpeedCheckpoint, Form, ModelStates, Parts, Pickled, Span, State,
-    Wrapper,
-};
+use super::{numel, DeepSpeedCheckpoint, Form, Span, State, Wrapper};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{Allow, PyObj};
 use crate::tensor::{DType, HostTensor};
@@ -164,7 +162,7 @@ fn param_tensor<'p>(p: &'p Pickled, name: &str) -> Result<&'p HostTensor> {
         Some(t) => t,
         None => obj,
     };
-    super::tensor(t).ok_or_else(|| {
+    tensor(t).ok_or_else(|| {
         p.err(
             Some(name),
             format!(
@@ -177,7 +175,7 @@ fn param_tensor<'p>(p: &'p Pickled, name: &str) -> Result<&'p HostTensor> {
 
 /// A `step`: one number, read with the pickle.
 fn step_tensor(p: &Pickled, obj: &PyObj, name: &str) -> Result<HostTensor> {
-    match super::tensor(obj) {
+    match tensor(obj) {
         Some(t) if t.numel() == 1 && p.headers.view(t).is_none() => Ok(t.clone()),
         _ => Err(p.err(
             Some(name),
