@@ -127,8 +127,10 @@ enum Command {
         max_expansion_bytes: u64,
         /// Write a directory instead: `dcp`, a PyTorch DCP directory with one `.metadata`
         /// (from a torch.save or safetensors file, from this crate's sharded checkpoint
-        /// directory, from a Hugging Face model directory, or from a DCP directory with
-        /// per-rank metadata or in Hugging Face storage); `fsdp`, this crate's sharded
+        /// directory, from a Hugging Face model directory, from a DeepSpeed ZeRO or universal
+        /// checkpoint (its weights and Adam state as get_state_dict names them, for FSDP2 to
+        /// load at any world size), or from a DCP directory with per-rank metadata or in
+        /// Hugging Face storage); `fsdp`, this crate's sharded
         /// checkpoint from a DCP directory of any form (needs `--model` and `--world-size`);
         /// `hf`, a Hugging Face model directory as `save_pretrained` writes it
         /// (`model.safetensors`, or `model-*-of-*.safetensors` and the index) of the model
@@ -518,9 +520,10 @@ mod launcher {
     }
 
     /// Runs a command as one process of `pg`: `reshard`, `consolidate` of the crate's
-    /// checkpoint or of a DCP directory (to either format; [`ops::consolidate_splits`]),
-    /// `convert … --to dcp` of the crate's checkpoint or a file and `convert DCP_DIR … --to
-    /// fsdp` ([`ops::convert_splits`]) split their work across the processes; any other
+    /// checkpoint, a DCP directory or a DeepSpeed checkpoint (to either format;
+    /// [`ops::consolidate_splits`]), `convert … --to dcp` of the crate's checkpoint, a file, a
+    /// DeepSpeed checkpoint or a DCP directory and `convert DCP_DIR … --to fsdp`
+    /// ([`ops::convert_splits`]) split their work across the processes; any other
     /// command runs on process 0 alone while the others wait for its outcome. Only process 0
     /// draws progress and prints; every process returns the same error.
     pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {

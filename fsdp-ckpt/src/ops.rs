@@ -615,12 +615,14 @@ fn convert_file(
     })
 }
 
-/// `convert IN OUT_DIR --to dcp`, from a file, from the crate's checkpoint directory or from
-/// a DCP directory with per-rank metadata or in Hugging Face storage, by the processes of
-/// `pg`: each writes its share of the tensors into the one data file
-/// ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
-/// [`convert::dcp_to_dcp`] for a DCP directory (per-rank metadata or Hugging Face storage
-/// rewritten with one `.metadata`), [`convert::torch_save_to_dcp`] for a file); process 0
+/// `convert IN OUT_DIR --to dcp`, from a file, from the crate's checkpoint directory, from a
+/// DeepSpeed checkpoint, or from a DCP directory with per-rank metadata or in Hugging Face
+/// storage, by the processes of `pg`: each writes its share of the tensors into the one data
+/// file ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
+/// [`convert::deepspeed_to_dcp`] for a DeepSpeed checkpoint (model and Adam state, as
+/// `get_state_dict` names them), [`convert::dcp_to_dcp`] for a DCP directory (per-rank
+/// metadata or Hugging Face storage rewritten with one `.metadata`),
+/// [`convert::torch_save_to_dcp`] for a file); process 0
 /// writes `.metadata` and installs the directory. The output is the same for any number of
 /// processes (a DCP directory's `.metadata` differs only in its random save id). With
 /// `compression` (`--compress zstd`) every item is a zstd frame and process 0 writes them all.
@@ -657,6 +659,8 @@ fn to_dcp(
             .and_then(|o| convert::hf_to_dcp(input, output, &o, pg))
     } else if found.is_dcp() {
         convert::dcp_to_dcp_with(input, output, pg, &opts)
+    } else if found.is_deepspeed() {
+        convert::deepspeed_to_dcp(input, output, pg, &opts, |b| p.update(b))
     } else {
         convert::torch_save_to_dcp_with(input, output, pg, &opts)
     };
@@ -707,7 +711,7 @@ fn to_dcp_input(input: &Path) -> Result<Input> {
     expect_input(
         "convert --to dcp",
         input,
-        "a checkpoint of this crate, a torch.save or safetensors file, a Hugging Face model directory, or a DCP directory with per-rank metadata or in Hugging Face storage",
+        "a checkpoint of this crate, a torch.save or safetensors file, a Hugging Face model directory, a DeepSpeed ZeRO or universal checkpoint, or a DCP directory with per-rank metadata or in Hugging Face storage",
         to_dcp_takes,
     )
 }
@@ -715,7 +719,9 @@ fn to_dcp_input(input: &Path) -> Result<Input> {
 /// Whether `convert … --to dcp` takes `i` ([`to_dcp_input`]).
 fn to_dcp_takes(i: Input) -> bool {
     i != Input::Dcp
-        && (i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_) | Input::HfModel))
+        && (i.is_dcp()
+            || i.is_deepspeed()
+            || matches!(i, Input::Checkpoint | Input::File(_) | Input::HfModel))
 }
 
 /// `convert IN OUT_DIR --to hf`: the model weights of a DCP directory (any form), the
@@ -1066,11 +1072,11 @@ pub fn reshard(
 }
 
 /// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from
-/// the crate's checkpoint directory or a DCP directory to either format (files whose layout
-/// is known before any byte is written), that is whenever `OUTPUT`'s format is known; a
-/// DeepSpeed checkpoint is consolidated by process 0 alone (not yet split).
-pub fn consolidate_splits(input: &Path, out: &Path) -> bool {
-    FileFormat::from_path(out).is_ok() && !recognize(input).is_ok_and(Input::is_deepspeed)
+/// the crate's checkpoint directory, a DCP directory or a DeepSpeed checkpoint to either
+/// format (files whose layout is known before any byte is written), that is whenever
+/// `OUTPUT`'s format is known.
+pub fn consolidate_splits(_input: &Path, out: &Path) -> bool {
+    FileFormat::from_path(out).is_ok()
 }
 
 /// `consolidate-sharded RANK… -o FULL`: per-rank SHARDED dicts (FSDP1 `ShardedTensor`, FSDP2

@@ -1,6 +1,8 @@
 //! `fsdp-ckpt` on DeepSpeed checkpoints (`tests/golden/deepspeed/`, written by DeepSpeed
-//! 0.19.8): the contract forms `inspect DS_DIR`, `consolidate DS_DIR OUT` and
-//! `consolidate DS_DIR OUT --optim`, and `--optim` refused for other inputs.
+//! 0.19.8): the contract forms `inspect DS_DIR`, `consolidate DS_DIR OUT`,
+//! `consolidate DS_DIR OUT --optim` and `convert DS_DIR OUT_DIR --to dcp`, and `--optim`
+//! refused for other inputs. (That PyTorch FSDP2 loads the DCP directory at other world sizes
+//! and trains on from it is tests/it/deepspeed.rs's.)
 
 use fsdp::io::{self, torch_save::PyObj};
 use std::path::PathBuf;
@@ -141,6 +143,42 @@ fn consolidate_writes_zero_to_fp32s_weights_and_with_optim_the_adam_state() {
         assert!(
             get(get(state, "fc1.weight"), "exp_avg_sq").bit_eq(&PyObj::Tensor(want)),
             "{case}"
+        );
+    }
+}
+
+#[test]
+fn convert_to_dcp_holds_the_model_and_adam_state_that_consolidate_optim_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (case, input) in [
+        ("zero1_bf16_fp32acc", "ckpt"),
+        ("zero3_bf16", "ckpt/step3"),
+        ("zero2_fp32", "ucp"),
+    ] {
+        let src = golden(case).join(input);
+        let dcp = tmp.path().join(format!("{case}_dcp"));
+        let msg = run(&[&"convert", &src, &dcp, &"--to", &"dcp"]);
+        ok(&msg);
+        assert!(
+            String::from_utf8_lossy(&msg.stderr).contains("-> DCP directory"),
+            "{}",
+            String::from_utf8_lossy(&msg.stderr)
+        );
+        let summary = ok(&run(&[&"inspect", &dcp]));
+        for key in [
+            "model.head_lm.weight torch.float32 [37, 12]",
+            "optim.state.emb.weight.step torch.float32 []",
+            "optim.state.head.weight.exp_avg_sq torch.float32 [5, 23]",
+            "optim.param_groups.1.lr",
+        ] {
+            assert!(summary.contains(key), "{case}: `{key}` not in\n{summary}");
+        }
+        let full = tmp.path().join(format!("{case}.pt"));
+        ok(&run(&[&"consolidate", &src, &full, &"--optim"]));
+        let loaded = io::dcp::DcpCheckpoint::open(&dcp).unwrap().load().unwrap();
+        assert!(
+            loaded.bit_eq(&io::load(&full).unwrap()),
+            "{case}: the DCP directory holds other state than consolidate --optim writes"
         );
     }
 }

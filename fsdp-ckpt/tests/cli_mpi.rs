@@ -91,6 +91,14 @@ fn main() {
             || convert_to_fsdp_matches_single_process(3),
         ),
         (
+            "deepspeed_consolidate_optim_np2_writes_the_single_process_bytes",
+            || deepspeed_matches_single_process(2),
+        ),
+        (
+            "deepspeed_consolidate_and_convert_np3_write_the_single_process_bytes",
+            || deepspeed_matches_single_process(3),
+        ),
+        (
             "convert_to_dcp_failing_on_one_process_fails_all_with_one_error_np2",
             || failure_on_process_1("convert"),
         ),
@@ -357,6 +365,47 @@ fn convert_alone_and_as_job(np: usize, input: &Path, root: &Path, suffix: &str) 
     assert_eq!(outcome.stderr.matches("converted ").count(), 1);
     assert!(outcome.stderr.contains(&format!("a job of {np} processes")));
     job
+}
+
+/// A DeepSpeed ZeRO-2 bf16 checkpoint (tests/golden/deepspeed) consolidated with `--optim` to
+/// both formats, and converted `--to dcp`, by the tool alone and by N processes: the same
+/// bytes (the same data file and loaded state for DCP), one report naming the job.
+fn deepspeed_matches_single_process(np: usize) {
+    let root = scratch(&format!("deepspeed-np{np}"));
+    let src = tool::golden("deepspeed").join("zero2_bf16/ckpt");
+    for ext in ["pt", "safetensors"] {
+        let (alone, job) = (
+            root.join(format!("alone-{ext}")),
+            root.join(format!("job-{ext}")),
+        );
+        std::fs::create_dir_all(&alone).unwrap();
+        std::fs::create_dir_all(&job).unwrap();
+        let file = format!("full.{ext}");
+        tool::ok(&tool::run(&[
+            &"consolidate",
+            &src,
+            &alone.join(&file),
+            &"--optim",
+        ]));
+        let outcome = mpirun(np, &[&"consolidate", &src, &job.join(&file), &"--optim"]);
+        assert!(
+            outcome.status.is_some_and(|s| s.success()),
+            "consolidate --optim at {np} processes failed: {}",
+            outcome.describe()
+        );
+        assert!(
+            std::fs::read(alone.join(&file)).unwrap() == std::fs::read(job.join(&file)).unwrap(),
+            "{ext} differs between 1 and {np} processes"
+        );
+        assert_eq!(outcome.stderr.matches("consolidated ").count(), 1);
+        assert!(
+            outcome.stderr.contains(&format!("on {np} processes")),
+            "not split across the processes: {}",
+            outcome.describe()
+        );
+    }
+    convert_alone_and_as_job(np, &src, &root, "-dcp");
+    std::fs::remove_dir_all(&root).unwrap();
 }
 
 /// PyTorch's FSDP2 DCP fixture (tests/golden/dcp) converted to the crate's checkpoint for 5

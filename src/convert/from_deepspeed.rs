@@ -1,12 +1,14 @@
-//! A DeepSpeed checkpoint consolidated into one file: the fp32 weights
+//! A DeepSpeed checkpoint consolidated into one file (the fp32 weights
 //! `get_fp32_state_dict_from_zero_checkpoint` returns, or with the optimizer state, the
-//! `{"model", "optim"}` dict `get_state_dict(full_state_dict=True)` of the plain model names.
-//! Each parameter's tensors are read from the ranks' partitions as they are written, one
-//! parameter at a time ([`crate::io::deepspeed`]).
+//! `{"model", "optim"}` dict `get_state_dict(full_state_dict=True)` of the plain model names),
+//! or written as a DCP directory that FSDP2 loads at any world size. Each parameter's tensors
+//! are read from the ranks' partitions as they are written, one parameter at a time
+//! ([`crate::io::deepspeed`]).
 
-use super::coordinate::{write_planned_file, write_torch_save};
+use super::coordinate::{write_dcp, write_planned_file, write_torch_save};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::Result;
+use crate::io::dcp::DcpWriteOptions;
 use crate::io::deepspeed::{DeepSpeedCheckpoint, Streamed};
 use crate::io::safetensors::LazyPlan;
 use std::path::Path;
@@ -70,4 +72,33 @@ pub fn deepspeed_to_safetensors(
         |file, tmp, _| plan.write_header(file, dst, tmp),
     )?;
     Ok(written.iter().sum())
+}
+
+/// Writes the DeepSpeed checkpoint `src` (see [`DeepSpeedCheckpoint::open`]) as the DCP
+/// directory `dst`, as `dcp.save({"model": msd, "optim": osd})` writes the state dicts that
+/// `get_state_dict(model, optim)` gives of the plain model and its `torch.optim.Adam` holding
+/// the run's state: keys `model.<name>` (the fp32 master weights, buffers in their own dtype,
+/// tied aliases under both names) and `optim.state.<name>.{step,exp_avg,exp_avg_sq}`,
+/// `optim.param_groups.<i>.<hyper-parameter>`. An FSDP2 (or FSDP1) model of the same
+/// architecture at any world size loads it with `dcp.load` and `set_state_dict`, and training
+/// continues from the DeepSpeed run's state.
+///
+/// Each tensor is streamed from the ranks' partitions into its place in the data file, every
+/// storage read checked against its CRC-32 before the directory is installed; memory holds the
+/// pickles' structure and a 1 MiB piece. Run by the processes of `pg` (see [the
+/// module](super)), each writes its share of the tensors; process 0 writes `.metadata` and
+/// installs the directory. `progress` gets this process's tensor bytes written so far.
+/// Returns the tensor bytes written.
+pub fn deepspeed_to_dcp(
+    src: &Path,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    opts: &DcpWriteOptions,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    let ckpt = pg.agree(DeepSpeedCheckpoint::open(src))?;
+    let cons = ckpt.consolidated(true);
+    let mut lazy = Streamed::new(&ckpt, &cons, dst, progress);
+    write_dcp(&cons.obj, dst, &mut lazy, pg, opts)
 }

@@ -6,7 +6,7 @@
 //! | DCP directory (any form) | [`dcp_to_torch_save`] | [`dcp_to_safetensors`] | [`dcp_to_dcp`] | [`dcp_to_checkpoint`] |
 //! | `torch.save` / `.safetensors` file | [`crate::io::load`], [`crate::io::save`] | [`crate::io::load`], [`crate::io::save`] | [`torch_save_to_dcp`] | |
 //! | the crate's checkpoint | [`checkpoint_to_torch_save`] | [`checkpoint_to_safetensors`] | [`checkpoint_to_dcp`] | [`crate::checkpoint::reshard`] |
-//! | DeepSpeed checkpoint (ZeRO 1/2/3, universal) | [`deepspeed_to_torch_save`] | [`deepspeed_to_safetensors`] | | |
+//! | DeepSpeed checkpoint (ZeRO 1/2/3, universal) | [`deepspeed_to_torch_save`] | [`deepspeed_to_safetensors`] | [`deepspeed_to_dcp`] | |
 //!
 //! A DCP directory is read in every form [`crate::io::dcp::DcpCheckpoint::open`] reads: one
 //! `.metadata`, per-rank `__{rank}.metadata` files (merged), or Hugging Face storage
@@ -43,7 +43,9 @@ pub use from_checkpoint::{
     checkpoint_to_dcp, checkpoint_to_dcp_with, checkpoint_to_safetensors, checkpoint_to_torch_save,
 };
 pub use from_dcp::{dcp_to_dcp, dcp_to_dcp_with, dcp_to_safetensors, dcp_to_torch_save};
-pub use from_deepspeed::{deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput};
+pub use from_deepspeed::{
+    deepspeed_to_dcp, deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput,
+};
 pub use from_hf::{hf_to_dcp, HfImportOptions};
 pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
 pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported};

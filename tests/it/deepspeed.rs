@@ -1,10 +1,16 @@
 //! DeepSpeed checkpoints read without DeepSpeed (`tests/golden/deepspeed/`, written by
 //! DeepSpeed 0.19.8 and PyTorch 2.13 on 2 CPU ranks by `gen.py`): every ZeRO stage and dtype
 //! consolidated equal bit for bit to DeepSpeed's own `zero_to_fp32`, the Adam state equal to
-//! DeepSpeed's universal checkpoint, and hostile inputs refused with typed errors.
+//! DeepSpeed's universal checkpoint, the DCP directory loaded by PyTorch FSDP2 at other world
+//! sizes with training continuing from the run's state, and hostile inputs refused with typed
+//! errors.
 
-use fsdp::collectives::Solo;
-use fsdp::convert::{deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput};
+use crate::common::{files_of, python_script};
+use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::convert::{
+    deepspeed_to_dcp, deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput,
+};
+use fsdp::io::dcp::DcpWriteOptions;
 use fsdp::io::deepspeed::{DeepSpeedCheckpoint, Form, State};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::offline::{recognize, Input};
@@ -153,6 +159,85 @@ fn deepspeed_consolidate_every_stage_and_dtype_equals_zero_to_fp32() {
             deepspeed_to_safetensors(input, &st, DeepSpeedOutput::default(), &Solo, |_| {})
                 .unwrap();
             assert_equals_zero_to_fp32(&fsdp::io::load(&st).unwrap(), case, &what);
+        }
+    }
+}
+
+#[test]
+fn deepspeed_to_dcp_loads_into_fsdp2_at_world_sizes_1_and_3_and_training_continues() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dcp_of = |input: &Path, name: &str| {
+        let out = tmp.path().join(name);
+        deepspeed_to_dcp(input, &out, &Solo, &DcpWriteOptions::default(), |_| {}).unwrap();
+        out
+    };
+    // Every case from its checkpoint root, and one from its universal checkpoint.
+    let mut pairs: Vec<(PathBuf, PathBuf)> = CASES
+        .iter()
+        .map(|case| (golden(case), dcp_of(&golden(case).join("ckpt"), case)))
+        .collect();
+    pairs.push((
+        golden("zero2_fp32"),
+        dcp_of(&golden("zero2_fp32").join("ucp"), "zero2_fp32_ucp"),
+    ));
+
+    // Split across processes, the directory is the same but for `.metadata`'s save id.
+    let split = tmp.path().join("zero2_bf16_split");
+    ThreadGroup::run(2, |pg| {
+        let input = golden("zero2_bf16").join("ckpt");
+        deepspeed_to_dcp(&input, &split, &pg, &DcpWriteOptions::default(), |_| {}).unwrap();
+    });
+    let data = |dir: &Path| {
+        files_of(dir)
+            .into_iter()
+            .filter(|(n, _)| n.ends_with(".distcp"))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(data(&split), data(&tmp.path().join("zero2_bf16")));
+
+    let script = golden("fsdp2_continue.py");
+    for ws in [1, 3] {
+        let mut args = vec![ws.to_string().into()];
+        for (case, dcp) in &pairs {
+            args.push(case.clone().into_os_string());
+            args.push(dcp.clone().into_os_string());
+        }
+        let out = python_script(&script, &args);
+        let ok = out.lines().filter(|l| l.contains(": OK ws=")).count();
+        assert_eq!(ok, pairs.len(), "FSDP2 at {ws} ranks:\n{out}");
+        // The fp32 runs (three, and the one from the universal checkpoint) continued.
+        let continued = out.lines().filter(|l| l.contains("one step on")).count();
+        assert_eq!(continued, 4, "FSDP2 at {ws} ranks:\n{out}");
+    }
+}
+
+#[test]
+fn deepspeed_consolidation_split_across_processes_writes_the_single_process_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in ["zero2_bf16", "zero3_fp32"] {
+        let input = golden(case).join("ckpt");
+        for ext in ["pt", "safetensors"] {
+            // The same file name in a directory per run: torch.save names its archive after
+            // the file.
+            let out = |n: usize| {
+                let dir = tmp.path().join(format!("{case}_{ext}_{n}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                dir.join(format!("full.{ext}"))
+            };
+            let what = DeepSpeedOutput { optim: true };
+            let write = |dst: &Path, pg: &dyn fsdp::collectives::ProcessGroup| match ext {
+                "pt" => deepspeed_to_torch_save(&input, dst, what, pg, |_| {}),
+                _ => deepspeed_to_safetensors(&input, dst, what, pg, |_| {}),
+            };
+            let alone = write(&out(1), &Solo).unwrap();
+            for ws in [2, 3] {
+                let totals = ThreadGroup::run(ws, |pg| write(&out(ws), &pg).unwrap());
+                assert!(totals.iter().all(|&t| t == alone), "{case} {ext} at {ws}");
+                assert!(
+                    std::fs::read(out(ws)).unwrap() == std::fs::read(out(1)).unwrap(),
+                    "{case} .{ext}: {ws} processes wrote other bytes than one"
+                );
+            }
         }
     }
 }

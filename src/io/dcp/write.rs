@@ -330,6 +330,7 @@ impl<'a> DataPlan<'a> {
             s.offset = start;
             s.length = out.n - start;
         }
+        lazy.finish()?;
         self.len = out.n;
         self.zstd = true;
         let file = out
@@ -530,6 +531,7 @@ impl<'a> PlannedDcp<'a> {
             .map_err(|e| io_err("opening", &path, e))?;
         let share = self.plan.share(rank, world_size, lazy);
         self.plan.write(&file, &path, share.into_iter(), lazy)?;
+        lazy.finish()?;
         file.sync_all().map_err(|e| io_err("syncing", &path, e))
     }
 

@@ -462,7 +462,11 @@ pub(crate) fn save_streaming(
 ) -> Result<()> {
     let archive = archive_name(path);
     let name = path.display().to_string();
-    write_atomic(path, |w| writer::write_with(obj, &archive, &name, w, lazy))
+    write_atomic(path, |w| {
+        let w = writer::write_with(obj, &archive, &name, w, lazy)?;
+        lazy.finish()?;
+        Ok(w)
+    })
 }
 
 /// The length of the archive named `archive` that [`save`] writes for `obj`, whose tensors

@@ -833,7 +833,6 @@ pub(crate) fn write_with<W: Write>(
         }
         Ok(one)
     })?;
-    lazy.finish()?;
     Ok(out)
 }
 
