@@ -61,7 +61,9 @@ def inspect(path: Path) -> Dict[str, Any]:
     groups, tensor bytes), the crate's checkpoint directory (its manifest), or a PyTorch DCP
     directory of any form: ``.metadata``, per-rank ``__{rank}.metadata`` files (merged), or
     Hugging Face storage (``DCP_SHARDING_INFO`` headers) (keys, dtypes, global shapes, chunk
-    counts, the data files, where the metadata came from and the world size). The dict is what ``fsdp-ckpt inspect --json PATH`` prints.
+    counts, the data files, where the metadata came from and the world size), or a DeepSpeed
+    ZeRO or universal checkpoint (stage, dtype, world size, tag, parameters, their states and
+    steps, param groups). The dict is what ``fsdp-ckpt inspect --json PATH`` prints.
     """
     return json.loads(_native.inspect(os.fspath(path)))
 
@@ -98,8 +100,11 @@ def convert(
 
     Without ``to``: torch.save <-> safetensors, formats by extension; the dict comes back equal
     after a round trip. ``to="dcp"``: a DCP directory, from a ``.pt``/``.safetensors`` file
-    (what ``torch_save_to_dcp`` writes), from the crate's checkpoint directory, or from a
-    Hugging Face model directory (keys under ``prefix``, default ``"model."``).
+    (what ``torch_save_to_dcp`` writes), from the crate's checkpoint directory, from a
+    Hugging Face model directory (keys under ``prefix``, default ``"model."``), or from a
+    DeepSpeed ZeRO or universal checkpoint (the fp32 weights and Adam state as
+    ``get_state_dict`` names them: an FSDP2 model loads it with ``dcp.load`` and
+    ``set_state_dict`` at any world size and trains on).
     ``to="fsdp"``: the crate's checkpoint from a DCP directory, for ``world_size`` ranks of the
     model that ``model`` (a DESC.json) describes. ``max_expansion_bytes`` caps what copies of
     non-contiguous tensors of a torch.save input may allocate beyond its storage bytes.
@@ -154,18 +159,27 @@ def _rules(rules, what: str) -> List[str]:
     return out
 
 
-def consolidate(input: Path, output: Path, *, progress: Progress = None) -> Dict[str, Any]:
+def consolidate(
+    input: Path, output: Path, *, optim: bool = False, progress: Progress = None
+) -> Dict[str, Any]:
     """Writes one full state file from a sharded checkpoint directory; ``fsdp-ckpt consolidate``.
 
     ``input`` is a PyTorch DCP directory (the output is what
     ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` writes: same nesting, key
     order and key types, bit-identical tensors; per-rank ``__{rank}.metadata`` files are merged,
     giving the saving run's full state dict where PyTorch's own function returns other ranks'
-    rows uninitialised; Hugging Face storage gives what ``HuggingFaceStorageReader`` loads) or the crate's checkpoint directory (the full,
-    name-keyed optimizer state dict). ``output`` ends in ``.pt``/``.pth`` or ``.safetensors``.
+    rows uninitialised; Hugging Face storage gives what ``HuggingFaceStorageReader`` loads),
+    the crate's checkpoint directory (the full, name-keyed optimizer state dict), or a
+    DeepSpeed ZeRO (stage 1, 2 or 3) or universal checkpoint, read without DeepSpeed (the fp32
+    weights ``zero_to_fp32``'s ``get_fp32_state_dict_from_zero_checkpoint`` returns; with
+    ``optim=True``, ``{"model": ..., "optim": {"state": ..., "param_groups": ...}}`` with
+    Adam's state, named as ``get_state_dict(full_state_dict=True)`` names it; ``optim`` is
+    refused for other inputs). ``output`` ends in ``.pt``/``.pth`` or ``.safetensors``.
     Streamed: memory stays near the largest tensor, not the checkpoint's size.
     """
-    return json.loads(_native.consolidate(os.fspath(input), os.fspath(output), progress))
+    return json.loads(
+        _native.consolidate(os.fspath(input), os.fspath(output), progress, optim)
+    )
 
 
 def reshard(

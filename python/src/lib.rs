@@ -196,15 +196,17 @@ fn convert(
 }
 
 #[pyfunction]
-#[pyo3(signature = (input, output, progress=None))]
+#[pyo3(signature = (input, output, progress=None, optim=false))]
 fn consolidate(
     py: Python<'_>,
     input: PathBuf,
     output: PathBuf,
     progress: Option<Py<PyAny>>,
+    optim: bool,
 ) -> PyResult<String> {
+    let opts = ops::ConsolidateOptions { optim };
     run(py, progress, |p| {
-        ops::consolidate(&input, &output, &Solo, p)
+        ops::consolidate_with(&input, &output, &opts, &Solo, p)
     })
 }
 

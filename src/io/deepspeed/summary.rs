@@ -7,6 +7,8 @@ use serde::Serialize;
 /// What a DeepSpeed checkpoint holds, from its structure alone (`fsdp-ckpt inspect`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Summary {
+    /// `"deepspeed"` (what `fsdp-ckpt inspect --json` names every input's format by).
+    pub format: &'static str,
     /// The tag directory.
     pub dir: String,
     /// ZeRO or universal.
@@ -65,6 +67,7 @@ impl Summary {
             })
             .collect();
         Summary {
+            format: "deepspeed",
             dir: c.dir.display().to_string(),
             form: c.form,
             stage: c.stage,
