@@ -413,31 +413,18 @@ impl Builder<'_> {
                     Wrapper::Bf16Optimizer => layout.partition_numel(),
                     _ => layout.cut_partition_numel(r),
                 };
-                let needed = layout.needed(r);
-                src[r][State::Fp32.index()] = self.flat(
-                    r,
-                    Flat {
-                        what: format!("single_partition_of_fp32_groups[{g}]"),
-                        tensor: fp32,
-                        expected,
-                        needed,
-                    },
-                    |n| first_short(r, n),
-                )?;
+                let fp32 = Flat {
+                    what: format!("single_partition_of_fp32_groups[{g}]"),
+                    tensor: fp32,
+                    expected,
+                    needed: layout.needed(r),
+                };
                 let state = p.at(bases[r], "state", "base_optimizer_state['state']")?;
-                let (exp_avg, exp_avg_sq, step) = self.adam(r, state, g)?;
-                for (st, t) in [(State::ExpAvg, exp_avg), (State::ExpAvgSq, exp_avg_sq)] {
-                    src[r][st.index()] = self.flat(
-                        r,
-                        Flat {
-                            what: format!("state[{g}]['{}']", st.name()),
-                            tensor: t,
-                            expected: layout.partition_numel(),
-                            needed,
-                        },
-                        |n| first_short(r, n),
-                    )?;
-                }
+                let (flats, step) =
+                    self.rank_flats(r, g, fp32, state, layout.partition_numel(), |n| {
+                        first_short(r, n)
+                    })?;
+                src[r] = flats;
                 steps.push(step);
                 check_slice_mappings(p, states[r], g, r, &layout, names)?;
             }
@@ -523,31 +510,16 @@ impl Builder<'_> {
                 let p = &optim[r];
                 let needed = layout.needed(r);
                 let expected = layout.partition_numel();
-                let fp32 = p.tensor(&flats[r][s], &format!("fp32_flat_groups[{s}]"))?;
-                src[r][State::Fp32.index()] = self.flat(
-                    r,
-                    Flat {
-                        what: format!("fp32_flat_groups[{s}]"),
-                        tensor: fp32,
-                        expected,
-                        needed,
-                    },
-                    |n| first_short(r, n),
-                )?;
+                let fp32 = Flat {
+                    what: format!("fp32_flat_groups[{s}]"),
+                    tensor: p.tensor(&flats[r][s], &format!("fp32_flat_groups[{s}]"))?,
+                    expected,
+                    needed,
+                };
                 let state = p.at(inner[r], "state", "optimizer_state_dict['state']")?;
-                let (exp_avg, exp_avg_sq, step) = self.adam(r, state, s)?;
-                for (st, t) in [(State::ExpAvg, exp_avg), (State::ExpAvgSq, exp_avg_sq)] {
-                    src[r][st.index()] = self.flat(
-                        r,
-                        Flat {
-                            what: format!("state[{s}]['{}']", st.name()),
-                            tensor: t,
-                            expected,
-                            needed,
-                        },
-                        |n| first_short(r, n),
-                    )?;
-                }
+                let (rank_flats, step) =
+                    self.rank_flats(r, s, fp32, state, expected, |n| first_short(r, n))?;
+                src[r] = rank_flats;
                 steps.push(step);
             }
             let step = self.agreed_step(&steps, s)?;
@@ -557,6 +529,35 @@ impl Builder<'_> {
             }
         }
         Ok((group_of, hyper))
+    }
+
+    /// Locates rank `r`'s three flat tensors of flat group (or sub-group) `g`, each checked
+    /// by [`Builder::flat`]: the fp32 master `fp32`, and Adam's `exp_avg` and `exp_avg_sq`
+    /// in `state` (`state_numel` long, needing what `fp32` needs). Returns their sources by
+    /// [`State`] and the group's `step`.
+    fn rank_flats(
+        &mut self,
+        r: usize,
+        g: usize,
+        fp32: Flat<'_>,
+        state: &PyObj,
+        state_numel: usize,
+        first_short: impl Fn(usize) -> Option<String>,
+    ) -> Result<([usize; 3], HostTensor)> {
+        let needed = fp32.needed;
+        let mut src = [0; 3];
+        src[State::Fp32.index()] = self.flat(r, fp32, &first_short)?;
+        let (exp_avg, exp_avg_sq, step) = self.adam(r, state, g)?;
+        for (st, t) in [(State::ExpAvg, exp_avg), (State::ExpAvgSq, exp_avg_sq)] {
+            let f = Flat {
+                what: format!("state[{g}]['{}']", st.name()),
+                tensor: t,
+                expected: state_numel,
+                needed,
+            };
+            src[st.index()] = self.flat(r, f, &first_short)?;
+        }
+        Ok((src, step))
     }
 
     /// A parameter made of `pieces`, rank `r`'s from the sources `src[r]`.
