@@ -3,8 +3,9 @@
 //! parts of a chunk to several outputs keeps each piece in the CPU cache from the read to the
 //! last write, where a whole multi-megabyte chunk would go through memory twice.
 
+use super::cursor::EntryCursor;
 use super::unpickle::{self, Mode};
-use super::zip::{Entry, FileSource, ZipReader};
+use super::zip::{FileSource, ZipReader};
 use super::{open_archive, open_range, read_zip, starts_legacy, storage_entry};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
@@ -20,16 +21,9 @@ const PIECE: usize = 1 << 20;
 /// reaches the storage's end, or at [`LoneTensor::finish`], which reads the rest.
 pub(crate) struct LoneTensor {
     zip: ZipReader<FileSource>,
-    entry: Entry,
+    cursor: EntryCursor,
     dtype: DType,
     shape: Vec<usize>,
-    /// Where the storage's data starts in the archive.
-    start: u64,
-    /// Bytes of the storage read so far (all checksummed).
-    pos: u64,
-    crc: crc32fast::Hasher,
-    /// Whether the CRC-32 was checked (all bytes read).
-    checked: bool,
     buf: Vec<u8>,
 }
 
@@ -68,16 +62,12 @@ impl LoneTensor {
             .cloned()
             .unwrap_or_else(|| t.shape().to_vec());
         let entry = storage_entry(&zip, &prefix, key)?;
-        let data = zip.data_start(&entry)?;
+        let cursor = EntryCursor::new(&mut zip, entry)?;
         Ok(Some(LoneTensor {
             zip,
-            entry,
+            cursor,
             dtype: t.dtype(),
             shape,
-            start: data,
-            pos: 0,
-            crc: crc32fast::Hasher::new(),
-            checked: false,
             buf: Vec::new(),
         }))
     }
@@ -92,7 +82,7 @@ impl LoneTensor {
 
     /// Bytes of the tensor read so far: [`LoneTensor::read`] can start at any byte from here.
     pub(crate) fn pos(&self) -> u64 {
-        self.pos
+        self.cursor.pos()
     }
 
     /// Hands bytes `from..to` of the tensor to `sink`, at most [`PIECE`] at a time, after
@@ -104,51 +94,28 @@ impl LoneTensor {
         to: u64,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        if from < self.pos || to < from || to > self.entry.size {
+        let (pos, size) = (self.cursor.pos(), self.cursor.size());
+        if from < pos || to < from || to > size {
             return Err(Error::Internal(format!(
-                "bytes {from}..{to} of a {}-byte tensor read from byte {}",
-                self.entry.size, self.pos
+                "bytes {from}..{to} of a {size}-byte tensor read from byte {pos}"
             )));
         }
-        if self.buf.is_empty() && to > self.pos {
-            self.buf = vec![0; PIECE.min(self.entry.size as usize)];
+        if self.buf.is_empty() && to > pos {
+            self.buf = vec![0; PIECE.min(size as usize)];
         }
-        while self.pos < to {
-            let n = (to - self.pos).min(self.buf.len() as u64) as usize;
-            let piece = &mut self.buf[..n];
-            self.zip
-                .read_part(&self.entry, self.start + self.pos, piece)?;
-            self.crc.update(piece);
-            let first = self.pos;
-            self.pos += n as u64;
-            if self.pos > from {
-                let skip = from.saturating_sub(first) as usize;
-                sink(&piece[skip..])?;
-            }
-        }
-        if self.pos == self.entry.size {
-            self.check()?;
-        }
-        Ok(())
+        self.cursor
+            .read(&mut self.zip, &mut self.buf, (from, to), sink)
+            .map(drop)
     }
 
     /// Whether every byte was read and the CRC-32 checked.
     pub(crate) fn is_checked(&self) -> bool {
-        self.checked
+        self.cursor.is_checked()
     }
 
     /// Reads the rest of the storage, so that its CRC-32 is checked.
     pub(crate) fn finish(&mut self) -> Result<()> {
-        let end = self.entry.size;
+        let end = self.cursor.size();
         self.read(end, end, &mut |_| Ok(()))
-    }
-
-    fn check(&mut self) -> Result<()> {
-        if self.checked {
-            return Ok(());
-        }
-        self.checked = true;
-        let crc = std::mem::take(&mut self.crc).finalize();
-        self.zip.check_crc(&self.entry, self.start, crc)
     }
 }

@@ -43,6 +43,7 @@
 //! ```
 
 mod convert;
+mod cursor;
 mod legacy;
 mod lone_tensor;
 mod pyobj;

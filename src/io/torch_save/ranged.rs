@@ -11,7 +11,8 @@
 //! pass, so every byte handed out belongs to a pass whose CRC-32 was checked once `finish`
 //! returns.
 
-use super::zip::{Entry, FileSource, ZipReader};
+use super::cursor::EntryCursor;
+use super::zip::{FileSource, ZipReader};
 use super::{open, open_archive, starts_legacy, storage_entry};
 use crate::error::{Error, Result};
 use std::collections::HashMap;
@@ -21,23 +22,11 @@ use std::path::Path;
 /// storages read).
 const PIECE: usize = 1 << 20;
 
-/// A storage's cursor: where the current pass is, and its running CRC-32.
-struct Cursor {
-    entry: Entry,
-    /// Where the storage's data starts in the archive.
-    start: u64,
-    /// Bytes read in the current pass (all checksummed).
-    pos: u64,
-    crc: crc32fast::Hasher,
-    /// Whether the current pass reached the end and its CRC-32 matched.
-    checked: bool,
-}
-
 /// The storages of the zip-format `torch.save` file at a path, read by byte ranges.
 pub(crate) struct StorageReader {
     zip: ZipReader<FileSource>,
     prefix: String,
-    cursors: HashMap<String, Cursor>,
+    cursors: HashMap<String, EntryCursor>,
     buf: Vec<u8>,
     /// Bytes read from the file so far (every pass), for tests of how often a storage is read.
     #[cfg_attr(not(test), allow(dead_code))]
@@ -72,23 +61,14 @@ impl StorageReader {
 
     /// The byte length of storage `key`.
     pub(crate) fn storage_len(&mut self, key: &str) -> Result<u64> {
-        Ok(self.cursor(key)?.entry.size)
+        Ok(self.cursor(key)?.size())
     }
 
-    fn cursor(&mut self, key: &str) -> Result<&mut Cursor> {
+    fn cursor(&mut self, key: &str) -> Result<&mut EntryCursor> {
         if !self.cursors.contains_key(key) {
             let entry = storage_entry(&self.zip, &self.prefix, key)?;
-            let start = self.zip.data_start(&entry)?;
-            self.cursors.insert(
-                key.to_string(),
-                Cursor {
-                    entry,
-                    start,
-                    pos: 0,
-                    crc: crc32fast::Hasher::new(),
-                    checked: false,
-                },
-            );
+            let cursor = EntryCursor::new(&mut self.zip, entry)?;
+            self.cursors.insert(key.to_string(), cursor);
         }
         self.cursors
             .get_mut(key)
@@ -97,7 +77,8 @@ impl StorageReader {
 
     /// Hands bytes `from..to` of storage `key` to `sink`, at most 1 MiB at a time, reading
     /// forward from the cursor (a range behind it starts a new pass once the current one is
-    /// checked). `to` may not pass the storage's end.
+    /// checked). `to` may not pass the storage's end. A storage read through is dropped from
+    /// the page cache.
     pub(crate) fn read(
         &mut self,
         key: &str,
@@ -112,14 +93,11 @@ impl StorageReader {
                 self.zip.file()
             )));
         }
-        if from < self.cursor(key)?.pos {
+        if from < self.cursor(key)?.pos() {
             self.complete(key)?;
-            let c = self.cursor(key)?;
-            c.pos = 0;
-            c.crc = crc32fast::Hasher::new();
-            c.checked = false;
+            self.cursor(key)?.restart();
         }
-        if self.buf.is_empty() && to > from {
+        if self.buf.is_empty() {
             self.buf = vec![0; PIECE];
         }
         let StorageReader {
@@ -132,24 +110,10 @@ impl StorageReader {
         let c = cursors
             .get_mut(key)
             .ok_or_else(|| Error::Internal(format!("no cursor for storage {key}")))?;
-        while c.pos < to {
-            let n = (to - c.pos).min(buf.len() as u64) as usize;
-            let piece = &mut buf[..n];
-            zip.read_part(&c.entry, c.start + c.pos, piece)?;
-            *read += n as u64;
-            c.crc.update(piece);
-            let first = c.pos;
-            c.pos += n as u64;
-            if c.pos > from {
-                let skip = from.saturating_sub(first) as usize;
-                sink(&piece[skip..])?;
-            }
-        }
-        if c.pos == size && !c.checked {
-            c.checked = true;
-            let crc = std::mem::take(&mut c.crc).finalize();
-            zip.check_crc(&c.entry, c.start, crc)?;
-            zip.drop_cached(c.start, size);
+        let was_checked = c.is_checked();
+        *read += c.read(zip, buf, (from, to), sink)?;
+        if c.is_checked() && !was_checked {
+            zip.drop_cached(c.start(), size);
         }
         Ok(())
     }
@@ -162,10 +126,10 @@ impl StorageReader {
     /// Completes the current pass over storage `key` (nothing when it is checked).
     fn complete(&mut self, key: &str) -> Result<()> {
         let c = self.cursor(key)?;
-        if c.checked {
+        if c.is_checked() {
             return Ok(());
         }
-        let (pos, end) = (c.pos, c.entry.size);
+        let (pos, end) = (c.pos(), c.size());
         self.read(key, pos, end, &mut |_| Ok(()))
     }
 
