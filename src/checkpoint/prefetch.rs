@@ -179,28 +179,13 @@ fn read_ahead(
                     .filter(|f| !f.is_direct())
             });
             if let Some(f) = opened {
-                advise_will_need(f.file(), offset + at, n);
+                crate::io::output::will_need_pages(f.file(), offset + at, n);
             }
             at += n;
             issued += n;
         }
     }
 }
-
-#[cfg(target_os = "linux")]
-fn advise_will_need(f: &std::fs::File, offset: u64, len: u64) {
-    use std::os::fd::AsRawFd;
-    let (Ok(off), Ok(len)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-        return;
-    };
-    // SAFETY: a valid open descriptor; advice only, no memory is passed.
-    unsafe {
-        libc::posix_fadvise(f.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED);
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn advise_will_need(_: &std::fs::File, _: u64, _: u64) {}
 
 #[cfg(test)]
 mod tests {

@@ -46,7 +46,7 @@ pub use read::{read_regular, read_small_file, ReadRegularError, SMALL_METADATA_M
 pub use replace::{check_dir_output, check_file_output, check_not_overlapping, DirKind};
 pub use temp::{clean_stale_temporaries, discard_tmp_dir, make_tmp_dir, Cleaned};
 pub(crate) use writeback::{
-    drop_cached_pages, DropBehind, StreamedFile, Writeback, WRITEBACK_CHUNK,
+    drop_cached_pages, will_need_pages, DropBehind, StreamedFile, Writeback, WRITEBACK_CHUNK,
 };
 
 use crate::error::{Error, Result};

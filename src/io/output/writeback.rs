@@ -232,6 +232,24 @@ pub(crate) fn drop_cached_pages(file: &File, offset: u64, len: u64) {
 
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn drop_cached_pages(_: &File, _: u64, _: u64) {}
+
+/// Asks the kernel to start reading `len` bytes of `file` at `offset` into the page cache
+/// (`POSIX_FADV_WILLNEED`), so that a reader's next reads find them there while it works on
+/// the bytes it has: reading overlaps writing. Advice only.
+#[cfg(target_os = "linux")]
+pub(crate) fn will_need_pages(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    let Some((off, len)) = file_range(offset, len) else {
+        return;
+    };
+    // SAFETY: a valid open descriptor; advice only, no memory is passed.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), off, len, libc::POSIX_FADV_WILLNEED);
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn will_need_pages(_: &File, _: u64, _: u64) {}
 #[cfg(test)]
 mod tests {
     use super::*;

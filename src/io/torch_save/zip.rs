@@ -31,6 +31,9 @@ pub(crate) trait Source {
     fn len(&self) -> u64;
     /// Fills `buf` with the bytes at `offset`; the range has been checked against `len`.
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()>;
+    /// Advice that the bytes `offset..offset + len` will be read soon (a file starts reading
+    /// them into the page cache); nothing for memory.
+    fn will_need(&self, _offset: u64, _len: u64) {}
 }
 
 /// An archive held in memory.
@@ -73,6 +76,9 @@ impl Source for FileSource {
     }
     fn read_at(&mut self, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
         std::os::unix::fs::FileExt::read_exact_at(&self.file, buf, self.start + offset)
+    }
+    fn will_need(&self, offset: u64, len: u64) {
+        crate::io::output::will_need_pages(&self.file, self.start + offset, len);
     }
 }
 
@@ -639,6 +645,11 @@ impl<S: Source> ZipReader<S> {
     /// Reads `buf.len()` bytes at `offset` of the source, part of `entry`'s data (for
     /// messages): a reader of an entry in chunks, which checks the CRC-32 of the whole with
     /// [`ZipReader::check_crc`].
+    /// Advice that bytes `offset..offset + len` of the archive will be read soon.
+    pub(crate) fn will_need(&self, offset: u64, len: u64) {
+        self.src.will_need(offset, len);
+    }
+
     pub(crate) fn read_part(&mut self, entry: &Entry, offset: u64, buf: &mut [u8]) -> Result<()> {
         self.read(offset, buf, Some(entry.name.as_str()))
     }
