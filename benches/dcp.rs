@@ -24,6 +24,7 @@
 mod common;
 use common::{
     disk_bytes, gb, loadavg, mb, python_run, python_timed, raw_write, s, status_bytes, venv_python,
+    Runs,
 };
 use fsdp::collectives::Solo;
 use fsdp::convert;
@@ -212,31 +213,6 @@ fn main() {
     println!("runs (s): fsdp consolidate {:?}; dcp_to_torch_save {:?}; fsdp to DCP {:?}; torch_save_to_dcp {:?}; raw {:?}; shared storages: fsdp to DCP {:?}, torch_save_to_dcp {:?}", ours.secs, theirs.secs, ours_w.secs, theirs_w.secs, raw.secs, ours_s.secs, theirs_s.secs);
     println!("load average after: {}", loadavg());
     let _ = std::fs::remove_dir_all(&root);
-}
-
-/// Seconds and peak RSS of each run.
-#[derive(Default)]
-struct Runs {
-    secs: Vec<f64>,
-    peaks: Vec<u64>,
-}
-
-impl Runs {
-    fn push(&mut self, (secs, peak): (f64, u64)) {
-        self.secs.push(secs);
-        self.peaks.push(peak);
-    }
-    fn median_secs(&self) -> f64 {
-        let mut v = self.secs.clone();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    }
-    fn peak(&self) -> u64 {
-        self.peaks.iter().copied().max().unwrap_or(0)
-    }
-    fn peak_mb(&self) -> String {
-        mb(self.peak())
-    }
 }
 
 /// Child mode: one operation of the crate, then `CHILD seconds peak_rss`.

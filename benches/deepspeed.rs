@@ -44,7 +44,7 @@
 mod common;
 use common::{
     disk_bytes, evict, free_bytes, gb, loadavg, mb, python_run, python_timed, raw_read, raw_write,
-    s, status_bytes,
+    s, status_bytes, Runs,
 };
 use fsdp::collectives::Solo;
 use fsdp::convert::{self, DeepSpeedOutput};
@@ -413,32 +413,6 @@ fn clean_up(o: &Options, p: &Paths) {
             "kept the checkpoint {} for the next run (--drop-checkpoint removes it)",
             p.ckpt.display()
         );
-    }
-}
-
-/// Seconds and peak RSS of each run, and CPU seconds of the crate's.
-#[derive(Default)]
-struct Runs {
-    secs: Vec<f64>,
-    peaks: Vec<u64>,
-    cpu: Vec<f64>,
-}
-
-impl Runs {
-    fn push(&mut self, (secs, peak): (f64, u64)) {
-        self.secs.push(secs);
-        self.peaks.push(peak);
-    }
-    fn median_secs(&self) -> f64 {
-        let mut v = self.secs.clone();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    }
-    fn peak(&self) -> u64 {
-        self.peaks.iter().copied().max().unwrap_or(0)
-    }
-    fn peak_mb(&self) -> String {
-        mb(self.peak())
     }
 }
 

@@ -35,6 +35,7 @@
 mod common;
 use common::{
     disk_bytes, gb, loadavg, mb, python_run, python_timed, raw_write, s, status_bytes, venv_python,
+    Runs,
 };
 use fsdp::collectives::Solo;
 use fsdp::convert;
@@ -221,31 +222,6 @@ fn main() {
     );
     println!("load average after: {}", loadavg());
     let _ = std::fs::remove_dir_all(&root);
-}
-
-/// Seconds and peak RSS of each run.
-#[derive(Default)]
-struct Runs {
-    secs: Vec<f64>,
-    peaks: Vec<u64>,
-}
-
-impl Runs {
-    fn push(&mut self, (secs, peak): (f64, u64)) {
-        self.secs.push(secs);
-        self.peaks.push(peak);
-    }
-    fn median_secs(&self) -> f64 {
-        let mut v = self.secs.clone();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    }
-    fn peak(&self) -> u64 {
-        self.peaks.iter().copied().max().unwrap_or(0)
-    }
-    fn peak_mb(&self) -> String {
-        mb(self.peak())
-    }
 }
 
 /// Child mode: one export by the crate, then `CHILD seconds peak_rss`.

@@ -289,6 +289,33 @@ pub fn gb(b: u64) -> String {
 }
 
 /// Bytes as decimal megabytes, no decimals.
+/// The timed runs of one operation in a side-by-side bench: seconds and peak RSS of each, and
+/// the CPU seconds of those that report them.
+#[derive(Default)]
+pub struct Runs {
+    pub secs: Vec<f64>,
+    pub peaks: Vec<u64>,
+    pub cpu: Vec<f64>,
+}
+
+impl Runs {
+    pub fn push(&mut self, (secs, peak): (f64, u64)) {
+        self.secs.push(secs);
+        self.peaks.push(peak);
+    }
+    pub fn median_secs(&self) -> f64 {
+        let mut v = self.secs.clone();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    }
+    pub fn peak(&self) -> u64 {
+        self.peaks.iter().copied().max().unwrap_or(0)
+    }
+    pub fn peak_mb(&self) -> String {
+        mb(self.peak())
+    }
+}
+
 pub fn mb(b: u64) -> String {
     format!("{:.0}", b as f64 / 1e6)
 }
