@@ -378,16 +378,8 @@ impl Builder<'_> {
             let layout = FlatGroup::new(&numels, &paddings[g], self.ws).ok_or_else(|| {
                 p0.err(None, format!("flat group {g} has no ZeRO layout (sizes that overflow, or {} alignment paddings for {} parameters)", paddings[g].len(), numels.len()))
             })?;
-            let first_short = |r: usize, n: usize| {
-                (0..names.len())
-                    .find(|&i| {
-                        layout
-                            .pieces(i)
-                            .iter()
-                            .any(|pc| pc.rank == r && pc.start + pc.len > n)
-                    })
-                    .map(|i| names[i].0.clone())
-            };
+            let pieces: Vec<Vec<Piece>> = (0..names.len()).map(|i| layout.pieces(i)).collect();
+            let first_short = |r: usize, n: usize| first_short_param(names, &pieces, r, n);
             let mut src = vec![[0usize; 3]; self.ws];
             let mut steps = Vec::new();
             for r in 0..self.ws {
@@ -429,8 +421,8 @@ impl Builder<'_> {
                 check_slice_mappings(p, states[r], g, r, &layout, names)?;
             }
             let step = self.agreed_step(&steps, g)?;
-            for i in 0..names.len() {
-                self.push_param(&layout.pieces(i), &src);
+            for param_pieces in &pieces {
+                self.push_param(param_pieces, &src);
                 self.steps.push(step.clone());
             }
         }
@@ -494,16 +486,8 @@ impl Builder<'_> {
             let numels: Vec<usize> = names.iter().map(|(_, sh)| numel(sh)).collect();
             let layout = PartitionedGroup::new(&numels, self.ws)
                 .ok_or_else(|| p0.err(None, format!("sub-group {s} has sizes that overflow")))?;
-            let first_short = |r: usize, n: usize| {
-                (0..names.len())
-                    .find(|&i| {
-                        layout
-                            .pieces(i)
-                            .iter()
-                            .any(|pc| pc.rank == r && pc.start + pc.len > n)
-                    })
-                    .map(|i| names[i].0.clone())
-            };
+            let pieces: Vec<Vec<Piece>> = (0..names.len()).map(|i| layout.pieces(i)).collect();
+            let first_short = |r: usize, n: usize| first_short_param(names, &pieces, r, n);
             let mut src = vec![[0usize; 3]; self.ws];
             let mut steps = Vec::new();
             for r in 0..self.ws {
@@ -523,8 +507,8 @@ impl Builder<'_> {
                 steps.push(step);
             }
             let step = self.agreed_step(&steps, s)?;
-            for i in 0..names.len() {
-                self.push_param(&layout.pieces(i), &src);
+            for param_pieces in &pieces {
+                self.push_param(param_pieces, &src);
                 self.steps.push(step.clone());
             }
         }
@@ -591,6 +575,20 @@ pub(super) fn param_groups(p: &Pickled, groups: &PyObj, subgroups: usize) -> Res
         ids.push(i);
     }
     Ok((group_of_subgroups(p, &ids, subgroups)?, hyper))
+}
+
+/// The first parameter (of `names`, each laid out in `pieces`) whose piece on rank `r` does
+/// not fit in the `n` elements that rank holds: what a truncated partition error names.
+fn first_short_param(
+    names: &[(String, Vec<usize>)],
+    pieces: &[Vec<Piece>],
+    r: usize,
+    n: usize,
+) -> Option<String> {
+    pieces
+        .iter()
+        .position(|p| p.iter().any(|pc| pc.rank == r && pc.start + pc.len > n))
+        .map(|i| names[i].0.clone())
 }
 
 /// Rank `r`'s `param_slice_mappings[g]` (when saved) against the layout: the parameters
