@@ -547,7 +547,7 @@ mod launcher {
                 ref input,
                 ref output,
                 optim,
-            } if ops::consolidate_splits(input, output) => {
+            } if ops::consolidate_splits(output) => {
                 ops::consolidate_with(input, output, &ops::ConsolidateOptions { optim }, pg, &p)
             }
             Command::Convert {

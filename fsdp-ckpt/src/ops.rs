@@ -1075,7 +1075,7 @@ pub fn reshard(
 /// the crate's checkpoint directory, a DCP directory or a DeepSpeed checkpoint to either
 /// format (files whose layout is known before any byte is written), that is whenever
 /// `OUTPUT`'s format is known.
-pub fn consolidate_splits(_input: &Path, out: &Path) -> bool {
+pub fn consolidate_splits(out: &Path) -> bool {
     FileFormat::from_path(out).is_ok()
 }
 
