@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// An opened DCP directory: its metadata, with every data file resolved inside it.
 #[derive(Debug)]
@@ -26,8 +27,18 @@ pub struct DcpCheckpoint {
     files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
     /// With drop-behind (offline streams that read each chunk once), what has been read of
     /// each data file.
-    drop_behind: Option<std::sync::Mutex<crate::io::output::DropBehind<PathBuf>>>,
+    drop_behind: Option<Mutex<crate::io::output::DropBehind<PathBuf>>>,
+    /// The data files open for chunk reads, least recently used first ([`OPEN_FILES`] at
+    /// most).
+    open_files: Mutex<Vec<(PathBuf, Arc<File>)>>,
 }
+
+/// How many data files a [`DcpCheckpoint`] keeps open for chunk reads. Reading every chunk of
+/// a file through one open file lets the kernel's read-ahead follow the file (a file opened
+/// per chunk starts each chunk's read-ahead afresh, in small pages: a third more system CPU
+/// at 2B parameters, BENCHMARKS.md); the bound keeps a directory of thousands of rank files
+/// within the descriptor limit.
+const OPEN_FILES: usize = 64;
 
 impl DcpCheckpoint {
     /// Reads the directory's metadata and resolves every data file it names. A file that
@@ -68,6 +79,7 @@ impl DcpCheckpoint {
             source,
             files,
             drop_behind: None,
+            open_files: Mutex::default(),
         };
         ckpt.refuse_safetensors_data()?;
         Ok(ckpt)
@@ -136,10 +148,28 @@ impl DcpCheckpoint {
         let Some(dropper) = &self.drop_behind else {
             return;
         };
-        if let Ok(f) = File::open(path) {
+        if let Ok(f) = self.data_file(path) {
             let mut dropper = dropper.lock().unwrap_or_else(|e| e.into_inner());
             dropper.read(path.to_path_buf(), &f, start, end);
         }
+    }
+
+    /// The data file at `path` (confined by [`Self::checked_range`]), kept open for the next
+    /// chunk read ([`OPEN_FILES`]).
+    fn data_file(&self, path: &Path) -> std::io::Result<Arc<File>> {
+        let mut open = self.open_files.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = open.iter().position(|(p, _)| p == path) {
+            let used = open.remove(i);
+            let file = Arc::clone(&used.1);
+            open.push(used);
+            return Ok(file);
+        }
+        let file = Arc::new(File::open(path)?);
+        if open.len() >= OPEN_FILES {
+            open.remove(0);
+        }
+        open.push((path.to_path_buf(), Arc::clone(&file)));
+        Ok(file)
     }
 
     /// The parsed metadata (of `.metadata`, or built from another [`Source`]).
@@ -351,7 +381,10 @@ impl DcpCheckpoint {
             "chunk at {:?}, bytes {}..+{}",
             chunk.offsets, info.offset, info.length
         );
-        let opened = LoneTensor::open(path, info.offset, info.length)
+        let file = self
+            .data_file(path)
+            .map_err(|e| self.storage_err(key, f, format!("reading: {e}")))?;
+        let opened = LoneTensor::open(file, path, info.offset, info.length)
             .map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
         let Some(tensor) = opened else {
             return Ok(None);
@@ -650,10 +683,14 @@ fn metadata_in(dir: &Path, root: &Path) -> Result<Metadata> {
     metadata_file_in(dir, root, ".metadata")
 }
 
-/// The placeholders of a nested DCP state dict ([`Placeholders`]), streamed one assembled
-/// tensor at a time; `progress` gets the tensor bytes streamed so far.
+/// The placeholders of a nested DCP state dict ([`Placeholders`]), streamed one tensor at a
+/// time through a [`RangeReader`]: chunks that are runs of the tensor's flattening (dim-0
+/// shards, single chunks, flat parameter shards) go out as they are read, a piece at a time,
+/// never assembled; other grids are assembled one tensor at a time. `progress` gets the tensor
+/// bytes streamed so far.
 pub(crate) struct Streamed<'c, P> {
     ckpt: &'c DcpCheckpoint,
+    reader: RangeReader<'c>,
     /// Placeholder buffer identity → entry index.
     stands_for: &'c HashMap<usize, usize>,
     written: u64,
@@ -669,6 +706,7 @@ impl<'c, P> Streamed<'c, P> {
     ) -> Self {
         Streamed {
             ckpt,
+            reader: RangeReader::new(ckpt),
             stands_for: &placeholders.stands_for,
             written: 0,
             progress,
@@ -694,34 +732,25 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
             return Ok(());
         };
         let key = &self.ckpt.metadata.entries[i].key;
-        let mut write = |bytes: &[u8]| {
+        let (meta, _) = self.ckpt.tensor_meta(key)?;
+        let numel = meta.size.iter().product();
+        let (written, progress) = (&mut self.written, &mut self.progress);
+        self.reader.read(key, 0, numel, &mut |bytes| {
             sink(bytes).map_err(|e| Error::Io {
                 op: "writing a consolidated torch.save file".into(),
                 path: String::new(),
                 source: e.into(),
-            })
-        };
-        let (meta, dtype) = self.ckpt.tensor_meta(key)?;
-        match flat_slabs(&meta.size, data_chunks(meta)) {
-            // Chunks that are runs of the flattening (dim-0 shards, single chunks, flat
-            // parameter shards): in order they are the tensor's bytes, so each goes out as it
-            // is read, never assembled.
-            Some(slabs) => {
-                for (_, c) in slabs {
-                    let part = self.ckpt.read_chunk(key, c, dtype)?;
-                    write(part.as_bytes())?;
-                    self.written += part.nbytes() as u64;
-                    (self.progress)(self.written);
-                }
-            }
-            None => {
-                let full = self.ckpt.read_tensor(key)?;
-                write(full.as_bytes())?;
-                self.written += full.nbytes() as u64;
-                (self.progress)(self.written);
-            }
-        }
-        Ok(())
+            })?;
+            *written += bytes.len() as u64;
+            progress(*written);
+            Ok(())
+        })
+    }
+
+    /// Checks the CRC-32 of a chunk the last tensor read only in part (none: every tensor
+    /// is read whole).
+    fn finish(&mut self) -> Result<()> {
+        self.reader.finish()
     }
 }
 
@@ -1306,6 +1335,45 @@ impl std::fmt::Display for DcpSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_files_stay_open_for_the_next_chunk_up_to_a_bound_least_recently_used_closed_first() {
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/dcp/fsdp2_adam_ws4/ckpt");
+        let ckpt = DcpCheckpoint::open(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let paths: Vec<PathBuf> = (0..OPEN_FILES + 6)
+            .map(|i| {
+                let p = tmp.path().join(format!("__{i}_0.distcp"));
+                std::fs::write(&p, [i as u8]).unwrap();
+                p
+            })
+            .collect();
+        let first = ckpt.data_file(&paths[0]).unwrap();
+        assert!(Arc::ptr_eq(&first, &ckpt.data_file(&paths[0]).unwrap()));
+        for p in &paths[1..] {
+            ckpt.data_file(p).unwrap();
+        }
+        // Reusing file 7 keeps it open past the later ones.
+        let seventh = ckpt.data_file(&paths[7]).unwrap();
+        ckpt.data_file(&tmp.path().join("one_more")).unwrap_err();
+        std::fs::write(tmp.path().join("one_more"), b"x").unwrap();
+        ckpt.data_file(&tmp.path().join("one_more")).unwrap();
+        let open: Vec<PathBuf> = ckpt
+            .open_files
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(p, _)| p.clone())
+            .collect();
+        assert_eq!(open.len(), OPEN_FILES);
+        assert!(
+            !open.contains(&paths[0]) && !open.contains(&paths[6]),
+            "{open:?}"
+        );
+        assert!(open.contains(&paths[8]) && open.contains(&paths[OPEN_FILES + 5]));
+        assert!(Arc::ptr_eq(&seventh, &ckpt.data_file(&paths[7]).unwrap()));
+    }
 
     fn descs(d: &[&str]) -> Vec<String> {
         d.iter().map(|s| s.to_string()).collect()

@@ -6,10 +6,12 @@
 use super::cursor::EntryCursor;
 use super::unpickle::{self, Mode};
 use super::zip::{FileSource, ZipReader};
-use super::{open_archive, open_range, read_zip, starts_legacy, storage_entry};
+use super::{open_archive, read_zip, shared_range, starts_legacy, storage_entry};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
+use std::fs::File;
 use std::path::Path;
+use std::sync::Arc;
 
 /// Bytes read at a time: half the L2 cache of the machines measured (2 MiB per core), so a
 /// piece stays cached while its parts are checksummed and written.
@@ -28,12 +30,13 @@ pub(crate) struct LoneTensor {
 }
 
 impl LoneTensor {
-    /// Opens the archive at bytes `start..start + len` of `path`. `None` when its object is
-    /// not one tensor that is its whole storage (a view, a legacy file, a tiny tensor read
-    /// with the pickle): the caller then reads it whole. The pickle and the records are
-    /// checked as a full read checks them.
-    pub(crate) fn open(path: &Path, start: u64, len: u64) -> Result<Option<Self>> {
-        let (name, mut src) = open_range(path, start, len)?;
+    /// Opens the archive at bytes `start..start + len` of `file`, open at `path` (shared
+    /// with the other chunks of its data file, so that the kernel's read-ahead follows the
+    /// whole file). `None` when its object is not one tensor that is its whole storage (a
+    /// view, a legacy file, a tiny tensor read with the pickle): the caller then reads it
+    /// whole. The pickle and the records are checked as a full read checks them.
+    pub(crate) fn open(file: Arc<File>, path: &Path, start: u64, len: u64) -> Result<Option<Self>> {
+        let (name, mut src) = shared_range(file, path, start, len);
         if starts_legacy(&name, &mut src)? {
             return Ok(None);
         }

@@ -69,6 +69,7 @@ use crate::tensor::{DType, HostTensor};
 use std::fs::{File, OpenOptions};
 use std::io::BufWriter;
 use std::path::Path;
+use std::sync::Arc;
 use zip::{Extracted, FileSource, Source, ZipReader};
 
 /// Name used for in-memory archives in error messages.
@@ -193,9 +194,10 @@ fn open(path: &Path) -> Result<(String, FileSource)> {
     Ok((
         name,
         FileSource {
-            file,
+            file: file.into(),
             start: 0,
             len,
+            read_ahead: true,
         },
     ))
 }
@@ -203,13 +205,33 @@ fn open(path: &Path) -> Result<(String, FileSource)> {
 /// The archive at bytes `start..start + len` of the file at `path` as a source, with the name
 /// messages give it (the file and the range).
 fn open_range(path: &Path, start: u64, len: u64) -> Result<(String, FileSource)> {
-    let name = format!("{} (bytes {start}..+{len})", path.display());
     let file = File::open(path).map_err(|e| Error::Io {
         op: "reading".into(),
         path: path.display().to_string(),
         source: e.into(),
     })?;
-    Ok((name, FileSource { file, start, len }))
+    let (name, src) = shared_range(file.into(), path, start, len);
+    Ok((
+        name,
+        FileSource {
+            read_ahead: true,
+            ..src
+        },
+    ))
+}
+
+/// The archive at bytes `start..start + len` of `file`, open at `path` and shared with the
+/// other archives of that file, as a source (left to the file's own read-ahead), with the
+/// name messages give it.
+fn shared_range(file: Arc<File>, path: &Path, start: u64, len: u64) -> (String, FileSource) {
+    let name = format!("{} (bytes {start}..+{len})", path.display());
+    let src = FileSource {
+        file,
+        start,
+        len,
+        read_ahead: false,
+    };
+    (name, src)
 }
 
 /// Reads the object of the `torch.save` archive stored at bytes `start..start + len` of the
