@@ -732,10 +732,8 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
             return Ok(());
         };
         let key = &self.ckpt.metadata.entries[i].key;
-        let (meta, _) = self.ckpt.tensor_meta(key)?;
-        let numel = meta.size.iter().product();
         let (written, progress) = (&mut self.written, &mut self.progress);
-        self.reader.read(key, 0, numel, &mut |bytes| {
+        self.reader.read_whole(key, &mut |bytes| {
             sink(bytes).map_err(|e| Error::Io {
                 op: "writing a consolidated torch.save file".into(),
                 path: String::new(),
@@ -852,6 +850,17 @@ impl<'c> RangeReader<'c> {
     ) -> Result<()> {
         let meta = self.ckpt.flat_range_meta(key, start, len)?;
         self.read_checked(key, meta, start, len, sink)
+    }
+
+    /// [`Self::read`] of every element of the tensor under `key`.
+    pub(crate) fn read_whole(
+        &mut self,
+        key: &str,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (meta, _) = self.ckpt.tensor_meta(key)?;
+        let numel = meta.size.iter().product();
+        self.read(key, 0, numel, sink)
     }
 
     /// Finishes the unit held: a chunk read in part is read to its end and its checksum
@@ -1041,7 +1050,7 @@ impl SafetensorsPlan {
         self.header.len() as u64 + self.lens.iter().sum::<u64>()
     }
 
-    /// Assembles and writes process `rank`'s share (of `world_size`) of the tensors into
+    /// Streams process `rank`'s share (of `world_size`) of the tensors into
     /// `file`, the temporary `tmp` of `out`, at their planned offsets: each tensor goes to the
     /// process whose equal span of the data holds its first byte. `progress` gets the tensor
     /// bytes written so far; returns them.
@@ -1056,18 +1065,32 @@ impl SafetensorsPlan {
         let err = crate::io::output::tmp_io_err("writing", out, tmp);
         let data: u64 = self.lens.iter().sum();
         let mut writeback = crate::io::output::Writeback::new(0);
+        let mut reader = RangeReader::new(ckpt);
         let (mut at, mut written) = (0u64, 0u64);
         for ((_, i), len) in self.order.iter().zip(&self.lens) {
             if crate::io::output::writer_of(at, data, world_size) == rank {
-                let t = ckpt.read_tensor(&ckpt.metadata.entries[*i].key)?;
-                let offset = self.header.len() as u64 + at;
-                file.write_all_at(t.as_bytes(), offset).map_err(&err)?;
-                writeback.wrote_at(file, offset, *len).map_err(&err)?;
-                written += len;
-                progress(written);
+                let key = &ckpt.metadata.entries[*i].key;
+                let start = self.header.len() as u64 + at;
+                let mut offset = start;
+                reader.read_whole(key, &mut |bytes| {
+                    file.write_all_at(bytes, offset).map_err(&err)?;
+                    let n = bytes.len() as u64;
+                    writeback.wrote_at(file, offset, n).map_err(&err)?;
+                    offset += n;
+                    written += n;
+                    progress(written);
+                    Ok(())
+                })?;
+                if offset - start != *len {
+                    return Err(Error::Internal(format!(
+                        "tensor `{key}` streamed {} of its {len} planned bytes",
+                        offset - start
+                    )));
+                }
             }
             at += len;
         }
+        reader.finish()?;
         Ok(written)
     }
 
