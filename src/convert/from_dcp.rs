@@ -11,8 +11,8 @@ use std::path::Path;
 /// `torch.distributed.checkpoint.format_utils.dcp_to_torch_save(src, dst)` writes: the same
 /// nested dict (keys in metadata order, string keys, lists, non-tensor values) with the same
 /// tensors bit for bit. Chunks that are runs of the row-major flattening (dim-0 shards, the
-/// partial-row boxes of flat-parameter shards) go out one chunk at a time, read straight from
-/// their file; other grids hold one assembled tensor at a time. Every chunk's
+/// partial-row boxes of flat-parameter shards) go out as they are read, 1 MiB at a time; other
+/// grids hold one assembled tensor at a time. Every chunk's
 /// range and tiling is checked before the output is created.
 ///
 /// Run by the processes of `pg` (see [the module](super)), each streams about
@@ -33,9 +33,10 @@ pub fn dcp_to_torch_save(
 
 /// [`dcp_to_torch_save`] to a `.safetensors` file in the crate's mapping
 /// ([`crate::io::safetensors`]): the nested dict's structure in `__metadata__`, the tensors
-/// by their path, one assembled tensor at a time after every chunk was checked.
+/// by their path, streamed as [`dcp_to_torch_save`] streams them, after every chunk was
+/// checked.
 ///
-/// Run by the processes of `pg` (see [the module](super)), each assembles and writes about
+/// Run by the processes of `pg` (see [the module](super)), each streams about
 /// `1 / pg.world_size()` of the tensors' bytes at their planned offsets, and process 0 writes
 /// the header. `progress` gets this process's tensor bytes; the return value is the tensor
 /// bytes written by all of them.
