@@ -377,10 +377,7 @@ impl DcpCheckpoint {
         }
         let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
-        let at = format!(
-            "chunk at {:?}, bytes {}..+{}",
-            chunk.offsets, info.offset, info.length
-        );
+        let at = chunk_site(chunk, info);
         let file = self
             .data_file(path)
             .map_err(|e| self.storage_err(key, f, format!("reading: {e}")))?;
@@ -389,24 +386,38 @@ impl DcpCheckpoint {
         let Some(tensor) = opened else {
             return Ok(None);
         };
-        if tensor.dtype() != dtype || tensor.shape() != chunk.sizes.as_slice() {
-            return Err(self.storage_err(
-                key,
-                f,
-                format!(
-                    "{at} holds a {:?} {} tensor, but the metadata says {:?} {dtype}",
-                    tensor.shape(),
-                    tensor.dtype(),
-                    chunk.sizes
-                ),
-            ));
-        }
+        self.check_chunk_tensor(key, (chunk, info), dtype, (tensor.shape(), tensor.dtype()))?;
         Ok(Some(OpenChunk {
             tensor,
             path: path.to_path_buf(),
             range: (info.offset, info.offset + info.length),
             file: f.clone(),
         }))
+    }
+
+    /// Refuses a chunk's tensor of another shape or dtype (`found`) than the metadata gives
+    /// it, naming the chunk and its file.
+    fn check_chunk_tensor(
+        &self,
+        key: &str,
+        (chunk, info): (&Chunk, &StorageInfo),
+        dtype: DType,
+        found: (&[usize], DType),
+    ) -> Result<()> {
+        if found == (chunk.sizes.as_slice(), dtype) {
+            return Ok(());
+        }
+        Err(self.storage_err(
+            key,
+            &info.relative_path,
+            format!(
+                "{} holds a {:?} {} tensor, but the metadata says {:?} {dtype}",
+                chunk_site(chunk, info),
+                found.0,
+                found.1,
+                chunk.sizes
+            ),
+        ))
     }
 
     /// Reads and parses one chunk; it must be a tensor of the metadata's dtype and the
@@ -418,10 +429,7 @@ impl DcpCheckpoint {
         }
         let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
-        let at = format!(
-            "chunk at {:?}, bytes {}..+{}",
-            chunk.offsets, info.offset, info.length
-        );
+        let at = chunk_site(chunk, info);
         let parsed = if info.transforms.is_empty() {
             let obj = torch_save::load_from_file_range(path, info.offset, info.length);
             self.drop_read_pages(path, info.offset, info.offset + info.length);
@@ -444,18 +452,7 @@ impl DcpCheckpoint {
                 format!("{at} holds a {}, not a tensor", obj.type_name()),
             ));
         };
-        if t.dtype() != dtype || t.shape() != chunk.sizes.as_slice() {
-            return Err(self.storage_err(
-                key,
-                f,
-                format!(
-                    "{at} holds a {:?} {} tensor, but the metadata says {:?} {dtype}",
-                    t.shape(),
-                    t.dtype(),
-                    chunk.sizes
-                ),
-            ));
-        }
+        self.check_chunk_tensor(key, (chunk, info), dtype, (t.shape(), t.dtype()))?;
         Ok(t)
     }
 
@@ -591,6 +588,14 @@ impl DcpCheckpoint {
 /// The chunks of `t` that are read: those that hold elements ([`holds_elements`]).
 fn data_chunks(t: &TensorMeta) -> impl Iterator<Item = &Chunk> {
     t.chunks.iter().filter(|c| holds_elements(c))
+}
+
+/// Where a chunk lies, for messages: its offsets in the tensor and its bytes in its file.
+fn chunk_site(chunk: &Chunk, info: &StorageInfo) -> String {
+    format!(
+        "chunk at {:?}, bytes {}..+{}",
+        chunk.offsets, info.offset, info.length
+    )
 }
 
 fn chunk_bytes(sizes: &[usize], dtype: DType) -> u64 {
