@@ -431,7 +431,10 @@ impl DcpCheckpoint {
         let f = &info.relative_path;
         let at = chunk_site(chunk, info);
         let parsed = if info.transforms.is_empty() {
-            let obj = torch_save::load_from_file_range(path, info.offset, info.length);
+            let file = self
+                .data_file(path)
+                .map_err(|e| self.storage_err(key, f, format!("reading: {e}")))?;
+            let obj = torch_save::load_from_shared_range(file, path, info.offset, info.length);
             self.drop_read_pages(path, info.offset, info.offset + info.length);
             obj
         } else {
@@ -750,8 +753,8 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
         })
     }
 
-    /// Checks the CRC-32 of a chunk the last tensor read only in part (none: every tensor
-    /// is read whole).
+    /// Finishes the reader ([`RangeReader::finish`]). Every tensor is read whole, so each
+    /// chunk's CRC-32 was checked when its read reached its end.
     fn finish(&mut self) -> Result<()> {
         self.reader.finish()
     }

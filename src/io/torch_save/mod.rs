@@ -202,24 +202,6 @@ fn open(path: &Path) -> Result<(String, FileSource)> {
     ))
 }
 
-/// The archive at bytes `start..start + len` of the file at `path` as a source, with the name
-/// messages give it (the file and the range).
-fn open_range(path: &Path, start: u64, len: u64) -> Result<(String, FileSource)> {
-    let file = File::open(path).map_err(|e| Error::Io {
-        op: "reading".into(),
-        path: path.display().to_string(),
-        source: e.into(),
-    })?;
-    let (name, src) = shared_range(file.into(), path, start, len);
-    Ok((
-        name,
-        FileSource {
-            read_ahead: true,
-            ..src
-        },
-    ))
-}
-
 /// The archive at bytes `start..start + len` of `file`, open at `path` and shared with the
 /// other archives of that file, as a source (left to the file's own read-ahead), with the
 /// name messages give it.
@@ -239,7 +221,23 @@ fn shared_range(file: Arc<File>, path: &Path, start: u64, len: u64) -> (String, 
 /// the tensors: no copy of the archive is held. The caller checks that the range lies inside
 /// the file; errors name the file and the range.
 pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> {
-    let (name, src) = open_range(path, start, len)?;
+    let file = File::open(path).map_err(|e| Error::Io {
+        op: "reading".into(),
+        path: path.display().to_string(),
+        source: e.into(),
+    })?;
+    load_from_shared_range(file.into(), path, start, len)
+}
+
+/// [`load_from_file_range`] through `file`, open at `path` and shared with the other archives
+/// of that file (the chunks of a DCP data file, read through one open file).
+pub(crate) fn load_from_shared_range(
+    file: Arc<File>,
+    path: &Path,
+    start: u64,
+    len: u64,
+) -> Result<PyObj> {
+    let (name, src) = shared_range(file, path, start, len);
     let mode = unpickle::Mode::Full {
         max_expansion_bytes: LoadOptions::default().max_expansion_bytes,
     };
