@@ -113,3 +113,67 @@ fn forced_rename_fallback_replaces_and_crashes_leave_the_old_checkpoint() {
     }
     output::force_rename_fallback(false);
 }
+
+/// The pid of a process that has exited (a temporary named after it is stale).
+fn dead_pid() -> u32 {
+    let mut c = std::process::Command::new("true").spawn().unwrap();
+    let pid = c.id();
+    c.wait().unwrap();
+    pid
+}
+
+/// A killed writer's temporary directory for `out`, holding (as empty stand-ins) the entries
+/// of the finished output `like`: the names that writer puts into its temporary.
+fn stale_copy_of(like: &Path, out: &Path) -> std::path::PathBuf {
+    let name = out.file_name().unwrap().to_string_lossy();
+    let tmp = out
+        .parent()
+        .unwrap()
+        .join(format!(".{name}.tmp-{}-1", dead_pid()));
+    std::fs::create_dir(&tmp).unwrap();
+    for e in std::fs::read_dir(like).unwrap() {
+        std::fs::write(tmp.join(e.unwrap().file_name()), b"half").unwrap();
+    }
+    tmp
+}
+
+#[test]
+fn what_every_directory_writer_leaves_when_killed_is_cleaned_by_the_next_run() {
+    let root = tempfile::tempdir().unwrap();
+    let ck = root.path().join("ck");
+    assert!(save(&ck, 1.0, false, &SaveOptions::default())
+        .iter()
+        .all(|r| r.is_ok()));
+    let pg = fsdp::collectives::Solo;
+    let dcp = root.path().join("dcp");
+    fsdp::convert::checkpoint_to_dcp(&ck, &dcp, &pg, |_| {}).unwrap();
+    // The Hugging Face export of the fixture DCP checkpoint, sharded, with its index and config.
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/hf/llama_tied");
+    let hf = root.path().join("hf");
+    let opts = fsdp::convert::HfExportOptions {
+        max_shard_size: Some(60_000),
+        config: Some(golden.join("hf_60KB/config.json")),
+        ..Default::default()
+    };
+    fsdp::convert::checkpoint_to_hf(&golden.join("dcp"), &hf, &opts, &pg).unwrap();
+    assert!(hf.join("model.safetensors.index.json").exists());
+    let single = root.path().join("hf1");
+    let opts = fsdp::convert::HfExportOptions::default();
+    fsdp::convert::checkpoint_to_hf(&golden.join("dcp"), &single, &opts, &pg).unwrap();
+
+    for (i, (like, kind)) in [
+        (&ck, Some(checkpoint::CHECKPOINT_DIR)),
+        (&dcp, Some(fsdp::io::dcp::DCP_DIR)),
+        (&hf, None),
+        (&single, None),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = root.path().join(format!("again-{i}"));
+        let tmp = stale_copy_of(like, &out);
+        let done = output::clean_stale_temporaries(&out, kind).unwrap();
+        assert_eq!(done, [output::Cleaned::Removed(tmp.clone())], "{like:?}");
+        assert!(!tmp.exists(), "{like:?}");
+    }
+}

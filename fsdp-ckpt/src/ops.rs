@@ -742,6 +742,7 @@ fn to_hf(
         "a DCP directory (any form), a checkpoint of this crate saved with the model, or a torch.save or safetensors file",
         |i| i.is_dcp() || matches!(i, Input::Checkpoint | Input::File(_)),
     )?;
+    pg.on_root(|| clean_stale(p, output, None))?;
     p.start(&phase("exporting", pg), None);
     let done = convert::checkpoint_to_hf(input, output, &opts, pg);
     p.finish();

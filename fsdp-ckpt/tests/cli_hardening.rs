@@ -540,6 +540,128 @@ fn temporaries_of_killed_runs_are_cleaned_and_reported() {
     assert!(!stale_dir.exists());
 }
 
+/// The Hugging Face fixture's DCP checkpoint (FSDP2 at world 2, a tiny tied Llama).
+fn hf_fixture_dcp() -> PathBuf {
+    tool::golden("hf/llama_tied/dcp")
+}
+
+/// Flips one byte in the middle of the tensor bytes (`<archive>/data/0`) of the model tensor
+/// stored last in the DCP data file `__1_0.distcp` of `dir`: its zip CRC-32 no longer
+/// matches, which a reader finds only once it has streamed the tensor.
+fn corrupt_last_model_item(dir: &Path) {
+    let meta = std::fs::read(dir.join(".metadata")).unwrap();
+    let meta = fsdp::io::dcp::parse_metadata(".metadata", &meta).unwrap();
+    let (start, len) = meta
+        .storage
+        .iter()
+        .filter(|(k, _)| k.fqn.starts_with("model."))
+        .filter_map(|(_, info)| info.as_ref().ok())
+        .filter(|info| info.relative_path == "__1_0.distcp")
+        .map(|info| (info.offset as usize, info.length as usize))
+        .max()
+        .expect("a model item in __1_0.distcp");
+    let path = dir.join("__1_0.distcp");
+    let mut bytes = std::fs::read(&path).unwrap();
+    let item = &bytes[start..start + len];
+    let le16 = |b: &[u8], at: usize| u16::from_le_bytes([b[at], b[at + 1]]) as usize;
+    let at = item
+        .windows(4)
+        .enumerate()
+        .filter(|(_, w)| *w == b"PK\x03\x04")
+        .map(|(i, _)| i)
+        .find(|&i| item[i + 30..i + 30 + le16(item, i + 26)].ends_with(b"/data/0"))
+        .expect("a tensor record");
+    // torch.save's records put their sizes in a data descriptor after the bytes.
+    let data = at + 30 + le16(item, at + 26) + le16(item, at + 28);
+    let data_len = item[data..]
+        .windows(4)
+        .position(|w| w == b"PK\x07\x08")
+        .unwrap();
+    assert!(data_len > 0);
+    bytes[start + data + data_len / 2] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+}
+
+/// Entries of `dir` whose names mark a temporary of the output named `out`.
+fn temporaries_of(dir: &Path, out: &str) -> Vec<String> {
+    names(dir)
+        .into_iter()
+        .filter(|n| n.starts_with(&format!(".{out}.")))
+        .collect()
+}
+
+#[test]
+fn a_failed_hf_export_leaves_no_temporary_and_a_dead_runs_shards_are_cleaned() {
+    let root = tempfile::tempdir().unwrap();
+    let dcp = root.path().join("dcp");
+    std::fs::create_dir(&dcp).unwrap();
+    for e in std::fs::read_dir(hf_fixture_dcp()).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dcp.join(e.file_name())).unwrap();
+    }
+    corrupt_last_model_item(&dcp);
+    let out = root.path().join("hf");
+
+    // A CRC mismatch found while the shards are being written.
+    let o = run(&[
+        &"convert",
+        &dcp,
+        &out,
+        &"--to",
+        &"hf",
+        &"--max-shard-size",
+        &"60KB",
+    ]);
+    fails(&o, &["CRC"]);
+    assert!(!out.exists());
+    assert_eq!(temporaries_of(root.path(), "hf"), Vec::<String>::new());
+
+    // A full disk (EFBIG) in the middle of the first shard.
+    let o = run_with_file_limit(
+        &[
+            &"convert",
+            &hf_fixture_dcp(),
+            &out,
+            &"--to",
+            &"hf",
+            &"--max-shard-size",
+            &"60KB",
+        ],
+        20_000,
+    );
+    fails(&o, &["File too large"]);
+    assert!(!out.exists());
+    assert_eq!(temporaries_of(root.path(), "hf"), Vec::<String>::new());
+
+    // What a killed export left (its shards, index and config) is removed by the next one.
+    let dead = dead_pid();
+    let stale = root.path().join(format!(".hf.tmp-{dead}-7"));
+    std::fs::create_dir(&stale).unwrap();
+    for n in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "config.json",
+    ] {
+        std::fs::write(stale.join(n), "half").unwrap();
+    }
+    let o = run(&[
+        &"convert",
+        &hf_fixture_dcp(),
+        &out,
+        &"--to",
+        &"hf",
+        &"--max-shard-size",
+        &"60KB",
+    ]);
+    ok(&o);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains(&format!(".hf.tmp-{dead}-7")), "{err}");
+    assert!(!stale.exists());
+    assert_eq!(temporaries_of(root.path(), "hf"), Vec::<String>::new());
+}
+
 #[test]
 fn consolidate_refuses_an_output_inside_its_input() {
     let root = tempfile::tempdir().unwrap();

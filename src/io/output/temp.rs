@@ -80,14 +80,17 @@ fn alive(pid: u32) -> bool {
     true
 }
 
-/// Entry names a temporary directory of this crate may hold.
+/// Entry names a temporary directory of this crate may hold: every name any writer of the
+/// crate puts into a directory it is building (the one table of them; a test writes each
+/// directory output and checks every entry it holds against it). Cleanup removes only these,
+/// never recursively, so a directory holding anything else is left as it is.
 fn ours(entry: &str) -> bool {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    // A checkpoint's rank files `rank{r}.{safetensors,pt,pth}`.
     let data = |e: &str| {
         e.strip_prefix("rank").is_some_and(|r| {
             let (num, ext) = r.split_once('.').unwrap_or((r, ""));
-            !num.is_empty()
-                && num.bytes().all(|b| b.is_ascii_digit())
-                && matches!(ext, "safetensors" | "pt" | "pth")
+            digits(num) && matches!(ext, "safetensors" | "pt" | "pth")
         })
     };
     // DCP data files `__{rank}_{n}.distcp`.
@@ -95,21 +98,30 @@ fn ours(entry: &str) -> bool {
         e.strip_prefix("__")
             .and_then(|r| r.strip_suffix(".distcp"))
             .and_then(|r| r.split_once('_'))
-            .is_some_and(|(a, b)| {
-                [a, b]
-                    .iter()
-                    .all(|n| !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()))
-            })
+            .is_some_and(|(a, b)| digits(a) && digits(b))
+    };
+    // A Hugging Face export's shards `model-{i:05}-of-{n:05}.safetensors`.
+    let hf_shard = |e: &str| {
+        e.strip_prefix("model-")
+            .and_then(|r| r.strip_suffix(".safetensors"))
+            .and_then(|r| r.split_once("-of-"))
+            .is_some_and(|(a, b)| digits(a) && digits(b))
     };
     // A checkpoint's commit marker and manifest (`crate::checkpoint::{COMMIT, MANIFEST}`),
-    // the marker of the tool's `shard-torch` output, named here because this layer is below
-    // them; rank files, reports, nested temporaries, a DCP directory's `.metadata` and data
-    // files.
-    entry == "COMMITTED"
-        || entry == ".metadata"
-        || distcp(entry)
-        || entry == "manifest.json"
-        || entry == "fsdp-shard-torch.json"
+    // the marker of the tool's `shard-torch` output, a Hugging Face export's single file,
+    // index and config (`crate::io::hf`), named here because this layer is below them; rank
+    // files, reports, nested temporaries, a DCP directory's `.metadata` and data files.
+    matches!(
+        entry,
+        "COMMITTED"
+            | ".metadata"
+            | "manifest.json"
+            | "fsdp-shard-torch.json"
+            | "model.safetensors"
+            | "model.safetensors.index.json"
+            | "config.json"
+    ) || distcp(entry)
+        || hf_shard(entry)
         || data(entry)
         || (entry.starts_with("report-") && entry.ends_with(".json"))
         || (entry.starts_with(".report-") && entry.ends_with(".json.part"))
