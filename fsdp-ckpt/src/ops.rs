@@ -201,7 +201,7 @@ impl std::fmt::Display for Verified {
     }
 }
 
-/// Options of [`convert`] beyond its two paths.
+/// Options of [`convert()`] beyond its two paths.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConvertOptions {
     /// `None`: file to file, formats by extension. `Some("dcp")`: a DCP directory (from a
@@ -237,7 +237,7 @@ impl Default for ConvertOptions {
     }
 }
 
-/// The Hugging Face options of [`convert`], as the command line gives them.
+/// The Hugging Face options of [`convert()`], as the command line gives them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct HfOptions {
     /// `--max-shard-size` (`50GB`, `60KB`, `512MiB`); export only.
