@@ -187,7 +187,9 @@ site_dirs() {
     local py=${GPU_KIT_PYTHON:-python3}
     "$py" -c 'import site, sys
 print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))' 2>/dev/null
-    ls -d /usr/local/lib/python3*/*-packages /usr/lib/python3*/*-packages 2>/dev/null
+    ls -d ${VIRTUAL_ENV:+"$VIRTUAL_ENV"/lib/python3*/site-packages} \
+        /usr/local/lib/python3*/*-packages /usr/lib/python3*/*-packages \
+        /opt/conda/lib/python3*/site-packages "$HOME"/.local/lib/python3*/site-packages 2>/dev/null
 }
 
 # libnccl.so* from site-packages (nvidia/**/lib, torch/lib), else from the loader cache, linked
@@ -256,7 +258,8 @@ run() {
     echo "== summary"
     printf '%s\n' "step|status|time" "${rows[@]}" |
         awk -F'|' '{printf "%-14s %-46s %s\n", $1, $2, $3}'
-    grep -h '^timed: ' "$log_dir"/*.log 2>/dev/null
+    # What the tests reported: versions, timings, the FSDP2 comparison.
+    grep -hE '^(probe|timed|fsdp2): ' "$log_dir"/*.log 2>/dev/null
     if [ "$failed" -ne 0 ]; then
         echo "GPU check FAILED"
         return 1

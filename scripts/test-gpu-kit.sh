@@ -31,6 +31,7 @@ case "$1 $2" in "--exact timed_"*) step=timed ;; "--exact fsdp2_"*) step=fsdp2 ;
 "--exact probe_"*) step=probe ;; *) step=$me ;; esac
 [ "${FAKE_HANG:-}" = "$step" ] && sleep 60
 [ "$step" = timed ] && echo "timed: all_gather_device 1.00 GiB: fastest 0.400 ms"
+[ "$step" = probe ] && echo "probe: CUDA driver libcuda.so.1 (CUDA 13.0); NCCL 2.28.3"
 if [ "${FAKE_FAIL:-}" = "$step" ]; then
     echo "test result: FAILED. 0 passed; 1 failed"
     exit 101
@@ -78,6 +79,7 @@ run_kit GPU_KIT_CUDA_DIRS="$tmp/empty $tmp/driver" GPU_KIT_SITE_DIRS="$tmp/empty
     row step status && row 'find libcuda' ok && row 'find libnccl' ok && row nvidia-smi absent &&
     row probe ok && row nccl ok && row lib ok && row timed ok && row fsdp2 ok &&
     grep -A20 '^== summary' <<<"$out" | grep -q '^timed: all_gather_device' &&
+    grep -A20 '^== summary' <<<"$out" | grep -q '^probe: CUDA driver' &&
     has 'GPU check passed' && [ ! -e "$tmp/site/nvidia/nccl/lib/libnccl.so" ]
 check "libraries found: linked, every step ok, exit 0, site-packages untouched" $?
 
