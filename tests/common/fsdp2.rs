@@ -30,13 +30,20 @@ pub const PARAM_SIZES: [&[usize]; 8] = [
 
 /// The whole suite on `pg`.
 pub fn run(pg: &dyn ProcessGroup, what: &str) {
+    outputs(pg, what);
+}
+
+/// The whole suite on `pg`, returning what its collectives produced, in order (the
+/// all-gathered parameters, then the reduce-scattered gradient shards): two backends at the
+/// same world size must agree bit for bit (tests/nccl.rs compares NCCL with threads).
+pub fn outputs(pg: &dyn ProcessGroup, what: &str) -> Vec<HostTensor> {
     let what = format!(
         "{what} ({} rank {} of {})",
         pg.backend(),
         pg.rank(),
         pg.world_size()
     );
-    all_gather_restores_the_parameters(pg, &[DType::F32; 8], &what);
+    let mut out = all_gather_restores_the_parameters(pg, &[DType::F32; 8], &what);
     let mixed = [
         DType::F32,
         DType::BF16,
@@ -47,18 +54,24 @@ pub fn run(pg: &dyn ProcessGroup, what: &str) {
         DType::F16,
         DType::F32,
     ];
-    all_gather_restores_the_parameters(pg, &mixed, &what);
+    out.extend(all_gather_restores_the_parameters(pg, &mixed, &what));
+    let mut reduce = |dtype, grads, factor| {
+        out.extend(reduce_scatter_matches_all_reduce(
+            pg, dtype, grads, factor, &what,
+        ))
+    };
     for reduce_dtype in [DType::F32, DType::F16, DType::BF16] {
-        reduce_scatter_matches_all_reduce(pg, reduce_dtype, Grads::RankTimesOnes, None, &what);
-        reduce_scatter_matches_all_reduce(pg, reduce_dtype, Grads::Varied, None, &what);
+        reduce(reduce_dtype, Grads::RankTimesOnes, None);
+        reduce(reduce_dtype, Grads::Varied, None);
     }
     let ws = pg.world_size() as f64;
     for factor in [ws * 2.0, ws] {
         for reduce_dtype in [DType::F32, DType::F16, DType::BF16] {
-            reduce_scatter_matches_all_reduce(pg, reduce_dtype, Grads::Varied, Some(factor), &what);
+            reduce(reduce_dtype, Grads::Varied, Some(factor));
         }
     }
     pg.barrier().unwrap();
+    out
 }
 
 /// `nn.ParameterList` of the test's sizes (names `0`..`7`), `fully_shard` on it: one group.
@@ -107,8 +120,12 @@ pub fn rows_of(t: &HostTensor, p: &ShardedParam, rank: usize) -> HostTensor {
 }
 
 /// `_test_all_gather`: the original parameters, each rank holding its `torch.chunk` rows,
-/// all-gathered (copy-in, all-gather, copy-out) equal the originals bit for bit.
-pub fn all_gather_restores_the_parameters(pg: &dyn ProcessGroup, dtypes: &[DType], what: &str) {
+/// all-gathered (copy-in, all-gather, copy-out) equal the originals bit for bit. Returns them.
+pub fn all_gather_restores_the_parameters(
+    pg: &dyn ProcessGroup,
+    dtypes: &[DType],
+    what: &str,
+) -> Vec<HostTensor> {
     let layout = param_list(dtypes, pg.world_size());
     let params = layout.group_params(0);
     let originals: Vec<HostTensor> = params
@@ -131,6 +148,7 @@ pub fn all_gather_restores_the_parameters(pg: &dyn ProcessGroup, dtypes: &[DType
             p.dtype
         );
     }
+    unsharded
 }
 
 /// Which unsharded gradients each rank contributes.
@@ -149,13 +167,14 @@ pub enum Grads {
 /// when there is none and `SUM` otherwise, divided by the post-factor; with a custom factor,
 /// multiplied by `1 / factor` and all-reduced with `SUM` when the op is `PREMUL_SUM`. At one
 /// rank, as `foreach_reduce`'s single-rank branch: no collective, a division by the factor.
+/// Returns this rank's sharded gradients.
 pub fn reduce_scatter_matches_all_reduce(
     pg: &dyn ProcessGroup,
     reduce_dtype: DType,
     grads: Grads,
     factor: Option<f64>,
     what: &str,
-) {
+) -> Vec<HostTensor> {
     let (rank, ws) = (pg.rank(), pg.world_size());
     let layout = param_list(&[DType::F32; 8], ws);
     let params = layout.group_params(0);
@@ -215,6 +234,7 @@ pub fn reduce_scatter_matches_all_reduce(
             p.name
         );
     }
+    sharded
 }
 
 /// Element `i` of a float buffer, widened to f32 (exact for f32, f16, bf16).
