@@ -434,12 +434,11 @@ fn single_file_inputs_follow_the_one_rule() {
         std::fs::rename(&path, &blob).unwrap();
         symlink(&blob, &path);
         ok(&inspect(&path));
-        ok(&run(&[&"consolidate", &path, &tmp.path().join("o.pt")]));
         for h in hostiles {
             h.plant(&path);
             for args in [
                 vec![&"inspect" as &dyn AsRef<std::ffi::OsStr>, &path],
-                vec![&"consolidate", &path, &tmp.path().join("p.pt")],
+                vec![&"convert", &path, &tmp.path().join("p.safetensors")],
             ] {
                 fails(&run(&args), &[f, &format!("is {}", h.kind())]);
             }
