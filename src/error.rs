@@ -972,6 +972,21 @@ pub enum Error {
         found: String,
     },
 
+    /// A file a reader opens (an input, or a file inside an input directory) is not what it
+    /// must be: a FIFO, a device, a directory, a socket, a symbolic link loop or a link to
+    /// nothing where a regular file was expected (or not a directory where a DeepSpeed tag
+    /// directory was). Symbolic links are followed (the rule of
+    /// [`crate::io::output::read_regular`] and every reader).
+    #[error("`{}` is a {found}, not a {expected}", shown(.path))]
+    NotRegularInput {
+        /// The path opened.
+        path: String,
+        /// What is there (`FIFO`, `character device`, `directory`, `symbolic link loop`, …).
+        found: String,
+        /// What was expected (`regular file`, `directory`).
+        expected: String,
+    },
+
     /// A checkpoint path whose extension names no supported format.
     #[error("cannot tell the format of `{path}` from its extension: use .pt or .pth (torch.save) or .safetensors")]
     UnknownFileFormat {
@@ -1249,11 +1264,27 @@ pub(crate) const SHOWN_NAME_CHARS: usize = 200;
 
 /// A user-supplied name as a message quotes it: whole up to [`SHOWN_NAME_CHARS`] characters;
 /// a longer one as its first 160 and last 30 characters around the count left out, so that
-/// a hostile 5000-character key cannot flood the terminal.
+/// a hostile 5000-character key cannot flood the terminal. Control characters (a NUL byte,
+/// an escape sequence, a newline) are escaped as Rust writes them (`\0`, `\u{1b}`, `\n`),
+/// never echoed raw.
 pub(crate) fn shown(name: &str) -> std::borrow::Cow<'_, str> {
+    let name: std::borrow::Cow<'_, str> = if name.chars().any(char::is_control) {
+        name.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_debug().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect::<String>()
+            .into()
+    } else {
+        name.into()
+    };
     let n = name.chars().count();
     if n <= SHOWN_NAME_CHARS {
-        return name.into();
+        return name;
     }
     let head: String = name.chars().take(160).collect();
     let tail: String = name.chars().skip(n - 30).collect();

@@ -99,7 +99,7 @@ fn convert_to_dcp_writes_a_directory_that_consolidates_back_equal() {
     // The output is now non-empty: a second convert is refused and leaves it alone.
     let again = run(&[&"convert", &input, &out, &"--to", &"dcp"]);
     assert_eq!(again.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&again.stderr).contains("not empty"));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("is not an empty directory"));
     // DCP -> the crate's format without the model is refused with a typed error naming it.
     let refused = run(&[&"convert", &out, &tmp.path().join("ck"), &"--to", &"fsdp"]);
     assert_eq!(refused.status.code(), Some(1));

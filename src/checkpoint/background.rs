@@ -274,7 +274,11 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
         for (r, slot) in reports.iter_mut().enumerate() {
             if slot.is_none() {
                 let path = report_path(tmp, r);
-                if let Ok(bytes) = std::fs::read(&path) {
+                let read = crate::io::output::read_regular(
+                    &path,
+                    crate::io::output::SMALL_METADATA_MAX_BYTES,
+                );
+                if let Ok(bytes) = read {
                     let report: Report =
                         serde_json::from_slice(&bytes).map_err(|e| Error::Serialization {
                             what: format!("background save report `{}`", path.display()),

@@ -186,7 +186,8 @@ fn committed_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>,
     }
     let mut names: Vec<std::ffi::OsString> = vec![COMMIT.into(), MANIFEST.into()];
     for f in &m.files {
-        if f.name.contains('/') || f.name.starts_with('.') {
+        let plain = crate::io::output::check_name(&f.name, crate::io::output::NameForm::Plain);
+        if plain.is_some() || f.name.starts_with('.') {
             return Err(format!("`{MANIFEST}` names the file `{}`", f.name));
         }
         names.push(f.name.clone().into());
@@ -287,8 +288,12 @@ impl Manifest {
     /// fits in it. The real length bounds every allocation a load makes from this manifest.
     fn check_files(&self, dir: &Path, invalid: &dyn Fn(String) -> Error) -> Result<()> {
         for (rank, f) in self.files.iter().enumerate() {
-            if f.name.contains('/') || f.name.contains('\\') || f.name.starts_with('.') {
-                return Err(invalid(format!("data file name `{}` is not plain", f.name)));
+            let plain = crate::io::output::check_name(&f.name, crate::io::output::NameForm::Plain);
+            if let Some(why) = plain.or(f.name.starts_with('.').then_some("it starts with `.`")) {
+                return Err(invalid(format!(
+                    "data file name `{}` is not plain: {why}",
+                    crate::error::shown(&f.name)
+                )));
             }
             // The real length bounds every allocation a load makes from this manifest.
             let path = dir.join(&f.name);
@@ -298,12 +303,10 @@ impl Manifest {
                 tensor: "(file)".into(),
                 reason,
             };
-            let meta =
-                std::fs::metadata(&path).map_err(|e| corrupt(format!("cannot open: {e}")))?;
-            if !meta.is_file() {
-                return Err(corrupt("it is not a regular file".into()));
-            }
-            let len = meta.len();
+            let len = crate::io::output::regular_len(&path).map_err(|e| match e {
+                crate::io::output::ReadRegularError::Io(e) => corrupt(format!("cannot open: {e}")),
+                other => corrupt(other.to_string()),
+            })?;
             if len != f.len {
                 return Err(corrupt(format!(
                     "the file has {len} bytes, the manifest says {} (truncated or replaced)",

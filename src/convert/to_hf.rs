@@ -245,11 +245,46 @@ pub(super) fn read_config(path: &Path) -> Result<Config> {
             key: None,
             reason: format!("the model configuration is not JSON: {e}"),
         })?;
+    let bad = |reason: String| Error::HfModelDir {
+        file: path.display().to_string(),
+        key: None,
+        reason,
+    };
+    let Some(fields) = json.as_object() else {
+        return Err(bad(format!(
+            "the model configuration is {}, not an object",
+            json_kind(&json)
+        )));
+    };
+    // transformers' configurations are strict dataclasses: a field of the wrong type is
+    // refused there ("Field 'tie_word_embeddings' expected bool"), so it is here.
+    let tie_word_embeddings = match fields.get("tie_word_embeddings") {
+        None => false,
+        Some(serde_json::Value::Bool(b)) => *b,
+        Some(other) => {
+            return Err(bad(format!(
+                "`tie_word_embeddings` is {} ({}), but transformers expects a bool (true or false) and refuses this configuration",
+                crate::error::shown(&other.to_string()),
+                json_kind(other)
+            )))
+        }
+    };
     Ok(Config {
-        tie_word_embeddings: json.get("tie_word_embeddings")
-            == Some(&serde_json::Value::Bool(true)),
+        tie_word_embeddings,
         bytes,
     })
+}
+
+/// The kind of a JSON value, for messages.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "a JSON null",
+        serde_json::Value::Bool(_) => "a JSON bool",
+        serde_json::Value::Number(_) => "a JSON number",
+        serde_json::Value::String(_) => "a JSON string",
+        serde_json::Value::Array(_) => "a JSON array",
+        serde_json::Value::Object(_) => "a JSON object",
+    }
 }
 
 /// `transformers`' tie for causal LMs with `tie_word_embeddings`: the output projection is

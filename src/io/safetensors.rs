@@ -579,13 +579,9 @@ pub fn load(path: impl AsRef<Path>) -> Result<PyObj> {
     let path = path.as_ref();
     let name = path.display().to_string();
     // A regular file only: a FIFO would block and a device never end.
-    let bytes = (|| -> std::io::Result<Vec<u8>> {
-        let f = crate::io::output::open_regular(path)?;
-        let mut bytes = Vec::new();
-        std::io::Read::read_to_end(&mut &f, &mut bytes)?;
-        Ok(bytes)
-    })()
-    .map_err(Error::io("reading", path))?;
+    let f = open_input(path)?;
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut &f, &mut bytes).map_err(Error::io("reading", path))?;
     read(&name, &bytes)
 }
 
@@ -668,9 +664,7 @@ pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
 
 /// The regular file `path`, opened for reading.
 fn open_input(path: &Path) -> Result<std::fs::File> {
-    crate::io::output::open_regular(path)
-        .map_err(std::io::Error::from)
-        .map_err(Error::io("reading", path))
+    crate::io::output::open_regular(path).map_err(|e| e.at("reading", path))
 }
 
 /// The largest header [`load_headers`] reads (the `safetensors` crate's limit).

@@ -724,7 +724,7 @@ fn check_rank_order(files: &[PathBuf]) -> std::result::Result<(), (usize, String
 fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
     let mut lens = Vec::with_capacity(files.len());
     for f in files {
-        lens.push(std::fs::metadata(f).map_err(Error::io("reading", f))?.len());
+        lens.push(crate::io::output::regular_len(f).map_err(|e| e.at("reading", f))?);
     }
     let mut crcs: HashMap<usize, u32> = HashMap::new();
     for i in 0..files.len() {
@@ -746,7 +746,7 @@ fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
 }
 
 fn open_input(p: &Path) -> Result<std::fs::File> {
-    crate::io::output::open_regular(p).map_err(|e| Error::io("reading", p)(e.into()))
+    crate::io::output::open_regular(p).map_err(|e| e.at("reading", p))
 }
 
 fn read_chunk(f: &mut std::fs::File, buf: &mut [u8], p: &Path) -> Result<usize> {

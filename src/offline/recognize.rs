@@ -142,7 +142,17 @@ const DIRECTORY_FORMS: &[Form] = &[
 /// file, an 8-byte length and a JSON header a safetensors file). Anything else is an error
 /// that says what was found.
 pub fn recognize(path: &Path) -> Result<Input> {
-    let meta = std::fs::metadata(path).map_err(Error::io("opening the input", path))?;
+    use crate::io::output::ReadRegularError;
+    let meta = match crate::io::output::stat(path) {
+        Ok(meta) => meta,
+        Err(ReadRegularError::NotRegular(kind)) => {
+            return Err(Error::UnrecognizedInput {
+                path: path.display().to_string(),
+                found: format!("it is a {kind}, not a file or directory"),
+            })
+        }
+        Err(e) => return Err(e.at("opening the input", path)),
+    };
     if meta.is_dir() {
         for form in DIRECTORY_FORMS {
             if let Some(found) = (form.probe)(path)? {
@@ -166,26 +176,23 @@ pub fn recognize(path: &Path) -> Result<Input> {
     }
 }
 
-/// A `.metadata` entry of any kind marks a DCP directory; one that is not a regular file is
-/// an error naming what it is.
+/// A `.metadata` entry of any kind marks a DCP directory; one that is not a regular file
+/// (symbolic links followed) is an error naming what it is.
 fn dcp_global(dir: &Path) -> Result<Option<Input>> {
     let marker = dir.join(".metadata");
-    let meta = match std::fs::symlink_metadata(&marker) {
-        Ok(m) => m,
+    match std::fs::symlink_metadata(&marker) {
+        Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io("inspecting", &marker)(e)),
-    };
-    let target = std::fs::metadata(&marker);
-    let kind = match &target {
-        Ok(t) if t.is_file() => return Ok(Some(Input::Dcp)),
-        Ok(t) => crate::io::output::file_kind(&t.file_type()),
-        Err(_) if meta.file_type().is_symlink() => "symbolic link to nothing",
-        Err(_) => crate::io::output::file_kind(&meta.file_type()),
-    };
-    Err(Error::DcpMetadata {
-        file: marker.display().to_string(),
-        reason: format!("`.metadata` is a {kind}, not a regular file"),
-    })
+    }
+    match crate::io::output::regular_len(&marker) {
+        Ok(_) => Ok(Some(Input::Dcp)),
+        Err(crate::io::output::ReadRegularError::NotRegular(kind)) => Err(Error::DcpMetadata {
+            file: marker.display().to_string(),
+            reason: format!("`.metadata` is a {kind}, not a regular file"),
+        }),
+        Err(e) => Err(e.at("reading", &marker)),
+    }
 }
 
 /// `__{rank}.metadata` files (and no `.metadata`) mark a DCP directory saved without
@@ -215,14 +222,14 @@ fn hf_model(dir: &Path) -> Result<Option<Input>> {
 /// `*_optim_states.pt` rank files, or `latest` naming a tag directory of them (or a
 /// missing one), mark a DeepSpeed ZeRO checkpoint.
 fn deepspeed_zero(dir: &Path) -> Result<Option<Input>> {
-    let found = crate::io::deepspeed::recognize_dir(dir);
+    let found = crate::io::deepspeed::recognize_dir(dir)?;
     Ok((found == Some(crate::io::deepspeed::Form::Zero)).then_some(Input::DeepSpeed))
 }
 
 /// `zero/optimizer_state.pt`, or `latest_universal` naming a tag directory with it, marks a
 /// DeepSpeed universal checkpoint.
 fn deepspeed_universal(dir: &Path) -> Result<Option<Input>> {
-    let found = crate::io::deepspeed::recognize_dir(dir);
+    let found = crate::io::deepspeed::recognize_dir(dir)?;
     Ok((found == Some(crate::io::deepspeed::Form::Universal)).then_some(Input::DeepSpeedUniversal))
 }
 

@@ -255,17 +255,36 @@ fn paths_escaping_the_directory_are_refused() {
     storage_error(&e, "../outside.distcp", "not a plain path");
     let e = hostile("escape_absolute", |_| {});
     storage_error(&e, "/etc/passwd", "not a plain path");
+    // A symbolic link the directory holds is followed wherever it leads (the rule of every
+    // input, as PyTorch's reader follows it), and must end at a regular file.
     let e = hostile("escape_symlink", |tmp| {
         let outside = tmp.join("elsewhere");
         std::fs::create_dir(&outside).unwrap();
-        std::fs::copy(
-            golden("fsdp2_adam_ws4/ckpt/__0_0.distcp"),
-            outside.join("__0_0.distcp"),
-        )
-        .unwrap();
+        let c = std::ffi::CString::new(outside.join("__0_0.distcp").to_str().unwrap()).unwrap();
+        // SAFETY: a valid path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
         std::os::unix::fs::symlink(&outside, tmp.join("ckpt/link")).unwrap();
     });
-    storage_error(&e, "link/__0_0.distcp", "outside the checkpoint directory");
+    storage_error(
+        &e,
+        "link/__0_0.distcp",
+        "the data file is a FIFO, not a regular file",
+    );
+    let (tmp, dir) = copy_of("fsdp2_adam_ws4");
+    std::fs::copy(
+        golden("hostile/escape_symlink.metadata"),
+        dir.join(".metadata"),
+    )
+    .unwrap();
+    let outside = tmp.path().join("elsewhere");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::copy(
+        golden("fsdp2_adam_ws4/ckpt/__0_0.distcp"),
+        outside.join("__0_0.distcp"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(&outside, dir.join("link")).unwrap();
+    dcp::verify(&dir).unwrap();
 }
 
 #[test]

@@ -1,47 +1,39 @@
-//! Confined access to the files of a DCP directory: every path a checkpoint names is resolved
-//! inside it, and metadata files are read bounded. Shared by the readers of each metadata
-//! source (`read.rs`, `per_rank.rs`, `hf_storage.rs`).
+//! Access to the files of a DCP directory: every name a checkpoint writes is checked and
+//! resolved in it, and every file is opened by the rule of every input
+//! ([`crate::io::output::read_regular`]: regular files only, symbolic links followed), and
+//! metadata files are read bounded. Shared by the readers of each metadata source
+//! (`read.rs`, `per_rank.rs`, `hf_storage.rs`).
 
 use super::metadata::{Metadata, MAX_METADATA_BYTES};
 use crate::error::{Error, Result};
-use std::path::{Component, Path, PathBuf};
+use crate::io::output::{check_name, regular_len, NameForm, ReadRegularError};
+use std::path::{Path, PathBuf};
 
-/// Resolves `relative` inside `root` (canonical): no absolute path, no `..`, and no symlink
-/// leading out; the file must exist and be a regular file. Returns it with its length, or
-/// why not (`what` names the file in the reason: "data file", "metadata file").
+/// Resolves `relative` in `root`: a relative path of plain components
+/// ([`check_name`]: not empty, no NUL, not absolute, no `.` or `..`), so that no name the
+/// checkpoint writes leads out of it. Symbolic links the directory holds are followed
+/// wherever they lead, as PyTorch's `FileSystemReader` follows them, and must end at a
+/// regular file. Returns the path with the file's length, or why not (`what` names the file
+/// in the reason: "data file", "metadata file").
 pub(super) fn confine(
     root: &Path,
     relative: &str,
     what: &str,
 ) -> std::result::Result<(PathBuf, u64), String> {
-    let rel = Path::new(relative);
-    if relative.is_empty() || rel.components().any(|c| !matches!(c, Component::Normal(_))) {
+    if let Some(why) = check_name(relative, NameForm::Relative) {
         return Err(format!(
-            "relative_path {:?} is not a plain path inside the checkpoint directory",
+            "relative_path {:?} is not a plain path inside the checkpoint directory: {why}",
             crate::error::shown(relative)
         ));
     }
-    let path = root.join(rel);
-    let real = match path.canonicalize() {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(format!("the {what} is missing"))
+    let path = root.join(relative);
+    match regular_len(&path) {
+        Ok(len) => Ok((path, len)),
+        Err(e) if e.is_missing() => Err(format!("the {what} is missing")),
+        Err(ReadRegularError::NotRegular(kind)) => {
+            Err(format!("the {what} is a {kind}, not a regular file"))
         }
-        Err(e) => return Err(format!("cannot resolve the {what}: {e}")),
-    };
-    if !real.starts_with(root) {
-        return Err(format!(
-            "{:?} leads outside the checkpoint directory (through a symlink)",
-            crate::error::shown(relative)
-        ));
-    }
-    match std::fs::metadata(&real) {
-        Ok(m) if m.is_file() => Ok((real, m.len())),
-        Ok(m) => Err(format!(
-            "the {what} is a {}, not a regular file",
-            crate::io::output::file_kind(&m.file_type())
-        )),
-        Err(e) => Err(format!("cannot stat the {what}: {e}")),
+        Err(e) => Err(format!("cannot open the {what}: {e}")),
     }
 }
 

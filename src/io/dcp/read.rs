@@ -112,7 +112,7 @@ impl DcpCheckpoint {
         if !info.transforms.is_empty() || info.offset.saturating_add(9) > *len {
             return Ok(());
         }
-        let Ok(mut file) = File::open(path) else {
+        let Ok(mut file) = crate::io::output::open_regular(path) else {
             return Ok(());
         };
         // Enough of the header to hold `__metadata__`, which the safetensors writer puts first.
@@ -164,7 +164,7 @@ impl DcpCheckpoint {
             open.push(used);
             return Ok(file);
         }
-        let file = Arc::new(File::open(path)?);
+        let file = Arc::new(crate::io::output::open_regular(path)?);
         if open.len() >= OPEN_FILES {
             open.remove(0);
         }
@@ -294,7 +294,7 @@ impl DcpCheckpoint {
         let path = self.checked_range(key, info, 0)?;
         let f = &info.relative_path;
         let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
-        let mut file = File::open(path).map_err(io)?;
+        let mut file = crate::io::output::open_regular(path).map_err(|e| io(e.into()))?;
         file.seek(SeekFrom::Start(info.offset)).map_err(io)?;
         let layers = zstd_layers(&info.transforms).map_err(|r| self.storage_err(key, f, r))?;
         if layers == 0 {
@@ -671,16 +671,16 @@ impl Drop for DcpCheckpoint {
             .filter_map(|f| f.as_ref().ok())
             .map(|f| &f.0)
         {
-            if let Ok(f) = File::open(path) {
+            if let Ok(f) = crate::io::output::open_regular(path) {
                 dropper.finish(path, &f);
             }
         }
     }
 }
 
-/// Reads and parses `dir/.metadata`: a regular file inside `dir` (a symlink may not lead out
-/// of it, as for data files) of at most 1 GiB (`MAX_METADATA_BYTES`), read without blocking on a
-/// FIFO.
+/// Reads and parses `dir/.metadata`: a regular file (a symbolic link is followed and must end
+/// at one, as for data files) of at most 1 GiB (`MAX_METADATA_BYTES`), read without blocking
+/// on a FIFO.
 pub fn read_metadata(dir: &Path) -> Result<Metadata> {
     let root = dir.canonicalize().map_err(Error::io("resolving", dir))?;
     metadata_in(dir, &root)

@@ -599,34 +599,10 @@ fn origins(stored: &[Stored<'_>]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// Refuses an existing output that is not an empty directory.
+/// Refuses an existing output that is not an empty directory: the replace rule of every
+/// writer ([`crate::io::output::check_dir_output`]), so that each refusal reads the same.
 fn check_target(out: &Path) -> Result<()> {
-    match std::fs::symlink_metadata(out) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(io_err("inspecting", out, e)),
-        Ok(m) if m.is_dir() => {
-            let mut entries = std::fs::read_dir(out).map_err(|e| io_err("reading", out, e))?;
-            match entries.next() {
-                None => Ok(()),
-                Some(_) => Err(io_err(
-                    "writing",
-                    out,
-                    refusal(
-                        std::io::ErrorKind::DirectoryNotEmpty,
-                        "the output directory exists and is not empty; refusing to replace it",
-                    ),
-                )),
-            }
-        }
-        Ok(_) => Err(io_err(
-            "writing",
-            out,
-            refusal(
-                std::io::ErrorKind::AlreadyExists,
-                "the output path exists and is not a directory",
-            ),
-        )),
-    }
+    crate::io::output::check_dir_output(out, crate::io::output::EMPTY_DIR, &[])
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {

@@ -353,13 +353,14 @@ fn locate(path: &Path) -> Result<(Form, PathBuf, String)> {
     ] {
         if let Some(tag) = read_tag(&path.join(marker))? {
             let dir = path.join(&tag);
-            if !dir.is_dir() {
-                return Err(Error::DeepSpeedMissingTag {
+            return match crate::io::output::check_dir(&dir) {
+                Ok(()) => Ok((form, dir, tag)),
+                Err(e) if e.is_missing() => Err(Error::DeepSpeedMissingTag {
                     dir: path.display().to_string(),
                     tag,
-                });
-            }
-            return Ok((form, dir, tag));
+                }),
+                Err(e) => Err(e.at("opening", &dir)),
+            };
         }
     }
     Err(Error::UnrecognizedInput {
@@ -371,37 +372,40 @@ fn locate(path: &Path) -> Result<(Form, PathBuf, String)> {
 /// The most bytes of a `latest` file read.
 const MAX_TAG_BYTES: u64 = 4096;
 
-/// The tag a `latest` (or `latest_universal`) file names: `None` when there is no such
-/// regular file. A tag must be one path component.
+/// The tag a `latest` (or `latest_universal`) file names (DeepSpeed strips it): `None` when
+/// there is no such entry. The file is read by the rule of every input
+/// ([`crate::io::output::read_regular`]: a regular file, symbolic links followed, at most
+/// [`MAX_TAG_BYTES`]), and the tag must be a plain name ([`crate::io::output::check_name`]):
+/// each fault is an error naming the file and what is wrong.
 pub(crate) fn read_tag(file: &Path) -> Result<Option<String>> {
-    match std::fs::metadata(file) {
-        Ok(m) if m.is_file() => {}
-        _ => return Ok(None),
-    }
-    let bytes = crate::io::output::read_small_file(file)?;
-    if bytes.len() as u64 > MAX_TAG_BYTES {
-        return Err(Error::DeepSpeedInconsistent {
-            file: file.display().to_string(),
-            rank: None,
-            param: None,
-            reason: format!("{} bytes, more than a tag", bytes.len()),
-        });
-    }
+    let refused = |reason: String| Error::DeepSpeedInconsistent {
+        file: file.display().to_string(),
+        rank: None,
+        param: None,
+        reason,
+    };
+    let bytes = match crate::io::output::read_regular(file, MAX_TAG_BYTES) {
+        Ok(bytes) => bytes,
+        Err(e) if e.is_missing() => return Ok(None),
+        Err(e @ crate::io::output::ReadRegularError::Io(_)) => {
+            return Err(e.at("reading", file));
+        }
+        Err(e) => return Err(refused(format!("{e}; it must name the tag directory"))),
+    };
     let tag = String::from_utf8_lossy(&bytes).trim().to_string();
-    if tag.is_empty() || tag == "." || tag == ".." || tag.contains('/') || tag.contains('\0') {
-        return Err(Error::DeepSpeedInconsistent {
-            file: file.display().to_string(),
-            rank: None,
-            param: None,
-            reason: format!("{tag:?} is not a tag directory's name"),
-        });
+    if let Some(why) = crate::io::output::check_name(&tag, crate::io::output::NameForm::Plain) {
+        return Err(refused(format!(
+            "it names the tag `{}`, which cannot be a directory beside it: {why}",
+            crate::error::shown(&tag)
+        )));
     }
     Ok(Some(tag))
 }
 
-/// Whether `dir` is a universal checkpoint's tag directory (`zero/optimizer_state.pt`).
+/// Whether `dir` is a universal checkpoint's tag directory: it holds an entry
+/// `zero/optimizer_state.pt` (of any kind: reading it says what is wrong with it).
 pub(crate) fn is_universal_tag_dir(dir: &Path) -> bool {
-    dir.join("zero").join("optimizer_state.pt").is_file()
+    std::fs::symlink_metadata(dir.join("zero").join("optimizer_state.pt")).is_ok()
 }
 
 /// Whether `dir` holds ZeRO optimizer rank files (`*_optim_states.pt`).
@@ -417,20 +421,21 @@ pub(crate) fn holds_optim_states(dir: &Path) -> bool {
 
 /// Whether `dir` is a DeepSpeed checkpoint a reader takes, and of which form: a tag
 /// directory of either form, or a root whose `latest` / `latest_universal` names a tag (a
-/// tag whose directory is missing counts: reading it says so). What
+/// tag whose directory is missing, or is not a directory, counts: reading it says so). A
+/// `latest` that cannot be read or names no plain tag is an error naming it. What
 /// [`crate::offline::recognize`] asks.
-pub fn recognize_dir(dir: &Path) -> Option<Form> {
+pub fn recognize_dir(dir: &Path) -> Result<Option<Form>> {
     if is_universal_tag_dir(dir) {
-        return Some(Form::Universal);
+        return Ok(Some(Form::Universal));
     }
     if holds_optim_states(dir) {
-        return Some(Form::Zero);
+        return Ok(Some(Form::Zero));
     }
     for (marker, form) in [
         ("latest_universal", Form::Universal),
         ("latest", Form::Zero),
     ] {
-        let Ok(Some(tag)) = read_tag(&dir.join(marker)) else {
+        let Some(tag) = read_tag(&dir.join(marker))? else {
             continue;
         };
         let tag_dir = dir.join(tag);
@@ -438,11 +443,11 @@ pub fn recognize_dir(dir: &Path) -> Option<Form> {
             Form::Universal => is_universal_tag_dir(&tag_dir),
             Form::Zero => holds_optim_states(&tag_dir),
         };
-        if fits || !tag_dir.exists() {
-            return Some(form);
+        if fits || crate::io::output::check_dir(&tag_dir).is_err() {
+            return Ok(Some(form));
         }
     }
-    None
+    Ok(None)
 }
 
 /// `(bf16, data-parallel rank, model-parallel rank)` of a ZeRO optimizer rank file's name,

@@ -160,16 +160,18 @@ pub(super) fn shape_of(obj: &PyObj) -> Option<Vec<usize>> {
     }
 }
 
-/// A parameter name that can name a file of a universal checkpoint and a key: not empty,
-/// one path component.
+/// A parameter name that can name a directory of a universal checkpoint and a key: a plain
+/// name ([`crate::io::output::check_name`]).
 pub(super) fn check_name(p: &Pickled, name: &str) -> Result<()> {
-    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
-        return Err(p.err(
+    match crate::io::output::check_name(name, crate::io::output::NameForm::Plain) {
+        None => Ok(()),
+        Some(why) => Err(p.err(
             Some(name),
-            "a parameter name that is not one path component",
-        ));
+            format!(
+                "a parameter name that cannot name a directory of a universal checkpoint: {why}"
+            ),
+        )),
     }
-    Ok(())
 }
 
 /// What the model-states file (`mp_rank_00_model_states.pt`, or rank 0's at stage 3) says.

@@ -46,7 +46,8 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
         "mp_rank_00_model_states.pt"
     };
     let model_path = dir.join(model_name);
-    if !model_path.is_file() {
+    // Any entry: reading it says what is wrong with one that is not a regular file.
+    if std::fs::symlink_metadata(&model_path).is_err() {
         return Err(Error::DeepSpeedRankFiles {
             dir: dir.display().to_string(),
             expected: Some(ws),

@@ -41,7 +41,8 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
     let Some(model_path) = MODEL_FILES
         .iter()
         .map(|f| dir.join(f))
-        .find(|p| p.is_file())
+        // Any entry: reading it says what is wrong with one that is not a regular file.
+        .find(|p| std::fs::symlink_metadata(p).is_ok())
     else {
         return Err(Error::DeepSpeedRankFiles {
             dir: dir.display().to_string(),

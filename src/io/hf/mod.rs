@@ -58,6 +58,7 @@ pub const HF_MODEL_DIR: crate::io::output::DirKind = crate::io::output::DirKind 
 /// Whether `dir` looks like a plain Hugging Face model directory: it holds
 /// [`INDEX_FILE`] or `.safetensors` files (their headers are checked when it is read).
 pub(crate) fn looks_like_model_dir(dir: &Path) -> bool {
-    dir.join(INDEX_FILE).exists()
+    // Any entry (reading it says what is wrong with one that is not a regular file).
+    std::fs::symlink_metadata(dir.join(INDEX_FILE)).is_ok()
         || crate::io::safetensors::file_names(dir).is_ok_and(|names| !names.is_empty())
 }

@@ -166,9 +166,13 @@ impl Rename {
             rule: rule.clone(),
             reason: format!("not a regular expression: {e}"),
         })?;
+        let replacement = python_groups(to);
+        if let Some(reason) = unknown_group(&pattern, &replacement) {
+            return Err(Error::HfRename { rule, reason });
+        }
         Ok(Rename {
             pattern,
-            replacement: python_groups(to),
+            replacement,
             rule,
         })
     }
@@ -262,6 +266,65 @@ fn python_groups(to: &str) -> String {
         }
     }
     out
+}
+
+/// Why the replacement `to` (the `regex` crate's syntax: `$1`, `${1}`, `$name`, `${name}`,
+/// `$$` for a dollar) refers to a group `pattern` does not have, if it does: the `regex`
+/// crate would put nothing there, while Python's `re.sub` refuses it ("invalid group
+/// reference", "unknown group name").
+fn unknown_group(pattern: &regex::Regex, to: &str) -> Option<String> {
+    let groups = pattern.captures_len() - 1;
+    let mut rest = to;
+    while let Some(at) = rest.find('$') {
+        rest = &rest[at + 1..];
+        if let Some(after) = rest.strip_prefix('$') {
+            rest = after;
+            continue;
+        }
+        let (name, braced) = match rest.strip_prefix('{').and_then(|r| r.split_once('}')) {
+            Some((name, after)) => {
+                rest = after;
+                (name, true)
+            }
+            None => {
+                let end = rest
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .unwrap_or(rest.len());
+                let name = &rest[..end];
+                rest = &rest[end..];
+                (name, false)
+            }
+        };
+        if name.is_empty() {
+            continue;
+        }
+        if let Ok(n) = name.parse::<usize>() {
+            if n > groups {
+                return Some(format!(
+                    "the replacement refers to group {n}, but the pattern has {groups} group{} (Python's re.sub refuses it: invalid group reference {n})",
+                    if groups == 1 { "" } else { "s" }
+                ));
+            }
+        } else if !pattern.capture_names().flatten().any(|g| g == name) {
+            let digits = name.len() - name.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+            let hint = if !braced && digits > 0 {
+                format!(
+                    "; to follow group {} with `{}`, write `${{{}}}{}`",
+                    &name[..digits],
+                    &name[digits..],
+                    &name[..digits],
+                    &name[digits..]
+                )
+            } else {
+                String::new()
+            };
+            return Some(format!(
+                "the replacement refers to the group `{}`, which the pattern does not name (Python's re.sub refuses it: unknown group name){hint}",
+                crate::error::shown(name)
+            ));
+        }
+    }
+    None
 }
 
 /// `names` with every rule applied in order; two names that end up equal are an error
@@ -372,6 +435,27 @@ mod tests {
             e => panic!("{e}"),
         }
         assert!(Rename::parse("no-equals").is_err());
+        for (rule, needle) in [
+            ("(a)=$9", "group 9, but the pattern has 1 group"),
+            (r"(a)=\9", "group 9, but the pattern has 1 group"),
+            ("a=${1}", "group 1, but the pattern has 0 groups"),
+            ("(?P<x>a)=${y}", "the group `y`"),
+            (r"(?P<x>a)=\g<y>", "the group `y`"),
+            ("(a)=$1b", "write `${1}b`"),
+        ] {
+            let e = Rename::parse(rule).unwrap_err().to_string();
+            assert!(e.contains(needle) && e.contains(rule), "{rule}: {e}");
+        }
+        for rule in [
+            "(a)=$1",
+            "(a)=${1}b",
+            "(?P<x>a)=$x",
+            "a=$$9",
+            "a=$",
+            "(a)=\\1",
+        ] {
+            Rename::parse(rule).unwrap_or_else(|e| panic!("{rule}: {e}"));
+        }
         assert!(Rename::parse("(unclosed=x").is_err());
     }
 }

@@ -11,6 +11,9 @@ use std::collections::BTreeMap;
 /// The default `max_shard_size` of `save_pretrained` in transformers 5: 50 GB (decimal).
 pub const DEFAULT_MAX_SHARD_SIZE: u64 = 50_000_000_000;
 
+/// The largest shard size accepted: 2^63−1 bytes (a file length is a signed 64-bit offset).
+const MAX_SHARD_BYTES: u64 = i64::MAX as u64;
+
 /// A shard size as `save_pretrained(max_shard_size=...)` reads it (huggingface_hub's
 /// `parse_size_to_int`): a number (decimals allowed) and a decimal unit `KB`, `MB`, `GB`,
 /// `TB` (case-insensitive, `int(value * unit)`), or a binary unit `KiB`, `MiB`, `GiB`, `TiB`
@@ -38,14 +41,34 @@ pub fn parse_shard_size(s: &str) -> Result<u64> {
         .find(|(u, _)| upper.ends_with(u))
         .map(|(u, m)| (&t[..t.len() - u.len()], *m))
         .unwrap_or((t, 1.0));
-    let value: f64 = number.trim().parse().map_err(|_| {
+    let number = number.trim();
+    let range = format!(
+        "the size must be a finite number of bytes from 1 to 2^63−1 ({})",
+        i64::MAX
+    );
+    // A plain number of bytes is taken exactly.
+    if unit == 1.0 && !number.is_empty() && number.bytes().all(|b| b.is_ascii_digit()) {
+        return match number.parse::<u64>() {
+            Ok(n @ 1..=MAX_SHARD_BYTES) => Ok(n),
+            Ok(0) => Err(bad(format!("`{t}` is less than one byte; {range}"))),
+            _ => Err(bad(format!("`{t}` is more than 2^63−1 bytes; {range}"))),
+        };
+    }
+    let value: f64 = number.parse().map_err(|_| {
         bad("expected a size such as `50GB`, `60KB`, `1.5GB`, `512MiB` or a number of bytes".into())
     })?;
     let bytes = value * unit;
-    if !bytes.is_finite() || bytes < 1.0 || bytes >= u64::MAX as f64 {
-        return Err(bad("the size must be at least one byte".into()));
-    }
-    Ok(bytes as u64)
+    let what = if !bytes.is_finite() {
+        "not a finite number"
+    } else if bytes < 1.0 {
+        "less than one byte"
+    } else if bytes >= 9_223_372_036_854_775_808.0 {
+        "more than 2^63−1 bytes"
+    } else {
+        // In range: below 2^63, so the conversion is exact to the byte it truncates to.
+        return Ok(bytes as u64);
+    };
+    Err(bad(format!("`{t}` is {what}; {range}")))
 }
 
 /// One tensor of the output: its name in the model directory, where its bytes come from
@@ -238,6 +261,23 @@ mod tests {
         assert_eq!(parse_shard_size("4096").unwrap(), 4096);
         for bad in ["", "GB", "-1GB", "0KB", "ten MB", "1PB"] {
             assert!(parse_shard_size(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            parse_shard_size("9223372036854775807").unwrap(),
+            i64::MAX as u64
+        );
+        for (bad, what) in [
+            ("1e100", "more than 2^63−1 bytes"),
+            ("inf", "not a finite number"),
+            ("NaN", "not a finite number"),
+            ("18446744073709551615", "more than 2^63−1 bytes"),
+            ("9223372036854775808", "more than 2^63−1 bytes"),
+            ("0.5", "less than one byte"),
+            ("0", "less than one byte"),
+        ] {
+            let e = parse_shard_size(bad).unwrap_err().to_string();
+            assert!(e.contains(&format!("`{bad}` is {what}")), "{e}");
+            assert!(e.contains("finite number of bytes from 1 to 2^63−1"), "{e}");
         }
     }
 

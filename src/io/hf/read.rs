@@ -55,14 +55,30 @@ impl HfModelDir {
         let mut files = Vec::with_capacity(names.len());
         for name in names {
             let path = dir.join(&name);
-            if !path.is_file() {
-                let key = weight_map
-                    .as_ref()
-                    .and_then(|m| m.iter().find(|(_, f)| **f == name).map(|(k, _)| k.clone()));
+            // The rule of every input: a regular file, symbolic links followed.
+            if let Err(e) = crate::io::output::regular_len(&path) {
+                let what = match e {
+                    e if e.is_missing() => "it is missing".to_string(),
+                    crate::io::output::ReadRegularError::Io(e) => {
+                        format!("it cannot be opened: {e}")
+                    }
+                    other => other.to_string(),
+                };
+                let Some(map) = &weight_map else {
+                    return Err(dir_err(
+                        &path,
+                        None,
+                        format!("the model's one `.safetensors` file: {what}"),
+                    ));
+                };
+                let key = map
+                    .iter()
+                    .find(|(_, f)| **f == name)
+                    .map(|(k, _)| k.clone());
                 return Err(dir_err(
                     &path,
                     key.as_deref(),
-                    format!("{INDEX_FILE} maps tensors to this file, and it is missing"),
+                    format!("{INDEX_FILE} maps tensors to this file, and {what}"),
                 ));
             }
             let headers = crate::io::safetensors::load_headers(&path)?;
@@ -146,9 +162,7 @@ pub fn summary(dir: &Path) -> Result<HfSummary> {
         .files
         .iter()
         .map(|(name, path, _)| {
-            let len = std::fs::metadata(path)
-                .map_err(Error::io("reading", path))?
-                .len();
+            let len = crate::io::output::regular_len(path).map_err(|e| e.at("reading", path))?;
             Ok((name.clone(), len))
         })
         .collect::<Result<_>>()?;
@@ -203,16 +217,15 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         )
     })?;
     for (key, file) in &index.weight_map {
-        let plain = !file.is_empty()
-            && !file.contains('/')
-            && !file.contains('\\')
-            && file != "."
-            && file != "..";
-        if !plain {
+        let plain = crate::io::output::check_name(file, crate::io::output::NameForm::Plain);
+        if let Some(why) = plain {
             return Err(dir_err(
                 path,
                 Some(key),
-                format!("maps it to `{file}`, which is not a file name in the same directory"),
+                format!(
+                    "maps it to `{}`, which is not a file name in the same directory: {why}",
+                    crate::error::shown(file)
+                ),
             ));
         }
     }

@@ -1,7 +1,8 @@
 //! Safe outputs: which existing paths a writer may replace, how a finished output is
-//! installed, how stale temporaries of killed runs are cleaned, and how metadata files are
-//! read without blocking on a FIFO or reading a device forever; data files can be read past
-//! the page cache (`O_DIRECT`, with a fallback, in `direct`).
+//! installed, how stale temporaries of killed runs are cleaned, and the one rule for every
+//! file a reader opens (regular files only, symbolic links followed, names inside a
+//! checkpoint checked: `read`); data files can be read past the page cache (`O_DIRECT`, with
+//! a fallback, in `direct`).
 //!
 //! Every writer of a directory (a checkpoint save or reshard, `shard-torch`) follows one
 //! rule, [`check_dir_output`]: the output path may be replaced only if it is missing, an
@@ -41,9 +42,11 @@ pub(crate) use install::{
     create_planned_file, finish_planned_file, tmp_io_err, write_file_atomic, writer_of,
 };
 pub use install::{install_dir, write_synced};
-pub(crate) use read::open_regular;
-pub use read::{read_regular, read_small_file, ReadRegularError, SMALL_METADATA_MAX_BYTES};
-pub use replace::{check_dir_output, check_file_output, check_not_overlapping, DirKind};
+pub(crate) use read::{check_dir, open_regular, regular_len, stat};
+pub use read::{
+    check_name, read_regular, read_small_file, NameForm, ReadRegularError, SMALL_METADATA_MAX_BYTES,
+};
+pub use replace::{check_dir_output, check_file_output, check_not_overlapping, DirKind, EMPTY_DIR};
 pub use temp::{clean_stale_temporaries, discard_tmp_dir, make_tmp_dir, Cleaned};
 pub(crate) use writeback::{
     drop_cached_pages, will_need_pages, DropBehind, StreamedFile, Writeback, WRITEBACK_CHUNK,

@@ -17,6 +17,13 @@ pub struct DirKind {
     pub entries: fn(&Path) -> std::result::Result<Vec<OsString>, String>,
 }
 
+/// An output written only into a missing or empty directory: nothing earlier is replaced
+/// (`convert --to dcp`).
+pub const EMPTY_DIR: DirKind = DirKind {
+    what: "an empty directory",
+    entries: |_| Err("this output is written only into a missing or empty directory".into()),
+};
+
 /// What is at an output path now.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) enum Existing {

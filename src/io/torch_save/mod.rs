@@ -189,7 +189,8 @@ fn open(path: &Path) -> Result<(String, FileSource)> {
         path: name.clone(),
         source: e.into(),
     };
-    let file = File::open(path).map_err(io)?;
+    // A regular file only (symbolic links followed): a FIFO would block, a device never end.
+    let file = crate::io::output::open_regular(path).map_err(|e| e.at("reading", path))?;
     let len = file.metadata().map_err(io)?.len();
     Ok((
         name,
@@ -221,11 +222,7 @@ fn shared_range(file: Arc<File>, path: &Path, start: u64, len: u64) -> (String, 
 /// the tensors: no copy of the archive is held. The caller checks that the range lies inside
 /// the file; errors name the file and the range.
 pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> {
-    let file = File::open(path).map_err(|e| Error::Io {
-        op: "reading".into(),
-        path: path.display().to_string(),
-        source: e.into(),
-    })?;
+    let file = crate::io::output::open_regular(path).map_err(|e| e.at("reading", path))?;
     load_from_shared_range(file.into(), path, start, len)
 }
 
