@@ -162,6 +162,43 @@ struct CentralDirectory {
     fills: Gap,
 }
 
+/// Where the records of an archive in a source of `len` bytes leave bytes outside it ([`Gap`]):
+/// the end record at `eocd` with a comment of `comment` bytes, the zip64 end record (its
+/// offset and where it ends by its own size) when miniz uses one, and the central directory
+/// at `cd_offset` of `cd_size` bytes.
+fn records_gap(
+    len: u64,
+    (eocd, comment): (u64, u64),
+    zip64: Option<(u64, u64)>,
+    (cd_offset, cd_size): (u64, u64),
+) -> Gap {
+    let end = eocd + EOCD_LEN as u64 + comment;
+    if end != len {
+        let what = format!(
+            "{} bytes after the end record and its comment",
+            len.abs_diff(end)
+        );
+        return Some((end.min(len), what));
+    }
+    if let Some((rec, rec_end)) = zip64 {
+        if rec_end != eocd - 20 {
+            let what = format!(
+                "the zip64 end record here ends at byte {rec_end}, not at its locator (byte {})",
+                eocd - 20
+            );
+            return Some((rec, what));
+        }
+    }
+    let records = zip64.map_or(eocd, |(rec, _)| rec);
+    (cd_offset + cd_size != records).then(|| {
+        let what = format!(
+            "the central directory here ({cd_size} bytes) ends at byte {}, not where the end records start (byte {records})",
+            cd_offset + cd_size
+        );
+        (cd_offset, what)
+    })
+}
+
 /// The suffix of reasons for checks that follow miniz (PyTorch's zip reader), with its error.
 fn miniz(what: &str) -> String {
     format!("PyTorch's reader (miniz) refuses this: {what}")
@@ -239,28 +276,11 @@ impl<S: Source> ZipReader<S> {
         let mut size = u64::from(le32(e, 12));
         let mut offset = u64::from(le32(e, 16));
         let mut at = eocd_pos;
-        let end = eocd_pos + EOCD_LEN as u64 + u64::from(le16(e, 20));
-        let mut fills = (end != len).then(|| {
-            (
-                end.min(len),
-                format!(
-                    "{} bytes after the end record and its comment",
-                    len.abs_diff(end)
-                ),
-            )
-        });
+        let comment = u64::from(le16(e, 20));
+        let mut rec_end = None;
         if let Some((rec_pos, rec, total_disks)) = self.zip64_records(eocd_pos)? {
             at = rec_pos;
-            let rec_end = rec_pos.saturating_add(12).saturating_add(le64(&rec, 4));
-            if rec_end != eocd_pos - 20 {
-                fills = Some((
-                    rec_pos,
-                    format!(
-                        "the zip64 end record here ends at byte {rec_end}, not at its locator (byte {})",
-                        eocd_pos - 20
-                    ),
-                ));
-            }
+            rec_end = Some(rec_pos.saturating_add(12).saturating_add(le64(&rec, 4)));
             // miniz: "if (zip64_size_of_end_of_central_dir_record < (MZ_ZIP64_END_OF_CENTRAL_
             // DIR_HEADER_SIZE - 12)) return ... MZ_ZIP_INVALID_HEADER_OR_CORRUPTED".
             let rec_size = le64(&rec, 4);
@@ -339,21 +359,17 @@ impl<S: Source> ZipReader<S> {
                 ),
             ));
         }
-        if offset + size != at {
-            fills = Some((
-                offset,
-                format!(
-                    "the central directory here ({size} bytes) ends at byte {}, not where the end records start (byte {at})",
-                    offset + size
-                ),
-            ));
-        }
         Ok(CentralDirectory {
             count,
             size,
             offset,
             disk,
-            fills,
+            fills: records_gap(
+                len,
+                (eocd_pos, comment),
+                rec_end.map(|e| (at, e)),
+                (offset, size),
+            ),
         })
     }
 
