@@ -3,9 +3,11 @@
     .venv/bin/python scripts/mutate-dcp.py --seed 1 --count 20000 --jobs 2 \\
         --report /tmp/mutate.json --keep /tmp/mutants-kept
 
-Fixtures are the DCP directories `tests/golden/dcp/*/ckpt` (`--fixtures GLOB`, relative to
-the repository root), each a `.metadata` pickle and `__R_0.distcp` data files written by
-`torch.distributed.checkpoint.save`. Mutant I of a run is drawn from `random.Random("SEED:I")`
+Fixtures are the DCP directories `tests/golden/dcp/*/ckpt` and the zstd-compressed
+`tests/golden/dcp_forms/zstd_ws3/ckpt` (`--fixtures GLOB,GLOB,...`, relative to the repository
+root), each a `.metadata` pickle and `__R_0.distcp` data files written by
+`torch.distributed.checkpoint.save` (the zstd one with `FileSystemWriter(_extensions=
+[ZStandard()])`: every item one zstd frame, `transform_descriptors == ["stream.zstd/1"]`). Mutant I of a run is drawn from `random.Random("SEED:I")`
 alone, so with the same fixtures it is the same whatever `--count` and `--jobs` are. About
 65 % of mutants change `.metadata`:
 
@@ -22,7 +24,8 @@ alone, so with the same fixtures it is the same whatever `--count` and `--jobs` 
 Integer and string edits re-encode the argument and fix the FRAME length, so the pickle stays
 well-formed. The other 35 % change one `.distcp` file: a bit flip, overwritten bytes or a
 truncation, in the zip headers of an item's torch.save archive, in its tensor bytes or in its
-`data.pkl`.
+`data.pkl`; in a compressed item, in its frame's head (magic number and frame header) or in
+its blocks (which mostly gives a zstd error on both sides).
 
 Each mutant goes through `fsdp-ckpt --quiet verify DIR`, `fsdp-ckpt --quiet consolidate DIR
 OUT.pt` (each accepted: exit 0; refused: exit 1 with `error: ...` on stderr; anything else,
@@ -34,8 +37,13 @@ when neither call raises, whatever it logged. When it succeeds, the worker check
 against the mutant's metadata: the keys of the output flattened as `flatten_state_dict` does
 (path items joined with '.') must be the keys of `state_dict_metadata`, each tensor must have
 the declared dtype and shape, its chunks must lie inside it and cover it exactly once, and
-each chunk's stored tensor must have the declared dtype, shape and the bytes found at its
-place in the output; and when only a data file was mutated, the output must equal PyTorch's
+each chunk's stored tensor (read through its transforms as PyTorch reads it) must have the
+declared dtype, shape and the bytes found at its place in the output; each compressed item
+PyTorch read must be whole zstd frames (skippable ones allowed) that decompress to exactly one
+archive (PyTorch's `zstandard` reader passes over a frame the range cuts short, and
+`torch.load` ignores bytes after an archive, or another archive's end records appended:
+a `length` grown into the next item's frame is read without a word); and when only a data
+file was mutated, the output must equal PyTorch's
 output for the unmutated fixture (PyTorch does not check the zip CRC-32, so it returns a
 flipped tensor byte as data). The first violation is PyTorch's loss. Outcomes, one per mutant:
 
@@ -89,7 +97,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import _version
+import zstandard
+from torch.distributed.checkpoint import _extension, _version
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -104,6 +113,7 @@ WORKER_START_TIMEOUT = 180
 DATA_LIMIT = 4 << 30
 FILE_SIZE_LIMIT = 256 << 20
 PROGRESS_EVERY = 500
+DEFAULT_FIXTURES = "tests/golden/dcp/*/ckpt,tests/golden/dcp_forms/zstd_ws3/ckpt"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8,
           torch.bool]
 
@@ -134,15 +144,25 @@ class Fixture:
         self.regions, self.items = data_file_regions(self.files, pickle.loads(data))
 
 
+DATA_KINDS = {"zip header": 45, "tensor bytes": 35, "item pickle": 20, "zstd frame head": 40,
+              "zstd blocks": 60}
+
+
 def data_file_regions(files, metadata):
-    """Per data file: byte ranges by kind (zip header, tensor bytes, item pickle), and items."""
+    """Per data file: byte ranges by kind (zip header, tensor bytes, item pickle; for a
+    compressed item, its frame's head and its blocks), and items."""
     regions, items = {}, {}
     for index, info in metadata.storage_data.items():
         start, end = info.offset, info.offset + info.length
         items.setdefault(info.relative_path, []).append((start, end, index.fqn))
-        kinds = regions.setdefault(info.relative_path,
-                                   {"zip header": [], "tensor bytes": [], "item pickle": []})
+        kinds = regions.setdefault(info.relative_path, {kind: [] for kind in DATA_KINDS})
         archive = files[info.relative_path][start:end]
+        if info.transform_descriptors:
+            # The magic number and frame header (6 bytes at least), then the blocks.
+            head = zstd_frame_head(archive)
+            kinds["zstd frame head"].append((start, start + head))
+            kinds["zstd blocks"].append((start + head, end))
+            continue
         with zipfile.ZipFile(io.BytesIO(archive)) as z:
             for entry in z.infolist():
                 header = entry.header_offset
@@ -158,11 +178,22 @@ def data_file_regions(files, metadata):
     return regions, items
 
 
-def load_fixtures(pattern: str):
-    ckpts = sorted(Path(p) for p in glob.glob(os.path.join(REPO, pattern)))
+def zstd_frame_head(frame: bytes) -> int:
+    """Bytes of a zstd frame before its first block: the magic number and the frame header
+    (RFC 8878, 3.1.1.1: descriptor, window descriptor, dictionary id, content size)."""
+    descriptor = frame[4]
+    single_segment = descriptor >> 5 & 1
+    fcs = [single_segment, 2, 4, 8][descriptor >> 6]
+    dict_id = [0, 1, 2, 4][descriptor & 3]
+    return 4 + 1 + (1 - single_segment) + dict_id + fcs
+
+
+def load_fixtures(patterns: str):
+    ckpts = sorted({Path(p) for pattern in patterns.split(",")
+                    for p in glob.glob(os.path.join(REPO, pattern))})
     fixtures = [Fixture(c) for c in ckpts if (c / ".metadata").is_file()]
     if not fixtures:
-        raise SystemExit(f"no DCP fixture matches {pattern}")
+        raise SystemExit(f"no DCP fixture matches {patterns}")
     return fixtures
 
 
@@ -389,7 +420,8 @@ STRUCTURE_EDITS = [path_to_other_key, path_cut, path_extend, path_split_dot, pat
 
 def mutate_data_file(fixture, rng):
     name = rng.choice(sorted(fixture.regions))
-    kind = rng.choices(["zip header", "tensor bytes", "item pickle"], weights=[45, 35, 20])[0]
+    kinds = [k for k in DATA_KINDS if any(b > a for a, b in fixture.regions[name][k])]
+    kind = rng.choices(kinds, weights=[DATA_KINDS[k] for k in kinds])[0]
     ranges = [r for r in fixture.regions[name][kind] if r[1] > r[0]]
     start, end = rng.choices(ranges, weights=[b - a for a, b in ranges])[0]
     pos = rng.randrange(start, end)
@@ -535,7 +567,7 @@ def torch_loss(ckpt: Path, got):
     try:
         with open(ckpt / ".metadata", "rb") as f:
             md = pickle.load(f)
-        loss = compressed_record_loss(ckpt, md)
+        loss = compressed_record_loss(ckpt, md) or zstd_item_loss(ckpt, md)
         if loss:
             return loss
         try:
@@ -561,11 +593,16 @@ def compressed_record_loss(ckpt, md):
     record raw) and that PyTorch reads as other bytes than the stored ones, or None. miniz
     inflates the raw bytes into a buffer of the record's size and sets no error when the
     inflation fails, so PyTorch returns what it made of them without a word."""
-    for info in {(i.relative_path, i.offset, i.length) for i in md.storage_data.values()}:
-        path, offset, length = info
+    for info in {(i.relative_path, i.offset, i.length, tuple(i.transform_descriptors or ()))
+                 for i in md.storage_data.values()}:
+        path, offset, length, transforms = info
         with open(ckpt / path, "rb") as f:
             f.seek(offset)
             blob = f.read(length)
+        try:
+            blob = untransformed(blob, transforms)
+        except Exception:
+            continue
         try:
             archive = zipfile.ZipFile(io.BytesIO(blob))
         except zipfile.BadZipFile:
@@ -590,6 +627,95 @@ def compressed_record_loss(ckpt, md):
                 return (f"{path}@{offset}: record {record!r} is flagged compressed "
                         f"(method {z.compress_type}); PyTorch reads it as {got[:8]!r}, "
                         f"stored {stored[:8]!r}")
+    return None
+
+
+def untransformed(blob, transforms):
+    """An item's bytes as PyTorch's loader reads them: through its `transform_descriptors`
+    (`ZStandard.transform_from`, `zstandard`'s stream reader, read to its end)."""
+    if not transforms:
+        return blob
+    stream = io.BytesIO(blob)
+    for extension in _extension.ExtensionRegistry().from_descriptor_list(transforms):
+        stream = extension.transform_from(stream)
+    return stream.read(-1)
+
+
+def used_items(md):
+    """The storage records PyTorch's loader reads: each non-empty chunk's and each value's."""
+    for key, smd in md.state_dict_metadata.items():
+        if isinstance(smd, TensorStorageMetadata):
+            for chunk in smd.chunks:
+                if 0 not in list(chunk.sizes):
+                    yield key, md.storage_data.get(MetadataIndex(key, chunk.offsets))
+        else:
+            yield key, md.storage_data.get(MetadataIndex(key))
+
+
+def zstd_item_loss(ckpt, md):
+    """A compressed item PyTorch read although its range is not whole zstd frames that
+    decompress to exactly one archive, or None. `zstandard`'s stream reader passes over a frame
+    the range cuts short, and `torch.load` reads the last end record it finds, ignoring bytes
+    after an archive (another frame's archive, trailing bytes)."""
+    for key, info in used_items(md):
+        if info is None or list(info.transform_descriptors or ()) != ["stream.zstd/1"]:
+            continue
+        with open(ckpt / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        where = f"{key} ({info.relative_path}@{info.offset}+{info.length})"
+        out, why = zstd_frames(blob)
+        if why is None:
+            why = archive_gap(out)
+        if why is not None:
+            return f"{where}: {why}; PyTorch reads it without a word"
+    return None
+
+
+def zstd_frames(blob):
+    """The output of the zstd frames `blob` holds, and why it is not only whole frames."""
+    out, pos = bytearray(), 0
+    while pos < len(blob):
+        magic = int.from_bytes(blob[pos:pos + 4], "little")
+        if len(blob) - pos >= 4 and magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
+            size = int.from_bytes(blob[pos + 4:pos + 8], "little")
+            pos += 8 + size
+            if pos > len(blob):
+                return out, "a skippable frame is cut short"
+            continue
+        obj = zstandard.ZstdDecompressor().decompressobj()
+        try:
+            out += obj.decompress(blob[pos:])
+        except zstandard.ZstdError as e:
+            return out, f"bytes at {pos} are no zstd frame ({e})"
+        if not obj.eof:
+            return out, f"the zstd frame at {pos} is cut short by the range's end"
+        pos = len(blob) - len(obj.unused_data)
+    return bytes(out), None
+
+
+def archive_gap(data):
+    """Why the zip archive `data` holds does not take all of it (bytes after its end record,
+    or end records of another archive appended), or None; None too for what is no zip."""
+    if not data.startswith(b"PK\x03\x04"):
+        return None
+    eocd = data.rfind(b"PK\x05\x06", max(0, len(data) - 22 - 0xFFFF))
+    if eocd < 0:
+        return None
+    comment = struct.unpack("<H", data[eocd + 20:eocd + 22])[0]
+    if eocd + 22 + comment != len(data):
+        return f"it decompresses to {len(data) - eocd - 22 - comment} bytes past its archive's end"
+    cd_size, cd_offset = struct.unpack("<II", data[eocd + 12:eocd + 20])
+    records = eocd
+    if eocd >= 76 and data[eocd - 20:eocd - 16] == b"PK\x06\x07":
+        rec = struct.unpack("<Q", data[eocd - 12:eocd - 4])[0]
+        if rec <= len(data) - 56 and data[rec:rec + 4] == b"PK\x06\x06":
+            if rec + 12 + struct.unpack("<Q", data[rec + 4:rec + 12])[0] != eocd - 20:
+                return "it decompresses to more than one archive (zip64 records apart)"
+            cd_size, cd_offset = struct.unpack("<QQ", data[rec + 40:rec + 56])
+            records = rec
+    if cd_offset + cd_size != records:
+        return "it decompresses to more than one archive (central directory apart from its end)"
     return None
 
 
@@ -624,7 +750,8 @@ def tensor_loss(ckpt, md, key, smd, tensor):
 def read_chunk(ckpt: Path, info):
     with open(ckpt / info.relative_path, "rb") as f:
         f.seek(info.offset)
-        return torch.load(io.BytesIO(f.read(info.length)), map_location="cpu", weights_only=True)
+        blob = untransformed(f.read(info.length), info.transform_descriptors or ())
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 
 def raw_bytes(t):
@@ -784,8 +911,9 @@ def parse_args():
                         help="the fsdp-ckpt binary")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--count", type=int, default=1000, help="number of mutants")
-    parser.add_argument("--fixtures", default="tests/golden/dcp/*/ckpt",
-                        help="glob of DCP directories, relative to the repository root")
+    parser.add_argument("--fixtures", default=DEFAULT_FIXTURES,
+                        help="globs of DCP directories, relative to the repository root, "
+                             "separated by commas")
     parser.add_argument("--jobs", type=int, default=1, help="mutants run in parallel")
     parser.add_argument("--report", type=Path,
                         help="JSON report of the mutants not equal or both_refuse")

@@ -743,6 +743,28 @@ pub enum Error {
         what: String,
     },
 
+    /// A compressed DCP item is too short for what the metadata says it holds: its stored
+    /// bytes cannot decompress to that many bytes whatever they are (zstd: at most 128 KiB
+    /// per 4 stored bytes, `crate::io::dcp` says why). Refused before anything is allocated
+    /// or an output is sized on the metadata's word.
+    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: the item's {stored} stored bytes ({transforms:?}) can decompress to at most {most} bytes, too few for the {needs} bytes of data the metadata says it holds; refusing it before allocating anything (a corrupt or crafted .metadata)", shown(.key), shown(.file))]
+    DcpCompressedTooShort {
+        /// The checkpoint directory.
+        dir: String,
+        /// The flattened key.
+        key: String,
+        /// The data file as the metadata names it (`relative_path`).
+        file: String,
+        /// The stored (compressed) length of the item.
+        stored: u64,
+        /// Its stream transforms (`["stream.zstd/1"]`).
+        transforms: Vec<String>,
+        /// The most those bytes can decompress to.
+        most: u64,
+        /// The bytes of data the metadata says the item holds.
+        needs: u64,
+    },
+
     /// A DCP directory written with `FileSystemWriter(serialization_format=
     /// SerializationFormat.SAFETENSORS)`: each data file is one safetensors file and every
     /// tensor item's recorded range starts at its header, not at the item. PyTorch 2.13's own

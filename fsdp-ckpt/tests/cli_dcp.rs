@@ -7,7 +7,7 @@ use std::path::PathBuf;
 #[path = "../../tests/common/mod.rs"]
 mod common;
 mod tool;
-use tool::{ok, run};
+use tool::{fails, ok, run};
 
 fn golden(p: &str) -> PathBuf {
     tool::golden("dcp").join(p)
@@ -525,4 +525,89 @@ fn a_plain_hugging_face_directory_is_not_read_as_dcp() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("is a Hugging Face model directory"), "{err}");
+}
+
+/// A copy of the zstd fixture with `tests/golden/dcp_forms/hostile/CASE.metadata` and the
+/// hostile data files, in a fresh temporary directory (`<tmp>/ckpt`).
+fn hostile_zstd(case: &str) -> (tempfile::TempDir, PathBuf) {
+    let (tmp, dir) = common::copy_dir(&form("zstd_ws3/ckpt"), "ckpt");
+    let hostile = form("hostile");
+    std::fs::copy(
+        hostile.join(format!("{case}.metadata")),
+        dir.join(".metadata"),
+    )
+    .unwrap();
+    std::fs::copy(hostile.join("frames.distcp"), dir.join("frames.distcp")).unwrap();
+    (tmp, dir)
+}
+
+#[test]
+fn hostile_compressed_items_exit_1_naming_key_and_file_with_nothing_left_behind() {
+    use fsdp::offline::DescFile;
+    use fsdp::WrapPolicy;
+    for (case, key, file) in [
+        // 64 GiB declared in a few hundred compressed bytes: was an abort (SIGABRT) after a
+        // failed 64 GiB allocation, and consolidate left a 64 GiB sparse temporary.
+        ("huge_declared", "model.net2.0.bias", "__0_0.distcp"),
+        // A frame, then a second frame: verify said OK and consolidate used the first.
+        (
+            "trailing_second_frame",
+            "model.net1.0.weight",
+            "frames.distcp",
+        ),
+        // A frame, then one inflating to a gibibyte.
+        ("trailing_gib_frame", "model.net1.0.weight", "frames.distcp"),
+    ] {
+        let (tmp, dir) = hostile_zstd(case);
+        let desc = tmp.path().join("desc.json");
+        let policy = WrapPolicy::units(&["net1", "net2", ""]);
+        std::fs::write(
+            &desc,
+            DescFile::new(common::dcp_fixture_net(), policy).to_json(),
+        )
+        .unwrap();
+        let out = |name: &str| tmp.path().join(name);
+        let runs: [Vec<&dyn AsRef<std::ffi::OsStr>>; 5] = [
+            vec![&"verify", &dir],
+            vec![&"consolidate", &dir, &out("a.pt")],
+            vec![&"consolidate", &dir, &out("a.safetensors")],
+            vec![&"convert", &dir, &out("hf"), &"--to", &"hf"],
+            vec![
+                &"convert",
+                &dir,
+                &out("fsdp"),
+                &"--to",
+                &"fsdp",
+                &"--model",
+                &desc,
+                &"--world-size",
+                &"2",
+            ],
+        ];
+        for args in runs {
+            let res = run(&args);
+            let key_named = format!("key `{key}`");
+            let file_named = format!("file `{file}`");
+            // `--to fsdp` checks the model's shapes first: a 64 GiB bias is not the model's.
+            let needles: Vec<&str> = if case == "huge_declared" && args.len() > 5 {
+                vec![key]
+            } else {
+                vec![&key_named, &file_named]
+            };
+            fails(&res, &needles);
+            let mut names: Vec<_> = std::fs::read_dir(tmp.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            names.sort();
+            assert_eq!(
+                names,
+                ["ckpt", "desc.json"],
+                "{case}: {:?}",
+                args[0].as_ref()
+            );
+        }
+        // inspect reads the metadata only.
+        ok(&run(&[&"inspect", &dir]));
+    }
 }

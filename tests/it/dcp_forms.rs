@@ -150,13 +150,136 @@ fn hostile(case: &str) -> Error {
         dir.join(".metadata"),
     )
     .unwrap();
-    std::fs::copy(golden("hostile/bomb.distcp"), dir.join("bomb.distcp")).unwrap();
+    for data in ["bomb.distcp", "frames.distcp"] {
+        std::fs::copy(golden(&format!("hostile/{data}")), dir.join(data)).unwrap();
+    }
     let err = dcp::verify(&dir).unwrap_err();
     let out = tmp.path().join("out.pt");
     let err2 = convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
     assert_eq!(err, err2, "{case}");
-    assert!(!out.exists(), "{case}: an output was left behind");
+    let st = tmp.path().join("out.safetensors");
+    let err3 = convert::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap_err();
+    assert_eq!(err, err3, "{case}: .safetensors");
+    let err4 = DcpCheckpoint::open(&dir).unwrap().load().unwrap_err();
+    assert_eq!(err, err4, "{case}: load()");
+    let names: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        names,
+        ["ckpt"],
+        "{case}: an output or a temporary was left behind"
+    );
     err
+}
+
+#[test]
+fn a_declared_size_its_compressed_bytes_cannot_hold_is_refused_before_anything_is_allocated() {
+    // model.net2.0.bias declared [2**34] float32 (64 GiB) in one chunk, stored in a compressed
+    // item of a few hundred bytes: 64 GiB were allocated (an abort) before this was refused.
+    match hostile("huge_declared") {
+        Error::DcpCompressedTooShort {
+            key,
+            file,
+            stored,
+            most,
+            needs,
+            transforms,
+            ..
+        } => {
+            assert_eq!(key, "model.net2.0.bias");
+            assert_eq!(file, "__0_0.distcp");
+            assert_eq!(needs, 4 << 34);
+            assert_eq!(transforms, ["stream.zstd/1"]);
+            // 128 KiB per 4 stored bytes after a 6-byte frame head.
+            assert_eq!(most, (stored - 6) / 4 * (128 << 10));
+            assert!(most < needs);
+        }
+        other => panic!("expected DcpCompressedTooShort, got {other:?}"),
+    }
+}
+
+/// The expected `model.net1.0.weight` of the zstd fixture.
+fn net1_weight() -> torch_save::PyObj {
+    let expected = torch_save::load(golden("zstd_ws3/expected.pt")).unwrap();
+    expected
+        .get("model")
+        .and_then(|m| m.get("net1.0.weight"))
+        .cloned()
+        .unwrap()
+}
+
+#[test]
+fn an_items_range_must_decompress_across_its_frames_to_exactly_one_archive() {
+    // What PyTorch 2.13 + zstandard loads of well-formed frames reads alike: the archive split
+    // over two frames, a skippable frame after it (gen.py checks that PyTorch loads them).
+    for case in ["trailing_split", "trailing_skippable"] {
+        let (_tmp, dir) = copy_of("zstd_ws3");
+        std::fs::copy(
+            golden(&format!("hostile/{case}.metadata")),
+            dir.join(".metadata"),
+        )
+        .unwrap();
+        std::fs::copy(golden("hostile/frames.distcp"), dir.join("frames.distcp")).unwrap();
+        dcp::verify(&dir).unwrap();
+        let got = DcpCheckpoint::open(&dir)
+            .unwrap()
+            .read_tensor("model.net1.0.weight")
+            .unwrap();
+        assert!(
+            torch_save::PyObj::Tensor(got).bit_eq(&net1_weight()),
+            "{case}"
+        );
+    }
+    // Bytes that are no frame (PyTorch refuses too) and a frame the range cuts short (PyTorch's
+    // stream reader passes over it): no zstd stream.
+    for (case, needle) in [
+        ("trailing_garbage", "Unknown frame descriptor"),
+        ("trailing_cut_frame", "incomplete frame"),
+    ] {
+        match hostile(case) {
+            Error::DcpStorage {
+                key, file, reason, ..
+            } => {
+                assert_eq!(key, "model.net1.0.weight");
+                assert_eq!(file, "frames.distcp");
+                assert!(reason.contains("do not decompress"), "{case}: {reason}");
+                assert!(reason.contains(needle), "{case}: {reason}");
+            }
+            other => panic!("{case}: expected DcpStorage, got {other:?}"),
+        }
+    }
+    // Output past the archive's end: a second frame of the same archive, or of other bytes.
+    // PyTorch loads the first archive and ignores the rest; the first-frame reader did too.
+    for case in ["trailing_second_frame", "trailing_hello_frame"] {
+        match hostile(case) {
+            Error::DcpStorage {
+                key, file, reason, ..
+            } => {
+                assert_eq!(key, "model.net1.0.weight");
+                assert_eq!(file, "frames.distcp");
+                assert!(
+                    reason.contains("does not take the whole"),
+                    "{case}: {reason}"
+                );
+            }
+            other => panic!("{case}: expected DcpStorage, got {other:?}"),
+        }
+    }
+    // A trailing frame of a gibibyte is inflated no further than the item's bound.
+    let started = std::time::Instant::now();
+    match hostile("trailing_gib_frame") {
+        Error::DcpExpansion {
+            key, file, limit, ..
+        } => {
+            assert_eq!(key, "model.net1.0.weight");
+            assert_eq!(file, "frames.distcp");
+            assert_eq!(limit, 16 * 4 + dcp::ARCHIVE_ALLOWANCE);
+        }
+        other => panic!("expected DcpExpansion, got {other:?}"),
+    }
+    assert!(started.elapsed().as_secs() < 20, "{:?}", started.elapsed());
 }
 
 #[test]

@@ -22,9 +22,34 @@
 //! PyTorch's merged files, of which the shards are read), its chunks raw little-endian
 //! elements. Everything above reads the one [`Metadata`].
 //!
-//! Items stored through zstd (`FileSystemWriter(_extensions=[ZStandard()])`) are decompressed
-//! as streams, each bounded ([`ARCHIVE_ALLOWANCE`], [`MAX_OBJECT_BYTES`]); a directory written
-//! with `serialization_format=SAFETENSORS`, which PyTorch cannot read back, is refused.
+//! Items stored through zstd (`FileSystemWriter(_extensions=[ZStandard()])`,
+//! `transform_descriptors == ["stream.zstd/1"]`) follow three rules:
+//!
+//! * **A declared size the stored bytes cannot hold is refused before anything is allocated
+//!   or sized** ([`Error::DcpCompressedTooShort`](crate::Error::DcpCompressedTooShort)). From
+//!   the zstd format (RFC 8878): a frame is a 4-byte magic number, a frame header of at least
+//!   2 bytes and blocks, each a 3-byte header and its content; no block decompresses to more
+//!   than 128 KiB (`Block_Maximum_Size`, which libzstd enforces), and the block that gives the
+//!   most per stored byte is an RLE block (header and one byte: 4 bytes for 128 KiB). Skippable
+//!   frames, further frames, checksums and longer headers only add stored bytes, so `L` stored
+//!   bytes decompress to at most **131072 × ⌊(L − 6) / 4⌋** bytes (none below 10 bytes); each
+//!   further zstd layer applies the bound again. A chunk of `n` bytes of data needs `n` bytes
+//!   of output at least.
+//! * **An item is decompressed in pieces, across all its frames, into a buffer that grows with
+//!   the output** (never one sized from the metadata), and reading stops as soon as the output
+//!   passes what the item may hold ([`ARCHIVE_ALLOWANCE`] beyond a chunk's data,
+//!   [`MAX_OBJECT_BYTES`] for a value; `Error::DcpExpansion`): a trailing frame that would
+//!   inflate to gigabytes is not inflated past that.
+//! * **The range must decompress to exactly one `torch.save` archive**: bytes that are no
+//!   zstd frame, a frame the range cuts short (even one whose checksum alone is cut, which
+//!   PyTorch's `zstandard` stream reader passes over), and output past the archive's end
+//!   records (another frame's archive, trailing bytes) are refused, where PyTorch reads the
+//!   first archive and ignores the rest, or fails. What PyTorch 2.13 with `zstandard` reads of
+//!   a well-formed item reads alike: an archive split over several frames, skippable frames,
+//!   empty frames.
+//!
+//! A directory written with `serialization_format=SAFETENSORS`, which PyTorch cannot read
+//! back, is refused.
 //! [`save_dcp`] writes a state dict as a DCP directory ([`save_dcp_with`]: zstd-compressed
 //! too). The conversions to and from other
 //! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this

@@ -278,20 +278,34 @@ impl DcpCheckpoint {
                 ),
             ));
         }
+        let most = inflate_bound(info.length, layers);
+        if layers > 0 && min_len > most {
+            return Err(Error::DcpCompressedTooShort {
+                dir: self.dir_name(),
+                key: key.to_string(),
+                file: f.clone(),
+                stored: info.length,
+                transforms: info.transforms.clone(),
+                most,
+                needs: min_len,
+            });
+        }
         Ok(path)
     }
 
-    /// Reads the bytes of `info` (after [`Self::checked_range`]), decompressed when it is
-    /// compressed: at most `limit` bytes (`what` says what the limit is made of), else
-    /// [`Error::DcpExpansion`]. `reserve` is what the caller expects (allocated at once).
+    /// Reads the bytes of `info` (after [`Self::checked_range`] with `need`, the bytes of data
+    /// it must hold), decompressed across all its frames when it is compressed, in pieces
+    /// into a buffer that grows with what they give (never sized on the metadata's word): at
+    /// most `limit` bytes (`what` says what the limit is made of), else
+    /// [`Error::DcpExpansion`], found as soon as the output passes the limit.
     fn read_item(
         &self,
         key: &str,
         info: &StorageInfo,
         (limit, what): (u64, &str),
-        reserve: u64,
+        need: u64,
     ) -> Result<Vec<u8>> {
-        let path = self.checked_range(key, info, 0)?;
+        let path = self.checked_range(key, info, need)?;
         let f = &info.relative_path;
         let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
         let mut file = crate::io::output::open_regular(path).map_err(|e| io(e.into()))?;
@@ -304,12 +318,14 @@ impl DcpCheckpoint {
         }
         let mut stream: Box<dyn Read> = Box::new(file.take(info.length));
         for _ in 0..layers {
+            // Every frame of the range, one after another (skippable frames give nothing), as
+            // PyTorch's `zstandard` stream reader reads it; bytes that are no frame, or a frame
+            // the range cuts, are an error. An inner layer may hold a little more than the
+            // outer one's output.
             let decoder = zstd::stream::read::Decoder::new(stream).map_err(io)?;
-            // One frame, as PyTorch's `zstandard` stream reader reads (bytes after it are
-            // ignored); an inner layer may hold a little more than the outer one's output.
-            stream = Box::new(decoder.single_frame().take(zstd_bound(limit)));
+            stream = Box::new(decoder.take(zstd_bound(limit)));
         }
-        let mut buf = Vec::with_capacity(reserve.min(limit) as usize);
+        let mut buf = Vec::with_capacity(need.min(limit).min(READ_PIECE) as usize);
         stream
             .take(limit.saturating_add(1))
             .read_to_end(&mut buf)
@@ -443,8 +459,8 @@ impl DcpCheckpoint {
             let what = format!(
                 "the chunk's {need} bytes of {dtype} plus {ARCHIVE_ALLOWANCE} for the torch.save archive around them"
             );
-            let raw = self.read_item(key, info, (limit, &what), need + 4096)?;
-            torch_save::load_from_bytes(&raw)
+            let raw = self.read_item(key, info, (limit, &what), need)?;
+            torch_save::load_one_archive(&raw)
         };
         let obj =
             parsed.map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
@@ -549,8 +565,13 @@ impl DcpCheckpoint {
     pub fn read_object(&self, key: &str) -> Result<PyObj> {
         let info = self.storage(key, None)?;
         let what = "the limit on a non-tensor value";
-        let raw = self.read_item(key, info, (MAX_OBJECT_BYTES, what), info.length)?;
-        torch_save::load_from_bytes(&raw).map_err(|e| {
+        let raw = self.read_item(key, info, (MAX_OBJECT_BYTES, what), 0)?;
+        let parsed = if info.transforms.is_empty() {
+            torch_save::load_from_bytes(&raw)
+        } else {
+            torch_save::load_one_archive(&raw)
+        };
+        parsed.map_err(|e| {
             self.storage_err(
                 key,
                 &info.relative_path,
@@ -648,6 +669,34 @@ fn zstd_layers(descriptors: &[String]) -> std::result::Result<usize, String> {
     }
     Ok(descriptors.len())
 }
+
+/// The pieces a compressed item's buffer starts with: it grows with what the decoder gives,
+/// never from a declared size.
+const READ_PIECE: u64 = 1 << 20;
+
+/// The most `stored` bytes can decompress to through `layers` zstd layers (each layer's bound
+/// is the next one's stored length): see the module docs of [`crate::io::dcp`] for the
+/// derivation from the zstd format (RFC 8878). A zstd frame is a 4-byte magic number, a frame
+/// header of at least 2 bytes, then blocks, each a 3-byte header and its content; a block
+/// decompresses to at most `Block_Maximum_Size` = min(window, 128 KiB) bytes, and the most
+/// per stored byte is an RLE block: 3 + 1 bytes for 128 KiB. Skippable frames, more frames,
+/// checksums and longer headers only add stored bytes. So `L` stored bytes give at most
+/// 131072 × ⌊(L − 6) / 4⌋ bytes (none when `L < 10`), reached by one frame with a 6-byte
+/// header (magic, descriptor, window descriptor) and RLE blocks of 128 KiB; libzstd refuses
+/// a larger block ("Data corruption detected"), checked in the tests.
+pub(crate) fn inflate_bound(stored: u64, layers: usize) -> u64 {
+    (0..layers).fold(stored, |l, _| {
+        (l.saturating_sub(ZSTD_FRAME_HEAD) / ZSTD_RLE_BLOCK).saturating_mul(ZSTD_MAX_BLOCK)
+    })
+}
+
+/// The fewest bytes of a zstd frame before its first block: the magic number and a 2-byte
+/// frame header.
+const ZSTD_FRAME_HEAD: u64 = 6;
+/// The stored bytes of an RLE block: its 3-byte header and the repeated byte.
+const ZSTD_RLE_BLOCK: u64 = 4;
+/// The most a zstd block decompresses to (`ZSTD_BLOCKSIZE_MAX`).
+const ZSTD_MAX_BLOCK: u64 = 128 << 10;
 
 /// The most an inner zstd layer may decompress to when the outer one may give `limit` bytes:
 /// zstd's worst-case growth of incompressible data (`ZSTD_compressBound`) plus a frame.
@@ -1433,6 +1482,35 @@ mod tests {
             let err = zstd_layers(&descs(&["stream.zstd/1", bad])).unwrap_err();
             assert!(err.contains(&format!("{bad:?}")), "{bad}: {err}");
         }
+    }
+
+    /// A zstd frame of `blocks` RLE blocks of `size` bytes each: 6 bytes of frame head (magic,
+    /// descriptor, 8 MiB window) and 4 per block.
+    fn rle_frame(blocks: usize, size: u32) -> Vec<u8> {
+        let mut out = vec![0x28, 0xb5, 0x2f, 0xfd, 0x00, 13 << 3];
+        for i in 0..blocks {
+            let header = u32::from(i + 1 == blocks) | 1 << 1 | size << 3;
+            out.extend_from_slice(&header.to_le_bytes()[..3]);
+            out.push(7);
+        }
+        out
+    }
+
+    #[test]
+    fn inflate_bound_is_reached_by_rle_blocks_and_a_larger_block_is_corrupt() {
+        for blocks in [1, 3] {
+            let frame = rle_frame(blocks, 128 << 10);
+            let out = zstd::decode_all(&frame[..]).unwrap();
+            assert_eq!(out.len() as u64, inflate_bound(frame.len() as u64, 1));
+            // One byte less can give one block less.
+            let fewer = inflate_bound(frame.len() as u64 - 1, 1);
+            assert_eq!(fewer, out.len() as u64 - (128 << 10));
+        }
+        // libzstd refuses a block of more than 128 KiB, so the bound holds.
+        assert!(zstd::decode_all(&rle_frame(1, (128 << 10) + 1)[..]).is_err());
+        assert_eq!(inflate_bound(9, 1), 0);
+        assert_eq!(inflate_bound(9, 2), 0);
+        assert_eq!(inflate_bound(u64::MAX, 3), u64::MAX);
     }
 
     #[test]

@@ -455,6 +455,20 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
     load_from_bytes_with(bytes, &LoadOptions::default())
 }
 
+/// [`load_from_bytes`] of bytes that must hold one archive and nothing else: a zip archive
+/// whose central directory and end records follow one another up to the last byte
+/// ([`zip::ZipReader::check_fills`]), where PyTorch's reader would also take an archive with
+/// bytes after it, or another archive's end records appended. What a DCP item's
+/// decompressed bytes must be. A legacy (pickle-stream) archive is read as
+/// [`load_from_bytes`] reads it.
+pub(crate) fn load_one_archive(bytes: &[u8]) -> Result<PyObj> {
+    let mut src = zip::SliceSource(bytes);
+    if !starts_legacy(MEMORY, &mut src)? {
+        zip::ZipReader::new(MEMORY, src)?.check_fills()?;
+    }
+    load_from_bytes(bytes)
+}
+
 /// [`load_from_bytes`] with options.
 pub fn load_from_bytes_with(bytes: &[u8], opts: &LoadOptions) -> Result<PyObj> {
     let mode = unpickle::Mode::Full {

@@ -127,7 +127,15 @@ pub(crate) struct ZipReader<S> {
     entries: Vec<Entry>,
     /// Entries by name in ASCII lower case: miniz finds names regardless of case.
     by_name: HashMap<String, usize>,
+    /// Whether the archive's records take the whole source ([`ZipReader::check_fills`]).
+    fills: Gap,
 }
+
+/// Where an archive's records leave bytes of the source outside it: `None` when the central
+/// directory, the zip64 end record and locator (if any) and the end record (with its comment)
+/// follow one another and the end record ends where the source does; else the offset of the
+/// first gap and what lies there.
+type Gap = Option<(u64, String)>;
 
 fn le16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])
@@ -150,6 +158,45 @@ struct CentralDirectory {
     /// "Number of this disk": 0 or 1 (miniz accepts both), which each entry's disk-start
     /// field must equal unless it is 1.
     disk: u32,
+    /// Whether the records take the whole source.
+    fills: Gap,
+}
+
+/// Where the records of an archive in a source of `len` bytes leave bytes outside it ([`Gap`]):
+/// the end record at `eocd` with a comment of `comment` bytes, the zip64 end record (its
+/// offset and where it ends by its own size) when miniz uses one, and the central directory
+/// at `cd_offset` of `cd_size` bytes.
+fn records_gap(
+    len: u64,
+    (eocd, comment): (u64, u64),
+    zip64: Option<(u64, u64)>,
+    (cd_offset, cd_size): (u64, u64),
+) -> Gap {
+    let end = eocd + EOCD_LEN as u64 + comment;
+    if end != len {
+        let what = format!(
+            "{} bytes after the end record and its comment",
+            len.abs_diff(end)
+        );
+        return Some((end.min(len), what));
+    }
+    if let Some((rec, rec_end)) = zip64 {
+        if rec_end != eocd - 20 {
+            let what = format!(
+                "the zip64 end record here ends at byte {rec_end}, not at its locator (byte {})",
+                eocd - 20
+            );
+            return Some((rec, what));
+        }
+    }
+    let records = zip64.map_or(eocd, |(rec, _)| rec);
+    (cd_offset + cd_size != records).then(|| {
+        let what = format!(
+            "the central directory here ({cd_size} bytes) ends at byte {}, not where the end records start (byte {records})",
+            cd_offset + cd_size
+        );
+        (cd_offset, what)
+    })
 }
 
 /// The suffix of reasons for checks that follow miniz (PyTorch's zip reader), with its error.
@@ -166,9 +213,11 @@ impl<S: Source> ZipReader<S> {
             src,
             entries: Vec::new(),
             by_name: HashMap::new(),
+            fills: None,
         };
         r.check_magic()?;
         let dir = r.central_directory()?;
+        r.fills = dir.fills.clone();
         let mut cd = vec![0u8; dir.size as usize];
         r.read(dir.offset, &mut cd, None)?;
         let mut at = 0usize;
@@ -227,8 +276,11 @@ impl<S: Source> ZipReader<S> {
         let mut size = u64::from(le32(e, 12));
         let mut offset = u64::from(le32(e, 16));
         let mut at = eocd_pos;
+        let comment = u64::from(le16(e, 20));
+        let mut rec_end = None;
         if let Some((rec_pos, rec, total_disks)) = self.zip64_records(eocd_pos)? {
             at = rec_pos;
+            rec_end = Some(rec_pos.saturating_add(12).saturating_add(le64(&rec, 4)));
             // miniz: "if (zip64_size_of_end_of_central_dir_record < (MZ_ZIP64_END_OF_CENTRAL_
             // DIR_HEADER_SIZE - 12)) return ... MZ_ZIP_INVALID_HEADER_OR_CORRUPTED".
             let rec_size = le64(&rec, 4);
@@ -312,6 +364,12 @@ impl<S: Source> ZipReader<S> {
             size,
             offset,
             disk,
+            fills: records_gap(
+                len,
+                (eocd_pos, comment),
+                rec_end.map(|e| (at, e)),
+                (offset, size),
+            ),
         })
     }
 
@@ -524,6 +582,25 @@ impl<S: Source> ZipReader<S> {
             path: self.file.clone(),
             source: e.into(),
         })
+    }
+
+    /// Refuses an archive whose records do not take the whole source: bytes after its end
+    /// record, or a central directory and end records that are not one after another (the end
+    /// records of another archive appended to this one). miniz reads such a source without a
+    /// word (it finds the last end record and follows its offsets from the source's start);
+    /// a reader that must find exactly one archive in a range checks this.
+    pub(crate) fn check_fills(&self) -> Result<()> {
+        match &self.fills {
+            None => Ok(()),
+            Some((offset, what)) => Err(self.err(
+                None,
+                *offset,
+                format!(
+                    "the archive does not take the whole of its {} bytes: {what}",
+                    self.src.len()
+                ),
+            )),
+        }
     }
 
     /// The entries in directory order.

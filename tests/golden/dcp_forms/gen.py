@@ -32,6 +32,7 @@ no registry knows, `stream.lz4/1`) and `zstd_v2.metadata` (`stream.zstd/2`), bot
 PyTorch's `dcp_to_torch_save` refuses (checked here).
 """
 
+import io
 import os
 import pickle
 import shutil
@@ -204,7 +205,97 @@ def hostile(base):
                 print(f"hostile/{case}: PyTorch refuses it (Unknown extension)")
             else:
                 raise SystemExit(f"hostile/{case}: PyTorch read it")
+    huge_declared(ckpt, out, variant)
+    trailing_frames(ckpt, out, variant, storage)
     print("hostile: ok")
+
+
+def huge_declared(ckpt, out, variant):
+    """`huge_declared.metadata`: `model.net2.0.bias` declared [2**34] float32 (64 GiB) in one
+    chunk, stored in its first chunk's compressed item (a few hundred bytes, which cannot
+    decompress to 64 GiB). PyTorch is not run on it: its loader allocates the declared size."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    def edit(md):
+        key = "model.net2.0.bias"
+        smd = md.state_dict_metadata[key]
+        smd.size = torch.Size([2**34])
+        smd.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2**34]))]
+        first = next(k for k in md.storage_data if k.fqn == key and list(k.offset) == [0])
+        info = md.storage_data.pop(first)
+        md.storage_data = {k: v for k, v in md.storage_data.items() if k.fqn != key}
+        md.storage_data[MetadataIndex(key, torch.Size([0]), 0)] = info
+
+    variant("huge_declared", edit)
+
+
+# What each `trailing_<case>.metadata` puts in `model.net1.0.weight`'s first chunk's range (in
+# `frames.distcp`), from that item's frame F and archive A, and whether PyTorch 2.13 with
+# `zstandard` loads it (its stream reader reads every frame and passes over a cut one;
+# `torch.load` reads the last end record it finds and ignores bytes after the archive).
+TRAILING = {
+    "garbage": (lambda f, a, c: f + b"garbage!", False),
+    "second_frame": (lambda f, a, c: f + c(a), True),
+    "hello_frame": (lambda f, a, c: f + c(b"hello"), True),
+    "cut_frame": (lambda f, a, c: f + c(a)[:5], True),
+    "gib_frame": (lambda f, a, c: f + rle_frame(1 << 30), None),
+    "split": (lambda f, a, c: c(a[:500]) + c(a[500:]), True),
+    "skippable": (lambda f, a, c: f + b"\x50\x2a\x4d\x18" + (4).to_bytes(4, "little") + b"abcd",
+                  True),
+}
+
+
+def rle_frame(size):
+    """A zstd frame of `size` zero bytes (a multiple of 128 KiB) in RLE blocks of 128 KiB: 4
+    stored bytes per block, the most any zstd block gives."""
+    out = b"\x28\xb5\x2f\xfd" + bytes([0x00, 13 << 3])  # magic, descriptor, 8 MiB window
+    blocks = size // (128 << 10)
+    for i in range(blocks):
+        last = 1 if i == blocks - 1 else 0
+        out += (last | 1 << 1 | (128 << 10) << 3).to_bytes(3, "little") + b"\x00"
+    return out
+
+
+def trailing_frames(ckpt, out, variant, storage):
+    """`frames.distcp` and a `trailing_<case>.metadata` per case of [`TRAILING`], each checked
+    against PyTorch (not `gib_frame`: PyTorch reads its gibibyte into memory)."""
+    import zstandard
+
+    with open(ckpt / ".metadata", "rb") as f:
+        info = storage(pickle.load(f), "model.net1.0.weight")
+    frame = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    archive = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(frame)).read(-1)
+    compress = zstandard.ZstdCompressor().compress
+    data, at = b"", {}
+    for case, (make, _) in TRAILING.items():
+        item = make(frame, archive, compress)
+        at[case] = (len(data), len(item))
+        data += item
+    (out / "frames.distcp").write_bytes(data)
+    for case, (_, loads) in TRAILING.items():
+        def edit(md, case=case):
+            info = storage(md, "model.net1.0.weight")
+            info.relative_path = "frames.distcp"
+            info.offset, info.length = at[case]
+
+        variant(f"trailing_{case}", edit)
+        if loads is None:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "ckpt"
+            shutil.copytree(ckpt, copy)
+            shutil.copy(out / "frames.distcp", copy)
+            shutil.copy(out / f"trailing_{case}.metadata", copy / ".metadata")
+            try:
+                dcp_to_torch_save(copy, Path(tmp) / "out.pt")
+                got = torch.load(Path(tmp) / "out.pt")["model"]["net1.0.weight"]
+                want = torch.load(ROOT / "zstd_ws3" / "expected.pt")["model"]["net1.0.weight"]
+                read = bool(torch.equal(got, want))
+            except CheckpointException:
+                read = False
+            if read != loads:
+                raise SystemExit(f"hostile/trailing_{case}: PyTorch loads it: {read}")
+            print(f"hostile/trailing_{case}: PyTorch {'loads' if read else 'refuses'} it")
 
 
 def main():
