@@ -202,6 +202,9 @@ fn many_tensor_model(dir: &std::path::Path, n: usize) -> u64 {
 
 /// Runs the tool with `args` (standard output discarded) and returns its exit status and
 /// its own peak RSS in bytes (`wait4`'s `ru_maxrss` of that one child).
+// The child is reaped by `wait4`, which `Child::wait` cannot replace: only it reports the
+// child's own rusage.
+#[allow(clippy::zombie_processes)]
 fn peak_rss_of(args: &[&std::ffi::OsStr]) -> (i32, u64) {
     let child = std::process::Command::new(tool::BIN)
         .args(args)
