@@ -659,6 +659,17 @@ pub enum Error {
         reason: String,
     },
 
+    /// A tensor would be written into a safetensors header under the name `__metadata__`,
+    /// the key the format reserves for its metadata: `safetensors`, transformers and this
+    /// crate's readers refuse a header holding it twice.
+    #[error("tensor `{}` ({origin}) cannot be written to a safetensors file: `__metadata__` is the name the format reserves for its metadata", shown(.tensor))]
+    ReservedTensorName {
+        /// The name it would get.
+        tensor: String,
+        /// Where it came from: the source key, and the rename that named it, or the writer.
+        origin: String,
+    },
+
     // ----- DCP directories -----
     /// A DCP `.metadata` file does not have the structure PyTorch's `dcp.save` writes (the
     /// pickle itself parses; its objects are not the expected `Metadata` fields).

@@ -177,3 +177,64 @@ fn bad_inputs_and_options_fail_with_a_message_naming_them() {
         assert!(!t.path().join(name).exists(), "{name}");
     }
 }
+
+/// Writes `dir/model.safetensors` holding `n` float32 tensors of shape [0] named `w.<i>` (the
+/// header `safetensors.torch.save_file` writes for them); returns the header's bytes.
+fn many_tensor_model(dir: &std::path::Path, n: usize) -> u64 {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut names: Vec<String> = (0..n).map(|i| format!("w.{i}")).collect();
+    names.sort();
+    let mut json = String::from(r#"{"__metadata__":{"format":"pt"}"#);
+    for name in &names {
+        json.push_str(&format!(
+            r#","{name}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}"#
+        ));
+    }
+    json.push('}');
+    while json.len() % 8 != 0 {
+        json.push(' ');
+    }
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json.as_bytes());
+    std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+    json.len() as u64
+}
+
+/// Runs the tool with `args` (standard output discarded) and returns its exit status and
+/// its own peak RSS in bytes (`wait4`'s `ru_maxrss` of that one child).
+// The child is reaped by `wait4`, which `Child::wait` cannot replace: only it reports the
+// child's own rusage.
+#[allow(clippy::zombie_processes)]
+fn peak_rss_of(args: &[&std::ffi::OsStr]) -> (i32, u64) {
+    let child = std::process::Command::new(tool::BIN)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut status = 0;
+    // SAFETY: an all-zero rusage is valid; wait4 fills it for the child it reaps.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: waits for our own child by its pid, writing into the locals above.
+    let pid = unsafe { libc::wait4(child.id() as i32, &mut status, 0, &mut usage) };
+    assert_eq!(pid, child.id() as i32, "wait4");
+    (status, usage.ru_maxrss as u64 * 1024)
+}
+
+#[test]
+fn a_header_of_100k_tensors_is_inspected_in_memory_bounded_by_the_header() {
+    // Issue 39 item 7: the cost per tensor. The bound is the header's size times four plus
+    // 100 MB (the benchmark's target, `benches/hf_tensors.rs`), never a time.
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("hf");
+    let header = many_tensor_model(&dir, 100_000);
+    let bound = 4 * header + 100_000_000;
+    let (status, peak) = peak_rss_of(&["inspect".as_ref(), dir.as_os_str()]);
+    assert_eq!(status, 0, "inspect failed");
+    assert!(
+        peak <= bound,
+        "inspect of {header} header bytes peaked at {peak} bytes RSS, over {bound}"
+    );
+    // `convert HF_DIR OUT --to dcp` is not bounded yet: the DCP writer keeps a record per
+    // item and the whole `.metadata` pickle in memory (see BENCHMARKS.md, "cost per tensor").
+}

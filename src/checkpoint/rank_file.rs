@@ -16,7 +16,12 @@ pub(super) fn header(rank: usize, entries: &[Entry]) -> Result<(Vec<u8>, Vec<u64
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), super::FORMAT.to_string());
     meta.insert("rank".to_string(), rank.to_string());
-    container::header(entries, &meta)
+    container::header(entries, &meta, &|e| {
+        format!(
+            "parameter `{}` in rank {rank}'s file of the crate's checkpoint",
+            e.name
+        )
+    })
 }
 
 /// A rank file being written.

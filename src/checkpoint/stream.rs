@@ -170,7 +170,9 @@ impl<'s> SafetensorsPlan<'s> {
             })
             .collect();
         let meta: BTreeMap<String, String> = meta.into_iter().collect();
-        let (header, starts) = container::header(&entries, &meta)?;
+        let (header, starts) = container::header(&entries, &meta, &|e| {
+            format!("the path `{}` of the checkpoint's object", e.name)
+        })?;
         Ok(SafetensorsPlan {
             tensors,
             starts,

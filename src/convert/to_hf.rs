@@ -24,7 +24,10 @@ pub struct HfExportOptions {
     /// integer and bool tensors keep theirs.
     pub dtype: Option<DType>,
     /// The subtree that holds the model: `None` for `model.` (refused when tensors lie
-    /// outside `model.` and `optim.`), `Some("")` for every tensor outside `optim.`.
+    /// outside `model.` and the training state), or a torchtitan checkpoint's top-level
+    /// keys; `Some("")` for every tensor outside the training state. Tensors under
+    /// [`hf::STATE_ROOTS`] (`optim`, torchtitan's `optimizer`, `lr_scheduler`, `dataloader`,
+    /// `train_state`) are never exported.
     pub prefix: Option<String>,
     /// Key renames, applied in order once the prefix is stripped.
     pub renames: Vec<Rename>,
@@ -322,7 +325,8 @@ fn choose(
         (None, Some(_)) => Some(""),
         (None, None) => None,
     };
-    let selected = names::select(src, &keys, prefix)?;
+    let layout = names::Layout::of(source.obj(), &keys);
+    let selected = names::select(src, &keys, prefix, layout)?;
     let stripped: Vec<String> = selected.iter().map(|(_, n)| n.clone()).collect();
     let renamed = names::rename_all(&opts.renames, &stripped)?;
     let picked: Vec<(usize, String)> = selected.iter().map(|(i, _)| *i).zip(renamed).collect();
@@ -468,6 +472,16 @@ fn make_plan(
             }
         })
         .collect();
+    let origin = |p: &PlannedTensor| {
+        let key = &tensors[p.source].key;
+        let renamed = if opts.renames.is_empty() {
+            String::new()
+        } else {
+            let rules: Vec<&str> = opts.renames.iter().map(Rename::rule).collect();
+            format!(", named by the renames {}", rules.join(" "))
+        };
+        format!("the key `{key}` of {}{renamed}", source.path.display())
+    };
     let implied = source
         .hf_storage()
         .filter(|_| opts.max_shard_size.is_none())
@@ -478,7 +492,7 @@ fn make_plan(
                 Default::default();
             for (j, p) in planned.iter().enumerate() {
                 let Some(&file) = files.get(&tensors[p.source].key) else {
-                    return plan::split_plan(&planned, hf::DEFAULT_MAX_SHARD_SIZE);
+                    return plan::split_plan(&planned, hf::DEFAULT_MAX_SHARD_SIZE, &origin);
                 };
                 named.entry(file).or_default().push(j);
             }
@@ -486,11 +500,12 @@ fn make_plan(
                 .into_iter()
                 .map(|((i, n), g)| (format!("model-{i:05}-of-{n:05}.safetensors"), g))
                 .collect();
-            plan::dir_plan(&planned, named, true)
+            plan::dir_plan(&planned, named, true, &origin)
         }
         None => plan::split_plan(
             &planned,
             opts.max_shard_size.unwrap_or(hf::DEFAULT_MAX_SHARD_SIZE),
+            &origin,
         ),
     }
 }

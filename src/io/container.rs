@@ -15,12 +15,24 @@ pub(crate) struct Entry {
     pub nbytes: u64,
 }
 
+/// The name a safetensors header reserves for its metadata, which no tensor may take.
+pub(crate) const RESERVED_NAME: &str = "__metadata__";
+
 /// The header bytes (length prefix included, padded to 8 bytes) for `entries` laid out back
-/// to back in order, and each entry's absolute byte offset in the file.
+/// to back in order, and each entry's absolute byte offset in the file. Every safetensors
+/// writer of the crate passes through here: a tensor named [`RESERVED_NAME`] is refused
+/// ([`Error::ReservedTensorName`], `origin` saying where it came from).
 pub(crate) fn header(
     entries: &[Entry],
     metadata: &BTreeMap<String, String>,
+    origin: &dyn Fn(&Entry) -> String,
 ) -> Result<(Vec<u8>, Vec<u64>)> {
+    if let Some(e) = entries.iter().find(|e| e.name == RESERVED_NAME) {
+        return Err(Error::ReservedTensorName {
+            tensor: e.name.clone(),
+            origin: origin(e),
+        });
+    }
     // Written as the `safetensors` library writes it: `__metadata__` first, then each tensor
     // in data order with its keys `dtype`, `shape`, `data_offsets`, compact.
     let ser = |what: &str, v: &dyn erased_json::Json| {

@@ -66,7 +66,7 @@ use super::torch_save::{PyObj, SavedModelStateDict};
 use crate::error::{Error, Result};
 use crate::optim_state::OptimStateDict;
 use crate::tensor::{DType, HostTensor};
-use ::safetensors::tensor::{Dtype, SafeTensors, View};
+use ::safetensors::tensor::{Dtype, View};
 use serde_json::{json, Value as Json};
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
@@ -402,7 +402,9 @@ fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor
         });
     }
     let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
-    let (header, _) = crate::io::container::header(&entries, &meta)?;
+    let (header, _) = crate::io::container::header(&entries, &meta, &|e| {
+        format!("the path `{}` of the object", e.name)
+    })?;
     if header.len() - 8 > MAX_HEADER_BYTES {
         return Err(Error::Serialization {
             what: format!("the safetensors header of `{file}`"),
@@ -468,7 +470,9 @@ impl<'o> LazyPlan<'o> {
             })
             .collect();
         let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
-        let (header, starts) = crate::io::container::header(&entries, &meta)?;
+        let (header, starts) = crate::io::container::header(&entries, &meta, &|e| {
+            format!("the path `{}` of the object", e.name)
+        })?;
         if header.len() - 8 > MAX_HEADER_BYTES {
             return Err(Error::Serialization {
                 what: format!("the safetensors header of `{file}`"),
@@ -591,28 +595,132 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
 }
 
 fn read(file: &str, bytes: &[u8]) -> Result<PyObj> {
-    let (n, header) = SafeTensors::read_metadata(bytes).map_err(|e| st_err(file, e))?;
-    let data = &bytes[8 + n..];
-    build(file, &header, |info, dtype| {
-        let (s, e) = info.data_offsets;
-        HostTensor::from_bytes(dtype, &info.shape, &data[s..e]).map_err(|e| e.to_string())
-    })
+    let n = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or_else(|| st_err(file, "the file is shorter than the 8-byte header length"))?;
+    let len = bytes.len() as u64;
+    if n > MAX_HEADER || n + 8 > len {
+        return Err(st_err(
+            file,
+            format!(
+                "the header length {n} does not fit the file ({len} bytes; at most {MAX_HEADER})"
+            ),
+        ));
+    }
+    let parsed: ParsedHeader = serde_json::from_slice(&bytes[8..8 + n as usize])
+        .map_err(|e| st_err(file, format!("invalid header: {e}")))?;
+    let raw = checked_header(file, parsed, 8 + n, len)?;
+    let skeleton = raw.metadata.as_ref().and_then(|m| m.get(OBJECT_KEY));
+    let tensors = raw
+        .tensors
+        .iter()
+        .map(|t| {
+            let data = &bytes[t.range.start as usize..t.range.end as usize];
+            HostTensor::from_bytes(t.dtype, &t.shape, data)
+                .map(|v| (t.name.clone(), v))
+                .map_err(|e| st_err(file, format!("tensor `{}`: {e}", t.name)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    build(file, tensors, skeleton)
 }
 
-/// The structure of a `.safetensors` file without its tensor data ([`load_headers`]).
-pub(crate) struct Headers {
-    /// The object. Tensors of more than one element are empty placeholders of the right
-    /// dtype; smaller ones are read.
-    pub(crate) obj: PyObj,
-    /// Per placeholder (by storage id): its real shape and its bytes' range in the file.
-    placed: HashMap<usize, (Vec<usize>, std::ops::Range<u64>)>,
+/// One tensor of a safetensors header, by the name the header gives it (what the
+/// `safetensors` library and transformers read).
+#[derive(Debug, Clone)]
+pub(crate) struct HeaderTensor {
+    pub(crate) name: String,
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<usize>,
+    /// Its bytes' range in the file.
+    pub(crate) range: std::ops::Range<u64>,
 }
 
-/// Reads the header of the `.safetensors` file at `path` (checked as [`load`] checks it:
-/// tensor byte ranges that tile the data exactly, which ends where the file does) and the
-/// object it describes, with placeholders for tensors of more than one element: what
-/// [`FileTensors`] streams. Memory holds the header, not the tensors.
-pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
+/// The header of a `.safetensors` file, checked as the `safetensors` library checks it
+/// (`read_metadata`): tensor byte ranges that tile the data exactly, each as long as its dtype
+/// and shape say, the data ending where the file does; and, beyond it, no name twice.
+pub(crate) struct RawHeader {
+    /// The tensors in name order.
+    pub(crate) tensors: Vec<HeaderTensor>,
+    /// The `__metadata__` entries.
+    pub(crate) metadata: Option<HashMap<String, String>>,
+}
+
+/// The header's JSON object as parsed: `__metadata__` and the tensors in the header's order.
+struct ParsedHeader {
+    metadata: Option<HashMap<String, String>>,
+    tensors: Vec<(String, ::safetensors::tensor::TensorInfo)>,
+}
+
+impl<'de> serde::Deserialize<'de> for ParsedHeader {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = ParsedHeader;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a safetensors header (a JSON object of tensors)")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<ParsedHeader, A::Error> {
+                let mut out = ParsedHeader {
+                    metadata: None,
+                    tensors: Vec::with_capacity(map.size_hint().unwrap_or(0)),
+                };
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == "__metadata__" {
+                        if out.metadata.is_some() {
+                            return Err(serde::de::Error::duplicate_field("__metadata__"));
+                        }
+                        out.metadata = Some(map.next_value()?);
+                    } else {
+                        out.tensors.push((key, map.next_value()?));
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// The `__metadata__` of a header's JSON object, every tensor entry skipped unparsed.
+struct MetadataOnly(Option<HashMap<String, String>>);
+
+impl<'de> serde::Deserialize<'de> for MetadataOnly {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = MetadataOnly;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a safetensors header (a JSON object of tensors)")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<MetadataOnly, A::Error> {
+                let mut out = None;
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "__metadata__" {
+                        if out.is_some() {
+                            return Err(serde::de::Error::duplicate_field("__metadata__"));
+                        }
+                        out = Some(map.next_value()?);
+                    } else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(MetadataOnly(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// The header bytes of the regular file `path` (its length checked against the file's and
+/// [`MAX_HEADER`]) and the file's length.
+fn header_bytes(path: &Path) -> Result<(Vec<u8>, u64)> {
     use std::os::unix::fs::FileExt;
     let file = path.display().to_string();
     let f = open_input(path)?;
@@ -632,33 +740,171 @@ pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
     let mut header = vec![0u8; n as usize];
     f.read_exact_at(&mut header, 8)
         .map_err(Error::io("reading", path))?;
-    let md: ::safetensors::tensor::Metadata = serde_json::from_slice(&header)
+    Ok((header, len))
+}
+
+/// The `__metadata__` entries of the `.safetensors` file at `path`, read without building its
+/// tensors' entries (a header of a million tensors parses in a fraction of a second).
+pub(crate) fn header_metadata(path: &Path) -> Result<Option<HashMap<String, String>>> {
+    let (header, _) = header_bytes(path)?;
+    serde_json::from_slice::<MetadataOnly>(&header)
+        .map(|m| m.0)
+        .map_err(|e| st_err(&path.display().to_string(), format!("invalid header: {e}")))
+}
+
+/// Reads and checks the header of the regular file `path` (see [`RawHeader`]). Memory holds
+/// the header's bytes while it is parsed, then one compact entry per tensor.
+pub(crate) fn read_header(path: &Path) -> Result<RawHeader> {
+    let file = path.display().to_string();
+    let (header, len) = header_bytes(path)?;
+    let parsed: ParsedHeader = serde_json::from_slice(&header)
         .map_err(|e| st_err(&file, format!("invalid header: {e}")))?;
-    let data_start = 8 + n;
-    if data_start + md.data_len() as u64 != len {
+    let data_start = 8 + header.len() as u64;
+    drop(header);
+    checked_header(&file, parsed, data_start, len)
+}
+
+/// The tensors of `parsed` checked against a file of `len` bytes whose data starts at
+/// `data_start`, in name order.
+fn checked_header(
+    file: &str,
+    parsed: ParsedHeader,
+    data_start: u64,
+    len: u64,
+) -> Result<RawHeader> {
+    let mut dtypes: Vec<(Dtype, DType)> = Vec::new();
+    let mut tensors = Vec::with_capacity(parsed.tensors.len());
+    for (name, info) in parsed.tensors {
+        let dtype = match dtypes.iter().find(|(st, _)| *st == info.dtype) {
+            Some((_, d)) => *d,
+            None => {
+                let d = from_st_dtype(info.dtype).ok_or_else(|| {
+                    st_err(
+                        file,
+                        format!(
+                            "tensor `{name}` has dtype {:?}, which is not supported",
+                            info.dtype
+                        ),
+                    )
+                })?;
+                dtypes.push((info.dtype, d));
+                d
+            }
+        };
+        let (s, e) = info.data_offsets;
+        tensors.push(HeaderTensor {
+            name,
+            dtype,
+            shape: info.shape,
+            range: s as u64..e as u64,
+        });
+    }
+    let mut by_offset: Vec<u32> = (0..tensors.len() as u32).collect();
+    by_offset.sort_unstable_by_key(|&i| {
+        let r = &tensors[i as usize].range;
+        (r.start, r.end)
+    });
+    let mut at = 0u64;
+    for &i in &by_offset {
+        let t = &tensors[i as usize];
+        let bytes = t
+            .shape
+            .iter()
+            .try_fold(t.dtype.size() as u64, |a, &d| a.checked_mul(d as u64));
+        if t.range.start != at
+            || bytes != Some(t.range.end.wrapping_sub(t.range.start))
+            || t.range.end < t.range.start
+        {
+            return Err(st_err(
+                file,
+                format!(
+                    "tensor `{}` ({} {:?}) takes bytes {}..{} of the data, where {at}..{} was expected (tensors tile the data in offset order)",
+                    t.name,
+                    t.dtype,
+                    t.shape,
+                    t.range.start,
+                    t.range.end,
+                    bytes.map_or_else(|| "an overflowing size".to_string(), |b| (at + b).to_string())
+                ),
+            ));
+        }
+        at = t.range.end;
+    }
+    drop(by_offset);
+    if data_start + at != len {
         return Err(st_err(
-            &file,
+            file,
             format!(
-                "the tensors take {} bytes after the header, the file has {} (truncated or padded)",
-                md.data_len(),
+                "the tensors take {at} bytes after the header, the file has {} (truncated or padded)",
                 len - data_start
             ),
         ));
     }
+    for t in &mut tensors {
+        t.range = data_start + t.range.start..data_start + t.range.end;
+    }
+    tensors.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
+        return Err(st_err(
+            file,
+            format!("tensor `{}` is named twice in the header", w[0].name),
+        ));
+    }
+    Ok(RawHeader {
+        tensors,
+        metadata: parsed.metadata,
+    })
+}
+
+/// Where the placeholders of a file's tensors lie: by a placeholder's storage id, its real
+/// shape and its bytes' range in the file.
+pub(crate) type Placed = HashMap<usize, (Vec<usize>, std::ops::Range<u64>)>;
+
+/// `t` of the file `f`: read, when it has at most one element, else a placeholder recorded
+/// in `placed` (what [`FileTensors`] streams).
+pub(crate) fn placeholder(
+    f: &std::fs::File,
+    t: &HeaderTensor,
+    placed: &mut Placed,
+) -> std::result::Result<HostTensor, String> {
+    use std::os::unix::fs::FileExt;
+    if t.shape.iter().product::<usize>() <= 1 {
+        let mut bytes = vec![0u8; (t.range.end - t.range.start) as usize];
+        f.read_exact_at(&mut bytes, t.range.start)
+            .map_err(|e| format!("cannot read it: {e}"))?;
+        return HostTensor::from_bytes(t.dtype, &t.shape, &bytes).map_err(|e| e.to_string());
+    }
+    let p = HostTensor::zeros(t.dtype, &[0]);
+    placed.insert(p.storage_id(), (t.shape.clone(), t.range.clone()));
+    Ok(p)
+}
+
+/// The structure of a `.safetensors` file without its tensor data ([`load_headers`]).
+pub(crate) struct Headers {
+    /// The object. Tensors of more than one element are empty placeholders of the right
+    /// dtype; smaller ones are read.
+    pub(crate) obj: PyObj,
+    /// Per placeholder (by storage id): its real shape and its bytes' range in the file.
+    pub(crate) placed: Placed,
+}
+
+/// Reads the header of the `.safetensors` file at `path` ([`read_header`]) and the object it
+/// describes (its [`OBJECT_KEY`] structure, or an `OrderedDict` of its tensors by name), with
+/// placeholders for tensors of more than one element: what [`FileTensors`] streams. Memory
+/// holds the header, not the tensors.
+pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
+    let file = path.display().to_string();
+    let raw = read_header(path)?;
+    let f = open_input(path)?;
     let mut placed = HashMap::new();
-    let obj = build(&file, &md, |info, dtype| {
-        let (s, e) = info.data_offsets;
-        let range = data_start + s as u64..data_start + e as u64;
-        if info.shape.iter().product::<usize>() <= 1 {
-            let mut bytes = vec![0u8; e - s];
-            f.read_exact_at(&mut bytes, range.start)
-                .map_err(|e| format!("cannot read it: {e}"))?;
-            return HostTensor::from_bytes(dtype, &info.shape, &bytes).map_err(|e| e.to_string());
-        }
-        let p = HostTensor::zeros(dtype, &[0]);
-        placed.insert(p.storage_id(), (info.shape.clone(), range));
-        Ok(p)
-    })?;
+    let mut tensors = Vec::with_capacity(raw.tensors.len());
+    for t in &raw.tensors {
+        let p = placeholder(&f, t, &mut placed)
+            .map_err(|e| st_err(&file, format!("tensor `{}`: {e}", t.name)))?;
+        tensors.push((t.name.clone(), p));
+    }
+    let skeleton = raw.metadata.as_ref().and_then(|m| m.get(OBJECT_KEY));
+    let obj = build(&file, tensors, skeleton)?;
     Ok(Headers { obj, placed })
 }
 
@@ -674,7 +920,7 @@ const MAX_HEADER: u64 = 100_000_000;
 /// from, 4 MiB at a time ([`super::stream_range`]), each tensor's pages dropped from the
 /// page cache once read.
 pub(crate) struct FileTensors<'h> {
-    headers: &'h Headers,
+    placed: &'h Placed,
     file: std::fs::File,
     path: &'h Path,
     /// The output being written, for messages.
@@ -682,11 +928,11 @@ pub(crate) struct FileTensors<'h> {
 }
 
 impl<'h> FileTensors<'h> {
-    /// Streams `headers`' placeholders from the file `path` they were read from, writing `out`.
-    pub(crate) fn open(path: &'h Path, headers: &'h Headers, out: &'h Path) -> Result<Self> {
+    /// Streams the placeholders `placed` from the file `path` they were read from, writing `out`.
+    pub(crate) fn open(path: &'h Path, placed: &'h Placed, out: &'h Path) -> Result<Self> {
         let file = open_input(path)?;
         Ok(FileTensors {
-            headers,
+            placed,
             file,
             path,
             out,
@@ -696,10 +942,7 @@ impl<'h> FileTensors<'h> {
 
 impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
     fn shape_of(&self, t: &HostTensor) -> Option<Vec<usize>> {
-        self.headers
-            .placed
-            .get(&t.storage_id())
-            .map(|(s, _)| s.clone())
+        self.placed.get(&t.storage_id()).map(|(s, _)| s.clone())
     }
 
     fn stream(
@@ -708,7 +951,7 @@ impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
         sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
     ) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let Some((_, range)) = self.headers.placed.get(&t.storage_id()) else {
+        let Some((_, range)) = self.placed.get(&t.storage_id()) else {
             return Ok(());
         };
         let (file, path, out) = (&self.file, self.path, self.out);
@@ -726,43 +969,23 @@ impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
     }
 }
 
-/// The object of a safetensors file from its header, each tensor made by `tensor` from its
-/// info and dtype (an error is a reason, reported with the file and tensor).
+/// The object of a safetensors file from its tensors (in name order) and its
+/// [`OBJECT_KEY`] structure, if it has one; without, an `OrderedDict` of the tensors by name.
 fn build(
     file: &str,
-    header: &::safetensors::tensor::Metadata,
-    mut tensor: impl FnMut(
-        &::safetensors::tensor::TensorInfo,
-        DType,
-    ) -> std::result::Result<HostTensor, String>,
+    tensors: Vec<(String, HostTensor)>,
+    skeleton: Option<&String>,
 ) -> Result<PyObj> {
-    let mut tensors: HashMap<String, HostTensor> = HashMap::new();
-    for name in header.offset_keys() {
-        let info = header.info(&name).expect("a name of the header");
-        let dtype = from_st_dtype(info.dtype).ok_or_else(|| {
-            st_err(
-                file,
-                format!(
-                    "tensor `{name}` has dtype {:?}, which is not supported",
-                    info.dtype
-                ),
-            )
-        })?;
-        let t = tensor(info, dtype).map_err(|e| st_err(file, format!("tensor `{name}`: {e}")))?;
-        tensors.insert(name, t);
-    }
-    let skeleton = header.metadata().as_ref().and_then(|m| m.get(OBJECT_KEY));
     let Some(skeleton) = skeleton else {
-        let mut items: Vec<(String, HostTensor)> = tensors.into_iter().collect();
-        items.sort_by(|a, b| a.0.cmp(&b.0));
         return Ok(PyObj::OrderedDict {
-            items: items
+            items: tensors
                 .into_iter()
                 .map(|(k, t)| (PyObj::Str(k), PyObj::Tensor(t)))
                 .collect(),
             attrs: Vec::new(),
         });
     };
+    let tensors: HashMap<String, HostTensor> = tensors.into_iter().collect();
     let json: Json = serde_json::from_str(skeleton)
         .map_err(|e| st_err(file, format!("`{OBJECT_KEY}` metadata is not JSON: {e}")))?;
     let mut dec = Decoder {

@@ -469,3 +469,176 @@ fn export_refusals_are_typed() {
     let done = convert::checkpoint_to_hf(&raw, &t.path().join("c"), &opts, &Solo).unwrap();
     assert_eq!(done.tensors, 2);
 }
+
+/// The tensor names Python's `safetensors` (what transformers calls) reads from `file`.
+fn python_names(file: &Path) -> Vec<String> {
+    let out = std::process::Command::new(python())
+        .args([
+            "-c",
+            "import sys, json; from safetensors import safe_open\n\
+             with safe_open(sys.argv[1], 'pt') as f: print(json.dumps(sorted(f.keys())))",
+        ])
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn f32s(v: &[f32]) -> HostTensor {
+    HostTensor::from_vec1(v)
+}
+
+#[test]
+fn a_model_directory_is_read_by_its_safetensors_names_never_by_the_crates_own_metadata() {
+    // A save_pretrained shard whose `fsdp.pyobj.v1` maps q_proj to k_proj's bytes and back.
+    let t = tempfile::tempdir().unwrap();
+    let swapped = t.path().join("swapped");
+    std::fs::create_dir(&swapped).unwrap();
+    let (q, k) = (f32s(&[1.0, 2.0]), f32s(&[3.0, 4.0]));
+    fn bytes(t: &HostTensor) -> ::safetensors::tensor::TensorView<'_> {
+        ::safetensors::tensor::TensorView::new(
+            ::safetensors::tensor::Dtype::F32,
+            t.shape().to_vec(),
+            t.as_bytes(),
+        )
+        .unwrap()
+    }
+    let meta = std::collections::HashMap::from([
+        ("format".to_string(), "pt".to_string()),
+        (
+            fsdp::io::safetensors::OBJECT_KEY.to_string(),
+            r#"{"odict": [["q_proj.weight", {"tensor": "k_proj.weight"}], ["k_proj.weight", {"tensor": "q_proj.weight"}]], "attrs": []}"#
+                .to_string(),
+        ),
+    ]);
+    let file = swapped.join("model.safetensors");
+    ::safetensors::tensor::serialize_to_file(
+        vec![("q_proj.weight", bytes(&q)), ("k_proj.weight", bytes(&k))],
+        Some(meta),
+        &file,
+    )
+    .unwrap();
+    assert_eq!(python_names(&file), ["k_proj.weight", "q_proj.weight"]);
+    let dcp = t.path().join("swapped_dcp");
+    convert::hf_to_dcp(&swapped, &dcp, &HfImportOptions::default(), &Solo).unwrap();
+    let ckpt = fsdp::io::dcp::DcpCheckpoint::open(&dcp).unwrap();
+    assert_eq!(
+        ckpt.read_tensor("model.q_proj.weight").unwrap().as_bytes(),
+        q.as_bytes(),
+        "q_proj imported with another tensor's bytes"
+    );
+    assert_eq!(
+        ckpt.read_tensor("model.k_proj.weight").unwrap().as_bytes(),
+        k.as_bytes()
+    );
+
+    // A `.safetensors` the tool wrote from a nested `.pt` (`{"model": {"x": ...}}`): its header
+    // names the tensor `model/x`, which is what transformers sees and what imports.
+    let nested = t.path().join("nested");
+    std::fs::create_dir(&nested).unwrap();
+    let obj = PyObj::Dict(vec![(
+        PyObj::Str("model".into()),
+        PyObj::Dict(vec![(PyObj::Str("x".into()), PyObj::Tensor(q.clone()))]),
+    )]);
+    let file = nested.join("model.safetensors");
+    fsdp::io::safetensors::save(&obj, &file).unwrap();
+    assert_eq!(python_names(&file), ["model/x"]);
+    let summary = hf::summary(&nested).unwrap();
+    let names: Vec<&str> = summary.tensors.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["model/x"]);
+    let dcp = t.path().join("nested_dcp");
+    convert::hf_to_dcp(&nested, &dcp, &HfImportOptions::default(), &Solo).unwrap();
+    let ckpt = fsdp::io::dcp::DcpCheckpoint::open(&dcp).unwrap();
+    assert!(ckpt.entry("model.model.x").is_none());
+    assert_eq!(
+        ckpt.read_tensor("model.model/x").unwrap().as_bytes(),
+        q.as_bytes()
+    );
+}
+
+#[test]
+fn a_tensor_named_metadata_is_refused_by_every_safetensors_writer() {
+    let t = tempfile::tempdir().unwrap();
+    let w = f32s(&[1.0, 2.0]);
+    let src = t.path().join("src");
+    let obj = PyObj::Dict(vec![(
+        PyObj::Str("model".into()),
+        PyObj::Dict(vec![
+            (PyObj::Str("a.weight".into()), PyObj::Tensor(w.clone())),
+            (PyObj::Str("b.weight".into()), PyObj::Tensor(w.clone())),
+        ]),
+    )]);
+    fsdp::io::dcp::save_dcp(&obj, &src).unwrap();
+    // A rename to the reserved name.
+    let opts = HfExportOptions {
+        renames: vec![Rename::parse(r"^a\.weight$=__metadata__").unwrap()],
+        ..Default::default()
+    };
+    let out = t.path().join("renamed");
+    match convert::checkpoint_to_hf(&src, &out, &opts, &Solo).unwrap_err() {
+        Error::ReservedTensorName { tensor, origin } => {
+            assert_eq!(tensor, "__metadata__");
+            assert!(
+                origin.contains("`model.a.weight`") && origin.contains("__metadata__"),
+                "{origin}"
+            );
+        }
+        e => panic!("{e}"),
+    }
+    assert!(!out.exists());
+    // A source tensor named so.
+    let src2 = t.path().join("src2");
+    let obj = PyObj::Dict(vec![(
+        PyObj::Str("model".into()),
+        PyObj::Dict(vec![(PyObj::Str("__metadata__".into()), PyObj::Tensor(w))]),
+    )]);
+    fsdp::io::dcp::save_dcp(&obj, &src2).unwrap();
+    let out = t.path().join("source");
+    match convert::checkpoint_to_hf(&src2, &out, &HfExportOptions::default(), &Solo).unwrap_err() {
+        Error::ReservedTensorName { tensor, origin } => {
+            assert_eq!(tensor, "__metadata__");
+            assert!(origin.contains("`model.__metadata__`"), "{origin}");
+        }
+        e => panic!("{e}"),
+    }
+    assert!(!out.exists());
+}
+
+fn torchtitan(p: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/torchtitan")
+        .join(p)
+}
+
+#[test]
+fn a_torchtitan_checkpoint_exports_its_model_and_never_its_training_state() {
+    // tests/golden/torchtitan/gen.py: torchtitan's layout, model keys at the top level beside
+    // `optimizer` (flattened AdamW state), `lr_scheduler`, `dataloader`, `train_state`.
+    let src = torchtitan("ckpt");
+    let want = tensors_of_file(&torchtitan("model.safetensors"));
+    assert_eq!(want.len(), 9);
+    for prefix in [None, Some(String::new())] {
+        let opts = HfExportOptions {
+            prefix: prefix.clone(),
+            ..Default::default()
+        };
+        let (_t, out, done) = export(&src, &opts);
+        assert_eq!(done.tensors, want.len(), "--prefix {prefix:?}");
+        assert_eq!(tensors_of(&out), want, "--prefix {prefix:?}");
+    }
+    // A prefix inside the training state is refused.
+    let t = tempfile::tempdir().unwrap();
+    let opts = HfExportOptions {
+        prefix: Some("optimizer".into()),
+        ..Default::default()
+    };
+    match convert::checkpoint_to_hf(&src, &t.path().join("o"), &opts, &Solo).unwrap_err() {
+        Error::HfSelection { reason, .. } => assert!(reason.contains("training state"), "{reason}"),
+        e => panic!("{e}"),
+    }
+}

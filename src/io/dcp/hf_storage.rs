@@ -180,13 +180,10 @@ fn header(path: &Path, file: &str) -> Result<Header> {
 
 /// Whether the regular file `path`'s header carries `DCP_SHARDING_INFO` (`false` for a file
 /// that is unreadable or no safetensors file: the reader reports those).
-fn has_sharding_info(path: &Path, file: &str) -> bool {
+fn has_sharding_info(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file())
-        && header(path, file).is_ok_and(|h| {
-            h.metadata
-                .as_ref()
-                .is_some_and(|m| m.contains_key(SHARDING_INFO_KEY))
-        })
+        && crate::io::safetensors::header_metadata(path)
+            .is_ok_and(|m| m.is_some_and(|m| m.contains_key(SHARDING_INFO_KEY)))
 }
 
 /// The form of Hugging Face storage `dir` holds, if any: some `.safetensors` file in it whose
@@ -196,7 +193,7 @@ fn has_sharding_info(path: &Path, file: &str) -> bool {
 /// model directory, not this.
 pub fn hf_form(dir: &Path) -> Result<Option<HfForm>> {
     let names = crate::io::safetensors::file_names(dir)?;
-    if let Some(n) = names.iter().find(|n| has_sharding_info(&dir.join(n), n)) {
+    if let Some(n) = names.iter().find(|n| has_sharding_info(&dir.join(n))) {
         return Ok(Some(if n.starts_with("shard-") {
             HfForm::Distributed
         } else {

@@ -241,7 +241,9 @@ impl Headers {
         Ok(match self {
             Headers::TorchSave(h) => TorchSaveTensors::open(input, h, out, views)?
                 .map(|t| Box::new(t) as Box<dyn LazyTensors>),
-            Headers::Safetensors(h) => Some(Box::new(SafetensorsTensors::open(input, h, out)?)),
+            Headers::Safetensors(h) => {
+                Some(Box::new(SafetensorsTensors::open(input, &h.placed, out)?))
+            }
         })
     }
 }

@@ -1179,7 +1179,10 @@ fn safetensors_header(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let header = crate::io::container::header(&entries, &meta)?.0;
+    let header = crate::io::container::header(&entries, &meta, &|e| {
+        format!("the path `{}` of the DCP checkpoint's object", e.name)
+    })?
+    .0;
     Ok((header, entries.iter().map(|e| e.nbytes).collect()))
 }
 

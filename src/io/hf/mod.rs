@@ -22,7 +22,7 @@ pub(crate) mod plan;
 pub(crate) mod read;
 pub(crate) mod write;
 
-pub use names::{Rename, MODEL_PREFIX, OPTIM_PREFIX};
+pub use names::{Rename, MODEL_PREFIX, OPTIM_PREFIX, STATE_ROOTS};
 pub use plan::{parse_shard_size, DEFAULT_MAX_SHARD_SIZE};
 pub(crate) use read::HfModelDir;
 pub use read::{summary, HfSummary, HfTensorSummary};

@@ -12,63 +12,137 @@ pub const MODEL_PREFIX: &str = "model.";
 /// The subtree it keeps the optimizer state in, never exported.
 pub const OPTIM_PREFIX: &str = "optim.";
 
+/// The top-level entries of a training checkpoint that hold training state, never model
+/// weights: `get_state_dict`'s `optim`, and torchtitan's `optimizer` (its
+/// `get_optimizer_state_dict(…, flatten_optimizer_state_dict=True)`), `lr_scheduler`,
+/// `dataloader` and `train_state`. No tensor under one of them is ever exported as a weight,
+/// whatever `--prefix` says.
+pub const STATE_ROOTS: [&str; 5] = [
+    "optim",
+    "optimizer",
+    "lr_scheduler",
+    "dataloader",
+    "train_state",
+];
+
+/// The state roots torchtitan saves beside its model keys, which sit at the top level
+/// (`CheckpointManager._flattened_model_states_sd`).
+const TORCHTITAN_ROOTS: [&str; 4] = ["optimizer", "lr_scheduler", "dataloader", "train_state"];
+
 /// How many names an error lists before it says how many more there are.
 const LISTED: usize = 8;
 
+/// Where a checkpoint keeps its model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// Under `model.` (`dcp.save({"model": msd, …})`), or wherever `--prefix` says.
+    Subtree,
+    /// At the top level beside torchtitan's training state ([`TORCHTITAN_ROOTS`]).
+    Torchtitan,
+}
+
+impl Layout {
+    /// The layout of a checkpoint whose object is `obj` and whose flattened tensor keys are
+    /// `keys`: torchtitan's when a tensor lies under one of its state roots and the top level
+    /// has no `model` entry holding a dict (`{"model": msd, "optimizer": osd}` keeps its model
+    /// in the `model.` subtree; torchtitan's `model.`-named keys are top-level keys).
+    pub(crate) fn of(obj: &PyObj, keys: &[String]) -> Layout {
+        let nested_model = obj.get("model").is_some_and(|m| m.dict_items().is_some());
+        let torchtitan_state = keys
+            .iter()
+            .any(|k| TORCHTITAN_ROOTS.iter().any(|r| under(k, r)));
+        if torchtitan_state && !nested_model {
+            Layout::Torchtitan
+        } else {
+            Layout::Subtree
+        }
+    }
+}
+
+/// Whether `key` lies under the top-level entry `root`.
+fn under(key: &str, root: &str) -> bool {
+    key.strip_prefix(root).is_some_and(|r| r.starts_with('.'))
+}
+
+/// The state root `key` lies under, if any ([`STATE_ROOTS`]).
+fn state_root(key: &str) -> Option<&'static str> {
+    STATE_ROOTS.into_iter().find(|r| under(key, r))
+}
+
 /// The tensors of `keys` (flattened checkpoint keys, in order) that make the model, with
-/// their names once `prefix` is stripped: by default (`None`) the `model.` subtree, refused
-/// when tensors lie outside both `model.` and `optim.` (they would be lost silently);
-/// `Some("")` every tensor outside `optim.`; `Some(p)` the subtree `p` (a trailing `.` is
-/// implied). Returns (index into `keys`, name). An empty selection is an error naming what the
-/// input holds.
+/// their names once `prefix` is stripped. By default (`None`): a torchtitan checkpoint's
+/// top-level keys ([`Layout::Torchtitan`]), names as saved; otherwise the `model.` subtree,
+/// refused when tensors lie outside both `model.` and the state roots (they would be lost
+/// silently). `Some("")`: every tensor outside the state roots. `Some(p)`: the subtree `p` (a
+/// trailing `.` is implied), refused when `p` is training state. Tensors under a state root
+/// ([`STATE_ROOTS`]) are never picked. Returns (index into `keys`, name). An empty selection
+/// is an error naming what the input holds.
 pub(crate) fn select(
     input: &Path,
     keys: &[String],
     prefix: Option<&str>,
+    layout: Layout,
 ) -> Result<Vec<(usize, String)>> {
     let refuse = |reason: String| Error::HfSelection {
         input: input.display().to_string(),
         reason,
     };
+    let outside_state = || {
+        keys.iter()
+            .enumerate()
+            .filter(|(_, k)| state_root(k).is_none())
+            .map(|(i, k)| (i, k.clone()))
+            .collect()
+    };
     let picked: Vec<(usize, String)> = match prefix {
+        None if layout == Layout::Torchtitan => outside_state(),
         None => {
             let outside: Vec<&str> = keys
                 .iter()
-                .filter(|k| !k.starts_with(MODEL_PREFIX) && !k.starts_with(OPTIM_PREFIX))
+                .filter(|k| !k.starts_with(MODEL_PREFIX) && state_root(k).is_none())
                 .map(String::as_str)
                 .collect();
             if !outside.is_empty() {
                 return Err(refuse(format!(
-                    "{} tensor(s) lie outside both `model.` and `optim.`: {}; exporting only \
-                     `model.` would lose them. Pass --prefix '' to export every tensor outside \
-                     `optim.` (for example torchtitan's top-level model keys), or --prefix P to \
+                    "{} tensor(s) lie outside both `model.` and the training state ({}): {}; \
+                     exporting only `model.` would lose them. Pass --prefix '' to export every \
+                     tensor outside the training state (for example a checkpoint saved with \
+                     the model's keys at the top level and no optimizer), or --prefix P to \
                      export the subtree P",
                     outside.len(),
+                    roots_listed(),
                     listed(&outside)
                 )));
             }
             strip(keys, MODEL_PREFIX)
         }
-        Some("") => keys
-            .iter()
-            .enumerate()
-            .filter(|(_, k)| !k.starts_with(OPTIM_PREFIX))
-            .map(|(i, k)| (i, k.clone()))
-            .collect(),
+        Some("") => outside_state(),
         Some(p) => {
             let p = if p.ends_with('.') {
                 p.to_string()
             } else {
                 format!("{p}.")
             };
+            if let Some(root) = STATE_ROOTS
+                .into_iter()
+                .find(|r| p.starts_with(&format!("{r}.")))
+            {
+                return Err(refuse(format!(
+                    "--prefix {p} lies in `{root}.`, which holds training state ({}), never model weights",
+                    roots_listed()
+                )));
+            }
             strip(keys, &p)
         }
     };
     if picked.is_empty() {
         let held: Vec<&str> = keys.iter().map(String::as_str).collect();
         let what = match prefix {
+            None if layout == Layout::Torchtitan => {
+                "no tensor outside torchtitan's training state".to_string()
+            }
             None => "no tensor under `model.`".to_string(),
-            Some("") => "no tensor outside `optim.`".to_string(),
+            Some("") => "no tensor outside the training state".to_string(),
             Some(p) => format!("no tensor under `{p}`"),
         };
         return Err(refuse(if held.is_empty() {
@@ -78,6 +152,15 @@ pub(crate) fn select(
         }));
     }
     Ok(picked)
+}
+
+/// The state roots as an error lists them.
+fn roots_listed() -> String {
+    STATE_ROOTS
+        .iter()
+        .map(|r| format!("`{r}.`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The keys under `prefix`, with it stripped.
@@ -365,17 +448,19 @@ mod tests {
     #[test]
     fn the_default_takes_the_model_subtree_and_refuses_tensors_outside_model_and_optim() {
         let k = keys(&["model.a", "optim.state.a.exp_avg", "model.b"]);
-        let got = select(Path::new("x"), &k, None).unwrap();
+        let got = select(Path::new("x"), &k, None, Layout::Subtree).unwrap();
         assert_eq!(got, [(0, "a".to_string()), (2, "b".to_string())]);
 
         // A raw HF state dict saved to DCP: its own `model.` subtree next to `lm_head.weight`.
         let k = keys(&["model.embed_tokens.weight", "lm_head.weight"]);
-        let err = select(Path::new("x"), &k, None).unwrap_err().to_string();
+        let err = select(Path::new("x"), &k, None, Layout::Subtree)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("`lm_head.weight`") && err.contains("--prefix ''"),
             "{err}"
         );
-        let all = select(Path::new("x"), &k, Some("")).unwrap();
+        let all = select(Path::new("x"), &k, Some(""), Layout::Subtree).unwrap();
         assert_eq!(all.len(), 2);
         assert_eq!(all[0].1, "model.embed_tokens.weight");
     }
@@ -383,10 +468,56 @@ mod tests {
     #[test]
     fn a_prefix_names_a_subtree_and_an_empty_selection_is_an_error() {
         let k = keys(&["student.w", "teacher.w", "studentx.w"]);
-        let got = select(Path::new("x"), &k, Some("student")).unwrap();
+        let got = select(Path::new("x"), &k, Some("student"), Layout::Subtree).unwrap();
         assert_eq!(got, [(0, "w".to_string())]);
-        let err = select(Path::new("x"), &keys(&["optim.state.w.step"]), None).unwrap_err();
+        let err = select(
+            Path::new("x"),
+            &keys(&["optim.state.w.step"]),
+            None,
+            Layout::Subtree,
+        )
+        .unwrap_err();
         assert!(matches!(err, Error::HfSelection { .. }), "{err}");
+    }
+
+    #[test]
+    fn torchtitan_keeps_its_model_at_the_top_level_and_its_state_is_never_picked() {
+        let k = keys(&[
+            "optimizer.state.model.w.exp_avg",
+            "optimizer.state.model.w.step",
+            "train_state.step",
+            "lr_scheduler.last_epoch",
+            "dataloader.world_size",
+            "model.w",
+            "output.weight",
+        ]);
+        let flat = PyObj::Dict(vec![(PyObj::Str("model.w".into()), PyObj::None)]);
+        assert_eq!(Layout::of(&flat, &k), Layout::Torchtitan);
+        let want = [(5, "model.w".to_string()), (6, "output.weight".to_string())];
+        assert_eq!(
+            select(Path::new("x"), &k, None, Layout::Torchtitan).unwrap(),
+            want
+        );
+        // `--prefix ''`, the old advice, picks the same: no state entry is a weight.
+        for layout in [Layout::Torchtitan, Layout::Subtree] {
+            assert_eq!(select(Path::new("x"), &k, Some(""), layout).unwrap(), want);
+        }
+        // A prefix inside the training state is refused, naming it.
+        for p in ["optimizer", "optim.state", "train_state."] {
+            let err = select(Path::new("x"), &k, Some(p), Layout::Torchtitan).unwrap_err();
+            assert!(
+                matches!(&err, Error::HfSelection { reason, .. } if reason.contains("training state")),
+                "{err}"
+            );
+        }
+        // `{"model": msd, "optimizer": osd}`: the model is the nested `model` dict.
+        let nested = PyObj::Dict(vec![(PyObj::Str("model".into()), PyObj::Dict(vec![]))]);
+        let k = keys(&["model.w", "optimizer.state.w.exp_avg"]);
+        assert_eq!(Layout::of(&nested, &k), Layout::Subtree);
+        assert_eq!(
+            select(Path::new("x"), &k, None, Layout::Subtree).unwrap(),
+            [(0, "w".to_string())]
+        );
     }
 
     #[test]

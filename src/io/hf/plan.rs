@@ -145,7 +145,11 @@ pub(crate) fn split_into_files(sizes: &[u64], max: u64) -> Vec<Vec<usize>> {
 /// The plan `save_pretrained` makes of `tensors` (in order) at `max_shard_size`: split as
 /// huggingface_hub splits ([`split_into_files`]), one `model.safetensors` without an index,
 /// or `model-{i:05}-of-{n:05}.safetensors` files and the index.
-pub(crate) fn split_plan(tensors: &[PlannedTensor], max_shard_size: u64) -> Result<DirPlan> {
+pub(crate) fn split_plan(
+    tensors: &[PlannedTensor],
+    max_shard_size: u64,
+    origin: &dyn Fn(&PlannedTensor) -> String,
+) -> Result<DirPlan> {
     let sizes: Vec<u64> = tensors.iter().map(PlannedTensor::nbytes).collect();
     let groups = split_into_files(&sizes, max_shard_size);
     let n = groups.len();
@@ -154,17 +158,19 @@ pub(crate) fn split_plan(tensors: &[PlannedTensor], max_shard_size: u64) -> Resu
         .enumerate()
         .map(|(i, g)| (single_or_sharded_name(i, n), g))
         .collect();
-    dir_plan(tensors, named, n > 1)
+    dir_plan(tensors, named, n > 1, origin)
 }
 
 /// The plan of a directory whose files (name, indices into `tensors`) are given, in file
 /// order, with an index when `indexed`. Each file's header is what the `safetensors` library
 /// writes for its tensors with `__metadata__` `{"format": "pt"}`, as `save_pretrained`
-/// passes: tensors by descending dtype, then name.
+/// passes: tensors by descending dtype, then name. `origin` says where a tensor came from,
+/// for the error refusing one named `__metadata__`.
 pub(crate) fn dir_plan(
     tensors: &[PlannedTensor],
     named: Vec<(String, Vec<usize>)>,
     indexed: bool,
+    origin: &dyn Fn(&PlannedTensor) -> String,
 ) -> Result<DirPlan> {
     let mut files = Vec::with_capacity(named.len());
     for (name, group) in named {
@@ -184,7 +190,11 @@ pub(crate) fn dir_plan(
             })
             .collect();
         let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-        let (header, _) = container::header(&entries, &meta)?;
+        let (header, _) = container::header(&entries, &meta, &|e| {
+            ts.iter()
+                .find(|t| t.name == e.name)
+                .map_or_else(String::new, origin)
+        })?;
         files.push(PlannedFile {
             name,
             header,
@@ -303,7 +313,7 @@ mod tests {
             to: DType::F32,
             shape: vec![2],
         };
-        let plan = split_plan(&[t("b"), t("a"), t("é")], 16).unwrap();
+        let plan = split_plan(&[t("b"), t("a"), t("é")], 16, &|_| String::new()).unwrap();
         let text = String::from_utf8(plan.index_json().unwrap()).unwrap();
         assert_eq!(
             text,

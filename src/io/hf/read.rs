@@ -1,25 +1,34 @@
 //! A Hugging Face model directory read for conversion: its index checked against its files'
 //! headers, and the tensors streamed from the files.
+//!
+//! In a model directory the safetensors names are the truth: a tensor is known by the name
+//! its file's header gives it, which is what `safetensors` and transformers read. The
+//! crate's own `fsdp.pyobj.v1` metadata ([`crate::io::safetensors::OBJECT_KEY`], the nested
+//! structure a single `.safetensors` file written by `fsdp-ckpt` records) is ignored here,
+//! whatever it says: a file whose metadata maps `q_proj` to `k_proj`'s bytes imports as its
+//! header says, and a file written from a nested `{"model": {...}}` keeps its header names
+//! (`model/x`), as transformers sees them.
 
 use super::{INDEX_FILE, SINGLE_FILE};
 use crate::error::{Error, Result};
-use crate::io::safetensors::{FileTensors, Headers};
+use crate::io::safetensors::HeaderTensor;
+use crate::io::safetensors::{FileTensors, Placed};
 use crate::io::torch_save::writer::LazyTensors;
 use crate::tensor::HostTensor;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// A model directory whose index (when it has one) and file headers agree: every tensor the
 /// index maps is in its file, no file holds a tensor the index maps elsewhere or not at all,
 /// and no tensor is in two files.
 pub(crate) struct HfModelDir {
-    /// Each file's name, path and headers, in name order.
-    files: Vec<(String, PathBuf, Headers)>,
+    /// Each file's name, path and placeholders, in name order.
+    files: Vec<(String, PathBuf, Placed)>,
     /// Every tensor: its name and its placeholder (or value, for one element), in file
     /// order, then by name.
     pub(crate) tensors: Vec<(String, HostTensor)>,
     /// The file index of each tensor.
-    file_of: Vec<usize>,
+    file_of: Vec<u32>,
     /// Whether the directory has an index.
     indexed: bool,
 }
@@ -43,6 +52,7 @@ impl HfModelDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(Error::io("reading", &index_path)(e)),
         };
+        let weight_map_given = weight_map.is_some();
         let names: Vec<String> = match &weight_map {
             Some(map) => {
                 let mut n: Vec<String> = map.values().cloned().collect();
@@ -52,7 +62,7 @@ impl HfModelDir {
             }
             None => vec![lone_file(dir)?],
         };
-        let mut files = Vec::with_capacity(names.len());
+        let mut headers = Vec::with_capacity(names.len());
         for name in names {
             let path = dir.join(&name);
             // The rule of every input: a regular file, symbolic links followed.
@@ -81,18 +91,32 @@ impl HfModelDir {
                     format!("{INDEX_FILE} maps tensors to this file, and {what}"),
                 ));
             }
-            let headers = crate::io::safetensors::load_headers(&path)?;
-            files.push((name, path, headers));
+            let raw = crate::io::safetensors::read_header(&path)?;
+            headers.push((name, path, raw.tensors));
         }
-        let (tensors, file_of) = check_against_index(dir, &files, weight_map.as_ref())?
-            .into_iter()
-            .map(|(fi, k, t)| ((k, t), fi))
-            .unzip();
+        check_against_index(dir, &headers, weight_map.as_ref())?;
+        drop(weight_map);
+        let count = headers.iter().map(|(_, _, t)| t.len()).sum();
+        let (mut tensors, mut file_of) = (Vec::with_capacity(count), Vec::with_capacity(count));
+        let mut files = Vec::with_capacity(headers.len());
+        for (fi, (name, path, header)) in headers.into_iter().enumerate() {
+            let f = crate::io::output::open_regular(&path)
+                .map_err(std::io::Error::from)
+                .map_err(Error::io("reading", &path))?;
+            let mut placed = Placed::new();
+            for t in header {
+                let p = crate::io::safetensors::placeholder(&f, &t, &mut placed)
+                    .map_err(|e| dir_err(&path, Some(&t.name), e))?;
+                tensors.push((t.name, p));
+                file_of.push(fi as u32);
+            }
+            files.push((name, path, placed));
+        }
         Ok(HfModelDir {
             files,
             tensors,
             file_of,
-            indexed: weight_map.is_some(),
+            indexed: weight_map_given,
         })
     }
 
@@ -101,7 +125,7 @@ impl HfModelDir {
         let streams = self
             .files
             .iter()
-            .map(|(_, path, headers)| FileTensors::open(path, headers, out))
+            .map(|(_, path, placed)| FileTensors::open(path, placed, out))
             .collect::<Result<Vec<_>>>()?;
         Ok(Files(streams))
     }
@@ -155,7 +179,7 @@ pub fn summary(dir: &Path) -> Result<HfSummary> {
             name: name.clone(),
             dtype: t.dtype().torch_name().into(),
             shape,
-            file: model.files[fi].0.clone(),
+            file: model.files[fi as usize].0.clone(),
         });
     }
     let files = model
@@ -254,47 +278,48 @@ fn lone_file(dir: &Path) -> Result<String> {
     }
 }
 
-/// Every tensor of `files` by name, checked against `weight_map`: the same names, each in
-/// the file the index says and in no other.
+/// Checks the tensors of `files` (each file's in name order) against `weight_map`: the same
+/// names, each in the file the index says and in no other.
 fn check_against_index(
     dir: &Path,
-    files: &[(String, PathBuf, Headers)],
+    files: &[(String, PathBuf, Vec<HeaderTensor>)],
     weight_map: Option<&BTreeMap<String, String>>,
-) -> Result<Vec<(usize, String, HostTensor)>> {
-    let mut found: BTreeMap<String, (usize, HostTensor)> = BTreeMap::new();
-    for (fi, (name, path, headers)) in files.iter().enumerate() {
-        for (key, t) in super::names::flatten(&headers.obj) {
-            if let Some((other, _)) = found.get(&key) {
+) -> Result<()> {
+    let mut found: HashMap<&str, usize> =
+        HashMap::with_capacity(files.iter().map(|(_, _, t)| t.len()).sum());
+    for (fi, (name, path, tensors)) in files.iter().enumerate() {
+        for t in tensors {
+            let key = t.name.as_str();
+            if let Some(other) = found.insert(key, fi) {
                 return Err(dir_err(
                     path,
-                    Some(&key),
-                    format!("the tensor is also in `{}`", files[*other].0),
+                    Some(key),
+                    format!("the tensor is also in `{}`", files[other].0),
                 ));
             }
             if let Some(map) = weight_map {
-                match map.get(&key) {
+                match map.get(key) {
                     Some(f) if f == name => {}
                     Some(f) => {
                         return Err(dir_err(
                             path,
-                            Some(&key),
+                            Some(key),
                             format!("the file holds the tensor, and {INDEX_FILE} maps it to `{f}`"),
                         ))
                     }
                     None => {
                         return Err(dir_err(
                             path,
-                            Some(&key),
+                            Some(key),
                             format!("the file holds the tensor, and {INDEX_FILE} does not name it"),
                         ))
                     }
                 }
             }
-            found.insert(key, (fi, t));
         }
     }
     if let Some(map) = weight_map {
-        if let Some((key, file)) = map.iter().find(|(k, _)| !found.contains_key(*k)) {
+        if let Some((key, file)) = map.iter().find(|(k, _)| !found.contains_key(k.as_str())) {
             return Err(dir_err(
                 &dir.join(file),
                 Some(key),
@@ -304,12 +329,7 @@ fn check_against_index(
             ));
         }
     }
-    // File order, then name order within a file: as close to the model's order as the
-    // directory keeps (each file holds a run of it; its header sorts by name).
-    let mut tensors: Vec<(usize, String, HostTensor)> =
-        found.into_iter().map(|(k, (fi, t))| (fi, k, t)).collect();
-    tensors.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
-    Ok(tensors)
+    Ok(())
 }
 
 /// The placeholders of several files, each streamed from its own file.
