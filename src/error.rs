@@ -912,6 +912,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// A model's `config.json` ties its word embeddings (`tie_word_embeddings`), but names no
+    /// architecture of the tie table (`src/io/hf/tied_embeddings.txt`), so which tensor is
+    /// tied to which is unknown: the ties must be named (`--tie OUTPUT=INPUT`).
+    #[error("`{}`: `tie_word_embeddings` is true, but {} the table of tied embeddings ({}): name each tie with `--tie OUTPUT=INPUT` (`tie=` in Python), e.g. `--tie lm_head.weight=model.embed_tokens.weight`", shown(.config), arch_list(.architectures), .known.join(", "))]
+    HfTieArchitecture {
+        /// The `config.json`.
+        config: String,
+        /// Its `architectures` entries (none when it has none).
+        architectures: Vec<String>,
+        /// The architectures the table knows.
+        known: Vec<String>,
+    },
+
     /// A Hugging Face model directory's index and files disagree, or a file is missing: the
     /// index maps a tensor to a file that lacks it, a file holds a tensor the index does not
     /// name or names elsewhere, a tensor is in two files, the index is not JSON.
@@ -1322,6 +1335,20 @@ pub(crate) fn shown(name: &str) -> std::borrow::Cow<'_, str> {
     let head: String = name.chars().take(160).collect();
     let tail: String = name.chars().skip(n - 30).collect();
     format!("{head}…[{} characters left out]…{tail}", n - 190).into()
+}
+
+fn arch_list(architectures: &[String]) -> String {
+    match architectures {
+        [] => "it names no architecture (`architectures`) from".into(),
+        [one] => format!("its architecture `{}` is not in", shown(one)),
+        many => format!(
+            "its architectures {} are not all in",
+            many.iter()
+                .map(|a| format!("`{}`", shown(a)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
 }
 
 fn group_prefix(group: &Option<usize>) -> String {

@@ -75,9 +75,11 @@ struct HfArgs {
     /// weight `save_pretrained` left out, which `dcp.load` of the model needs). Repeatable.
     #[arg(long, value_name = "NAME=SOURCE")]
     tie: Vec<String>,
-    /// With `--to hf`: a `config.json` copied into the directory; with
-    /// `"tie_word_embeddings": true` it also ties `lm_head.weight=model.embed_tokens.weight`
-    /// (on import: restores `lm_head.weight` from it when the directory lacks it).
+    /// With `--to hf`: a `config.json` copied into the directory; when it ties the word
+    /// embeddings it also ties its architecture's output embedding to its input embedding, as
+    /// transformers does (`lm_head.weight=transformer.wte.weight` for GPT-2,
+    /// `=model.embed_tokens.weight` for Llama; an architecture outside the table needs `--tie`)
+    /// (on import: restores the output embedding from it when the directory lacks it).
     #[arg(long, value_name = "config.json")]
     config: Option<PathBuf>,
 }

@@ -215,3 +215,47 @@ fn consolidate_of_a_latest_naming_a_missing_tag_names_it() {
     );
     assert!(!out.exists());
 }
+
+#[test]
+fn frozen_parameters_are_inspected_consolidated_and_converted() {
+    // Issue 40: `emb.weight` frozen (requires_grad=False), AdamW, ZeRO-3 bf16 at 3 ranks.
+    let tmp = tempfile::tempdir().unwrap();
+    let case = "frozen_zero3_bf16_ws3";
+    let text = ok(&run(&[&"inspect", &golden(case).join("ckpt")]));
+    for needle in [
+        "world size 3",
+        "7 parameters",
+        "frozen parameters (requires_grad=False: no optimizer state; weights in their dtype):",
+        "emb.weight torch.bfloat16 [37, 12]",
+        "head_lm.weight = emb.weight",
+    ] {
+        assert!(text.contains(needle), "`{needle}` not in:\n{text}");
+    }
+    let expected = io::load(golden(case).join("expected_fp32.safetensors")).unwrap();
+    let out = tmp.path().join("fp32.safetensors");
+    ok(&run(&[&"consolidate", &golden(case).join("ucp"), &out]));
+    let got = io::load(&out).unwrap();
+    let sorted = |o: &PyObj| {
+        let mut v = names(o);
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(&got), sorted(&expected));
+    for n in names(&expected) {
+        assert!(get(&got, &n).bit_eq(get(&expected, &n)), "{n}");
+    }
+    let dcp = tmp.path().join("dcp");
+    ok(&run(&[
+        &"convert",
+        &golden(case).join("ckpt"),
+        &dcp,
+        &"--to",
+        &"dcp",
+    ]));
+    let summary = ok(&run(&[&"inspect", &dcp]));
+    assert!(
+        summary.contains("model.emb.weight torch.float32 [37, 12]"),
+        "{summary}"
+    );
+    assert!(!summary.contains("optim.state.emb.weight"), "{summary}");
+}

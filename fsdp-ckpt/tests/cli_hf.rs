@@ -238,3 +238,75 @@ fn a_header_of_100k_tensors_is_inspected_in_memory_bounded_by_the_header() {
     // `convert HF_DIR OUT --to dcp` is not bounded yet: the DCP writer keeps a record per
     // item and the whole `.metadata` pickle in memory (see BENCHMARKS.md, "cost per tensor").
 }
+
+#[test]
+fn convert_to_hf_ties_each_architectures_own_embedding() {
+    // Issue 40: a GPT-2 (GPT2LMHeadModel) trained with FSDP2 at world 2 and AdamW, saved with
+    // dcp.save({"model": msd, "optim": osd}); its config ties lm_head.weight to
+    // transformer.wte.weight, which save_pretrained leaves out.
+    let t = tempfile::tempdir().unwrap();
+    let gpt2 = golden("tied/gpt2");
+    let config = gpt2.join("hf/config.json");
+    let out = t.path().join("hf");
+    let text = said(&run(&[
+        &"convert",
+        &gpt2.join("dcp"),
+        &out,
+        &"--to",
+        &"hf",
+        &"--config",
+        &config,
+    ]));
+    assert!(
+        text.contains("left out as tied: lm_head.weight (= transformer.wte.weight)"),
+        "{text}"
+    );
+    assert_eq!(model_files(&out), model_files(&gpt2.join("hf")));
+    let dcp = t.path().join("dcp");
+    said(&run(&[
+        &"convert",
+        &gpt2.join("hf"),
+        &dcp,
+        &"--to",
+        &"dcp",
+        &"--config",
+        &config,
+    ]));
+    let inspect = ok(&run(&[&"inspect", &dcp]));
+    assert!(
+        inspect.contains("model.lm_head.weight torch.float32 [64, 16]"),
+        "{inspect}"
+    );
+    // An architecture outside the table that ties is refused by name, with the option to use.
+    let other = t.path().join("config.json");
+    let renamed = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("GPT2LMHeadModel", "MyGPTForCausalLM");
+    std::fs::write(&other, renamed).unwrap();
+    let refused = t.path().join("refused");
+    fails(
+        &run(&[
+            &"convert",
+            &gpt2.join("dcp"),
+            &refused,
+            &"--to",
+            &"hf",
+            &"--config",
+            &other,
+        ]),
+        &["MyGPTForCausalLM", "--tie OUTPUT=INPUT", "GPT2LMHeadModel"],
+    );
+    assert!(!refused.exists());
+    ok(&run(&[
+        &"convert",
+        &gpt2.join("dcp"),
+        &refused,
+        &"--to",
+        &"hf",
+        &"--config",
+        &other,
+        &"--tie",
+        &"lm_head.weight=transformer.wte.weight",
+    ]));
+    assert_eq!(model_files(&refused), model_files(&gpt2.join("hf")));
+}

@@ -117,7 +117,8 @@ def convert(
     ``optim.``); ``rename`` maps keys with regular expressions (a dict, or ``"FROM=TO"``
     strings / ``(FROM, TO)`` pairs, applied in order; ``rename_map`` a JSON file of them);
     ``tie`` leaves out ``NAME`` once checked equal to ``SOURCE``; ``config`` is copied in as
-    ``config.json`` and its ``tie_word_embeddings`` ties the head to the embedding.
+    ``config.json`` and its ``tie_word_embeddings`` ties the head to the embedding as transformers
+    ties that architecture (an architecture outside the table needs ``tie``).
     """
     return json.loads(
         _native.convert(

@@ -17,6 +17,9 @@ from conftest import GOLDEN, load, same
 
 DS = GOLDEN / "deepspeed"
 CASES = ["zero1_fp32", "zero1_bf16", "zero2_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16", "zero1_bf16_fp32acc"]
+# Issue 40: a frozen embedding (requires_grad=False), AdamW, every stage and dtype at 2 and 3 ranks.
+FROZEN_CASES = ["frozen_zero1_fp32_ws2", "frozen_zero1_bf16_ws3", "frozen_zero2_fp32_ws3", "frozen_zero2_bf16_ws2",
+                "frozen_zero3_fp32_ws2", "frozen_zero3_bf16_ws3"]
 
 
 def case_json(case):
@@ -30,12 +33,13 @@ def ucp_state(case, name, state):
     return t.reshape(case_json(case)["param_shapes"][name])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + FROZEN_CASES)
 def test_inspect_gives_stage_dtype_world_size_tag_and_parameters(case):
     info = case_json(case)
     found = fsdp_ckpt.inspect(DS / case / "ckpt")
     assert found["format"] == "deepspeed"
-    assert (found["stage"], found["world_size"], found["tag"]) == (info["stage"], 2, "step3")
+    assert (found["stage"], found["world_size"], found["tag"]) == (info["stage"], info["world_size"], "step3")
+    assert [(f["name"], f["shape"]) for f in found["frozen"]] == list(info.get("frozen", {}).items())
     assert found["dtype"] == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[info["dtype"]]
     assert [p["name"] for p in found["params"]] == [
         n for g in info["param_groups"] for n in g["members"]
@@ -43,7 +47,7 @@ def test_inspect_gives_stage_dtype_world_size_tag_and_parameters(case):
     assert all(p["step"] == info["steps"] for p in found["params"])
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + FROZEN_CASES)
 def test_consolidate_equals_zero_to_fp32(case, tmp_path):
     out = tmp_path / "fp32.safetensors"
     report = fsdp_ckpt.consolidate(DS / case / "ckpt", out)
@@ -69,6 +73,24 @@ def test_consolidate_optim_holds_the_universal_checkpoints_adam_state(case, tmp_
             same(ucp_state(case, name, s), st[s], f"{name}.{s}")
     groups = full["optim"]["param_groups"]
     assert [g["params"] for g in groups] == [g["members"] for g in info["param_groups"]]
+
+
+@pytest.mark.parametrize("case", ["frozen_zero1_bf16_ws3", "frozen_zero3_fp32_ws2"])
+def test_frozen_parameters_are_float32_weights_without_optimizer_state(case, tmp_path):
+    out = tmp_path / "full.pt"
+    fsdp_ckpt.consolidate(DS / case / "ckpt", out, optim=True)
+    full = load(out)
+    want = load_file(DS / case / "expected_fp32.safetensors")
+    for name in ("emb.weight", "head_lm.weight"):
+        same(want[name].float(), full["model"][name], name)
+    assert "emb.weight" not in full["optim"]["state"]
+    assert all("emb.weight" not in g["params"] for g in full["optim"]["param_groups"])
+    # And as DCP: PyTorch reads back the same dict.
+    dcp = tmp_path / "dcp"
+    fsdp_ckpt.convert(DS / case / "ucp", dcp, to="dcp")
+    back = tmp_path / "back.pt"
+    dcp_to_torch_save(dcp, back)
+    same(full, load(back))
 
 
 def test_optim_is_refused_for_other_inputs(tmp_path):

@@ -300,3 +300,28 @@ def test_convert_to_hf_and_back_as_save_pretrained_and_fsdp_expect(tmp_path):
     with pytest.raises(fsdp_ckpt.Error, match="would both be named"):
         fsdp_ckpt.convert(hf / "dcp", tmp_path / "bad", to="hf", rename=[("(q|k)_proj", "qk")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_convert_to_hf_ties_each_architectures_own_embedding(tmp_path):
+    # tests/golden/hf/tied (gen_ties.py): issue 40's FSDP2 GPT-2 (AdamW, world 2) and
+    # save_pretrained of the same weights, which leaves out lm_head.weight (= transformer.wte.weight).
+    gpt2 = GOLDEN / "hf" / "tied" / "gpt2"
+    config = gpt2 / "hf" / "config.json"
+    out = tmp_path / "hf"
+    report = fsdp_ckpt.convert(gpt2 / "dcp", out, to="hf", config=config)
+    assert (out / "model.safetensors").read_bytes() == (gpt2 / "hf" / "model.safetensors").read_bytes()
+    assert report["count"] == 28
+    # Back to DCP: the head restored as the copy get_state_dict holds.
+    dcp = tmp_path / "dcp"
+    fsdp_ckpt.convert(gpt2 / "hf", dcp, to="dcp", config=config)
+    keys = {e["key"] for e in fsdp_ckpt.inspect(dcp)["entries"]}
+    assert {"model.lm_head.weight", "model.transformer.wte.weight"} <= keys
+    # An architecture outside the table that ties is refused, naming the option to use.
+    other = tmp_path / "config.json"
+    other.write_text(config.read_text().replace("GPT2LMHeadModel", "MyGPT"))
+    with pytest.raises(fsdp_ckpt.Error, match="--tie") as e:
+        fsdp_ckpt.convert(gpt2 / "dcp", tmp_path / "bad", to="hf", config=other)
+    assert e.value.kind == "HfTieArchitecture" and "MyGPT" in str(e.value)
+    assert not (tmp_path / "bad").exists()
+    fsdp_ckpt.convert(gpt2 / "dcp", tmp_path / "named", to="hf", config=other, tie={"lm_head.weight": "transformer.wte.weight"})
+    assert (tmp_path / "named" / "model.safetensors").read_bytes() == (gpt2 / "hf" / "model.safetensors").read_bytes()

@@ -26,8 +26,9 @@ pub struct HfImportOptions {
     /// prefix), since `get_model_state_dict` of the model holds both and `dcp.load` needs
     /// every key.
     pub ties: Vec<(String, String)>,
-    /// The model's `config.json`: with `"tie_word_embeddings": true`, `lm_head.weight` is
-    /// restored from `model.embed_tokens.weight` when the directory lacks it.
+    /// The model's `config.json`: when it ties the word embeddings, its architecture's output
+    /// embedding is restored from its input embedding ([`hf::tied_embeddings`]) when the
+    /// directory lacks it.
     pub config: Option<std::path::PathBuf>,
     /// The DCP writer's options.
     pub write: DcpWriteOptions,
@@ -123,8 +124,8 @@ fn imported<'h>(
 }
 
 /// The tied names to write as copies of their sources: `opts.ties`, each checked (its source
-/// present, its name absent), and with a config that ties word embeddings, `lm_head.weight`
-/// when the directory lacks it.
+/// present, its name absent), and with a config that ties word embeddings, its
+/// architecture's output embedding when the directory lacks it.
 fn restored_ties(
     items: &[(PyObj, PyObj)],
     opts: &HfImportOptions,
@@ -150,10 +151,11 @@ fn restored_ties(
         out.push((name.clone(), source.clone()));
     }
     if let Some(path) = &opts.config {
-        let (name, source) = super::to_hf::DEFAULT_TIE;
-        let tied = super::to_hf::read_config(path)?.tie_word_embeddings;
-        if tied && !has(name) && has(source) && !out.iter().any(|(n, _)| n == name) {
-            out.push((name.into(), source.into()));
+        let config = super::to_hf::read_config(path)?;
+        for (name, source) in config.tie.ties(!opts.ties.is_empty())? {
+            if !has(&name) && has(&source) && !out.iter().any(|(n, _)| *n == name) {
+                out.push((name, source));
+            }
         }
     }
     Ok(out)

@@ -33,8 +33,9 @@ pub struct HfExportOptions {
     pub renames: Vec<Rename>,
     /// Tied weights `(name, kept)`: `name` is checked to equal `kept` and left out.
     pub ties: Vec<(String, String)>,
-    /// A `config.json` to copy into the directory; with `"tie_word_embeddings": true` it
-    /// also ties `lm_head.weight` to `model.embed_tokens.weight`.
+    /// A `config.json` to copy into the directory; when it ties the word embeddings, its
+    /// architecture's output embedding is tied to its input embedding as `transformers` ties
+    /// them ([`hf::tied_embeddings`]: GPT-2's `lm_head.weight` to `transformer.wte.weight`).
     pub config: Option<PathBuf>,
 }
 
@@ -234,10 +235,10 @@ impl Opened {
     }
 }
 
-/// A `config.json` to copy, and whether it ties the word embeddings.
+/// A `config.json` to copy, and what it says of tied word embeddings.
 pub(super) struct Config {
     bytes: Vec<u8>,
-    pub(super) tie_word_embeddings: bool,
+    pub(super) tie: hf::ties::WordEmbeddingTie,
 }
 
 pub(super) fn read_config(path: &Path) -> Result<Config> {
@@ -256,43 +257,14 @@ pub(super) fn read_config(path: &Path) -> Result<Config> {
     let Some(fields) = json.as_object() else {
         return Err(bad(format!(
             "the model configuration is {}, not an object",
-            json_kind(&json)
+            hf::ties::json_kind(&json)
         )));
     };
-    // transformers' configurations are strict dataclasses: a field of the wrong type is
-    // refused there ("Field 'tie_word_embeddings' expected bool"), so it is here.
-    let tie_word_embeddings = match fields.get("tie_word_embeddings") {
-        None => false,
-        Some(serde_json::Value::Bool(b)) => *b,
-        Some(other) => {
-            return Err(bad(format!(
-                "`tie_word_embeddings` is {} ({}), but transformers expects a bool (true or false) and refuses this configuration",
-                crate::error::shown(&other.to_string()),
-                json_kind(other)
-            )))
-        }
-    };
     Ok(Config {
-        tie_word_embeddings,
+        tie: hf::ties::WordEmbeddingTie::of(&json, path)?,
         bytes,
     })
 }
-
-/// The kind of a JSON value, for messages.
-fn json_kind(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "a JSON null",
-        serde_json::Value::Bool(_) => "a JSON bool",
-        serde_json::Value::Number(_) => "a JSON number",
-        serde_json::Value::String(_) => "a JSON string",
-        serde_json::Value::Array(_) => "a JSON array",
-        serde_json::Value::Object(_) => "a JSON object",
-    }
-}
-
-/// `transformers`' tie for causal LMs with `tie_word_embeddings`: the output projection is
-/// the input embedding, and `save_pretrained` leaves it out.
-pub(super) const DEFAULT_TIE: (&str, &str) = ("lm_head.weight", "model.embed_tokens.weight");
 
 /// The tensors chosen: (index into the source's tensors, name in the output), in the
 /// source's order, and the ties that leave some out.
@@ -337,9 +309,10 @@ fn choose(
         .iter()
         .map(|(n, k)| (n.clone(), k.clone(), true))
         .collect();
-    let (n, k) = DEFAULT_TIE;
-    if config.is_some_and(|c| c.tie_word_embeddings) && !asked.iter().any(|(a, _, _)| a == n) {
-        asked.push((n.into(), k.into(), false));
+    for (n, k) in config.map_or(Ok(vec![]), |c| c.tie.ties(!opts.ties.is_empty()))? {
+        if !asked.iter().any(|(a, _, _)| *a == n) {
+            asked.push((n, k, false));
+        }
     }
     let mut ties: Vec<Tie> = Vec::new();
     for (name, kept, explicit) in asked {

@@ -27,6 +27,18 @@ const CASES: [&str; 7] = [
     "zero1_bf16_fp32acc",
 ];
 
+/// Issue 40: the frozen variant of the model (`emb.weight`, and with it the tied
+/// `head_lm.weight`, `requires_grad=False`; `torch.optim.AdamW` over the rest in two groups),
+/// every stage and dtype, at world sizes 2 and 3.
+const FROZEN_CASES: [&str; 6] = [
+    "frozen_zero1_fp32_ws2",
+    "frozen_zero1_bf16_ws3",
+    "frozen_zero2_fp32_ws3",
+    "frozen_zero2_bf16_ws2",
+    "frozen_zero3_fp32_ws2",
+    "frozen_zero3_bf16_ws3",
+];
+
 fn golden(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/golden/deepspeed")
@@ -84,8 +96,8 @@ fn expected_fp32(case: &str) -> Vec<(String, HostTensor)> {
         .collect()
 }
 
-/// The order `zero_to_fp32` returns: buffers, then the parameters group by group, then the
-/// tied aliases.
+/// The order `zero_to_fp32` returns: buffers, then the frozen parameters, then the trained
+/// ones group by group, then the tied aliases.
 fn zero_to_fp32_order(case: &str) -> Vec<String> {
     let info = case_json(case);
     let mut names: Vec<String> = info["buffers"]
@@ -94,6 +106,9 @@ fn zero_to_fp32_order(case: &str) -> Vec<String> {
         .keys()
         .cloned()
         .collect();
+    if let Some(frozen) = info["frozen"].as_object() {
+        names.extend(frozen.keys().cloned());
+    }
     for g in info["param_groups"].as_array().unwrap() {
         for m in g["members"].as_array().unwrap() {
             names.push(m.as_str().unwrap().to_string());
@@ -171,15 +186,17 @@ fn deepspeed_to_dcp_loads_into_fsdp2_at_world_sizes_1_and_3_and_training_continu
         deepspeed_to_dcp(input, &out, &Solo, &DcpWriteOptions::default(), |_| {}).unwrap();
         out
     };
-    // Every case from its checkpoint root, and one from its universal checkpoint.
+    // Every case from its checkpoint root (those with a frozen embedding too, which FSDP2
+    // loads into the model with it frozen), and two from their universal checkpoints.
     let mut pairs: Vec<(PathBuf, PathBuf)> = CASES
         .iter()
+        .chain(&FROZEN_CASES)
         .map(|case| (golden(case), dcp_of(&golden(case).join("ckpt"), case)))
         .collect();
-    pairs.push((
-        golden("zero2_fp32"),
-        dcp_of(&golden("zero2_fp32").join("ucp"), "zero2_fp32_ucp"),
-    ));
+    for case in ["zero2_fp32", "frozen_zero3_bf16_ws3"] {
+        let ucp = dcp_of(&golden(case).join("ucp"), &format!("{case}_ucp"));
+        pairs.push((golden(case), ucp));
+    }
 
     // Split across processes, the directory is the same but for `.metadata`'s save id.
     let split = tmp.path().join("zero2_bf16_split");
@@ -205,9 +222,9 @@ fn deepspeed_to_dcp_loads_into_fsdp2_at_world_sizes_1_and_3_and_training_continu
         let out = python_script(&script, &args);
         let ok = out.lines().filter(|l| l.contains(": OK ws=")).count();
         assert_eq!(ok, pairs.len(), "FSDP2 at {ws} ranks:\n{out}");
-        // The fp32 runs (three, and the one from the universal checkpoint) continued.
+        // The fp32 runs (six, and one from its universal checkpoint) continued.
         let continued = out.lines().filter(|l| l.contains("one step on")).count();
-        assert_eq!(continued, 4, "FSDP2 at {ws} ranks:\n{out}");
+        assert_eq!(continued, 7, "FSDP2 at {ws} ranks:\n{out}");
     }
 }
 
@@ -741,4 +758,141 @@ fn deepspeed_slice_mappings_that_disagree_with_the_layout_are_refused() {
             if p == "head.weight" && reason.contains("param_slice_mappings")),
         "{e}"
     );
+}
+
+/// `t` as float32 (exact from bfloat16).
+fn as_f32(t: &HostTensor) -> HostTensor {
+    let values: Vec<f32> = match t.dtype() {
+        DType::F32 => return t.clone(),
+        DType::BF16 => t
+            .as_bytes()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => panic!("{other}"),
+    };
+    HostTensor::from_bytes(DType::F32, t.shape(), bytemuck::cast_slice(&values)).unwrap()
+}
+
+#[test]
+fn deepspeed_frozen_parameters_come_out_as_zero_to_fp32_and_get_state_dict_give_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in FROZEN_CASES {
+        let info = case_json(case);
+        let tag = info["tag"].as_str().unwrap();
+        let ws = info["world_size"].as_u64().unwrap() as usize;
+        let dtype = if info["dtype"] == "bf16" {
+            DType::BF16
+        } else {
+            DType::F32
+        };
+        let expected = expected_fp32(case);
+        let want_emb = &expected.iter().find(|(k, _)| k == "emb.weight").unwrap().1;
+        assert_eq!(
+            want_emb.dtype(),
+            dtype,
+            "{case}: zero_to_fp32 keeps the model dtype"
+        );
+        let inputs = [
+            golden(case).join("ckpt"),
+            golden(case).join("ckpt").join(tag),
+            golden(case).join("ucp"),
+        ];
+        for (n, input) in inputs.iter().enumerate() {
+            let what = format!("{case} input {}", input.display());
+            // inspect: the frozen embedding, apart from the 7 trained parameters.
+            let ckpt = DeepSpeedCheckpoint::open(input).unwrap();
+            assert_eq!(ckpt.world_size(), ws, "{what}");
+            assert_eq!(ckpt.frozen().len(), 1, "{what}");
+            let f = &ckpt.frozen()[0];
+            assert_eq!(
+                (f.name.as_str(), &f.shape[..], f.dtype),
+                ("emb.weight", &[37, 12][..], dtype)
+            );
+            assert_eq!(ckpt.params().len(), 7, "{what}");
+            assert!(
+                ckpt.params().iter().all(|p| p.name != "emb.weight"),
+                "{what}"
+            );
+            assert_same(&ckpt.read_frozen("emb.weight").unwrap(), want_emb, &what);
+            let text = ckpt.summary().to_string();
+            assert!(text.contains("frozen parameters"), "{text}");
+            assert!(
+                text.contains(&format!("emb.weight {} [37, 12]", dtype.torch_name())),
+                "{text}"
+            );
+
+            // consolidate: zero_to_fp32's names, order, dtypes and bits (at stage 1, where
+            // zero_to_fp32 leaves the frozen weights out, with them put back).
+            let pt = tmp.path().join(format!("{case}_{n}.pt"));
+            deepspeed_to_torch_save(input, &pt, DeepSpeedOutput::default(), &Solo, |_| {}).unwrap();
+            let got = torch_save::load(&pt).unwrap();
+            assert_equals_zero_to_fp32(&got, case, &what);
+            let names: Vec<String> = entries(&got).into_iter().map(|(k, _)| k).collect();
+            assert_eq!(names, zero_to_fp32_order(case), "{what}");
+            let (emb, lm) = (field(&got, "emb.weight"), field(&got, "head_lm.weight"));
+            assert_eq!(
+                tensor(emb).as_bytes().as_ptr(),
+                tensor(lm).as_bytes().as_ptr(),
+                "{what}"
+            );
+            let st = tmp.path().join(format!("{case}_{n}.safetensors"));
+            deepspeed_to_safetensors(input, &st, DeepSpeedOutput::default(), &Solo, |_| {})
+                .unwrap();
+            assert_equals_zero_to_fp32(&fsdp::io::load(&st).unwrap(), case, &what);
+
+            // --optim: the frozen weight in the float32 model, and no optimizer state.
+            let pt = tmp.path().join(format!("{case}_{n}_optim.pt"));
+            let optim = DeepSpeedOutput { optim: true };
+            deepspeed_to_torch_save(input, &pt, optim, &Solo, |_| {}).unwrap();
+            let got = torch_save::load(&pt).unwrap();
+            let model = field(&got, "model");
+            for (name, want) in &expected {
+                assert_same(
+                    tensor(field(model, name)),
+                    &as_f32(want),
+                    &format!("{what} {name}"),
+                );
+            }
+            let (emb, lm) = (field(model, "emb.weight"), field(model, "head_lm.weight"));
+            assert_eq!(
+                tensor(emb).as_bytes().as_ptr(),
+                tensor(lm).as_bytes().as_ptr(),
+                "{what}"
+            );
+            let members: Vec<String> = info["param_groups"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|g| g["members"].as_array().unwrap().iter())
+                .map(|m| m.as_str().unwrap().to_string())
+                .collect();
+            assert!(!members.contains(&"emb.weight".to_string()));
+            let state = field(field(&got, "optim"), "state");
+            let keys: Vec<String> = entries(state).into_iter().map(|(k, _)| k).collect();
+            assert_eq!(keys, members, "{what}: no state for the frozen parameter");
+        }
+    }
+    // zero_to_fp32 itself leaves the frozen weights out at stage 1 only.
+    for case in FROZEN_CASES {
+        let info = case_json(case);
+        let left_out = info["zero_to_fp32_leaves_out"].as_array().unwrap();
+        assert_eq!(left_out.is_empty(), info["stage"] != 1, "{case}");
+    }
+}
+
+#[test]
+fn deepspeed_a_missing_rank_partition_of_a_frozen_parameter_is_a_typed_error() {
+    // At stage 3 each rank's model-states file holds its partition of the frozen weights.
+    let (_tmp, ckpt) = copy_ckpt("frozen_zero3_fp32_ws2");
+    std::fs::remove_file(ckpt.join("step3/zero_pp_rank_1_mp_rank_00_model_states.pt")).unwrap();
+    let e = DeepSpeedCheckpoint::open(&ckpt).unwrap_err();
+    assert!(
+        matches!(&e, Error::DeepSpeedRankFiles { expected: Some(2), reason, .. } if reason.contains("rank 1") && reason.contains("frozen")),
+        "{e}"
+    );
+    let out = ckpt.parent().unwrap().join("o.safetensors");
+    let what = DeepSpeedOutput::default();
+    assert!(deepspeed_to_safetensors(&ckpt, &out, what, &Solo, |_| {}).is_err());
+    assert!(!out.exists());
 }

@@ -642,3 +642,137 @@ fn a_torchtitan_checkpoint_exports_its_model_and_never_its_training_state() {
         e => panic!("{e}"),
     }
 }
+
+/// The architectures of `tests/golden/hf/tied` (`gen_ties.py`), each with the input embedding
+/// `transformers` ties its `lm_head.weight` to (`_tied_weights_keys`).
+const TIED: &[(&str, &str)] = &[
+    ("gpt2", "transformer.wte.weight"),
+    ("opt", "model.decoder.embed_tokens.weight"),
+    ("bloom", "transformer.word_embeddings.weight"),
+    ("falcon", "transformer.word_embeddings.weight"),
+    ("gpt_neox", "gpt_neox.embed_in.weight"),
+    ("gemma", "model.embed_tokens.weight"),
+    ("qwen2", "model.embed_tokens.weight"),
+];
+
+/// Every `model.` tensor of a DCP directory by key: (dtype, shape, bytes).
+fn dcp_model_tensors(dir: &Path) -> BTreeMap<String, (DType, Vec<usize>, Vec<u8>)> {
+    let ckpt = fsdp::io::dcp::DcpCheckpoint::open(dir).unwrap();
+    let keys: Vec<String> = ckpt
+        .metadata()
+        .entries
+        .iter()
+        .map(|e| e.key.clone())
+        .filter(|k| k.starts_with("model."))
+        .collect();
+    keys.into_iter()
+        .map(|k| {
+            let t = ckpt.read_tensor(&k).unwrap();
+            (k, (t.dtype(), t.shape().to_vec(), t.as_bytes().to_vec()))
+        })
+        .collect()
+}
+
+#[test]
+fn each_architecture_ties_its_own_embedding_as_save_pretrained_does() {
+    // Issue 40: an FSDP2 DCP (world 2, AdamW) of a tiny GPT-2, OPT, BLOOM, Falcon, GPT-NeoX,
+    // Gemma and Qwen2 with `tie_word_embeddings: true`, and save_pretrained of the same weights.
+    for (arch, input) in TIED {
+        let dir = golden(&format!("tied/{arch}"));
+        let reference = dir.join("hf");
+        let opts = HfExportOptions {
+            config: Some(reference.join("config.json")),
+            ..Default::default()
+        };
+        let (_t, out, done) = export(&dir.join("dcp"), &opts);
+        assert_eq!(
+            done.dropped,
+            [("lm_head.weight".to_string(), input.to_string())],
+            "{arch}"
+        );
+        assert_eq!(
+            model_files(&out),
+            model_files(&reference),
+            "{arch}: files differ from save_pretrained's"
+        );
+
+        // And back: the import restores the head as the copy `get_state_dict` held.
+        let t = tempfile::tempdir().unwrap();
+        let dcp = t.path().join("dcp");
+        let opts = HfImportOptions {
+            config: Some(reference.join("config.json")),
+            ..Default::default()
+        };
+        convert::hf_to_dcp(&reference, &dcp, &opts, &Solo).unwrap();
+        let (got, want) = (dcp_model_tensors(&dcp), dcp_model_tensors(&dir.join("dcp")));
+        assert!(got.contains_key("model.lm_head.weight"), "{arch}");
+        assert_eq!(got, want, "{arch}: the import is not what FSDP2 saved");
+    }
+}
+
+#[test]
+fn a_tying_architecture_outside_the_table_is_refused_by_name() {
+    let dir = golden("tied/gpt2");
+    let t = tempfile::tempdir().unwrap();
+    let text = std::fs::read_to_string(dir.join("hf/config.json")).unwrap();
+    let renamed = text.replace("GPT2LMHeadModel", "MyGPTForCausalLM");
+    assert_ne!(renamed, text);
+    let config = t.path().join("config.json");
+    std::fs::write(&config, renamed).unwrap();
+    let opts = HfExportOptions {
+        config: Some(config.clone()),
+        ..Default::default()
+    };
+    let out = t.path().join("hf");
+    match convert::checkpoint_to_hf(&dir.join("dcp"), &out, &opts, &Solo).unwrap_err() {
+        Error::HfTieArchitecture {
+            architectures,
+            known,
+            ..
+        } => {
+            assert_eq!(architectures, ["MyGPTForCausalLM"]);
+            assert!(known.iter().any(|k| k == "GPT2LMHeadModel"), "{known:?}");
+        }
+        e => panic!("{e}"),
+    }
+    assert!(!out.exists());
+    let import = HfImportOptions {
+        config: Some(config.clone()),
+        ..Default::default()
+    };
+    let dcp = t.path().join("dcp");
+    let err = convert::hf_to_dcp(&dir.join("hf"), &dcp, &import, &Solo).unwrap_err();
+    assert!(matches!(err, Error::HfTieArchitecture { .. }), "{err}");
+    assert!(!dcp.exists());
+
+    // Named with --tie, it exports as save_pretrained wrote it, and imports back.
+    let tie = (
+        "lm_head.weight".to_string(),
+        "transformer.wte.weight".to_string(),
+    );
+    let opts = HfExportOptions {
+        ties: vec![tie.clone()],
+        ..opts
+    };
+    let done = convert::checkpoint_to_hf(&dir.join("dcp"), &out, &opts, &Solo).unwrap();
+    assert_eq!(done.dropped, [tie.clone()]);
+    let import = HfImportOptions {
+        ties: vec![tie],
+        ..import
+    };
+    convert::hf_to_dcp(&dir.join("hf"), &dcp, &import, &Solo).unwrap();
+    assert_eq!(dcp_model_tensors(&dcp), dcp_model_tensors(&dir.join("dcp")));
+
+    // A config that leaves `tie_word_embeddings` out ties as its architecture's class does
+    // by default: GPT-2 ties.
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    json.as_object_mut().unwrap().remove("tie_word_embeddings");
+    std::fs::write(&config, json.to_string()).unwrap();
+    let opts = HfExportOptions {
+        config: Some(config),
+        ..Default::default()
+    };
+    let (_t, out, done) = export(&dir.join("dcp"), &opts);
+    assert_eq!(done.dropped.len(), 1);
+    assert_eq!(model_files(&out), model_files(&dir.join("hf")));
+}

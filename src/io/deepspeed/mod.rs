@@ -120,6 +120,20 @@ pub struct Param {
     pub group: usize,
 }
 
+/// A frozen parameter (`requires_grad=False`): the optimizer does not hold it, so it has no
+/// fp32 master and no Adam state; its weight is the model's, in the model's dtype, from the
+/// model-states files (`frozen_param_fragments` from stage 2 on, each rank's partition at
+/// stage 3; at stage 1, which saves no fragments, `module`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FrozenParam {
+    /// Its name in the model (a tied parameter's first name).
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype (the model's: `bfloat16` in a bf16 run).
+    pub dtype: DType,
+}
+
 /// An optimizer param group.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamGroup {
@@ -180,6 +194,7 @@ pub struct DeepSpeedCheckpoint {
     tag: String,
     wrapper: Wrapper,
     params: Vec<Param>,
+    frozen: Vec<FrozenParam>,
     groups: Vec<ParamGroup>,
     buffers: Vec<Buffer>,
     aliases: Vec<(String, String)>,
@@ -194,6 +209,8 @@ pub struct DeepSpeedCheckpoint {
     spans: Vec<[Vec<Span>; 3]>,
     /// Per buffer, its one run.
     buffer_spans: Vec<Span>,
+    /// Per frozen parameter, the runs that make its flattened elements (in its own dtype).
+    frozen_spans: Vec<Vec<Span>>,
 }
 
 impl DeepSpeedCheckpoint {
@@ -249,6 +266,12 @@ impl DeepSpeedCheckpoint {
         &self.params
     }
 
+    /// The frozen parameters, in the order DeepSpeed saved them (`module.parameters()`
+    /// order).
+    pub fn frozen(&self) -> &[FrozenParam] {
+        &self.frozen
+    }
+
     /// The param groups.
     pub fn param_groups(&self) -> &[ParamGroup] {
         &self.groups
@@ -264,7 +287,8 @@ impl DeepSpeedCheckpoint {
         &self.aliases
     }
 
-    /// `module.state_dict()`'s keys, in order: parameters, buffers and tied aliases.
+    /// `module.state_dict()`'s keys, in order: parameters (frozen ones too), buffers and tied
+    /// aliases.
     pub fn module_order(&self) -> &[String] {
         &self.module_order
     }
@@ -315,6 +339,24 @@ impl DeepSpeedCheckpoint {
         let b = &self.buffers[i];
         let mut readers = stream::Readers::new(self);
         let t = readers.collect(&[self.buffer_spans[i]], b.dtype, &b.shape)?;
+        readers.finish()?;
+        Ok(t)
+    }
+
+    /// Reads frozen parameter `name` in its own dtype (the model's), from every rank's
+    /// partition at stage 3, each storage's CRC-32 checked.
+    pub fn read_frozen(&self, name: &str) -> Result<HostTensor> {
+        let i = self
+            .frozen
+            .iter()
+            .position(|f| f.name == name)
+            .ok_or_else(|| Error::UnknownParameter {
+                name: name.to_string(),
+                site: crate::error::LookupSite::DeepSpeedCheckpoint,
+            })?;
+        let f = &self.frozen[i];
+        let mut readers = stream::Readers::new(self);
+        let t = readers.collect(&self.frozen_spans[i], f.dtype, &f.shape)?;
         readers.finish()?;
         Ok(t)
     }

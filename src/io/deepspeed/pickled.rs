@@ -3,7 +3,9 @@
 //! and universal readers ([`super::read`], [`super::universal`]) assemble into a
 //! [`DeepSpeedCheckpoint`], each fault an error naming the file, rank and parameter.
 
-use super::{numel, Buffer, DeepSpeedCheckpoint, Form, Param, ParamGroup, Span, Src, Wrapper};
+use super::{
+    numel, Buffer, DeepSpeedCheckpoint, Form, FrozenParam, Param, ParamGroup, Span, Src, Wrapper,
+};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{Allow, Headers, PyObj, TensorValue};
 use crate::tensor::{DType, HostTensor};
@@ -178,6 +180,8 @@ pub(super) fn check_name(p: &Pickled, name: &str) -> Result<()> {
 pub(super) struct ModelStates {
     /// Per flat group (ZeRO-1/2) or sub-group (ZeRO-3): names and shapes, in flat order.
     pub(super) param_shapes: Vec<Vec<(String, Vec<usize>)>>,
+    /// The frozen parameters (`requires_grad=False`), in the order DeepSpeed saved them.
+    pub(super) frozen: Vec<FrozenParam>,
     /// Buffers: name, tensor source, dtype, shape.
     pub(super) buffers: Vec<(Buffer, Src)>,
     /// `shared_params`: alias → primary.
@@ -215,17 +219,6 @@ impl ModelStates {
                 names.push((name.clone(), shape));
             }
             param_shapes.push(names);
-        }
-        let frozen: Vec<String> = get(root, "frozen_param_shapes")
-            .and_then(items)
-            .map(|f| f.iter().map(|(k, _)| k.describe()).collect())
-            .unwrap_or_default();
-        if !frozen.is_empty() {
-            return Err(Error::Unsupported(format!(
-                "`{}` has frozen parameters (requires_grad=False: {}); reading them is not implemented yet",
-                p.path.display(),
-                frozen.join(", ")
-            )));
         }
         let module = p.at(root, "module", "module")?;
         let module_items = items(module).ok_or_else(|| p.err(None, "`module` is not a dict"))?;
@@ -285,6 +278,7 @@ impl ModelStates {
                 )),
             })
             .collect::<Result<_>>()?;
+        let frozen = frozen_params(p, &param_shapes, &buffers, &aliases, &module_order)?;
         let first_param = param_shapes.iter().flatten().map(|(n, _)| n).next();
         let dtype = match first_param.and_then(|n| get(module, n)).and_then(tensor) {
             Some(t) => t.dtype(),
@@ -296,6 +290,7 @@ impl ModelStates {
         };
         Ok(ModelStates {
             param_shapes,
+            frozen,
             buffers,
             aliases,
             module_order,
@@ -315,29 +310,177 @@ impl ModelStates {
         if params.len() != self.param_shapes.iter().map(Vec::len).sum::<usize>() {
             return Err(p.err(None, "`param_shapes` names a parameter twice"));
         }
+        if let Some(f) = self
+            .frozen
+            .iter()
+            .find(|f| params.contains(f.name.as_str()))
+        {
+            return Err(p.err(
+                Some(&f.name),
+                "both trained (`param_shapes`) and frozen (`frozen_param_shapes`)",
+            ));
+        }
+        let frozen = |n: &str| self.frozen.iter().any(|f| f.name == n);
         for (alias, primary) in &self.aliases {
-            if !params.contains(primary.as_str()) {
+            if !params.contains(primary.as_str()) && !frozen(primary) {
                 return Err(p.err(
                     Some(alias),
                     format!(
-                        "`shared_params` ties it to `{primary}`, which is no trained parameter"
+                        "`shared_params` ties it to `{primary}`, which is no trained or frozen parameter"
                     ),
                 ));
             }
         }
         for name in &self.module_order {
             let known = params.contains(name.as_str())
+                || frozen(name)
                 || self.buffers.iter().any(|(b, _)| &b.name == name)
                 || self.aliases.iter().any(|(a, _)| a == name);
             if !known {
                 return Err(p.err(
                     Some(name),
-                    "a `module` entry that is no trained parameter, buffer or tied alias",
+                    "a `module` entry that is no trained or frozen parameter, buffer or tied alias",
                 ));
             }
         }
         Ok(())
     }
+}
+
+/// The frozen parameters of the model-states file `p`: `frozen_param_shapes` (saved from
+/// stage 2 on), or, where it is None (stage 1 saves no frozen fragments), the `module`
+/// entries that are no trained parameter, buffer or tied alias (`module` is the whole
+/// `state_dict()` at stages 1 and 2). Each one's dtype is its saved weight's
+/// ([`frozen_weight`]).
+fn frozen_params(
+    p: &Pickled,
+    param_shapes: &[Vec<(String, Vec<usize>)>],
+    buffers: &[(Buffer, Src)],
+    aliases: &[(String, String)],
+    module_order: &[String],
+) -> Result<Vec<FrozenParam>> {
+    let root = p.root();
+    let mut named: Vec<(String, Option<Vec<usize>>)> = Vec::new();
+    match get(root, "frozen_param_shapes") {
+        None | Some(PyObj::None) => {
+            let other = |n: &String| {
+                !param_shapes.iter().flatten().any(|(p, _)| p == n)
+                    && !buffers.iter().any(|(b, _)| &b.name == n)
+                    && !aliases.iter().any(|(a, _)| a == n)
+            };
+            named.extend(
+                module_order
+                    .iter()
+                    .filter(|n| other(n))
+                    .map(|n| (n.clone(), None)),
+            );
+        }
+        Some(shapes) => {
+            let entries = items(shapes)
+                .ok_or_else(|| p.err(None, "`frozen_param_shapes` is not a dict of shapes"))?;
+            for (k, v) in entries {
+                let PyObj::Str(name) = k else {
+                    return Err(p.err(None, "`frozen_param_shapes` has a key that is not a name"));
+                };
+                check_name(p, name)?;
+                let shape = shape_of(v).ok_or_else(|| {
+                    p.err(
+                        Some(name),
+                        "its shape in `frozen_param_shapes` is not a shape",
+                    )
+                })?;
+                named.push((name.clone(), Some(shape)));
+            }
+        }
+    }
+    let mut out: Vec<FrozenParam> = Vec::new();
+    for (name, shape) in named {
+        if out.iter().any(|f| f.name == name) {
+            return Err(p.err(Some(&name), "`frozen_param_shapes` names it twice"));
+        }
+        let (t, _) = frozen_weight(p, &name)?;
+        out.push(FrozenParam {
+            shape: shape.unwrap_or_else(|| p.shape(t)),
+            dtype: t.dtype(),
+            name,
+        });
+    }
+    Ok(out)
+}
+
+/// Frozen parameter `name`'s saved weight in the model-states file `p`, and what it is
+/// called there: `frozen_param_fragments[name]` where saved (the whole weight at stage 2,
+/// this rank's partition at stage 3), else `module[name]` (stage 1).
+fn frozen_weight<'p>(p: &'p Pickled, name: &str) -> Result<(&'p HostTensor, String)> {
+    let root = p.root();
+    let (obj, what) = match get(root, "frozen_param_fragments") {
+        Some(fragments) if items(fragments).is_some() => (
+            get(fragments, name),
+            format!("frozen_param_fragments['{name}']"),
+        ),
+        _ => (
+            p.at(root, "module", "module")
+                .ok()
+                .and_then(|m| get(m, name)),
+            format!("module['{name}']"),
+        ),
+    };
+    let obj = obj.ok_or_else(|| {
+        p.err(
+            Some(name),
+            format!("a frozen parameter without its weight (no `{what}`)"),
+        )
+    })?;
+    Ok((p.tensor(obj, &what)?, what))
+}
+
+/// The runs that make each frozen parameter's elements, their sources pushed on `srcs`:
+/// from `files` (each a model-states file and its index in the checkpoint's files), one
+/// file holding every weight whole (stages 1 and 2), or every rank's file in rank order, rank
+/// `r` holding elements `[r·c, (r+1)·c)` of the flattened weight, `c = ceil(numel / ranks)`,
+/// as a partition of `c` elements padded at the end (stage 3's `ds_tensor`). Each saved
+/// tensor must have the parameter's dtype and that many elements.
+pub(super) fn frozen_spans(
+    files: &[(&Pickled, usize)],
+    frozen: &[FrozenParam],
+    srcs: &mut Vec<Src>,
+) -> Result<Vec<Vec<Span>>> {
+    let ranks = files.len().max(1);
+    let mut out = Vec::new();
+    for f in frozen {
+        let n = numel(&f.shape);
+        let c = n.div_ceil(ranks);
+        let mut spans = Vec::new();
+        for (r, (p, file)) in files.iter().enumerate() {
+            let (t, what) = frozen_weight(p, &f.name)?;
+            if t.dtype() != f.dtype {
+                return Err(p.err(
+                    Some(&f.name),
+                    format!("`{what}` is {}, but rank 0's is {}", t.dtype(), f.dtype),
+                ));
+            }
+            let (src, got) = p.src(t, *file, &what)?;
+            if got != c {
+                let whole = if ranks == 1 {
+                    format!("its shape {:?}", f.shape)
+                } else {
+                    format!("ceil({n} / {ranks} ranks)")
+                };
+                return Err(p.err(
+                    Some(&f.name),
+                    format!("`{what}` holds {got} elements, but {whole} gives {c}"),
+                ));
+            }
+            spans.push(Span {
+                src: srcs.len(),
+                start: 0,
+                len: c.min(n.saturating_sub(r * c)),
+            });
+            srcs.push(src);
+        }
+        out.push(spans);
+    }
+    Ok(out)
 }
 
 /// The model dtype `ds_config` names (`bf16.enabled`, `fp16.enabled`), float32 otherwise.
@@ -407,6 +550,8 @@ pub(super) struct Parts {
     pub(super) spans: Vec<[Vec<Span>; 3]>,
     pub(super) files: Vec<PathBuf>,
     pub(super) srcs: Vec<Src>,
+    /// Per frozen parameter (`model.frozen`), its runs.
+    pub(super) frozen_spans: Vec<Vec<Span>>,
     /// Index of the model-states file in `files`.
     pub(super) model_file: usize,
 }
@@ -449,7 +594,15 @@ impl Parts {
         }
         debug_assert!(self.model_file < self.files.len());
         // Each stored source's last needed element, so that reading it checks its CRC-32.
-        for span in self.spans.iter().flatten().flatten().chain(&buffer_spans) {
+        let frozen_spans = self.frozen_spans.iter().flatten();
+        for span in self
+            .spans
+            .iter()
+            .flatten()
+            .flatten()
+            .chain(&buffer_spans)
+            .chain(frozen_spans)
+        {
             if let Src::Stored { needed, .. } = &mut srcs[span.src] {
                 *needed = (*needed).max(span.start + span.len);
             }
@@ -463,6 +616,7 @@ impl Parts {
             tag: self.tag,
             wrapper: self.wrapper,
             params,
+            frozen: self.model.frozen,
             groups,
             buffers,
             aliases: self.model.aliases,
@@ -472,6 +626,7 @@ impl Parts {
             srcs,
             spans: self.spans,
             buffer_spans,
+            frozen_spans: self.frozen_spans,
         }
     }
 }

@@ -5,8 +5,8 @@
 
 use super::layout::{FlatGroup, PartitionedGroup, Piece};
 use super::pickled::{
-    check_name, get, get_int, group_of_subgroups, hyperparameters, items, Hyper, ModelStates,
-    Parts, Pickled,
+    check_name, frozen_spans, get, get_int, group_of_subgroups, hyperparameters, items, Hyper,
+    ModelStates, Parts, Pickled,
 };
 use super::{numel, optim_file_rank, DeepSpeedCheckpoint, Form, Span, Src, State, Wrapper};
 use crate::error::{Error, Result};
@@ -89,8 +89,19 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
         b.zero12(dir, &model, wrapper)?
     };
     let Builder {
-        srcs, spans, steps, ..
+        mut srcs,
+        spans,
+        steps,
+        ..
     } = b;
+    let ranks_model = if stage == 3 && !model.frozen.is_empty() {
+        other_rank_model_states(dir, ws, &mut files)?
+    } else {
+        Vec::new()
+    };
+    let mut frozen_files = vec![(&mp, model_file)];
+    frozen_files.extend(ranks_model.iter().map(|(p, f)| (p, *f)));
+    let frozen_spans = frozen_spans(&frozen_files, &model.frozen, &mut srcs)?;
     Ok(Parts {
         dir: dir.to_path_buf(),
         form: Form::Zero,
@@ -105,9 +116,41 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
         spans,
         files,
         srcs,
+        frozen_spans,
         model_file,
     }
     .assemble())
+}
+
+/// The model-states files of ranks 1 to `ws - 1` at stage 3
+/// (`zero_pp_rank_{r}_mp_rank_00_model_states.pt`), which hold those ranks' partitions of the
+/// frozen parameters: read, and added to `files`. Each with its index in `files`.
+pub(super) fn other_rank_model_states(
+    dir: &Path,
+    ws: usize,
+    files: &mut Vec<PathBuf>,
+) -> Result<Vec<(Pickled, usize)>> {
+    let mut out = Vec::new();
+    for r in 1..ws {
+        let path = dir.join(format!("zero_pp_rank_{r}_mp_rank_00_model_states.pt"));
+        if !path.is_file() {
+            return Err(Error::DeepSpeedRankFiles {
+                dir: dir.display().to_string(),
+                expected: Some(ws),
+                found: (0..r).collect(),
+                reason: format!(
+                    "no model states file of rank {r} (`{}`), which holds its partition of the frozen parameters",
+                    path.file_name().unwrap_or_default().to_string_lossy()
+                ),
+            });
+        }
+        out.push((
+            Pickled::load(&path, Some(r), Allow::DeepSpeed)?,
+            files.len(),
+        ));
+        files.push(path);
+    }
+    Ok(out)
 }
 
 /// The ZeRO stage and wrapper of an optimizer state `s`: `zero_stage` 1 or 2

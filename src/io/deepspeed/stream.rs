@@ -137,6 +137,8 @@ enum Want {
     Param(usize, State),
     /// Buffer `.0`, cast to float32 when `.1`.
     Buffer(usize, bool),
+    /// Frozen parameter `.0`, cast to float32 when `.1`.
+    Frozen(usize, bool),
 }
 
 /// A consolidated dict of a DeepSpeed checkpoint, its tensors placeholders that [`Streamed`]
@@ -159,14 +161,17 @@ impl Consolidated {
 
 impl DeepSpeedCheckpoint {
     /// The dict `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`
-    /// returns: the buffers (as float32), then the fp32 master weights in flat order, then
-    /// each tied alias as the same tensor as its parameter. With `optim`,
-    /// `{"model": …, "optim": {"state": …, "param_groups": …}}` as
-    /// `get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))` of the
-    /// plain model and a `torch.optim.Adam` names it: `model` in `module.state_dict()` order
-    /// (master weights as float32, buffers in their own dtype, tied aliases sharing their
-    /// parameter's tensor), `state` keyed by parameter name in param-group order, each
-    /// `{"step", "exp_avg", "exp_avg_sq"}` (Adam's order), and `param_groups` with the client
+    /// returns: the buffers (as float32), then the frozen parameters in their own dtype (the
+    /// model's), then the fp32 master weights in flat order, then each tied alias as the same
+    /// tensor as its parameter. (At stage 1 DeepSpeed saves no frozen fragments and
+    /// zero_to_fp32 leaves the frozen parameters and their aliases out; here they are taken
+    /// from `module`.) With `optim`, `{"model": …, "optim": {"state": …, "param_groups": …}}`
+    /// as `get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))` of the
+    /// plain float32 model and a `torch.optim.Adam` over its trainable parameters names it:
+    /// `model` in `module.state_dict()` order (master weights and frozen weights as float32,
+    /// buffers in their own dtype, tied aliases sharing their parameter's tensor), `state`
+    /// keyed by parameter name in param-group order, each `{"step", "exp_avg", "exp_avg_sq"}`
+    /// (Adam's order; a frozen parameter has none), and `param_groups` with the client
     /// optimizer's hyper-parameters and `params` listing names.
     pub(crate) fn consolidated(&self, optim: bool) -> Consolidated {
         let mut c = Consolidated {
@@ -179,11 +184,22 @@ impl DeepSpeedCheckpoint {
             .enumerate()
             .map(|(i, p)| c.placeholder(Want::Param(i, State::Fp32), &p.shape, DType::F32))
             .collect();
+        let frozen: Vec<HostTensor> = self
+            .frozen
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                let dtype = if optim { DType::F32 } else { f.dtype };
+                c.placeholder(Want::Frozen(i, optim), &f.shape, dtype)
+            })
+            .collect();
         let master = |name: &str| {
-            self.params
-                .iter()
-                .position(|p| p.name == name)
-                .map(|i| masters[i].clone())
+            let trained = self.params.iter().position(|p| p.name == name);
+            let fixed = || self.frozen.iter().position(|f| f.name == name);
+            match trained {
+                Some(i) => Some(masters[i].clone()),
+                None => fixed().map(|i| frozen[i].clone()),
+            }
         };
         let item = |k: &str, t: HostTensor| (PyObj::Str(k.to_string()), PyObj::Tensor(t));
         if !optim {
@@ -191,6 +207,9 @@ impl DeepSpeedCheckpoint {
             for (i, b) in self.buffers.iter().enumerate() {
                 let t = c.placeholder(Want::Buffer(i, true), &b.shape, DType::F32);
                 items.push(item(&b.name, t));
+            }
+            for (f, t) in self.frozen.iter().zip(&frozen) {
+                items.push(item(&f.name, t.clone()));
             }
             for (p, t) in self.params.iter().zip(&masters) {
                 items.push(item(&p.name, t.clone()));
@@ -330,6 +349,13 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
         let out = self.out;
         let (spans, from): (&[Span], Option<DType>) = match want {
             Want::Param(i, state) => (&ckpt.spans[i][state.index()], None),
+            Want::Frozen(i, as_f32) => {
+                let dtype = ckpt.frozen[i].dtype;
+                (
+                    &ckpt.frozen_spans[i][..],
+                    (as_f32 && dtype != DType::F32).then_some(dtype),
+                )
+            }
             Want::Buffer(i, as_f32) => {
                 let dtype = ckpt.buffers[i].dtype;
                 (
@@ -369,7 +395,7 @@ impl<P: FnMut(u64)> LazyTensors for Streamed<'_, P> {
         })?;
         if !carry.is_empty() {
             return Err(Error::Internal(
-                "a buffer's bytes end inside an element".into(),
+                "a tensor's bytes end inside an element".into(),
             ));
         }
         Ok(())

@@ -1,6 +1,6 @@
 //! What `fsdp-ckpt inspect` shows of a DeepSpeed checkpoint, from its structure alone.
 
-use super::{Buffer, DeepSpeedCheckpoint, Form, State, Wrapper};
+use super::{Buffer, DeepSpeedCheckpoint, Form, FrozenParam, State, Wrapper};
 use crate::io::torch_save::PyObj;
 use serde::Serialize;
 
@@ -27,6 +27,9 @@ pub struct Summary {
     pub files: Vec<String>,
     /// Per trained parameter: name, shape, group, states and step.
     pub params: Vec<ParamSummary>,
+    /// The frozen parameters (`requires_grad=False`: no optimizer state), each with its
+    /// shape and dtype (the model's).
+    pub frozen: Vec<FrozenParam>,
     /// The param groups: hyper-parameters and members.
     pub param_groups: Vec<serde_json::Value>,
     /// The persistent buffers.
@@ -82,6 +85,7 @@ impl Summary {
                 .collect(),
             state_bytes: c.fp32_bytes() * State::ALL.len() as u64,
             params,
+            frozen: c.frozen.clone(),
             param_groups: c
                 .groups
                 .iter()
@@ -158,6 +162,15 @@ impl std::fmt::Display for Summary {
                 "  {} {:?} group {} step {step}",
                 p.name, p.shape, p.group
             )?;
+        }
+        if !self.frozen.is_empty() {
+            writeln!(
+                f,
+                "frozen parameters (requires_grad=False: no optimizer state; weights in their dtype):"
+            )?;
+            for p in &self.frozen {
+                writeln!(f, "  {} {} {:?}", p.name, p.dtype.torch_name(), p.shape)?;
+            }
         }
         if !self.buffers.is_empty() {
             writeln!(f, "buffers:")?;

@@ -4,8 +4,8 @@
 //! in `zero/optimizer_state.pt`, and a copy of the model-states file naming the parameters,
 //! buffers and tied aliases.
 
-use super::pickled::{get, get_int, tensor, ModelStates, Parts, Pickled};
-use super::read::param_groups;
+use super::pickled::{frozen_spans, get, get_int, tensor, ModelStates, Parts, Pickled};
+use super::read::{other_rank_model_states, param_groups};
 use super::{numel, DeepSpeedCheckpoint, Form, Span, State, Wrapper};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{Allow, PyObj};
@@ -136,6 +136,14 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
             });
         }
     }
+    let ranks_model = if stage == 3 && !model.frozen.is_empty() {
+        other_rank_model_states(dir, world_size, &mut files)?
+    } else {
+        Vec::new()
+    };
+    let mut frozen_files = vec![(&mp, 0)];
+    frozen_files.extend(ranks_model.iter().map(|(p, f)| (p, *f)));
+    let frozen_spans = frozen_spans(&frozen_files, &model.frozen, &mut srcs)?;
     Ok(Parts {
         dir: dir.to_path_buf(),
         form: Form::Universal,
@@ -150,6 +158,7 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
         spans,
         files,
         srcs,
+        frozen_spans,
         model_file: 0,
     }
     .assemble())

@@ -14,18 +14,21 @@
 //!
 //! This module plans the directory (`plan.rs`), maps checkpoint keys to model names
 //! (`names.rs`, [`Rename`]), writes one planned file from a stream of tensor bytes
-//! (`write.rs`) and reads a directory back, checking its index against its files (`read.rs`,
+//! (`write.rs`), knows each architecture's tied embeddings (`ties.rs`, the table
+//! `tied_embeddings.txt`) and reads a directory back, checking its index against its files (`read.rs`,
 //! [`summary`]). Running a plan over a process group is [`crate::convert`]'s.
 
 pub(crate) mod names;
 pub(crate) mod plan;
 pub(crate) mod read;
+pub(crate) mod ties;
 pub(crate) mod write;
 
 pub use names::{Rename, MODEL_PREFIX, OPTIM_PREFIX, STATE_ROOTS};
 pub use plan::{parse_shard_size, DEFAULT_MAX_SHARD_SIZE};
 pub(crate) use read::HfModelDir;
 pub use read::{summary, HfSummary, HfTensorSummary};
+pub use ties::{tied_embeddings, TiedEmbedding};
 
 use std::path::Path;
 

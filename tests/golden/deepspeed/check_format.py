@@ -12,9 +12,11 @@ For every case it
    per-rank partitions), cross-checks `param_slice_mappings` (stages 1 and 2), and compares
    bit for bit with `expected_fp32.safetensors` (DeepSpeed's zero_to_fp32) and the universal
    checkpoint (`ucp/`);
-3. for fp32 cases, loads that state into a plain `tiny_model.TinyModel` and a
-   `torch.optim.Adam` built from `case.json`, takes one step on `continue_batch.safetensors` and
-   compares with `after_one_step.safetensors`.
+   (frozen parameters from the model-states files: FORMAT.md section 3);
+3. for fp32 cases, loads that state into a plain `tiny_model.TinyModel` (its frozen variant
+   where `case.json` lists `frozen` parameters) and the `torch.optim.Adam` / `AdamW` of
+   `case.json`, takes one step on `continue_batch.safetensors` and compares with
+   `after_one_step.safetensors`.
 Prints `ok <case>` per case; exits non-zero on the first mismatch.
 """
 import enum
@@ -138,6 +140,27 @@ def rebuild_stage3(tag_dir, model, ws, prefix):
     return out
 
 
+def rebuild_frozen(models, stage):
+    """{name: weight} of the frozen parameters (FORMAT.md section 3), in the model dtype: at
+    stage 1 the `module` entries that are no trained parameter, buffer or tied alias; at stage 2
+    `frozen_param_fragments` (whole weights); at stage 3 every rank's `frozen_param_fragments`
+    (partitions of ceil(numel / ws) elements) concatenated and cut to the shape."""
+    model = models[0]
+    if model.get("frozen_param_shapes") is None:
+        assert stage == 1 and model.get("frozen_param_fragments") is None
+        trained = {n for g in model["param_shapes"] for n in g}
+        skip = trained | set(model["buffer_names"]) | set(model["shared_params"])
+        return {n: t for n, t in model["module"].items() if n not in skip}
+    out = {}
+    for name, shape in model["frozen_param_shapes"].items():
+        n, ws = math.prod(shape), len(models)
+        parts = [m["frozen_param_fragments"][name] for m in models]
+        assert all(p.numel() == math.ceil(n / ws) for p in parts), (name, [p.numel() for p in parts])
+        out[name] = torch.cat(parts).narrow(0, 0, n).view(shape) if ws > 1 else parts[0]
+        assert stage == 3 or ws == 1
+    return out
+
+
 def check_case(case):
     case_dir = os.path.join(HERE, case)
     info = json.load(open(os.path.join(case_dir, "case.json")))
@@ -156,6 +179,7 @@ def check_case(case):
 
     if stage <= 2:
         model = load(os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+        models = [model]
         params = rebuild_stage12(tag_dir, model, ws, prefix)
     else:
         models = [load(os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")) for r in range(ws)]
@@ -165,10 +189,14 @@ def check_case(case):
         params = rebuild_stage3(tag_dir, model, ws, prefix)
     assert list(params) == [n for g in info["param_groups"] for n in g["members"]]
 
-    # 2. zero_to_fp32 = parameters + buffers (as fp32) + shared names
-    rebuilt = {n: p[0] for n, p in params.items()}
+    # 2. zero_to_fp32 = buffers (as fp32) + frozen parameters + parameters + shared names
+    rebuilt = {}
     for b in model["buffer_names"]:
         rebuilt[b] = model["module"][b].float()
+    frozen = rebuild_frozen(models, stage)
+    assert list(frozen) == list(info.get("frozen", {})), list(frozen)
+    rebuilt.update(frozen)
+    rebuilt.update({n: p[0] for n, p in params.items()})
     for alias, primary in model["shared_params"].items():
         rebuilt[alias] = rebuilt[primary]
     expected = load_file(os.path.join(case_dir, "expected_fp32.safetensors"))
@@ -197,7 +225,7 @@ def check_case(case):
     if stage <= 2:
         # every module-state entry without optimizer state: buffers and the tied alias, from the
         # MODEL-DTYPE weights (bf16 for bf16 runs), as {'param': t.float()}
-        assert extra == sorted(["pos_scale", "head_lm.weight"]), extra
+        assert extra == sorted(["pos_scale", "head_lm.weight", *frozen]), extra
         for n in extra:
             got = load(os.path.join(zero, n, "fp32.pt"))
             assert list(got) == ["param"], list(got)
@@ -211,7 +239,7 @@ def check_case(case):
 
     # 3. continuation
     if info["dtype"] == "fp32":
-        net = tm.TinyModel()
+        net = tm.build_model(frozen=bool(frozen))
         net.load_state_dict(expected)
         named = dict(net.named_parameters())
         groups = []
@@ -219,7 +247,7 @@ def check_case(case):
             hp = dict(g["hyperparameters"])
             hp["betas"] = tuple(hp["betas"])
             groups.append({"params": [named[n] for n in g["members"]], **hp})
-        opt = torch.optim.Adam(groups)
+        opt = getattr(torch.optim, info["optimizer"]["class"].rsplit(".", 1)[-1])(groups)
         for name, (_, exp_avg, exp_avg_sq, step) in params.items():
             opt.state[named[name]] = {
                 "step": step.clone(),
@@ -243,7 +271,7 @@ def check_case(case):
 
 
 def main():
-    cases = sys.argv[1:] or sorted(d for d in os.listdir(HERE) if d.startswith("zero"))
+    cases = sys.argv[1:] or sorted(d for d in os.listdir(HERE) if d.startswith(("zero", "frozen_")))
     for case in cases:
         check_case(case)
 

@@ -11,17 +11,20 @@ DeepSpeed run's state. Used live by the Rust tests (tests/it/deepspeed.rs); need
   `ds_to_universal`) and, for fp32 cases, `after_one_step.safetensors`.
 * DCP_DIR — the DCP directory written of that case's checkpoint.
 
-Every rank builds `tiny_model.build_model()` in float32, wraps it with FSDP2 (`fully_shard` on
-`fc1`, then the root; the tied `emb` / `head_lm` stay in the root's group) and builds
-`tiny_model.make_optimizer` (two param groups, `torch.optim.Adam`). It then loads, as an FSDP2
+Every rank builds `tiny_model.build_model()` in float32 (its frozen variant for a case whose
+`case.json` lists `frozen` parameters), wraps it with FSDP2 (`fully_shard` on `fc1`, then the
+root; the tied `emb` / `head_lm` stay in the root's group) and builds `tiny_model.make_optimizer`
+(two param groups of the trainable parameters, the case's `torch.optim.Adam` or `AdamW`). It then loads, as an FSDP2
 user would: `msd, osd = get_state_dict(model, optim)`, `dcp.load({"model": msd, "optim": osd})`,
 `set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)`.
 
 Checked on rank 0 from `get_state_dict(..., full_state_dict=True)`, exactly (`torch.equal`):
-* the model state equals `expected_fp32.safetensors` (weights, the buffer, the tied alias);
-* each parameter's `exp_avg` and `exp_avg_sq` equal the universal checkpoint's files, its `step`
-  equals the run's step count, and each param group's hyper-parameters and members equal
-  `case.json`'s.
+* the model state equals `expected_fp32.safetensors` (weights, the buffer, the tied alias; a
+  frozen weight, which that file holds in the model dtype, as float32);
+* each trained parameter's `exp_avg` and `exp_avg_sq` equal the universal checkpoint's files,
+  its `step` equals the run's step count, a frozen parameter has no optimizer state (what
+  `get_state_dict` gives of an FSDP2 model with it frozen), and each param group's
+  hyper-parameters and members equal `case.json`'s.
 
 For fp32 cases the ranks then train one step on `tiny_model.continue_batch()` (the same batch
 on every rank, so the data-parallel mean gradient is that batch's whatever the world size) and
@@ -84,8 +87,12 @@ def compare(case_dir, case, full_m, full_o):
 
     bad = []
     expected = load_file(case_dir / "expected_fp32.safetensors")
+    frozen = set(case.get("frozen", {}))
+    frozen |= {a for a, p in case["tied"].items() if p in frozen}
     for k, want in expected.items():
         got = full_m.get(k)
+        if k in frozen:
+            want = want.float()
         if got is None:
             bad.append(f"model key {k} missing")
         elif got.dtype != want.dtype or not torch.equal(got, want):
@@ -96,6 +103,10 @@ def compare(case_dir, case, full_m, full_o):
     shapes = case["param_shapes"]
     for name in case["param_names"]:
         st = full_o["state"].get(name)
+        if name in frozen:
+            if st is not None:
+                bad.append(f"frozen {name} has optimizer state {sorted(st)}")
+            continue
         if st is None:
             bad.append(f"optim state of {name} missing")
             continue
@@ -131,12 +142,21 @@ def control_diff(case_dir, after):
     """How far a plain model continued from the same weights with a fresh Adam state lands."""
     from safetensors.torch import load_file
 
-    model = tiny_model.build_model()
+    model, optim = build(json.loads((case_dir / "case.json").read_text()))
     model.load_state_dict(load_file(case_dir / "expected_fp32.safetensors"))
-    optim = tiny_model.make_optimizer(model)
     continue_one_step(model, optim)
     sd = model.state_dict()
     return max((sd[k] - v).abs().max().item() for k, v in after.items())
+
+
+def build(case, ws=None):
+    """The case's model (frozen variant when it lists `frozen` parameters), FSDP2-wrapped at
+    `ws` ranks unless `ws` is None, and its optimizer."""
+    model = tiny_model.build_model(frozen=bool(case.get("frozen")))
+    if ws is not None:
+        model = wrap(model, ws)
+    cls = getattr(torch.optim, case["optimizer"]["class"].rsplit(".", 1)[-1])
+    return model, tiny_model.make_optimizer(model, cls)
 
 
 def check_case(rank, ws, case_dir, dcp_dir):
@@ -148,8 +168,7 @@ def check_case(rank, ws, case_dir, dcp_dir):
     )
 
     case = json.loads((case_dir / "case.json").read_text())
-    model = wrap(tiny_model.build_model(), ws)
-    optim = tiny_model.make_optimizer(model)
+    model, optim = build(case, ws)
     msd, osd = get_state_dict(model, optim)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(dcp_dir))
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)

@@ -33,7 +33,17 @@ Files (tests/golden/deepspeed/):
   wd 0.1 and lr 3e-3 / wd 0.0), no gradient clipping, 3 steps on rank-specific batches.
   `zero1_bf16_fp32acc/` is a seventh case: bf16 with `data_types.grad_accum_dtype = "fp32"`,
   for which DeepSpeed takes its BF16_Optimizer at stage 1 (the Megatron-DeepSpeed setup), whose
-  optimizer files differ (FORMAT.md). Each case folder holds:
+  optimizer files differ (FORMAT.md).
+* `frozen_zero{1,2,3}_{fp32,bf16}_ws{2,3}/` (issue 40; FROZEN_CASES) — the frozen variant of the
+  model (`tiny_model.build_model(frozen=True)`: `emb.weight`, and with it the tied
+  `head_lm.weight`, requires_grad=False) with a client `torch.optim.AdamW` over the trainable
+  parameters in the same two groups, at the world size the name says. Their
+  `expected_fp32.safetensors` is zero_to_fp32's output checked by `with_frozen` (the frozen
+  weight in the model dtype, equal to the initial one); at stage 1, where zero_to_fp32 leaves
+  the frozen weights and their aliases out, with them put back from `module` (`case.json`
+  `zero_to_fp32_leaves_out`).
+
+  Each case folder holds:
   - `ckpt/` — `engine.save_checkpoint(ckpt, tag="step3")` as written: `latest` (holds
     `step3`) and `step3/*_model_states.pt`, `step3/*_optim_states.pt`. The recovery scripts
     DeepSpeed copies into the tag folder (`zero_to_fp32.py`, `zero_to_torch.py`) are deleted
@@ -83,12 +93,34 @@ CONTINUE_TAG = "step4"
 # stage 1 makes DeepSpeed use its BF16_Optimizer (the Megatron-DeepSpeed setup) instead of the
 # ZeRO optimizer: another optimizer-file layout, which zero_to_fp32 refuses.
 CASES = [f"zero{stage}_{dtype}" for stage in (1, 2, 3) for dtype in ("fp32", "bf16")] + ["zero1_bf16_fp32acc"]
+# Issue 40: the frozen variant of the model (tiny_model.build_model(frozen=True): `emb.weight`
+# and its tied `head_lm.weight` frozen, torch.optim.AdamW over the trainable parameters), every
+# stage and dtype, each stage at world sizes 2 and 3.
+FROZEN_CASES = [
+    "frozen_zero1_fp32_ws2", "frozen_zero1_bf16_ws3", "frozen_zero2_fp32_ws3", "frozen_zero2_bf16_ws2",
+    "frozen_zero3_fp32_ws2", "frozen_zero3_bf16_ws3"
+]
+CASES += FROZEN_CASES
 
 
 def parse_case(case):
     """(stage, dtype, fp32 gradient accumulation)"""
-    parts = case.split("_")
+    parts = case.removeprefix("frozen_").split("_")
     return int(parts[0][len("zero"):]), parts[1], parts[2:] == ["fp32acc"]
+
+
+def is_frozen(case):
+    return case.startswith("frozen_")
+
+
+def world_size(case):
+    """The case's data-parallel world size: its `_ws<n>` suffix, else WORLD_SIZE."""
+    last = case.split("_")[-1]
+    return int(last[2:]) if last.startswith("ws") else WORLD_SIZE
+
+
+def optimizer_class(case):
+    return torch.optim.AdamW if is_frozen(case) else torch.optim.Adam
 
 
 def ds_config(stage, dtype, fp32acc=False):
@@ -121,10 +153,10 @@ def worker(args):
     stage, dtype, fp32acc = parse_case(args.case)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
-    assert dist.get_world_size() == WORLD_SIZE
+    assert dist.get_world_size() == world_size(args.case)
 
-    model = tm.build_model()
-    optimizer = tm.make_optimizer(model)
+    model = tm.build_model(frozen=is_frozen(args.case))
+    optimizer = tm.make_optimizer(model, optimizer_class(args.case))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(stage, dtype, fp32acc))
 
     for step in range(STEPS):
@@ -171,7 +203,7 @@ def child_env():
 
 def run_workers(case, ckpt, continue_ckpt):
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD_SIZE), "--nnodes", "1",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size(case)), "--nnodes", "1",
         "--master-addr", "127.0.0.1", "--master-port",
         str(free_port()),
         os.path.abspath(__file__), "--worker", "--case", case, "--ckpt", ckpt
@@ -201,6 +233,45 @@ def shared_names(state_dict):
 def zero_to_fp32(ckpt_dir):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     return get_fp32_state_dict_from_zero_checkpoint(ckpt_dir)
+
+
+def with_frozen(case, ckpt, tag, sd):
+    """zero_to_fp32's output `sd` of a frozen case, checked, with what it leaves out put back.
+
+    zero_to_fp32 takes frozen parameters from the model states' `frozen_param_fragments`, in
+    the model dtype, after the buffers and before the trained parameters (then a tied alias of
+    one shares its tensor). DeepSpeed saves those only from stage 2 on (`frozen_param_shapes`
+    is None at stage 1), so at stage 1 zero_to_fp32 silently leaves the frozen parameters and
+    their aliases out (asserted here): they are put back from `module` (the model-dtype weights
+    stage 1 saves whole), where stage 2 would have them. Every frozen weight must still be the
+    initial one (in the model dtype)."""
+    if not is_frozen(case):
+        return sd
+    stage, dtype, _ = parse_case(case)
+    frozen = tm.FROZEN_NAMES
+    aliases = ["head_lm.weight"]
+    files = sorted(glob.glob(os.path.join(ckpt, tag, "*model_states.pt")))
+    model = torch.load(files[0], map_location="cpu", weights_only=False)
+    initial = tm.build_model().state_dict()
+    want_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    if stage == 1:
+        assert model["frozen_param_shapes"] is None and model["frozen_param_fragments"] is None
+        assert not set(frozen + aliases) & set(sd), list(sd)
+        buffers = [k for k in sd if k in model["buffer_names"]]
+        out = {k: sd[k] for k in buffers}
+        out.update({n: model["module"][n] for n in frozen})
+        out.update({k: v for k, v in sd.items() if k not in buffers})
+        for a in aliases:
+            out[a] = out[model["shared_params"][a]]
+        sd = out
+    else:
+        assert list(model["frozen_param_shapes"]) == frozen, model["frozen_param_shapes"]
+        keys = list(sd)
+        assert keys[len(model["buffer_names"]):][:len(frozen)] == frozen, keys
+    for n in frozen:
+        assert sd[n].dtype == want_dtype, (n, sd[n].dtype)
+        assert torch.equal(sd[n], initial[n].to(want_dtype)), f"{case}: frozen {n} changed"
+    return sd
 
 
 def expected_from_ucp(ckpt, ucp_tag_dir):
@@ -291,7 +362,7 @@ def json_value(v):
     return v
 
 
-def layout(stage, dtype, fp32acc, tag_dir):
+def layout(stage, dtype, fp32acc, tag_dir, ws=WORLD_SIZE):
     """Where every parameter sits in the flat optimizer tensors (FORMAT.md), read off the files.
     Stages 1/2: `offset` in the group's flat buffer (all ranks' partitions back to back),
     `rank_slices_start_numel` {rank: [start in that rank's partition, numel]}. Stage 3: `offset`
@@ -300,7 +371,7 @@ def layout(stage, dtype, fp32acc, tag_dir):
     optim = [
         torch.load(os.path.join(tag_dir, f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
                    map_location="cpu",
-                   weights_only=False)["optimizer_state_dict"] for r in range(WORLD_SIZE)
+                   weights_only=False)["optimizer_state_dict"] for r in range(ws)
     ]
     model_file = "mp_rank_00_model_states.pt" if stage <= 2 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
     shapes = torch.load(os.path.join(tag_dir, model_file), map_location="cpu", weights_only=False)["param_shapes"]
@@ -314,7 +385,7 @@ def layout(stage, dtype, fp32acc, tag_dir):
                 n = shape.numel()
                 ranks = {
                     r: [max(offset, r * part) - r * part, min(offset + n, (r + 1) * part) - max(offset, r * part)]
-                    for r in range(WORLD_SIZE) if max(offset, r * part) < min(offset + n, (r + 1) * part)
+                    for r in range(ws) if max(offset, r * part) < min(offset + n, (r + 1) * part)
                 }
                 params.append({"name": name, "numel": n, "offset": offset, "padding_after": pad,
                                "rank_slices_start_numel": ranks})
@@ -322,7 +393,7 @@ def layout(stage, dtype, fp32acc, tag_dir):
             groups.append({
                 "params": params,
                 "padded_group_numel": offset,
-                "aligned_numel": part * WORLD_SIZE,  # a multiple of 2 * world size
+                "aligned_numel": part * ws,  # a multiple of 2 * world size
                 "partition_numel": part,
                 "group_paddings_per_rank": [o["group_paddings"][g] for o in optim],
                 "single_partition_of_fp32_groups_numel_per_rank":
@@ -331,9 +402,9 @@ def layout(stage, dtype, fp32acc, tag_dir):
         else:
             for name, shape in group_shapes.items():
                 n = shape.numel()
-                pn = -(-n // WORLD_SIZE)
+                pn = -(-n // ws)
                 params.append({"name": name, "numel": n, "offset": offset, "partition_numel": pn,
-                               "padding_numel": pn * WORLD_SIZE - n})
+                               "padding_numel": pn * ws - n})
                 offset += pn
             groups.append({
                 "params": params,
@@ -345,7 +416,8 @@ def layout(stage, dtype, fp32acc, tag_dir):
 
 def case_json(case, case_dir, removed, expected_source):
     stage, dtype, fp32acc = parse_case(case)
-    model = tm.build_model()
+    ws = world_size(case)
+    model = tm.build_model(frozen=is_frozen(case))
     named = dict(model.named_parameters())
     tag_dir = os.path.join(case_dir, "ckpt", TAG)
     optim = torch.load(glob.glob(os.path.join(tag_dir, "*zero_pp_rank_0_mp_rank_00_optim_states.pt"))[0],
@@ -353,7 +425,7 @@ def case_json(case, case_dir, removed, expected_source):
                        weights_only=False)["optimizer_state_dict"]
     base = optim["optimizer_state_dict"] if stage == 3 else optim["base_optimizer_state"]
     groups = []
-    for g, members in zip(base["param_groups"], (tm.DECAY_NAMES, tm.NO_DECAY_NAMES)):
+    for g, members in zip(base["param_groups"], tm.group_members(model)):
         hp = {k: json_value(v) for k, v in g.items() if k != "params"}
         groups.append({"hyperparameters": hp, "members": members})
     files, globals_by_kind = {}, {}
@@ -371,7 +443,7 @@ def case_json(case, case_dir, removed, expected_source):
         "case": case,
         "stage": stage,
         "dtype": dtype,
-        "world_size": WORLD_SIZE,
+        "world_size": ws,
         "tag": TAG,
         "steps": STEPS,
         "deepspeed_version": __import__("deepspeed").__version__,
@@ -381,22 +453,25 @@ def case_json(case, case_dir, removed, expected_source):
         ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer"),
         "expected_fp32_source": expected_source,
         "optimizer": {
-            "class": "torch.optim.Adam",
+            "class": f"torch.optim.{optimizer_class(case).__name__}",
             **{k: json_value(v) for k, v in tm.ADAM_KWARGS.items()}
         },
         "gradient_clipping": "off (ds_config gradient_clipping 0.0)",
         "param_names": list(named),
         "param_shapes": {n: list(p.shape) for n, p in named.items()},
         "param_groups": groups,
+        "frozen": {n: list(p.shape) for n, p in named.items() if not p.requires_grad},
+        # What DeepSpeed's zero_to_fp32 leaves out of its output, and expected_fp32 holds.
+        "zero_to_fp32_leaves_out": ["emb.weight", "head_lm.weight"] if is_frozen(case) and stage == 1 else [],
         "tied": {"head_lm.weight": "emb.weight"},
         "buffers": {"pos_scale": [tm.HIDDEN]},
         "non_persistent_buffers": ["scratch"],
         "loss": "tiny_model.loss_fn: CE(class logits, targets) + 0.5 * CE(tied LM logits[:, :-1], ids[:, 1:]), "
-        "mean over tokens, in fp32; DeepSpeed averages the gradients over the 2 ranks",
+        f"mean over tokens, in fp32; DeepSpeed averages the gradients over the {ws} ranks",
         "train_batches": "tiny_model.train_batch(step, rank) for step 0..2 (train_batches.safetensors)",
         "continue_batch": "tiny_model.continue_batch() on every rank (continue_batch.safetensors)"
         if dtype == "fp32" else None,
-        "layout": layout(stage, dtype, fp32acc, tag_dir),
+        "layout": layout(stage, dtype, fp32acc, tag_dir, ws),
         "removed_files": removed,
         "files": files,
         "pickle_globals": {k: sorted(v) for k, v in sorted(globals_by_kind.items())},
@@ -416,12 +491,13 @@ def gen_case(case):
             assert f.read().strip() == TAG
 
         if not fp32acc:
-            sd = zero_to_fp32(ckpt)
+            sd = with_frozen(case, ckpt, TAG, zero_to_fp32(ckpt))
             shared = shared_names(sd)
             assert shared == {"head_lm.weight": "emb.weight"}, shared
             save_safetensors(sd, os.path.join(case_dir, "expected_fp32.safetensors"))
         if continue_ckpt:
-            save_safetensors(zero_to_fp32(continue_ckpt), os.path.join(case_dir, "after_one_step.safetensors"))
+            after = with_frozen(case, continue_ckpt, CONTINUE_TAG, zero_to_fp32(continue_ckpt))
+            save_safetensors(after, os.path.join(case_dir, "after_one_step.safetensors"))
 
     removed = []
     for script in ("zero_to_fp32.py", "zero_to_torch.py"):

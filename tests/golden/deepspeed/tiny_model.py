@@ -20,6 +20,11 @@ parameter across ranks both occur at world size 2 (see FORMAT.md). `named_parame
 `head_lm.weight` is tied to `emb.weight` (one Parameter, two names): `named_parameters()` lists
 it once (as `emb.weight`), `state_dict()` lists both. Buffers: `pos_scale` (12,) persistent,
 `scratch` (2,) non-persistent (not in `state_dict()`).
+
+The frozen variant (issue 40, `build_model(frozen=True)`): `emb.weight` has `requires_grad=False`
+(and with it the tied `head_lm.weight`, the same Parameter), as when fine-tuning with a frozen
+embedding; the optimizer (`make_optimizer(model, torch.optim.AdamW)`) gets the trainable
+parameters only, in the same two groups (group 0 without `emb.weight`).
 """
 import torch
 import torch.nn as nn
@@ -71,24 +76,38 @@ class TinyModel(nn.Module):
         return logits, lm_logits
 
 
-def build_model():
-    """The model with its deterministic initial weights (fp32)."""
+# The frozen variant's frozen parameters.
+FROZEN_NAMES = ["emb.weight"]
+
+
+def build_model(frozen=False):
+    """The model with its deterministic initial weights (fp32); with `frozen`, FROZEN_NAMES
+    do not require grad."""
     torch.manual_seed(MODEL_SEED)
-    return TinyModel()
+    model = TinyModel()
+    if frozen:
+        named = dict(model.named_parameters())
+        for n in FROZEN_NAMES:
+            named[n].requires_grad_(False)
+    return model
+
+
+def group_members(model):
+    """The names of each optimizer group: DECAY_NAMES / NO_DECAY_NAMES, trainable ones only."""
+    named = dict(model.named_parameters())
+    assert sorted(named) == sorted(DECAY_NAMES + NO_DECAY_NAMES), sorted(named)
+    return [[n for n in names if named[n].requires_grad] for names in (DECAY_NAMES, NO_DECAY_NAMES)]
 
 
 def param_groups(model):
-    """The optimizer input: two groups, members in DECAY_NAMES / NO_DECAY_NAMES order."""
+    """The optimizer input: two groups, members in DECAY_NAMES / NO_DECAY_NAMES order (the
+    trainable ones)."""
     named = dict(model.named_parameters())
-    assert sorted(named) == sorted(DECAY_NAMES + NO_DECAY_NAMES), sorted(named)
-    return [
-        {"params": [named[n] for n in DECAY_NAMES], **GROUP_HPARAMS[0]},
-        {"params": [named[n] for n in NO_DECAY_NAMES], **GROUP_HPARAMS[1]},
-    ]
+    return [{"params": [named[n] for n in names], **hp} for names, hp in zip(group_members(model), GROUP_HPARAMS)]
 
 
-def make_optimizer(model):
-    return torch.optim.Adam(param_groups(model), **ADAM_KWARGS)
+def make_optimizer(model, cls=torch.optim.Adam):
+    return cls(param_groups(model), **ADAM_KWARGS)
 
 
 def batch(seed):
