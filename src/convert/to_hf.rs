@@ -249,17 +249,16 @@ pub(super) fn read_config(path: &Path) -> Result<Config> {
             key: None,
             reason: format!("the model configuration is not JSON: {e}"),
         })?;
-    let bad = |reason: String| Error::HfModelDir {
-        file: path.display().to_string(),
-        key: None,
-        reason,
-    };
-    let Some(fields) = json.as_object() else {
-        return Err(bad(format!(
-            "the model configuration is {}, not an object",
-            hf::ties::json_kind(&json)
-        )));
-    };
+    if !json.is_object() {
+        return Err(Error::HfModelDir {
+            file: path.display().to_string(),
+            key: None,
+            reason: format!(
+                "the model configuration is {}, not an object",
+                hf::ties::json_kind(&json)
+            ),
+        });
+    }
     Ok(Config {
         tie: hf::ties::WordEmbeddingTie::of(&json, path)?,
         bytes,
