@@ -598,14 +598,14 @@ def compressed_record_loss(ckpt, md):
         path, offset, length, transforms = info
         with open(ckpt / path, "rb") as f:
             f.seek(offset)
-            blob = f.read(length)
+            blob = f.read(min(length, 1 << 30))
         try:
             blob = untransformed(blob, transforms)
         except Exception:
             continue
         try:
             archive = zipfile.ZipFile(io.BytesIO(blob))
-        except zipfile.BadZipFile:
+        except (zipfile.BadZipFile, UnicodeDecodeError):
             continue
         reader = None
         for z in archive.infolist():
@@ -660,10 +660,14 @@ def zstd_item_loss(ckpt, md):
     for key, info in used_items(md):
         if info is None or list(info.transform_descriptors or ()) != ["stream.zstd/1"]:
             continue
+        where = f"{key} ({info.relative_path}@{info.offset}+{info.length})"
+        size = (ckpt / info.relative_path).stat().st_size
+        if info.offset + info.length > size:
+            return (f"{where}: the range lies past the end of the {size}-byte file; PyTorch "
+                    f"reads to the file's end, through the frames of the items after it")
         with open(ckpt / info.relative_path, "rb") as f:
             f.seek(info.offset)
             blob = f.read(info.length)
-        where = f"{key} ({info.relative_path}@{info.offset}+{info.length})"
         out, why = zstd_frames(blob)
         if why is None:
             why = archive_gap(out)
@@ -750,7 +754,7 @@ def tensor_loss(ckpt, md, key, smd, tensor):
 def read_chunk(ckpt: Path, info):
     with open(ckpt / info.relative_path, "rb") as f:
         f.seek(info.offset)
-        blob = untransformed(f.read(info.length), info.transform_descriptors or ())
+        blob = untransformed(f.read(min(info.length, 1 << 30)), info.transform_descriptors or ())
     return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
 
 

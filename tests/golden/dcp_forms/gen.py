@@ -279,6 +279,14 @@ def trailing_frames(ckpt, out, variant, storage):
             info.offset, info.length = at[case]
 
         variant(f"trailing_{case}", edit)
+        if case == "second_frame":
+            # The same in an optimizer state's item (what `convert --to fsdp` reads).
+            def edit_optim(md):
+                info = storage(md, "optim.state.net1.0.weight.exp_avg")
+                info.relative_path = "frames.distcp"
+                info.offset, info.length = at["second_frame"]
+
+            variant("trailing_second_frame_optim", edit_optim)
         if loads is None:
             continue
         with tempfile.TemporaryDirectory() as tmp:
