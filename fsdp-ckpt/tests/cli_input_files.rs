@@ -311,6 +311,9 @@ fn deepspeed_files_and_tags_follow_the_one_rule() {
     fails(&inspect(&tag), &["step3` is a FIFO, not a directory"]);
 }
 
+/// What writes a hostile file at a path.
+type Plant = dyn Fn(&Path);
+
 #[test]
 fn a_bad_deepspeed_latest_says_what_is_wrong_with_the_tag() {
     let tmp = tempfile::tempdir().unwrap();
@@ -322,7 +325,7 @@ fn a_bad_deepspeed_latest_says_what_is_wrong_with_the_tag() {
         dir
     };
     let text = |s: &'static str| move |p: &Path| std::fs::write(p, s).unwrap();
-    let cases: Vec<(Box<dyn Fn(&Path)>, &str)> = vec![
+    let cases: Vec<(Box<Plant>, &str)> = vec![
         (Box::new(text("../..")), "names the tag `../..`"),
         (Box::new(text("/tmp")), "names the tag `/tmp`"),
         (Box::new(text("/")), "it is an absolute path"),

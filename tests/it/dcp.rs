@@ -838,7 +838,12 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     std::fs::write(out.join("keep.txt"), b"mine").unwrap();
     let input = golden("fsdp2_sgd_ws2_frozen/expected.pt");
     let err = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
-    assert!(matches!(err, Error::Io { .. }), "{err}");
+    // The replace rule of every directory writer, in its words.
+    assert!(matches!(err, Error::OutputRefused { .. }), "{err}");
+    assert!(
+        err.to_string().contains("is not an empty directory"),
+        "{err}"
+    );
     assert_eq!(std::fs::read(out.join("keep.txt")).unwrap(), b"mine");
     assert_eq!(
         std::fs::read_dir(tmp.path()).unwrap().count(),

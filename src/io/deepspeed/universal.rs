@@ -14,6 +14,8 @@ use std::path::Path;
 
 /// The model-states copies a universal checkpoint holds: stages 1 and 2 copy
 /// `mp_rank_00_model_states.pt`, stage 3 every rank's (rank 0's names the tied aliases).
+/// The first entry of any kind is read (reading says what is wrong with one that is not a
+/// regular file).
 const MODEL_FILES: [&str; 2] = [
     "mp_rank_00_model_states.pt",
     "zero_pp_rank_0_mp_rank_00_model_states.pt",
@@ -41,7 +43,6 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
     let Some(model_path) = MODEL_FILES
         .iter()
         .map(|f| dir.join(f))
-        // Any entry: reading it says what is wrong with one that is not a regular file.
         .find(|p| std::fs::symlink_metadata(p).is_ok())
     else {
         return Err(Error::DeepSpeedRankFiles {
