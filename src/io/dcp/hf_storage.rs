@@ -251,13 +251,7 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
     };
     let data_dir = dir.join(&prefix);
     let names = crate::io::safetensors::file_names(&data_dir)?;
-    let mut entries: Vec<Entry> = Vec::new();
-    let mut at: HashMap<String, usize> = HashMap::new();
-    // Per entry: the file that first described it, and each chunk's file.
-    let mut first_file: Vec<String> = Vec::new();
-    let mut chunk_files: Vec<Vec<String>> = Vec::new();
-    let mut storage = HashMap::new();
-    let mut held_by: HashMap<String, Vec<String>> = HashMap::new();
+    let mut found = Gathered::default();
     let mut ranks = std::collections::BTreeSet::new();
     for name in &names {
         let rel = format!("{prefix}{name}");
@@ -269,133 +263,14 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
         if let Some(r) = shard_rank(name) {
             ranks.insert(r);
         }
-        for (key, dtype_name, shape, (s, e)) in &h.tensors {
-            let bad = |reason: String| file_err(&shown_name, Some(key), reason);
-            let dtype = DType::from_safetensors_name(dtype_name)
-                .ok_or_else(|| bad(format!("dtype {dtype_name} is not supported")))?;
-            let offsets = info
-                .get(key.as_str())
-                .ok_or_else(|| bad(format!("{SHARDING_INFO_KEY} has no entry for it")))?
-                .clone();
-            if offsets.len() != shape.len() {
-                return Err(bad(format!(
-                    "{SHARDING_INFO_KEY} gives {} saved_offsets {offsets:?} for its {} dimensions {shape:?}",
-                    offsets.len(),
-                    shape.len()
-                )));
-            }
-            let nbytes = volume(shape)
-                .and_then(|n| n.checked_mul(dtype.size()))
-                .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
-            let end = h.data_start.checked_add(*e);
-            if s > e || end.is_none_or(|end| end > h.len) {
-                return Err(bad(format!(
-                    "data_offsets [{s}, {e}] lie outside the file's {} bytes of data",
-                    h.len - h.data_start
-                )));
-            }
-            if e - s != nbytes as u64 {
-                return Err(bad(format!(
-                    "data_offsets [{s}, {e}] hold {} bytes, its shape {shape:?} {dtype} needs {nbytes}",
-                    e - s
-                )));
-            }
-            let global: Vec<usize> = offsets
-                .iter()
-                .zip(shape)
-                .map(|(&o, &d)| o.checked_add(d))
-                .collect::<Option<_>>()
-                .ok_or_else(|| bad(format!("saved_offsets {offsets:?} overflow")))?;
-            let chunk = Chunk {
-                offsets: offsets.clone(),
-                sizes: shape.clone(),
-            };
-            match at.get(key) {
-                None => {
-                    at.insert(key.clone(), entries.len());
-                    entries.push(Entry {
-                        key: key.clone(),
-                        path: None,
-                        kind: EntryKind::Tensor(TensorMeta {
-                            dtype: dtype.torch_attr().to_string(),
-                            size: global,
-                            chunks: vec![chunk],
-                        }),
-                    });
-                    first_file.push(shown_name.clone());
-                    chunk_files.push(vec![rel.clone()]);
-                }
-                Some(&i) => {
-                    let EntryKind::Tensor(t) = &mut entries[i].kind else {
-                        unreachable!("every entry here is a tensor")
-                    };
-                    let disagree = |reason: String| Error::DcpHfDisagree {
-                        key: Some(key.clone()),
-                        file: first_file[i].clone(),
-                        other_file: shown_name.clone(),
-                        reason,
-                    };
-                    if t.dtype != dtype.torch_attr() {
-                        return Err(disagree(format!(
-                            "dtype torch.{} against torch.{}",
-                            t.dtype,
-                            dtype.torch_attr()
-                        )));
-                    }
-                    if t.size.len() != global.len() {
-                        return Err(disagree(format!(
-                            "{} dimensions against {}",
-                            t.size.len(),
-                            global.len()
-                        )));
-                    }
-                    for (d, g) in t.size.iter_mut().zip(&global) {
-                        *d = (*d).max(*g);
-                    }
-                    t.chunks.push(chunk);
-                    chunk_files[i].push(rel.clone());
-                }
-            }
-            storage.insert(
-                StorageKey {
-                    fqn: key.clone(),
-                    offset: Some(offsets),
-                },
-                Ok(StorageInfo {
-                    relative_path: rel.clone(),
-                    offset: h.data_start + s,
-                    length: e - s,
-                    transforms: Vec::new(),
-                }),
-            );
-            held_by.entry(key.clone()).or_default().push(name.clone());
+        for tensor in &h.tensors {
+            let chunk = stored_chunk(&h, &shown_name, &info, tensor)?;
+            found.add(chunk, (name, &rel, &shown_name))?;
         }
     }
-    for (i, e) in entries.iter().enumerate() {
-        let EntryKind::Tensor(t) = &e.kind else {
-            continue;
-        };
-        if let Err(reason) = check_tiling(&t.size, &t.chunks) {
-            let listed: Vec<String> = t
-                .chunks
-                .iter()
-                .zip(&chunk_files[i])
-                .take(8)
-                .map(|(c, f)| format!("`{f}` at {:?} size {:?}", c.offsets, c.sizes))
-                .collect();
-            return Err(Error::DcpChunks {
-                dir: dir_name.clone(),
-                key: e.key.clone(),
-                reason: format!(
-                    "{reason}; the global shape {:?} is inferred from the chunks as PyTorch's reader infers it (chunks: {})",
-                    t.size,
-                    listed.join(", ")
-                ),
-            });
-        }
-    }
+    found.check_tilings(&dir_name)?;
     if form == HfForm::Rank0 {
-        check_index(dir, root, &held_by)?;
+        check_index(dir, root, &found.held_by)?;
     }
     let ranks = match form {
         HfForm::Rank0 => None,
@@ -403,8 +278,8 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
     };
     Ok((
         Metadata {
-            entries,
-            storage,
+            entries: found.entries,
+            storage: found.storage,
             checkpoint_id: None,
             version: None,
         },
@@ -414,6 +289,187 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
             ranks,
         },
     ))
+}
+
+/// One tensor of a shard's header, checked: its key, dtype, its chunk in the global tensor,
+/// the global extent that chunk implies, and its byte range in the file.
+struct StoredChunk<'h> {
+    key: &'h String,
+    dtype: DType,
+    chunk: Chunk,
+    global: Vec<usize>,
+    offset: u64,
+    length: u64,
+}
+
+/// Checks the header entry `(key, dtype, shape, data_offsets)` of the shard `file` against its
+/// `DCP_SHARDING_INFO` and the file's length.
+fn stored_chunk<'h>(
+    h: &Header,
+    file: &str,
+    info: &HashMap<String, Vec<usize>>,
+    (key, dtype_name, shape, (s, e)): &'h HeaderTensor,
+) -> Result<StoredChunk<'h>> {
+    let bad = |reason: String| file_err(file, Some(key), reason);
+    let dtype = DType::from_safetensors_name(dtype_name)
+        .ok_or_else(|| bad(format!("dtype {dtype_name} is not supported")))?;
+    let offsets = info
+        .get(key.as_str())
+        .ok_or_else(|| bad(format!("{SHARDING_INFO_KEY} has no entry for it")))?
+        .clone();
+    if offsets.len() != shape.len() {
+        return Err(bad(format!(
+            "{SHARDING_INFO_KEY} gives {} saved_offsets {offsets:?} for its {} dimensions {shape:?}",
+            offsets.len(),
+            shape.len()
+        )));
+    }
+    let nbytes = volume(shape)
+        .and_then(|n| n.checked_mul(dtype.size()))
+        .ok_or_else(|| bad(format!("shape {shape:?} overflows")))?;
+    let end = h.data_start.checked_add(*e);
+    if s > e || end.is_none_or(|end| end > h.len) {
+        return Err(bad(format!(
+            "data_offsets [{s}, {e}] lie outside the file's {} bytes of data",
+            h.len - h.data_start
+        )));
+    }
+    if e - s != nbytes as u64 {
+        return Err(bad(format!(
+            "data_offsets [{s}, {e}] hold {} bytes, its shape {shape:?} {dtype} needs {nbytes}",
+            e - s
+        )));
+    }
+    let global: Vec<usize> = offsets
+        .iter()
+        .zip(shape)
+        .map(|(&o, &d)| o.checked_add(d))
+        .collect::<Option<_>>()
+        .ok_or_else(|| bad(format!("saved_offsets {offsets:?} overflow")))?;
+    Ok(StoredChunk {
+        key,
+        dtype,
+        chunk: Chunk {
+            offsets,
+            sizes: shape.clone(),
+        },
+        global,
+        offset: h.data_start + s,
+        length: e - s,
+    })
+}
+
+/// The entries and storage records gathered from the shards so far.
+#[derive(Default)]
+struct Gathered {
+    entries: Vec<Entry>,
+    at: HashMap<String, usize>,
+    /// Per entry: the file that first described it, and each chunk's file.
+    first_file: Vec<String>,
+    chunk_files: Vec<Vec<String>>,
+    storage: HashMap<StorageKey, std::result::Result<StorageInfo, String>>,
+    held_by: HashMap<String, Vec<String>>,
+}
+
+impl Gathered {
+    /// Adds chunk `c` of the shard `name` (`rel` from the directory, `shown` for messages):
+    /// a new entry, or one more chunk of an entry an earlier shard began, which must agree
+    /// with it in dtype and rank; the global shape grows to cover every chunk.
+    fn add(&mut self, c: StoredChunk<'_>, (name, rel, shown): (&str, &str, &str)) -> Result<()> {
+        let key = c.key;
+        match self.at.get(key) {
+            None => {
+                self.at.insert(key.clone(), self.entries.len());
+                self.entries.push(Entry {
+                    key: key.clone(),
+                    path: None,
+                    kind: EntryKind::Tensor(TensorMeta {
+                        dtype: c.dtype.torch_attr().to_string(),
+                        size: c.global,
+                        chunks: vec![c.chunk.clone()],
+                    }),
+                });
+                self.first_file.push(shown.to_string());
+                self.chunk_files.push(vec![rel.to_string()]);
+            }
+            Some(&i) => {
+                let EntryKind::Tensor(t) = &mut self.entries[i].kind else {
+                    unreachable!("every entry here is a tensor")
+                };
+                let disagree = |reason: String| Error::DcpHfDisagree {
+                    key: Some(key.clone()),
+                    file: self.first_file[i].clone(),
+                    other_file: shown.to_string(),
+                    reason,
+                };
+                if t.dtype != c.dtype.torch_attr() {
+                    return Err(disagree(format!(
+                        "dtype torch.{} against torch.{}",
+                        t.dtype,
+                        c.dtype.torch_attr()
+                    )));
+                }
+                if t.size.len() != c.global.len() {
+                    return Err(disagree(format!(
+                        "{} dimensions against {}",
+                        t.size.len(),
+                        c.global.len()
+                    )));
+                }
+                for (d, g) in t.size.iter_mut().zip(&c.global) {
+                    *d = (*d).max(*g);
+                }
+                t.chunks.push(c.chunk.clone());
+                self.chunk_files[i].push(rel.to_string());
+            }
+        }
+        self.storage.insert(
+            StorageKey {
+                fqn: key.clone(),
+                offset: Some(c.chunk.offsets),
+            },
+            Ok(StorageInfo {
+                relative_path: rel.to_string(),
+                offset: c.offset,
+                length: c.length,
+                transforms: Vec::new(),
+            }),
+        );
+        self.held_by
+            .entry(key.clone())
+            .or_default()
+            .push(name.to_string());
+        Ok(())
+    }
+
+    /// Every tensor's chunks must tile the global shape inferred from them, as PyTorch's
+    /// reader infers it.
+    fn check_tilings(&self, dir_name: &str) -> Result<()> {
+        for (i, e) in self.entries.iter().enumerate() {
+            let EntryKind::Tensor(t) = &e.kind else {
+                continue;
+            };
+            if let Err(reason) = check_tiling(&t.size, &t.chunks) {
+                let listed: Vec<String> = t
+                    .chunks
+                    .iter()
+                    .zip(&self.chunk_files[i])
+                    .take(8)
+                    .map(|(c, f)| format!("`{f}` at {:?} size {:?}", c.offsets, c.sizes))
+                    .collect();
+                return Err(Error::DcpChunks {
+                    dir: dir_name.to_string(),
+                    key: e.key.clone(),
+                    reason: format!(
+                        "{reason}; the global shape {:?} is inferred from the chunks as PyTorch's reader infers it (chunks: {})",
+                        t.size,
+                        listed.join(", ")
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The `DCP_SHARDING_INFO` of a header: tensor name → saved offsets.

@@ -136,10 +136,26 @@ pub(super) fn merge(dir: &Path, root: &Path) -> Result<(Metadata, usize)> {
 
 /// The union of the ranks' entries and storage records, each key compared across ranks.
 fn merge_files(dir: &str, files: &[RankFile]) -> Result<(Metadata, Merging)> {
+    let (entries, first_rank, merging) = merge_entries(dir, files)?;
+    let storage = storage_records(&entries, &first_rank, &merging, files);
+    let rank0 = &files[0].metadata;
+    Ok((
+        Metadata {
+            entries,
+            storage,
+            checkpoint_id: rank0.checkpoint_id.clone(),
+            version: rank0.version.clone(),
+        },
+        merging,
+    ))
+}
+
+/// Every rank's entries in one list, in first-seen order, with the rank that first listed
+/// each; a key listed again is compared with its first listing ([`merge_entry`]).
+fn merge_entries(dir: &str, files: &[RankFile]) -> Result<(Vec<Entry>, Vec<usize>, Merging)> {
     let mut entries: Vec<Entry> = Vec::new();
     let mut first_rank: Vec<usize> = Vec::new();
     let mut at: HashMap<String, usize> = HashMap::new();
-    let mut storage: HashMap<StorageKey, std::result::Result<StorageInfo, String>> = HashMap::new();
     let mut merging = Merging {
         chunk_ranks: HashMap::new(),
         replicas: Vec::new(),
@@ -157,79 +173,98 @@ fn merge_files(dir: &str, files: &[RankFile]) -> Result<(Metadata, Merging)> {
                 first_rank.push(f.rank);
                 continue;
             };
-            let disagree = |reason: String| Error::DcpRanksDisagree {
-                dir: dir.to_string(),
-                key: e.key.clone(),
-                rank: first_rank[i],
-                other_rank: f.rank,
-                reason,
-            };
-            if entries[i].path != e.path {
+            let first = (&mut entries[i], first_rank[i]);
+            merge_entry(dir, first, (e, f.rank), i, &mut merging)?;
+        }
+    }
+    Ok((entries, first_rank, merging))
+}
+
+/// Merges entry `i` as rank `rank` lists it (`e`) into its first listing (`have`, from rank
+/// `first`): the same planner path and kind; a tensor's dtype and shape equal, its new chunks
+/// added and its repeated ones recorded as replicas, whose bytes are compared later.
+fn merge_entry(
+    dir: &str,
+    (have, first): (&mut Entry, usize),
+    (e, rank): (&Entry, usize),
+    i: usize,
+    merging: &mut Merging,
+) -> Result<()> {
+    let disagree = |reason: String| Error::DcpRanksDisagree {
+        dir: dir.to_string(),
+        key: e.key.clone(),
+        rank: first,
+        other_rank: rank,
+        reason,
+    };
+    if have.path != e.path {
+        return Err(disagree(format!(
+            "its planner_data path is {} on rank {first} and {} on rank {rank}",
+            path_text(&have.path),
+            path_text(&e.path),
+        )));
+    }
+    match (&mut have.kind, &e.kind) {
+        (EntryKind::Bytes, EntryKind::Bytes) => {
+            merging.replicas.push((e.key.clone(), None, first, rank));
+        }
+        (EntryKind::Tensor(have), EntryKind::Tensor(t)) => {
+            if have.dtype != t.dtype {
                 return Err(disagree(format!(
-                    "its planner_data path is {} on rank {} and {} on rank {}",
-                    path_text(&entries[i].path),
-                    first_rank[i],
-                    path_text(&e.path),
-                    f.rank
+                    "dtype torch.{} against torch.{}",
+                    have.dtype, t.dtype
                 )));
             }
-            match (&mut entries[i].kind, &e.kind) {
-                (EntryKind::Bytes, EntryKind::Bytes) => {
-                    merging
-                        .replicas
-                        .push((e.key.clone(), None, first_rank[i], f.rank));
-                }
-                (EntryKind::Tensor(have), EntryKind::Tensor(t)) => {
-                    if have.dtype != t.dtype {
-                        return Err(disagree(format!(
-                            "dtype torch.{} against torch.{}",
-                            have.dtype, t.dtype
-                        )));
+            if have.size != t.size {
+                return Err(disagree(format!(
+                    "global shape {:?} against {:?}",
+                    have.size, t.size
+                )));
+            }
+            let ranks = merging.chunk_ranks.entry(i).or_default();
+            for c in &t.chunks {
+                let same = have.chunks.iter().position(|h| h == c);
+                match same {
+                    // A replicated chunk (the same box on both): kept once, its bytes
+                    // compared.
+                    Some(j) if holds_elements(c) => merging.replicas.push((
+                        e.key.clone(),
+                        Some(c.offsets.clone()),
+                        ranks[j],
+                        rank,
+                    )),
+                    Some(_) => {}
+                    None => {
+                        have.chunks.push(c.clone());
+                        ranks.push(rank);
                     }
-                    if have.size != t.size {
-                        return Err(disagree(format!(
-                            "global shape {:?} against {:?}",
-                            have.size, t.size
-                        )));
-                    }
-                    let ranks = merging.chunk_ranks.entry(i).or_default();
-                    for c in &t.chunks {
-                        let same = have.chunks.iter().position(|h| h == c);
-                        match same {
-                            // A replicated chunk (the same box on both): kept once, its bytes
-                            // compared.
-                            Some(j) if holds_elements(c) => merging.replicas.push((
-                                e.key.clone(),
-                                Some(c.offsets.clone()),
-                                ranks[j],
-                                f.rank,
-                            )),
-                            Some(_) => {}
-                            None => {
-                                have.chunks.push(c.clone());
-                                ranks.push(f.rank);
-                            }
-                        }
-                    }
-                }
-                (a, _) => {
-                    let kind = |k: &EntryKind| match k {
-                        EntryKind::Tensor(_) => "a tensor",
-                        EntryKind::Bytes => "a non-tensor value",
-                    };
-                    return Err(disagree(format!(
-                        "{} on rank {}, {} on rank {}",
-                        kind(a),
-                        first_rank[i],
-                        kind(&e.kind),
-                        f.rank
-                    )));
                 }
             }
         }
+        (a, _) => {
+            let kind = |k: &EntryKind| match k {
+                EntryKind::Tensor(_) => "a tensor",
+                EntryKind::Bytes => "a non-tensor value",
+            };
+            return Err(disagree(format!(
+                "{} on rank {first}, {} on rank {rank}",
+                kind(a),
+                kind(&e.kind),
+            )));
+        }
     }
-    // Each record from the rank that listed the chunk (the lowest for a replicated one) or
-    // first saved the value.
+    Ok(())
+}
+
+/// Each merged entry's storage records, from the rank that listed the chunk (the lowest for
+/// a replicated one) or first saved the value.
+fn storage_records(
+    entries: &[Entry],
+    first_rank: &[usize],
+    merging: &Merging,
+    files: &[RankFile],
+) -> HashMap<StorageKey, std::result::Result<StorageInfo, String>> {
+    let mut storage = HashMap::new();
     for (i, e) in entries.iter().enumerate() {
         let keys: Vec<(StorageKey, usize)> = match &e.kind {
             EntryKind::Tensor(t) => {
@@ -265,16 +300,7 @@ fn merge_files(dir: &str, files: &[RankFile]) -> Result<(Metadata, Merging)> {
             }
         }
     }
-    let rank0 = &files[0].metadata;
-    Ok((
-        Metadata {
-            entries,
-            storage,
-            checkpoint_id: rank0.checkpoint_id.clone(),
-            version: rank0.version.clone(),
-        },
-        merging,
-    ))
+    storage
 }
 
 fn path_text(p: &Option<Vec<super::metadata::PathItem>>) -> String {

@@ -250,6 +250,66 @@ struct Flat<'t> {
     needed: usize,
 }
 
+/// Every flat group of ZeRO-1/2 was partitioned over the ranks whose files are here
+/// (`partition_count`).
+fn check_partition_counts(p0: &Pickled, s0: &PyObj, ws: usize, dir: &Path) -> Result<()> {
+    let counts = p0.seq(
+        p0.at(s0, "partition_count", "partition_count")?,
+        "partition_count",
+    )?;
+    for (g, c) in counts.iter().enumerate() {
+        let c = p0.int(c, "partition_count")?;
+        if c != ws {
+            return Err(Error::DeepSpeedRankFiles {
+                dir: dir.display().to_string(),
+                expected: Some(c),
+                found: (0..ws).collect(),
+                reason: format!(
+                    "{ws} optimizer rank files, but flat group {g} was partitioned over {c} ranks (`partition_count`)"
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Each rank's `base_optimizer_state` (a dict; the list of an elastic checkpoint is refused).
+fn base_optimizer_states<'a>(
+    optim: &'a [Pickled],
+    states: &[&'a PyObj],
+) -> Result<Vec<&'a PyObj>> {
+    let mut bases = Vec::new();
+    for (p, s) in optim.iter().zip(states) {
+        let base = p.at(s, "base_optimizer_state", "base_optimizer_state")?;
+        if items(base).is_none() {
+            return Err(Error::Unsupported(format!(
+                "`{}`: `base_optimizer_state` is a {} (an elastic checkpoint, `zero_optimization.elastic_checkpoint`), which is not read",
+                p.path.display(),
+                base.describe()
+            )));
+        }
+        bases.push(base);
+    }
+    Ok(bases)
+}
+
+/// `param_alignment_paddings` per flat group (none when absent).
+fn alignment_paddings(p0: &Pickled, s0: &PyObj, groups: usize) -> Result<Vec<Vec<usize>>> {
+    Ok(match get(s0, "param_alignment_paddings") {
+        None | Some(PyObj::None) => vec![Vec::new(); groups],
+        Some(list) => p0
+            .seq(list, "param_alignment_paddings")?
+            .iter()
+            .map(|g| {
+                p0.seq(g, "param_alignment_paddings")?
+                    .iter()
+                    .map(|x| p0.int(x, "param_alignment_paddings"))
+                    .collect()
+            })
+            .collect::<Result<_>>()?,
+    })
+}
+
 impl Builder<'_> {
     /// Locates rank `r`'s flat tensor `f`, checked: float32, at least `needed` elements
     /// (else [`Error::DeepSpeedTruncated`] naming the first parameter that does not fit), and
@@ -342,36 +402,8 @@ impl Builder<'_> {
         let groups = model.param_shapes.len();
         let (optim, states) = (self.optim, self.states);
         let (p0, s0) = (&optim[0], states[0]);
-        let counts = p0.seq(
-            p0.at(s0, "partition_count", "partition_count")?,
-            "partition_count",
-        )?;
-        for (g, c) in counts.iter().enumerate() {
-            let c = p0.int(c, "partition_count")?;
-            if c != self.ws {
-                return Err(Error::DeepSpeedRankFiles {
-                    dir: dir.display().to_string(),
-                    expected: Some(c),
-                    found: (0..self.ws).collect(),
-                    reason: format!(
-                        "{} optimizer rank files, but flat group {g} was partitioned over {c} ranks (`partition_count`)",
-                        self.ws
-                    ),
-                });
-            }
-        }
-        let mut bases = Vec::new();
-        for (p, s) in optim.iter().zip(states) {
-            let base = p.at(s, "base_optimizer_state", "base_optimizer_state")?;
-            if items(base).is_none() {
-                return Err(Error::Unsupported(format!(
-                    "`{}`: `base_optimizer_state` is a {} (an elastic checkpoint, `zero_optimization.elastic_checkpoint`), which is not read",
-                    p.path.display(),
-                    base.describe()
-                )));
-            }
-            bases.push(base);
-        }
+        check_partition_counts(p0, s0, self.ws, dir)?;
+        let bases = base_optimizer_states(optim, states)?;
         let (group_of, hyper) = param_groups(
             p0,
             p0.at(
@@ -381,19 +413,7 @@ impl Builder<'_> {
             )?,
             groups,
         )?;
-        let paddings: Vec<Vec<usize>> = match get(s0, "param_alignment_paddings") {
-            None | Some(PyObj::None) => vec![Vec::new(); groups],
-            Some(list) => p0
-                .seq(list, "param_alignment_paddings")?
-                .iter()
-                .map(|g| {
-                    p0.seq(g, "param_alignment_paddings")?
-                        .iter()
-                        .map(|x| p0.int(x, "param_alignment_paddings"))
-                        .collect()
-                })
-                .collect::<Result<_>>()?,
-        };
+        let paddings = alignment_paddings(p0, s0, groups)?;
         let lists = |name: &str| -> Result<Vec<&[PyObj]>> {
             optim
                 .iter()
@@ -418,59 +438,75 @@ impl Builder<'_> {
             return Err(p0.err(None, format!("`param_alignment_paddings` has {} entries, `param_shapes` {groups} flat groups", paddings.len())));
         }
         for (g, names) in model.param_shapes.iter().enumerate() {
-            let numels: Vec<usize> = names.iter().map(|(_, s)| numel(s)).collect();
-            let layout = FlatGroup::new(&numels, &paddings[g], self.ws).ok_or_else(|| {
-                p0.err(None, format!("flat group {g} has no ZeRO layout (sizes that overflow, or {} alignment paddings for {} parameters)", paddings[g].len(), numels.len()))
-            })?;
-            let pieces: Vec<Vec<Piece>> = (0..names.len()).map(|i| layout.pieces(i)).collect();
-            let first_short = |r: usize, n: usize| first_short_param(names, &pieces, r, n);
-            let mut src = vec![[0usize; 3]; self.ws];
-            let mut steps = Vec::new();
-            for r in 0..self.ws {
-                let p = &optim[r];
-                let fp32 = p.tensor(
-                    &fp32s[r][g],
-                    &format!("single_partition_of_fp32_groups[{g}]"),
-                )?;
-                if let Some(pads) = get(states[r], "group_paddings") {
-                    let pads = p.seq(pads, "group_paddings")?;
-                    let got = pads
-                        .get(g)
-                        .map(|x| p.int(x, "group_paddings"))
-                        .transpose()?;
-                    if got != Some(layout.group_padding(r)) {
-                        return Err(p.err(None, format!(
-                            "`group_paddings[{g}]` is {got:?}, but the ZeRO layout gives {} (flat group of {} elements over {} ranks)",
-                            layout.group_padding(r), layout.padded_numel(), self.ws
-                        )));
-                    }
-                }
-                let expected = match wrapper {
-                    Wrapper::Bf16Optimizer => layout.partition_numel(),
-                    _ => layout.cut_partition_numel(r),
-                };
-                let fp32 = Flat {
-                    what: format!("single_partition_of_fp32_groups[{g}]"),
-                    tensor: fp32,
-                    expected,
-                    needed: layout.needed(r),
-                };
-                let state = p.at(bases[r], "state", "base_optimizer_state['state']")?;
-                let (flats, step) =
-                    self.rank_flats(r, g, fp32, state, layout.partition_numel(), |n| {
-                        first_short(r, n)
-                    })?;
-                src[r] = flats;
-                steps.push(step);
-                check_slice_mappings(p, states[r], g, r, &layout, names)?;
-            }
-            let step = self.agreed_step(&steps, g)?;
-            for param_pieces in &pieces {
-                self.push_param(param_pieces, &src);
-                self.steps.push(step.clone());
-            }
+            self.zero12_group((g, names), &paddings[g], (&fp32s, &bases), wrapper)?;
         }
         Ok((group_of, hyper))
+    }
+
+    /// Flat group `g` (its parameters `names`, their alignment `paddings`) of ZeRO-1/2: each
+    /// rank's fp32 partition (`fp32s[r][g]`) and Adam states (`bases[r]`), checked against
+    /// the ZeRO layout, then each parameter's pieces and the group's agreed `step`.
+    fn zero12_group(
+        &mut self,
+        (g, names): (usize, &[(String, Vec<usize>)]),
+        paddings: &[usize],
+        (fp32s, bases): (&[&[PyObj]], &[&PyObj]),
+        wrapper: Wrapper,
+    ) -> Result<()> {
+        let (optim, states) = (self.optim, self.states);
+        let p0 = &optim[0];
+        let numels: Vec<usize> = names.iter().map(|(_, s)| numel(s)).collect();
+        let layout = FlatGroup::new(&numels, paddings, self.ws).ok_or_else(|| {
+            p0.err(None, format!("flat group {g} has no ZeRO layout (sizes that overflow, or {} alignment paddings for {} parameters)", paddings.len(), numels.len()))
+        })?;
+        let pieces: Vec<Vec<Piece>> = (0..names.len()).map(|i| layout.pieces(i)).collect();
+        let first_short = |r: usize, n: usize| first_short_param(names, &pieces, r, n);
+        let mut src = vec![[0usize; 3]; self.ws];
+        let mut steps = Vec::new();
+        for r in 0..self.ws {
+            let p = &optim[r];
+            let fp32 = p.tensor(
+                &fp32s[r][g],
+                &format!("single_partition_of_fp32_groups[{g}]"),
+            )?;
+            if let Some(pads) = get(states[r], "group_paddings") {
+                let pads = p.seq(pads, "group_paddings")?;
+                let got = pads
+                    .get(g)
+                    .map(|x| p.int(x, "group_paddings"))
+                    .transpose()?;
+                if got != Some(layout.group_padding(r)) {
+                    return Err(p.err(None, format!(
+                        "`group_paddings[{g}]` is {got:?}, but the ZeRO layout gives {} (flat group of {} elements over {} ranks)",
+                        layout.group_padding(r), layout.padded_numel(), self.ws
+                    )));
+                }
+            }
+            let expected = match wrapper {
+                Wrapper::Bf16Optimizer => layout.partition_numel(),
+                _ => layout.cut_partition_numel(r),
+            };
+            let fp32 = Flat {
+                what: format!("single_partition_of_fp32_groups[{g}]"),
+                tensor: fp32,
+                expected,
+                needed: layout.needed(r),
+            };
+            let state = p.at(bases[r], "state", "base_optimizer_state['state']")?;
+            let (flats, step) =
+                self.rank_flats(r, g, fp32, state, layout.partition_numel(), |n| {
+                    first_short(r, n)
+                })?;
+            src[r] = flats;
+            steps.push(step);
+            check_slice_mappings(p, states[r], g, r, &layout, names)?;
+        }
+        let step = self.agreed_step(&steps, g)?;
+        for param_pieces in &pieces {
+            self.push_param(param_pieces, &src);
+            self.steps.push(step.clone());
+        }
+        Ok(())
     }
 
     /// ZeRO-3: each sub-group's parameters partitioned one by one.

@@ -6,11 +6,11 @@
 
 use super::pickled::{frozen_spans, get, get_int, tensor, ModelStates, Parts, Pickled};
 use super::read::{other_rank_model_states, param_groups};
-use super::{numel, DeepSpeedCheckpoint, Form, Span, State, Wrapper};
+use super::{numel, DeepSpeedCheckpoint, Form, Span, Src, State, Wrapper};
 use crate::error::{Error, Result};
 use crate::io::torch_save::{Allow, PyObj};
 use crate::tensor::{DType, HostTensor};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The model-states copies a universal checkpoint holds: stages 1 and 2 copy
 /// `mp_rank_00_model_states.pt`, stage 3 every rank's (rank 0's names the tied aliases).
@@ -26,7 +26,50 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
     let zero = dir.join("zero");
     let op = Pickled::load(&zero.join("optimizer_state.pt"), None, Allow::DeepSpeed)?;
     let root = op.root();
-    let (stage, wrapper) = match get(root, "zero_stage") {
+    let (stage, wrapper) = stage_of(&op)?;
+    let model_path = model_states_file(dir)?;
+    let mut files = vec![model_path.clone()];
+    let mp = Pickled::load(&model_path, None, Allow::DeepSpeed)?;
+    let model = ModelStates::read(&mp, 0)?;
+    model.check(&mp)?;
+    let world_size = world_size_of(&op, &model)?;
+    let subgroups = model.param_shapes.len();
+    let (group_of, hyper) =
+        param_groups(&op, op.at(root, "param_groups", "param_groups")?, subgroups)?;
+    let mut srcs = Vec::new();
+    let (spans, steps) = param_files(&op, &model, stage, &zero, (&mut files, &mut srcs))?;
+    let ranks_model = if stage == 3 && !model.frozen.is_empty() {
+        other_rank_model_states(dir, world_size, &mut files)?
+    } else {
+        Vec::new()
+    };
+    let mut frozen_files = vec![(&mp, 0)];
+    frozen_files.extend(ranks_model.iter().map(|(p, f)| (p, *f)));
+    let frozen_spans = frozen_spans(&frozen_files, &model.frozen, &mut srcs)?;
+    Ok(Parts {
+        dir: dir.to_path_buf(),
+        form: Form::Universal,
+        stage,
+        wrapper,
+        world_size,
+        tag,
+        model,
+        group_of,
+        hyper,
+        steps,
+        spans,
+        files,
+        srcs,
+        frozen_spans,
+        model_file: 0,
+    }
+    .assemble())
+}
+
+/// The ZeRO stage and optimizer wrapper `zero/optimizer_state.pt` names (no `zero_stage`:
+/// `BF16_Optimizer`, stage 1).
+fn stage_of(op: &Pickled) -> Result<(u8, Wrapper)> {
+    Ok(match get(op.root(), "zero_stage") {
         None => (1, Wrapper::Bf16Optimizer),
         Some(PyObj::Int(n @ (1 | 2))) => (*n as u8, Wrapper::DeepSpeedZeroOptimizer),
         Some(PyObj::Int(3)) => (3, Wrapper::DeepSpeedZeroOptimizerStage3),
@@ -39,13 +82,16 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
                 ),
             ))
         }
-    };
-    let Some(model_path) = MODEL_FILES
+    })
+}
+
+/// The model-states copy beside `zero/` (the first of [`MODEL_FILES`] present).
+fn model_states_file(dir: &Path) -> Result<PathBuf> {
+    MODEL_FILES
         .iter()
         .map(|f| dir.join(f))
         .find(|p| std::fs::symlink_metadata(p).is_ok())
-    else {
-        return Err(Error::DeepSpeedRankFiles {
+        .ok_or_else(|| Error::DeepSpeedRankFiles {
             dir: dir.display().to_string(),
             expected: None,
             found: Vec::new(),
@@ -53,13 +99,13 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
                 "no model states file (`{}` or `{}`) beside `zero/`: its param_shapes name the parameters",
                 MODEL_FILES[0], MODEL_FILES[1]
             ),
-        });
-    };
-    let mut files = vec![model_path.clone()];
-    let mp = Pickled::load(&model_path, None, Allow::DeepSpeed)?;
-    let model = ModelStates::read(&mp, 0)?;
-    model.check(&mp)?;
-    let world_size = match (model.dp_world_size, get(root, "partition_count")) {
+        })
+}
+
+/// The data-parallel world size: the model states' `dp_world_size`, else the optimizer
+/// state's `partition_count` (the largest, for a list).
+fn world_size_of(op: &Pickled, model: &ModelStates) -> Result<usize> {
+    Ok(match (model.dp_world_size, get(op.root(), "partition_count")) {
         (Some(n), _) => n,
         (None, Some(PyObj::Int(n))) if *n > 0 => *n as usize,
         (None, Some(PyObj::List(counts))) => counts
@@ -76,17 +122,25 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
                 "no world size (`dp_world_size` of the model states, `partition_count`)",
             ))
         }
-    };
-    let subgroups = model.param_shapes.len();
-    let (group_of, hyper) =
-        param_groups(&op, op.at(root, "param_groups", "param_groups")?, subgroups)?;
+    })
+}
+
+/// Each trained parameter's state files `zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`, checked
+/// against `param_shapes` (each file added to `files`, its tensor to `srcs`), and its `step`
+/// (stage 3: from the optimizer state; else `zero/<name>/step.pt`).
+fn param_files(
+    op: &Pickled,
+    model: &ModelStates,
+    stage: u8,
+    zero: &Path,
+    (files, srcs): (&mut Vec<PathBuf>, &mut Vec<Src>),
+) -> Result<(Vec<[Vec<Span>; 3]>, Vec<HostTensor>)> {
     let stage3_state = if stage == 3 {
-        let inner = op.at(root, "optimizer_state_dict", "optimizer_state_dict")?;
+        let inner = op.at(op.root(), "optimizer_state_dict", "optimizer_state_dict")?;
         Some(op.at(inner, "state", "optimizer_state_dict['state']")?)
     } else {
         None
     };
-    let mut srcs = Vec::new();
     let mut spans = Vec::new();
     let mut steps = Vec::new();
     for (s, names) in model.param_shapes.iter().enumerate() {
@@ -124,7 +178,7 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
                         op.err(None, format!("no optimizer state for sub-group {s}"))
                     })?;
                     step_tensor(
-                        &op,
+                        op,
                         op.at(s_state, "step", &format!("state[{s}]['step']"))?,
                         name,
                     )?
@@ -137,32 +191,7 @@ pub(super) fn open(dir: &Path, tag: String) -> Result<DeepSpeedCheckpoint> {
             });
         }
     }
-    let ranks_model = if stage == 3 && !model.frozen.is_empty() {
-        other_rank_model_states(dir, world_size, &mut files)?
-    } else {
-        Vec::new()
-    };
-    let mut frozen_files = vec![(&mp, 0)];
-    frozen_files.extend(ranks_model.iter().map(|(p, f)| (p, *f)));
-    let frozen_spans = frozen_spans(&frozen_files, &model.frozen, &mut srcs)?;
-    Ok(Parts {
-        dir: dir.to_path_buf(),
-        form: Form::Universal,
-        stage,
-        wrapper,
-        world_size,
-        tag,
-        model,
-        group_of,
-        hyper,
-        steps,
-        spans,
-        files,
-        srcs,
-        frozen_spans,
-        model_file: 0,
-    }
-    .assemble())
+    Ok((spans, steps))
 }
 
 /// The tensor of a per-parameter file: `{'cat_dim': 0, 'param': t}` (stages 1 and 2) or a
