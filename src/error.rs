@@ -758,7 +758,7 @@ pub enum Error {
     /// bytes cannot decompress to that many bytes whatever they are (zstd: at most 128 KiB
     /// per 4 stored bytes, `crate::io::dcp` says why). Refused before anything is allocated
     /// or an output is sized on the metadata's word.
-    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: the item's {stored} stored bytes ({transforms:?}) can decompress to at most {most} bytes, too few for the {needs} bytes of data the metadata says it holds; refusing it before allocating anything (a corrupt or crafted .metadata)", shown(.key), shown(.file))]
+    #[error("DCP checkpoint `{dir}`, key `{}`, file `{}`: the item's {stored} stored bytes of zstd frames can decompress to at most {most} bytes, too few for the {needs} bytes of data the metadata says it holds; refusing it before allocating anything (a corrupt or crafted .metadata)", shown(.key), shown(.file))]
     DcpCompressedTooShort {
         /// The checkpoint directory.
         dir: String,
@@ -768,8 +768,6 @@ pub enum Error {
         file: String,
         /// The stored (compressed) length of the item.
         stored: u64,
-        /// Its stream transforms (`["stream.zstd/1"]`).
-        transforms: Vec<String>,
         /// The most those bytes can decompress to.
         most: u64,
         /// The bytes of data the metadata says the item holds.

@@ -285,7 +285,6 @@ impl DcpCheckpoint {
                 key: key.to_string(),
                 file: f.clone(),
                 stored: info.length,
-                transforms: info.transforms.clone(),
                 most,
                 needs: min_len,
             });
