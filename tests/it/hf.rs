@@ -755,7 +755,7 @@ fn a_tying_architecture_outside_the_table_is_refused_by_name() {
         ..opts
     };
     let done = convert::checkpoint_to_hf(&dir.join("dcp"), &out, &opts, &Solo).unwrap();
-    assert_eq!(done.dropped, [tie.clone()]);
+    assert_eq!(done.dropped, std::slice::from_ref(&tie));
     let import = HfImportOptions {
         ties: vec![tie],
         ..import
