@@ -404,10 +404,7 @@ impl<'a> DataPlan<'a> {
     /// With every archive in `tmp`'s data file written and synced: writes `.metadata` (the
     /// checkpoint id `name`), syncs and renames `tmp` to `out`.
     fn commit(&self, tmp: &Path, out: &Path, name: &str) -> Result<()> {
-        let origins = origins(&self.stored);
-        let records = stored_view(&self.stored, &origins, self.zstd);
-        let md = super::pickler::metadata_pickle(&records, name)?;
-        write_synced(&tmp.join(".metadata"), &md)?;
+        write_metadata(&tmp.join(".metadata"), &self.stored, self.zstd, name)?;
         sync_dir(tmp)?;
         std::fs::rename(tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
         sync_dir(
@@ -557,58 +554,51 @@ fn dir_name(out: &Path) -> Result<String> {
         })
 }
 
-/// The view of stored items the pickler needs: each value whole, as one chunk at the origin.
-fn stored_view<'s>(
-    stored: &'s [Stored<'_>],
-    origins: &'s [Vec<usize>],
-    zstd: bool,
-) -> Vec<Record<'s>> {
-    stored
+/// Writes `.metadata` at `path` for the stored items (the checkpoint id `name`), streamed
+/// through a buffer as it is pickled, and syncs it. Each item's record is made as the
+/// pickler reaches it: its value whole, as one chunk at the origin.
+fn write_metadata(path: &Path, stored: &[Stored<'_>], zstd: bool, name: &str) -> Result<()> {
+    let ndim = stored
         .iter()
-        .zip(origins)
-        .map(|(s, origin)| {
+        .filter_map(|s| s.tensor.as_ref().map(|(_, shape)| shape.len()))
+        .max()
+        .unwrap_or(0);
+    let origin = vec![0usize; ndim];
+    let each = |f: &mut dyn FnMut(&Record<'_>)| {
+        for s in stored {
             let tensor = s
                 .tensor
                 .as_ref()
                 .map(|(dtype, shape)| (*dtype, shape.as_slice()));
-            Record {
+            let dims = tensor.map_or(&[][..], |(_, shape)| shape);
+            f(&Record {
                 key: &s.item.key,
                 path: &s.item.path,
                 tensor,
                 chunks: vec![StoredChunk {
-                    offsets: origin,
-                    sizes: tensor.map_or(&[][..], |(_, shape)| shape),
+                    offsets: &origin[..dims.len()],
+                    sizes: dims,
                     file: DATA_FILE,
                     offset: s.offset,
                     length: s.length,
                     zstd,
                 }],
-            }
-        })
-        .collect()
-}
-
-/// The origin (all-zero offsets) of every stored value's shape.
-fn origins(stored: &[Stored<'_>]) -> Vec<Vec<usize>> {
-    stored
-        .iter()
-        .map(|s| match &s.tensor {
-            Some((_, shape)) => vec![0; shape.len()],
-            None => Vec::new(),
-        })
-        .collect()
+            })
+        }
+    };
+    let file = File::create(path).map_err(|e| io_err("creating", path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    super::pickler::write_metadata(&mut w, &each, name).map_err(|e| io_err("writing", path, e))?;
+    let file = w
+        .into_inner()
+        .map_err(|e| io_err("writing", path, e.into_error()))?;
+    file.sync_all().map_err(|e| io_err("syncing", path, e))
 }
 
 /// Refuses an existing output that is not an empty directory: the replace rule of every
 /// writer ([`crate::io::output::check_dir_output`]), so that each refusal reads the same.
 fn check_target(out: &Path) -> Result<()> {
     crate::io::output::check_dir_output(out, crate::io::output::EMPTY_DIR, &[])
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(|e| io_err("creating", path, e))?;
-    f.write_all(bytes).map_err(|e| io_err("writing", path, e))?;
-    f.sync_all().map_err(|e| io_err("syncing", path, e))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
