@@ -64,9 +64,11 @@ pub fn hf_to_dcp(
 ) -> Result<u64> {
     pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
     pg.agree(not_dcp_storage(src))?;
-    let dir = pg.agree(HfModelDir::open(src))?;
+    let mut dir = pg.agree(HfModelDir::open(src))?;
+    // Moved into the state dict rather than copied: one record per tensor, not two.
+    let tensors = std::mem::take(&mut dir.tensors);
     let files = pg.agree(dir.streamer(dst))?;
-    let (obj, mut lazy) = pg.agree(imported(&dir, files, opts))?;
+    let (obj, mut lazy) = pg.agree(imported(tensors, files, opts))?;
     write_dcp(&obj, dst, &mut lazy, pg, &opts.write)
 }
 
@@ -90,19 +92,20 @@ fn not_dcp_storage(src: &Path) -> Result<()> {
 /// The state dict the DCP directory holds, nested under the prefix's parts
 /// (`{"model": {name: tensor}}`), with what streams its placeholders (cast as asked).
 fn imported<'h>(
-    dir: &'h HfModelDir,
+    tensors: Vec<(String, HostTensor)>,
     files: hf::read::Files<'h>,
     opts: &HfImportOptions,
 ) -> Result<(PyObj, Cast<'h>)> {
-    let names: Vec<String> = dir.tensors.iter().map(|(n, _)| n.clone()).collect();
+    let (names, tensors): (Vec<String>, Vec<HostTensor>) = tensors.into_iter().unzip();
     let renamed = names::rename_all(&opts.renames, &names)?;
+    drop(names);
     let mut lazy = Cast {
         files,
         casts: HashMap::new(),
     };
     let mut items = Vec::with_capacity(renamed.len());
-    for ((_, t), name) in dir.tensors.iter().zip(renamed) {
-        let t = lazy.cast(t, opts.dtype)?;
+    for (t, name) in tensors.into_iter().zip(renamed) {
+        let t = lazy.cast(&t, opts.dtype)?;
         items.push((PyObj::Str(name), PyObj::Tensor(t)));
     }
     for (name, source) in restored_ties(&items, opts)? {

@@ -1135,11 +1135,13 @@ impl Decoder<'_> {
                 _ => return Err(self.bad(path, j)),
             },
         };
-        Ok(PyObj::Sharded(crate::optim_state::ShardedTensor {
-            global_shape,
-            offsets,
-            local,
-        }))
+        Ok(PyObj::Sharded(Box::new(
+            crate::optim_state::ShardedTensor {
+                global_shape,
+                offsets,
+                local,
+            },
+        )))
     }
 
     /// A reference to tensor `name` of the file; each tensor may be referenced once.

@@ -32,12 +32,25 @@ pub(crate) struct StoredChunk<'a> {
 }
 
 /// A protocol-2 writer of DCP's classes, without memo: every object is written where it
-/// occurs, and every int as `BININT` (or `LONG1` of 9 bytes).
-struct P {
+/// occurs, and every int as `BININT` (or `LONG1` of 9 bytes). The bytes go to `sink` in
+/// pieces ([`P::spill`]); the first error writing them is kept in `failed`.
+struct P<'w> {
     e: Emitter,
+    sink: &'w mut dyn std::io::Write,
+    failed: Option<std::io::Error>,
 }
 
-impl P {
+impl P<'_> {
+    /// Writes the bytes made so far to the sink once they are [`SPILL_AT`] or more (and
+    /// nothing more after a failed write).
+    fn spill(&mut self) {
+        if self.failed.is_none() && self.e.buffered() >= SPILL_AT {
+            if let Err(e) = self.e.spill(self.sink) {
+                self.failed = Some(e);
+            }
+        }
+    }
+
     fn int(&mut self, v: u64) {
         match i32::try_from(v) {
             Ok(v) => self.e.binint(v),
@@ -76,14 +89,14 @@ impl P {
     }
 
     /// `cls()` via `NEWOBJ`, then `BUILD` with the attribute dict `fill` writes.
-    fn instance(&mut self, module: &str, cls: &str, fill: impl FnOnce(&mut P)) {
+    fn instance(&mut self, module: &str, cls: &str, fill: impl FnOnce(&mut Self)) {
         self.new_instance(module, cls);
         self.dict(fill);
         self.e.op(op::BUILD);
     }
 
     /// A dict of the items `fill` writes.
-    fn dict(&mut self, fill: impl FnOnce(&mut P)) {
+    fn dict(&mut self, fill: impl FnOnce(&mut Self)) {
         self.e.op(op::EMPTY_DICT);
         self.e.op(op::MARK);
         fill(self);
@@ -109,29 +122,58 @@ impl P {
 
 /// The `.metadata` bytes for `records`, with `checkpoint_id` (relative) in `storage_meta`.
 pub(crate) fn metadata_pickle(records: &[Record<'_>], checkpoint_id: &str) -> Result<Vec<u8>> {
-    let mut p = P { e: Emitter::new(2) };
+    let mut out = Vec::new();
+    write_metadata(&mut out, &|f| records.iter().for_each(f), checkpoint_id).map_err(|e| {
+        crate::error::Error::Internal(format!("pickling .metadata into memory: {e}"))
+    })?;
+    Ok(out)
+}
+
+/// Calls its argument with each record in turn (made as it is needed, so that a writer
+/// of many keys does not hold them all).
+pub(crate) type EachRecord<'f> = dyn Fn(&mut dyn FnMut(&Record<'_>)) + 'f;
+
+/// How many pickled bytes [`write_metadata`] holds before it writes them out.
+const SPILL_AT: usize = 1 << 16;
+
+/// Writes [`metadata_pickle`]'s bytes for the records `each` gives (it is called three
+/// times, and must give the same records each time) to `w` as they are made: memory stays at
+/// one record's, however many keys the checkpoint has.
+pub(crate) fn write_metadata(
+    w: &mut dyn std::io::Write,
+    each: &EachRecord<'_>,
+    checkpoint_id: &str,
+) -> std::io::Result<()> {
+    let mut p = P {
+        e: Emitter::new(2),
+        sink: w,
+        failed: None,
+    };
     p.instance(MD, "Metadata", |p| {
         p.e.str("state_dict_metadata");
         p.dict(|p| {
-            for r in records {
+            each(&mut |r| {
                 p.e.str(r.key);
                 state_dict_entry(p, r);
-            }
+                p.spill();
+            })
         });
         p.e.str("planner_data");
         p.dict(|p| {
-            for r in records {
+            each(&mut |r| {
                 p.e.str(r.key);
                 planner_path(p, r.path);
-            }
+                p.spill();
+            })
         });
         p.e.str("storage_data");
         p.dict(|p| {
-            for r in records {
+            each(&mut |r| {
                 for (i, c) in r.chunks.iter().enumerate() {
                     storage_entry(p, r, i, c);
                 }
-            }
+                p.spill();
+            })
         });
         p.e.str("storage_meta");
         p.instance(MD, "StorageMeta", |p| {
@@ -147,11 +189,14 @@ pub(crate) fn metadata_pickle(records: &[Record<'_>], checkpoint_id: &str) -> Re
         p.e.str("version");
         p.e.str("1.0.0");
     });
-    Ok(p.e.finish())
+    if let Some(e) = p.failed {
+        return Err(e);
+    }
+    p.sink.write_all(&p.e.finish())
 }
 
 /// A key's path in `planner_data`: a tuple of strings and ints.
-fn planner_path(p: &mut P, path: &[PathItem]) {
+fn planner_path(p: &mut P<'_>, path: &[PathItem]) {
     p.e.op(op::MARK);
     for item in path {
         match item {
@@ -163,7 +208,7 @@ fn planner_path(p: &mut P, path: &[PathItem]) {
     p.e.op(op::TUPLE);
 }
 
-fn state_dict_entry(p: &mut P, r: &Record<'_>) {
+fn state_dict_entry(p: &mut P<'_>, r: &Record<'_>) {
     match r.tensor {
         None => p.new_instance(MD, "BytesStorageMetadata"),
         Some((dtype, shape)) => p.instance(MD, "TensorStorageMetadata", |p| {
@@ -187,7 +232,7 @@ fn state_dict_entry(p: &mut P, r: &Record<'_>) {
     }
 }
 
-fn storage_entry(p: &mut P, r: &Record<'_>, index: usize, c: &StoredChunk<'_>) {
+fn storage_entry(p: &mut P<'_>, r: &Record<'_>, index: usize, c: &StoredChunk<'_>) {
     p.instance(MD, "MetadataIndex", |p| {
         p.e.str("fqn");
         p.e.str(r.key);

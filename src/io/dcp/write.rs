@@ -47,11 +47,78 @@ impl DcpWriteOptions {
     }
 }
 
-/// One flattened value: its key, its path in the nested dict, the value.
+/// One flattened value: where it is (its container, an index of [`Flat::parents`], and its
+/// own key or index there) and the value. Its path and dotted key are made when needed
+/// ([`Flat::path`], [`Flat::key`]), so that a state dict of a million tensors holds one
+/// copy of their containers' path, not a million.
 struct Item<'a> {
-    key: String,
-    path: Vec<PathItem>,
+    parent: usize,
+    last: PathItem,
     value: &'a PyObj,
+}
+
+/// DCP's flattened state dict: every leaf in traversal order, and the path of each
+/// container holding one (the root's is empty).
+struct Flat<'a> {
+    items: Vec<Item<'a>>,
+    parents: Vec<Vec<PathItem>>,
+}
+
+impl<'a> Flat<'a> {
+    /// `item`'s path in the nested dict.
+    fn path(&self, item: &Item<'_>) -> Vec<PathItem> {
+        let mut path = Vec::with_capacity(self.parents[item.parent].len() + 1);
+        path.extend_from_slice(&self.parents[item.parent]);
+        path.push(item.last.clone());
+        path
+    }
+
+    /// `item`'s dotted key, as DCP's `flatten_state_dict` joins its path.
+    fn key(&self, item: &Item<'_>) -> String {
+        super::plan::joined(&self.path(item))
+    }
+
+    /// The container at `parent`'s path extended by `last`, added; its index.
+    fn push_parent(&mut self, parent: usize, last: PathItem) -> usize {
+        let mut path = self.parents[parent].clone();
+        path.push(last);
+        self.parents.push(path);
+        self.parents.len() - 1
+    }
+
+    /// Refuses two values with one dotted key (`{0: x, '0': y}`, or `{'a.b': x, 'a': {'b':
+    /// y}}`), naming the first key repeated in traversal order. The keys are compared by
+    /// hash first, so that no set of every key is held.
+    fn check_distinct(&self) -> Result<()> {
+        use std::hash::{Hash, Hasher};
+        let hash = |i: usize| {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            self.key(&self.items[i]).hash(&mut h);
+            h.finish()
+        };
+        let mut hashes: Vec<(u64, usize)> = (0..self.items.len()).map(|i| (hash(i), i)).collect();
+        hashes.sort_unstable();
+        let mut repeated: Option<usize> = None;
+        for group in hashes.chunk_by(|a, b| a.0 == b.0).filter(|g| g.len() > 1) {
+            let keys: Vec<String> = group
+                .iter()
+                .map(|&(_, i)| self.key(&self.items[i]))
+                .collect();
+            for (n, k) in keys.iter().enumerate().skip(1) {
+                if keys[..n].contains(k) {
+                    repeated = Some(repeated.map_or(group[n].1, |r| r.min(group[n].1)));
+                }
+            }
+        }
+        match repeated {
+            None => Ok(()),
+            Some(i) => Err(Error::UnexpectedObject {
+                path: self.key(&self.items[i]),
+                expected: "distinct flattened keys".into(),
+                found: "a duplicated flatten key (e.g. both 0 and '0')".into(),
+            }),
+        }
+    }
 }
 
 /// Python's `str(k)` of a dict key, for the key types a state dict uses.
@@ -85,8 +152,8 @@ fn is_terminal(v: &PyObj) -> bool {
     }
 }
 
-/// DCP's `flatten_state_dict`: every leaf with its dotted key and path, in traversal order.
-fn flatten(obj: &PyObj) -> Result<Vec<Item<'_>>> {
+/// DCP's `flatten_state_dict`: every leaf with its container and key, in traversal order.
+fn flatten(obj: &PyObj) -> Result<Flat<'_>> {
     let Some(items) = obj.dict_items() else {
         return Err(Error::UnexpectedObject {
             path: "<root>".into(),
@@ -94,55 +161,49 @@ fn flatten(obj: &PyObj) -> Result<Vec<Item<'_>>> {
             found: obj.describe(),
         });
     };
-    let mut out = Vec::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut flat = Flat {
+        items: Vec::new(),
+        parents: vec![Vec::new()],
+    };
     for (k, v) in items {
-        let path = vec![PathItem::Key(key_str(k, "<root>")?)];
-        visit(v, path, &mut out, 0)?;
+        visit(v, (0, PathItem::Key(key_str(k, "<root>")?)), &mut flat, 0)?;
     }
-    for it in &out {
-        if !seen.insert(it.key.as_str()) {
-            return Err(Error::UnexpectedObject {
-                path: it.key.clone(),
-                expected: "distinct flattened keys".into(),
-                found: "a duplicated flatten key (e.g. both 0 and '0')".into(),
-            });
-        }
-    }
-    Ok(out)
+    flat.check_distinct()?;
+    Ok(flat)
 }
 
+/// Visits `v`, found at `last` in the container `parent` of `flat`.
 fn visit<'a>(
     v: &'a PyObj,
-    path: Vec<PathItem>,
-    out: &mut Vec<Item<'a>>,
+    (parent, last): (usize, PathItem),
+    flat: &mut Flat<'a>,
     depth: usize,
 ) -> Result<()> {
-    let key = super::plan::joined(&path);
     if depth > 200 {
+        let mut path = flat.parents[parent].clone();
+        path.push(last);
         return Err(Error::UnexpectedObject {
-            path: key,
+            path: super::plan::joined(&path),
             expected: "containers nested at most 200 deep".into(),
             found: "deeper nesting".into(),
         });
     }
     if let Some(items) = v.dict_items() {
+        let me = flat.push_parent(parent, last);
+        let key = super::plan::joined(&flat.parents[me]);
         for (k, x) in items {
-            let mut p = path.clone();
-            p.push(PathItem::Key(key_str(k, &key)?));
-            visit(x, p, out, depth + 1)?;
+            visit(x, (me, PathItem::Key(key_str(k, &key)?)), flat, depth + 1)?;
         }
     } else if is_terminal(v) {
-        out.push(Item {
-            key,
-            path,
+        flat.items.push(Item {
+            parent,
+            last,
             value: v,
         });
     } else if let PyObj::List(items) = v {
+        let me = flat.push_parent(parent, last);
         for (i, x) in items.iter().enumerate() {
-            let mut p = path.clone();
-            p.push(PathItem::Index(i));
-            visit(x, p, out, depth + 1)?;
+            visit(x, (me, PathItem::Index(i)), flat, depth + 1)?;
         }
     }
     Ok(())
@@ -163,6 +224,8 @@ struct Stored<'a> {
 /// order, which `.metadata` lists.
 struct DataPlan<'a> {
     stored: Vec<Stored<'a>>,
+    /// The containers' paths the items refer to ([`Flat::parents`]).
+    flat: Flat<'a>,
     /// Indices of `stored` in file order.
     file_order: Vec<usize>,
     /// The archives of the non-tensor values (small), by index of `stored`.
@@ -192,8 +255,8 @@ impl<W: Write> Write for Counted<W> {
 }
 
 impl<'a> DataPlan<'a> {
-    fn new(items: Vec<Item<'a>>, lazy: &dyn LazyTensors) -> Result<Self> {
-        let mut stored: Vec<Stored<'a>> = items
+    fn new(mut flat: Flat<'a>, lazy: &dyn LazyTensors) -> Result<Self> {
+        let mut stored: Vec<Stored<'a>> = std::mem::take(&mut flat.items)
             .into_iter()
             .map(|item| {
                 let tensor = match item.value {
@@ -235,6 +298,7 @@ impl<'a> DataPlan<'a> {
         }
         Ok(DataPlan {
             stored,
+            flat,
             file_order: objects_first,
             objects,
             len: at,
@@ -275,7 +339,7 @@ impl<'a> DataPlan<'a> {
             if end != s.offset + s.length {
                 return Err(Error::Internal(format!(
                     "`{}` took {} bytes of {name}, {} were planned",
-                    s.item.key,
+                    self.flat.key(&s.item),
                     end - s.offset,
                     s.length
                 )));
@@ -322,7 +386,9 @@ impl<'a> DataPlan<'a> {
             if plain.n != s.length {
                 return Err(Error::Internal(format!(
                     "`{}` took {} bytes before compression, {} were planned",
-                    s.item.key, plain.n, s.length
+                    self.flat.key(&s.item),
+                    plain.n,
+                    s.length
                 )));
             }
             plain.inner.finish().map_err(io)?;
@@ -404,10 +470,7 @@ impl<'a> DataPlan<'a> {
     /// With every archive in `tmp`'s data file written and synced: writes `.metadata` (the
     /// checkpoint id `name`), syncs and renames `tmp` to `out`.
     fn commit(&self, tmp: &Path, out: &Path, name: &str) -> Result<()> {
-        let origins = origins(&self.stored);
-        let records = stored_view(&self.stored, &origins, self.zstd);
-        let md = super::pickler::metadata_pickle(&records, name)?;
-        write_synced(&tmp.join(".metadata"), &md)?;
+        write_metadata(&tmp.join(".metadata"), self, name)?;
         sync_dir(tmp)?;
         std::fs::rename(tmp, out).map_err(|e| io_err("renaming into place", out, e))?;
         sync_dir(
@@ -491,9 +554,9 @@ impl<'a> PlannedDcp<'a> {
     /// Plans `obj` (a state dict) as the DCP directory `out`, its tensors that `lazy`
     /// recognizes at their real size.
     pub(crate) fn new(obj: &'a PyObj, out: &Path, lazy: &dyn LazyTensors) -> Result<Self> {
-        let items = flatten(obj)?;
+        let flat = flatten(obj)?;
         let name = dir_name(out)?;
-        let plan = DataPlan::new(items, lazy)?;
+        let plan = DataPlan::new(flat, lazy)?;
         Ok(PlannedDcp { plan, name })
     }
 
@@ -557,58 +620,53 @@ fn dir_name(out: &Path) -> Result<String> {
         })
 }
 
-/// The view of stored items the pickler needs: each value whole, as one chunk at the origin.
-fn stored_view<'s>(
-    stored: &'s [Stored<'_>],
-    origins: &'s [Vec<usize>],
-    zstd: bool,
-) -> Vec<Record<'s>> {
-    stored
+/// Writes `.metadata` at `path` for the stored items (the checkpoint id `name`), streamed
+/// through a buffer as it is pickled, and syncs it. Each item's record is made as the
+/// pickler reaches it: its value whole, as one chunk at the origin.
+fn write_metadata(path: &Path, plan: &DataPlan<'_>, name: &str) -> Result<()> {
+    let (stored, zstd) = (&plan.stored, plan.zstd);
+    let ndim = stored
         .iter()
-        .zip(origins)
-        .map(|(s, origin)| {
+        .filter_map(|s| s.tensor.as_ref().map(|(_, shape)| shape.len()))
+        .max()
+        .unwrap_or(0);
+    let origin = vec![0usize; ndim];
+    let each = |f: &mut dyn FnMut(&Record<'_>)| {
+        for s in stored {
             let tensor = s
                 .tensor
                 .as_ref()
                 .map(|(dtype, shape)| (*dtype, shape.as_slice()));
-            Record {
-                key: &s.item.key,
-                path: &s.item.path,
+            let dims = tensor.map_or(&[][..], |(_, shape)| shape);
+            let path = plan.flat.path(&s.item);
+            f(&Record {
+                key: &super::plan::joined(&path),
+                path: &path,
                 tensor,
                 chunks: vec![StoredChunk {
-                    offsets: origin,
-                    sizes: tensor.map_or(&[][..], |(_, shape)| shape),
+                    offsets: &origin[..dims.len()],
+                    sizes: dims,
                     file: DATA_FILE,
                     offset: s.offset,
                     length: s.length,
                     zstd,
                 }],
-            }
-        })
-        .collect()
-}
-
-/// The origin (all-zero offsets) of every stored value's shape.
-fn origins(stored: &[Stored<'_>]) -> Vec<Vec<usize>> {
-    stored
-        .iter()
-        .map(|s| match &s.tensor {
-            Some((_, shape)) => vec![0; shape.len()],
-            None => Vec::new(),
-        })
-        .collect()
+            })
+        }
+    };
+    let file = File::create(path).map_err(|e| io_err("creating", path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    super::pickler::write_metadata(&mut w, &each, name).map_err(|e| io_err("writing", path, e))?;
+    let file = w
+        .into_inner()
+        .map_err(|e| io_err("writing", path, e.into_error()))?;
+    file.sync_all().map_err(|e| io_err("syncing", path, e))
 }
 
 /// Refuses an existing output that is not an empty directory: the replace rule of every
 /// writer ([`crate::io::output::check_dir_output`]), so that each refusal reads the same.
 fn check_target(out: &Path) -> Result<()> {
     crate::io::output::check_dir_output(out, crate::io::output::EMPTY_DIR, &[])
-}
-
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut f = File::create(path).map_err(|e| io_err("creating", path, e))?;
-    f.write_all(bytes).map_err(|e| io_err("writing", path, e))?;
-    f.sync_all().map_err(|e| io_err("syncing", path, e))
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {

@@ -26,6 +26,19 @@ impl Emitter {
         self.out
     }
 
+    /// The bytes written since the last [`Emitter::spill`] (all of them, before any).
+    pub(crate) fn buffered(&self) -> usize {
+        self.out.len()
+    }
+
+    /// Writes the bytes held so far to `w` and forgets them, so that a long stream is written
+    /// as it is made ([`Emitter::finish`] then returns only the rest).
+    pub(crate) fn spill(&mut self, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+        w.write_all(&self.out)?;
+        self.out.clear();
+        Ok(())
+    }
+
     /// An opcode without argument (`MARK`, `TUPLE`, `REDUCE`, `EMPTY_DICT`, …).
     pub(crate) fn op(&mut self, op: u8) {
         self.out.push(op);

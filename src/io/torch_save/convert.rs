@@ -86,7 +86,7 @@ fn value_from(obj: PyObj, path: &str) -> Result<Value> {
             TensorValue::Dense(t) => Value::Tensor(t),
             _ => return Err(unexpected(path, "a dense tensor", &PyObj::RichTensor(r))),
         },
-        PyObj::Sharded(s) => Value::Sharded(s),
+        PyObj::Sharded(s) => Value::Sharded(*s),
         // A state dict's values have no torch.Size: one reads as the tuple it is a subclass of.
         PyObj::Size(v) => Value::Tuple(v.into_iter().map(Value::Int).collect()),
         PyObj::Tuple(v) => Value::Tuple(

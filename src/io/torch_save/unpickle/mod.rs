@@ -786,14 +786,14 @@ impl Vm<'_, '_> {
             V::Str(s) => PyObj::Str(s.to_string()),
             V::Bytes(b) => PyObj::Bytes(b.to_vec()),
             V::Ext(Ext::Tensor(view)) => PyObj::Tensor(self.materialize(view, path)?),
-            V::Ext(Ext::Sharded(s)) => PyObj::Sharded(ShardedTensor {
+            V::Ext(Ext::Sharded(s)) => PyObj::Sharded(Box::new(ShardedTensor {
                 global_shape: s.global_shape.clone(),
                 offsets: s.offsets.clone(),
                 local: match &s.local {
                     Some(V::Ext(Ext::Tensor(view))) => Some(self.materialize(view, path)?),
                     _ => None,
                 },
-            }),
+            })),
             V::Ext(Ext::Rich(r)) => self.rich_to_pyobj(r, path, depth, budget)?,
             V::Ext(Ext::Complex(re, im)) => PyObj::Complex(*re, *im),
             V::Ext(Ext::Device(kind, index)) => PyObj::Device(kind.to_string(), *index),
