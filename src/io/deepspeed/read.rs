@@ -274,10 +274,7 @@ fn check_partition_counts(p0: &Pickled, s0: &PyObj, ws: usize, dir: &Path) -> Re
 }
 
 /// Each rank's `base_optimizer_state` (a dict; the list of an elastic checkpoint is refused).
-fn base_optimizer_states<'a>(
-    optim: &'a [Pickled],
-    states: &[&'a PyObj],
-) -> Result<Vec<&'a PyObj>> {
+fn base_optimizer_states<'a>(optim: &'a [Pickled], states: &[&'a PyObj]) -> Result<Vec<&'a PyObj>> {
     let mut bases = Vec::new();
     for (p, s) in optim.iter().zip(states) {
         let base = p.at(s, "base_optimizer_state", "base_optimizer_state")?;

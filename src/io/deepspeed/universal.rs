@@ -105,25 +105,30 @@ fn model_states_file(dir: &Path) -> Result<PathBuf> {
 /// The data-parallel world size: the model states' `dp_world_size`, else the optimizer
 /// state's `partition_count` (the largest, for a list).
 fn world_size_of(op: &Pickled, model: &ModelStates) -> Result<usize> {
-    Ok(match (model.dp_world_size, get(op.root(), "partition_count")) {
-        (Some(n), _) => n,
-        (None, Some(PyObj::Int(n))) if *n > 0 => *n as usize,
-        (None, Some(PyObj::List(counts))) => counts
-            .iter()
-            .filter_map(|c| match c {
-                PyObj::Int(n) if *n > 0 => Some(*n as usize),
-                _ => None,
-            })
-            .max()
-            .unwrap_or(1),
-        _ => {
-            return Err(op.err(
-                None,
-                "no world size (`dp_world_size` of the model states, `partition_count`)",
-            ))
-        }
-    })
+    Ok(
+        match (model.dp_world_size, get(op.root(), "partition_count")) {
+            (Some(n), _) => n,
+            (None, Some(PyObj::Int(n))) if *n > 0 => *n as usize,
+            (None, Some(PyObj::List(counts))) => counts
+                .iter()
+                .filter_map(|c| match c {
+                    PyObj::Int(n) if *n > 0 => Some(*n as usize),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(1),
+            _ => {
+                return Err(op.err(
+                    None,
+                    "no world size (`dp_world_size` of the model states, `partition_count`)",
+                ))
+            }
+        },
+    )
 }
+
+/// Per trained parameter, in `param_shapes` order: its state spans and its `step`.
+type ParamStates = (Vec<[Vec<Span>; 3]>, Vec<HostTensor>);
 
 /// Each trained parameter's state files `zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt`, checked
 /// against `param_shapes` (each file added to `files`, its tensor to `srcs`), and its `step`
@@ -134,7 +139,7 @@ fn param_files(
     stage: u8,
     zero: &Path,
     (files, srcs): (&mut Vec<PathBuf>, &mut Vec<Src>),
-) -> Result<(Vec<[Vec<Span>; 3]>, Vec<HostTensor>)> {
+) -> Result<ParamStates> {
     let stage3_state = if stage == 3 {
         let inner = op.at(op.root(), "optimizer_state_dict", "optimizer_state_dict")?;
         Some(op.at(inner, "state", "optimizer_state_dict['state']")?)
