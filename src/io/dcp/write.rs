@@ -713,3 +713,33 @@ fn io_err(op: &str, path: &Path, source: impl Into<IoError>) -> Error {
 fn refusal(kind: std::io::ErrorKind, message: &str) -> IoError {
     IoError::new(kind, message)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(k: &str) -> PyObj {
+        PyObj::Str(k.into())
+    }
+
+    #[test]
+    fn a_key_flattened_twice_is_refused_by_name_and_distinct_keys_pass() {
+        // `{'a.b': 1, 'a': {'b': 2}}`: both flatten to `a.b`, as DCP refuses.
+        let twice = PyObj::Dict(vec![
+            (s("x"), PyObj::Int(0)),
+            (s("a.b"), PyObj::Int(1)),
+            (s("a"), PyObj::Dict(vec![(s("b"), PyObj::Int(2))])),
+        ]);
+        match flatten(&twice) {
+            Err(Error::UnexpectedObject { path, .. }) => assert_eq!(path, "a.b"),
+            other => panic!("{:?}", other.map(|f| f.items.len())),
+        }
+        let distinct = PyObj::Dict(vec![
+            (s("0"), PyObj::Int(0)),
+            (s("1"), PyObj::Dict(vec![(PyObj::Int(0), PyObj::Int(1))])),
+        ]);
+        let flat = flatten(&distinct).unwrap();
+        let keys: Vec<String> = flat.items.iter().map(|i| flat.key(i)).collect();
+        assert_eq!(keys, ["0", "1.0"]);
+    }
+}
