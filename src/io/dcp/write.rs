@@ -53,8 +53,24 @@ impl DcpWriteOptions {
 /// copy of their containers' path, not a million.
 struct Item<'a> {
     parent: usize,
-    last: PathItem,
+    last: Last<'a>,
     value: &'a PyObj,
+}
+
+/// An item's own key or index in its container: a `str` key borrowed from the state dict
+/// (not copied: a model's keys are most of its state dict's memory), or any other.
+enum Last<'a> {
+    Str(&'a str),
+    Other(PathItem),
+}
+
+impl Last<'_> {
+    fn item(&self) -> PathItem {
+        match self {
+            Last::Str(s) => PathItem::Key(s.to_string()),
+            Last::Other(p) => p.clone(),
+        }
+    }
 }
 
 /// DCP's flattened state dict: every leaf in traversal order, and the path of each
@@ -69,7 +85,7 @@ impl<'a> Flat<'a> {
     fn path(&self, item: &Item<'_>) -> Vec<PathItem> {
         let mut path = Vec::with_capacity(self.parents[item.parent].len() + 1);
         path.extend_from_slice(&self.parents[item.parent]);
-        path.push(item.last.clone());
+        path.push(item.last.item());
         path
     }
 
@@ -138,6 +154,14 @@ fn key_str(k: &PyObj, at: &str) -> Result<String> {
     })
 }
 
+/// The dict key `k` as an item's [`Last`] (`at`, its container's key, for messages).
+fn last<'a>(k: &'a PyObj, at: &str) -> Result<Last<'a>> {
+    Ok(match k {
+        PyObj::Str(s) => Last::Str(s),
+        _ => Last::Other(PathItem::Key(key_str(k, at)?)),
+    })
+}
+
 /// DCP's `_is_terminal`: a mapping never is; a list is unless it holds a tensor or a
 /// non-terminal container; anything else is.
 fn is_terminal(v: &PyObj) -> bool {
@@ -166,7 +190,7 @@ fn flatten(obj: &PyObj) -> Result<Flat<'_>> {
         parents: vec![Vec::new()],
     };
     for (k, v) in items {
-        visit(v, (0, PathItem::Key(key_str(k, "<root>")?)), &mut flat, 0)?;
+        visit(v, (0, last(k, "<root>")?), &mut flat, 0)?;
     }
     flat.check_distinct()?;
     Ok(flat)
@@ -175,13 +199,13 @@ fn flatten(obj: &PyObj) -> Result<Flat<'_>> {
 /// Visits `v`, found at `last` in the container `parent` of `flat`.
 fn visit<'a>(
     v: &'a PyObj,
-    (parent, last): (usize, PathItem),
+    (parent, last): (usize, Last<'a>),
     flat: &mut Flat<'a>,
     depth: usize,
 ) -> Result<()> {
     if depth > 200 {
         let mut path = flat.parents[parent].clone();
-        path.push(last);
+        path.push(last.item());
         return Err(Error::UnexpectedObject {
             path: super::plan::joined(&path),
             expected: "containers nested at most 200 deep".into(),
@@ -189,10 +213,10 @@ fn visit<'a>(
         });
     }
     if let Some(items) = v.dict_items() {
-        let me = flat.push_parent(parent, last);
+        let me = flat.push_parent(parent, last.item());
         let key = super::plan::joined(&flat.parents[me]);
         for (k, x) in items {
-            visit(x, (me, PathItem::Key(key_str(k, &key)?)), flat, depth + 1)?;
+            visit(x, (me, self::last(k, &key)?), flat, depth + 1)?;
         }
     } else if is_terminal(v) {
         flat.items.push(Item {
@@ -201,9 +225,9 @@ fn visit<'a>(
             value: v,
         });
     } else if let PyObj::List(items) = v {
-        let me = flat.push_parent(parent, last);
+        let me = flat.push_parent(parent, last.item());
         for (i, x) in items.iter().enumerate() {
-            visit(x, (me, PathItem::Index(i)), flat, depth + 1)?;
+            visit(x, (me, Last::Other(PathItem::Index(i))), flat, depth + 1)?;
         }
     }
     Ok(())
@@ -688,4 +712,34 @@ fn io_err(op: &str, path: &Path, source: impl Into<IoError>) -> Error {
 /// A refusal found before any system call, as an I/O error of `kind`.
 fn refusal(kind: std::io::ErrorKind, message: &str) -> IoError {
     IoError::new(kind, message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(k: &str) -> PyObj {
+        PyObj::Str(k.into())
+    }
+
+    #[test]
+    fn a_key_flattened_twice_is_refused_by_name_and_distinct_keys_pass() {
+        // `{'a.b': 1, 'a': {'b': 2}}`: both flatten to `a.b`, as DCP refuses.
+        let twice = PyObj::Dict(vec![
+            (s("x"), PyObj::Int(0)),
+            (s("a.b"), PyObj::Int(1)),
+            (s("a"), PyObj::Dict(vec![(s("b"), PyObj::Int(2))])),
+        ]);
+        match flatten(&twice) {
+            Err(Error::UnexpectedObject { path, .. }) => assert_eq!(path, "a.b"),
+            other => panic!("{:?}", other.map(|f| f.items.len())),
+        }
+        let distinct = PyObj::Dict(vec![
+            (s("0"), PyObj::Int(0)),
+            (s("1"), PyObj::Dict(vec![(PyObj::Int(0), PyObj::Int(1))])),
+        ]);
+        let flat = flatten(&distinct).unwrap();
+        let keys: Vec<String> = flat.items.iter().map(|i| flat.key(i)).collect();
+        assert_eq!(keys, ["0", "1.0"]);
+    }
 }
