@@ -962,6 +962,28 @@ fn every_name_is_utf8_and_inside_the_archive_folder() {
 }
 
 #[test]
+fn the_archive_folder_is_bytes_that_need_not_be_utf8() {
+    // PyTorch names the folder after the first entry's name up to its first `/`, compares the
+    // other names with it as bytes, and decodes only what follows it (`getAllRecords`): a
+    // folder `ar\xcf` in every entry loads, as PyTorch 2.13 loads it (mutant 4468 of the
+    // seed-39 campaign: a zstd bit flip that renamed the folder of every entry).
+    let mut w = Written::new();
+    let mut at = w.le(w.zip64() + 48, 8) as usize;
+    while w.le(at, 4) == 0x0201_4b50 {
+        w.bytes[at + 46 + 2] = 0xcf;
+        let nlen = w.le(at + 28, 2) as usize;
+        at += 46 + nlen + w.le(at + 30, 2) as usize + w.le(at + 32, 2) as usize;
+    }
+    w.accepted();
+    // The same byte in the first entry alone: the other entries are outside its folder,
+    // which the message shows with the byte escaped.
+    let mut w = Written::new();
+    let at = w.le(w.zip64() + 48, 8) as usize;
+    w.bytes[at + 46 + 2] = 0xcf;
+    w.refused("not inside the archive folder `ar\\xcfhive/`");
+}
+
+#[test]
 fn records_are_found_in_any_letter_case_as_miniz_finds_them() {
     // `archive/data.Pkl` in the central directory: miniz's locate_file ignores case, so
     // PyTorch reads the file (the local header keeps its own name; miniz never compares it).

@@ -658,14 +658,14 @@ fn read_zip<S: Source>(
     // `torch.load` reads these records when present (`_load` in torch/serialization.py):
     // extracted as PyTorch would; `version >= b"1"` takes any `.format_version`, but
     // `int(...)` of `.storage_alignment` must parse.
-    zip.extract_as_pytorch(&format!("{prefix}.format_version"))?;
+    zip.extract_as_pytorch(".format_version")?;
     let name = format!("{prefix}.storage_alignment");
-    match zip.extract_as_pytorch(&name)? {
+    match zip.extract_as_pytorch(".storage_alignment")? {
         None => {}
         Some(Extracted::Data(b)) if python_int(&b) => {}
         Some(got) => return Err(record_err(file, &name, &got, "is not an integer (`int()`)")),
     }
-    if let Some(order) = zip.read_entry(&format!("{prefix}byteorder"))? {
+    if let Some(order) = zip.read_entry("byteorder")? {
         if order != b"little" {
             return Err(Error::UnsupportedByteOrder {
                 file: file.to_string(),
@@ -675,7 +675,7 @@ fn read_zip<S: Source>(
     }
     let pkl_name = format!("{prefix}data.pkl");
     let pkl = zip
-        .read_entry(&pkl_name)?
+        .read_entry("data.pkl")?
         .ok_or_else(|| Error::MissingArchiveEntry {
             file: file.to_string(),
             entry: pkl_name.clone(),
@@ -703,21 +703,10 @@ fn starts_legacy<S: Source>(file: &str, src: &mut S) -> Result<bool> {
 /// (`init`). Returns the reader and the folder with its `/`.
 fn open_archive<S: Source>(file: &str, src: S) -> Result<(ZipReader<S>, String)> {
     let mut zip = ZipReader::new(file, src)?;
-    let prefix = archive_prefix(&zip, file)?;
-    if let Some(e) = zip.entries().iter().find(|e| !e.name.starts_with(&prefix)) {
-        return Err(Error::TorchSaveArchive {
-            file: file.to_string(),
-            entry: Some(e.name.clone()),
-            offset: 0,
-            reason: format!(
-                "entry is not inside the archive folder `{prefix}` (PyTorch: file in archive is \
-                 not in a subdirectory)"
-            ),
-        });
-    }
+    let prefix = zip.enter_folder()?;
     // `torch.load` passes the serialization id to Python as a str.
     let name = format!("{prefix}.data/serialization_id");
-    match zip.extract_as_pytorch(&name)? {
+    match zip.extract_as_pytorch(".data/serialization_id")? {
         None => {}
         Some(Extracted::Data(b)) if std::str::from_utf8(&b).is_ok() => {}
         Some(got) => return Err(record_err(file, &name, &got, "is not UTF-8")),
@@ -734,12 +723,12 @@ const MAX_FILE_FORMAT_VERSION: u64 = 0xa;
 /// The `version` record (`<archive>/.data/version`, else `<archive>/version`), which
 /// `PyTorchStreamReader::init` requires, parses with `std::stoull` and bounds.
 fn check_version<S: Source>(zip: &mut ZipReader<S>, prefix: &str) -> Result<()> {
-    let dotted = format!("{prefix}.data/version");
-    let name = if zip.entry(&dotted).is_some() {
-        dotted
+    let record = if zip.entry(".data/version").is_some() {
+        ".data/version"
     } else {
-        format!("{prefix}version")
+        "version"
     };
+    let name = format!("{prefix}{record}");
     let file = zip.file().to_string();
     let refuse = |reason: String| Error::TorchSaveArchive {
         file: file.clone(),
@@ -747,7 +736,7 @@ fn check_version<S: Source>(zip: &mut ZipReader<S>, prefix: &str) -> Result<()> 
         offset: 0,
         reason,
     };
-    let bytes = match zip.extract_as_pytorch(&name)? {
+    let bytes = match zip.extract_as_pytorch(record)? {
         None => return Err(Error::MissingArchiveEntry { file, entry: name }),
         Some(Extracted::Data(b)) => b,
         Some(got) => return Err(record_err(&file, &name, &got, "cannot be read")),
@@ -830,29 +819,10 @@ fn stoull(s: &[u8]) -> Option<u64> {
     Some(if negative { v.wrapping_neg() } else { v })
 }
 
-/// The archive folder of `zip` with its `/` (PyTorch names it after the first entry's).
-fn archive_prefix<S: Source>(zip: &ZipReader<S>, file: &str) -> Result<String> {
-    match zip.entries().first() {
-        Some(e) => match e.name.find('/') {
-            Some(i) => Ok(e.name[..=i].to_string()),
-            None => Err(Error::TorchSaveArchive {
-                file: file.to_string(),
-                entry: Some(e.name.clone()),
-                offset: 0,
-                reason: "entries are not inside an archive folder".into(),
-            }),
-        },
-        None => Err(Error::MissingArchiveEntry {
-            file: file.to_string(),
-            entry: "<archive>/data.pkl".into(),
-        }),
-    }
-}
-
 /// The entry `<prefix>data/<key>` of `zip`: storage `key`'s data.
 fn storage_entry<S: Source>(zip: &ZipReader<S>, prefix: &str, key: &str) -> Result<zip::Entry> {
     let name = format!("{prefix}data/{key}");
-    zip.entry(&name)
+    zip.entry(&format!("data/{key}"))
         .cloned()
         .ok_or_else(|| Error::MissingArchiveEntry {
             file: zip.file().to_string(),

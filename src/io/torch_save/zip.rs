@@ -25,6 +25,19 @@ const CENTRAL_HEADER_LEN: usize = 46;
 const EOCD_LEN: usize = 22;
 const FLAGS: u16 = 0x0808;
 
+/// An entry name's bytes as a message shows them: UTF-8 as it is, `\xNN` for each byte that
+/// is not.
+fn shown_bytes(raw: &[u8]) -> String {
+    let mut out = String::with_capacity(raw.len());
+    for chunk in raw.utf8_chunks() {
+        out.push_str(chunk.valid());
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    out
+}
+
 /// Random access to the bytes of an archive (a file or a buffer).
 pub(crate) trait Source {
     /// Total length in bytes.
@@ -94,7 +107,11 @@ impl Source for FileSource {
 /// One stored entry: where its data lies and its checksum.
 #[derive(Debug, Clone)]
 pub(crate) struct Entry {
+    /// The name as a message shows it: the stored bytes where they are UTF-8, `\xNN` for each
+    /// byte that is not (miniz and PyTorch take names as bytes).
     pub(crate) name: String,
+    /// The name's stored bytes.
+    pub(crate) raw: Box<[u8]>,
     /// Offset of the local header.
     header: u64,
     /// Size of the data (uncompressed).
@@ -125,8 +142,11 @@ pub(crate) struct ZipReader<S> {
     file: String,
     src: S,
     entries: Vec<Entry>,
-    /// Entries by name in ASCII lower case: miniz finds names regardless of case.
-    by_name: HashMap<String, usize>,
+    /// Entries by name (its bytes) in ASCII lower case: miniz finds names regardless of case.
+    by_name: HashMap<Box<[u8]>, usize>,
+    /// The folder [`ZipReader::entry`] looks names up in: empty, or the archive folder with its
+    /// `/` once [`ZipReader::enter_folder`] has found it.
+    folder: Vec<u8>,
     /// Whether the archive's records take the whole source ([`ZipReader::check_fills`]).
     fills: Gap,
 }
@@ -213,6 +233,7 @@ impl<S: Source> ZipReader<S> {
             src,
             entries: Vec::new(),
             by_name: HashMap::new(),
+            folder: Vec::new(),
             fills: None,
         };
         r.check_magic()?;
@@ -224,7 +245,7 @@ impl<S: Source> ZipReader<S> {
         for _ in 0..dir.count {
             let (entry, used) = r.central_entry(&cd, at, dir.offset + at as u64, dir.disk)?;
             r.by_name
-                .insert(entry.name.to_ascii_lowercase(), r.entries.len());
+                .insert(entry.raw.to_ascii_lowercase().into(), r.entries.len());
             r.entries.push(entry);
             at += used;
         }
@@ -434,10 +455,10 @@ impl<S: Source> ZipReader<S> {
         let var = cd
             .get(at + CENTRAL_HEADER_LEN..at + CENTRAL_HEADER_LEN + nlen + elen + clen)
             .ok_or_else(|| self.err(None, pos, "truncated central directory".into()))?;
-        // PyTorch lists every name as a Python str (`get_all_records`): UnicodeDecodeError.
-        let name = std::str::from_utf8(&var[..nlen])
-            .map_err(|_| self.err(None, pos, "entry name is not UTF-8".into()))?
-            .to_string();
+        // Names are bytes to miniz and to PyTorch's reader; which of them must be UTF-8 is
+        // `enter_folder`'s rule.
+        let raw: Box<[u8]> = var[..nlen].into();
+        let name = shown_bytes(&raw);
         self.zip64_extra(
             &name,
             pos,
@@ -486,7 +507,7 @@ impl<S: Source> ZipReader<S> {
             ));
         }
         // miniz would find either of two names that differ only in letter case.
-        if self.by_name.contains_key(&name.to_ascii_lowercase()) {
+        if self.by_name.contains_key(&*raw.to_ascii_lowercase()) {
             return Err(self.err(
                 Some(&name),
                 pos,
@@ -494,8 +515,9 @@ impl<S: Source> ZipReader<S> {
             ));
         }
         let entry = Entry {
-            directory: name.ends_with('/') || external & 0x10 != 0,
+            directory: raw.ends_with(b"/") || external & 0x10 != 0,
             name,
+            raw,
             header,
             size,
             csize,
@@ -603,17 +625,62 @@ impl<S: Source> ZipReader<S> {
         }
     }
 
-    /// The entries in directory order.
-    pub(crate) fn entries(&self) -> &[Entry] {
-        &self.entries
+    /// The entry called `name` inside the folder entered (the whole name before
+    /// [`ZipReader::enter_folder`]), in any ASCII letter case (as miniz's
+    /// `mz_zip_reader_locate_file` finds it for PyTorch).
+    pub(crate) fn entry(&self, name: &str) -> Option<&Entry> {
+        let mut key = self.folder.clone();
+        key.extend_from_slice(name.as_bytes());
+        key.make_ascii_lowercase();
+        self.by_name.get(&*key).map(|&i| &self.entries[i])
     }
 
-    /// The entry called `name`, in any letter case (as miniz's `mz_zip_reader_locate_file`
-    /// finds it for PyTorch).
-    pub(crate) fn entry(&self, name: &str) -> Option<&Entry> {
-        self.by_name
-            .get(&name.to_ascii_lowercase())
-            .map(|&i| &self.entries[i])
+    /// Finds the archive folder as PyTorch's `PyTorchStreamReader::init` does (the first
+    /// entry's name up to its first `/`, as bytes), checks every entry as `getAllRecords`
+    /// lists them for `torch.load` (each name starts with the folder: "file in archive is not
+    /// in a subdirectory"; the rest of it becomes a Python `str`, so it must be UTF-8), and
+    /// looks names up inside the folder from then on. Returns the folder with its `/`, as a
+    /// message shows it. The folder's own bytes need not be UTF-8: PyTorch never decodes them.
+    pub(crate) fn enter_folder(&mut self) -> Result<String> {
+        let Some(first) = self.entries.first() else {
+            return Err(Error::MissingArchiveEntry {
+                file: self.file.clone(),
+                entry: "<archive>/data.pkl".into(),
+            });
+        };
+        let Some(slash) = first.raw.iter().position(|&b| b == b'/') else {
+            return Err(self.err(
+                Some(&first.name),
+                0,
+                "entries are not inside an archive folder".into(),
+            ));
+        };
+        let folder = first.raw[..=slash].to_vec();
+        let shown = shown_bytes(&folder);
+        for e in &self.entries {
+            let Some(rest) = e.raw.strip_prefix(folder.as_slice()) else {
+                return Err(self.err(
+                    Some(&e.name),
+                    0,
+                    format!(
+                        "entry is not inside the archive folder `{shown}` (PyTorch: file in \
+                         archive is not in a subdirectory)"
+                    ),
+                ));
+            };
+            if std::str::from_utf8(rest).is_err() {
+                return Err(self.err(
+                    Some(&e.name),
+                    0,
+                    format!(
+                        "the entry's name inside the archive folder `{shown}` is not UTF-8 \
+                         (`torch.load` lists it as a Python str: UnicodeDecodeError)"
+                    ),
+                ));
+            }
+        }
+        self.folder = folder;
+        Ok(shown)
     }
 
     /// Reads an entry's data into `buf` (whose length must be the entry's size) and checks
@@ -724,7 +791,7 @@ impl<S: Source> ZipReader<S> {
         }
         let start = self.data_start(&entry)?;
         let mut buf = vec![0u8; entry.size as usize];
-        self.read(start, &mut buf, Some(name))?;
+        self.read(start, &mut buf, Some(&entry.name))?;
         Ok(Some(Extracted::Data(buf)))
     }
 
@@ -762,7 +829,7 @@ impl<S: Source> ZipReader<S> {
         };
         if entry.size > self.src.len() {
             return Err(self.err(
-                Some(name),
+                Some(&entry.name),
                 entry.header,
                 format!(
                     "entry size {} exceeds the file size {}",
