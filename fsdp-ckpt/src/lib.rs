@@ -339,6 +339,17 @@ fn print_out(text: &str) -> Result<()> {
         .map_err(fsdp::Error::io("writing", STDOUT))
 }
 
+/// Writes `value` as it displays to standard output through a buffer, without making the
+/// whole text first (an inspection of a million tensors prints a hundred megabytes), then
+/// flushes it; errors as [`print_out`]'s.
+fn print_shown(value: &dyn std::fmt::Display) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    write!(out, "{value}")
+        .and_then(|()| out.flush())
+        .map_err(fsdp::Error::io("writing", STDOUT))
+}
+
 /// Prints `value` as pretty JSON on stdout.
 fn print_json(value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value).map_err(|e| fsdp::Error::Serialization {
@@ -405,7 +416,7 @@ fn run_alone(cli: Cli) -> Result<()> {
             return if json {
                 print_json(&found.to_json()?)
             } else {
-                print_out(&found.to_string())
+                print_shown(&found)
             };
         }
         Command::Verify { input } => {

@@ -97,8 +97,9 @@ fn imported<'h>(
     opts: &HfImportOptions,
 ) -> Result<(PyObj, Cast<'h>)> {
     let (names, tensors): (Vec<String>, Vec<HostTensor>) = tensors.into_iter().unzip();
-    let renamed = names::rename_all(&opts.renames, &names)?;
-    drop(names);
+    // A model directory's names are distinct (each header is checked, and no tensor is in
+    // two files).
+    let renamed = names::renamed_distinct(&opts.renames, names)?;
     let mut lazy = Cast {
         files,
         casts: HashMap::new(),

@@ -649,7 +649,49 @@ pub(crate) struct RawHeader {
 /// The header's JSON object as parsed: `__metadata__` and the tensors in the header's order.
 struct ParsedHeader {
     metadata: Option<HashMap<String, String>>,
-    tensors: Vec<(String, ::safetensors::tensor::TensorInfo)>,
+    tensors: Vec<(String, TensorInfo)>,
+}
+
+/// One tensor entry of a header, as the `safetensors` library's `TensorInfo` parses it (the
+/// same fields and messages), its shape allocated at its exact length (a header of a
+/// million tensors holds a million shapes).
+#[derive(serde::Deserialize)]
+struct TensorInfo {
+    dtype: Dtype,
+    #[serde(deserialize_with = "exact_shape")]
+    shape: Vec<usize>,
+    data_offsets: (usize, usize),
+}
+
+/// A shape parsed as `Vec<usize>` parses it, into a vector of exactly its length.
+fn exact_shape<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<usize>, D::Error> {
+    struct V;
+    impl<'de> serde::de::Visitor<'de> for V {
+        type Value = Vec<usize>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a sequence")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Vec<usize>, A::Error> {
+            let (mut head, mut rest, mut n) = ([0usize; 8], Vec::new(), 0);
+            while let Some(d) = seq.next_element::<usize>()? {
+                match head.get_mut(n) {
+                    Some(slot) => *slot = d,
+                    None => rest.push(d),
+                }
+                n += 1;
+            }
+            let mut out = Vec::with_capacity(n);
+            out.extend_from_slice(&head[..n.min(head.len())]);
+            out.extend(rest);
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(V)
 }
 
 impl<'de> serde::Deserialize<'de> for ParsedHeader {
@@ -861,21 +903,22 @@ fn checked_header(
 pub(crate) type Placed = HashMap<usize, (Vec<usize>, std::ops::Range<u64>)>;
 
 /// `t` of the file `f`: read, when it has at most one element, else a placeholder recorded
-/// in `placed` (what [`FileTensors`] streams).
+/// in `placed` (what [`FileTensors`] streams). `t`'s shape moves into what is made.
 pub(crate) fn placeholder(
     f: &std::fs::File,
-    t: &HeaderTensor,
+    t: &mut HeaderTensor,
     placed: &mut Placed,
 ) -> std::result::Result<HostTensor, String> {
     use std::os::unix::fs::FileExt;
-    if t.shape.iter().product::<usize>() <= 1 {
+    let shape = std::mem::take(&mut t.shape);
+    if shape.iter().product::<usize>() <= 1 {
         let mut bytes = vec![0u8; (t.range.end - t.range.start) as usize];
         f.read_exact_at(&mut bytes, t.range.start)
             .map_err(|e| format!("cannot read it: {e}"))?;
-        return HostTensor::from_bytes(t.dtype, &t.shape, &bytes).map_err(|e| e.to_string());
+        return HostTensor::from_bytes_shaped(t.dtype, shape, &bytes).map_err(|e| e.to_string());
     }
     let p = HostTensor::zeros(t.dtype, &[0]);
-    placed.insert(p.storage_id(), (t.shape.clone(), t.range.clone()));
+    placed.insert(p.storage_id(), (shape, t.range.clone()));
     Ok(p)
 }
 
@@ -894,16 +937,19 @@ pub(crate) struct Headers {
 /// holds the header, not the tensors.
 pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
     let file = path.display().to_string();
-    let raw = read_header(path)?;
+    let RawHeader {
+        tensors: header,
+        metadata,
+    } = read_header(path)?;
     let f = open_input(path)?;
     let mut placed = HashMap::new();
-    let mut tensors = Vec::with_capacity(raw.tensors.len());
-    for t in &raw.tensors {
-        let p = placeholder(&f, t, &mut placed)
+    let mut tensors = Vec::with_capacity(header.len());
+    for mut t in header {
+        let p = placeholder(&f, &mut t, &mut placed)
             .map_err(|e| st_err(&file, format!("tensor `{}`: {e}", t.name)))?;
-        tensors.push((t.name.clone(), p));
+        tensors.push((t.name, p));
     }
-    let skeleton = raw.metadata.as_ref().and_then(|m| m.get(OBJECT_KEY));
+    let skeleton = metadata.as_ref().and_then(|m| m.get(OBJECT_KEY));
     let obj = build(&file, tensors, skeleton)?;
     Ok(Headers { obj, placed })
 }

@@ -76,19 +76,25 @@ impl HostTensor {
 
     /// A tensor from raw little-endian bytes; `bytes.len()` must match shape and dtype.
     pub fn from_bytes(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Self> {
+        Self::from_bytes_shaped(dtype, shape.to_vec(), bytes)
+    }
+
+    /// [`HostTensor::from_bytes`] taking its shape by value (kept, not copied: a reader of a
+    /// million small tensors allocates each shape once).
+    pub(crate) fn from_bytes_shaped(dtype: DType, shape: Vec<usize>, bytes: &[u8]) -> Result<Self> {
         let expected = shape
             .iter()
             .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
         if expected != Some(bytes.len()) {
             return Err(Error::ShapeMismatch {
                 context: format!("HostTensor::from_bytes ({dtype}, {} bytes)", bytes.len()),
-                expected: shape.to_vec(),
+                expected: shape,
                 found: vec![bytes.len() / dtype.size().max(1)],
             });
         }
         Ok(HostTensor {
             dtype,
-            shape: shape.to_vec(),
+            shape,
             storage: Arc::new(Storage::copy_of(bytes)),
             offset: 0,
         })

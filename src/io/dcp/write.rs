@@ -233,26 +233,74 @@ fn visit<'a>(
     Ok(())
 }
 
+/// The largest archive [`DataPlan::write`] makes in memory before writing it.
+const BATCHED_ARCHIVE: u64 = 1 << 20;
+
+/// How many bytes of small archives [`DataPlan::write`] gathers before one write (its
+/// buffer holds this and one more archive, so it never grows).
+const BATCH: usize = 4 << 20;
+
+/// Small archives gathered in memory, in file order, for one positioned write of
+/// `bytes` at `start` (with write-back and drop-behind, as the streamed archives get).
+struct Batch<'f> {
+    file: &'f File,
+    path: &'f Path,
+    start: u64,
+    bytes: Vec<u8>,
+    writeback: crate::io::output::Writeback,
+}
+
+impl Batch<'_> {
+    /// Makes the next bytes gathered land at `offset`: a range that does not follow the
+    /// gathered ones writes them first.
+    fn place(&mut self, offset: u64) -> Result<()> {
+        if self.start + self.bytes.len() as u64 != offset {
+            self.flush()?;
+            self.start = offset;
+        }
+        Ok(())
+    }
+
+    /// Writes the gathered bytes.
+    fn flush(&mut self) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        if self.bytes.is_empty() {
+            return Ok(());
+        }
+        let len = self.bytes.len() as u64;
+        self.file
+            .write_all_at(&self.bytes, self.start)
+            .and_then(|()| self.writeback.wrote_at(self.file, self.start, len))
+            .map_err(|e| io_err("writing", self.path, e))?;
+        self.start += len;
+        self.bytes.clear();
+        Ok(())
+    }
+}
+
 /// Where one item lands in the data file.
-struct Stored<'a> {
-    item: Item<'a>,
-    /// A tensor's dtype and real shape (a lazy placeholder's stands for a larger tensor).
-    tensor: Option<(DType, Vec<usize>)>,
+#[derive(Clone, Copy, Default)]
+struct Place {
     offset: u64,
     length: u64,
 }
 
 /// The data file of a DCP directory, planned before any byte is written: every flattened
 /// value's archive and its byte range. Non-tensor values come first, then tensors, each in
-/// traversal order (as PyTorch's writer orders them); [`DataPlan::stored`] keeps traversal
-/// order, which `.metadata` lists.
+/// traversal order (as PyTorch's writer orders them); the items and their places keep
+/// traversal order, which `.metadata` lists. Per item it holds its place and an index; the
+/// values stay in the state dict (a million small tensors plan in a few tens of megabytes).
 struct DataPlan<'a> {
-    stored: Vec<Stored<'a>>,
-    /// The containers' paths the items refer to ([`Flat::parents`]).
+    /// The items, and the containers' paths they refer to ([`Flat::parents`]).
     flat: Flat<'a>,
-    /// Indices of `stored` in file order.
+    /// Where each item lands, by index of `flat.items`.
+    places: Vec<Place>,
+    /// The real shape of each tensor `lazy` stands for another shape (a placeholder's), by
+    /// item index; every other tensor's shape is its own.
+    lazy_shapes: std::collections::HashMap<usize, Vec<usize>>,
+    /// Indices of the items in file order.
     file_order: Vec<usize>,
-    /// The archives of the non-tensor values (small), by index of `stored`.
+    /// The archives of the non-tensor values (small), by item index.
     objects: std::collections::HashMap<usize, Vec<u8>>,
     len: u64,
     tensor_bytes: u64,
@@ -280,59 +328,74 @@ impl<W: Write> Write for Counted<W> {
 
 impl<'a> DataPlan<'a> {
     fn new(mut flat: Flat<'a>, lazy: &dyn LazyTensors) -> Result<Self> {
-        let mut stored: Vec<Stored<'a>> = std::mem::take(&mut flat.items)
-            .into_iter()
-            .map(|item| {
-                let tensor = match item.value {
-                    PyObj::Tensor(t) => Some((
-                        t.dtype(),
-                        lazy.shape_of(t).unwrap_or_else(|| t.shape().to_vec()),
-                    )),
-                    _ => None,
-                };
-                Stored {
-                    item,
-                    tensor,
-                    offset: 0,
-                    length: 0,
+        // Items are numbered in 32 bits where many are listed ([`DataPlan::share`]).
+        if u32::try_from(flat.items.len()).is_err() {
+            return Err(Error::UnexpectedObject {
+                path: "<root>".into(),
+                expected: "at most 2^32 - 1 values".into(),
+                found: format!("{} values", flat.items.len()),
+            });
+        }
+        flat.items.shrink_to_fit();
+        let mut lazy_shapes = std::collections::HashMap::new();
+        for (i, item) in flat.items.iter().enumerate() {
+            if let PyObj::Tensor(t) = item.value {
+                if let Some(shape) = lazy.shape_of(t) {
+                    lazy_shapes.insert(i, shape);
                 }
-            })
-            .collect();
+            }
+        }
+        let is_tensor = |i: usize| matches!(flat.items[i].value, PyObj::Tensor(_));
         let (mut objects_first, tensors): (Vec<usize>, Vec<usize>) =
-            (0..stored.len()).partition(|&i| stored[i].tensor.is_none());
+            (0..flat.items.len()).partition(|&i| !is_tensor(i));
         objects_first.extend(tensors);
-        let mut objects = std::collections::HashMap::new();
-        let (mut at, mut tensor_bytes) = (0u64, 0u64);
+        let mut plan = DataPlan {
+            places: vec![Place::default(); flat.items.len()],
+            flat,
+            lazy_shapes,
+            file_order: Vec::new(),
+            objects: std::collections::HashMap::new(),
+            len: 0,
+            tensor_bytes: 0,
+            zstd: false,
+        };
+        let mut at = 0u64;
         for &i in &objects_first {
-            let s = &mut stored[i];
-            s.offset = at;
-            s.length = match &s.tensor {
+            let value = plan.flat.items[i].value;
+            let length = match plan.tensor(i) {
                 Some((dtype, shape)) => {
-                    tensor_bytes += (shape.iter().product::<usize>() * dtype.size()) as u64;
-                    torch_save::archive_len(s.item.value, ARCHIVE, lazy)?
+                    plan.tensor_bytes += (shape.iter().product::<usize>() * dtype.size()) as u64;
+                    torch_save::archive_len(value, ARCHIVE, lazy)?
                 }
                 None => {
-                    let bytes = torch_save::save_to_bytes(s.item.value)?;
+                    let bytes = torch_save::save_to_bytes(value)?;
                     let len = bytes.len() as u64;
-                    objects.insert(i, bytes);
+                    plan.objects.insert(i, bytes);
                     len
                 }
             };
-            at += s.length;
+            plan.places[i] = Place { offset: at, length };
+            at += length;
         }
-        Ok(DataPlan {
-            stored,
-            flat,
-            file_order: objects_first,
-            objects,
-            len: at,
-            tensor_bytes,
-            zstd: false,
-        })
+        plan.file_order = objects_first;
+        plan.len = at;
+        Ok(plan)
     }
 
-    /// Writes the archives of `stored[i]` for every `i` of `which` into the data file `file`
-    /// (`path`, for messages), each at its planned range.
+    /// Item `i`'s dtype and real shape, when it is a tensor.
+    fn tensor(&self, i: usize) -> Option<(DType, &[usize])> {
+        let PyObj::Tensor(t) = self.flat.items[i].value else {
+            return None;
+        };
+        let shape = self.lazy_shapes.get(&i).map_or(t.shape(), Vec::as_slice);
+        Some((t.dtype(), shape))
+    }
+
+    /// Writes the archives of items `i` for every `i` of `which` into the data file `file`
+    /// (`path`, for messages), each at its planned range. Archives of at most
+    /// [`BATCHED_ARCHIVE`] bytes are made in memory and written [`BATCH`] bytes at a time (a
+    /// `torch.save` archive is about thirty small pieces: a million small tensors would be
+    /// thirty million system calls); larger ones stream to the file.
     fn write(
         &self,
         file: &File,
@@ -340,36 +403,56 @@ impl<'a> DataPlan<'a> {
         which: impl Iterator<Item = usize>,
         lazy: &mut dyn LazyTensors,
     ) -> Result<()> {
-        use std::os::unix::fs::FileExt;
         let name = path.display().to_string();
-        let mut writeback = crate::io::output::Writeback::new(0);
+        let mut batch = Batch {
+            file,
+            path,
+            start: 0,
+            bytes: Vec::with_capacity(BATCH + BATCHED_ARCHIVE as usize),
+            writeback: crate::io::output::Writeback::new(0),
+        };
         for i in which {
-            let s = &self.stored[i];
-            let end = match self.objects.get(&i) {
-                Some(bytes) => {
-                    file.write_all_at(bytes, s.offset)
-                        .map_err(|e| io_err("writing", path, e))?;
-                    s.offset + bytes.len() as u64
+            let (s, item) = (self.places[i], &self.flat.items[i]);
+            let end = if s.length <= BATCHED_ARCHIVE {
+                batch.place(s.offset)?;
+                let before = batch.bytes.len() as u64;
+                match self.objects.get(&i) {
+                    Some(bytes) => batch.bytes.extend_from_slice(bytes),
+                    None => {
+                        torch_save::writer::write_with(
+                            item.value,
+                            ARCHIVE,
+                            &name,
+                            &mut batch.bytes,
+                            lazy,
+                        )?;
+                    }
                 }
-                None => torch_save::write_archive_at(
-                    s.item.value,
+                s.offset + batch.bytes.len() as u64 - before
+            } else {
+                batch.flush()?;
+                torch_save::write_archive_at(
+                    item.value,
                     ARCHIVE,
                     (file, s.offset),
-                    &mut writeback,
+                    &mut batch.writeback,
                     &name,
                     lazy,
-                )?,
+                )?
             };
             if end != s.offset + s.length {
                 return Err(Error::Internal(format!(
                     "`{}` took {} bytes of {name}, {} were planned",
-                    self.flat.key(&s.item),
+                    self.flat.key(item),
                     end - s.offset,
                     s.length
                 )));
             }
+            if batch.bytes.len() >= BATCH {
+                batch.flush()?;
+            }
         }
-        Ok(())
+        batch.flush()
     }
 
     /// Writes every archive into `tmp`'s data file one after another, each compressed as one
@@ -399,26 +482,27 @@ impl<'a> DataPlan<'a> {
                     .map_err(io)?;
             z.include_checksum(true).map_err(io)?;
             let mut plain = Counted { inner: z, n: 0 };
-            let s = &self.stored[i];
+            let item = &self.flat.items[i];
             plain = match self.objects.get(&i) {
                 Some(bytes) => {
                     plain.write_all(bytes).map_err(io)?;
                     plain
                 }
-                None => torch_save::writer::write_with(s.item.value, ARCHIVE, &name, plain, lazy)?,
+                None => torch_save::writer::write_with(item.value, ARCHIVE, &name, plain, lazy)?,
             };
-            if plain.n != s.length {
+            if plain.n != self.places[i].length {
                 return Err(Error::Internal(format!(
                     "`{}` took {} bytes before compression, {} were planned",
-                    self.flat.key(&s.item),
+                    self.flat.key(item),
                     plain.n,
-                    s.length
+                    self.places[i].length
                 )));
             }
             plain.inner.finish().map_err(io)?;
-            let s = &mut self.stored[i];
-            s.offset = start;
-            s.length = out.n - start;
+            self.places[i] = Place {
+                offset: start,
+                length: out.n - start,
+            };
         }
         lazy.finish()?;
         self.len = out.n;
@@ -439,39 +523,49 @@ impl<'a> DataPlan<'a> {
     /// input is read once), and every other tensor a group of its own. A group belongs to the
     /// process whose share holds its start when the groups are laid end to end (for groups
     /// of one tensor, where its archive starts in the file).
-    fn share(&self, rank: usize, world_size: usize, lazy: &dyn LazyTensors) -> Vec<usize> {
+    fn share(&self, rank: usize, world_size: usize, lazy: &dyn LazyTensors) -> Vec<u32> {
         let first = self
             .file_order
             .iter()
-            .find(|&&i| self.stored[i].tensor.is_some())
-            .map_or(self.len, |&i| self.stored[i].offset);
-        let (objects, tensors): (Vec<usize>, Vec<usize>) = self
-            .file_order
-            .iter()
-            .partition(|&&i| self.stored[i].tensor.is_none());
-        let mut groups: Vec<Vec<usize>> = Vec::new();
-        let mut by_read: std::collections::HashMap<usize, usize> = Default::default();
-        for i in tensors {
-            let read = match self.stored[i].item.value {
+            .find(|&&i| self.tensor(i).is_some())
+            .map_or(self.len, |&i| self.places[i].offset);
+        // Each tensor's group, numbered in order of its first tensor: (group, index).
+        let mut by_read: std::collections::HashMap<usize, u32> = Default::default();
+        let mut groups = 0u32;
+        let mut grouped: Vec<(u32, u32)> = Vec::new();
+        let mut mine = Vec::new();
+        for &i in &self.file_order {
+            let read = match self.flat.items[i].value {
                 PyObj::Tensor(t) => lazy.read_group(t),
-                _ => None,
-            };
-            match read.and_then(|g| by_read.get(&g)) {
-                Some(&at) => groups[at].push(i),
-                None => {
-                    if let Some(g) = read {
-                        by_read.insert(g, groups.len());
-                    }
-                    groups.push(vec![i]);
+                _ if rank == 0 => {
+                    mine.push(i as u32);
+                    continue;
                 }
-            }
+                _ => continue,
+            };
+            let group = match read {
+                Some(g) => *by_read.entry(g).or_insert_with(|| {
+                    groups += 1;
+                    groups - 1
+                }),
+                None => {
+                    groups += 1;
+                    groups - 1
+                }
+            };
+            grouped.push((group, i as u32));
         }
-        let mut mine = if rank == 0 { objects } else { Vec::new() };
+        drop(by_read);
+        // Stable: a group's tensors keep their order.
+        grouped.sort_by_key(|&(g, _)| g);
         let mut at = 0;
-        for group in groups {
-            let len: u64 = group.iter().map(|&i| self.stored[i].length).sum();
+        for group in grouped.chunk_by(|a, b| a.0 == b.0) {
+            let len: u64 = group
+                .iter()
+                .map(|&(_, i)| self.places[i as usize].length)
+                .sum();
             if crate::io::output::writer_of(at, self.len - first, world_size) == rank {
-                mine.extend(group);
+                mine.extend(group.iter().map(|&(_, i)| i));
             }
             at += len;
         }
@@ -617,7 +711,8 @@ impl<'a> PlannedDcp<'a> {
             .open(&path)
             .map_err(|e| io_err("opening", &path, e))?;
         let share = self.plan.share(rank, world_size, lazy);
-        self.plan.write(&file, &path, share.into_iter(), lazy)?;
+        let share = share.into_iter().map(|i| i as usize);
+        self.plan.write(&file, &path, share, lazy)?;
         lazy.finish()?;
         file.sync_all().map_err(|e| io_err("syncing", &path, e))
     }
@@ -648,21 +743,17 @@ fn dir_name(out: &Path) -> Result<String> {
 /// through a buffer as it is pickled, and syncs it. Each item's record is made as the
 /// pickler reaches it: its value whole, as one chunk at the origin.
 fn write_metadata(path: &Path, plan: &DataPlan<'_>, name: &str) -> Result<()> {
-    let (stored, zstd) = (&plan.stored, plan.zstd);
-    let ndim = stored
-        .iter()
-        .filter_map(|s| s.tensor.as_ref().map(|(_, shape)| shape.len()))
+    let zstd = plan.zstd;
+    let ndim = (0..plan.places.len())
+        .filter_map(|i| plan.tensor(i).map(|(_, shape)| shape.len()))
         .max()
         .unwrap_or(0);
     let origin = vec![0usize; ndim];
     let each = |f: &mut dyn FnMut(&Record<'_>)| {
-        for s in stored {
-            let tensor = s
-                .tensor
-                .as_ref()
-                .map(|(dtype, shape)| (*dtype, shape.as_slice()));
+        for (i, s) in plan.places.iter().enumerate() {
+            let tensor = plan.tensor(i);
             let dims = tensor.map_or(&[][..], |(_, shape)| shape);
-            let path = plan.flat.path(&s.item);
+            let path = plan.flat.path(&plan.flat.items[i]);
             f(&Record {
                 key: &super::plan::joined(&path),
                 path: &path,

@@ -410,6 +410,15 @@ fn unknown_group(pattern: &regex::Regex, to: &str) -> Option<String> {
     None
 }
 
+/// [`rename_all`] of names that are distinct already (a model directory's): without rules
+/// they are given back as they are, not copied, and not compared again.
+pub(crate) fn renamed_distinct(rules: &[Rename], names: Vec<String>) -> Result<Vec<String>> {
+    if !rules.is_empty() || names.iter().any(String::is_empty) {
+        return rename_all(rules, &names);
+    }
+    Ok(names)
+}
+
 /// `names` with every rule applied in order; two names that end up equal are an error
 /// naming both.
 pub(crate) fn rename_all(rules: &[Rename], names: &[String]) -> Result<Vec<String>> {

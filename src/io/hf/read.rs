@@ -27,10 +27,6 @@ pub(crate) struct HfModelDir {
     /// Every tensor: its name and its placeholder (or value, for one element), in file
     /// order, then by name.
     pub(crate) tensors: Vec<(String, HostTensor)>,
-    /// The file index of each tensor.
-    file_of: Vec<u32>,
-    /// Whether the directory has an index.
-    indexed: bool,
 }
 
 /// The error for file `file` of the model directory (`key`, the tensor at fault).
@@ -42,17 +38,24 @@ fn dir_err(file: &Path, key: Option<&str>, reason: impl Into<String>) -> Error {
     }
 }
 
-impl HfModelDir {
+/// The checked headers of a model directory's files: each file's name, path and tensors (by
+/// the header's names, in name order), in file name order; and whether it has an index.
+struct Headers {
+    files: Vec<(String, PathBuf, Vec<HeaderTensor>)>,
+    indexed: bool,
+}
+
+impl Headers {
     /// Reads `dir`: [`INDEX_FILE`] and the files its `weight_map` names, or, without an
-    /// index, its one `.safetensors` file ([`SINGLE_FILE`] by convention).
-    pub(crate) fn open(dir: &Path) -> Result<Self> {
+    /// index, its one `.safetensors` file ([`SINGLE_FILE`] by convention), each header
+    /// checked, and the index against the headers.
+    fn read(dir: &Path) -> Result<Self> {
         let index_path = dir.join(INDEX_FILE);
         let weight_map = match std::fs::symlink_metadata(&index_path) {
             Ok(_) => Some(read_index(&index_path)?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(Error::io("reading", &index_path)(e)),
         };
-        let weight_map_given = weight_map.is_some();
         let names: Vec<String> = match &weight_map {
             Some(map) => {
                 let mut n: Vec<String> = map.values().cloned().collect();
@@ -62,62 +65,77 @@ impl HfModelDir {
             }
             None => vec![lone_file(dir)?],
         };
-        let mut headers = Vec::with_capacity(names.len());
+        let mut files = Vec::with_capacity(names.len());
         for name in names {
             let path = dir.join(&name);
-            // The rule of every input: a regular file, symbolic links followed.
-            if let Err(e) = crate::io::output::regular_len(&path) {
-                let what = match e {
-                    e if e.is_missing() => "it is missing".to_string(),
-                    crate::io::output::ReadRegularError::Io(e) => {
-                        format!("it cannot be opened: {e}")
-                    }
-                    other => other.to_string(),
-                };
-                let Some(map) = &weight_map else {
-                    return Err(dir_err(
-                        &path,
-                        None,
-                        format!("the model's one `.safetensors` file: {what}"),
-                    ));
-                };
-                let key = map
-                    .iter()
-                    .find(|(_, f)| **f == name)
-                    .map(|(k, _)| k.clone());
-                return Err(dir_err(
-                    &path,
-                    key.as_deref(),
-                    format!("{INDEX_FILE} maps tensors to this file, and {what}"),
-                ));
-            }
+            check_file(&path, &name, weight_map.as_ref())?;
             let raw = crate::io::safetensors::read_header(&path)?;
-            headers.push((name, path, raw.tensors));
+            files.push((name, path, raw.tensors));
         }
-        check_against_index(dir, &headers, weight_map.as_ref())?;
-        drop(weight_map);
-        let count = headers.iter().map(|(_, _, t)| t.len()).sum();
-        let (mut tensors, mut file_of) = (Vec::with_capacity(count), Vec::with_capacity(count));
-        let mut files = Vec::with_capacity(headers.len());
-        for (fi, (name, path, header)) in headers.into_iter().enumerate() {
+        check_against_index(dir, &files, weight_map.as_ref())?;
+        Ok(Headers {
+            files,
+            indexed: weight_map.is_some(),
+        })
+    }
+
+    fn count(&self) -> usize {
+        self.files.iter().map(|(_, _, t)| t.len()).sum()
+    }
+}
+
+/// The rule of every input for the model file `path` (`name`, as the index or the directory
+/// gives it): a regular file, symbolic links followed; the message names the tensor the index
+/// maps to it, if any.
+fn check_file(
+    path: &Path,
+    name: &str,
+    weight_map: Option<&BTreeMap<String, String>>,
+) -> Result<()> {
+    let Err(e) = crate::io::output::regular_len(path) else {
+        return Ok(());
+    };
+    let what = match e {
+        e if e.is_missing() => "it is missing".to_string(),
+        crate::io::output::ReadRegularError::Io(e) => format!("it cannot be opened: {e}"),
+        other => other.to_string(),
+    };
+    let Some(map) = weight_map else {
+        return Err(dir_err(
+            path,
+            None,
+            format!("the model's one `.safetensors` file: {what}"),
+        ));
+    };
+    let key = map.iter().find(|(_, f)| *f == name).map(|(k, _)| k.clone());
+    Err(dir_err(
+        path,
+        key.as_deref(),
+        format!("{INDEX_FILE} maps tensors to this file, and {what}"),
+    ))
+}
+
+impl HfModelDir {
+    /// Reads `dir` ([`Headers::read`]) and makes each tensor's placeholder (tensors of at
+    /// most one element are read).
+    pub(crate) fn open(dir: &Path) -> Result<Self> {
+        let headers = Headers::read(dir)?;
+        let count = headers.count();
+        let mut tensors = Vec::with_capacity(count);
+        let mut files = Vec::with_capacity(headers.files.len());
+        for (name, path, header) in headers.files {
             let f = crate::io::output::open_regular(&path)
                 .map_err(std::io::Error::from)
                 .map_err(Error::io("reading", &path))?;
             let mut placed = Placed::new();
-            for t in header {
-                let p = crate::io::safetensors::placeholder(&f, &t, &mut placed)
+            for mut t in header {
+                let p = crate::io::safetensors::placeholder(&f, &mut t, &mut placed)
                     .map_err(|e| dir_err(&path, Some(&t.name), e))?;
                 tensors.push((t.name, p));
-                file_of.push(fi as u32);
             }
             files.push((name, path, placed));
         }
-        Ok(HfModelDir {
-            files,
-            tensors,
-            file_of,
-            indexed: weight_map_given,
-        })
+        Ok(HfModelDir { files, tensors })
     }
 
     /// What streams the tensors' bytes from their files while `out` is written.
@@ -156,44 +174,41 @@ pub struct HfTensorSummary {
     /// Its name.
     pub name: String,
     /// `torch.float32`, …
-    pub dtype: String,
+    pub dtype: &'static str,
     /// Its shape.
     pub shape: Vec<usize>,
-    /// The file holding it.
-    pub file: String,
+    /// The file holding it (one string shared by the file's tensors).
+    pub file: std::sync::Arc<str>,
 }
 
 /// Describes the Hugging Face model directory `dir` from its index and headers (checked
-/// against each other as for a conversion; no tensor data is read).
+/// against each other as for a conversion; no tensor data is read). Each header's entries
+/// move into the summary as it is made: a tensor's name and shape are held once.
 pub fn summary(dir: &Path) -> Result<HfSummary> {
-    let model = HfModelDir::open(dir)?;
-    let shapes = model.streamer(dir)?;
-    let mut tensors = Vec::with_capacity(model.tensors.len());
+    let headers = Headers::read(dir)?;
+    let mut tensors = Vec::with_capacity(headers.count());
     let (mut total_size, mut total_parameters) = (0u64, 0u64);
-    for ((name, t), &fi) in model.tensors.iter().zip(&model.file_of) {
-        let shape = shapes.shape_of(t).unwrap_or_else(|| t.shape().to_vec());
-        let n = shape.iter().product::<usize>() as u64;
-        total_parameters += n;
-        total_size += n * t.dtype().size() as u64;
-        tensors.push(HfTensorSummary {
-            name: name.clone(),
-            dtype: t.dtype().torch_name().into(),
-            shape,
-            file: model.files[fi as usize].0.clone(),
-        });
+    let mut files = Vec::with_capacity(headers.files.len());
+    for (name, path, header) in headers.files {
+        let len = crate::io::output::regular_len(&path).map_err(|e| e.at("reading", &path))?;
+        let file: std::sync::Arc<str> = name.as_str().into();
+        for t in header {
+            let n = t.shape.iter().product::<usize>() as u64;
+            total_parameters += n;
+            total_size += n * t.dtype.size() as u64;
+            tensors.push(HfTensorSummary {
+                name: t.name,
+                dtype: t.dtype.torch_name(),
+                shape: t.shape,
+                file: file.clone(),
+            });
+        }
+        files.push((name, len));
     }
-    let files = model
-        .files
-        .iter()
-        .map(|(name, path, _)| {
-            let len = crate::io::output::regular_len(path).map_err(|e| e.at("reading", path))?;
-            Ok((name.clone(), len))
-        })
-        .collect::<Result<_>>()?;
     Ok(HfSummary {
         dir: dir.display().to_string(),
         format: "hf",
-        indexed: model.indexed,
+        indexed: headers.indexed,
         files,
         tensors,
         total_size,
