@@ -20,6 +20,7 @@ pub mod param_layout;
 pub mod param_shards;
 pub(crate) mod placement;
 pub mod state_dict;
+pub mod storage;
 pub mod tensor;
 
 mod fsdp1;

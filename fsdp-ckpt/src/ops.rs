@@ -13,13 +13,13 @@ use fsdp::collectives::{ProcessGroup, ProcessGroupExt};
 use fsdp::convert;
 use fsdp::io::dcp;
 use fsdp::io::inspect::Summary;
-use fsdp::io::output::{self, DirKind};
 use fsdp::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
 use fsdp::io::{self, FileFormat};
 use fsdp::offline::{
     check_local_dicts, check_rank_files, consolidate_local_dicts, recognize, shard_full_dict_with,
     DescFile, Input, ShardOptions,
 };
+use fsdp::storage::{self, DirKind};
 use fsdp::{Error, OptimStateDict, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -382,7 +382,7 @@ fn load_spec(path: &Path, named: bool) -> Result<DescFile> {
 
 /// A `WrapPolicy` from JSON: the policy itself, or a DESC.json's `policy`.
 fn read_policy(path: &Path) -> Result<fsdp::WrapPolicy> {
-    let bytes = output::read_small_file(path)?;
+    let bytes = storage::read_small_file(path)?;
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::Serialization {
             what: format!("policy file `{}`", path.display()),
@@ -406,7 +406,7 @@ fn save_optim(osd: &OptimStateDict, path: &Path) -> Result<()> {
 /// Removes what killed earlier runs left beside `out` (putting back a previous `kind` output
 /// an interrupted install moved aside), saying so through `p`.
 fn clean_stale(p: &dyn Progress, out: &Path, kind: Option<DirKind>) -> Result<()> {
-    for c in output::clean_stale_temporaries(out, kind)? {
+    for c in storage::clean_stale_temporaries(out, kind)? {
         p.note(&c.to_string());
     }
     Ok(())
@@ -588,8 +588,8 @@ fn convert_file(
         |i| matches!(i, Input::File(_)),
     )?;
     FileFormat::from_path(output)?;
-    output::check_file_output(output)?;
-    output::check_not_overlapping(output, &[input])?;
+    storage::check_file_output(output)?;
+    storage::check_not_overlapping(output, &[input])?;
     let opts = io::torch_save::LoadOptions::default().max_expansion_bytes(max_expansion_bytes);
     let obj = step(p, &format!("reading {}", input.display()), || {
         io::load_with(input, &opts)
@@ -839,7 +839,7 @@ fn fsdp_target(
     }
     expect_input("convert --to fsdp", input, "a DCP directory", Input::is_dcp)?;
     let spec = DescFile::from_json_file(model)?;
-    output::check_not_overlapping(output, &[input, model])?;
+    storage::check_not_overlapping(output, &[input, model])?;
     fsdp::flat_param::ModelLayout::new(&spec.model, &spec.policy, ws)
 }
 
@@ -910,8 +910,8 @@ pub fn consolidate_with(
         )));
     }
     pg.on_root(|| {
-        output::check_not_overlapping(out, &[input])?;
-        output::check_file_output(out)
+        storage::check_not_overlapping(out, &[input])?;
+        storage::check_file_output(out)
     })?;
     if found.is_deepspeed() {
         return consolidate_deepspeed(input, out, format, opts, pg, p);
@@ -1048,7 +1048,7 @@ pub fn reshard(
     let policy = pg.agree(policy.map(read_policy).transpose())?;
     let saved = pg.agree(checkpoint::read_manifest(input))?;
     pg.on_root(|| {
-        output::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
+        storage::check_dir_output(out, checkpoint::CHECKPOINT_DIR, &[input])?;
         clean_stale(p, out, Some(checkpoint::CHECKPOINT_DIR))
     })?;
     let total = saved.tensor_bytes() + saved.model_param_bytes();
@@ -1085,8 +1085,8 @@ pub fn consolidate_splits(out: &Path) -> bool {
 pub fn consolidate_sharded(ranks: &[PathBuf], output: &Path, p: &dyn Progress) -> Result<Written> {
     FileFormat::from_path(output)?;
     let inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
-    output::check_not_overlapping(output, &inputs)?;
-    output::check_file_output(output)?;
+    storage::check_not_overlapping(output, &inputs)?;
+    storage::check_file_output(output)?;
     let dicts = read_rank_files(p, ranks)?;
     let full = fsdp::offline::consolidate_sharded(&dicts)?;
     drop(dicts);
@@ -1140,8 +1140,8 @@ pub fn consolidate_torch(
     FileFormat::from_path(output)?;
     let mut inputs: Vec<&Path> = ranks.iter().map(PathBuf::as_path).collect();
     inputs.push(model);
-    output::check_not_overlapping(output, &inputs)?;
-    output::check_file_output(output)?;
+    storage::check_not_overlapping(output, &inputs)?;
+    storage::check_file_output(output)?;
     let spec = load_spec(model, opts.named_optimizer)?;
     // Fail on a model description that does not fit this world size before reading.
     spec.layout(ranks.len())?;
@@ -1183,13 +1183,13 @@ pub fn shard_torch(
     let locals = step(p, &format!("sharding for {ws} ranks"), || {
         shard_full_dict_with(&spec, &full_osd, ws, &shard_opts)
     })?;
-    output::check_dir_output(out, SHARD_TORCH, &[full, model])?;
+    storage::check_dir_output(out, SHARD_TORCH, &[full, model])?;
     clean_stale(p, out, Some(SHARD_TORCH))?;
-    let tmp = output::make_tmp_dir(out)?;
+    let tmp = storage::make_tmp_dir(out)?;
     let written = write_rank_files(p, &locals, &tmp, ext)
-        .and_then(|()| output::install_dir(&tmp, out, SHARD_TORCH));
+        .and_then(|()| storage::install_dir(&tmp, out, SHARD_TORCH));
     if written.is_err() {
-        output::discard_tmp_dir(&tmp);
+        storage::discard_tmp_dir(&tmp);
     }
     written?;
     Ok(Written {
@@ -1228,6 +1228,6 @@ fn write_rank_files(
         p.update(r as u64 + 1);
     }
     p.finish();
-    output::write_synced(&dir.join(SHARD_TORCH_MARKER), &shard_torch_marker(&names)?)?;
-    output::sync_dir(dir)
+    storage::write_synced(&dir.join(SHARD_TORCH_MARKER), &shard_torch_marker(&names)?)?;
+    storage::sync_dir(dir)
 }

@@ -1,7 +1,7 @@
 //! The output directory of `shard-torch`: its marker file, and how an earlier output is
 //! recognised (which a new run may replace, under the library's replace rule).
 
-use fsdp::io::output::{self, DirKind};
+use fsdp::storage::{self, DirKind};
 use std::ffi::OsString;
 use std::path::Path;
 
@@ -20,9 +20,9 @@ pub(crate) const SHARD_TORCH: DirKind = DirKind {
 
 /// The entries an earlier `shard-torch` output in `dir` consists of, or why it is not one.
 fn shard_torch_entries(dir: &Path) -> std::result::Result<Vec<OsString>, String> {
-    let bytes = output::read_regular(
+    let bytes = storage::read_regular(
         &dir.join(SHARD_TORCH_MARKER),
-        output::SMALL_METADATA_MAX_BYTES,
+        storage::SMALL_METADATA_MAX_BYTES,
     )
     .map_err(|e| format!("`{SHARD_TORCH_MARKER}`: {e}"))?;
     let marker: ShardTorchMarker = serde_json::from_slice(&bytes)

@@ -81,13 +81,13 @@ pub fn checkpoint_to_hf(
     let chosen = pg.agree(choose(src, &source, &tensors, opts, config.as_ref()))?;
     let plan = pg.agree(make_plan(&source, &tensors, &chosen, opts))?;
     pg.on_root(|| check_ties(&tensors, &chosen.ties, lazy.as_mut()))?;
-    let tmp = pg.on_root(|| crate::io::output::make_tmp_dir(dst))?;
+    let tmp = pg.on_root(|| crate::storage::make_tmp_dir(dst))?;
     let mine = write_share(&plan, &tensors, lazy.as_mut(), (dst, &tmp), pg);
     let committed = pg
         .all_gather_agreed(mine)
         .and_then(|_| pg.on_root(|| commit(&plan, config.as_ref(), &tmp, dst)));
     if committed.is_err() && pg.rank() == 0 {
-        crate::io::output::discard_tmp_dir(&tmp);
+        crate::storage::discard_tmp_dir(&tmp);
     }
     committed?;
     Ok(HfExported {
@@ -108,8 +108,8 @@ pub fn checkpoint_to_hf(
 fn check_output(src: &Path, dst: &Path, opts: &HfExportOptions) -> Result<()> {
     let mut inputs = vec![src];
     inputs.extend(opts.config.as_deref());
-    crate::io::output::check_dir_output(dst, hf::HF_MODEL_DIR, &inputs)?;
-    crate::io::output::clean_stale_temporaries(dst, None)?;
+    crate::storage::check_dir_output(dst, hf::HF_MODEL_DIR, &inputs)?;
+    crate::storage::clean_stale_temporaries(dst, None)?;
     Ok(())
 }
 
@@ -242,7 +242,7 @@ pub(super) struct Config {
 }
 
 pub(super) fn read_config(path: &Path) -> Result<Config> {
-    let bytes = crate::io::output::read_small_file(path)?;
+    let bytes = crate::storage::read_small_file(path)?;
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::HfModelDir {
             file: path.display().to_string(),
@@ -561,12 +561,12 @@ fn write_share(
     for f in &plan.files {
         let start = at;
         at += f.len();
-        if crate::io::output::writer_of(start, total, pg.world_size()) != pg.rank() {
+        if crate::storage::writer_of(start, total, pg.world_size()) != pg.rank() {
             continue;
         }
         let path = tmp.join(&f.name);
         let file = std::fs::File::create(&path)
-            .map_err(crate::io::output::tmp_io_err("creating", out, &path))?;
+            .map_err(crate::storage::tmp_io_err("creating", out, &path))?;
         hf::write::write_file(f, file, (out, &path), &mut |pt, sink| {
             stream_tensor(&tensors[pt.source], lazy, out, sink)
         })?;
@@ -576,7 +576,7 @@ fn write_share(
 
 /// With every file written: the index and the config, then the directory renamed into place.
 fn commit(plan: &DirPlan, config: Option<&Config>, tmp: &Path, out: &Path) -> Result<()> {
-    use crate::io::output::{sync_dir, write_synced};
+    use crate::storage::{sync_dir, write_synced};
     if plan.indexed {
         write_synced(&tmp.join(hf::INDEX_FILE), &plan.index_json()?)?;
     }
@@ -584,7 +584,7 @@ fn commit(plan: &DirPlan, config: Option<&Config>, tmp: &Path, out: &Path) -> Re
         write_synced(&tmp.join(hf::CONFIG_FILE), &c.bytes)?;
     }
     sync_dir(tmp)?;
-    crate::io::output::check_dir_output(out, hf::HF_MODEL_DIR, &[])?;
+    crate::storage::check_dir_output(out, hf::HF_MODEL_DIR, &[])?;
     std::fs::rename(tmp, out).map_err(Error::io("renaming into place", out))?;
     sync_dir(
         out.parent()

@@ -120,7 +120,7 @@ impl DescFile {
         let path = path.as_ref();
         let name = path.display().to_string();
         // A regular file of bounded size: a FIFO or `/dev/zero` is an error, not a hang.
-        let bytes = crate::io::output::read_small_file(path)?;
+        let bytes = crate::storage::read_small_file(path)?;
         let text = String::from_utf8(bytes).map_err(|e| Error::Serialization {
             what: format!("model spec `{name}`"),
             reason: e.to_string(),
@@ -724,7 +724,7 @@ fn check_rank_order(files: &[PathBuf]) -> std::result::Result<(), (usize, String
 fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
     let mut lens = Vec::with_capacity(files.len());
     for f in files {
-        lens.push(crate::io::output::regular_len(f).map_err(|e| e.at("reading", f))?);
+        lens.push(crate::storage::regular_len(f).map_err(|e| e.at("reading", f))?);
     }
     let mut crcs: HashMap<usize, u32> = HashMap::new();
     for i in 0..files.len() {
@@ -746,7 +746,7 @@ fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
 }
 
 fn open_input(p: &Path) -> Result<std::fs::File> {
-    crate::io::output::open_regular(p).map_err(|e| e.at("reading", p))
+    crate::storage::open_regular(p).map_err(|e| e.at("reading", p))
 }
 
 fn read_chunk(f: &mut std::fs::File, buf: &mut [u8], p: &Path) -> Result<usize> {

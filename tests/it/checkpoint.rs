@@ -1494,7 +1494,7 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
 
 // ----- direct reads (O_DIRECT) -----
 
-use fsdp::io::output::{direct_reads, force_direct_io, refuse_direct_io};
+use fsdp::storage::{direct_reads, force_direct_io, refuse_direct_io};
 
 /// Each rank's dict loaded from `dir` with `opts`, and the direct reads its thread made.
 fn load_counting(

@@ -31,7 +31,7 @@ use syn::visit::{self, Visit};
 /// The layers, lowest first. Modules in one layer must not import each other.
 const LAYERS: &[&[&str]] = &[
     &["error"],
-    &["tensor"],
+    &["tensor", "storage"],
     &["model", "placement"],
     &["flat_param", "param_layout", "collectives"],
     &["optim_state", "fully_shard"],

@@ -66,10 +66,10 @@ impl HfModelDir {
         for name in names {
             let path = dir.join(&name);
             // The rule of every input: a regular file, symbolic links followed.
-            if let Err(e) = crate::io::output::regular_len(&path) {
+            if let Err(e) = crate::storage::regular_len(&path) {
                 let what = match e {
                     e if e.is_missing() => "it is missing".to_string(),
-                    crate::io::output::ReadRegularError::Io(e) => {
+                    crate::storage::ReadRegularError::Io(e) => {
                         format!("it cannot be opened: {e}")
                     }
                     other => other.to_string(),
@@ -100,7 +100,7 @@ impl HfModelDir {
         let (mut tensors, mut file_of) = (Vec::with_capacity(count), Vec::with_capacity(count));
         let mut files = Vec::with_capacity(headers.len());
         for (fi, (name, path, header)) in headers.into_iter().enumerate() {
-            let f = crate::io::output::open_regular(&path)
+            let f = crate::storage::open_regular(&path)
                 .map_err(std::io::Error::from)
                 .map_err(Error::io("reading", &path))?;
             let mut placed = Placed::new();
@@ -186,7 +186,7 @@ pub fn summary(dir: &Path) -> Result<HfSummary> {
         .files
         .iter()
         .map(|(name, path, _)| {
-            let len = crate::io::output::regular_len(path).map_err(|e| e.at("reading", path))?;
+            let len = crate::storage::regular_len(path).map_err(|e| e.at("reading", path))?;
             Ok((name.clone(), len))
         })
         .collect::<Result<_>>()?;
@@ -232,7 +232,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let bytes = crate::io::output::read_small_file(path)?;
+    let bytes = crate::storage::read_small_file(path)?;
     let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
         dir_err(
             path,
@@ -241,7 +241,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         )
     })?;
     for (key, file) in &index.weight_map {
-        let plain = crate::io::output::check_name(file, crate::io::output::NameForm::Plain);
+        let plain = crate::storage::check_name(file, crate::storage::NameForm::Plain);
         if let Some(why) = plain {
             return Err(dir_err(
                 path,
