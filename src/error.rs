@@ -1006,7 +1006,7 @@ pub enum Error {
     },
 
     /// An input path that is none of the forms the offline tools read
-    /// ([`crate::offline::recognize`]): a directory without any form's marker, or a special
+    /// ([`crate::commands::recognize`]): a directory without any form's marker, or a special
     /// file.
     #[error("`{}` is not an input this tool reads: {found}", shown(.path))]
     UnrecognizedInput {

@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod collectives;
+pub mod commands;
 pub mod convert;
 mod error;
 pub mod flat_param;

@@ -155,11 +155,25 @@ fn what_every_directory_writer_leaves_when_killed_is_cleaned_by_the_next_run() {
         config: Some(golden.join("hf_60KB/config.json")),
         ..Default::default()
     };
-    fsdp::convert::checkpoint_to_hf(&golden.join("dcp"), &hf, &opts, &pg).unwrap();
+    fsdp::convert::checkpoint_to_hf(
+        &golden.join("dcp"),
+        fsdp::convert::HfSource::Dcp,
+        &hf,
+        &opts,
+        &pg,
+    )
+    .unwrap();
     assert!(hf.join("model.safetensors.index.json").exists());
     let single = root.path().join("hf1");
     let opts = fsdp::convert::HfExportOptions::default();
-    fsdp::convert::checkpoint_to_hf(&golden.join("dcp"), &single, &opts, &pg).unwrap();
+    fsdp::convert::checkpoint_to_hf(
+        &golden.join("dcp"),
+        fsdp::convert::HfSource::Dcp,
+        &single,
+        &opts,
+        &pg,
+    )
+    .unwrap();
 
     for (i, (like, kind)) in [
         (&ck, Some(checkpoint::CHECKPOINT_DIR)),

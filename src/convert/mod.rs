@@ -48,7 +48,7 @@ pub use from_deepspeed::{
 };
 pub use from_hf::{hf_to_dcp, HfImportOptions};
 pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
-pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported};
+pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported, HfSource};
 
 #[cfg(doc)]
 use crate::collectives::ProcessGroup;

@@ -39,6 +39,18 @@ pub struct HfExportOptions {
     pub config: Option<PathBuf>,
 }
 
+/// What the input of [`checkpoint_to_hf`] is, as the caller recognized it (the commands' one
+/// recognition table, `crate::commands::recognize`, which this layer does not call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfSource {
+    /// A `torch.save` or `.safetensors` file.
+    File,
+    /// A DCP directory of any form (`.metadata`, per-rank metadata, Hugging Face storage).
+    Dcp,
+    /// The crate's checkpoint directory, saved with the model.
+    Checkpoint,
+}
+
 /// What [`checkpoint_to_hf`] wrote.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HfExported {
@@ -57,7 +69,7 @@ pub struct HfExported {
 }
 
 /// Exports the model weights of `src` — a DCP directory of any form, the crate's checkpoint
-/// (saved with the model), or a `torch.save` / `.safetensors` file — as the Hugging Face
+/// (saved with the model), or a `torch.save` / `.safetensors` file, as `from` says — as the Hugging Face
 /// model directory `dst` (missing or empty): `model.safetensors`, or
 /// `model-{i:05}-of-{n:05}.safetensors` files and `model.safetensors.index.json`, split and
 /// laid out as `save_pretrained` writes them ([`crate::io::hf`]).
@@ -69,12 +81,13 @@ pub struct HfExported {
 /// process 0 the index.
 pub fn checkpoint_to_hf(
     src: &Path,
+    from: HfSource,
     dst: &Path,
     opts: &HfExportOptions,
     pg: &dyn ProcessGroup,
 ) -> Result<HfExported> {
     pg.on_root(|| check_output(src, dst, opts))?;
-    let source = pg.agree(Opened::open(src))?;
+    let source = pg.agree(Opened::open(src, from))?;
     let mut lazy = pg.agree(source.streamer(dst))?;
     let tensors = pg.agree(source.tensors(lazy.as_ref()))?;
     let config = pg.agree(opts.config.as_deref().map(read_config).transpose())?;
@@ -142,38 +155,23 @@ impl SourceTensor {
 }
 
 impl Opened {
-    /// Opens `src` by the recognition table's precedence (`crate::offline::recognize`, which
-    /// this layer does not call): a file, a DCP directory of any form, the crate's checkpoint.
-    fn open(src: &Path) -> Result<Self> {
-        let meta = std::fs::metadata(src).map_err(Error::io("opening the input", src))?;
-        let checkpoint_marked = || {
-            [crate::checkpoint::MANIFEST, crate::checkpoint::COMMIT]
-                .iter()
-                .any(|m| std::fs::symlink_metadata(src.join(m)).is_ok())
-        };
-        let kind = if !meta.is_dir() {
-            let headers = Headers::read(src)?;
-            if headers.streamer(src, src, Views::Whole)?.is_some() {
-                Kind::File(headers)
-            } else {
-                Kind::Loaded(crate::io::load(src)?)
+    /// Opens `src` as the form `from` the caller recognized.
+    fn open(src: &Path, from: HfSource) -> Result<Self> {
+        let kind = match from {
+            HfSource::File => {
+                let headers = Headers::read(src)?;
+                if headers.streamer(src, src, Views::Whole)?.is_some() {
+                    Kind::File(headers)
+                } else {
+                    Kind::Loaded(crate::io::load(src)?)
+                }
             }
-        } else if crate::io::dcp::Source::of(src)?.is_some() {
-            let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
-            let placeholders = Placeholders::new(&ckpt)?;
-            Kind::Dcp(ckpt, placeholders)
-        } else if checkpoint_marked() {
-            Kind::Checkpoint(Skeleton::model_params(src)?)
-        } else {
-            let found = if hf::looks_like_model_dir(src) {
-                "it is a Hugging Face model directory already"
-            } else {
-                "it is neither a DCP directory nor a checkpoint of this crate"
-            };
-            return Err(Error::UnrecognizedInput {
-                path: src.display().to_string(),
-                found: found.into(),
-            });
+            HfSource::Dcp => {
+                let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
+                let placeholders = Placeholders::new(&ckpt)?;
+                Kind::Dcp(ckpt, placeholders)
+            }
+            HfSource::Checkpoint => Kind::Checkpoint(Skeleton::model_params(src)?),
         };
         Ok(Opened {
             path: src.to_path_buf(),

@@ -56,9 +56,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod fsdp2;
-mod recognize;
-
-pub use recognize::{deepspeed_file, recognize, Input};
 
 /// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
 /// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.

@@ -41,6 +41,7 @@ const LAYERS: &[&[&str]] = &[
     &["state_dict"],
     &["fsdp1", "fsdp2"],
     &["offline", "libtorch", "convert"],
+    &["commands"],
 ];
 
 /// Lower modules a module must not use although the layers allow it, and why: the format

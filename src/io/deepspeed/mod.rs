@@ -465,7 +465,7 @@ pub(crate) fn holds_optim_states(dir: &Path) -> bool {
 /// directory of either form, or a root whose `latest` / `latest_universal` names a tag (a
 /// tag whose directory is missing, or is not a directory, counts: reading it says so). A
 /// `latest` that cannot be read or names no plain tag is an error naming it. What
-/// [`crate::offline::recognize`] asks.
+/// [`crate::commands::recognize`] asks.
 pub fn recognize_dir(dir: &Path) -> Result<Option<Form>> {
     if is_universal_tag_dir(dir) {
         return Ok(Some(Form::Universal));

@@ -27,6 +27,7 @@
 //! `bf16_`, `mp_rank_MM_model_states.pt`, …) is read with the three DeepSpeed globals of its
 //! pickles allowed ([`crate::io::deepspeed`]); any other file is not.
 
+use crate::convert::HfSource;
 use crate::error::{Error, Result};
 use crate::io::dcp::HfForm;
 use crate::io::FileFormat;
@@ -69,6 +70,17 @@ impl Input {
     /// opens).
     pub fn is_dcp(self) -> bool {
         matches!(self, Input::Dcp | Input::DcpPerRank | Input::DcpHf(_))
+    }
+
+    /// What `convert --to hf` exports this form as ([`crate::convert::checkpoint_to_hf`]): a
+    /// DCP directory of any form, the crate's checkpoint or a file; `None` for the others.
+    pub fn hf_source(self) -> Option<HfSource> {
+        match self {
+            Input::Checkpoint => Some(HfSource::Checkpoint),
+            Input::File(_) => Some(HfSource::File),
+            i if i.is_dcp() => Some(HfSource::Dcp),
+            _ => None,
+        }
     }
 
     /// What the input is, for messages ("a DCP directory").
