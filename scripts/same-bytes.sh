@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Same bytes (issue 41, item 5): every writing command of `fsdp-ckpt`, run on every
-# `tests/golden` fixture by the release binary of a base revision (default `main`) and by the
-# one of this working tree, must write the same bytes and print the same text.
+# `tests/golden` fixture by the release binary of a base revision and by the one of this
+# working tree, must write the same bytes and print the same text. The base is main before
+# this branch's change (`git merge-base main HEAD`), so that what landed on main since is not
+# counted as this branch's difference; `--base main` compares with main as it is now.
 #
 #   scripts/same-bytes.sh [--base REV] [--base-bin PATH] [--new-bin PATH] [--keep]
 #
@@ -33,7 +35,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
 
-base=main
+base=
 base_bin=
 new_bin=
 keep=0
@@ -43,7 +45,7 @@ while [ $# -gt 0 ]; do
         --base-bin) base_bin=$2; shift 2 ;;
         --new-bin) new_bin=$2; shift 2 ;;
         --keep) keep=1; shift ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
         *) echo "same-bytes: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -59,7 +61,12 @@ cleanup() {
 trap cleanup EXIT
 
 if [ -z "$base_bin" ]; then
-    rev=$(git rev-parse --verify "$base^{commit}")
+    if [ -z "$base" ]; then
+        base="merge-base of main and HEAD"
+        rev=$(git merge-base main HEAD)
+    else
+        rev=$(git rev-parse --verify "$base^{commit}")
+    fi
     echo "== building the base binary ($base = $rev)" >&2
     mkdir -p "$scratch/base"
     git archive "$rev" | tar -x -C "$scratch/base"
@@ -73,6 +80,8 @@ if [ -z "$new_bin" ]; then
     new_bin="$root/target/release/fsdp-ckpt"
 fi
 
+base_bin=$(realpath "$base_bin")
+new_bin=$(realpath "$new_bin")
 python3 - "$base_bin" "$new_bin" "$root/tests/golden" "$scratch/run" <<'EOF'
 import glob, os, re, shutil, subprocess, sys
 
@@ -81,7 +90,7 @@ os.makedirs(scratch)
 OUT = os.path.join(scratch, "o")
 KEEP = os.path.join(scratch, "keep")
 os.makedirs(KEEP)
-SAVE_ID = re.compile(rb"(save_id[\x00-\xff]{0,4}?)[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+SAVE_ID = re.compile(rb"(save_id[\x00-\xff]{0,8}?)[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 cases = wrote = 0
 diffs = []

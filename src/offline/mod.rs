@@ -1,7 +1,7 @@
-//! Offline conversion of saved per-rank optimizer state: consolidation of every rank's local
-//! dict into the full dict, and sharding of a full dict into every rank's local dict, in one
-//! process, without a distributed job. What `fsdp-ckpt consolidate-torch` and `shard-torch`
-//! run.
+//! Per-rank optimizer state dicts transformed in one process, without a distributed job:
+//! consolidation of every rank's local dict into the full dict, and sharding of a full dict
+//! into every rank's local dict. What the commands `consolidate-torch`, `consolidate-sharded`
+//! and `shard-torch` ([`crate::commands`]) run.
 //!
 //! * [`consolidate_local_dicts`] runs the crate's own [`Fsdp::full_optim_state_dict`] over
 //!   in-process thread ranks ([`ThreadGroup`]), one thread per rank file, so the result is
