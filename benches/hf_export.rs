@@ -237,8 +237,14 @@ fn child(spec: &str) {
         ..Default::default()
     };
     let start = Instant::now();
-    convert::checkpoint_to_hf(Path::new(input), Path::new(output), &opts, &Solo)
-        .expect("exporting the DCP directory");
+    convert::checkpoint_to_hf(
+        Path::new(input),
+        convert::HfSource::Dcp,
+        Path::new(output),
+        &opts,
+        &Solo,
+    )
+    .expect("exporting the DCP directory");
     let secs = start.elapsed().as_secs_f64();
     println!("CHILD {secs} {}", status_bytes("VmHWM:"));
 }

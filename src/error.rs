@@ -624,7 +624,7 @@ pub enum Error {
 
     /// An output path that a writer may not replace: it is or contains an input, lies inside
     /// one, or holds files that are not an earlier output of the same kind (see
-    /// [`crate::io::output`]). Nothing was written.
+    /// [`crate::storage`]). Nothing was written.
     #[error("refusing to write `{path}`: {reason}")]
     OutputRefused {
         /// The output path.
@@ -1006,7 +1006,7 @@ pub enum Error {
     },
 
     /// An input path that is none of the forms the offline tools read
-    /// ([`crate::offline::recognize`]): a directory without any form's marker, or a special
+    /// ([`crate::commands::recognize`]): a directory without any form's marker, or a special
     /// file.
     #[error("`{}` is not an input this tool reads: {found}", shown(.path))]
     UnrecognizedInput {
@@ -1020,7 +1020,7 @@ pub enum Error {
     /// must be: a FIFO, a device, a directory, a socket, a symbolic link loop or a link to
     /// nothing where a regular file was expected (or not a directory where a DeepSpeed tag
     /// directory was). Symbolic links are followed (the rule of
-    /// [`crate::io::output::read_regular`] and every reader).
+    /// [`crate::storage::read_regular`] and every reader).
     #[error("`{}` is a {found}, not a {expected}", shown(.path))]
     NotRegularInput {
         /// The path opened.

@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod collectives;
+pub mod commands;
 pub mod convert;
 mod error;
 pub mod flat_param;
@@ -20,6 +21,7 @@ pub mod param_layout;
 pub mod param_shards;
 pub(crate) mod placement;
 pub mod state_dict;
+pub mod storage;
 pub mod tensor;
 
 mod fsdp1;

@@ -7,7 +7,7 @@ mod common;
 use common::{nested_model, wrap};
 use fsdp::checkpoint::{self, BackgroundSaver, CrashPoint, SaveOptions};
 use fsdp::collectives::ThreadGroup;
-use fsdp::io::output;
+use fsdp::storage;
 use fsdp::{Error, Fsdp, HostTensor, OptimStateDict, ParamKey, ParamState, Value};
 use std::path::Path;
 use std::sync::Arc;
@@ -90,7 +90,7 @@ fn saves_refuse_a_directory_of_other_files_on_every_rank() {
 
 #[test]
 fn forced_rename_fallback_replaces_and_crashes_leave_the_old_checkpoint() {
-    output::force_rename_fallback(true);
+    storage::force_rename_fallback(true);
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("ck");
     save(&dir, 1.0, false, &SaveOptions::default())
@@ -111,7 +111,7 @@ fn forced_rename_fallback_replaces_and_crashes_leave_the_old_checkpoint() {
         assert!(step_of(&dir).contains('2'), "{point:?}");
         checkpoint::verify(&dir).unwrap();
     }
-    output::force_rename_fallback(false);
+    storage::force_rename_fallback(false);
 }
 
 /// The pid of a process that has exited (a temporary named after it is stale).
@@ -155,11 +155,25 @@ fn what_every_directory_writer_leaves_when_killed_is_cleaned_by_the_next_run() {
         config: Some(golden.join("hf_60KB/config.json")),
         ..Default::default()
     };
-    fsdp::convert::checkpoint_to_hf(&golden.join("dcp"), &hf, &opts, &pg).unwrap();
+    fsdp::convert::checkpoint_to_hf(
+        &golden.join("dcp"),
+        fsdp::convert::HfSource::Dcp,
+        &hf,
+        &opts,
+        &pg,
+    )
+    .unwrap();
     assert!(hf.join("model.safetensors.index.json").exists());
     let single = root.path().join("hf1");
     let opts = fsdp::convert::HfExportOptions::default();
-    fsdp::convert::checkpoint_to_hf(&golden.join("dcp"), &single, &opts, &pg).unwrap();
+    fsdp::convert::checkpoint_to_hf(
+        &golden.join("dcp"),
+        fsdp::convert::HfSource::Dcp,
+        &single,
+        &opts,
+        &pg,
+    )
+    .unwrap();
 
     for (i, (like, kind)) in [
         (&ck, Some(checkpoint::CHECKPOINT_DIR)),
@@ -172,8 +186,8 @@ fn what_every_directory_writer_leaves_when_killed_is_cleaned_by_the_next_run() {
     {
         let out = root.path().join(format!("again-{i}"));
         let tmp = stale_copy_of(like, &out);
-        let done = output::clean_stale_temporaries(&out, kind).unwrap();
-        assert_eq!(done, [output::Cleaned::Removed(tmp.clone())], "{like:?}");
+        let done = storage::clean_stale_temporaries(&out, kind).unwrap();
+        assert_eq!(done, [storage::Cleaned::Removed(tmp.clone())], "{like:?}");
         assert!(!tmp.exists(), "{like:?}");
     }
 }

@@ -1,8 +1,9 @@
 //! `fsdp-ckpt`: inspect, convert, consolidate and shard PyTorch FSDP checkpoints offline.
 //!
-//! A thin shell over the library: [`ops`] holds one function per command (paths and options
-//! in, a report out, progress through a trait), which the command line here parses for,
-//! draws progress bars for and prints; the Python package calls the same functions. Errors
+//! A thin shell over the library: [`fsdp::commands`] holds one function per command (paths
+//! and options in, a report out, progress through a trait), which the command line here
+//! parses for, draws progress bars for and prints; the Python package calls the same
+//! functions. Errors
 //! are printed as `error: ...` with exit code 1 (2 for usage errors, as clap reports them);
 //! a closed standard output (`fsdp-ckpt inspect DIR | head`) ends the command quietly with
 //! [`CLOSED_PIPE_STATUS`]. Nothing is printed with `print!`-style macros, which panic when
@@ -11,17 +12,14 @@
 
 use clap::{Parser, Subcommand};
 use fsdp::collectives::Solo;
+use fsdp::commands::{self, Progress, Unit};
 use fsdp::io;
 use fsdp::Result;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use ops::{Progress, Unit};
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
-
-pub mod ops;
-mod shard_dir;
 
 /// Inspect, convert, consolidate and shard PyTorch (FSDP) checkpoint files.
 ///
@@ -85,8 +83,8 @@ struct HfArgs {
 }
 
 impl HfArgs {
-    fn options(&self) -> ops::HfOptions {
-        ops::HfOptions {
+    fn options(&self) -> commands::HfOptions {
+        commands::HfOptions {
             max_shard_size: self.max_shard_size.clone(),
             dtype: self.dtype.clone(),
             prefix: self.prefix.clone(),
@@ -412,7 +410,7 @@ fn run_alone(cli: Cli) -> Result<()> {
     let p = Bars::new(cli.quiet);
     let written = match cli.command {
         Command::Inspect { file, json } => {
-            let found = ops::inspect(&file, &p)?;
+            let found = commands::inspect(&file, &p)?;
             return if json {
                 print_json(&found.to_json()?)
             } else {
@@ -420,7 +418,7 @@ fn run_alone(cli: Cli) -> Result<()> {
             };
         }
         Command::Verify { input } => {
-            return print_out(&format!("{}\n", ops::verify(&input, &p)?));
+            return print_out(&format!("{}\n", commands::verify(&input, &p)?));
         }
         Command::Convert {
             input,
@@ -432,7 +430,7 @@ fn run_alone(cli: Cli) -> Result<()> {
             compress,
             hf,
         } => {
-            let opts = ops::ConvertOptions {
+            let opts = commands::ConvertOptions {
                 to,
                 model,
                 world_size: world_size.map(|n| n as usize),
@@ -440,7 +438,7 @@ fn run_alone(cli: Cli) -> Result<()> {
                 compression: compression(compress.as_deref()),
                 hf: hf.options(),
             };
-            ops::convert(&input, &output, &opts, &Solo, &p)?
+            commands::convert(&input, &output, &opts, &Solo, &p)?
         }
         Command::ConsolidateTorch {
             model,
@@ -448,14 +446,14 @@ fn run_alone(cli: Cli) -> Result<()> {
             output,
             named_optimizer,
         } => {
-            let opts = ops::TorchOptions {
+            let opts = commands::TorchOptions {
                 named_optimizer,
                 ..Default::default()
             };
-            ops::consolidate_torch(&model, &ranks, &output, &opts, &p)?
+            commands::consolidate_torch(&model, &ranks, &output, &opts, &p)?
         }
         Command::ConsolidateSharded { ranks, output } => {
-            ops::consolidate_sharded(&ranks, &output, &p)?
+            commands::consolidate_sharded(&ranks, &output, &p)?
         }
         Command::ShardTorch {
             model,
@@ -466,18 +464,18 @@ fn run_alone(cli: Cli) -> Result<()> {
             ext,
             tuples_as_lists,
         } => {
-            let opts = ops::TorchOptions {
+            let opts = commands::TorchOptions {
                 named_optimizer,
                 tuples_as_lists,
             };
-            ops::shard_torch(&model, &full, world_size as usize, &output, &ext, &opts, &p)?
+            commands::shard_torch(&model, &full, world_size as usize, &output, &ext, &opts, &p)?
         }
         Command::Reshard {
             input,
             output,
             world_size,
             policy,
-        } => ops::reshard(
+        } => commands::reshard(
             &input,
             &output,
             world_size as usize,
@@ -489,10 +487,10 @@ fn run_alone(cli: Cli) -> Result<()> {
             input,
             output,
             optim,
-        } => ops::consolidate_with(
+        } => commands::consolidate_with(
             &input,
             &output,
-            &ops::ConsolidateOptions { optim },
+            &commands::ConsolidateOptions { optim },
             &Solo,
             &p,
         )?,
@@ -534,9 +532,9 @@ mod launcher {
 
     /// Runs a command as one process of `pg`: `reshard`, `consolidate` of the crate's
     /// checkpoint, a DCP directory or a DeepSpeed checkpoint (to either format;
-    /// [`ops::consolidate_splits`]), `convert … --to dcp` of the crate's checkpoint, a file, a
+    /// [`commands::consolidate_splits`]), `convert … --to dcp` of the crate's checkpoint, a file, a
     /// DeepSpeed checkpoint or a DCP directory and `convert DCP_DIR … --to fsdp`
-    /// ([`ops::convert_splits`]) split their work across the processes; any other
+    /// ([`commands::convert_splits`]) split their work across the processes; any other
     /// command runs on process 0 alone while the others wait for its outcome. Only process 0
     /// draws progress and prints; every process returns the same error.
     pub(super) fn run_in(cli: Cli, pg: &dyn ProcessGroup) -> Result<()> {
@@ -548,7 +546,7 @@ mod launcher {
                 output,
                 world_size,
                 policy,
-            } => ops::reshard(
+            } => commands::reshard(
                 &input,
                 &output,
                 world_size as usize,
@@ -560,9 +558,13 @@ mod launcher {
                 ref input,
                 ref output,
                 optim,
-            } if ops::consolidate_splits(output) => {
-                ops::consolidate_with(input, output, &ops::ConsolidateOptions { optim }, pg, &p)
-            }
+            } if commands::consolidate_splits(output) => commands::consolidate_with(
+                input,
+                output,
+                &commands::ConsolidateOptions { optim },
+                pg,
+                &p,
+            ),
             Command::Convert {
                 ref input,
                 ref output,
@@ -573,7 +575,7 @@ mod launcher {
                 ref compress,
                 ref hf,
             } => {
-                let opts = ops::ConvertOptions {
+                let opts = commands::ConvertOptions {
                     to: to.clone(),
                     model: model.clone(),
                     world_size: world_size.map(|n| n as usize),
@@ -581,10 +583,10 @@ mod launcher {
                     compression: compression(compress.as_deref()),
                     hf: hf.options(),
                 };
-                if !ops::convert_splits(input, &opts) {
+                if !commands::convert_splits(input, &opts) {
                     return on_root_alone(cli, pg);
                 }
-                ops::convert(input, output, &opts, pg, &p)
+                commands::convert(input, output, &opts, pg, &p)
             }
             _ => return on_root_alone(cli, pg),
         };

@@ -1,4 +1,4 @@
-//! `fsdp_ckpt._native`: the `fsdp-ckpt` tool's operations ([`fsdp_ckpt::ops`]) for Python.
+//! `fsdp_ckpt._native`: the `fsdp-ckpt` tool's operations ([`fsdp::commands`]) for Python.
 //!
 //! Each function takes paths, runs the same code as the command line with the GIL released,
 //! and returns its report as a JSON string that `fsdp_ckpt/__init__.py` turns into a dict.
@@ -6,7 +6,7 @@
 //! optional progress callback is called with the GIL held, `(phase, done, total)`.
 
 use fsdp::collectives::Solo;
-use fsdp_ckpt::ops::{self, Progress, Unit};
+use fsdp::commands::{self, Progress, Unit};
 use pyo3::prelude::*;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -139,7 +139,7 @@ fn run<T: serde::Serialize + Send>(
 
 #[pyfunction]
 fn inspect(py: Python<'_>, path: PathBuf) -> PyResult<String> {
-    let found = py.detach(|| ops::inspect(&path, &ops::Silent).and_then(|i| i.to_json()));
+    let found = py.detach(|| commands::inspect(&path, &commands::Silent).and_then(|i| i.to_json()));
     match found {
         Ok(v) => to_json(&v),
         Err(e) => Err(to_py_err(py, e)),
@@ -149,7 +149,7 @@ fn inspect(py: Python<'_>, path: PathBuf) -> PyResult<String> {
 #[pyfunction]
 #[pyo3(signature = (path, progress=None))]
 fn verify(py: Python<'_>, path: PathBuf, progress: Option<Py<PyAny>>) -> PyResult<String> {
-    run(py, progress, |p| ops::verify(&path, p))
+    run(py, progress, |p| commands::verify(&path, p))
 }
 
 #[pyfunction]
@@ -172,11 +172,11 @@ fn convert(
     tie: Vec<String>,
     config: Option<PathBuf>,
 ) -> PyResult<String> {
-    let mut opts = ops::ConvertOptions {
+    let mut opts = commands::ConvertOptions {
         to,
         model,
         world_size,
-        hf: ops::HfOptions {
+        hf: commands::HfOptions {
             max_shard_size,
             dtype,
             prefix,
@@ -191,7 +191,7 @@ fn convert(
         opts.max_expansion_bytes = n;
     }
     run(py, progress, |p| {
-        ops::convert(&input, &output, &opts, &Solo, p)
+        commands::convert(&input, &output, &opts, &Solo, p)
     })
 }
 
@@ -204,9 +204,9 @@ fn consolidate(
     progress: Option<Py<PyAny>>,
     optim: bool,
 ) -> PyResult<String> {
-    let opts = ops::ConsolidateOptions { optim };
+    let opts = commands::ConsolidateOptions { optim };
     run(py, progress, |p| {
-        ops::consolidate_with(&input, &output, &opts, &Solo, p)
+        commands::consolidate_with(&input, &output, &opts, &Solo, p)
     })
 }
 
@@ -221,7 +221,7 @@ fn reshard(
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
     run(py, progress, |p| {
-        ops::reshard(&input, &output, world_size, policy.as_deref(), &Solo, p)
+        commands::reshard(&input, &output, world_size, policy.as_deref(), &Solo, p)
     })
 }
 
@@ -235,12 +235,12 @@ fn consolidate_torch(
     named_optimizer: bool,
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
-    let opts = ops::TorchOptions {
+    let opts = commands::TorchOptions {
         named_optimizer,
         ..Default::default()
     };
     run(py, progress, |p| {
-        ops::consolidate_torch(&model, &ranks, &output, &opts, p)
+        commands::consolidate_torch(&model, &ranks, &output, &opts, p)
     })
 }
 
@@ -253,7 +253,7 @@ fn consolidate_sharded(
     progress: Option<Py<PyAny>>,
 ) -> PyResult<String> {
     run(py, progress, |p| {
-        ops::consolidate_sharded(&ranks, &output, p)
+        commands::consolidate_sharded(&ranks, &output, p)
     })
 }
 
@@ -271,12 +271,12 @@ fn shard_torch(
     progress: Option<Py<PyAny>>,
     tuples_as_lists: bool,
 ) -> PyResult<String> {
-    let opts = ops::TorchOptions {
+    let opts = commands::TorchOptions {
         named_optimizer,
         tuples_as_lists,
     };
     run(py, progress, |p| {
-        ops::shard_torch(&model, &full, world_size, &output, &ext, &opts, p)
+        commands::shard_torch(&model, &full, world_size, &output, &ext, &opts, p)
     })
 }
 

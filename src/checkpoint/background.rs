@@ -233,7 +233,7 @@ impl WriteJob {
             )
         });
         if result.is_err() {
-            crate::io::output::discard_tmp_dir(&self.tmp);
+            crate::storage::discard_tmp_dir(&self.tmp);
         }
         result
     }
@@ -274,10 +274,8 @@ fn collect_reports(tmp: &Path, writers: usize, timeout: Duration) -> Result<Repo
         for (r, slot) in reports.iter_mut().enumerate() {
             if slot.is_none() {
                 let path = report_path(tmp, r);
-                let read = crate::io::output::read_regular(
-                    &path,
-                    crate::io::output::SMALL_METADATA_MAX_BYTES,
-                );
+                let read =
+                    crate::storage::read_regular(&path, crate::storage::SMALL_METADATA_MAX_BYTES);
                 if let Ok(bytes) = read {
                     let report: Report =
                         serde_json::from_slice(&bytes).map_err(|e| Error::Serialization {

@@ -157,7 +157,7 @@ fn save_protocol(
     let outcome = (rank == 0).then(|| {
         let result = reports.and_then(|r| commit(r.into_iter().flatten().collect(), &tmp, dir));
         if result.is_err() {
-            crate::io::output::discard_tmp_dir(&tmp);
+            crate::storage::discard_tmp_dir(&tmp);
         }
         result
     });
@@ -272,10 +272,10 @@ pub(crate) fn read_optim_by_param(
 
 /// Removes stale temporaries, checks the replace rule, creates the temporary sibling.
 fn prepare(dir: &Path) -> Result<PathBuf> {
-    use crate::io::output;
-    output::clean_stale_temporaries(dir, Some(dcp::DCP_DIR))?;
-    output::check_dir_output(dir, dcp::DCP_DIR, &[])?;
-    output::make_tmp_dir(dir)
+    use crate::storage;
+    storage::clean_stale_temporaries(dir, Some(dcp::DCP_DIR))?;
+    storage::check_dir_output(dir, dcp::DCP_DIR, &[])?;
+    storage::make_tmp_dir(dir)
 }
 
 /// Writes `__{rank}_0.distcp`: the boxes of every element range this rank holds and, on
@@ -638,9 +638,9 @@ fn commit(reports: Vec<RankChunks>, tmp: &Path, dir: &Path) -> Result<()> {
         .file_name()
         .map_or_else(|| "checkpoint".into(), |n| n.to_string_lossy().into_owned());
     let md = dcp::metadata_pickle(&records, &name)?;
-    crate::io::output::write_synced(&tmp.join(".metadata"), &md)?;
+    crate::storage::write_synced(&tmp.join(".metadata"), &md)?;
     super::sync_dir(tmp)?;
-    crate::io::output::install_dir(tmp, dir, dcp::DCP_DIR)
+    crate::storage::install_dir(tmp, dir, dcp::DCP_DIR)
 }
 
 /// This rank's optimizer state dict from the DCP directory `dir` (as PyTorch's

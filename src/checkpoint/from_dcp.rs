@@ -72,7 +72,7 @@ pub fn dcp_to_checkpoint(
             commit(layout, reports, &tmp, dst, &opts)
         });
         if written.is_err() {
-            crate::io::output::discard_tmp_dir(&tmp);
+            crate::storage::discard_tmp_dir(&tmp);
         }
         written
     })

@@ -7,9 +7,9 @@ use super::manifest::{
 use super::prefetch;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, Ownership, ShardPiece};
-use crate::io::output::{Bounce, DataFile};
 use crate::optim_state::flatten::{flatten_from_source, ShardSource};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};
+use crate::storage::{Bounce, DataFile};
 use crate::tensor::{DType, HostTensor, Tensor};
 use indexmap::IndexMap;
 use std::collections::HashMap;
@@ -41,7 +41,7 @@ impl Default for LoadOptions {
         LoadOptions {
             verify: true,
             read_ahead: true,
-            direct_io: crate::io::output::direct_io_default(),
+            direct_io: crate::storage::direct_io_default(),
         }
     }
 }
@@ -86,19 +86,19 @@ pub(super) struct Reader<'m> {
     consumed: Arc<AtomicU64>,
     /// With drop-behind (offline streams, which read every byte once), what this reader has
     /// read of each data file, by index.
-    drop_behind: Option<crate::io::output::DropBehind<usize>>,
+    drop_behind: Option<crate::storage::DropBehind<usize>>,
 }
 
 impl<'m> Reader<'m> {
     /// A reader of the checkpoint `dir` described by `manifest`, checking checksums when
-    /// `verify`, reading directly or not as [`crate::io::output::direct_io_default`] says.
+    /// `verify`, reading directly or not as [`crate::storage::direct_io_default`] says.
     pub(super) fn new(dir: &Path, manifest: &'m Manifest, verify: bool) -> Self {
         Reader {
             dir: dir.to_path_buf(),
             manifest,
             files: (0..manifest.files.len()).map(|_| None).collect(),
             verify,
-            direct: crate::io::output::direct_io_default(),
+            direct: crate::storage::direct_io_default(),
             bounce: Bounce::default(),
             scratch: Vec::new(),
             cached: None,
@@ -114,7 +114,7 @@ impl<'m> Reader<'m> {
     }
 
     /// This reader, dropping the pages it has read from the page cache
-    /// ([`crate::io::output::DropBehind`]): for offline streams that read each byte once.
+    /// ([`crate::storage::DropBehind`]): for offline streams that read each byte once.
     pub(super) fn dropping_behind(mut self) -> Self {
         self.drop_behind = Some(Default::default());
         self

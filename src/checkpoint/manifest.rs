@@ -133,7 +133,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
         dir: d.clone(),
         reason,
     };
-    use crate::io::output::{read_regular, ReadRegularError};
+    use crate::storage::{read_regular, ReadRegularError};
     // Regular files only, length capped: a FIFO would block and `/dev/zero` never ends.
     let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| match e {
         ReadRegularError::Io(e) => invalid(format!(
@@ -163,8 +163,8 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
 }
 
 /// Checkpoint directories as outputs: what a writer may replace
-/// ([`crate::io::output::check_dir_output`]).
-pub const CHECKPOINT_DIR: crate::io::output::DirKind = crate::io::output::DirKind {
+/// ([`crate::storage::check_dir_output`]).
+pub const CHECKPOINT_DIR: crate::storage::DirKind = crate::storage::DirKind {
     what: "a committed checkpoint of this crate",
     entries: committed_entries,
 };
@@ -172,7 +172,7 @@ pub const CHECKPOINT_DIR: crate::io::output::DirKind = crate::io::output::DirKin
 /// The entries a committed checkpoint in `dir` consists of (`COMMITTED`, `manifest.json` and
 /// the data files the manifest names), or why it is not one. Data files are not read.
 fn committed_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>, String> {
-    use crate::io::output::read_regular;
+    use crate::storage::read_regular;
     let commit = read_regular(&dir.join(COMMIT), 4096).map_err(|e| format!("`{COMMIT}`: {e}"))?;
     let bytes = read_regular(&dir.join(MANIFEST), MANIFEST_MAX_BYTES)
         .map_err(|e| format!("`{MANIFEST}`: {e}"))?;
@@ -186,7 +186,7 @@ fn committed_entries(dir: &Path) -> std::result::Result<Vec<std::ffi::OsString>,
     }
     let mut names: Vec<std::ffi::OsString> = vec![COMMIT.into(), MANIFEST.into()];
     for f in &m.files {
-        let plain = crate::io::output::check_name(&f.name, crate::io::output::NameForm::Plain);
+        let plain = crate::storage::check_name(&f.name, crate::storage::NameForm::Plain);
         if plain.is_some() || f.name.starts_with('.') {
             return Err(format!("`{MANIFEST}` names the file `{}`", f.name));
         }
@@ -288,7 +288,7 @@ impl Manifest {
     /// fits in it. The real length bounds every allocation a load makes from this manifest.
     fn check_files(&self, dir: &Path, invalid: &dyn Fn(String) -> Error) -> Result<()> {
         for (rank, f) in self.files.iter().enumerate() {
-            let plain = crate::io::output::check_name(&f.name, crate::io::output::NameForm::Plain);
+            let plain = crate::storage::check_name(&f.name, crate::storage::NameForm::Plain);
             if let Some(why) = plain.or(f.name.starts_with('.').then_some("it starts with `.`")) {
                 return Err(invalid(format!(
                     "data file name `{}` is not plain: {why}",
@@ -303,8 +303,8 @@ impl Manifest {
                 tensor: "(file)".into(),
                 reason,
             };
-            let len = crate::io::output::regular_len(&path).map_err(|e| match e {
-                crate::io::output::ReadRegularError::Io(e) => corrupt(format!("cannot open: {e}")),
+            let len = crate::storage::regular_len(&path).map_err(|e| match e {
+                crate::storage::ReadRegularError::Io(e) => corrupt(format!("cannot open: {e}")),
                 other => corrupt(other.to_string()),
             })?;
             if len != f.len {

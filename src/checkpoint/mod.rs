@@ -16,10 +16,10 @@
 //! Writing goes to a temporary sibling directory; every file and the directory are synced,
 //! then the directory replaces the old checkpoint in one atomic exchange (`renameat2` with
 //! `RENAME_EXCHANGE` on Linux; a documented fallback elsewhere, see
-//! [`crate::io::output::install_dir`]). A crash at any point leaves either the old or the new
+//! [`crate::storage::install_dir`]). A crash at any point leaves either the old or the new
 //! checkpoint at the path, never a mixture. A writer replaces only a missing path, an empty
 //! directory or a committed checkpoint that holds nothing else, never a directory holding its
-//! input or other files ([`crate::io::output::check_dir_output`]). Loading reads only the byte ranges that overlap the
+//! input or other files ([`crate::storage::check_dir_output`]). Loading reads only the byte ranges that overlap the
 //! loading rank's shards and verifies each block it reads.
 
 mod background;
@@ -83,21 +83,21 @@ impl std::fmt::Debug for GroupContext<'_> {
     }
 }
 
-pub(crate) use crate::io::output::sync_dir;
-pub(crate) use crate::io::output::{Writeback, WRITEBACK_CHUNK};
+pub(crate) use crate::storage::sync_dir;
+pub(crate) use crate::storage::{Writeback, WRITEBACK_CHUNK};
 
 /// Puts the complete checkpoint `tmp` at `dir` under the replace rule of
-/// [`crate::io::output::check_dir_output`] (see [`crate::io::output::install_dir`]).
+/// [`crate::storage::check_dir_output`] (see [`crate::storage::install_dir`]).
 fn install(tmp: &Path, dir: &Path) -> Result<()> {
-    crate::io::output::install_dir(tmp, dir, CHECKPOINT_DIR)
+    crate::storage::install_dir(tmp, dir, CHECKPOINT_DIR)
 }
 
 /// Before writing a checkpoint to `dir`: removes stale temporaries of killed runs and checks
 /// the replace rule (`dir` missing, empty, or a committed checkpoint; not overlapping
 /// `inputs`), then creates the temporary sibling directory to write into.
 pub(crate) fn prepare_output(dir: &Path, inputs: &[&Path]) -> Result<std::path::PathBuf> {
-    use crate::io::output;
-    output::clean_stale_temporaries(dir, Some(CHECKPOINT_DIR))?;
-    output::check_dir_output(dir, CHECKPOINT_DIR, inputs)?;
-    output::make_tmp_dir(dir)
+    use crate::storage;
+    storage::clean_stale_temporaries(dir, Some(CHECKPOINT_DIR))?;
+    storage::check_dir_output(dir, CHECKPOINT_DIR, inputs)?;
+    storage::make_tmp_dir(dir)
 }

@@ -7,8 +7,8 @@
 
 use super::manifest::{ParamRecord, StoredValue, CHECKSUM_BLOCK};
 use crate::flat_param::{ModelLayout, ShardPiece};
-use crate::io::output::DataFile;
 use crate::optim_state::keys::Resolved;
+use crate::storage::DataFile;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -179,7 +179,7 @@ fn read_ahead(
                     .filter(|f| !f.is_direct())
             });
             if let Some(f) = opened {
-                crate::io::output::will_need_pages(f.file(), offset + at, n);
+                crate::storage::will_need_pages(f.file(), offset + at, n);
             }
             at += n;
             issued += n;

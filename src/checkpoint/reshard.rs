@@ -88,7 +88,7 @@ pub fn reshard(
 /// left behind, `dst` is untouched).
 ///
 /// `dst` must be missing, an empty directory or a committed checkpoint holding nothing else,
-/// and must neither contain nor lie inside `src` ([`crate::io::output::check_dir_output`]);
+/// and must neither contain nor lie inside `src` ([`crate::storage::check_dir_output`]);
 /// otherwise the result is [`Error::OutputRefused`] and nothing is written.
 pub fn reshard_with(
     src: &Path,
@@ -107,7 +107,7 @@ pub fn reshard_with(
     let job = Reshard::new(src, &old, &layout, opts, progress);
     let discard = |e: Error| {
         if pg.rank() == 0 && !super::save::keeps_tmp(opts) {
-            crate::io::output::discard_tmp_dir(&tmp);
+            crate::storage::discard_tmp_dir(&tmp);
         }
         e
     };

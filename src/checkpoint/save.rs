@@ -169,7 +169,7 @@ pub(super) fn keeps_tmp(opts: &SaveOptions) -> bool {
 /// The previous checkpoint at `dir`, if any, stays complete and loadable until the new one
 /// replaces it in one atomic exchange. `dir` must be missing, an empty directory or a
 /// committed checkpoint holding nothing else; anything else is [`Error::OutputRefused`] on
-/// every rank, and nothing is written ([`crate::io::output::check_dir_output`]).
+/// every rank, and nothing is written ([`crate::storage::check_dir_output`]).
 pub(crate) fn save<T: Tensor>(
     ctx: GroupContext<'_>,
     osd: &OptimStateDict<T>,
@@ -200,7 +200,7 @@ pub(crate) fn save<T: Tensor>(
     let outcome = (rank == 0).then(|| {
         let result = reports.and_then(|reports| commit(layout, reports, &tmp, dir, opts));
         if result.is_err() && !keeps_tmp(opts) {
-            crate::io::output::discard_tmp_dir(&tmp);
+            crate::storage::discard_tmp_dir(&tmp);
         }
         result
     });
@@ -721,7 +721,7 @@ pub(super) fn commit(
     super::install(tmp, dir)
 }
 
-pub(super) use crate::io::output::write_synced;
+pub(super) use crate::storage::write_synced;
 
 /// Merges the ranks' reports into the manifest: per parameter, the same state names and
 /// scalar values on every rank, tensor pieces that tile the parameter, in the key order of

@@ -189,7 +189,7 @@ impl<'s> SafetensorsPlan<'s> {
     /// Writes the header at the start of `file`, the temporary `tmp` of `out`.
     pub(crate) fn write_header(&self, file: &std::fs::File, out: &Path, tmp: &Path) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let err = crate::storage::tmp_io_err("writing", out, tmp);
         file.write_all_at(&self.header, 0).map_err(err)
     }
 
@@ -198,7 +198,7 @@ impl<'s> SafetensorsPlan<'s> {
     fn writer_of(&self, i: usize, ws: usize) -> usize {
         let data = self.lens.iter().sum::<u64>();
         let from = self.starts[i] - self.header.len() as u64;
-        crate::io::output::writer_of(from, data, ws)
+        crate::storage::writer_of(from, data, ws)
     }
 }
 
@@ -214,7 +214,7 @@ pub(crate) fn write_share(
     mut progress: impl FnMut(u64),
 ) -> Result<u64> {
     use std::os::unix::fs::FileExt;
-    let err = crate::io::output::tmp_io_err("writing", out, tmp);
+    let err = crate::storage::tmp_io_err("writing", out, tmp);
     let mut reader = Reader::new(dir, &sk.manifest, true).dropping_behind();
     let mut writeback = super::Writeback::new(0);
     let mut block = Vec::new();
@@ -245,15 +245,15 @@ pub(crate) fn write_share(
 /// Before writing the consolidated file `out` of the checkpoint `dir`: `out` must not lie
 /// inside `dir` (nor be or contain it), and stale temporaries of killed runs are removed.
 pub(crate) fn prepare_output(dir: &Path, out: &Path) -> Result<()> {
-    crate::io::output::check_not_overlapping(out, &[dir])?;
-    crate::io::output::clean_stale_temporaries(out, None)?;
+    crate::storage::check_not_overlapping(out, &[dir])?;
+    crate::storage::clean_stale_temporaries(out, None)?;
     Ok(())
 }
 
 /// [`prepare_output`] for a DCP directory `out`.
 pub(crate) fn prepare_dcp_output(dir: &Path, out: &Path) -> Result<()> {
-    crate::io::output::check_not_overlapping(out, &[dir])?;
-    crate::io::output::clean_stale_temporaries(out, Some(crate::io::dcp::DCP_DIR))?;
+    crate::storage::check_not_overlapping(out, &[dir])?;
+    crate::storage::clean_stale_temporaries(out, Some(crate::io::dcp::DCP_DIR))?;
     Ok(())
 }
 

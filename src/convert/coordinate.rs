@@ -7,9 +7,9 @@
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::Result;
 use crate::io::dcp::{Compression, DcpWriteOptions, PlannedDcp};
-use crate::io::output::{create_planned_file, finish_planned_file, tmp_io_err};
 use crate::io::torch_save::writer::{LazyTensors, PlannedArchive};
 use crate::io::torch_save::{self, PyObj};
+use crate::storage::{create_planned_file, finish_planned_file, tmp_io_err};
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::Path;
@@ -107,7 +107,7 @@ pub(crate) fn write_dcp(
         .all_gather_agreed(mine)
         .and_then(|_| pg.on_root(|| plan.commit(&tmp, out)));
     if committed.is_err() && pg.rank() == 0 {
-        crate::io::output::discard_tmp_dir(&tmp);
+        crate::storage::discard_tmp_dir(&tmp);
     }
     committed.map(|()| plan.tensor_bytes())
 }

@@ -80,7 +80,7 @@ pub fn dcp_to_dcp_with(
     pg: &dyn ProcessGroup,
     opts: &DcpWriteOptions,
 ) -> Result<u64> {
-    pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    pg.agree(crate::storage::check_not_overlapping(dst, &[src]))?;
     let ckpt = pg.agree(DcpCheckpoint::open(src))?.dropping_behind();
     let placeholders = pg.agree(Placeholders::new(&ckpt))?;
     let mut lazy = Streamed::new(&ckpt, &placeholders, |_| {});

@@ -96,7 +96,7 @@ pub fn deepspeed_to_dcp(
     opts: &DcpWriteOptions,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
-    pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    pg.agree(crate::storage::check_not_overlapping(dst, &[src]))?;
     let ckpt = pg.agree(DeepSpeedCheckpoint::open(src))?;
     let cons = ckpt.consolidated(true);
     let mut lazy = Streamed::new(&ckpt, &cons, dst, progress);

@@ -62,7 +62,7 @@ pub fn hf_to_dcp(
     opts: &HfImportOptions,
     pg: &dyn ProcessGroup,
 ) -> Result<u64> {
-    pg.agree(crate::io::output::check_not_overlapping(dst, &[src]))?;
+    pg.agree(crate::storage::check_not_overlapping(dst, &[src]))?;
     pg.agree(not_dcp_storage(src))?;
     let mut dir = pg.agree(HfModelDir::open(src))?;
     // Moved into the state dict rather than copied: one record per tensor, not two.

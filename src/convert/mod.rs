@@ -1,5 +1,6 @@
-//! Offline conversions between checkpoint formats (layer 9), one function per direction, named
-//! after PyTorch's own where it has one (`dcp_to_torch_save`, `torch_save_to_dcp`):
+//! The conversions between checkpoint formats (layer 10), one job over a process group per
+//! direction, named after PyTorch's own where it has one (`dcp_to_torch_save`,
+//! `torch_save_to_dcp`); the commands ([`crate::commands`]) recognize the input and run them:
 //!
 //! | from \ to | `torch.save` file | `.safetensors` file | DCP directory | the crate's checkpoint |
 //! | --- | --- | --- | --- | --- |
@@ -48,7 +49,7 @@ pub use from_deepspeed::{
 };
 pub use from_hf::{hf_to_dcp, HfImportOptions};
 pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
-pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported};
+pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported, HfSource};
 
 #[cfg(doc)]
 use crate::collectives::ProcessGroup;

@@ -39,6 +39,18 @@ pub struct HfExportOptions {
     pub config: Option<PathBuf>,
 }
 
+/// What the input of [`checkpoint_to_hf`] is, as the caller recognized it (the commands' one
+/// recognition table, `crate::commands::recognize`, which this layer does not call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfSource {
+    /// A `torch.save` or `.safetensors` file.
+    File,
+    /// A DCP directory of any form (`.metadata`, per-rank metadata, Hugging Face storage).
+    Dcp,
+    /// The crate's checkpoint directory, saved with the model.
+    Checkpoint,
+}
+
 /// What [`checkpoint_to_hf`] wrote.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HfExported {
@@ -57,7 +69,7 @@ pub struct HfExported {
 }
 
 /// Exports the model weights of `src` — a DCP directory of any form, the crate's checkpoint
-/// (saved with the model), or a `torch.save` / `.safetensors` file — as the Hugging Face
+/// (saved with the model), or a `torch.save` / `.safetensors` file, as `from` says — as the Hugging Face
 /// model directory `dst` (missing or empty): `model.safetensors`, or
 /// `model-{i:05}-of-{n:05}.safetensors` files and `model.safetensors.index.json`, split and
 /// laid out as `save_pretrained` writes them ([`crate::io::hf`]).
@@ -69,25 +81,26 @@ pub struct HfExported {
 /// process 0 the index.
 pub fn checkpoint_to_hf(
     src: &Path,
+    from: HfSource,
     dst: &Path,
     opts: &HfExportOptions,
     pg: &dyn ProcessGroup,
 ) -> Result<HfExported> {
     pg.on_root(|| check_output(src, dst, opts))?;
-    let source = pg.agree(Opened::open(src))?;
+    let source = pg.agree(Opened::open(src, from))?;
     let mut lazy = pg.agree(source.streamer(dst))?;
     let tensors = pg.agree(source.tensors(lazy.as_ref()))?;
     let config = pg.agree(opts.config.as_deref().map(read_config).transpose())?;
     let chosen = pg.agree(choose(src, &source, &tensors, opts, config.as_ref()))?;
     let plan = pg.agree(make_plan(&source, &tensors, &chosen, opts))?;
     pg.on_root(|| check_ties(&tensors, &chosen.ties, lazy.as_mut()))?;
-    let tmp = pg.on_root(|| crate::io::output::make_tmp_dir(dst))?;
+    let tmp = pg.on_root(|| crate::storage::make_tmp_dir(dst))?;
     let mine = write_share(&plan, &tensors, lazy.as_mut(), (dst, &tmp), pg);
     let committed = pg
         .all_gather_agreed(mine)
         .and_then(|_| pg.on_root(|| commit(&plan, config.as_ref(), &tmp, dst)));
     if committed.is_err() && pg.rank() == 0 {
-        crate::io::output::discard_tmp_dir(&tmp);
+        crate::storage::discard_tmp_dir(&tmp);
     }
     committed?;
     Ok(HfExported {
@@ -108,8 +121,8 @@ pub fn checkpoint_to_hf(
 fn check_output(src: &Path, dst: &Path, opts: &HfExportOptions) -> Result<()> {
     let mut inputs = vec![src];
     inputs.extend(opts.config.as_deref());
-    crate::io::output::check_dir_output(dst, hf::HF_MODEL_DIR, &inputs)?;
-    crate::io::output::clean_stale_temporaries(dst, None)?;
+    crate::storage::check_dir_output(dst, hf::HF_MODEL_DIR, &inputs)?;
+    crate::storage::clean_stale_temporaries(dst, None)?;
     Ok(())
 }
 
@@ -142,38 +155,23 @@ impl SourceTensor {
 }
 
 impl Opened {
-    /// Opens `src` by the recognition table's precedence (`crate::offline::recognize`, which
-    /// this layer does not call): a file, a DCP directory of any form, the crate's checkpoint.
-    fn open(src: &Path) -> Result<Self> {
-        let meta = std::fs::metadata(src).map_err(Error::io("opening the input", src))?;
-        let checkpoint_marked = || {
-            [crate::checkpoint::MANIFEST, crate::checkpoint::COMMIT]
-                .iter()
-                .any(|m| std::fs::symlink_metadata(src.join(m)).is_ok())
-        };
-        let kind = if !meta.is_dir() {
-            let headers = Headers::read(src)?;
-            if headers.streamer(src, src, Views::Whole)?.is_some() {
-                Kind::File(headers)
-            } else {
-                Kind::Loaded(crate::io::load(src)?)
+    /// Opens `src` as the form `from` the caller recognized.
+    fn open(src: &Path, from: HfSource) -> Result<Self> {
+        let kind = match from {
+            HfSource::File => {
+                let headers = Headers::read(src)?;
+                if headers.streamer(src, src, Views::Whole)?.is_some() {
+                    Kind::File(headers)
+                } else {
+                    Kind::Loaded(crate::io::load(src)?)
+                }
             }
-        } else if crate::io::dcp::Source::of(src)?.is_some() {
-            let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
-            let placeholders = Placeholders::new(&ckpt)?;
-            Kind::Dcp(ckpt, placeholders)
-        } else if checkpoint_marked() {
-            Kind::Checkpoint(Skeleton::model_params(src)?)
-        } else {
-            let found = if hf::looks_like_model_dir(src) {
-                "it is a Hugging Face model directory already"
-            } else {
-                "it is neither a DCP directory nor a checkpoint of this crate"
-            };
-            return Err(Error::UnrecognizedInput {
-                path: src.display().to_string(),
-                found: found.into(),
-            });
+            HfSource::Dcp => {
+                let ckpt = DcpCheckpoint::open(src)?.dropping_behind();
+                let placeholders = Placeholders::new(&ckpt)?;
+                Kind::Dcp(ckpt, placeholders)
+            }
+            HfSource::Checkpoint => Kind::Checkpoint(Skeleton::model_params(src)?),
         };
         Ok(Opened {
             path: src.to_path_buf(),
@@ -242,7 +240,7 @@ pub(super) struct Config {
 }
 
 pub(super) fn read_config(path: &Path) -> Result<Config> {
-    let bytes = crate::io::output::read_small_file(path)?;
+    let bytes = crate::storage::read_small_file(path)?;
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| Error::HfModelDir {
             file: path.display().to_string(),
@@ -561,12 +559,12 @@ fn write_share(
     for f in &plan.files {
         let start = at;
         at += f.len();
-        if crate::io::output::writer_of(start, total, pg.world_size()) != pg.rank() {
+        if crate::storage::writer_of(start, total, pg.world_size()) != pg.rank() {
             continue;
         }
         let path = tmp.join(&f.name);
         let file = std::fs::File::create(&path)
-            .map_err(crate::io::output::tmp_io_err("creating", out, &path))?;
+            .map_err(crate::storage::tmp_io_err("creating", out, &path))?;
         hf::write::write_file(f, file, (out, &path), &mut |pt, sink| {
             stream_tensor(&tensors[pt.source], lazy, out, sink)
         })?;
@@ -576,7 +574,7 @@ fn write_share(
 
 /// With every file written: the index and the config, then the directory renamed into place.
 fn commit(plan: &DirPlan, config: Option<&Config>, tmp: &Path, out: &Path) -> Result<()> {
-    use crate::io::output::{sync_dir, write_synced};
+    use crate::storage::{sync_dir, write_synced};
     if plan.indexed {
         write_synced(&tmp.join(hf::INDEX_FILE), &plan.index_json()?)?;
     }
@@ -584,7 +582,7 @@ fn commit(plan: &DirPlan, config: Option<&Config>, tmp: &Path, out: &Path) -> Re
         write_synced(&tmp.join(hf::CONFIG_FILE), &c.bytes)?;
     }
     sync_dir(tmp)?;
-    crate::io::output::check_dir_output(out, hf::HF_MODEL_DIR, &[])?;
+    crate::storage::check_dir_output(out, hf::HF_MODEL_DIR, &[])?;
     std::fs::rename(tmp, out).map_err(Error::io("renaming into place", out))?;
     sync_dir(
         out.parent()

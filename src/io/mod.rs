@@ -12,7 +12,6 @@ pub mod dcp;
 pub mod deepspeed;
 pub mod hf;
 pub mod inspect;
-pub mod output;
 pub(crate) mod pickle;
 pub mod safetensors;
 pub mod torch_save;

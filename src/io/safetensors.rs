@@ -426,8 +426,8 @@ pub fn save(obj: &PyObj, path: impl AsRef<Path>) -> Result<()> {
     use std::io::Write;
     let path = path.as_ref();
     let (header, tensors) = layout(obj, &path.display().to_string())?;
-    crate::io::output::write_file_atomic(path, |w, tmp| {
-        let err = crate::io::output::tmp_io_err("writing", path, tmp);
+    crate::storage::write_file_atomic(path, |w, tmp| {
+        let err = crate::storage::tmp_io_err("writing", path, tmp);
         w.write_all(&header).map_err(&err)?;
         for t in tensors {
             w.write_all(t.as_bytes()).map_err(&err)?;
@@ -498,7 +498,7 @@ impl<'o> LazyPlan<'o> {
     /// Writes the header at the start of `file`, the temporary `tmp` of `out`.
     pub(crate) fn write_header(&self, file: &std::fs::File, out: &Path, tmp: &Path) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let err = crate::storage::tmp_io_err("writing", out, tmp);
         file.write_all_at(&self.header, 0).map_err(err)
     }
 
@@ -514,13 +514,13 @@ impl<'o> LazyPlan<'o> {
         (rank, world_size): (usize, usize),
     ) -> Result<u64> {
         use std::os::unix::fs::FileExt;
-        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let err = crate::storage::tmp_io_err("writing", out, tmp);
         let data = self.lens.iter().sum::<u64>();
-        let mut writeback = crate::io::output::Writeback::new(0);
+        let mut writeback = crate::storage::Writeback::new(0);
         let mut written = 0u64;
         for (i, (name, t)) in self.tensors.iter().enumerate() {
             let from = self.starts[i] - self.header.len() as u64;
-            if crate::io::output::writer_of(from, data, world_size) != rank {
+            if crate::storage::writer_of(from, data, world_size) != rank {
                 continue;
             }
             let (start, end) = (self.starts[i], self.starts[i] + self.lens[i]);
@@ -956,7 +956,7 @@ pub(crate) fn load_headers(path: &Path) -> Result<Headers> {
 
 /// The regular file `path`, opened for reading.
 fn open_input(path: &Path) -> Result<std::fs::File> {
-    crate::io::output::open_regular(path).map_err(|e| e.at("reading", path))
+    crate::storage::open_regular(path).map_err(|e| e.at("reading", path))
 }
 
 /// The largest header [`load_headers`] reads (the `safetensors` crate's limit).
@@ -1010,7 +1010,7 @@ impl super::torch_save::writer::LazyTensors for FileTensors<'_> {
             },
             |chunk| sink(chunk).map_err(Error::io("writing", out)),
         )?;
-        crate::io::output::drop_cached_pages(&self.file, range.start, range.end - range.start);
+        crate::storage::drop_cached_pages(&self.file, range.start, range.end - range.start);
         Ok(())
     }
 }

@@ -1,7 +1,7 @@
-//! Offline conversion of saved per-rank optimizer state: consolidation of every rank's local
-//! dict into the full dict, and sharding of a full dict into every rank's local dict, in one
-//! process, without a distributed job. What `fsdp-ckpt consolidate-torch` and `shard-torch`
-//! run.
+//! Per-rank optimizer state dicts transformed in one process, without a distributed job:
+//! consolidation of every rank's local dict into the full dict, and sharding of a full dict
+//! into every rank's local dict. What the commands `consolidate-torch`, `consolidate-sharded`
+//! and `shard-torch` ([`crate::commands`]) run.
 //!
 //! * [`consolidate_local_dicts`] runs the crate's own [`Fsdp::full_optim_state_dict`] over
 //!   in-process thread ranks ([`ThreadGroup`]), one thread per rank file, so the result is
@@ -56,9 +56,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod fsdp2;
-mod recognize;
-
-pub use recognize::{deepspeed_file, recognize, Input};
 
 /// A model description, its wrapping policy and, optionally, what each rank's optimizer holds:
 /// the `DESC.json` file of `fsdp-ckpt consolidate-torch` and `shard-torch`.
@@ -120,7 +117,7 @@ impl DescFile {
         let path = path.as_ref();
         let name = path.display().to_string();
         // A regular file of bounded size: a FIFO or `/dev/zero` is an error, not a hang.
-        let bytes = crate::io::output::read_small_file(path)?;
+        let bytes = crate::storage::read_small_file(path)?;
         let text = String::from_utf8(bytes).map_err(|e| Error::Serialization {
             what: format!("model spec `{name}`"),
             reason: e.to_string(),
@@ -724,7 +721,7 @@ fn check_rank_order(files: &[PathBuf]) -> std::result::Result<(), (usize, String
 fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
     let mut lens = Vec::with_capacity(files.len());
     for f in files {
-        lens.push(crate::io::output::regular_len(f).map_err(|e| e.at("reading", f))?);
+        lens.push(crate::storage::regular_len(f).map_err(|e| e.at("reading", f))?);
     }
     let mut crcs: HashMap<usize, u32> = HashMap::new();
     for i in 0..files.len() {
@@ -746,7 +743,7 @@ fn same_bytes(files: &[PathBuf]) -> Result<Option<(usize, usize)>> {
 }
 
 fn open_input(p: &Path) -> Result<std::fs::File> {
-    crate::io::output::open_regular(p).map_err(|e| e.at("reading", p))
+    crate::storage::open_regular(p).map_err(|e| e.at("reading", p))
 }
 
 fn read_chunk(f: &mut std::fs::File, buf: &mut [u8], p: &Path) -> Result<usize> {

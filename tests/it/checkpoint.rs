@@ -1474,7 +1474,14 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
 
     let out = root.path().join("hf");
     let opts = convert::HfExportOptions::default();
-    let done = convert::checkpoint_to_hf(&with_model, &out, &opts, &Solo).unwrap();
+    let done = convert::checkpoint_to_hf(
+        &with_model,
+        convert::HfSource::Checkpoint,
+        &out,
+        &opts,
+        &Solo,
+    )
+    .unwrap();
     assert_eq!(done.tensors, model.params.len());
     let exported = fsdp::io::safetensors::load(out.join("model.safetensors")).unwrap();
     for (p, v) in model.params.iter().zip(&values) {
@@ -1484,8 +1491,14 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
     }
 
     // An optimizer-only checkpoint has no model to export.
-    let err = convert::checkpoint_to_hf(&optim_only, &root.path().join("none"), &opts, &Solo)
-        .unwrap_err();
+    let err = convert::checkpoint_to_hf(
+        &optim_only,
+        convert::HfSource::Checkpoint,
+        &root.path().join("none"),
+        &opts,
+        &Solo,
+    )
+    .unwrap_err();
     assert!(
         matches!(&err, Error::HfSelection { reason, .. } if reason.contains("no tensors at all")),
         "{err}"
@@ -1494,7 +1507,7 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
 
 // ----- direct reads (O_DIRECT) -----
 
-use fsdp::io::output::{direct_reads, force_direct_io, refuse_direct_io};
+use fsdp::storage::{direct_reads, force_direct_io, refuse_direct_io};
 
 /// Each rank's dict loaded from `dir` with `opts`, and the direct reads its thread made.
 fn load_counting(

@@ -854,8 +854,8 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     std::fs::remove_file(out.join("keep.txt")).unwrap();
     convert::torch_save_to_dcp(&input, &out, &Solo).unwrap();
     assert_eq!(
-        fsdp::offline::recognize(&out).unwrap(),
-        fsdp::offline::Input::Dcp
+        fsdp::commands::recognize(&out).unwrap(),
+        fsdp::commands::Input::Dcp
     );
 }
 

@@ -4,11 +4,11 @@
 //! PyTorch holds, verified, and refused with typed errors when the parts do not fit.
 
 use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::commands::{recognize, Input};
 use fsdp::convert;
 use fsdp::io::dcp::{self, DcpCheckpoint, HfForm, Source};
 use fsdp::io::torch_save::PyObj;
 use fsdp::io::{self, torch_save};
-use fsdp::offline::{recognize, Input};
 use fsdp::Error;
 use std::path::{Path, PathBuf};
 

@@ -7,13 +7,13 @@
 
 use crate::common::{files_of, python_script};
 use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::commands::{recognize, Input};
 use fsdp::convert::{
     deepspeed_to_dcp, deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput,
 };
 use fsdp::io::dcp::DcpWriteOptions;
 use fsdp::io::deepspeed::{DeepSpeedCheckpoint, Form, State};
 use fsdp::io::torch_save::{self, PyObj};
-use fsdp::offline::{recognize, Input};
 use fsdp::{DType, Error, HostTensor};
 use std::path::{Path, PathBuf};
 

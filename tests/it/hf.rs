@@ -5,10 +5,10 @@
 
 use crate::common::{self, model_files, python};
 use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::commands::{recognize, Input};
 use fsdp::convert::{self, HfExportOptions, HfImportOptions};
 use fsdp::io::hf::{self, Rename};
 use fsdp::io::torch_save::PyObj;
-use fsdp::offline::{recognize, Input};
 use fsdp::{DType, Error, HostTensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,10 +25,16 @@ fn dcp_sources(p: &str) -> PathBuf {
         .join(p)
 }
 
+/// The form `fsdp-ckpt convert --to hf` exports `src` as: its entry in the one recognition
+/// table.
+fn from(src: &Path) -> convert::HfSource {
+    recognize(src).unwrap().hf_source().unwrap()
+}
+
 fn export(src: &Path, opts: &HfExportOptions) -> (tempfile::TempDir, PathBuf, convert::HfExported) {
     let t = tempfile::tempdir().unwrap();
     let out = t.path().join("hf");
-    let done = convert::checkpoint_to_hf(src, &out, opts, &Solo).unwrap();
+    let done = convert::checkpoint_to_hf(src, from(src), &out, opts, &Solo).unwrap();
     (t, out, done)
 }
 
@@ -124,7 +130,7 @@ fn the_export_is_the_same_for_any_number_of_processes() {
         let t = tempfile::tempdir().unwrap();
         let out = t.path().join("hf");
         for r in ThreadGroup::run(ws, |pg| {
-            convert::checkpoint_to_hf(&src, &out, &sized("60KB"), &pg)
+            convert::checkpoint_to_hf(&src, from(&src), &out, &sized("60KB"), &pg)
         }) {
             assert_eq!(r.unwrap().files.len(), 3);
         }
@@ -157,6 +163,7 @@ fn a_torch_save_state_dict_with_tied_storage_exports_the_tensor_once() {
     let t = tempfile::tempdir().unwrap();
     let err = convert::checkpoint_to_hf(
         &src,
+        from(&src),
         &t.path().join("hf"),
         &HfExportOptions::default(),
         &Solo,
@@ -393,7 +400,9 @@ fn export_refusals_are_typed() {
         renames: vec![Rename::parse(r"(gate|up)_proj=gate_up").unwrap()],
         ..Default::default()
     };
-    match convert::checkpoint_to_hf(&src, &t.path().join("a"), &opts, &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&src, from(&src), &t.path().join("a"), &opts, &Solo)
+        .unwrap_err()
+    {
         Error::HfNameCollision {
             name,
             first,
@@ -411,7 +420,9 @@ fn export_refusals_are_typed() {
         ties: vec![("lm_head.weight".into(), "model.embed_tokens.weight".into())],
         ..Default::default()
     };
-    match convert::checkpoint_to_hf(&src, &t.path().join("b"), &opts, &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&src, from(&src), &t.path().join("b"), &opts, &Solo)
+        .unwrap_err()
+    {
         Error::HfTie { name, kept, reason } => {
             assert_eq!(
                 (name.as_str(), kept.as_str()),
@@ -426,7 +437,9 @@ fn export_refusals_are_typed() {
     let full = t.path().join("full");
     std::fs::create_dir(&full).unwrap();
     std::fs::write(full.join("README.md"), b"mine").unwrap();
-    match convert::checkpoint_to_hf(&src, &full, &HfExportOptions::default(), &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&src, from(&src), &full, &HfExportOptions::default(), &Solo)
+        .unwrap_err()
+    {
         Error::OutputRefused { reason, .. } => assert!(reason.contains("README.md"), "{reason}"),
         e => panic!("{e}"),
     }
@@ -451,6 +464,7 @@ fn export_refusals_are_typed() {
     fsdp::io::dcp::save_dcp(&obj, &raw).unwrap();
     match convert::checkpoint_to_hf(
         &raw,
+        from(&raw),
         &t.path().join("c"),
         &HfExportOptions::default(),
         &Solo,
@@ -466,7 +480,8 @@ fn export_refusals_are_typed() {
         prefix: Some(String::new()),
         ..Default::default()
     };
-    let done = convert::checkpoint_to_hf(&raw, &t.path().join("c"), &opts, &Solo).unwrap();
+    let done =
+        convert::checkpoint_to_hf(&raw, from(&raw), &t.path().join("c"), &opts, &Solo).unwrap();
     assert_eq!(done.tensors, 2);
 }
 
@@ -580,7 +595,7 @@ fn a_tensor_named_metadata_is_refused_by_every_safetensors_writer() {
         ..Default::default()
     };
     let out = t.path().join("renamed");
-    match convert::checkpoint_to_hf(&src, &out, &opts, &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&src, from(&src), &out, &opts, &Solo).unwrap_err() {
         Error::ReservedTensorName { tensor, origin } => {
             assert_eq!(tensor, "__metadata__");
             assert!(
@@ -599,7 +614,9 @@ fn a_tensor_named_metadata_is_refused_by_every_safetensors_writer() {
     )]);
     fsdp::io::dcp::save_dcp(&obj, &src2).unwrap();
     let out = t.path().join("source");
-    match convert::checkpoint_to_hf(&src2, &out, &HfExportOptions::default(), &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&src2, from(&src2), &out, &HfExportOptions::default(), &Solo)
+        .unwrap_err()
+    {
         Error::ReservedTensorName { tensor, origin } => {
             assert_eq!(tensor, "__metadata__");
             assert!(origin.contains("`model.__metadata__`"), "{origin}");
@@ -637,7 +654,9 @@ fn a_torchtitan_checkpoint_exports_its_model_and_never_its_training_state() {
         prefix: Some("optimizer".into()),
         ..Default::default()
     };
-    match convert::checkpoint_to_hf(&src, &t.path().join("o"), &opts, &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&src, from(&src), &t.path().join("o"), &opts, &Solo)
+        .unwrap_err()
+    {
         Error::HfSelection { reason, .. } => assert!(reason.contains("training state"), "{reason}"),
         e => panic!("{e}"),
     }
@@ -724,7 +743,9 @@ fn a_tying_architecture_outside_the_table_is_refused_by_name() {
         ..Default::default()
     };
     let out = t.path().join("hf");
-    match convert::checkpoint_to_hf(&dir.join("dcp"), &out, &opts, &Solo).unwrap_err() {
+    match convert::checkpoint_to_hf(&dir.join("dcp"), from(&dir.join("dcp")), &out, &opts, &Solo)
+        .unwrap_err()
+    {
         Error::HfTieArchitecture {
             architectures,
             known,
@@ -754,7 +775,9 @@ fn a_tying_architecture_outside_the_table_is_refused_by_name() {
         ties: vec![tie.clone()],
         ..opts
     };
-    let done = convert::checkpoint_to_hf(&dir.join("dcp"), &out, &opts, &Solo).unwrap();
+    let done =
+        convert::checkpoint_to_hf(&dir.join("dcp"), from(&dir.join("dcp")), &out, &opts, &Solo)
+            .unwrap();
     assert_eq!(done.dropped, std::slice::from_ref(&tie));
     let import = HfImportOptions {
         ties: vec![tie],

@@ -31,7 +31,7 @@ use syn::visit::{self, Visit};
 /// The layers, lowest first. Modules in one layer must not import each other.
 const LAYERS: &[&[&str]] = &[
     &["error"],
-    &["tensor"],
+    &["tensor", "storage"],
     &["model", "placement"],
     &["flat_param", "param_layout", "collectives"],
     &["optim_state", "fully_shard"],
@@ -41,6 +41,7 @@ const LAYERS: &[&[&str]] = &[
     &["state_dict"],
     &["fsdp1", "fsdp2"],
     &["offline", "libtorch", "convert"],
+    &["commands"],
 ];
 
 /// Lower modules a module must not use although the layers allow it, and why: the format

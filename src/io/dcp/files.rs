@@ -1,12 +1,12 @@
 //! Access to the files of a DCP directory: every name a checkpoint writes is checked and
 //! resolved in it, and every file is opened by the rule of every input
-//! ([`crate::io::output::read_regular`]: regular files only, symbolic links followed), and
+//! ([`crate::storage::read_regular`]: regular files only, symbolic links followed), and
 //! metadata files are read bounded. Shared by the readers of each metadata source
 //! (`read.rs`, `per_rank.rs`, `hf_storage.rs`).
 
 use super::metadata::{Metadata, MAX_METADATA_BYTES};
 use crate::error::{Error, Result};
-use crate::io::output::{check_name, regular_len, NameForm, ReadRegularError};
+use crate::storage::{check_name, regular_len, NameForm, ReadRegularError};
 use std::path::{Path, PathBuf};
 
 /// Resolves `relative` in `root`: a relative path of plain components
@@ -53,8 +53,8 @@ pub(super) fn metadata_file_in(dir: &Path, root: &Path, name: &str) -> Result<Me
             "{len} bytes, more than the {MAX_METADATA_BYTES} read"
         )));
     }
-    let data = crate::io::output::read_regular(&real, MAX_METADATA_BYTES).map_err(|e| match e {
-        crate::io::output::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
+    let data = crate::storage::read_regular(&real, MAX_METADATA_BYTES).map_err(|e| match e {
+        crate::storage::ReadRegularError::Io(e) => Error::io("reading", &path)(e),
         other => refused(other.to_string()),
     })?;
     super::parse_metadata(&name, &data)

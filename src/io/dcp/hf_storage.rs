@@ -105,7 +105,7 @@ fn file_err(file: &str, key: Option<&str>, reason: impl Into<String>) -> Error {
 /// Reads the header of the safetensors file `path` (`file` names it in errors).
 fn header(path: &Path, file: &str) -> Result<Header> {
     use std::os::unix::fs::FileExt;
-    let f = crate::io::output::open_regular(path).map_err(|e| {
+    let f = crate::storage::open_regular(path).map_err(|e| {
         file_err(
             file,
             None,
@@ -545,7 +545,7 @@ fn check_index(dir: &Path, root: &Path, held_by: &HashMap<String, Vec<String>>) 
     };
     let bad = |reason: String| file_err(&index_name, None, reason);
     let (real, _) = confine(root, INDEX_FILE, "index file").map_err(bad)?;
-    let bytes = crate::io::output::read_regular(&real, MAX_INDEX)
+    let bytes = crate::storage::read_regular(&real, MAX_INDEX)
         .map_err(|e| bad(format!("cannot read it: {e}")))?;
     let json: serde_json::Value =
         serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;

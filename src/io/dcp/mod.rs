@@ -169,10 +169,10 @@ use crate::io::torch_save::FileTensors as TorchSaveTensors;
 pub(crate) use crate::io::torch_save::Views;
 use std::path::Path;
 
-/// What a DCP directory is for the replace rule of [`crate::io::output::check_dir_output`]:
+/// What a DCP directory is for the replace rule of [`crate::storage::check_dir_output`]:
 /// `.metadata` plus `__{rank}_{n}.distcp` data files and nothing else. A writer may replace
 /// such a directory whole.
-pub const DCP_DIR: crate::io::output::DirKind = crate::io::output::DirKind {
+pub const DCP_DIR: crate::storage::DirKind = crate::storage::DirKind {
     what: "a DCP checkpoint",
     entries: dcp_entries,
 };

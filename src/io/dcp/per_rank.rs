@@ -432,7 +432,7 @@ fn same_bytes(
                 info.offset, info.length
             )));
         }
-        crate::io::output::open_regular(&path)
+        crate::storage::open_regular(&path)
             .map_err(|e| storage_err(format!("opening: {}", std::io::Error::from(e))))
     };
     let (fa, fb) = (open(a)?, open(b)?);

@@ -27,7 +27,7 @@ pub struct DcpCheckpoint {
     files: HashMap<String, std::result::Result<(PathBuf, u64), String>>,
     /// With drop-behind (offline streams that read each chunk once), what has been read of
     /// each data file.
-    drop_behind: Option<Mutex<crate::io::output::DropBehind<PathBuf>>>,
+    drop_behind: Option<Mutex<crate::storage::DropBehind<PathBuf>>>,
     /// The data files open for chunk reads, least recently used first ([`OPEN_FILES`] at
     /// most).
     open_files: Mutex<Vec<(PathBuf, Arc<File>)>>,
@@ -112,7 +112,7 @@ impl DcpCheckpoint {
         if !info.transforms.is_empty() || info.offset.saturating_add(9) > *len {
             return Ok(());
         }
-        let Ok(mut file) = crate::io::output::open_regular(path) else {
+        let Ok(mut file) = crate::storage::open_regular(path) else {
             return Ok(());
         };
         // Enough of the header to hold `__metadata__`, which the safetensors writer puts first.
@@ -137,7 +137,7 @@ impl DcpCheckpoint {
     }
 
     /// This checkpoint, dropping the data-file pages it has read from the page cache
-    /// ([`crate::io::output::DropBehind`]): for offline streams that read each chunk once.
+    /// ([`crate::storage::DropBehind`]): for offline streams that read each chunk once.
     pub(crate) fn dropping_behind(mut self) -> Self {
         self.drop_behind = Some(Default::default());
         self
@@ -164,7 +164,7 @@ impl DcpCheckpoint {
             open.push(used);
             return Ok(file);
         }
-        let file = Arc::new(crate::io::output::open_regular(path)?);
+        let file = Arc::new(crate::storage::open_regular(path)?);
         if open.len() >= OPEN_FILES {
             open.remove(0);
         }
@@ -307,7 +307,7 @@ impl DcpCheckpoint {
         let path = self.checked_range(key, info, need)?;
         let f = &info.relative_path;
         let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
-        let mut file = crate::io::output::open_regular(path).map_err(|e| io(e.into()))?;
+        let mut file = crate::storage::open_regular(path).map_err(|e| io(e.into()))?;
         file.seek(SeekFrom::Start(info.offset)).map_err(io)?;
         let layers = zstd_layers(&info.transforms).map_err(|r| self.storage_err(key, f, r))?;
         if layers == 0 {
@@ -637,8 +637,8 @@ pub const ARCHIVE_ALLOWANCE: u64 = 64 << 10;
 
 /// The most bytes a compressed non-tensor value (a param-group option, a step, a user's plain
 /// value: a small pickle) may decompress to: 64 MiB, the limit the crate reads any small
-/// metadata it holds in memory whole with ([`crate::io::output::SMALL_METADATA_MAX_BYTES`]).
-pub const MAX_OBJECT_BYTES: u64 = crate::io::output::SMALL_METADATA_MAX_BYTES;
+/// metadata it holds in memory whole with ([`crate::storage::SMALL_METADATA_MAX_BYTES`]).
+pub const MAX_OBJECT_BYTES: u64 = crate::storage::SMALL_METADATA_MAX_BYTES;
 
 /// The zstd descriptor PyTorch's `ZStandard` extension records (`registry_name()/1`).
 pub(crate) const ZSTD_DESCRIPTOR: &str = "stream.zstd/1";
@@ -719,7 +719,7 @@ impl Drop for DcpCheckpoint {
             .filter_map(|f| f.as_ref().ok())
             .map(|f| &f.0)
         {
-            if let Ok(f) = crate::io::output::open_regular(path) {
+            if let Ok(f) = crate::storage::open_regular(path) {
                 dropper.finish(path, &f);
             }
         }
@@ -1118,13 +1118,13 @@ impl SafetensorsPlan {
         mut progress: impl FnMut(u64),
     ) -> Result<u64> {
         use std::os::unix::fs::FileExt;
-        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let err = crate::storage::tmp_io_err("writing", out, tmp);
         let data: u64 = self.lens.iter().sum();
-        let mut writeback = crate::io::output::Writeback::new(0);
+        let mut writeback = crate::storage::Writeback::new(0);
         let mut reader = RangeReader::new(ckpt);
         let (mut at, mut written) = (0u64, 0u64);
         for ((_, i), len) in self.order.iter().zip(&self.lens) {
-            if crate::io::output::writer_of(at, data, world_size) == rank {
+            if crate::storage::writer_of(at, data, world_size) == rank {
                 let key = &ckpt.metadata.entries[*i].key;
                 let start = self.header.len() as u64 + at;
                 let mut offset = start;
@@ -1153,7 +1153,7 @@ impl SafetensorsPlan {
     /// Writes the header at the start of `file`, the temporary `tmp` of `out`.
     pub(crate) fn write_header(&self, file: &File, out: &Path, tmp: &Path) -> Result<()> {
         use std::os::unix::fs::FileExt;
-        let err = crate::io::output::tmp_io_err("writing", out, tmp);
+        let err = crate::storage::tmp_io_err("writing", out, tmp);
         file.write_all_at(&self.header, 0).map_err(err)
     }
 }

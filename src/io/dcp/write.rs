@@ -247,7 +247,7 @@ struct Batch<'f> {
     path: &'f Path,
     start: u64,
     bytes: Vec<u8>,
-    writeback: crate::io::output::Writeback,
+    writeback: crate::storage::Writeback,
 }
 
 impl Batch<'_> {
@@ -409,7 +409,7 @@ impl<'a> DataPlan<'a> {
             path,
             start: 0,
             bytes: Vec::with_capacity(BATCH + BATCHED_ARCHIVE as usize),
-            writeback: crate::io::output::Writeback::new(0),
+            writeback: crate::storage::Writeback::new(0),
         };
         for i in which {
             let (s, item) = (self.places[i], &self.flat.items[i]);
@@ -471,7 +471,7 @@ impl<'a> DataPlan<'a> {
         let mut out = Counted {
             inner: std::io::BufWriter::with_capacity(
                 1 << 20,
-                crate::io::output::StreamedFile::new(file),
+                crate::storage::StreamedFile::new(file),
             ),
             n: 0,
         };
@@ -564,7 +564,7 @@ impl<'a> DataPlan<'a> {
                 .iter()
                 .map(|&(_, i)| self.places[i as usize].length)
                 .sum();
-            if crate::io::output::writer_of(at, self.len - first, world_size) == rank {
+            if crate::storage::writer_of(at, self.len - first, world_size) == rank {
                 mine.extend(group.iter().map(|&(_, i)| i));
             }
             at += len;
@@ -636,7 +636,7 @@ pub(crate) fn save_dcp_compressed(
         .write_compressed(&tmp, lazy)
         .and_then(|()| plan.commit(&tmp, out));
     if result.is_err() {
-        crate::io::output::discard_tmp_dir(&tmp);
+        crate::storage::discard_tmp_dir(&tmp);
     }
     result.map(|()| plan.tensor_bytes())
 }
@@ -653,7 +653,7 @@ fn save_dcp_streaming(obj: &PyObj, out: &Path, lazy: &mut dyn LazyTensors) -> Re
         .write_share(&tmp, (0, 1), lazy)
         .and_then(|()| plan.commit(&tmp, out));
     if result.is_err() {
-        crate::io::output::discard_tmp_dir(&tmp);
+        crate::storage::discard_tmp_dir(&tmp);
     }
     result.map(|()| plan.tensor_bytes())
 }
@@ -689,9 +689,9 @@ impl<'a> PlannedDcp<'a> {
     /// data file at its planned length. Returns the temporary's path.
     pub(crate) fn stage(&self, out: &Path) -> Result<std::path::PathBuf> {
         check_target(out)?;
-        let tmp = crate::io::output::make_tmp_dir(out)?;
+        let tmp = crate::storage::make_tmp_dir(out)?;
         if let Err(e) = self.plan.create(&tmp) {
-            crate::io::output::discard_tmp_dir(&tmp);
+            crate::storage::discard_tmp_dir(&tmp);
             return Err(e);
         }
         Ok(tmp)
@@ -779,9 +779,9 @@ fn write_metadata(path: &Path, plan: &DataPlan<'_>, name: &str) -> Result<()> {
 }
 
 /// Refuses an existing output that is not an empty directory: the replace rule of every
-/// writer ([`crate::io::output::check_dir_output`]), so that each refusal reads the same.
+/// writer ([`crate::storage::check_dir_output`]), so that each refusal reads the same.
 fn check_target(out: &Path) -> Result<()> {
-    crate::io::output::check_dir_output(out, crate::io::output::EMPTY_DIR, &[])
+    crate::storage::check_dir_output(out, crate::storage::EMPTY_DIR, &[])
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {

@@ -395,7 +395,7 @@ fn locate(path: &Path) -> Result<(Form, PathBuf, String)> {
     ] {
         if let Some(tag) = read_tag(&path.join(marker))? {
             let dir = path.join(&tag);
-            return match crate::io::output::check_dir(&dir) {
+            return match crate::storage::check_dir(&dir) {
                 Ok(()) => Ok((form, dir, tag)),
                 Err(e) if e.is_missing() => Err(Error::DeepSpeedMissingTag {
                     dir: path.display().to_string(),
@@ -416,8 +416,8 @@ const MAX_TAG_BYTES: u64 = 4096;
 
 /// The tag a `latest` (or `latest_universal`) file names (DeepSpeed strips it): `None` when
 /// there is no such entry. The file is read by the rule of every input
-/// ([`crate::io::output::read_regular`]: a regular file, symbolic links followed, at most
-/// [`MAX_TAG_BYTES`]), and the tag must be a plain name ([`crate::io::output::check_name`]):
+/// ([`crate::storage::read_regular`]: a regular file, symbolic links followed, at most
+/// [`MAX_TAG_BYTES`]), and the tag must be a plain name ([`crate::storage::check_name`]):
 /// each fault is an error naming the file and what is wrong.
 pub(crate) fn read_tag(file: &Path) -> Result<Option<String>> {
     let refused = |reason: String| Error::DeepSpeedInconsistent {
@@ -426,16 +426,16 @@ pub(crate) fn read_tag(file: &Path) -> Result<Option<String>> {
         param: None,
         reason,
     };
-    let bytes = match crate::io::output::read_regular(file, MAX_TAG_BYTES) {
+    let bytes = match crate::storage::read_regular(file, MAX_TAG_BYTES) {
         Ok(bytes) => bytes,
         Err(e) if e.is_missing() => return Ok(None),
-        Err(e @ crate::io::output::ReadRegularError::Io(_)) => {
+        Err(e @ crate::storage::ReadRegularError::Io(_)) => {
             return Err(e.at("reading", file));
         }
         Err(e) => return Err(refused(format!("{e}; it must name the tag directory"))),
     };
     let tag = String::from_utf8_lossy(&bytes).trim().to_string();
-    if let Some(why) = crate::io::output::check_name(&tag, crate::io::output::NameForm::Plain) {
+    if let Some(why) = crate::storage::check_name(&tag, crate::storage::NameForm::Plain) {
         return Err(refused(format!(
             "it names the tag `{}`, which cannot be a directory beside it: {why}",
             crate::error::shown(&tag)
@@ -465,7 +465,7 @@ pub(crate) fn holds_optim_states(dir: &Path) -> bool {
 /// directory of either form, or a root whose `latest` / `latest_universal` names a tag (a
 /// tag whose directory is missing, or is not a directory, counts: reading it says so). A
 /// `latest` that cannot be read or names no plain tag is an error naming it. What
-/// [`crate::offline::recognize`] asks.
+/// [`crate::commands::recognize`] asks.
 pub fn recognize_dir(dir: &Path) -> Result<Option<Form>> {
     if is_universal_tag_dir(dir) {
         return Ok(Some(Form::Universal));
@@ -485,7 +485,7 @@ pub fn recognize_dir(dir: &Path) -> Result<Option<Form>> {
             Form::Universal => is_universal_tag_dir(&tag_dir),
             Form::Zero => holds_optim_states(&tag_dir),
         };
-        if fits || crate::io::output::check_dir(&tag_dir).is_err() {
+        if fits || crate::storage::check_dir(&tag_dir).is_err() {
             return Ok(Some(form));
         }
     }

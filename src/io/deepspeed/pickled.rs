@@ -163,9 +163,9 @@ pub(super) fn shape_of(obj: &PyObj) -> Option<Vec<usize>> {
 }
 
 /// A parameter name that can name a directory of a universal checkpoint and a key: a plain
-/// name ([`crate::io::output::check_name`]).
+/// name ([`crate::storage::check_name`]).
 pub(super) fn check_name(p: &Pickled, name: &str) -> Result<()> {
-    match crate::io::output::check_name(name, crate::io::output::NameForm::Plain) {
+    match crate::storage::check_name(name, crate::storage::NameForm::Plain) {
         None => Ok(()),
         Some(why) => Err(p.err(
             Some(name),

@@ -50,10 +50,10 @@ pub(crate) fn single_or_sharded_name(i: usize, n: usize) -> String {
 }
 
 /// What a Hugging Face model directory is for the replace rule of
-/// [`crate::io::output::check_dir_output`]: the export writes into a missing or empty
+/// [`crate::storage::check_dir_output`]: the export writes into a missing or empty
 /// directory only, since a directory of model files usually holds more (tokenizer, config,
 /// README) that a new export must not mix with.
-pub const HF_MODEL_DIR: crate::io::output::DirKind = crate::io::output::DirKind {
+pub const HF_MODEL_DIR: crate::storage::DirKind = crate::storage::DirKind {
     what: "an empty directory",
     entries: |_| Err("a Hugging Face export writes only into a missing or empty directory".into()),
 };

@@ -263,7 +263,7 @@ impl Rename {
     /// The rules of a JSON file: an object `{"FROM": "TO", …}` (applied in the file's
     /// order) or a list of `["FROM", "TO"]` pairs.
     pub fn from_json_file(path: &Path) -> Result<Vec<Rename>> {
-        let bytes = crate::io::output::read_small_file(path)?;
+        let bytes = crate::storage::read_small_file(path)?;
         let bad = |reason: String| Error::HfRename {
             rule: path.display().to_string(),
             reason,

@@ -92,12 +92,12 @@ fn check_file(
     name: &str,
     weight_map: Option<&BTreeMap<String, String>>,
 ) -> Result<()> {
-    let Err(e) = crate::io::output::regular_len(path) else {
+    let Err(e) = crate::storage::regular_len(path) else {
         return Ok(());
     };
     let what = match e {
         e if e.is_missing() => "it is missing".to_string(),
-        crate::io::output::ReadRegularError::Io(e) => format!("it cannot be opened: {e}"),
+        crate::storage::ReadRegularError::Io(e) => format!("it cannot be opened: {e}"),
         other => other.to_string(),
     };
     let Some(map) = weight_map else {
@@ -124,7 +124,7 @@ impl HfModelDir {
         let mut tensors = Vec::with_capacity(count);
         let mut files = Vec::with_capacity(headers.files.len());
         for (name, path, header) in headers.files {
-            let f = crate::io::output::open_regular(&path)
+            let f = crate::storage::open_regular(&path)
                 .map_err(std::io::Error::from)
                 .map_err(Error::io("reading", &path))?;
             let mut placed = Placed::new();
@@ -190,7 +190,7 @@ pub fn summary(dir: &Path) -> Result<HfSummary> {
     let (mut total_size, mut total_parameters) = (0u64, 0u64);
     let mut files = Vec::with_capacity(headers.files.len());
     for (name, path, header) in headers.files {
-        let len = crate::io::output::regular_len(&path).map_err(|e| e.at("reading", &path))?;
+        let len = crate::storage::regular_len(&path).map_err(|e| e.at("reading", &path))?;
         let file: std::sync::Arc<str> = name.as_str().into();
         for t in header {
             let n = t.shape.iter().product::<usize>() as u64;
@@ -247,7 +247,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let bytes = crate::io::output::read_small_file(path)?;
+    let bytes = crate::storage::read_small_file(path)?;
     let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
         dir_err(
             path,
@@ -256,7 +256,7 @@ fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         )
     })?;
     for (key, file) in &index.weight_map {
-        let plain = crate::io::output::check_name(file, crate::io::output::NameForm::Plain);
+        let plain = crate::storage::check_name(file, crate::storage::NameForm::Plain);
         if let Some(why) = plain {
             return Err(dir_err(
                 path,

@@ -24,7 +24,7 @@ pub(crate) fn write_file(
     (out, path): (&Path, &Path),
     bytes: &mut TensorBytes<'_>,
 ) -> Result<()> {
-    let err = crate::io::output::tmp_io_err("writing", out, path);
+    let err = crate::storage::tmp_io_err("writing", out, path);
     let mut w = std::io::BufWriter::with_capacity(BUFFER, file);
     w.write_all(&planned.header).map_err(&err)?;
     for t in &planned.tensors {

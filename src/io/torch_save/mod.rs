@@ -63,8 +63,8 @@ pub use convert::{
 pub use pyobj::{PyObj, QDType, QScheme, QuantizedTensor, RichTensor, SparseLayout, TensorValue};
 
 use crate::error::{Error, Result};
-use crate::io::output::StreamedFile;
 use crate::optim_state::OptimStateDict;
+use crate::storage::StreamedFile;
 use crate::tensor::{DType, HostTensor};
 use std::fs::{File, OpenOptions};
 use std::io::BufWriter;
@@ -190,7 +190,7 @@ fn open(path: &Path) -> Result<(String, FileSource)> {
         source: e.into(),
     };
     // A regular file only (symbolic links followed): a FIFO would block, a device never end.
-    let file = crate::io::output::open_regular(path).map_err(|e| e.at("reading", path))?;
+    let file = crate::storage::open_regular(path).map_err(|e| e.at("reading", path))?;
     let len = file.metadata().map_err(io)?.len();
     Ok((
         name,
@@ -222,7 +222,7 @@ fn shared_range(file: Arc<File>, path: &Path, start: u64, len: u64) -> (String, 
 /// the tensors: no copy of the archive is held. The caller checks that the range lies inside
 /// the file; errors name the file and the range.
 pub fn load_from_file_range(path: &Path, start: u64, len: u64) -> Result<PyObj> {
-    let file = crate::io::output::open_regular(path).map_err(|e| e.at("reading", path))?;
+    let file = crate::storage::open_regular(path).map_err(|e| e.at("reading", path))?;
     load_from_shared_range(file.into(), path, start, len)
 }
 
@@ -519,7 +519,7 @@ pub(crate) fn write_archive_at(
     obj: &PyObj,
     archive: &str,
     (file, offset): (&File, u64),
-    writeback: &mut crate::io::output::Writeback,
+    writeback: &mut crate::storage::Writeback,
     name: &str,
     lazy: &mut dyn writer::LazyTensors,
 ) -> Result<u64> {
@@ -539,7 +539,7 @@ pub(crate) fn archive_name(path: &Path) -> String {
 /// Streams process `rank`'s share (of `world_size`) of `plan`'s lazy storages into their
 /// places in `file`, the temporary `tmp` of `out`; returns (storage index, CRC-32 of its
 /// data) of each. The storages' bytes are cut into `world_size` equal spans
-/// ([`crate::io::output::writer_of`]).
+/// ([`crate::storage::writer_of`]).
 pub(crate) fn write_lazy_share(
     plan: &writer::PlannedArchive<'_>,
     lazy: &mut dyn writer::LazyTensors,
@@ -556,11 +556,11 @@ pub(crate) fn write_lazy_share(
     };
     let from = plan.span(first).0;
     let data = plan.file_len() - from;
-    let mut writeback = crate::io::output::Writeback::new(0);
+    let mut writeback = crate::storage::Writeback::new(0);
     let mut crcs = Vec::new();
     for i in lazy_storages {
         let (start, len) = plan.span(i);
-        if crate::io::output::writer_of(start - from, data, world_size) != rank {
+        if crate::storage::writer_of(start - from, data, world_size) != rank {
             continue;
         }
         let (mut at, end) = (start, start + len);
@@ -589,7 +589,7 @@ pub(crate) fn write_lazy_share(
             Ok(())
         });
         if let Some(e) = failed {
-            return Err(crate::io::output::tmp_io_err("writing", out, tmp)(e));
+            return Err(crate::storage::tmp_io_err("writing", out, tmp)(e));
         }
         streamed?;
         if at != end {
@@ -898,7 +898,7 @@ pub(crate) fn write_atomic(
         })?
         .to_string_lossy()
         .into_owned();
-    crate::io::output::check_file_output(path)?;
+    crate::storage::check_file_output(path)?;
     let tmp = dir.join(format!(
         ".{file_name}.{}.{}.tmp",
         std::process::id(),
@@ -917,7 +917,7 @@ pub(crate) fn write_atomic(
             .into_file();
         file.sync_all().map_err(Error::io("syncing", &tmp))?;
         drop(file);
-        crate::io::output::check_file_output(path)?;
+        crate::storage::check_file_output(path)?;
         std::fs::rename(&tmp, path).map_err(Error::io("renaming into place", path))?;
         Ok(())
     })();

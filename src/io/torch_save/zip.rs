@@ -86,7 +86,7 @@ impl ZipReader<FileSource> {
     /// Drops `len` bytes of the file at `offset` (of the source) from the page cache: for a
     /// reader that reads each byte once.
     pub(crate) fn drop_cached(&self, offset: u64, len: u64) {
-        crate::io::output::drop_cached_pages(&self.src.file, self.src.start + offset, len);
+        crate::storage::drop_cached_pages(&self.src.file, self.src.start + offset, len);
     }
 }
 
@@ -99,7 +99,7 @@ impl Source for FileSource {
     }
     fn will_need(&self, offset: u64, len: u64) {
         if self.read_ahead {
-            crate::io::output::will_need_pages(&self.file, self.start + offset, len);
+            crate::storage::will_need_pages(&self.file, self.start + offset, len);
         }
     }
 }
@@ -860,7 +860,7 @@ pub(crate) struct Positioned<'f> {
     file: Option<&'f std::fs::File>,
     pos: u64,
     /// Hands what is written to the disk as it goes and drops it from the page cache.
-    writeback: Option<&'f mut crate::io::output::Writeback>,
+    writeback: Option<&'f mut crate::storage::Writeback>,
 }
 
 impl<'f> Positioned<'f> {
@@ -874,12 +874,12 @@ impl<'f> Positioned<'f> {
     }
 
     /// Writes into `file` from byte `offset` on, with write-back and drop-behind through
-    /// `writeback` ([`crate::io::output::Writeback`], which one writer keeps across the ranges
+    /// `writeback` ([`crate::storage::Writeback`], which one writer keeps across the ranges
     /// it writes): for data that is not read again.
     pub(crate) fn streaming_into(
         file: &'f std::fs::File,
         offset: u64,
-        writeback: &'f mut crate::io::output::Writeback,
+        writeback: &'f mut crate::storage::Writeback,
     ) -> Self {
         Positioned {
             file: Some(file),

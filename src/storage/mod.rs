@@ -1,3 +1,8 @@
+//! Storage (layer 1, below every format): the one place that opens, creates, syncs, renames
+//! and cleans up the files a command reads or writes — a local-disk backend today, the seam a
+//! later object-storage backend plugs into. [`crate::io`] holds the formats and moves their
+//! bytes through here.
+//!
 //! Safe outputs: which existing paths a writer may replace, how a finished output is
 //! installed, how stale temporaries of killed runs are cleaned, and the one rule for every
 //! file a reader opens (regular files only, symbolic links followed, names inside a

@@ -27,6 +27,7 @@
 //! `bf16_`, `mp_rank_MM_model_states.pt`, …) is read with the three DeepSpeed globals of its
 //! pickles allowed ([`crate::io::deepspeed`]); any other file is not.
 
+use crate::convert::HfSource;
 use crate::error::{Error, Result};
 use crate::io::dcp::HfForm;
 use crate::io::FileFormat;
@@ -69,6 +70,17 @@ impl Input {
     /// opens).
     pub fn is_dcp(self) -> bool {
         matches!(self, Input::Dcp | Input::DcpPerRank | Input::DcpHf(_))
+    }
+
+    /// What `convert --to hf` exports this form as ([`crate::convert::checkpoint_to_hf`]): a
+    /// DCP directory of any form, the crate's checkpoint or a file; `None` for the others.
+    pub fn hf_source(self) -> Option<HfSource> {
+        match self {
+            Input::Checkpoint => Some(HfSource::Checkpoint),
+            Input::File(_) => Some(HfSource::File),
+            i if i.is_dcp() => Some(HfSource::Dcp),
+            _ => None,
+        }
     }
 
     /// What the input is, for messages ("a DCP directory").
@@ -142,8 +154,8 @@ const DIRECTORY_FORMS: &[Form] = &[
 /// file, an 8-byte length and a JSON header a safetensors file). Anything else is an error
 /// that says what was found.
 pub fn recognize(path: &Path) -> Result<Input> {
-    use crate::io::output::ReadRegularError;
-    let meta = match crate::io::output::stat(path) {
+    use crate::storage::ReadRegularError;
+    let meta = match crate::storage::stat(path) {
         Ok(meta) => meta,
         Err(ReadRegularError::NotRegular(kind)) => {
             return Err(Error::UnrecognizedInput {
@@ -166,7 +178,7 @@ pub fn recognize(path: &Path) -> Result<Input> {
             path: path.display().to_string(),
             found: format!(
                 "it is a {}, not a file or directory",
-                crate::io::output::file_kind(&meta.file_type())
+                crate::storage::file_kind(&meta.file_type())
             ),
         });
     }
@@ -185,9 +197,9 @@ fn dcp_global(dir: &Path) -> Result<Option<Input>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io("inspecting", &marker)(e)),
     }
-    match crate::io::output::regular_len(&marker) {
+    match crate::storage::regular_len(&marker) {
         Ok(_) => Ok(Some(Input::Dcp)),
-        Err(crate::io::output::ReadRegularError::NotRegular(kind)) => Err(Error::DcpMetadata {
+        Err(crate::storage::ReadRegularError::NotRegular(kind)) => Err(Error::DcpMetadata {
             file: marker.display().to_string(),
             reason: format!("`.metadata` is a {kind}, not a regular file"),
         }),
@@ -311,7 +323,7 @@ fn count_by_extension(names: &[String]) -> String {
 /// The format of a file whose extension says nothing, from its first bytes.
 fn sniff(path: &Path) -> Result<Option<FileFormat>> {
     use std::io::Read;
-    let f = crate::io::output::open_regular(path)
+    let f = crate::storage::open_regular(path)
         .map_err(|e| Error::io("opening the input", path)(e.into()))?;
     let mut head = Vec::with_capacity(9);
     f.take(9)
