@@ -109,7 +109,11 @@ impl Inflated {
         let rest = self.head.split_off(start);
         self.found = true;
         if let Some((dtype, shape)) = &self.hold {
-            let t = HostTensor::zeros(*dtype, shape);
+            // Every byte is written before the tensor is handed out ([`Self::into_data`]);
+            // pages for reads, as a chunk read from a file gets them.
+            let Ok(t) = HostTensor::filled_by_reads(*dtype, shape, |_| {
+                Ok::<(), std::convert::Infallible>(())
+            });
             if t.nbytes() as u64 != self.data_len {
                 // Not the chunk's tensor: keep the bytes in the head, as a whole read would.
                 self.found = false;
@@ -177,11 +181,16 @@ impl Inflated {
             obj: PyObj::Tensor(t),
             shapes,
             whole,
+            views,
             ..
         } = u
         else {
             return None;
         };
+        // No other tensor was built on the way (a whole read would have read its storage).
+        if views.len() != 1 {
+            return None;
+        }
         let key = whole.get(&t.storage_id())?;
         let entry = storage_entry(&zip, &prefix, key).ok()?;
         let start = zip.data_start(&entry).ok()?;
@@ -299,5 +308,120 @@ impl Source for Parts<'_> {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALLOWANCE: usize = 64 << 10;
+
+    fn ramp(n: usize) -> HostTensor {
+        HostTensor::from_vec1(&(0..n).map(|i| i as f32).collect::<Vec<_>>())
+    }
+
+    fn archive(t: &HostTensor) -> Vec<u8> {
+        super::super::save_to_bytes(&PyObj::Tensor(t.clone())).unwrap()
+    }
+
+    fn pushed(bytes: &[u8], piece: usize, len: u64, hold: Hold<'_>) -> Inflated {
+        let mut inflated = Inflated::new(len, hold, ALLOWANCE);
+        for p in bytes.chunks(piece) {
+            assert!(inflated.push(p));
+        }
+        inflated
+    }
+
+    #[test]
+    fn the_split_finds_the_storage_whatever_the_pieces_and_vouches_for_torch_saves_layout() {
+        let t = ramp(5000);
+        let a = archive(&t);
+        for piece in [1, 7, 64, 4096, a.len()] {
+            let held = pushed(&a, piece, 20_000, Hold::Data(DType::F32, &[5000]));
+            assert_eq!(held.len(), a.len() as u64);
+            assert_eq!(
+                held.lone_tensor(),
+                Some((DType::F32, vec![5000])),
+                "{piece}"
+            );
+            assert!(held.load().unwrap().bit_eq(&PyObj::Tensor(t.clone())));
+            assert_eq!(held.into_data().unwrap().as_bytes(), t.as_bytes());
+            let skipped = pushed(&a, piece, 20_000, Hold::Skip);
+            assert_eq!(
+                skipped.lone_tensor(),
+                Some((DType::F32, vec![5000])),
+                "{piece}"
+            );
+            // The data is not there to be read whole.
+            assert!(skipped.load().is_err());
+            let split = skipped.into_split();
+            let head = split.head.len();
+            assert_eq!(head + 20_000 + split.tail.len(), a.len());
+            assert_eq!(&a[head..head + 20_000], t.as_bytes());
+            assert_eq!(split.crc, crc32fast::hash(t.as_bytes()));
+        }
+    }
+
+    #[test]
+    fn bytes_past_the_archive_another_length_or_a_flipped_data_byte_are_not_vouched_for() {
+        let t = ramp(5000);
+        let a = archive(&t);
+        let mut longer = a.clone();
+        longer.push(0);
+        let held = pushed(&longer, 4096, 20_000, Hold::Data(DType::F32, &[5000]));
+        assert_eq!(held.lone_tensor(), None);
+        let whole = super::super::load_one_archive(&longer).unwrap_err();
+        assert_eq!(
+            held.load().unwrap_err(),
+            whole,
+            "the same error as a whole read"
+        );
+        assert_eq!(pushed(&a, 4096, 19_996, Hold::Skip).lone_tensor(), None);
+        let mut flipped = a.clone();
+        let at = a.len() / 2;
+        flipped[at] ^= 1;
+        let held = pushed(&flipped, 4096, 20_000, Hold::Data(DType::F32, &[5000]));
+        assert_eq!(held.lone_tensor(), None);
+        let whole = super::super::load_one_archive(&flipped).unwrap_err();
+        assert!(whole.to_string().contains("CRC-32 mismatch"), "{whole}");
+        assert_eq!(held.load().unwrap_err(), whole);
+        assert_eq!(
+            pushed(&flipped, 4096, 20_000, Hold::Skip).lone_tensor(),
+            None
+        );
+    }
+
+    #[test]
+    fn a_head_past_the_allowance_stops_a_skipping_split_and_is_all_kept_by_a_holding_one() {
+        let junk = vec![7u8; ALLOWANCE + 1];
+        let mut skipped = Inflated::new(4, Hold::Skip, ALLOWANCE);
+        assert!(!skipped.push(&junk));
+        let mut held = Inflated::new(4, Hold::Data(DType::F32, &[1]), ALLOWANCE);
+        assert!(held.push(&junk) && held.push(b"more"));
+        assert_eq!(held.len(), junk.len() as u64 + 4);
+        assert_eq!(held.lone_tensor(), None);
+        assert_eq!(
+            held.load().unwrap_err(),
+            super::super::load_one_archive(&[junk, b"more".to_vec()].concat()).unwrap_err()
+        );
+    }
+
+    #[test]
+    fn storage_names_are_a_folder_then_data_then_a_key() {
+        assert!(is_storage_name(b"archive/data/0"));
+        assert!(is_storage_name(b"x/data/17"));
+        for name in [
+            &b"archive/data/"[..],
+            b"archive/.data/version",
+            b"data/0",
+            b"a/data/0/1",
+        ] {
+            assert!(
+                !is_storage_name(name),
+                "{:?}",
+                String::from_utf8_lossy(name)
+            );
+        }
     }
 }
