@@ -8,6 +8,7 @@ mod dcp;
 mod dcp_forms;
 mod dcp_live;
 mod dcp_sources;
+mod dcp_zstd_stream;
 mod deepspeed;
 mod error_paths;
 mod fsdp2_comm;

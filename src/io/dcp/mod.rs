@@ -35,11 +35,22 @@
 //!   bytes decompress to at most **131072 × ⌊(L − 6) / 4⌋** bytes (none below 10 bytes); each
 //!   further zstd layer applies the bound again. A chunk of `n` bytes of data needs `n` bytes
 //!   of output at least.
-//! * **An item is decompressed in pieces, across all its frames, into a buffer that grows with
-//!   the output** (never one sized from the metadata), and reading stops as soon as the output
-//!   passes what the item may hold ([`ARCHIVE_ALLOWANCE`] beyond a chunk's data,
+//! * **An item is decompressed in bounded pieces, across all its frames, straight to its
+//!   destination**, never into a buffer sized from the metadata, and reading stops as soon as
+//!   the output passes what the item may hold ([`ARCHIVE_ALLOWANCE`] beyond a chunk's data,
 //!   [`MAX_OBJECT_BYTES`] for a value; `Error::DcpExpansion`): a trailing frame that would
-//!   inflate to gigabytes is not inflated past that.
+//!   inflate to gigabytes is not inflated past that. A tensor chunk's archive is split as it
+//!   decompresses (`read/zstd_chunk.rs`, `torch_save/inflated.rs`): the bytes before its
+//!   storage's data and after it (at most [`ARCHIVE_ALLOWANCE`] together) are kept; the data
+//!   goes into the chunk's tensor (a whole read, whose tensor the first rule bounds) or, for
+//!   a reader that streams the chunk to its outputs, is only checksummed, then decompressed
+//!   again and handed out a megabyte at a time, the bytes around it and its CRC-32 checked
+//!   against the first pass. The split is believed only when the archive, read over those parts by the
+//!   same checks as a whole read, is one tensor that is its whole storage and that storage's
+//!   entry is exactly the data (start, size, CRC-32); any other layout (a view of a larger
+//!   storage, say) is read from all its bytes as before, so what is read or refused, and
+//!   every message, is what a whole read gives. A value is decompressed into a buffer that
+//!   grows with the output.
 //! * **The range must decompress to exactly one `torch.save` archive**: bytes that are no
 //!   zstd frame, a frame the range cuts short (even one whose checksum alone is cut, which
 //!   PyTorch's `zstandard` stream reader passes over), and output past the archive's end
@@ -81,6 +92,8 @@ pub use read::{
 pub(crate) use read::{Placeholders, RangeReader, SafetensorsPlan, Streamed};
 
 pub use hf_storage::{hf_form, HfForm, SHARDING_INFO_KEY};
+#[cfg(feature = "fault-injection")]
+pub use read::{zstd_chunk_reads, ZstdChunkReads};
 pub use read::{ARCHIVE_ALLOWANCE, MAX_OBJECT_BYTES};
 pub use write::{save_dcp, save_dcp_with, Compression, DcpWriteOptions};
 pub(crate) use write::{save_dcp_compressed, PlannedDcp};

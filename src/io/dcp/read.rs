@@ -14,6 +14,10 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
+mod zstd_chunk;
+#[cfg(feature = "fault-injection")]
+pub use zstd_chunk::{zstd_chunk_reads, ZstdChunkReads};
+
 /// An opened DCP directory: its metadata, with every data file resolved inside it.
 #[derive(Debug)]
 pub struct DcpCheckpoint {
@@ -306,38 +310,19 @@ impl DcpCheckpoint {
     ) -> Result<Vec<u8>> {
         let path = self.checked_range(key, info, need)?;
         let f = &info.relative_path;
-        let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
-        let mut file = crate::storage::open_regular(path).map_err(|e| io(e.into()))?;
-        file.seek(SeekFrom::Start(info.offset)).map_err(io)?;
-        let layers = zstd_layers(&info.transforms).map_err(|r| self.storage_err(key, f, r))?;
-        if layers == 0 {
+        if info.transforms.is_empty() {
+            let io = |e: std::io::Error| self.storage_err(key, f, format!("reading: {e}"));
+            let mut file = crate::storage::open_regular(path).map_err(|e| io(e.into()))?;
+            file.seek(SeekFrom::Start(info.offset)).map_err(io)?;
             let mut buf = vec![0u8; info.length as usize];
             file.read_exact(&mut buf).map_err(io)?;
             return Ok(buf);
         }
-        let mut stream: Box<dyn Read> = Box::new(file.take(info.length));
-        for _ in 0..layers {
-            // Every frame of the range, one after another (skippable frames give nothing), as
-            // PyTorch's `zstandard` stream reader reads it; bytes that are no frame, or a frame
-            // the range cuts, are an error. An inner layer may hold a little more than the
-            // outer one's output.
-            let decoder = zstd::stream::read::Decoder::new(stream).map_err(io)?;
-            stream = Box::new(decoder.take(zstd_bound(limit)));
-        }
+        let mut stream = self.zstd_stream(key, info, path, limit)?;
         let mut buf = Vec::with_capacity(need.min(limit).min(READ_PIECE) as usize);
         stream
-            .take(limit.saturating_add(1))
             .read_to_end(&mut buf)
-            .map_err(|e| {
-                self.storage_err(
-                    key,
-                    f,
-                    format!(
-                        "bytes {}..+{} do not decompress as {:?}: {e}",
-                        info.offset, info.length, info.transforms
-                    ),
-                )
-            })?;
+            .map_err(|e| self.decode_err(key, info, e))?;
         if buf.len() as u64 > limit {
             return Err(Error::DcpExpansion {
                 dir: self.dir_name(),
@@ -387,11 +372,22 @@ impl DcpCheckpoint {
     /// must be of the metadata's dtype and the chunk's shape.
     fn open_chunk(&self, key: &str, chunk: &Chunk, dtype: DType) -> Result<Option<OpenChunk>> {
         let info = self.storage(key, Some(&chunk.offsets))?;
-        if self.source.raw_chunks() || !info.transforms.is_empty() {
+        if self.source.raw_chunks() {
             return Ok(None);
         }
         let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
+        if !info.transforms.is_empty() {
+            let Some(tensor) = self.open_zstd_chunk(key, (chunk, info), dtype)? else {
+                return Ok(None);
+            };
+            return Ok(Some(OpenChunk {
+                tensor: ChunkStream::Zstd(tensor),
+                path: path.to_path_buf(),
+                range: (info.offset, info.offset + info.length),
+                file: f.clone(),
+            }));
+        }
         let at = chunk_site(chunk, info);
         let file = self
             .data_file(path)
@@ -403,7 +399,7 @@ impl DcpCheckpoint {
         };
         self.check_chunk_tensor(key, (chunk, info), dtype, (tensor.shape(), tensor.dtype()))?;
         Ok(Some(OpenChunk {
-            tensor,
+            tensor: ChunkStream::Plain(tensor),
             path: path.to_path_buf(),
             range: (info.offset, info.offset + info.length),
             file: f.clone(),
@@ -445,24 +441,16 @@ impl DcpCheckpoint {
         let path = self.checked_range(key, info, chunk_bytes(&chunk.sizes, dtype))?;
         let f = &info.relative_path;
         let at = chunk_site(chunk, info);
-        let parsed = if info.transforms.is_empty() {
+        let obj = if info.transforms.is_empty() {
             let file = self
                 .data_file(path)
                 .map_err(|e| self.storage_err(key, f, format!("reading: {e}")))?;
-            let obj = torch_save::load_from_shared_range(file, path, info.offset, info.length);
+            let parsed = torch_save::load_from_shared_range(file, path, info.offset, info.length);
             self.drop_read_pages(path, info.offset, info.offset + info.length);
-            obj
+            parsed.map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?
         } else {
-            let need = chunk_bytes(&chunk.sizes, dtype);
-            let limit = need.saturating_add(ARCHIVE_ALLOWANCE);
-            let what = format!(
-                "the chunk's {need} bytes of {dtype} plus {ARCHIVE_ALLOWANCE} for the torch.save archive around them"
-            );
-            let raw = self.read_item(key, info, (limit, &what), need)?;
-            torch_save::load_one_archive(&raw)
+            self.read_zstd_chunk(key, (chunk, info), dtype)?
         };
-        let obj =
-            parsed.map_err(|e| self.storage_err(key, f, format!("{at} does not parse: {e}")))?;
         let PyObj::Tensor(t) = obj else {
             return Err(self.storage_err(
                 key,
@@ -873,10 +861,52 @@ enum Unit {
 /// A chunk [`DcpCheckpoint::open_chunk`] opened, with where it lies (for page dropping and
 /// messages).
 struct OpenChunk {
-    tensor: LoneTensor,
+    tensor: ChunkStream,
     path: PathBuf,
     range: (u64, u64),
     file: String,
+}
+
+/// A chunk read forward in pieces: stored plain ([`LoneTensor`]) or through zstd
+/// ([`zstd_chunk::ZstdChunk`]).
+enum ChunkStream {
+    Plain(LoneTensor),
+    Zstd(zstd_chunk::ZstdChunk),
+}
+
+impl ChunkStream {
+    fn pos(&self) -> u64 {
+        match self {
+            ChunkStream::Plain(t) => t.pos(),
+            ChunkStream::Zstd(t) => t.pos(),
+        }
+    }
+
+    fn read(
+        &mut self,
+        from: u64,
+        to: u64,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        match self {
+            ChunkStream::Plain(t) => t.read(from, to, sink),
+            ChunkStream::Zstd(t) => t.read(from, to, sink),
+        }
+    }
+
+    fn is_checked(&self) -> bool {
+        match self {
+            ChunkStream::Plain(t) => t.is_checked(),
+            ChunkStream::Zstd(t) => t.is_checked(),
+        }
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        match self {
+            ChunkStream::Plain(t) => t.finish(),
+            ChunkStream::Zstd(t) => t.finish(),
+        }
+    }
 }
 
 impl<'c> RangeReader<'c> {
@@ -1035,8 +1065,9 @@ fn opened_done(
     done: Result<()>,
 ) -> Result<()> {
     match done {
-        // The sink's own errors (writing) pass through unchanged.
-        Err(e @ (Error::Io { .. } | Error::Internal(_))) => Err(e),
+        // The sink's own errors (writing) pass through unchanged, and those that name the
+        // chunk already (a compressed chunk's).
+        Err(e @ (Error::Io { .. } | Error::Internal(_) | Error::DcpStorage { .. })) => Err(e),
         Err(e) => Err(ckpt.storage_err(key, &open.file, e.to_string())),
         Ok(()) => {
             if open.tensor.is_checked() {

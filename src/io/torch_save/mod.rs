@@ -44,6 +44,7 @@
 
 mod convert;
 mod cursor;
+mod inflated;
 mod legacy;
 mod lone_tensor;
 mod pyobj;
@@ -52,6 +53,7 @@ mod unpickle;
 pub(crate) mod writer;
 mod zip;
 
+pub(crate) use inflated::{Hold, Inflated, Split};
 pub(crate) use lone_tensor::LoneTensor;
 pub(crate) use ranged::StorageReader;
 pub(crate) use unpickle::{Allow, PlaceholderView};
@@ -462,11 +464,18 @@ pub fn load_from_bytes(bytes: &[u8]) -> Result<PyObj> {
 /// decompressed bytes must be. A legacy (pickle-stream) archive is read as
 /// [`load_from_bytes`] reads it.
 pub(crate) fn load_one_archive(bytes: &[u8]) -> Result<PyObj> {
-    let mut src = zip::SliceSource(bytes);
+    load_one(zip::SliceSource(bytes))
+}
+
+/// [`load_one_archive`] of the archive `src` (in memory, in parts or whole).
+fn load_one<S: Source + Copy>(mut src: S) -> Result<PyObj> {
     if !starts_legacy(MEMORY, &mut src)? {
         zip::ZipReader::new(MEMORY, src)?.check_fills()?;
     }
-    load_from_bytes(bytes)
+    let mode = unpickle::Mode::Full {
+        max_expansion_bytes: LoadOptions::default().max_expansion_bytes,
+    };
+    Ok(read_archive(MEMORY, src, mode, Allow::TorchLoad)?.obj)
 }
 
 /// [`load_from_bytes`] with options.

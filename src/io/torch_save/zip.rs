@@ -25,6 +25,15 @@ const CENTRAL_HEADER_LEN: usize = 46;
 const EOCD_LEN: usize = 22;
 const FLAGS: u16 = 0x0808;
 
+/// How many bytes at the end of an archive are read, in one read, to find its end record
+/// (which holds a comment of at most 65535 bytes).
+pub(super) const EOCD_SEARCH: u64 = EOCD_LEN as u64 + 0xffff;
+
+/// Whether `bytes` hold an end record's signature with room for the record after it.
+pub(super) fn holds_end_record(bytes: &[u8]) -> bool {
+    bytes.len() >= EOCD_LEN && (0..=bytes.len() - EOCD_LEN).any(|i| le32(bytes, i) == EOCD_SIG)
+}
+
 /// An entry name's bytes as a message shows them: UTF-8 as it is, `\xNN` for each byte that
 /// is not.
 fn shown_bytes(raw: &[u8]) -> String {
@@ -50,6 +59,7 @@ pub(crate) trait Source {
 }
 
 /// An archive held in memory.
+#[derive(Clone, Copy)]
 pub(crate) struct SliceSource<'a>(pub(crate) &'a [u8]);
 
 impl Source for SliceSource<'_> {
@@ -280,7 +290,7 @@ impl<S: Source> ZipReader<S> {
     fn central_directory(&mut self) -> Result<CentralDirectory> {
         let len = self.src.len();
         // The end record is in the last 22 + 65535 bytes.
-        let tail_len = len.min(EOCD_LEN as u64 + 0xffff);
+        let tail_len = len.min(EOCD_SEARCH);
         let tail_start = len - tail_len;
         let mut tail = vec![0u8; tail_len as usize];
         self.read(tail_start, &mut tail, None)?;
