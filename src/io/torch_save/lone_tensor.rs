@@ -17,6 +17,17 @@ use std::sync::Arc;
 /// piece stays cached while its parts are checksummed and written.
 const PIECE: usize = 1 << 20;
 
+/// Refuses a forward read of bytes `from..to` of a `size`-byte tensor whose reader stands at
+/// byte `pos` unless `pos <= from <= to <= size` (a caller's mistake, not the input's).
+pub(crate) fn check_forward(from: u64, to: u64, pos: u64, size: u64) -> Result<()> {
+    if from < pos || to < from || to > size {
+        return Err(Error::Internal(format!(
+            "bytes {from}..{to} of a {size}-byte tensor read from byte {pos}"
+        )));
+    }
+    Ok(())
+}
+
 /// The tensor that is the whole object of a `torch.save` archive, when it is also the whole
 /// of its storage (contiguous, of the storage's dtype): its bytes are the storage entry's, read
 /// forward from where the last read stopped. The entry's CRC-32 is checked when the read
@@ -98,11 +109,7 @@ impl LoneTensor {
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
         let (pos, size) = (self.cursor.pos(), self.cursor.size());
-        if from < pos || to < from || to > size {
-            return Err(Error::Internal(format!(
-                "bytes {from}..{to} of a {size}-byte tensor read from byte {pos}"
-            )));
-        }
+        check_forward(from, to, pos, size)?;
         if self.buf.is_empty() && to > pos {
             self.buf = vec![0; PIECE.min(size as usize)];
         }

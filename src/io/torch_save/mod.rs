@@ -54,7 +54,7 @@ pub(crate) mod writer;
 mod zip;
 
 pub(crate) use inflated::{Hold, Inflated, Split};
-pub(crate) use lone_tensor::LoneTensor;
+pub(crate) use lone_tensor::{check_forward, LoneTensor};
 pub(crate) use ranged::StorageReader;
 pub(crate) use unpickle::{Allow, PlaceholderView};
 

@@ -339,12 +339,8 @@ impl ZstdChunk {
         to: u64,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        let (pos, size) = (self.pos, self.split.len);
-        if from < pos || to < from || to > size {
-            return Err(Error::Internal(format!(
-                "bytes {from}..{to} of a {size}-byte tensor read from byte {pos}"
-            )));
-        }
+        let size = self.split.len;
+        crate::io::torch_save::check_forward(from, to, self.pos, size)?;
         self.pass_head()?;
         while self.pos < to {
             let n = (to - self.pos).min(PIECE as u64) as usize;
