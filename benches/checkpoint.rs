@@ -73,7 +73,7 @@
 mod common;
 use common::{evict, full_adam_state, raw_read, raw_write, shard_and_release};
 use fsdp::collectives::Solo;
-use fsdp::convert;
+use fsdp::commands::conversions;
 
 use fsdp::checkpoint::{self, LoadOptions, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
@@ -549,9 +549,9 @@ fn child_call(op: &str, src: &Path, dst: &Path) -> u64 {
         "reshard" | "reshard-direct" => {
             checkpoint::reshard(src, dst, RESHARD_WS, None, &Solo, |_| {}).expect("offline reshard")
         }
-        "consolidate" => convert::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
+        "consolidate" => conversions::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
             .expect("streaming consolidation"),
-        "consolidate-pt" => convert::checkpoint_to_torch_save(src, dst, &Solo, |_| {})
+        "consolidate-pt" => conversions::checkpoint_to_torch_save(src, dst, &Solo, |_| {})
             .expect("streaming consolidation to torch.save"),
         other => panic!("unknown child mode {other}"),
     }

@@ -27,7 +27,7 @@ use common::{
     Runs,
 };
 use fsdp::collectives::Solo;
-use fsdp::convert;
+use fsdp::commands::conversions;
 
 use std::path::Path;
 use std::time::Instant;
@@ -226,11 +226,11 @@ fn child(spec: &str) {
     let start = Instant::now();
     match op {
         "consolidate" => {
-            convert::dcp_to_torch_save(Path::new(input), Path::new(output), &Solo, |_| {})
+            conversions::dcp_to_torch_save(Path::new(input), Path::new(output), &Solo, |_| {})
                 .expect("consolidating the DCP directory");
         }
         "to_dcp" => {
-            convert::torch_save_to_dcp(Path::new(input), Path::new(output), &Solo)
+            conversions::torch_save_to_dcp(Path::new(input), Path::new(output), &Solo)
                 .expect("writing the DCP directory");
         }
         _ => panic!("unknown child op {op}"),

@@ -12,7 +12,7 @@
 //! size removes it at the start (the directory holds one checkpoint at most).
 //!
 //! Then, in alternation, each run a fresh process (`--reps R`, default 3; medians):
-//! - fsdp: `fsdp::convert::deepspeed_to_safetensors` (what `fsdp-ckpt consolidate DS_DIR
+//! - fsdp: `fsdp::commands::conversions::deepspeed_to_safetensors` (what `fsdp-ckpt consolidate DS_DIR
 //!   OUT.safetensors` does), in a child process of this bench so that its VmHWM is its own;
 //!   the file is synced before its rename;
 //! - DeepSpeed: `deepspeed.utils.zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
@@ -47,7 +47,7 @@ use common::{
     s, status_bytes, Runs,
 };
 use fsdp::collectives::Solo;
-use fsdp::convert::{self, DeepSpeedOutput};
+use fsdp::commands::conversions::{self, DeepSpeedOutput};
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -420,7 +420,7 @@ fn clean_up(o: &Options, p: &Paths) {
 fn child(spec: &str) {
     let (input, output) = spec.split_once('\n').expect("child spec");
     let start = Instant::now();
-    convert::deepspeed_to_safetensors(
+    conversions::deepspeed_to_safetensors(
         Path::new(input),
         Path::new(output),
         DeepSpeedOutput::default(),

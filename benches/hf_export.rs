@@ -8,7 +8,7 @@
 //! directory in Hugging Face storage (`HuggingFaceStorageWriter(save_distributed=True,
 //! fqn_to_index_mapping=M)`, one rank's `shard-00001-model-*` files; M puts each tensor in the
 //! file huggingface_hub's split puts it in). Then, in alternation, each run a fresh process:
-//! - fsdp: `fsdp::convert::checkpoint_to_hf` of the DCP directory (what `fsdp-ckpt convert
+//! - fsdp: `fsdp::commands::conversions::checkpoint_to_hf` of the DCP directory (what `fsdp-ckpt convert
 //!   DCP_DIR OUT_DIR --to hf --max-shard-size B` does), `model-0000i-of-0000N.safetensors` +
 //!   `model.safetensors.index.json`, synced before its rename;
 //! - PyTorch's route: `dcp_to_torch_save` to a temporary .pt, `torch.load`, the `model`
@@ -38,7 +38,7 @@ use common::{
     Runs,
 };
 use fsdp::collectives::Solo;
-use fsdp::convert;
+use fsdp::commands::conversions;
 
 use std::path::Path;
 use std::time::Instant;
@@ -232,14 +232,14 @@ fn child(spec: &str) {
         parts.next().unwrap(),
         parts.next().unwrap(),
     );
-    let opts = convert::HfExportOptions {
+    let opts = conversions::HfExportOptions {
         max_shard_size: Some(shard.parse().expect("max_shard_size")),
         ..Default::default()
     };
     let start = Instant::now();
-    convert::checkpoint_to_hf(
+    conversions::checkpoint_to_hf(
         Path::new(input),
-        convert::HfSource::Dcp,
+        conversions::HfSource::Dcp,
         Path::new(output),
         &opts,
         &Solo,

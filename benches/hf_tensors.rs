@@ -8,7 +8,7 @@
 //! - Python: `safe_open` + listing the keys (what transformers starts with);
 //! - fsdp inspect: `fsdp::io::hf::summary` of the directory, printed as `fsdp-ckpt inspect`
 //!   prints it (into a sink);
-//! - fsdp convert --to dcp: `fsdp::convert::hf_to_dcp` (what `fsdp-ckpt convert HF_DIR OUT --to
+//! - fsdp convert --to dcp: `fsdp::commands::conversions::hf_to_dcp` (what `fsdp-ckpt convert HF_DIR OUT --to
 //!   dcp` does), the DCP directory written and synced.
 //!
 //! Targets: at 1.2M tensors each fsdp operation takes at most 2x Python's time, with a peak
@@ -152,8 +152,8 @@ fn child(spec: &str) {
             writeln!(sink, "{summary}").expect("printing");
         }
         _ => {
-            let opts = fsdp::convert::HfImportOptions::default();
-            fsdp::convert::hf_to_dcp(input, output, &opts, &Solo).expect("importing");
+            let opts = fsdp::commands::conversions::HfImportOptions::default();
+            fsdp::commands::conversions::hf_to_dcp(input, output, &opts, &Solo).expect("importing");
         }
     }
     let secs = start.elapsed().as_secs_f64();

@@ -61,7 +61,7 @@ use common::{
     raw_write, status_bytes, venv_python,
 };
 use fsdp::collectives::Solo;
-use fsdp::convert;
+use fsdp::commands::conversions;
 
 use fsdp::checkpoint::{self, SaveOptions};
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
@@ -124,7 +124,7 @@ fn child(args: &[String]) {
             let layout =
                 fsdp::flat_param::ModelLayout::new(&model(units), &policy(units), RESHARD_WS)
                     .expect("layout");
-            convert::dcp_to_checkpoint(a, b, &layout, &Solo).expect("dcp_to_checkpoint");
+            conversions::dcp_to_checkpoint(a, b, &layout, &Solo).expect("dcp_to_checkpoint");
         }
         _ => run_op(op, a, b),
     }
@@ -138,19 +138,19 @@ fn child(args: &[String]) {
 
 fn run_op(op: &str, src: &Path, dst: &Path) {
     match op {
-        "consolidate-pt" => convert::checkpoint_to_torch_save(src, dst, &Solo, |_| {})
+        "consolidate-pt" => conversions::checkpoint_to_torch_save(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("consolidate_to_torch"),
-        "consolidate-st" => convert::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
+        "consolidate-st" => conversions::checkpoint_to_safetensors(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("consolidate_to_safetensors"),
         "reshard" => checkpoint::reshard(src, dst, RESHARD_WS, None, &Solo, |_| {})
             .map(drop)
             .expect("reshard"),
-        "convert-dcp" => convert::checkpoint_to_dcp(src, dst, &Solo, |_| {})
+        "convert-dcp" => conversions::checkpoint_to_dcp(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("convert_to_dcp"),
-        "dcp-consolidate" => convert::dcp_to_torch_save(src, dst, &Solo, |_| {})
+        "dcp-consolidate" => conversions::dcp_to_torch_save(src, dst, &Solo, |_| {})
             .map(drop)
             .expect("DCP consolidate_to_torch"),
         other => panic!("unknown child op {other}"),
@@ -390,7 +390,8 @@ impl SizeRun<'_> {
         let root = self.root;
         // The model description `convert --to fsdp` takes.
         let desc = root.join("desc.json");
-        let text = fsdp::offline::DescFile::new(model(self.units), policy(self.units)).to_json();
+        let text = fsdp::commands::rank_dicts::DescFile::new(model(self.units), policy(self.units))
+            .to_json();
         std::fs::write(&desc, text).expect("writing desc.json");
         let to_fsdp = ["--to", "fsdp", "--model", &s(&desc), "--world-size", "3"].map(String::from);
         for &np in &nps {

@@ -5,7 +5,6 @@
 pub mod checkpoint;
 pub mod collectives;
 pub mod commands;
-pub mod convert;
 mod error;
 pub mod flat_param;
 pub mod fully_shard;
@@ -14,7 +13,6 @@ pub mod io;
 #[cfg_attr(docsrs, doc(cfg(feature = "tch")))]
 pub mod libtorch;
 pub mod model;
-pub mod offline;
 pub mod optim;
 pub mod optim_state;
 pub mod param_layout;
@@ -40,8 +38,8 @@ pub use tensor::TchTensor;
 pub use tensor::{DType, HostTensor, Tensor};
 
 // The model and its wrapping: what `DESC.json` holds.
+pub use commands::rank_dicts::DescFile;
 pub use model::{FsdpVersion, ModelDesc, ParamDesc, ShardingStrategy, WrapPolicy};
-pub use offline::DescFile;
 
 // Optimizer state dicts, as `optim.state_dict()` and PyTorch FSDP's functions shape them.
 pub use optim_state::{

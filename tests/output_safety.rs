@@ -146,18 +146,18 @@ fn what_every_directory_writer_leaves_when_killed_is_cleaned_by_the_next_run() {
         .all(|r| r.is_ok()));
     let pg = fsdp::collectives::Solo;
     let dcp = root.path().join("dcp");
-    fsdp::convert::checkpoint_to_dcp(&ck, &dcp, &pg, |_| {}).unwrap();
+    fsdp::commands::conversions::checkpoint_to_dcp(&ck, &dcp, &pg, |_| {}).unwrap();
     // The Hugging Face export of the fixture DCP checkpoint, sharded, with its index and config.
     let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/hf/llama_tied");
     let hf = root.path().join("hf");
-    let opts = fsdp::convert::HfExportOptions {
+    let opts = fsdp::commands::conversions::HfExportOptions {
         max_shard_size: Some(60_000),
         config: Some(golden.join("hf_60KB/config.json")),
         ..Default::default()
     };
-    fsdp::convert::checkpoint_to_hf(
+    fsdp::commands::conversions::checkpoint_to_hf(
         &golden.join("dcp"),
-        fsdp::convert::HfSource::Dcp,
+        fsdp::commands::conversions::HfSource::Dcp,
         &hf,
         &opts,
         &pg,
@@ -165,10 +165,10 @@ fn what_every_directory_writer_leaves_when_killed_is_cleaned_by_the_next_run() {
     .unwrap();
     assert!(hf.join("model.safetensors.index.json").exists());
     let single = root.path().join("hf1");
-    let opts = fsdp::convert::HfExportOptions::default();
-    fsdp::convert::checkpoint_to_hf(
+    let opts = fsdp::commands::conversions::HfExportOptions::default();
+    fsdp::commands::conversions::checkpoint_to_hf(
         &golden.join("dcp"),
-        fsdp::convert::HfSource::Dcp,
+        fsdp::commands::conversions::HfSource::Dcp,
         &single,
         &opts,
         &pg,

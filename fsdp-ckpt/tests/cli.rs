@@ -8,8 +8,8 @@ mod common;
 
 use common::{full_adam, nested_model, transformer_model, transformer_policy, wrap};
 use fsdp::collectives::ThreadGroup;
+use fsdp::commands::rank_dicts::DescFile;
 use fsdp::io::torch_save::{self, optim_to_pyobj};
-use fsdp::offline::DescFile;
 use fsdp::{DType, Fsdp, ModelDesc, OptimStateDict, WrapPolicy};
 use indexmap::IndexMap;
 use std::path::{Path, PathBuf};

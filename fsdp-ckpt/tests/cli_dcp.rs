@@ -141,7 +141,7 @@ fn convert_to_dcp_removes_the_temporary_of_a_killed_run_and_says_so() {
 
 #[test]
 fn convert_a_pytorch_dcp_directory_to_a_checkpoint_for_three_ranks_keeps_its_optimizer_state() {
-    use fsdp::offline::DescFile;
+    use fsdp::commands::rank_dicts::DescFile;
     use fsdp::{DType, ModelDesc, WrapPolicy};
     // gen.py's Net (untied, nothing frozen), wrapped as FSDP1 wraps it: net1, net2, the root.
     let f = DType::F32;
@@ -301,7 +301,7 @@ fn a_safetensors_serialized_directory_is_refused_by_every_command() {
 
 #[test]
 fn convert_a_compressed_pytorch_directory_to_a_checkpoint_keeps_its_optimizer_state() {
-    use fsdp::offline::DescFile;
+    use fsdp::commands::rank_dicts::DescFile;
     use fsdp::WrapPolicy;
     let tmp = tempfile::tempdir().unwrap();
     let desc = tmp.path().join("desc.json");
@@ -417,7 +417,7 @@ fn per_rank_metadata_is_inspected_verified_consolidated_and_converted() {
     ok(&run(&[&"consolidate", &global, &back]));
     assert!(torch_save::load(&back).unwrap().bit_eq(&expected));
     // The crate's checkpoint for 2 ranks keeps the optimizer state.
-    use fsdp::offline::DescFile;
+    use fsdp::commands::rank_dicts::DescFile;
     use fsdp::{DType, ModelDesc, WrapPolicy};
     let f = DType::F32;
     let model = ModelDesc::new()
@@ -543,7 +543,7 @@ fn hostile_zstd(case: &str) -> (tempfile::TempDir, PathBuf) {
 
 #[test]
 fn hostile_compressed_items_exit_1_naming_key_and_file_with_nothing_left_behind() {
-    use fsdp::offline::DescFile;
+    use fsdp::commands::rank_dicts::DescFile;
     use fsdp::WrapPolicy;
     for (case, key, file) in [
         // 64 GiB declared in a few hundred compressed bytes: was an abort (SIGABRT) after a

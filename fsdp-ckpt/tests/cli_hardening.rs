@@ -10,9 +10,9 @@ mod common;
 use common::{nested_model, wrap};
 use fsdp::checkpoint::{self, Manifest};
 use fsdp::collectives::ThreadGroup;
+use fsdp::commands::rank_dicts::shard_full_dict;
+use fsdp::commands::rank_dicts::DescFile;
 use fsdp::io::torch_save;
-use fsdp::offline::shard_full_dict;
-use fsdp::offline::DescFile;
 use fsdp::{
     DType, Fsdp, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy,
 };

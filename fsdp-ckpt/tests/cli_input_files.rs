@@ -360,7 +360,7 @@ fn a_bad_deepspeed_latest_says_what_is_wrong_with_the_tag() {
 
 #[test]
 fn the_crates_checkpoint_files_follow_the_one_rule() {
-    use fsdp::offline::DescFile;
+    use fsdp::commands::rank_dicts::DescFile;
     let tmp = tempfile::tempdir().unwrap();
     let desc = tmp.path().join("desc.json");
     let policy = fsdp::WrapPolicy::units(&["net1", "net2", ""]);

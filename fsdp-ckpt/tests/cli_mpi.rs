@@ -411,7 +411,7 @@ fn deepspeed_matches_single_process(np: usize) {
 /// PyTorch's FSDP2 DCP fixture (tests/golden/dcp) converted to the crate's checkpoint for 5
 /// ranks by the tool alone and by N processes: the same files, byte for byte.
 fn convert_to_fsdp_matches_single_process(np: usize) {
-    use fsdp::offline::DescFile;
+    use fsdp::commands::rank_dicts::DescFile;
     use fsdp::WrapPolicy;
     let root = scratch(&format!("convert-fsdp-np{np}"));
     let input =

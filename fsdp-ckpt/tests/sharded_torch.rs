@@ -4,8 +4,8 @@
 //! (`fully_shard` + `optim.state_dict()`). Each is read as local shard plus global metadata,
 //! and the ranks' files consolidate to exactly the full dict PyTorch gives.
 
+use fsdp::commands::rank_dicts::consolidate_sharded;
 use fsdp::io::torch_save::{self, PyObj};
-use fsdp::offline::consolidate_sharded;
 use fsdp::optim_state::ShardedTensor;
 use fsdp::{Error, OptimStateDict, ParamKey, Value};
 use std::path::{Path, PathBuf};

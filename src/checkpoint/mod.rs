@@ -24,7 +24,7 @@
 
 mod background;
 mod dcp;
-pub(crate) mod from_dcp;
+pub(crate) mod import_dcp;
 mod lazy;
 mod load;
 mod manifest;

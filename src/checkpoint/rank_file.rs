@@ -4,7 +4,7 @@
 
 use super::manifest::FileRecord;
 use crate::error::{Error, Result};
-use crate::io::container::{self, Entry};
+use crate::io::safetensors::header::{self, Entry};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -16,7 +16,7 @@ pub(super) fn header(rank: usize, entries: &[Entry]) -> Result<(Vec<u8>, Vec<u64
     let mut meta = BTreeMap::new();
     meta.insert("format".to_string(), super::FORMAT.to_string());
     meta.insert("rank".to_string(), rank.to_string());
-    container::header(entries, &meta, &|e| {
+    header::encode(entries, &meta, &|e| {
         format!(
             "parameter `{}` in rank {rank}'s file of the crate's checkpoint",
             e.name

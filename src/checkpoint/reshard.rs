@@ -13,7 +13,7 @@ use super::{install, sync_dir, COMMIT};
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership, ShardPiece};
-use crate::io::container::Entry;
+use crate::io::safetensors::header::Entry;
 use crate::model::WrapPolicy;
 use serde::{Deserialize, Serialize};
 use std::path::Path;

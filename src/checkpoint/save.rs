@@ -10,7 +10,7 @@ use super::{sync_dir, GroupContext, COMMIT};
 use crate::collectives::ProcessGroupExt;
 use crate::error::{Error, Result};
 use crate::flat_param::{FlatParamLayout, ModelLayout, ShardPiece};
-use crate::io::container::Entry;
+use crate::io::safetensors::header::Entry;
 use crate::optim_state::consolidate::named_param_groups;
 use crate::optim_state::keys::{LocalParam, OptimStateKey, Resolved};
 use crate::optim_state::{OptimParams, OptimStateDict, ParamGroup, ParamKey, ParamState, Value};

@@ -5,7 +5,7 @@ use super::load::{consolidated_order, Reader};
 use super::manifest::{read_manifest, Manifest, Piece, StoredValue, CHECKSUM_BLOCK};
 use crate::error::{Error, Result};
 use crate::flat_param::{ModelLayout, Ownership};
-use crate::io::container::{self, Entry};
+use crate::io::safetensors::header::{self, Entry};
 use crate::io::torch_save::writer::LazyTensors;
 use crate::io::torch_save::{optim_to_pyobj, PyObj};
 use crate::optim_state::{OptimStateDict, ParamKey, ParamState, Value};
@@ -170,7 +170,7 @@ impl<'s> SafetensorsPlan<'s> {
             })
             .collect();
         let meta: BTreeMap<String, String> = meta.into_iter().collect();
-        let (header, starts) = container::header(&entries, &meta, &|e| {
+        let (header, starts) = header::encode(&entries, &meta, &|e| {
             format!("the path `{}` of the checkpoint's object", e.name)
         })?;
         Ok(SafetensorsPlan {

@@ -1,17 +1,17 @@
 //! `consolidate IN OUT`, `consolidate-sharded RANK… -o FULL` and `consolidate-torch --model
 //! DESC RANK… -o FULL`: one full state dict of a sharded checkpoint.
 
+use super::conversions;
 use super::{
     clean_stale, expect_input, load_optim, load_spec, on_processes, phase, save_optim, step, Input,
     Progress, TorchOptions, Unit, Written,
 };
 use crate::checkpoint;
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
-use crate::convert;
+use crate::commands::rank_dicts::{check_local_dicts, check_rank_files, consolidate_local_dicts};
 use crate::error::{Error, Result};
 use crate::io::dcp;
 use crate::io::{self, FileFormat};
-use crate::offline::{check_local_dicts, check_rank_files, consolidate_local_dicts};
 use crate::optim_state::OptimStateDict;
 use crate::storage;
 use std::path::{Path, PathBuf};
@@ -54,8 +54,8 @@ pub struct ConsolidateOptions {
 ///
 /// Run by the processes of `pg` (`&Solo` for one; under `mpirun -np N`, see
 /// [`consolidate_splits`]): each writes its share of the file's byte ranges
-/// ([`convert::checkpoint_to_safetensors`], [`convert::checkpoint_to_torch_save`],
-/// [`convert::dcp_to_safetensors`], [`convert::dcp_to_torch_save`]) and process 0 installs
+/// ([`conversions::checkpoint_to_safetensors`], [`conversions::checkpoint_to_torch_save`],
+/// [`conversions::dcp_to_safetensors`], [`conversions::dcp_to_torch_save`]) and process 0 installs
 /// it. The file is the same for any number of processes; a failure on any process fails all
 /// of them with the same error and leaves `out` as it was. `p` reports this process's share.
 pub fn consolidate(
@@ -68,7 +68,7 @@ pub fn consolidate(
 }
 
 /// [`consolidate`] with options: `--optim` for a DeepSpeed checkpoint
-/// ([`convert::deepspeed_to_torch_save`], [`convert::deepspeed_to_safetensors`]).
+/// ([`conversions::deepspeed_to_torch_save`], [`conversions::deepspeed_to_safetensors`]).
 pub fn consolidate_with(
     input: &Path,
     out: &Path,
@@ -103,10 +103,12 @@ pub fn consolidate_with(
     p.start(&phase("consolidating", pg), share_total);
     let to = |b| p.update(b);
     let written = match (is_dcp, format) {
-        (true, FileFormat::Safetensors) => convert::dcp_to_safetensors(input, out, pg, to),
-        (true, _) => convert::dcp_to_torch_save(input, out, pg, to),
-        (false, FileFormat::Safetensors) => convert::checkpoint_to_safetensors(input, out, pg, to),
-        (false, _) => convert::checkpoint_to_torch_save(input, out, pg, to),
+        (true, FileFormat::Safetensors) => conversions::dcp_to_safetensors(input, out, pg, to),
+        (true, _) => conversions::dcp_to_torch_save(input, out, pg, to),
+        (false, FileFormat::Safetensors) => {
+            conversions::checkpoint_to_safetensors(input, out, pg, to)
+        }
+        (false, _) => conversions::checkpoint_to_torch_save(input, out, pg, to),
     };
     p.finish();
     let written = written?;
@@ -145,11 +147,11 @@ fn consolidate_deepspeed(
     let total = ckpt.fp32_bytes() * states;
     let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
     p.start(&phase("consolidating", pg), share_total);
-    let what = convert::DeepSpeedOutput { optim: opts.optim };
+    let what = conversions::DeepSpeedOutput { optim: opts.optim };
     let to = |b| p.update(b);
     let written = match format {
-        FileFormat::Safetensors => convert::deepspeed_to_safetensors(input, out, what, pg, to),
-        FileFormat::TorchSave => convert::deepspeed_to_torch_save(input, out, what, pg, to),
+        FileFormat::Safetensors => conversions::deepspeed_to_safetensors(input, out, what, pg, to),
+        FileFormat::TorchSave => conversions::deepspeed_to_torch_save(input, out, what, pg, to),
     };
     p.finish();
     let written = written?;
@@ -200,7 +202,7 @@ pub fn consolidate_sharded(ranks: &[PathBuf], output: &Path, p: &dyn Progress) -
     storage::check_not_overlapping(output, &inputs)?;
     storage::check_file_output(output)?;
     let dicts = read_rank_files(p, ranks)?;
-    let full = crate::offline::consolidate_sharded(&dicts)?;
+    let full = crate::commands::rank_dicts::consolidate_sharded(&dicts)?;
     drop(dicts);
     write_full(
         p,

@@ -1,18 +1,18 @@
 //! `convert IN OUT [--to dcp|hf|fsdp]`: file to file, and to and from DCP directories, the
 //! crate's checkpoint and Hugging Face model directories.
 
+use super::conversions;
 use super::{
     as_a_job, clean_stale, expect_input, phase, recognize, step, Input, Progress, Written,
 };
 use crate::checkpoint;
 use crate::collectives::{ProcessGroup, ProcessGroupExt};
-use crate::convert;
+use crate::commands::rank_dicts::DescFile;
 use crate::error::{Error, Result};
 use crate::flat_param::ModelLayout;
 use crate::io::dcp;
 use crate::io::inspect::Summary;
 use crate::io::{self, FileFormat};
-use crate::offline::DescFile;
 use crate::storage;
 use crate::tensor::DType;
 use std::path::{Path, PathBuf};
@@ -131,8 +131,8 @@ impl HfOptions {
             .collect()
     }
 
-    fn export(&self) -> Result<convert::HfExportOptions> {
-        Ok(convert::HfExportOptions {
+    fn export(&self) -> Result<conversions::HfExportOptions> {
+        Ok(conversions::HfExportOptions {
             max_shard_size: self
                 .max_shard_size
                 .as_deref()
@@ -146,13 +146,13 @@ impl HfOptions {
         })
     }
 
-    fn import(&self, compression: io::dcp::Compression) -> Result<convert::HfImportOptions> {
+    fn import(&self, compression: io::dcp::Compression) -> Result<conversions::HfImportOptions> {
         if let Some(flag) = self.export_only().first() {
             return Err(Error::Unsupported(format!(
                 "{flag} applies to `--to hf` (the export); importing a Hugging Face model takes --prefix, --rename, --rename-map, --dtype, --tie and --config"
             )));
         }
-        Ok(convert::HfImportOptions {
+        Ok(conversions::HfImportOptions {
             prefix: self
                 .prefix
                 .clone()
@@ -256,11 +256,11 @@ fn convert_file(
 /// `convert IN OUT_DIR --to dcp`, from a file, from the crate's checkpoint directory, from a
 /// DeepSpeed checkpoint, or from a DCP directory with per-rank metadata or in Hugging Face
 /// storage, by the processes of `pg`: each writes its share of the tensors into the one data
-/// file ([`convert::checkpoint_to_dcp`] for the crate's checkpoint directory,
-/// [`convert::deepspeed_to_dcp`] for a DeepSpeed checkpoint (model and Adam state, as
-/// `get_state_dict` names them), [`convert::dcp_to_dcp`] for a DCP directory (per-rank
+/// file ([`conversions::checkpoint_to_dcp`] for the crate's checkpoint directory,
+/// [`conversions::deepspeed_to_dcp`] for a DeepSpeed checkpoint (model and Adam state, as
+/// `get_state_dict` names them), [`conversions::dcp_to_dcp`] for a DCP directory (per-rank
 /// metadata or Hugging Face storage rewritten with one `.metadata`),
-/// [`convert::torch_save_to_dcp`] for a file); process 0
+/// [`conversions::torch_save_to_dcp`] for a file); process 0
 /// writes `.metadata` and installs the directory. The output is the same for any number of
 /// processes (a DCP directory's `.metadata` differs only in its random save id). With
 /// `compression` (`--compress zstd`) every item is a zstd frame and process 0 writes them all.
@@ -289,18 +289,18 @@ fn to_dcp(
     p.start(&phase("converting", pg), None);
     let written = if from_checkpoint {
         // The full optimizer state dict of the crate's sharded checkpoint, streamed.
-        convert::checkpoint_to_dcp_with(input, output, pg, &opts, |b| p.update(b))
+        conversions::checkpoint_to_dcp_with(input, output, pg, &opts, |b| p.update(b))
     } else if found == Input::HfModel {
         convert_opts
             .hf
             .import(compression)
-            .and_then(|o| convert::hf_to_dcp(input, output, &o, pg))
+            .and_then(|o| conversions::hf_to_dcp(input, output, &o, pg))
     } else if found.is_dcp() {
-        convert::dcp_to_dcp_with(input, output, pg, &opts)
+        conversions::dcp_to_dcp_with(input, output, pg, &opts)
     } else if found.is_deepspeed() {
-        convert::deepspeed_to_dcp(input, output, pg, &opts, |b| p.update(b))
+        conversions::deepspeed_to_dcp(input, output, pg, &opts, |b| p.update(b))
     } else {
-        convert::torch_save_to_dcp_with(input, output, pg, &opts)
+        conversions::torch_save_to_dcp_with(input, output, pg, &opts)
     };
     p.finish();
     let written = written?;
@@ -346,7 +346,7 @@ fn to_dcp_takes(i: Input) -> bool {
 
 /// `convert IN OUT_DIR --to hf`: the model weights of a DCP directory (any form), the
 /// crate's checkpoint or a file, as the Hugging Face model directory `save_pretrained`
-/// writes ([`convert::checkpoint_to_hf`]); by the processes of `pg`, each writing its share
+/// writes ([`conversions::checkpoint_to_hf`]); by the processes of `pg`, each writing its share
 /// of the files, process 0 the index.
 fn to_hf(
     input: &Path,
@@ -367,7 +367,7 @@ fn to_hf(
         .ok_or_else(|| Error::Internal("an accepted input has no export form".into()))?;
     pg.on_root(|| clean_stale(p, output, None))?;
     p.start(&phase("exporting", pg), None);
-    let done = convert::checkpoint_to_hf(input, from, output, &opts, pg);
+    let done = conversions::checkpoint_to_hf(input, from, output, &opts, pg);
     p.finish();
     let done = done?;
     let dropped = if done.dropped.is_empty() {
@@ -421,7 +421,7 @@ pub fn convert_splits(input: &Path, opts: &ConvertOptions) -> bool {
 /// `convert DCP_DIR OUT_DIR --to fsdp --model DESC.json --world-size N`: the crate's sharded
 /// checkpoint of the DCP directory's optimizer state for N ranks of the described model, as
 /// N live ranks loading their shards ([`crate::Fsdp::load_dcp`]) and saving would write it,
-/// streamed up to 16 rank files per pass over the input ([`convert::dcp_to_checkpoint`]);
+/// streamed up to 16 rank files per pass over the input ([`conversions::dcp_to_checkpoint`]);
 /// by the processes of `pg`, output rank `r` is written by process `r % N` and process 0
 /// commits.
 fn dcp_to_fsdp(
@@ -433,7 +433,7 @@ fn dcp_to_fsdp(
 ) -> Result<Written> {
     let layout = pg.agree(fsdp_target(input, output, opts))?;
     step(p, &phase("converting", pg), || {
-        convert::dcp_to_checkpoint(input, output, &layout, pg)
+        conversions::dcp_to_checkpoint(input, output, &layout, pg)
     })?;
     fsdp_written(input, output, layout.world_size(), pg)
 }

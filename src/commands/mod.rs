@@ -4,23 +4,34 @@
 //! its options and output, plans, and runs the plan over a process group (`&Solo` for one
 //! process; under `mpirun -np N`, [`consolidate_splits`] and [`convert_splits`] say which
 //! commands split their work), reporting its phases through a [`Progress`] and returning what
-//! it did or found as a library type ([`Written`], [`Inspection`], [`Verified`]). The format
-//! layer ([`crate::io`]), the crate's checkpoint ([`crate::checkpoint`]), the conversions
-//! ([`crate::convert`]) and the offline optimizer-state transforms ([`crate::offline`]) are
-//! entered only from here.
+//! it did or found as a library type ([`Written`], [`Inspection`], [`Verified`]).
 //!
 //! The front ends only parse arguments and print or return: the `fsdp-ckpt` command line
 //! prints these values and draws the progress as bars; the Python package (`python/`)
 //! returns them as dicts and forwards the progress to a callback. Both run the same code, so
 //! a file the CLI writes and one `fsdp_ckpt.consolidate(...)` writes are the same file.
 //!
-//! One file per command: `inspect`, `verify`, `convert` (every direction, `--to dcp`, `hf`
-//! and `fsdp`), `consolidate` (with `consolidate-sharded` and `consolidate-torch`),
-//! `reshard` and `shard_torch`; `recognize` is the table they share.
+//! # Where things are
+//!
+//! | file | what it holds |
+//! | --- | --- |
+//! | `recognize.rs` | the one recognition table: which input form a path is |
+//! | `inspect.rs`, `verify.rs` | `inspect`, `verify` |
+//! | `consolidate.rs` | `consolidate`, `consolidate-sharded`, `consolidate-torch` |
+//! | `convert.rs` | `convert` in every direction (`--to dcp`, `hf`, `fsdp`) |
+//! | `reshard.rs`, `shard_torch.rs` | `reshard`, `shard-torch` |
+//! | [`conversions`] | the jobs those commands run: one per direction between formats, each run over a process group |
+//! | [`rank_dicts`] | per-rank optimizer state dicts transformed in one process (`consolidate-torch`, `consolidate-sharded`, `shard-torch`) |
+//!
+//! Below this module, the formats ([`crate::io`]) plan each output and move the bytes of one
+//! share, the crate's checkpoint ([`crate::checkpoint`]) has its own readers and writers, and
+//! every file is opened, created and committed through [`crate::storage`].
 
 mod consolidate;
+pub mod conversions;
 mod convert;
 mod inspect;
+pub mod rank_dicts;
 mod recognize;
 mod reshard;
 mod shard_torch;
@@ -41,9 +52,9 @@ use crate::collectives::ProcessGroup;
 use crate::error::{Error, Result};
 use crate::io;
 use crate::io::torch_save::{optim_from_pyobj, optim_to_pyobj};
-use crate::offline::DescFile;
 use crate::optim_state::{OptimParams, OptimStateDict};
 use crate::storage::{self, DirKind};
+use rank_dicts::DescFile;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -117,7 +128,7 @@ pub struct TorchOptions {
     pub named_optimizer: bool,
     /// `shard-torch` of an FSDP2 model: every tuple in the param groups (`betas`) becomes a
     /// list, as `set_optimizer_state_dict(full_state_dict=True)` leaves them
-    /// ([`crate::offline::ShardOptions`]).
+    /// ([`rank_dicts::ShardOptions`]).
     pub tuples_as_lists: bool,
 }
 

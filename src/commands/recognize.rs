@@ -27,7 +27,7 @@
 //! `bf16_`, `mp_rank_MM_model_states.pt`, …) is read with the three DeepSpeed globals of its
 //! pickles allowed ([`crate::io::deepspeed`]); any other file is not.
 
-use crate::convert::HfSource;
+use crate::commands::conversions::HfSource;
 use crate::error::{Error, Result};
 use crate::io::dcp::HfForm;
 use crate::io::FileFormat;
@@ -72,7 +72,7 @@ impl Input {
         matches!(self, Input::Dcp | Input::DcpPerRank | Input::DcpHf(_))
     }
 
-    /// What `convert --to hf` exports this form as ([`crate::convert::checkpoint_to_hf`]): a
+    /// What `convert --to hf` exports this form as ([`crate::commands::conversions::checkpoint_to_hf`]): a
     /// DCP directory of any form, the crate's checkpoint or a file; `None` for the others.
     pub fn hf_source(self) -> Option<HfSource> {
         match self {

@@ -5,8 +5,8 @@
 
 use super::{clean_stale, load_optim, load_spec, save_optim, step, Progress, TorchOptions};
 use super::{Unit, Written};
+use crate::commands::rank_dicts::{shard_full_dict_with, ShardOptions};
 use crate::error::{Error, Result};
-use crate::offline::{shard_full_dict_with, ShardOptions};
 use crate::optim_state::OptimStateDict;
 use crate::storage::{self, DirKind};
 use std::ffi::OsString;

@@ -7,7 +7,6 @@
 //! what a file holds. [`dcp`], [`hf`] and [`deepspeed`] read (and the first two write) the
 //! directories of PyTorch DCP, Hugging Face and DeepSpeed.
 
-pub(crate) mod container;
 pub mod dcp;
 pub mod deepspeed;
 pub mod hf;

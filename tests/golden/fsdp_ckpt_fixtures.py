@@ -3,7 +3,7 @@
 Two gloo CPU ranks train a small nested model with Adam for two steps, wrapped as
 FSDP(blocks.0), FSDP(blocks.2) and the root, once with use_orig_params=False and once with
 True. Each run writes into tests/golden/fsdp_ckpt/<case>/:
-  desc.json      the model description + wrapping policy (fsdp::offline::DescFile)
+  desc.json      the model description + wrapping policy (fsdp::commands::rank_dicts::DescFile)
   rank{r}.pt     rank r's local optim.state_dict()
   full.pt        the full optimizer state dict (FSDP.optim_state_dict, FULL_STATE_DICT,
                  offload_to_cpu=False) from rank 0

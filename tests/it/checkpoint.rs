@@ -8,7 +8,7 @@ use fsdp::checkpoint::{
 };
 use fsdp::collectives::Solo;
 use fsdp::collectives::ThreadGroup;
-use fsdp::convert;
+use fsdp::commands::conversions;
 use fsdp::flat_param::ModelLayout;
 use fsdp::io::torch_save::PyObj;
 use fsdp::param_shards::{shard_tensors, synthetic_params};
@@ -678,7 +678,7 @@ fn streaming_consolidation_writes_the_full_dict_as_safetensors() {
             r.unwrap();
         }
         let out = root.path().join("full.safetensors");
-        let written = convert::checkpoint_to_safetensors(&dir, &out, &Solo, |_| {}).unwrap();
+        let written = conversions::checkpoint_to_safetensors(&dir, &out, &Solo, |_| {}).unwrap();
         assert!(written > 0);
         let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
         let in_memory = load_full(&dir, &LoadOptions::default()).unwrap();
@@ -711,7 +711,8 @@ fn streaming_consolidation_to_torch_save_is_byte_identical_to_the_in_memory_file
         let (streamed, in_memory) = (streamed.join("full.pt"), in_memory.join("full.pt"));
         let mut reported = 0;
         let written =
-            convert::checkpoint_to_torch_save(&dir, &streamed, &Solo, |b| reported = b).unwrap();
+            conversions::checkpoint_to_torch_save(&dir, &streamed, &Solo, |b| reported = b)
+                .unwrap();
         let m = read_manifest(&dir).unwrap();
         assert_eq!((written, reported), (m.tensor_bytes(), m.tensor_bytes()));
         fsdp::io::torch_save::save_optim_state_dict(
@@ -741,7 +742,7 @@ fn streaming_consolidation_to_torch_save_names_a_corrupt_block_and_leaves_no_fil
     bytes[at] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let out = root.path().join("full.pt");
-    let err = convert::checkpoint_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
+    let err = conversions::checkpoint_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
     assert!(
         matches!(&err, Error::CheckpointCorrupt { rank: 1, tensor, .. } if tensor.contains('/')),
         "{err}"
@@ -783,10 +784,10 @@ fn reshard_and_consolidation_split_across_3_processes_write_the_single_process_b
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
     let written =
-        convert::checkpoint_to_safetensors(&split, &a.join("full.safetensors"), &Solo, |_| {})
+        conversions::checkpoint_to_safetensors(&split, &a.join("full.safetensors"), &Solo, |_| {})
             .unwrap();
     let each = all_ok(ThreadGroup::run(3, |pg| {
-        convert::checkpoint_to_safetensors(&split, &b.join("full.safetensors"), &pg, |_| {})
+        conversions::checkpoint_to_safetensors(&split, &b.join("full.safetensors"), &pg, |_| {})
     }));
     assert_eq!(each, [written; 3]);
     assert!(contents(&a) == contents(&b), "the same .safetensors file");
@@ -801,12 +802,12 @@ fn torch_save_consolidation_split_across_1_to_5_processes_writes_the_single_proc
     std::fs::create_dir(&a).unwrap();
     std::fs::create_dir(&b).unwrap();
     let alone = a.join("full.pt");
-    let written = convert::checkpoint_to_torch_save(&src, &alone, &Solo, |_| {}).unwrap();
+    let written = conversions::checkpoint_to_torch_save(&src, &alone, &Solo, |_| {}).unwrap();
     let expected = std::fs::read(&alone).unwrap();
     for ws in 1..=5 {
         let split = b.join("full.pt");
         let each = all_ok(ThreadGroup::run(ws, |pg| {
-            convert::checkpoint_to_torch_save(&src, &split, &pg, |_| {})
+            conversions::checkpoint_to_torch_save(&src, &split, &pg, |_| {})
         }));
         assert_eq!(each, vec![written; ws], "{ws} processes");
         assert!(
@@ -834,7 +835,7 @@ fn conversion_to_dcp_streams_what_the_in_memory_writer_wrote_and_splits_across_1
     let obj = fsdp::io::torch_save::optim_to_pyobj(&full).unwrap();
     fsdp::io::dcp::save_dcp(&obj, &in_memory).unwrap();
     let streamed = root.path().join("streamed");
-    let written = convert::checkpoint_to_dcp(&src, &streamed, &Solo, |_| {}).unwrap();
+    let written = conversions::checkpoint_to_dcp(&src, &streamed, &Solo, |_| {}).unwrap();
     assert_eq!(written, full.tensor_bytes() as u64);
     assert!(data(&streamed) == data(&in_memory), "the same data file");
     assert!(
@@ -844,7 +845,7 @@ fn conversion_to_dcp_streams_what_the_in_memory_writer_wrote_and_splits_across_1
     for ws in 1..=4 {
         let split = root.path().join(format!("split{ws}"));
         let each = all_ok(ThreadGroup::run(ws, |pg| {
-            convert::checkpoint_to_dcp(&src, &split, &pg, |_| {})
+            conversions::checkpoint_to_dcp(&src, &split, &pg, |_| {})
         }));
         assert_eq!(each, vec![written; ws], "{ws} processes");
         assert!(
@@ -880,22 +881,24 @@ fn a_corrupt_block_fails_every_process_with_the_single_process_error_and_leaves_
         assert_eq!(e.unwrap_err(), alone);
     }
     let full = root.path().join("full.safetensors");
-    let alone = convert::checkpoint_to_safetensors(&src, &full, &Solo, |_| {}).unwrap_err();
+    let alone = conversions::checkpoint_to_safetensors(&src, &full, &Solo, |_| {}).unwrap_err();
     for e in ThreadGroup::run(2, |pg| {
-        convert::checkpoint_to_safetensors(&src, &full, &pg, |_| {})
+        conversions::checkpoint_to_safetensors(&src, &full, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let full = root.path().join("full.pt");
-    let alone = convert::checkpoint_to_torch_save(&src, &full, &Solo, |_| {}).unwrap_err();
+    let alone = conversions::checkpoint_to_torch_save(&src, &full, &Solo, |_| {}).unwrap_err();
     for e in ThreadGroup::run(2, |pg| {
-        convert::checkpoint_to_torch_save(&src, &full, &pg, |_| {})
+        conversions::checkpoint_to_torch_save(&src, &full, &pg, |_| {})
     }) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let dcp = root.path().join("dcp");
-    let alone = convert::checkpoint_to_dcp(&src, &dcp, &Solo, |_| {}).unwrap_err();
-    for e in ThreadGroup::run(2, |pg| convert::checkpoint_to_dcp(&src, &dcp, &pg, |_| {})) {
+    let alone = conversions::checkpoint_to_dcp(&src, &dcp, &Solo, |_| {}).unwrap_err();
+    for e in ThreadGroup::run(2, |pg| {
+        conversions::checkpoint_to_dcp(&src, &dcp, &pg, |_| {})
+    }) {
         assert_eq!(e.unwrap_err(), alone);
     }
     let left: Vec<String> = std::fs::read_dir(root.path())
@@ -1093,7 +1096,7 @@ fn pieces_of_several_checksum_blocks_reshard_load_and_consolidate_bit_exact() {
     }
     let out = root.path().join("full.safetensors");
     for dir in [&src, &dst] {
-        convert::checkpoint_to_safetensors(dir, &out, &Solo, |_| {}).unwrap();
+        conversions::checkpoint_to_safetensors(dir, &out, &Solo, |_| {}).unwrap();
         let streamed = fsdp::io::safetensors::load_optim_state_dict(&out).unwrap();
         common::assert_same_state(&streamed, &full, "streamed vs saved");
     }
@@ -1370,7 +1373,7 @@ fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_th
     }
     let inputs = [dir.join("rank0.safetensors"), dir.join("rank1.safetensors")];
     let out = root.path().join("full.safetensors");
-    convert::checkpoint_to_safetensors(&dir, &out, &Solo, |_| {}).unwrap();
+    conversions::checkpoint_to_safetensors(&dir, &out, &Solo, |_| {}).unwrap();
     let drops = drops_clean_pages(root.path());
     if drops {
         for input in &inputs {
@@ -1433,7 +1436,7 @@ fn offline_consolidation_reshard_and_verify_leave_neither_input_nor_output_in_th
         r.unwrap();
     }
     let pt = root.path().join("full.pt");
-    convert::dcp_to_torch_save(&dcp, &pt, &Solo, |_| {}).unwrap();
+    conversions::dcp_to_torch_save(&dcp, &pt, &Solo, |_| {}).unwrap();
     if drops {
         for rank in 0..2 {
             let data = dcp.join(format!("__{rank}_0.distcp"));
@@ -1473,10 +1476,10 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
     });
 
     let out = root.path().join("hf");
-    let opts = convert::HfExportOptions::default();
-    let done = convert::checkpoint_to_hf(
+    let opts = conversions::HfExportOptions::default();
+    let done = conversions::checkpoint_to_hf(
         &with_model,
-        convert::HfSource::Checkpoint,
+        conversions::HfSource::Checkpoint,
         &out,
         &opts,
         &Solo,
@@ -1491,9 +1494,9 @@ fn a_checkpoint_saved_with_the_model_exports_its_parameters_as_a_hugging_face_mo
     }
 
     // An optimizer-only checkpoint has no model to export.
-    let err = convert::checkpoint_to_hf(
+    let err = conversions::checkpoint_to_hf(
         &optim_only,
-        convert::HfSource::Checkpoint,
+        conversions::HfSource::Checkpoint,
         &root.path().join("none"),
         &opts,
         &Solo,
@@ -1653,9 +1656,9 @@ fn reshard_and_consolidation_with_direct_reads_write_the_bytes_of_buffered_reads
         std::fs::create_dir(&out).unwrap();
         let resharded = out.join("ws2");
         checkpoint::reshard(&src, &resharded, 2, Some(&alt), &Solo, |_| {}).unwrap();
-        convert::checkpoint_to_safetensors(&src, &out.join("full.safetensors"), &Solo, |_| {})
+        conversions::checkpoint_to_safetensors(&src, &out.join("full.safetensors"), &Solo, |_| {})
             .unwrap();
-        convert::checkpoint_to_torch_save(&src, &out.join("full.pt"), &Solo, |_| {}).unwrap();
+        conversions::checkpoint_to_torch_save(&src, &out.join("full.pt"), &Solo, |_| {}).unwrap();
         assert_eq!(
             verify(&resharded).unwrap(),
             read_manifest(&src).unwrap().tensor_bytes()

@@ -3,7 +3,7 @@
 
 use fsdp::collectives::Solo;
 use fsdp::collectives::ThreadGroup;
-use fsdp::convert;
+use fsdp::commands::conversions;
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{Error, HostTensor};
@@ -38,7 +38,8 @@ fn every_fixture_consolidates_to_what_dcp_to_torch_save_wrote() {
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("out.pt");
         let written =
-            convert::dcp_to_torch_save(&golden(name).join("ckpt"), &out, &Solo, |_| {}).unwrap();
+            conversions::dcp_to_torch_save(&golden(name).join("ckpt"), &out, &Solo, |_| {})
+                .unwrap();
         assert!(written > 0, "{name}");
         let got = torch_save::load(&out).unwrap();
         assert!(
@@ -63,18 +64,19 @@ fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file_in_
         let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
         std::fs::create_dir(&a).unwrap();
         std::fs::create_dir(&b).unwrap();
-        let written = convert::dcp_to_torch_save(&ckpt, &a.join("out.pt"), &Solo, |_| {}).unwrap();
+        let written =
+            conversions::dcp_to_torch_save(&ckpt, &a.join("out.pt"), &Solo, |_| {}).unwrap();
         let expected = std::fs::read(a.join("out.pt")).unwrap();
         let st = a.join("out.safetensors");
         assert_eq!(
-            convert::dcp_to_safetensors(&ckpt, &st, &Solo, |_| {}).unwrap(),
+            conversions::dcp_to_safetensors(&ckpt, &st, &Solo, |_| {}).unwrap(),
             written
         );
         let expected_st = std::fs::read(&st).unwrap();
         for ws in 1..=4 {
             let split = b.join("out.safetensors");
             let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
-                convert::dcp_to_safetensors(&ckpt, &split, &pg, |_| {})
+                conversions::dcp_to_safetensors(&ckpt, &split, &pg, |_| {})
             })
             .into_iter()
             .map(Result::unwrap)
@@ -88,7 +90,7 @@ fn every_fixture_consolidated_by_1_to_4_processes_is_the_single_process_file_in_
         }
         for ws in 1..=4 {
             let each: Vec<u64> = ThreadGroup::run(ws, |pg| {
-                convert::dcp_to_torch_save(&ckpt, &b.join("out.pt"), &pg, |_| {})
+                conversions::dcp_to_torch_save(&ckpt, &b.join("out.pt"), &pg, |_| {})
             })
             .into_iter()
             .map(Result::unwrap)
@@ -109,7 +111,7 @@ fn pytorch_loads_the_consolidated_file_equal_to_its_own() {
     let mut args = Vec::new();
     for name in SCENARIOS {
         let out = tmp.path().join(format!("{name}.pt"));
-        convert::dcp_to_torch_save(&golden(name).join("ckpt"), &out, &Solo, |_| {}).unwrap();
+        conversions::dcp_to_torch_save(&golden(name).join("ckpt"), &out, &Solo, |_| {}).unwrap();
         args.push(golden(name).join("expected.pt"));
         args.push(out);
     }
@@ -210,9 +212,11 @@ fn hostile(case: &str, prepare: impl FnOnce(&Path)) -> Error {
     prepare(tmp.path());
     let err = dcp::verify(&dir).unwrap_err();
     let out = tmp.path().join("out.pt");
-    let err2 = convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
+    let err2 = conversions::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
     assert_eq!(err, err2, "{case}");
-    for e in ThreadGroup::run(2, |pg| convert::dcp_to_torch_save(&dir, &out, &pg, |_| {})) {
+    for e in ThreadGroup::run(2, |pg| {
+        conversions::dcp_to_torch_save(&dir, &out, &pg, |_| {})
+    }) {
         assert_eq!(e.unwrap_err(), err, "{case}: split across 2 processes");
     }
     assert!(!out.exists(), "{case}: an output was left behind");
@@ -399,7 +403,7 @@ fn every_hostile_metadata_is_refused_alike_by_verify_and_every_reader() {
         )
         .unwrap();
         let out = tmp.path().join("ckpt-out");
-        let converted = convert::dcp_to_checkpoint(&dir, &out, &layout, &Solo).unwrap_err();
+        let converted = conversions::dcp_to_checkpoint(&dir, &out, &layout, &Solo).unwrap_err();
         assert_eq!(
             std::mem::discriminant(&converted),
             std::mem::discriminant(&err),
@@ -453,7 +457,7 @@ fn metadata_pytorch_reads_back_whole_is_read_as_pytorch_reads_it() {
         std::fs::copy(&path, dir.join(".metadata")).unwrap();
         dcp::verify(&dir).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let out = tmp.path().join("out.pt");
-        convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {})
+        conversions::dcp_to_torch_save(&dir, &out, &Solo, |_| {})
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         let expected = torch_save::load(golden(base).join("expected.pt")).unwrap();
         assert!(
@@ -501,7 +505,7 @@ fn written_dcp_directories_load_in_pytorch_like_torch_save_to_dcp_output() {
     for name in SCENARIOS {
         let input = golden(name).join("expected.pt");
         let out = tmp.path().join(name);
-        convert::torch_save_to_dcp(&input, &out, &Solo).unwrap();
+        conversions::torch_save_to_dcp(&input, &out, &Solo).unwrap();
         // The crate reads back what it wrote, equal to the input.
         let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
         assert!(back.bit_eq(&torch_save::load(&input).unwrap()), "{name}");
@@ -532,7 +536,7 @@ fn torch_save_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_t
         let written = dcp::save_dcp(&torch_save::load(&input).unwrap(), &in_memory).unwrap();
         let streamed = tmp.path().join("streamed");
         assert_eq!(
-            convert::torch_save_to_dcp(&input, &streamed, &Solo).unwrap(),
+            conversions::torch_save_to_dcp(&input, &streamed, &Solo).unwrap(),
             written
         );
         assert!(
@@ -541,7 +545,8 @@ fn torch_save_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_t
         );
         for ws in 1..=4 {
             let split = tmp.path().join(format!("split{ws}"));
-            for r in ThreadGroup::run(ws, |pg| convert::torch_save_to_dcp(&input, &split, &pg)) {
+            for r in ThreadGroup::run(ws, |pg| conversions::torch_save_to_dcp(&input, &split, &pg))
+            {
                 assert_eq!(r.unwrap(), written, "{name}, {ws} processes");
             }
             assert!(
@@ -587,7 +592,7 @@ fn safetensors_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_
         let written = dcp::save_dcp(&obj, &in_memory).unwrap();
         let streamed = tmp.path().join("streamed");
         assert_eq!(
-            convert::torch_save_to_dcp(input, &streamed, &Solo).unwrap(),
+            conversions::torch_save_to_dcp(input, &streamed, &Solo).unwrap(),
             written
         );
         assert!(
@@ -601,7 +606,7 @@ fn safetensors_files_convert_streamed_to_the_in_memory_bytes_and_split_across_1_
         );
         for ws in 1..=4 {
             let split = tmp.path().join(format!("split{ws}"));
-            for r in ThreadGroup::run(ws, |pg| convert::torch_save_to_dcp(input, &split, &pg)) {
+            for r in ThreadGroup::run(ws, |pg| conversions::torch_save_to_dcp(input, &split, &pg)) {
                 assert_eq!(r.unwrap(), written, "{what}, {ws} processes");
             }
             assert!(
@@ -640,13 +645,13 @@ fn a_truncated_or_lying_safetensors_file_fails_on_every_process_naming_it() {
         let input = tmp.path().join("bad.safetensors");
         std::fs::write(&input, &bytes).unwrap();
         let out = tmp.path().join("out");
-        let alone = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
+        let alone = conversions::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
         let text = alone.to_string();
         assert!(
             text.contains("bad.safetensors") && text.contains(reason),
             "{what}: {text}"
         );
-        for r in ThreadGroup::run(2, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
+        for r in ThreadGroup::run(2, |pg| conversions::torch_save_to_dcp(&input, &out, &pg)) {
             assert_eq!(r.unwrap_err(), alone, "{what}");
         }
         assert!(!out.exists(), "{what}: no output");
@@ -672,7 +677,7 @@ fn a_file_of_views_into_one_storage_converts_and_a_corrupt_storage_fails() {
     torch_save::save(&views, &input).unwrap();
     for ws in [1, 2] {
         let out = tmp.path().join(format!("views{ws}"));
-        for r in ThreadGroup::run(ws, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
+        for r in ThreadGroup::run(ws, |pg| conversions::torch_save_to_dcp(&input, &out, &pg)) {
             assert_eq!(r.unwrap(), 256);
         }
         let back = DcpCheckpoint::open(&out).unwrap().load().unwrap();
@@ -691,9 +696,9 @@ fn a_file_of_views_into_one_storage_converts_and_a_corrupt_storage_fails() {
     bytes[at] ^= 0x01;
     std::fs::write(&input, &bytes).unwrap();
     let out = tmp.path().join("corrupt");
-    let alone = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
+    let alone = conversions::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
     assert!(alone.to_string().contains("CRC-32"), "{alone}");
-    for r in ThreadGroup::run(2, |pg| convert::torch_save_to_dcp(&input, &out, &pg)) {
+    for r in ThreadGroup::run(2, |pg| conversions::torch_save_to_dcp(&input, &out, &pg)) {
         assert_eq!(r.unwrap_err(), alone);
     }
     assert!(!out.exists(), "no output");
@@ -741,7 +746,7 @@ fn a_file_of_views_into_shared_storages_streams_the_in_memory_bytes_split_across
         let written = dcp::save_dcp_with(&loaded, &in_memory, &opts).unwrap();
         let streamed = ckpt_in(tmp.path(), &format!("streamed-{what}"));
         assert_eq!(
-            convert::torch_save_to_dcp_with(&input, &streamed, &Solo, &opts).unwrap(),
+            conversions::torch_save_to_dcp_with(&input, &streamed, &Solo, &opts).unwrap(),
             written
         );
         same_dcp(&streamed, &in_memory, &what);
@@ -756,7 +761,7 @@ fn a_file_of_views_into_shared_storages_streams_the_in_memory_bytes_split_across
         for ws in 1..=4 {
             let split = ckpt_in(tmp.path(), &format!("split-{what}-{ws}"));
             let run = ThreadGroup::run(ws, |pg| {
-                convert::torch_save_to_dcp_with(&input, &split, &pg, &opts)
+                conversions::torch_save_to_dcp_with(&input, &split, &pg, &opts)
             });
             for r in run {
                 assert_eq!(r.unwrap(), written, "{what}, {ws} processes");
@@ -784,7 +789,7 @@ fn a_damaged_shared_storage_fails_its_crc_on_every_process_and_installs_nothing(
     let zstd = dcp::DcpWriteOptions::default().compression(dcp::Compression::Zstd);
     for opts in [dcp::DcpWriteOptions::default(), zstd] {
         let out = tmp.path().join("out");
-        let alone = convert::torch_save_to_dcp_with(&input, &out, &Solo, &opts).unwrap_err();
+        let alone = conversions::torch_save_to_dcp_with(&input, &out, &Solo, &opts).unwrap_err();
         match &alone {
             Error::TorchSaveArchive {
                 file,
@@ -802,7 +807,7 @@ fn a_damaged_shared_storage_fails_its_crc_on_every_process_and_installs_nothing(
         assert_eq!(torch_save::load(&input).unwrap_err(), alone);
         for ws in [2, 3] {
             let run = ThreadGroup::run(ws, |pg| {
-                convert::torch_save_to_dcp_with(&input, &out, &pg, &opts)
+                conversions::torch_save_to_dcp_with(&input, &out, &pg, &opts)
             });
             for r in run {
                 assert_eq!(r.unwrap_err(), alone, "{ws} processes");
@@ -825,7 +830,7 @@ fn views_whose_copies_loading_refuses_are_refused_alike_when_converted() {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/expansion_bomb/expansion_bomb.pt");
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out");
-    let err = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
+    let err = conversions::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
     assert!(matches!(err, Error::TensorExpansion { .. }), "{err}");
     assert!(!out.exists(), "no output");
 }
@@ -837,7 +842,7 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     std::fs::create_dir(&out).unwrap();
     std::fs::write(out.join("keep.txt"), b"mine").unwrap();
     let input = golden("fsdp2_sgd_ws2_frozen/expected.pt");
-    let err = convert::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
+    let err = conversions::torch_save_to_dcp(&input, &out, &Solo).unwrap_err();
     // The replace rule of every directory writer, in its words.
     assert!(matches!(err, Error::OutputRefused { .. }), "{err}");
     assert!(
@@ -852,7 +857,7 @@ fn writing_refuses_a_non_empty_output_directory_and_leaves_it_alone() {
     );
     // An empty directory is replaced.
     std::fs::remove_file(out.join("keep.txt")).unwrap();
-    convert::torch_save_to_dcp(&input, &out, &Solo).unwrap();
+    conversions::torch_save_to_dcp(&input, &out, &Solo).unwrap();
     assert_eq!(
         fsdp::commands::recognize(&out).unwrap(),
         fsdp::commands::Input::Dcp

@@ -5,7 +5,7 @@
 //! which PyTorch loads at another world size.
 
 use fsdp::collectives::{Solo, ThreadGroup};
-use fsdp::convert;
+use fsdp::commands::conversions;
 use fsdp::io::dcp::{self, Compression, DcpCheckpoint, DcpWriteOptions};
 use fsdp::io::{self, torch_save};
 use fsdp::Error;
@@ -32,10 +32,10 @@ fn every_form_pytorch_reads_consolidates_to_what_its_dcp_to_torch_save_wrote() {
         let expected = torch_save::load(golden(name).join("expected.pt")).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let pt = tmp.path().join("out.pt");
-        convert::dcp_to_torch_save(&ckpt, &pt, &Solo, |_| {}).unwrap();
+        conversions::dcp_to_torch_save(&ckpt, &pt, &Solo, |_| {}).unwrap();
         assert!(torch_save::load(&pt).unwrap().bit_eq(&expected), "{name}");
         let st = tmp.path().join("out.safetensors");
-        convert::dcp_to_safetensors(&ckpt, &st, &Solo, |_| {}).unwrap();
+        conversions::dcp_to_safetensors(&ckpt, &st, &Solo, |_| {}).unwrap();
         assert!(
             io::load(&st).unwrap().bit_eq(&expected),
             "{name}: .safetensors"
@@ -47,7 +47,7 @@ fn every_form_pytorch_reads_consolidates_to_what_its_dcp_to_torch_save_wrote() {
         std::fs::create_dir(tmp.path().join("split")).unwrap();
         let split = tmp.path().join("split/out.pt");
         for r in ThreadGroup::run(3, |pg| {
-            convert::dcp_to_torch_save(&ckpt, &split, &pg, |_| {})
+            conversions::dcp_to_torch_save(&ckpt, &split, &pg, |_| {})
         }) {
             r.unwrap();
         }
@@ -135,7 +135,7 @@ fn a_safetensors_serialized_directory_is_refused_saying_pytorch_cannot_read_it_e
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("out.pt");
     assert_eq!(
-        convert::dcp_to_torch_save(&ckpt, &out, &Solo, |_| {}).unwrap_err(),
+        conversions::dcp_to_torch_save(&ckpt, &out, &Solo, |_| {}).unwrap_err(),
         err
     );
     assert!(!out.exists());
@@ -155,10 +155,10 @@ fn hostile(case: &str) -> Error {
     }
     let err = dcp::verify(&dir).unwrap_err();
     let out = tmp.path().join("out.pt");
-    let err2 = convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
+    let err2 = conversions::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).unwrap_err();
     assert_eq!(err, err2, "{case}");
     let st = tmp.path().join("out.safetensors");
-    let err3 = convert::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap_err();
+    let err3 = conversions::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap_err();
     assert_eq!(err, err3, "{case}: .safetensors");
     let err4 = DcpCheckpoint::open(&dir).unwrap().load().unwrap_err();
     assert_eq!(err, err4, "{case}: load()");
@@ -388,11 +388,11 @@ fn compressed_directories_the_crate_writes_read_back_and_load_in_pytorch_at_anot
     let tmp = tempfile::tempdir().unwrap();
     let zstd = DcpWriteOptions::default().compression(Compression::Zstd);
     let plain_dir = tmp.path().join("plain");
-    convert::torch_save_to_dcp(&input, &plain_dir, &Solo).unwrap();
+    conversions::torch_save_to_dcp(&input, &plain_dir, &Solo).unwrap();
     // Written by a job of 2 processes: process 0 writes the frames, both succeed.
     let dir = tmp.path().join("zstd");
     for r in ThreadGroup::run(2, |pg| {
-        convert::torch_save_to_dcp_with(&input, &dir, &pg, &zstd)
+        conversions::torch_save_to_dcp_with(&input, &dir, &pg, &zstd)
     }) {
         r.unwrap();
     }

@@ -10,7 +10,7 @@ use crate::common;
 use common::{dcp_fixture_net as net, files_of};
 use fsdp::collectives::Solo;
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
-use fsdp::convert;
+use fsdp::commands::conversions;
 use fsdp::io::dcp::{self, DcpCheckpoint};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{
@@ -397,7 +397,7 @@ fn pytorch_loads_crate_written_directories_at_another_world_size_into_fsdp1_and_
     }
     // A full dict file, as torch_save_to_dcp converts it.
     torch_save::save(&optim_only(&full), p("full.pt")).unwrap();
-    convert::torch_save_to_dcp(&p("full.pt"), &p("from_pt"), &Solo).unwrap();
+    conversions::torch_save_to_dcp(&p("full.pt"), &p("from_pt"), &Solo).unwrap();
     // The crate's own checkpoint saved at 3, converted.
     let opts = fsdp::checkpoint::SaveOptions::default();
     for r in ThreadGroup::run(3, |pg| {
@@ -736,13 +736,13 @@ fn converting_pytorch_fixtures_offline_writes_what_live_ranks_loading_and_saving
                 convert_live(&model, &wrapping(orig), ws, &input, &live);
                 let layout = ModelLayout::new(&model, &wrapping(orig), ws).unwrap();
                 let offline = tmp.path().join("offline");
-                convert::dcp_to_checkpoint(&input, &offline, &layout, &Solo).unwrap();
+                conversions::dcp_to_checkpoint(&input, &offline, &layout, &Solo).unwrap();
                 assert!(files_of(&live) == files_of(&offline), "{what}: offline");
                 // Split across 2 and 4 processes (threads here): ranks r % N on process N.
                 for n in [2, 4] {
                     let split = tmp.path().join(format!("split{n}"));
                     for r in ThreadGroup::run(n, |pg| {
-                        convert::dcp_to_checkpoint(&input, &split, &layout, &pg)
+                        conversions::dcp_to_checkpoint(&input, &split, &layout, &pg)
                     }) {
                         r.unwrap();
                     }
@@ -774,7 +774,7 @@ fn an_offline_conversion_failing_on_one_process_fails_every_process_and_leaves_n
     let layout = ModelLayout::new(&fixture_model(false, false), &wrapping(false), 1).unwrap();
     let out = tmp.path().join("out");
     let results = ThreadGroup::run(3, |pg| {
-        convert::dcp_to_checkpoint(&input, &out, &layout, &pg)
+        conversions::dcp_to_checkpoint(&input, &out, &layout, &pg)
     });
     let first = results[0].clone().unwrap_err();
     assert!(first.to_string().contains("__3_0.distcp"), "{first}");

@@ -4,8 +4,8 @@
 //! PyTorch holds, verified, and refused with typed errors when the parts do not fit.
 
 use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::commands::conversions;
 use fsdp::commands::{recognize, Input};
-use fsdp::convert;
 use fsdp::io::dcp::{self, DcpCheckpoint, HfForm, Source};
 use fsdp::io::torch_save::PyObj;
 use fsdp::io::{self, torch_save};
@@ -51,11 +51,11 @@ fn per_rank_metadata_consolidates_to_the_saving_runs_full_state_dict_in_either_f
         assert!(ckpt.load().unwrap().bit_eq(&expected), "{name}: load()");
         let tmp = tempfile::tempdir().unwrap();
         let pt = tmp.path().join("out.pt");
-        let written = convert::dcp_to_torch_save(&dir, &pt, &Solo, |_| {}).unwrap();
+        let written = conversions::dcp_to_torch_save(&dir, &pt, &Solo, |_| {}).unwrap();
         assert!(torch_save::load(&pt).unwrap().bit_eq(&expected), "{name}");
         let st = tmp.path().join("out.safetensors");
         assert_eq!(
-            convert::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap(),
+            conversions::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap(),
             written
         );
         assert!(
@@ -69,7 +69,7 @@ fn per_rank_metadata_consolidates_to_the_saving_runs_full_state_dict_in_either_f
             std::fs::create_dir(&sub).unwrap();
             let split = sub.join("out.pt");
             for r in ThreadGroup::run(ws, |pg| {
-                convert::dcp_to_torch_save(&dir, &split, &pg, |_| {})
+                conversions::dcp_to_torch_save(&dir, &split, &pg, |_| {})
             }) {
                 assert_eq!(r.unwrap(), written);
             }
@@ -120,7 +120,7 @@ fn per_rank_metadata_is_summarized_and_verified_as_one_checkpoint() {
 fn per_rank_metadata_converts_to_one_metadata_and_back_equal() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("global");
-    convert::dcp_to_dcp(&golden("per_rank_ws3/ckpt"), &out, &Solo).unwrap();
+    conversions::dcp_to_dcp(&golden("per_rank_ws3/ckpt"), &out, &Solo).unwrap();
     assert!(out.join(".metadata").is_file());
     assert_eq!(recognize(&out).unwrap(), Input::Dcp);
     let expected = torch_save::load(golden("per_rank_ws3/expected.pt")).unwrap();
@@ -191,7 +191,7 @@ fn replicated_items_must_hold_the_same_bytes_on_every_rank() {
     );
     // Nothing is written from such a directory.
     let out = dir.parent().unwrap().join("out.pt");
-    assert!(convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).is_err());
+    assert!(conversions::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).is_err());
     assert!(!out.exists());
 }
 
@@ -237,7 +237,7 @@ fn a_global_metadata_takes_precedence_over_rank_files() {
     // PyTorch's loader reads `.metadata` first; so does the crate.
     let (_t, dir) = copy_of("per_rank_ws2");
     let global = dir.parent().unwrap().join("global");
-    convert::dcp_to_dcp(&dir, &global, &Solo).unwrap();
+    conversions::dcp_to_dcp(&dir, &global, &Solo).unwrap();
     std::fs::copy(global.join(".metadata"), dir.join(".metadata")).unwrap();
     assert_eq!(recognize(&dir).unwrap(), Input::Dcp);
     assert_eq!(
@@ -264,10 +264,10 @@ fn every_hf_storage_form_consolidates_to_what_pytorchs_reader_loads() {
         assert!(ckpt.load().unwrap().bit_eq(&expected), "{name}: load()");
         let tmp = tempfile::tempdir().unwrap();
         let pt = tmp.path().join("out.pt");
-        convert::dcp_to_torch_save(&dir, &pt, &Solo, |_| {}).unwrap();
+        conversions::dcp_to_torch_save(&dir, &pt, &Solo, |_| {}).unwrap();
         assert!(torch_save::load(&pt).unwrap().bit_eq(&expected), "{name}");
         let st = tmp.path().join("out.safetensors");
-        convert::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap();
+        conversions::dcp_to_safetensors(&dir, &st, &Solo, |_| {}).unwrap();
         assert!(
             io::load(&st).unwrap().bit_eq(&expected),
             "{name}: safetensors"
@@ -281,7 +281,7 @@ fn every_hf_storage_form_consolidates_to_what_pytorchs_reader_loads() {
         assert_eq!(head.shape, Some(vec![4, 2]));
         // And rewritten with one `.metadata`.
         let out = tmp.path().join("global");
-        convert::dcp_to_dcp(&dir, &out, &Solo).unwrap();
+        conversions::dcp_to_dcp(&dir, &out, &Solo).unwrap();
         assert!(DcpCheckpoint::open(&out)
             .unwrap()
             .load()
@@ -461,7 +461,7 @@ fn hostile_hf_storage_is_refused_naming_file_and_key() {
         let e = DcpCheckpoint::open(&dir).unwrap_err();
         assert!(expect(&e), "{case}: {e}");
         let out = dir.parent().unwrap().join("out.pt");
-        assert!(convert::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).is_err());
+        assert!(conversions::dcp_to_torch_save(&dir, &out, &Solo, |_| {}).is_err());
         assert!(!out.exists(), "{case}");
     }
 }

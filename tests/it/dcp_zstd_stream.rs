@@ -6,7 +6,7 @@
 //! through `dcp::zstd_chunk_reads` (feature `fault-injection`).
 
 use fsdp::collectives::Solo;
-use fsdp::convert;
+use fsdp::commands::conversions;
 use fsdp::io::dcp::{self, Compression, DcpCheckpoint, DcpWriteOptions, StorageKey};
 use fsdp::io::torch_save::{self, PyObj};
 use fsdp::{Error, HostTensor};
@@ -53,7 +53,7 @@ fn save(dir: &Path, zstd: bool) {
 fn consolidate(src: &Path, out: &Path) -> fsdp::Result<Vec<u8>> {
     std::fs::create_dir_all(out).unwrap();
     let pt = out.join("out.pt");
-    convert::dcp_to_torch_save(src, &pt, &Solo, |_| {})?;
+    conversions::dcp_to_torch_save(src, &pt, &Solo, |_| {})?;
     Ok(std::fs::read(pt).unwrap())
 }
 
@@ -83,7 +83,7 @@ fn a_zstd_dcp_consolidates_bit_equal_to_the_plain_one_its_large_chunk_read_in_pi
     // The safetensors consolidation streams it too.
     let st = |d: &Path, name: &str| {
         let out = tmp.path().join(name);
-        convert::dcp_to_safetensors(d, &out, &Solo, |_| {}).unwrap();
+        conversions::dcp_to_safetensors(d, &out, &Solo, |_| {}).unwrap();
         std::fs::read(out).unwrap()
     };
     let want = st(&plain, "p.safetensors");

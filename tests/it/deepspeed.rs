@@ -7,10 +7,10 @@
 
 use crate::common::{files_of, python_script};
 use fsdp::collectives::{Solo, ThreadGroup};
-use fsdp::commands::{recognize, Input};
-use fsdp::convert::{
+use fsdp::commands::conversions::{
     deepspeed_to_dcp, deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput,
 };
+use fsdp::commands::{recognize, Input};
 use fsdp::io::dcp::DcpWriteOptions;
 use fsdp::io::deepspeed::{DeepSpeedCheckpoint, Form, State};
 use fsdp::io::torch_save::{self, PyObj};

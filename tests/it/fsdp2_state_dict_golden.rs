@@ -6,8 +6,8 @@
 //! `fsdp-ckpt consolidate-torch` / `shard-torch` (`fsdp-ckpt/tests/cli_fsdp2.rs`).
 
 use fsdp::collectives::{ProcessGroup, ThreadGroup};
+use fsdp::commands::rank_dicts::DescFile;
 use fsdp::io::torch_save::{load_optim_state_dict, optim_to_pyobj};
-use fsdp::offline::DescFile;
 use fsdp::{FullyShardedModel, OptimStateDictApi, StateDictOptions};
 use fsdp::{OptimParams, OptimStateDict};
 use std::path::PathBuf;

@@ -5,8 +5,8 @@
 
 use crate::common::{self, model_files, python};
 use fsdp::collectives::{Solo, ThreadGroup};
+use fsdp::commands::conversions::{self, HfExportOptions, HfImportOptions};
 use fsdp::commands::{recognize, Input};
-use fsdp::convert::{self, HfExportOptions, HfImportOptions};
 use fsdp::io::hf::{self, Rename};
 use fsdp::io::torch_save::PyObj;
 use fsdp::{DType, Error, HostTensor};
@@ -27,14 +27,17 @@ fn dcp_sources(p: &str) -> PathBuf {
 
 /// The form `fsdp-ckpt convert --to hf` exports `src` as: its entry in the one recognition
 /// table.
-fn from(src: &Path) -> convert::HfSource {
+fn from(src: &Path) -> conversions::HfSource {
     recognize(src).unwrap().hf_source().unwrap()
 }
 
-fn export(src: &Path, opts: &HfExportOptions) -> (tempfile::TempDir, PathBuf, convert::HfExported) {
+fn export(
+    src: &Path,
+    opts: &HfExportOptions,
+) -> (tempfile::TempDir, PathBuf, conversions::HfExported) {
     let t = tempfile::tempdir().unwrap();
     let out = t.path().join("hf");
-    let done = convert::checkpoint_to_hf(src, from(src), &out, opts, &Solo).unwrap();
+    let done = conversions::checkpoint_to_hf(src, from(src), &out, opts, &Solo).unwrap();
     (t, out, done)
 }
 
@@ -130,7 +133,7 @@ fn the_export_is_the_same_for_any_number_of_processes() {
         let t = tempfile::tempdir().unwrap();
         let out = t.path().join("hf");
         for r in ThreadGroup::run(ws, |pg| {
-            convert::checkpoint_to_hf(&src, from(&src), &out, &sized("60KB"), &pg)
+            conversions::checkpoint_to_hf(&src, from(&src), &out, &sized("60KB"), &pg)
         }) {
             assert_eq!(r.unwrap().files.len(), 3);
         }
@@ -161,7 +164,7 @@ fn a_torch_save_state_dict_with_tied_storage_exports_the_tensor_once() {
     );
     // The same file with the default prefix is refused: its keys are top level.
     let t = tempfile::tempdir().unwrap();
-    let err = convert::checkpoint_to_hf(
+    let err = conversions::checkpoint_to_hf(
         &src,
         from(&src),
         &t.path().join("hf"),
@@ -251,7 +254,7 @@ fn a_save_pretrained_directory_imports_into_dcp_that_fsdp2_loads_at_any_world_si
             config: Some(hf_dir.join("config.json")),
             ..Default::default()
         };
-        let bytes = convert::hf_to_dcp(&hf_dir, &dcp, &opts, &Solo).unwrap();
+        let bytes = conversions::hf_to_dcp(&hf_dir, &dcp, &opts, &Solo).unwrap();
         assert_eq!(
             bytes, 137_856,
             "{model}: every weight, the head restored when tied"
@@ -285,7 +288,7 @@ fn the_import_renames_prefixes_and_casts() {
         dtype: Some(DType::BF16),
         ..Default::default()
     };
-    convert::hf_to_dcp(&hf_dir, &dcp, &opts, &Solo).unwrap();
+    conversions::hf_to_dcp(&hf_dir, &dcp, &opts, &Solo).unwrap();
     let ckpt = fsdp::io::dcp::DcpCheckpoint::open(&dcp).unwrap();
     let w = ckpt
         .read_tensor("student.layers.0.mlp.up_proj.weight")
@@ -303,7 +306,7 @@ fn the_import_renames_prefixes_and_casts() {
 
 fn import_err(dir: &Path) -> Error {
     let t = tempfile::tempdir().unwrap();
-    convert::hf_to_dcp(
+    conversions::hf_to_dcp(
         dir,
         &t.path().join("dcp"),
         &HfImportOptions::default(),
@@ -400,7 +403,7 @@ fn export_refusals_are_typed() {
         renames: vec![Rename::parse(r"(gate|up)_proj=gate_up").unwrap()],
         ..Default::default()
     };
-    match convert::checkpoint_to_hf(&src, from(&src), &t.path().join("a"), &opts, &Solo)
+    match conversions::checkpoint_to_hf(&src, from(&src), &t.path().join("a"), &opts, &Solo)
         .unwrap_err()
     {
         Error::HfNameCollision {
@@ -420,7 +423,7 @@ fn export_refusals_are_typed() {
         ties: vec![("lm_head.weight".into(), "model.embed_tokens.weight".into())],
         ..Default::default()
     };
-    match convert::checkpoint_to_hf(&src, from(&src), &t.path().join("b"), &opts, &Solo)
+    match conversions::checkpoint_to_hf(&src, from(&src), &t.path().join("b"), &opts, &Solo)
         .unwrap_err()
     {
         Error::HfTie { name, kept, reason } => {
@@ -437,7 +440,7 @@ fn export_refusals_are_typed() {
     let full = t.path().join("full");
     std::fs::create_dir(&full).unwrap();
     std::fs::write(full.join("README.md"), b"mine").unwrap();
-    match convert::checkpoint_to_hf(&src, from(&src), &full, &HfExportOptions::default(), &Solo)
+    match conversions::checkpoint_to_hf(&src, from(&src), &full, &HfExportOptions::default(), &Solo)
         .unwrap_err()
     {
         Error::OutputRefused { reason, .. } => assert!(reason.contains("README.md"), "{reason}"),
@@ -462,7 +465,7 @@ fn export_refusals_are_typed() {
         (PyObj::Str("lm_head.weight".into()), PyObj::Tensor(w)),
     ]);
     fsdp::io::dcp::save_dcp(&obj, &raw).unwrap();
-    match convert::checkpoint_to_hf(
+    match conversions::checkpoint_to_hf(
         &raw,
         from(&raw),
         &t.path().join("c"),
@@ -481,7 +484,7 @@ fn export_refusals_are_typed() {
         ..Default::default()
     };
     let done =
-        convert::checkpoint_to_hf(&raw, from(&raw), &t.path().join("c"), &opts, &Solo).unwrap();
+        conversions::checkpoint_to_hf(&raw, from(&raw), &t.path().join("c"), &opts, &Solo).unwrap();
     assert_eq!(done.tensors, 2);
 }
 
@@ -540,7 +543,7 @@ fn a_model_directory_is_read_by_its_safetensors_names_never_by_the_crates_own_me
     .unwrap();
     assert_eq!(python_names(&file), ["k_proj.weight", "q_proj.weight"]);
     let dcp = t.path().join("swapped_dcp");
-    convert::hf_to_dcp(&swapped, &dcp, &HfImportOptions::default(), &Solo).unwrap();
+    conversions::hf_to_dcp(&swapped, &dcp, &HfImportOptions::default(), &Solo).unwrap();
     let ckpt = fsdp::io::dcp::DcpCheckpoint::open(&dcp).unwrap();
     assert_eq!(
         ckpt.read_tensor("model.q_proj.weight").unwrap().as_bytes(),
@@ -567,7 +570,7 @@ fn a_model_directory_is_read_by_its_safetensors_names_never_by_the_crates_own_me
     let names: Vec<&str> = summary.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(names, ["model/x"]);
     let dcp = t.path().join("nested_dcp");
-    convert::hf_to_dcp(&nested, &dcp, &HfImportOptions::default(), &Solo).unwrap();
+    conversions::hf_to_dcp(&nested, &dcp, &HfImportOptions::default(), &Solo).unwrap();
     let ckpt = fsdp::io::dcp::DcpCheckpoint::open(&dcp).unwrap();
     assert!(ckpt.entry("model.model.x").is_none());
     assert_eq!(
@@ -595,7 +598,7 @@ fn a_tensor_named_metadata_is_refused_by_every_safetensors_writer() {
         ..Default::default()
     };
     let out = t.path().join("renamed");
-    match convert::checkpoint_to_hf(&src, from(&src), &out, &opts, &Solo).unwrap_err() {
+    match conversions::checkpoint_to_hf(&src, from(&src), &out, &opts, &Solo).unwrap_err() {
         Error::ReservedTensorName { tensor, origin } => {
             assert_eq!(tensor, "__metadata__");
             assert!(
@@ -614,8 +617,14 @@ fn a_tensor_named_metadata_is_refused_by_every_safetensors_writer() {
     )]);
     fsdp::io::dcp::save_dcp(&obj, &src2).unwrap();
     let out = t.path().join("source");
-    match convert::checkpoint_to_hf(&src2, from(&src2), &out, &HfExportOptions::default(), &Solo)
-        .unwrap_err()
+    match conversions::checkpoint_to_hf(
+        &src2,
+        from(&src2),
+        &out,
+        &HfExportOptions::default(),
+        &Solo,
+    )
+    .unwrap_err()
     {
         Error::ReservedTensorName { tensor, origin } => {
             assert_eq!(tensor, "__metadata__");
@@ -654,7 +663,7 @@ fn a_torchtitan_checkpoint_exports_its_model_and_never_its_training_state() {
         prefix: Some("optimizer".into()),
         ..Default::default()
     };
-    match convert::checkpoint_to_hf(&src, from(&src), &t.path().join("o"), &opts, &Solo)
+    match conversions::checkpoint_to_hf(&src, from(&src), &t.path().join("o"), &opts, &Solo)
         .unwrap_err()
     {
         Error::HfSelection { reason, .. } => assert!(reason.contains("training state"), "{reason}"),
@@ -722,7 +731,7 @@ fn each_architecture_ties_its_own_embedding_as_save_pretrained_does() {
             config: Some(reference.join("config.json")),
             ..Default::default()
         };
-        convert::hf_to_dcp(&reference, &dcp, &opts, &Solo).unwrap();
+        conversions::hf_to_dcp(&reference, &dcp, &opts, &Solo).unwrap();
         let (got, want) = (dcp_model_tensors(&dcp), dcp_model_tensors(&dir.join("dcp")));
         assert!(got.contains_key("model.lm_head.weight"), "{arch}");
         assert_eq!(got, want, "{arch}: the import is not what FSDP2 saved");
@@ -743,8 +752,14 @@ fn a_tying_architecture_outside_the_table_is_refused_by_name() {
         ..Default::default()
     };
     let out = t.path().join("hf");
-    match convert::checkpoint_to_hf(&dir.join("dcp"), from(&dir.join("dcp")), &out, &opts, &Solo)
-        .unwrap_err()
+    match conversions::checkpoint_to_hf(
+        &dir.join("dcp"),
+        from(&dir.join("dcp")),
+        &out,
+        &opts,
+        &Solo,
+    )
+    .unwrap_err()
     {
         Error::HfTieArchitecture {
             architectures,
@@ -762,7 +777,7 @@ fn a_tying_architecture_outside_the_table_is_refused_by_name() {
         ..Default::default()
     };
     let dcp = t.path().join("dcp");
-    let err = convert::hf_to_dcp(&dir.join("hf"), &dcp, &import, &Solo).unwrap_err();
+    let err = conversions::hf_to_dcp(&dir.join("hf"), &dcp, &import, &Solo).unwrap_err();
     assert!(matches!(err, Error::HfTieArchitecture { .. }), "{err}");
     assert!(!dcp.exists());
 
@@ -776,14 +791,14 @@ fn a_tying_architecture_outside_the_table_is_refused_by_name() {
         ..opts
     };
     let done =
-        convert::checkpoint_to_hf(&dir.join("dcp"), from(&dir.join("dcp")), &out, &opts, &Solo)
+        conversions::checkpoint_to_hf(&dir.join("dcp"), from(&dir.join("dcp")), &out, &opts, &Solo)
             .unwrap();
     assert_eq!(done.dropped, std::slice::from_ref(&tie));
     let import = HfImportOptions {
         ties: vec![tie],
         ..import
     };
-    convert::hf_to_dcp(&dir.join("hf"), &dcp, &import, &Solo).unwrap();
+    conversions::hf_to_dcp(&dir.join("hf"), &dcp, &import, &Solo).unwrap();
     assert_eq!(dcp_model_tensors(&dcp), dcp_model_tensors(&dir.join("dcp")));
 
     // A config that leaves `tie_word_embeddings` out ties as its architecture's class does

@@ -40,18 +40,17 @@ const LAYERS: &[&[&str]] = &[
     &["checkpoint"],
     &["state_dict"],
     &["fsdp1", "fsdp2"],
-    &["offline", "libtorch", "convert"],
-    &["commands"],
+    &["libtorch", "commands"],
 ];
 
 /// Lower modules a module must not use although the layers allow it, and why: the format
 /// layer knows formats, not jobs, so it plans and moves bytes but never communicates (the
-/// group drivers are in `convert` and `checkpoint`).
+/// group drivers are in `commands` and `checkpoint`).
 const FORBIDDEN: &[(&str, &str, &str)] = &[(
     "io",
     "collectives",
     "the format layer plans and moves bytes; running a job over a process group is the \
-     coordinator's (convert, checkpoint)",
+     coordinator's (commands::conversions, checkpoint)",
 )];
 
 /// Layer violations the tree has today, as `file: what` (the report without its line number),

@@ -252,9 +252,9 @@ fn an_fsdp1_full_state_dict_converts_to_dcp_and_safetensors_by_its_values() {
     let tmp = tempfile::tempdir().unwrap();
 
     let dcp = tmp.path().join("dcp");
-    fsdp::convert::torch_save_to_dcp(&src, &dcp, &Solo).unwrap();
+    fsdp::commands::conversions::torch_save_to_dcp(&src, &dcp, &Solo).unwrap();
     let back = tmp.path().join("back.pt");
-    fsdp::convert::dcp_to_torch_save(&dcp, &back, &Solo, |_| {}).unwrap();
+    fsdp::commands::conversions::dcp_to_torch_save(&dcp, &back, &Solo, |_| {}).unwrap();
     assert_eq!(values(&torch_save::load(&back).unwrap()), expected);
 
     let st = tmp.path().join("model.safetensors");
@@ -285,8 +285,12 @@ fn formats_without_a_place_for_a_kind_refuse_it_by_name() {
             fsdp::io::safetensors::save_to_bytes(&obj).unwrap_err(),
             "safetensors stores only dense tensors"
         ));
-        let e = fsdp::convert::torch_save_to_dcp(&fixture(file), &tmp.path().join(file), &Solo)
-            .unwrap_err();
+        let e = fsdp::commands::conversions::torch_save_to_dcp(
+            &fixture(file),
+            &tmp.path().join(file),
+            &Solo,
+        )
+        .unwrap_err();
         refused(file, e, what);
         assert!(!tmp.path().join(file).exists(), "{file}: no partial output");
     }
@@ -305,9 +309,9 @@ fn formats_without_a_place_for_a_kind_refuse_it_by_name() {
         .bit_eq(&c64));
     for file in ["complex64", "complex128"] {
         let dcp = tmp.path().join(format!("{file}.dcp"));
-        fsdp::convert::torch_save_to_dcp(&fixture(file), &dcp, &Solo).unwrap();
+        fsdp::commands::conversions::torch_save_to_dcp(&fixture(file), &dcp, &Solo).unwrap();
         let back = tmp.path().join(format!("{file}.back.pt"));
-        fsdp::convert::dcp_to_torch_save(&dcp, &back, &Solo, |_| {}).unwrap();
+        fsdp::commands::conversions::dcp_to_torch_save(&dcp, &back, &Solo, |_| {}).unwrap();
         let (orig, back) = (
             torch_save::load(fixture(file)).unwrap(),
             torch_save::load(&back).unwrap(),

@@ -63,7 +63,7 @@
 //! back, is refused.
 //! [`save_dcp`] writes a state dict as a DCP directory ([`save_dcp_with`]: zstd-compressed
 //! too). The conversions to and from other
-//! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::convert`]; this
+//! formats (`dcp_to_torch_save`, `torch_save_to_dcp`, …) are jobs, in [`crate::commands::conversions`]; this
 //! module gives them the plans and the byte moving.
 
 mod files;

@@ -1201,7 +1201,7 @@ fn safetensors_header(
         .map(|(name, i)| {
             let key = &ckpt.metadata.entries[*i].key;
             let (t, dtype) = ckpt.tensor_meta(key)?;
-            Ok(crate::io::container::Entry {
+            Ok(crate::io::safetensors::header::Entry {
                 name: name.clone(),
                 dtype,
                 shape: t.size.clone(),
@@ -1209,7 +1209,7 @@ fn safetensors_header(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let header = crate::io::container::header(&entries, &meta, &|e| {
+    let header = crate::io::safetensors::header::encode(&entries, &meta, &|e| {
         format!("the path `{}` of the DCP checkpoint's object", e.name)
     })?
     .0;

@@ -15,7 +15,7 @@
 //! shorter than the layout needs, a `latest` naming a missing tag, a rank file missing, or
 //! files that disagree are typed errors before anything is read. Tensors are then read one
 //! parameter at a time, each rank's byte ranges straight from its storage, every storage's
-//! CRC-32 checked ([`DeepSpeedCheckpoint::read`]; the consolidations of [`crate::convert`]
+//! CRC-32 checked ([`DeepSpeedCheckpoint::read`]; the consolidations of [`crate::commands::conversions`]
 //! stream them into their output).
 //!
 //! ```no_run

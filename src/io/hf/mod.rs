@@ -16,7 +16,7 @@
 //! (`names.rs`, [`Rename`]), writes one planned file from a stream of tensor bytes
 //! (`write.rs`), knows each architecture's tied embeddings (`ties.rs`, the table
 //! `tied_embeddings.txt`) and reads a directory back, checking its index against its files (`read.rs`,
-//! [`summary`]). Running a plan over a process group is [`crate::convert`]'s.
+//! [`summary`]). Running a plan over a process group is [`crate::commands::conversions`]'s.
 
 pub(crate) mod names;
 pub(crate) mod plan;

@@ -4,7 +4,7 @@
 
 use super::{single_or_sharded_name, INDEX_FILE};
 use crate::error::{Error, Result};
-use crate::io::container::{self, Entry};
+use crate::io::safetensors::header::{self, Entry};
 use crate::tensor::DType;
 use std::collections::BTreeMap;
 
@@ -190,7 +190,7 @@ pub(crate) fn dir_plan(
             })
             .collect();
         let meta = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-        let (header, _) = container::header(&entries, &meta, &|e| {
+        let (header, _) = header::encode(&entries, &meta, &|e| {
             ts.iter()
                 .find(|t| t.name == e.name)
                 .map_or_else(String::new, origin)

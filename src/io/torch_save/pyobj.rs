@@ -50,7 +50,7 @@ pub enum PyObj {
     /// A distributed tensor as one rank saved it: FSDP1's `ShardedTensor`
     /// (`SHARDED_STATE_DICT`) or FSDP2's `DTensor`, read as this rank's local shard, the
     /// global shape and the shard's offsets. Consolidate the ranks' files
-    /// ([`crate::offline::consolidate_sharded`]) to get the full tensors. Boxed, so that
+    /// ([`crate::commands::rank_dicts::consolidate_sharded`]) to get the full tensors. Boxed, so that
     /// every other value stays small (a state dict of a million tensors holds a million).
     Sharded(Box<ShardedTensor<HostTensor>>),
     /// A tensor that is more than its dense values: an `nn.Parameter`, a tensor with

@@ -1,6 +1,8 @@
-//! The rank data files: standard safetensors files (an 8-byte little-endian header length, a
-//! JSON header naming each tensor's dtype, shape and byte range, then the bytes), so that
-//! Python's `safetensors` reads every piece directly.
+//! The one safetensors header writer: an 8-byte little-endian header length, then a JSON
+//! header naming each tensor's dtype, shape and byte range, padded to 8 bytes. Every
+//! safetensors file the crate writes (single files, Hugging Face shards, DCP's Hugging Face
+//! storage, the crate's rank data files) gets its header here, so that Python's
+//! `safetensors` reads every piece directly.
 
 use crate::error::{Error, Result};
 use crate::tensor::DType;
@@ -22,7 +24,7 @@ pub(crate) const RESERVED_NAME: &str = "__metadata__";
 /// to back in order, and each entry's absolute byte offset in the file. Every safetensors
 /// writer of the crate passes through here: a tensor named [`RESERVED_NAME`] is refused
 /// ([`Error::ReservedTensorName`], `origin` saying where it came from).
-pub(crate) fn header(
+pub(crate) fn encode(
     entries: &[Entry],
     metadata: &BTreeMap<String, String>,
     origin: &dyn Fn(&Entry) -> String,

@@ -18,8 +18,8 @@
 //! `set_optimizer_state_dict` with `full_state_dict=True` see them (private module `fsdp2`).
 //!
 //! ```
-//! use fsdp::offline::DescFile;
-//! use fsdp::offline::{consolidate_local_dicts, shard_full_dict};
+//! use fsdp::commands::rank_dicts::DescFile;
+//! use fsdp::commands::rank_dicts::{consolidate_local_dicts, shard_full_dict};
 //! use fsdp::{DType, HostTensor, ModelDesc, OptimStateDict, ParamKey, ParamState, Value, WrapPolicy};
 //!
 //! let model = ModelDesc::new()

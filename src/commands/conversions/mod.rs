@@ -1,6 +1,6 @@
-//! The conversions between checkpoint formats (layer 10), one job over a process group per
-//! direction, named after PyTorch's own where it has one (`dcp_to_torch_save`,
-//! `torch_save_to_dcp`); the commands ([`crate::commands`]) recognize the input and run them:
+//! The conversions between checkpoint formats, one job over a process group per direction,
+//! named after PyTorch's own where it has one (`dcp_to_torch_save`, `torch_save_to_dcp`); the
+//! commands ([`crate::commands`]) recognize the input and run them:
 //!
 //! | from \ to | `torch.save` file | `.safetensors` file | DCP directory | the crate's checkpoint |
 //! | --- | --- | --- | --- | --- |
@@ -27,7 +27,7 @@
 //! use fsdp::collectives::Solo;
 //! # fn main() -> fsdp::Result<()> {
 //! // What `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` writes.
-//! let bytes = fsdp::convert::dcp_to_torch_save("step_1000".as_ref(), "full.pt".as_ref(), &Solo, |_| {})?;
+//! let bytes = fsdp::commands::conversions::dcp_to_torch_save("step_1000".as_ref(), "full.pt".as_ref(), &Solo, |_| {})?;
 //! # Ok(()) }
 //! ```
 
@@ -39,7 +39,7 @@ mod from_hf;
 mod to_dcp;
 mod to_hf;
 
-pub use crate::checkpoint::from_dcp::dcp_to_checkpoint;
+pub use crate::checkpoint::import_dcp::dcp_to_checkpoint;
 pub use from_checkpoint::{
     checkpoint_to_dcp, checkpoint_to_dcp_with, checkpoint_to_safetensors, checkpoint_to_torch_save,
 };

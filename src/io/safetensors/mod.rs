@@ -62,6 +62,8 @@
 //! assert!(safetensors::load_from_bytes(&bytes).unwrap().bit_eq(&sd));
 //! ```
 
+pub(crate) mod header;
+
 use super::torch_save::{PyObj, SavedModelStateDict};
 use crate::error::{Error, Result};
 use crate::optim_state::OptimStateDict;
@@ -394,7 +396,7 @@ fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor
                 reason: "its element count overflows 64 bits, which a safetensors header cannot describe".into(),
             });
         }
-        entries.push(crate::io::container::Entry {
+        entries.push(header::Entry {
             name: name.clone(),
             dtype: t.dtype(),
             shape: t.shape().to_vec(),
@@ -402,7 +404,7 @@ fn layout<'o>(obj: &'o PyObj, file: &str) -> Result<(Vec<u8>, Vec<&'o HostTensor
         });
     }
     let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
-    let (header, _) = crate::io::container::header(&entries, &meta, &|e| {
+    let (header, _) = header::encode(&entries, &meta, &|e| {
         format!("the path `{}` of the object", e.name)
     })?;
     if header.len() - 8 > MAX_HEADER_BYTES {
@@ -456,12 +458,12 @@ impl<'o> LazyPlan<'o> {
         lazy: &dyn super::torch_save::writer::LazyTensors,
     ) -> Result<Self> {
         let (tensors, meta) = parts(obj)?;
-        let entries: Vec<crate::io::container::Entry> = tensors
+        let entries: Vec<header::Entry> = tensors
             .iter()
             .map(|(name, t)| {
                 let shape = lazy.shape_of(t).unwrap_or_else(|| t.shape().to_vec());
                 let nbytes = (shape.iter().product::<usize>() * t.dtype().size()) as u64;
-                crate::io::container::Entry {
+                header::Entry {
                     name: name.clone(),
                     dtype: t.dtype(),
                     shape,
@@ -470,7 +472,7 @@ impl<'o> LazyPlan<'o> {
             })
             .collect();
         let meta: std::collections::BTreeMap<String, String> = meta.into_iter().collect();
-        let (header, starts) = crate::io::container::header(&entries, &meta, &|e| {
+        let (header, starts) = header::encode(&entries, &meta, &|e| {
             format!("the path `{}` of the object", e.name)
         })?;
         if header.len() - 8 > MAX_HEADER_BYTES {
