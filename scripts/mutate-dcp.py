@@ -3,8 +3,9 @@
     .venv/bin/python scripts/mutate-dcp.py --seed 1 --count 20000 --jobs 2 \\
         --report /tmp/mutate.json --keep /tmp/mutants-kept
 
-Fixtures are the DCP directories `tests/golden/dcp/*/ckpt` and the zstd-compressed
-`tests/golden/dcp_forms/zstd_ws3/ckpt` (`--fixtures GLOB,GLOB,...`, relative to the repository
+Fixtures are the DCP directories `tests/golden/dcp/*/ckpt`, the zstd-compressed
+`tests/golden/dcp_forms/zstd_ws3/ckpt` and `tests/golden/dcp_forms/local_plans_ws2/ckpt` (every
+rank's `SavePlan` kept in `.metadata`, as Megatron-Core's `torch_dist` keeps them) (`--fixtures GLOB,GLOB,...`, relative to the repository
 root), each a `.metadata` pickle and `__R_0.distcp` data files written by
 `torch.distributed.checkpoint.save` (the zstd one with `FileSystemWriter(_extensions=
 [ZStandard()])`: every item one zstd frame, `transform_descriptors == ["stream.zstd/1"]`). Mutant I of a run is drawn from `random.Random("SEED:I")`
@@ -113,7 +114,10 @@ WORKER_START_TIMEOUT = 180
 DATA_LIMIT = 4 << 30
 FILE_SIZE_LIMIT = 256 << 20
 PROGRESS_EVERY = 500
-DEFAULT_FIXTURES = "tests/golden/dcp/*/ckpt,tests/golden/dcp_forms/zstd_ws3/ckpt"
+DEFAULT_FIXTURES = (
+    "tests/golden/dcp/*/ckpt,tests/golden/dcp_forms/zstd_ws3/ckpt,"
+    "tests/golden/dcp_forms/local_plans_ws2/ckpt"
+)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8,
           torch.bool]
 

@@ -11,8 +11,10 @@ use fsdp::io::{self, torch_save};
 use fsdp::Error;
 use std::path::{Path, PathBuf};
 
-/// The forms PyTorch reads back, each with the `expected.pt` its `dcp_to_torch_save` wrote.
-const READABLE: [&str; 3] = ["zstd_ws3", "per_item_ws2", "threads_ws3"];
+/// The forms PyTorch reads back, each with the `expected.pt` its `dcp_to_torch_save` wrote
+/// (`local_plans_ws2`: every rank's `SavePlan` kept in `.metadata`, as Megatron-Core's
+/// `torch_dist` keeps them).
+const READABLE: [&str; 4] = ["zstd_ws3", "per_item_ws2", "threads_ws3", "local_plans_ws2"];
 
 fn golden(p: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -101,6 +103,21 @@ fn verify_reads_every_item_of_every_form_and_summary_shows_files_and_transforms(
                     "__2_1.distcp"
                 ]
             ),
+            // The default writer: one file per rank; the plans are in `.metadata`, and read
+            // past (this reader, like PyTorch's loader, has no use for them).
+            "local_plans_ws2" => {
+                assert_eq!(names, ["__0_0.distcp", "__1_0.distcp"]);
+                let raw = std::fs::read(ckpt.join(".metadata")).unwrap();
+                for global in [
+                    "all_local_plans",
+                    "SavePlan",
+                    "WriteItem",
+                    "TensorWriteData",
+                ] {
+                    let found = raw.windows(global.len()).any(|w| w == global.as_bytes());
+                    assert!(found, "{global} in .metadata");
+                }
+            }
             _ => unreachable!(),
         }
     }

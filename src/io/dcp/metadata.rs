@@ -236,7 +236,7 @@ impl Extract<'_> {
     /// Where PyTorch only reads the object's attributes (the root `Metadata`, a chunk, a
     /// `_StorageInfo`), an instance of another DCP dataclass whose `BUILD` gave it those
     /// attributes reads the same, as it does in PyTorch; not a `TensorProperties` (whose
-    /// `__setstate__` takes a tuple) or the memory-format enum. Where PyTorch tests the class
+    /// `__setstate__` takes a tuple) or an enum member. Where PyTorch tests the class
     /// (`isinstance` of `TensorStorageMetadata`) or hashes the object (`MetadataIndex`), the
     /// class must be the one named.
     fn attrs(&self, v: &V, class: Class, what: &str) -> Result<HashMap<&str, &V>> {
@@ -247,8 +247,7 @@ impl Extract<'_> {
         let state = match self.node(v) {
             Some(Node::Ext(Instance(c, s))) if *c == class => s.as_ref(),
             Some(Node::Ext(Instance(c, s)))
-                if duck_typed
-                    && !matches!(c, Class::TensorProperties | Class::MemFormatEncoding) =>
+                if duck_typed && !matches!(c, Class::TensorProperties) && !c.is_enum() =>
             {
                 s.as_ref()
             }

@@ -3,7 +3,13 @@
 //!
 //! `.metadata` is `pickle.dump(Metadata(...))`: dataclass instances (`NEWOBJ` + `BUILD`),
 //! `torch.Size`, dtypes, the layout and memory-format encodings, and the `pathlib` path of
-//! `storage_meta.checkpoint_id`. Exactly those globals resolve; any other one (`os.system`,
+//! `storage_meta.checkpoint_id`. A planner may hang more of DCP's own objects on it: the
+//! save plans of every rank (`SavePlan` of `WriteItem`s with their `TensorWriteData` or
+//! `BytesIOWriteData`, `WriteItemType`, `FileSystemWriter`'s `_StoragePrefix`), and the
+//! load-side `LoadPlan`, `ReadItem` and `LoadItemType` beside them. Megatron-Core's
+//! `torch_dist` saves every rank's plan as `Metadata.all_local_plans`; PyTorch's loader reads
+//! such a file and never looks at them, and neither does this reader (they are read as data
+//! and dropped). Exactly those globals resolve; any other one (`os.system`,
 //! `builtins.eval`, …) is refused with [`Error::UnsupportedPickleGlobal`] before anything is
 //! built, and nothing is ever executed. PyTorch reads the file with Python's `pickle.load`,
 //! whose dicts hash their keys: a key Python cannot hash fails the load here too.
@@ -29,6 +35,58 @@ pub(crate) enum Class {
     StorageMeta,
     StorageInfo,
     MemFormatEncoding,
+    SavePlan,
+    LoadPlan,
+    WriteItem,
+    ReadItem,
+    TensorWriteData,
+    BytesIOWriteData,
+    StoragePrefix,
+    WriteItemType,
+    LoadItemType,
+}
+
+impl Class {
+    /// Whether the class is an `Enum` (built by `REDUCE` of its value, never by `NEWOBJ`).
+    pub(crate) fn is_enum(self) -> bool {
+        matches!(
+            self,
+            Class::MemFormatEncoding | Class::WriteItemType | Class::LoadItemType
+        )
+    }
+
+    /// The fields a frozen dataclass hashes, in order, each with whether it has a default
+    /// (a class attribute, which an instance lacking the attribute reads instead); `None`
+    /// for a class whose instances Python cannot hash (a plain `@dataclass`: its generated
+    /// `__eq__` removes `__hash__`).
+    fn hashed_fields(self) -> Option<&'static [(&'static str, bool)]> {
+        Some(match self {
+            Class::MetadataIndex => &[("fqn", false), ("offset", true)],
+            Class::BytesIOWriteData => &[("nbytes", false)],
+            Class::TensorWriteData => &[("chunk", false), ("properties", false), ("size", false)],
+            Class::WriteItem => &[
+                ("index", false),
+                ("type", false),
+                ("bytes_io_data", true),
+                ("tensor_data", true),
+            ],
+            Class::ReadItem => &[
+                ("type", false),
+                ("dest_index", false),
+                ("dest_offsets", false),
+                ("storage_index", false),
+                ("storage_offsets", false),
+                ("lengths", false),
+            ],
+            Class::SavePlan => &[
+                ("items", false),
+                ("storage_data", true),
+                ("planner_data", true),
+                ("usable", true),
+            ],
+            _ => return None,
+        })
+    }
 }
 
 /// The globals a `.metadata` stream may name.
@@ -72,6 +130,7 @@ const ALLOWED: Globals<Global> = Globals { resolve };
 /// The global `module.name`, if it is one `.metadata` may use.
 fn resolve(module: &str, name: &str) -> Option<Global> {
     const MD: &str = "torch.distributed.checkpoint.metadata";
+    const PLANNER: &str = "torch.distributed.checkpoint.planner";
     Some(match (module, name) {
         (MD, "Metadata") => Global::Class(Class::Metadata),
         (MD, "TensorStorageMetadata") => Global::Class(Class::TensorStorageMetadata),
@@ -84,6 +143,17 @@ fn resolve(module: &str, name: &str) -> Option<Global> {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo") => {
             Global::Class(Class::StorageInfo)
         }
+        ("torch.distributed.checkpoint.filesystem", "_StoragePrefix") => {
+            Global::Class(Class::StoragePrefix)
+        }
+        (PLANNER, "SavePlan") => Global::Class(Class::SavePlan),
+        (PLANNER, "LoadPlan") => Global::Class(Class::LoadPlan),
+        (PLANNER, "WriteItem") => Global::Class(Class::WriteItem),
+        (PLANNER, "ReadItem") => Global::Class(Class::ReadItem),
+        (PLANNER, "TensorWriteData") => Global::Class(Class::TensorWriteData),
+        (PLANNER, "BytesIOWriteData") => Global::Class(Class::BytesIOWriteData),
+        (PLANNER, "WriteItemType") => Global::Class(Class::WriteItemType),
+        (PLANNER, "LoadItemType") => Global::Class(Class::LoadItemType),
         ("torch", "Size") => Global::Size,
         ("torch.serialization", "_get_layout") => Global::GetLayout,
         ("torch", "strided") => Global::Layout("strided"),
@@ -125,9 +195,7 @@ impl Format for DcpMetadata {
     /// `cls()` of a DCP dataclass (the memory-format enum is built by `REDUCE`).
     fn newobj(m: &mut Machine<'_, Self>, cls: Global, args: Vec<V>) -> Result<V> {
         match (cls, args.as_slice()) {
-            (Global::Class(c), []) if c != Class::MemFormatEncoding => {
-                Ok(m.alloc(Node::Ext(Instance(c, None))))
-            }
+            (Global::Class(c), []) if !c.is_enum() => Ok(m.alloc(Node::Ext(Instance(c, None)))),
             _ => Err(m.err("NEWOBJ of something other than a DCP dataclass")),
         }
     }
@@ -166,20 +234,51 @@ impl Format for DcpMetadata {
     }
 }
 
-/// Whether Python can hash `v`: not a list or dict, not an instance of DCP's dataclasses
-/// (their generated `__eq__` removes `__hash__`) except the frozen `MetadataIndex` and the
-/// memory-format enum, and a tuple only of such values.
+/// Whether Python can hash `v`: not a list or dict; an enum member; an instance of a frozen
+/// DCP dataclass (`MetadataIndex`, the planner's items and plans) whose hashed fields are
+/// all there (or have a default) and hashable, as its generated `__hash__` hashes the tuple
+/// of them; no instance of another DCP dataclass (their generated `__eq__` removes
+/// `__hash__`); and a tuple only of such values.
 fn hashable(m: &Machine<'_, DcpMetadata>, v: &V, depth: usize) -> bool {
     let V::Obj(_) = v else { return true };
+    if depth >= MAX_HASH_DEPTH {
+        return false;
+    }
     match m.node(v) {
         Some(Node::List(_) | Node::Dict(_)) => false,
-        Some(Node::Ext(Instance(c, _))) => {
-            matches!(c, Class::MetadataIndex | Class::MemFormatEncoding)
-        }
-        Some(Node::Tuple(items)) => {
-            depth < MAX_HASH_DEPTH && items.iter().all(|x| hashable(m, x, depth + 1))
-        }
+        Some(Node::Ext(Instance(c, _))) if c.is_enum() => true,
+        Some(Node::Ext(Instance(c, state))) => c.hashed_fields().is_some_and(|fields| {
+            fields.iter().all(|&(name, has_default)| {
+                match state.as_ref().and_then(|s| attribute(m, s, name)) {
+                    Some(x) => hashable(m, x, depth + 1),
+                    None => has_default && state_is_a_dict_or_none(m, state.as_ref()),
+                }
+            })
+        }),
+        Some(Node::Tuple(items)) => items.iter().all(|x| hashable(m, x, depth + 1)),
         None => false,
+    }
+}
+
+/// The value `BUILD` gave the attribute `name` (the last one set, as Python keeps it).
+fn attribute<'m>(m: &'m Machine<'_, DcpMetadata>, state: &V, name: &str) -> Option<&'m V> {
+    let Some(Node::Dict(d)) = m.node(state) else {
+        return None;
+    };
+    d.items()
+        .iter()
+        .rev()
+        .find(|(k, _)| matches!(k, V::Str(k) if &**k == name))
+        .map(|(_, x)| x)
+}
+
+/// Whether an instance's `BUILD` state is a plain dict (or it had none), the only states
+/// whose missing attributes fall back to the class defaults here; any other state reads as
+/// unhashable.
+fn state_is_a_dict_or_none(m: &Machine<'_, DcpMetadata>, state: Option<&V>) -> bool {
+    match state {
+        None => true,
+        Some(s) => matches!(m.node(s), Some(Node::Dict(_))),
     }
 }
 
@@ -219,6 +318,12 @@ fn reduce(m: &mut Machine<'_, DcpMetadata>, f: Global, a: &[V]) -> Result<V> {
         (Global::Class(Class::MemFormatEncoding), [v @ V::Int(0..=2)]) => Ok(m.alloc(Node::Ext(
             Instance(Class::MemFormatEncoding, Some(v.clone())),
         ))),
+        // The planner's enums count from 1 (`auto()`): `WriteItemType` TENSOR, SHARD,
+        // BYTE_IO; `LoadItemType` TENSOR, BYTE_IO.
+        (Global::Class(c @ Class::WriteItemType), [v @ V::Int(1..=3)])
+        | (Global::Class(c @ Class::LoadItemType), [v @ V::Int(1..=2)]) => {
+            Ok(m.alloc(Node::Ext(Instance(c, Some(v.clone())))))
+        }
         _ => Err(m.err("REDUCE of a global that takes no such arguments")),
     }
 }
@@ -280,5 +385,80 @@ mod tests {
             matches!(&e, Some(crate::error::Error::UnsupportedPickleOpcode { name, .. }) if name == "BINPERSID"),
             "{e:?}"
         );
+    }
+
+    /// `torch.distributed.checkpoint.planner.NAME` as a protocol-2 GLOBAL.
+    fn planner(name: &str) -> Vec<u8> {
+        [
+            b"ctorch.distributed.checkpoint.planner\n",
+            name.as_bytes(),
+            b"\n",
+        ]
+        .concat()
+    }
+
+    /// `{KEY: 1}` where KEY is an instance of the planner's `class` whose BUILD state is the
+    /// dict the opcodes `state` fill.
+    fn planner_key(class: &str, state: &[u8]) -> Vec<u8> {
+        let mut key = planner(class);
+        key.extend_from_slice(&[op::EMPTY_TUPLE, op::NEWOBJ, op::EMPTY_DICT]);
+        key.extend_from_slice(state);
+        key.push(op::BUILD);
+        dict_with_key(&key)
+    }
+
+    #[test]
+    fn a_frozen_plan_item_is_a_dict_key_python_hashes_only_when_every_hashed_field_is() {
+        // What Python 3.11 did with each (pickle.loads): `SavePlan(items=())` hashes;
+        // `items=[]` is "unhashable type: 'list'"; a `WriteItem` without attributes is
+        // "'WriteItem' object has no attribute 'index'" (no default to fall back on).
+        let items = |v: u8| [&b"X\x05\x00\x00\x00items"[..], &[v, op::SETITEM]].concat();
+        assert!(unpickle("m", &planner_key("SavePlan", &items(op::EMPTY_TUPLE))).is_ok());
+        for (what, p) in [
+            (
+                "a list field",
+                planner_key("SavePlan", &items(op::EMPTY_LIST)),
+            ),
+            ("a missing field", planner_key("WriteItem", &[])),
+            (
+                "a plain dataclass",
+                planner_key("LoadPlan", &items(op::EMPTY_TUPLE)),
+            ),
+        ] {
+            let e = unpickle("m", &p).err();
+            assert!(
+                e.is_some_and(|e| e.to_string().contains("unhashable")),
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_planners_enums_take_the_values_python_gives_their_members() {
+        let member = |class: &str, v: u8| {
+            [
+                &[op::PROTO, 2][..],
+                &planner(class),
+                &[op::BININT1, v, op::TUPLE1, op::REDUCE, op::STOP],
+            ]
+            .concat()
+        };
+        // WriteItemType: TENSOR, SHARD, BYTE_IO are 1, 2, 3; LoadItemType: TENSOR, BYTE_IO.
+        for v in 1..=3 {
+            assert!(unpickle("m", &member("WriteItemType", v)).is_ok(), "{v}");
+        }
+        // "4 is not a valid WriteItemType", "3 is not a valid LoadItemType" in Python.
+        assert!(unpickle("m", &member("WriteItemType", 4)).is_err());
+        assert!(unpickle("m", &member("LoadItemType", 3)).is_err());
+        assert!(unpickle("m", &member("LoadItemType", 0)).is_err());
+        // `WriteItemType()` by NEWOBJ: "Enum.__new__() missing 1 required positional
+        // argument" in Python.
+        let newobj = [
+            &[op::PROTO, 2][..],
+            &planner("WriteItemType"),
+            &[op::EMPTY_TUPLE, op::NEWOBJ, op::STOP],
+        ]
+        .concat();
+        assert!(unpickle("m", &newobj).is_err());
     }
 }

@@ -22,7 +22,9 @@ storage_writer=FileSystemWriter("ckpt", ...))` under one writer option. It write
 Scenarios: `zstd_ws3` (`_extensions=[ZStandard()]`: every item a zstd frame,
 `transform_descriptors == ["stream.zstd/1"]`), `per_item_ws2` (`single_file_per_rank=False`:
 one file per item), `threads_ws3` (`thread_count=2`: two files per rank), `safetensors_ws2`
-(`serialization_format=SerializationFormat.SAFETENSORS`).
+(`serialization_format=SerializationFormat.SAFETENSORS`), `local_plans_ws2` (default writer, a
+planner that keeps every rank's `SavePlan` in `Metadata.all_local_plans`, as Megatron-Core's
+`torch_dist` does).
 
 And `tests/golden/dcp_forms/hostile/`, for copies of `zstd_ws3/ckpt`: `bomb.distcp`, zstd
 frames of zeros that expand past what their items may hold (a tensor chunk: 4 MiB; a
@@ -45,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
@@ -62,7 +64,23 @@ SCENARIOS = {
     "per_item_ws2": (2, lambda: {"single_file_per_rank": False}),
     "threads_ws3": (3, lambda: {"thread_count": 2}),
     "safetensors_ws2": (2, lambda: {"serialization_format": SerializationFormat.SAFETENSORS}),
+    "local_plans_ws2": (2, lambda: {}),
 }
+
+
+class KeepLocalPlans(DefaultSavePlanner):
+    """What Megatron-Core's `torch_dist` save planner does: every rank's local `SavePlan`
+    (its `WriteItem`s, with `TensorWriteData` / `BytesIOWriteData`, `WriteItemType`,
+    `ChunkStorageMetadata`, `TensorProperties`, `MetadataIndex`) kept in the global
+    `Metadata` as the attribute `all_local_plans`, which `dcp.load` never looks at."""
+
+    def create_global_plan(self, all_plans):
+        plans, metadata = super().create_global_plan(all_plans)
+        metadata.all_local_plans = all_plans
+        return plans, metadata
+
+
+PLANNERS = {"local_plans_ws2": KeepLocalPlans}
 
 
 def worker(rank, ws, port, name, out):
@@ -83,7 +101,8 @@ def worker(rank, ws, port, name, out):
     # A relative path, so that no machine path is recorded in `.metadata`.
     os.chdir(out)
     writer = FileSystemWriter("ckpt", **SCENARIOS[name][1]())
-    dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+    planner = PLANNERS[name]() if name in PLANNERS else None
+    dcp.save({"model": msd, "optim": osd}, storage_writer=writer, planner=planner)
     dist.barrier()
     if rank == 0:
         (out / "done").write_text("ok")
