@@ -456,6 +456,72 @@ def check_buckets():
     return report
 
 
+# --------------------------------------------------------------------------------------------
+# 4. The model layout, by a plain-torch forward pass from the consolidated tensors
+# --------------------------------------------------------------------------------------------
+def reference_logits(t, cfg, tokens):
+    """Llama-style forward from dcp_to_torch_save's model tensors, using FORMAT.md section 4:
+    stacked layers [L, ...]; linear_qkv rows grouped per query group as [q (heads/groups *
+    kv_channels) ; k (kv_channels) ; v (kv_channels)]; linear_fc1 = [gate ; up]; RMSNorm
+    weights under linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight; RoPE
+    (non-interleaved, rotate-half, base 10000); tied: output = word embeddings."""
+    f = {k: v.float() for k, v in t.items() if not k.startswith("optimizer.")}
+    m = cfg["model"]
+    H, nh, ng, kv = m["hidden_size"], m["num_attention_heads"], m["num_query_groups"], m["kv_channels"]
+    hpg = nh // ng
+    S = tokens.shape[1]
+    eps = 1e-5
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    inv = 1.0 / (10000 ** (torch.arange(0, kv, 2, dtype=torch.float32) / kv))
+    fr = torch.outer(torch.arange(S, dtype=torch.float32), inv)
+    emb = torch.cat([fr, fr], -1)
+    cos, sin = emb.cos(), emb.sin()
+
+    def rope(x):  # [S, heads, kv]
+        x1, x2 = x.chunk(2, -1)
+        return x * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+
+    x = f["embedding.word_embeddings.weight"][tokens[0]]  # [S, H]
+    L = f["decoder.layers.self_attention.linear_qkv.weight"].shape[0]
+    mask = torch.full((S, S), float("-inf")).triu(1)
+    for l in range(L):
+        g = lambda k: f["decoder.layers." + k][l]  # noqa: E731
+        h = rms(x, g("self_attention.linear_qkv.layer_norm_weight"))
+        qkv = (h @ g("self_attention.linear_qkv.weight").T).view(S, ng, (hpg + 2) * kv)
+        q = qkv[..., : hpg * kv].reshape(S, nh, kv)
+        k = qkv[..., hpg * kv: (hpg + 1) * kv]
+        v = qkv[..., (hpg + 1) * kv:]
+        q, k = rope(q), rope(k)
+        k = k.repeat_interleave(hpg, dim=1)
+        v = v.repeat_interleave(hpg, dim=1)
+        a = torch.einsum("shd,thd->hst", q, k) / kv ** 0.5 + mask
+        o = torch.einsum("hst,thd->shd", a.softmax(-1), v).reshape(S, nh * kv)
+        x = x + o @ g("self_attention.linear_proj.weight").T
+        h = rms(x, g("mlp.linear_fc1.layer_norm_weight"))
+        gate, up = (h @ g("mlp.linear_fc1.weight").T).chunk(2, -1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ g("mlp.linear_fc2.weight").T
+    x = rms(x, f["decoder.final_layernorm.weight"])
+    out = f.get("output_layer.weight", f["embedding.word_embeddings.weight"])
+    return (x @ out.T)[None]
+
+
+def check_logits():
+    report = []
+    for d in fixture_dirs():
+        case = json.load(open(os.path.join(d, "case.json")))
+        lg = load_file(os.path.join(d, "logits.safetensors"))
+        ref = reference_logits(load_file(os.path.join(d, "expected.safetensors")), case, lg["tokens"])
+        diff = (ref - lg["logits"]).abs().max().item()
+        tol = 5e-3 if case["bf16"] else 1e-6
+        assert diff < tol, (d, diff)
+        report.append(f"{os.path.relpath(d, HERE)}: logits [1, {lg['logits'].shape[1]}, "
+                      f"{lg['logits'].shape[2]}] max |ref - megatron| {diff:.2g}")
+    return report
+
+
 def main():
     show = "--globals" in sys.argv
     check_globals(show)
@@ -463,6 +529,8 @@ def main():
         check_expected(d)
     print("dcp_to_torch_save == expected.safetensors:", len(fixture_dirs()), "fixtures")
     for line in check_buckets():
+        print(line)
+    for line in check_logits():
         print(line)
     print("all checks passed")
 
