@@ -48,9 +48,9 @@ if ! "$mc19/bin/python" -c "$check19" 2>/dev/null; then
         psutil==7.2.2 safetensors==0.8.0 pyyaml==6.0.4 megatron-core==0.19.2
 fi
 "$mc19/bin/python" -c "$check19"
-# megatron-bridge: its own dependencies (transformers, omegaconf, nvidia-* …) are NOT installed;
-# gen.py imports only `megatron.bridge.training.checkpointing`'s pure helpers when they import,
-# and otherwise writes the Bridge layout itself (see gen.py).
+# megatron-bridge: installed without its dependencies (transformers, nvidia-resiliency-ext,
+# flashinfer, wandb, ...), so `megatron.bridge` does not import; it is there as the reference
+# source for the Bridge layout, which gen.py writes itself (see gen.py and FORMAT.md).
 if ! "$mc19/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("megatron-bridge") != "0.6.2")' 2>/dev/null; then
     "$mc19/bin/pip" install "${pip_quiet[@]}" --no-deps megatron-bridge==0.6.2
 fi

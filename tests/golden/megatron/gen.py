@@ -38,8 +38,10 @@ Files of a case folder `v<mcore version>/<case>/`:
   optimizer buffers (param name -> bucket, [start, end) in the bucket) as Megatron reports
   it, for the bucket-rule check (check_format.py), plus the loss of the step.
 
-Determinism: Python's, numpy's and torch's RNGs are seeded; the `.distcp` bytes repeat across
-regenerations except those noted in FORMAT.md (uninitialised bucket alignment gaps).
+Determinism: Python's, numpy's and torch's RNGs are seeded; regenerating repeats every file
+except (FORMAT.md section 7) `.metadata` (a fresh save_id UUID; in 0.16.1 also the order of
+storage_data) and, in dp_reshardable cases, the bucket gap chunks (Megatron fills them with
+torch.empty) in the `.distcp` files and in `expected.safetensors`.
 """
 
 import contextlib
