@@ -936,6 +936,18 @@ pub enum Error {
         reason: String,
     },
 
+    // ----- Megatron-Core checkpoints -----
+    /// A Megatron-Core checkpoint cannot be read: its `metadata.json` or
+    /// `latest_checkpointed_iteration.txt` is missing, malformed or names what is not there,
+    /// or it uses a backend or layout this tool refuses (the legacy `zarr` backend).
+    #[error("Megatron checkpoint `{}`: {reason}", shown(.dir))]
+    Megatron {
+        /// The directory (the tree's root, or the `torch_dist` directory).
+        dir: String,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+
     // ----- DeepSpeed checkpoints -----
     /// A DeepSpeed checkpoint directory's `latest` names a tag whose directory is missing.
     #[error("DeepSpeed checkpoint `{}`: `latest` names the tag `{}`, but there is no directory `{}` beside it", shown(.dir), shown(.tag), shown(.tag))]

@@ -78,6 +78,12 @@ pub fn consolidate_with(
 ) -> Result<Written> {
     let format = FileFormat::from_path(out)?;
     let found = pg.agree(consolidate_input(input))?;
+    if opts.optim && found == Input::Megatron {
+        return Err(Error::Unsupported(format!(
+            "consolidate --optim of a Megatron-Core checkpoint is not supported yet (`{}`): this version writes its model tensors (consolidate without --optim); `inspect` shows its optimizer layout",
+            input.display()
+        )));
+    }
     if opts.optim && !found.is_deepspeed() {
         return Err(Error::Unsupported(format!(
             "consolidate --optim takes a DeepSpeed checkpoint (its optimizer state is kept apart from the weights); `{}` is {}, whose consolidation already holds all it saved: drop --optim",
@@ -91,6 +97,9 @@ pub fn consolidate_with(
     })?;
     if found.is_deepspeed() {
         return consolidate_deepspeed(input, out, format, opts, pg, p);
+    }
+    if found == Input::Megatron {
+        return consolidate_megatron(input, out, format, pg, p);
     }
     let is_dcp = found.is_dcp();
     let total = pg.agree(if is_dcp {
@@ -175,15 +184,51 @@ fn consolidate_deepspeed(
     })
 }
 
-/// The input of `consolidate`: a DCP directory, a checkpoint of this crate or a DeepSpeed
-/// checkpoint.
+/// The input of `consolidate`: a DCP directory, a checkpoint of this crate, a DeepSpeed
+/// checkpoint or a Megatron-Core checkpoint.
 fn consolidate_input(input: &Path) -> Result<Input> {
     expect_input(
         "consolidate",
         input,
-        "a DCP directory, a checkpoint of this crate or a DeepSpeed checkpoint",
-        |i| i.is_dcp() || i == Input::Checkpoint || i.is_deepspeed(),
+        "a DCP directory, a checkpoint of this crate, a DeepSpeed checkpoint or a Megatron-Core checkpoint",
+        |i| i.is_dcp() || i == Input::Checkpoint || i.is_deepspeed() || i == Input::Megatron,
     )
+}
+
+/// `consolidate MEGATRON OUT`: the model tensors of a Megatron-Core checkpoint
+/// ([`conversions::megatron_to_torch_save`], [`conversions::megatron_to_safetensors`]).
+fn consolidate_megatron(
+    input: &Path,
+    out: &Path,
+    format: FileFormat,
+    pg: &dyn ProcessGroup,
+    p: &dyn Progress,
+) -> Result<Written> {
+    let total =
+        pg.agree(io::megatron::MegatronCheckpoint::open(input).map(|m| m.summary().model_bytes))?;
+    pg.on_root(|| clean_stale(p, out, None))?;
+    let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
+    p.start(&phase("consolidating", pg), share_total);
+    let to = |b| p.update(b);
+    let written = match format {
+        FileFormat::Safetensors => conversions::megatron_to_safetensors(input, out, pg, to),
+        FileFormat::TorchSave => conversions::megatron_to_torch_save(input, out, pg, to),
+    };
+    p.finish();
+    let written = written?;
+    Ok(Written {
+        operation: "consolidate",
+        output: out.to_path_buf(),
+        tensor_bytes: written,
+        count: None,
+        world_size: None,
+        message: format!(
+            "consolidated Megatron-Core checkpoint {} -> {}{}: {written} bytes of model tensors",
+            input.display(),
+            out.display(),
+            on_processes(pg),
+        ),
+    })
 }
 
 /// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from

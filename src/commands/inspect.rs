@@ -28,6 +28,8 @@ pub enum Inspection {
     HfModel(io::hf::HfSummary),
     /// A DeepSpeed ZeRO or universal checkpoint (from its pickles).
     DeepSpeed(io::deepspeed::Summary),
+    /// A Megatron-Core `torch_dist` checkpoint (from its metadata).
+    Megatron(io::megatron::MegatronSummary),
 }
 
 impl Inspection {
@@ -54,6 +56,7 @@ impl Inspection {
             Inspection::Dcp(s) => serde_json::to_value(s).map_err(ser),
             Inspection::HfModel(s) => serde_json::to_value(s).map_err(ser),
             Inspection::DeepSpeed(s) => serde_json::to_value(s).map_err(ser),
+            Inspection::Megatron(s) => serde_json::to_value(s).map_err(ser),
         }
     }
 }
@@ -73,6 +76,7 @@ impl std::fmt::Display for Inspection {
             Inspection::Dcp(s) => write!(f, "{s}"),
             Inspection::HfModel(s) => write!(f, "{s}"),
             Inspection::DeepSpeed(s) => write!(f, "{s}"),
+            Inspection::Megatron(s) => write!(f, "{s}"),
         }
     }
 }
@@ -83,7 +87,8 @@ impl std::fmt::Display for Inspection {
 /// `DCP_SHARDING_INFO` headers of Hugging Face storage), or of a DeepSpeed checkpoint (its
 /// pickles: stage, dtype, world size, tag, parameters and their states). A lone file of a
 /// DeepSpeed checkpoint, recognised by its name, is read with DeepSpeed's three inert
-/// globals allowed.
+/// globals allowed. A Megatron-Core checkpoint is described from its metadata: tree,
+/// iteration, layers, optimizer layout and every model tensor.
 pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
     let format =
         match recognize(path)? {
@@ -101,6 +106,10 @@ pub fn inspect(path: &Path, p: &dyn Progress) -> Result<Inspection> {
             }
             Input::File(format) => format,
             Input::HfModel => return Ok(Inspection::HfModel(io::hf::summary(path)?)),
+            Input::Megatron => {
+                let ckpt = io::megatron::MegatronCheckpoint::open(path)?;
+                return Ok(Inspection::Megatron(ckpt.summary()));
+            }
             found => return Err(wrong_input(
                 "inspect",
                 path,

@@ -6,6 +6,7 @@
 //!
 //! | order | marker | form |
 //! | --- | --- | --- |
+//! | 0 | `metadata.json` naming a `sharded_backend`, or `latest_checkpointed_iteration.txt` | [`Input::Megatron`]: Megatron-Core's `dist_checkpointing.save` (a `torch_dist` directory, or a Megatron-LM / Bridge tree) |
 //! | 1 | `.metadata` (any kind of entry) | [`Input::Dcp`]: `dcp.save` |
 //! | 2 | `__{rank}.metadata` | [`Input::DcpPerRank`]: `dcp.save(..., use_collectives=False)` |
 //! | 3 | `manifest.json` or `COMMITTED` | [`Input::Checkpoint`]: this crate's checkpoint |
@@ -15,7 +16,8 @@
 //! | 7 | `model.safetensors.index.json`, or `.safetensors` files (none with `DCP_SHARDING_INFO`) | [`Input::HfModel`]: `save_pretrained` |
 //!
 //! The order is PyTorch's where PyTorch has one (its loader reads `.metadata` before a rank's
-//! own file); the crate's checkpoint never holds DCP markers; Hugging Face storage comes last
+//! own file); a Megatron `torch_dist` directory is a DCP directory too, told apart by the
+//! `metadata.json` Megatron writes beside `.metadata`, so it comes first; the crate's checkpoint never holds DCP markers; Hugging Face storage comes last
 //! because telling it apart reads file headers. A directory of safetensors files without
 //! `DCP_SHARDING_INFO` is a plain Hugging Face model directory, recognised last. A `latest`
 //! naming a tag whose directory is missing still marks a DeepSpeed checkpoint: its reader
@@ -55,6 +57,10 @@ pub enum Input {
     /// A DeepSpeed universal checkpoint (`ds_to_universal`): a tag directory holding
     /// `zero/optimizer_state.pt`, or the root holding `latest_universal`.
     DeepSpeedUniversal,
+    /// A Megatron-Core checkpoint (`dist_checkpointing.save`, `torch_dist` backend): the
+    /// directory holding `metadata.json`, or the root of a Megatron-LM or Megatron-Bridge
+    /// tree holding `latest_checkpointed_iteration.txt` ([`crate::io::megatron`]).
+    Megatron,
     /// A single state dict file.
     File(FileFormat),
 }
@@ -101,6 +107,7 @@ impl Input {
             Input::HfModel => "a Hugging Face model directory",
             Input::DeepSpeed => "a DeepSpeed ZeRO checkpoint",
             Input::DeepSpeedUniversal => "a DeepSpeed universal checkpoint",
+            Input::Megatron => "a Megatron-Core checkpoint",
             Input::File(FileFormat::TorchSave) => "a torch.save file",
             Input::File(FileFormat::Safetensors) => "a safetensors file",
         }
@@ -117,6 +124,10 @@ struct Form {
 /// The directory forms, in precedence order: the first whose probe matches decides (see [the
 /// module](self) for the table).
 const DIRECTORY_FORMS: &[Form] = &[
+    Form {
+        marker: "`metadata.json` or `latest_checkpointed_iteration.txt`",
+        probe: megatron,
+    },
     Form {
         marker: "`.metadata`",
         probe: dcp_global,
@@ -207,6 +218,12 @@ fn dcp_global(dir: &Path) -> Result<Option<Input>> {
     }
 }
 
+/// `metadata.json` naming a `sharded_backend`, or `latest_checkpointed_iteration.txt`,
+/// marks a Megatron-Core checkpoint ([`crate::io::megatron::recognize_dir`]).
+fn megatron(dir: &Path) -> Result<Option<Input>> {
+    Ok(crate::io::megatron::recognize_dir(dir)?.then_some(Input::Megatron))
+}
+
 /// `__{rank}.metadata` files (and no `.metadata`) mark a DCP directory saved without
 /// collectives.
 fn dcp_per_rank(dir: &Path) -> Result<Option<Input>> {
@@ -284,7 +301,7 @@ fn unrecognized_dir(dir: &Path) -> Error {
     Error::UnrecognizedInput {
         path: dir.display().to_string(),
         found: format!(
-            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`) nor a DeepSpeed checkpoint (no `latest` naming a tag of `*_optim_states.pt`, no `zero/optimizer_state.pt`) nor a Hugging Face model directory (no `.safetensors` files); {holds} (looked for {})",
+            "it is neither a DCP directory (no `.metadata`, `__0.metadata` or safetensors files with `DCP_SHARDING_INFO`) nor a checkpoint of this crate (no `manifest.json`) nor a DeepSpeed checkpoint (no `latest` naming a tag of `*_optim_states.pt`, no `zero/optimizer_state.pt`) nor a Megatron-Core checkpoint (no `metadata.json`, no `latest_checkpointed_iteration.txt`) nor a Hugging Face model directory (no `.safetensors` files); {holds} (looked for {})",
             markers.join(", ")
         ),
     }

@@ -53,16 +53,23 @@ impl std::fmt::Display for Verified {
 }
 
 /// `verify DIR`: checks the crate's checkpoint directory (every checksum block) or a DCP
-/// directory (byte ranges, chunk headers, tiling) completely.
+/// directory (byte ranges, chunk headers, tiling) completely; a Megatron-Core checkpoint is
+/// checked as its `torch_dist` DCP directory.
 pub fn verify(input: &Path, p: &dyn Progress) -> Result<Verified> {
     let found = expect_input(
         "verify",
         input,
-        "a DCP directory or a checkpoint of this crate (inspect reads single files)",
-        |i| i.is_dcp() || i == Input::Checkpoint,
+        "a DCP directory, a Megatron-Core checkpoint or a checkpoint of this crate (inspect reads single files)",
+        |i| i.is_dcp() || i == Input::Checkpoint || i == Input::Megatron,
     )?;
     step(p, "verifying", || {
-        Ok(if found.is_dcp() {
+        Ok(if found == Input::Megatron {
+            let m = crate::io::megatron::MegatronCheckpoint::open(input)?;
+            Verified::Dcp {
+                input: input.to_path_buf(),
+                report: dcp::verify(m.directory())?,
+            }
+        } else if found.is_dcp() {
             Verified::Dcp {
                 input: input.to_path_buf(),
                 report: dcp::verify(input)?,

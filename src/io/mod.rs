@@ -5,12 +5,14 @@
 //! the same objects as single `.safetensors` files that Python's `safetensors` reads directly.
 //! [`load`] and [`save`] pick one of the two by the file's extension; [`inspect`] summarizes
 //! what a file holds. [`dcp`], [`hf`] and [`deepspeed`] read (and the first two write) the
-//! directories of PyTorch DCP, Hugging Face and DeepSpeed.
+//! directories of PyTorch DCP, Hugging Face and DeepSpeed; [`megatron`] reads Megatron-Core's
+//! `torch_dist` checkpoints (DCP directories with Megatron's layout and markers).
 
 pub mod dcp;
 pub mod deepspeed;
 pub mod hf;
 pub mod inspect;
+pub mod megatron;
 pub(crate) mod pickle;
 pub mod safetensors;
 pub mod torch_save;

@@ -17,6 +17,7 @@ mod fsdp2_state_dict_golden;
 mod golden_fsdp;
 mod hf;
 mod layering;
+mod megatron;
 mod optim_parity;
 mod optim_state_scenarios;
 mod roundtrip_props;

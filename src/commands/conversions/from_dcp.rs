@@ -25,7 +25,18 @@ pub fn dcp_to_torch_save(
     pg: &dyn ProcessGroup,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
-    let ckpt = pg.agree(DcpCheckpoint::open(src))?.dropping_behind();
+    let ckpt = pg.agree(DcpCheckpoint::open(src))?;
+    torch_save_of(ckpt, dst, pg, progress)
+}
+
+/// [`dcp_to_torch_save`] of an opened checkpoint (narrowed to some keys, for one).
+pub(super) fn torch_save_of(
+    ckpt: DcpCheckpoint,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    let ckpt = ckpt.dropping_behind();
     let placeholders = pg.agree(Placeholders::new(&ckpt))?;
     let mut lazy = Streamed::new(&ckpt, &placeholders, progress);
     write_torch_save(&placeholders.obj, dst, &mut lazy, pg)
@@ -46,7 +57,18 @@ pub fn dcp_to_safetensors(
     pg: &dyn ProcessGroup,
     progress: impl FnMut(u64),
 ) -> Result<u64> {
-    let ckpt = pg.agree(DcpCheckpoint::open(src))?.dropping_behind();
+    let ckpt = pg.agree(DcpCheckpoint::open(src))?;
+    safetensors_of(ckpt, dst, pg, progress)
+}
+
+/// [`dcp_to_safetensors`] of an opened checkpoint (narrowed to some keys, for one).
+pub(super) fn safetensors_of(
+    ckpt: DcpCheckpoint,
+    dst: &Path,
+    pg: &dyn ProcessGroup,
+    progress: impl FnMut(u64),
+) -> Result<u64> {
+    let ckpt = ckpt.dropping_behind();
     let plan = pg.agree(SafetensorsPlan::new(&ckpt))?;
     let me = (pg.rank(), pg.world_size());
     let written = write_planned_file(

@@ -8,6 +8,7 @@
 //! | `torch.save` / `.safetensors` file | [`crate::io::load`], [`crate::io::save`] | [`crate::io::load`], [`crate::io::save`] | [`torch_save_to_dcp`] | |
 //! | the crate's checkpoint | [`checkpoint_to_torch_save`] | [`checkpoint_to_safetensors`] | [`checkpoint_to_dcp`] | [`crate::checkpoint::reshard`] |
 //! | DeepSpeed checkpoint (ZeRO 1/2/3, universal) | [`deepspeed_to_torch_save`] | [`deepspeed_to_safetensors`] | [`deepspeed_to_dcp`] | |
+//! | Megatron-Core `torch_dist` (model tensors) | [`megatron_to_torch_save`] | [`megatron_to_safetensors`] | | |
 //!
 //! A DCP directory is read in every form [`crate::io::dcp::DcpCheckpoint::open`] reads: one
 //! `.metadata`, per-rank `__{rank}.metadata` files (merged), or Hugging Face storage
@@ -36,6 +37,7 @@ mod from_checkpoint;
 mod from_dcp;
 mod from_deepspeed;
 mod from_hf;
+mod from_megatron;
 mod to_dcp;
 mod to_hf;
 
@@ -48,6 +50,7 @@ pub use from_deepspeed::{
     deepspeed_to_dcp, deepspeed_to_safetensors, deepspeed_to_torch_save, DeepSpeedOutput,
 };
 pub use from_hf::{hf_to_dcp, HfImportOptions};
+pub use from_megatron::{megatron_to_safetensors, megatron_to_torch_save};
 pub use to_dcp::{torch_save_to_dcp, torch_save_to_dcp_with};
 pub use to_hf::{checkpoint_to_hf, HfExportOptions, HfExported, HfSource};
 

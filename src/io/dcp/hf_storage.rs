@@ -282,6 +282,7 @@ pub(super) fn read(dir: &Path, root: &Path) -> Result<(Metadata, super::Source)>
             storage: found.storage,
             checkpoint_id: None,
             version: None,
+            saved_plans: None,
         },
         super::Source::HfStorage {
             form,

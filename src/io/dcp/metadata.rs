@@ -101,6 +101,9 @@ pub struct Metadata {
     pub checkpoint_id: Option<String>,
     /// The DCP format version (`1.0.0`).
     pub version: Option<String>,
+    /// How many save plans `all_local_plans` holds (one per rank that took part in the save;
+    /// Megatron-Core keeps them there), `None` without that attribute or when it is no list.
+    pub saved_plans: Option<usize>,
 }
 
 /// Most chunks one tensor may have (the overlap check compares pairs of chunks).
@@ -305,11 +308,16 @@ impl Extract<'_> {
             Some(V::Str(s)) => Some(s.to_string()),
             _ => None,
         };
+        let saved_plans = match a.get("all_local_plans").map(|v| self.node(v)) {
+            Some(Some(Node::List(plans))) => Some(plans.len()),
+            _ => None,
+        };
         Ok(Metadata {
             entries,
             storage,
             checkpoint_id,
             version,
+            saved_plans,
         })
     }
 

@@ -145,6 +145,7 @@ fn merge_files(dir: &str, files: &[RankFile]) -> Result<(Metadata, Merging)> {
             storage,
             checkpoint_id: rank0.checkpoint_id.clone(),
             version: rank0.version.clone(),
+            saved_plans: None,
         },
         merging,
     ))

@@ -181,6 +181,40 @@ impl DcpCheckpoint {
         &self.metadata
     }
 
+    /// The checkpoint directory, as given.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The world size that saved it: the number of per-rank metadata files or of Hugging Face
+    /// shard indices, or else one more than the highest rank in the data files'
+    /// `__{rank}_{n}.distcp` names (`None` when none of these says).
+    pub fn world_size(&self) -> Option<usize> {
+        match self.source {
+            Source::PerRank { ranks } => Some(ranks),
+            Source::HfStorage { ranks, .. } => ranks,
+            Source::Metadata => self
+                .metadata
+                .storage
+                .values()
+                .flatten()
+                .filter_map(|info| rank_of(&info.relative_path))
+                .max()
+                .map(|r| r + 1),
+        }
+    }
+
+    /// The checkpoint narrowed to the keys `keep` keeps (in their order): what every reader
+    /// above then sees, as if the others had not been saved.
+    pub(crate) fn retaining(mut self, keep: impl Fn(&Entry) -> bool) -> Self {
+        self.metadata.entries.retain(|e| keep(e));
+        self.by_key = HashMap::with_capacity(self.metadata.entries.len());
+        for (i, e) in self.metadata.entries.iter().enumerate() {
+            self.by_key.entry(e.key.clone()).or_insert(i);
+        }
+        self
+    }
+
     /// Where the metadata came from.
     pub fn source(&self) -> &Source {
         &self.source
@@ -1368,15 +1402,7 @@ pub fn summary(dir: &Path) -> Result<DcpSummary> {
             },
         })
         .collect();
-    let world_size = match ckpt.source {
-        Source::PerRank { ranks } => Some(ranks),
-        Source::HfStorage { ranks, .. } => ranks,
-        Source::Metadata => files
-            .iter()
-            .filter_map(|f| rank_of(&f.name))
-            .max()
-            .map(|r| r + 1),
-    };
+    let world_size = ckpt.world_size();
     Ok(DcpSummary {
         checkpoint: dir.display().to_string(),
         format: "dcp",
