@@ -98,30 +98,40 @@ pub fn consolidate_with(
     if found.is_deepspeed() {
         return consolidate_deepspeed(input, out, format, opts, pg, p);
     }
-    if found == Input::Megatron {
-        return consolidate_megatron(input, out, format, pg, p);
-    }
-    let is_dcp = found.is_dcp();
-    let total = pg.agree(if is_dcp {
-        dcp::summary(input).map(|s| s.tensor_bytes)
-    } else {
-        checkpoint::read_manifest(input).map(|m| m.tensor_bytes())
-    })?;
+    // What the file is made of, by input form: its tensor bytes, the job that writes it, and
+    // how the report names the input and what was written.
+    let (total, what, noun) = match found {
+        Input::Megatron => (
+            pg.agree(io::megatron::MegatronCheckpoint::open(input).map(|m| m.model_bytes()))?,
+            "Megatron-Core checkpoint ",
+            "model tensors",
+        ),
+        i if i.is_dcp() => (
+            pg.agree(dcp::summary(input).map(|s| s.tensor_bytes))?,
+            "DCP checkpoint ",
+            "tensors",
+        ),
+        _ => (
+            pg.agree(checkpoint::read_manifest(input).map(|m| m.tensor_bytes()))?,
+            "",
+            "tensor state",
+        ),
+    };
     pg.on_root(|| clean_stale(p, out, None))?;
     let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
     p.start(&phase("consolidating", pg), share_total);
     let to = |b| p.update(b);
-    let written = match (is_dcp, format) {
-        (true, FileFormat::Safetensors) => conversions::dcp_to_safetensors(input, out, pg, to),
-        (true, _) => conversions::dcp_to_torch_save(input, out, pg, to),
-        (false, FileFormat::Safetensors) => {
-            conversions::checkpoint_to_safetensors(input, out, pg, to)
-        }
-        (false, _) => conversions::checkpoint_to_torch_save(input, out, pg, to),
+    let safetensors = format == FileFormat::Safetensors;
+    let written = match found {
+        Input::Megatron if safetensors => conversions::megatron_to_safetensors(input, out, pg, to),
+        Input::Megatron => conversions::megatron_to_torch_save(input, out, pg, to),
+        i if i.is_dcp() && safetensors => conversions::dcp_to_safetensors(input, out, pg, to),
+        i if i.is_dcp() => conversions::dcp_to_torch_save(input, out, pg, to),
+        _ if safetensors => conversions::checkpoint_to_safetensors(input, out, pg, to),
+        _ => conversions::checkpoint_to_torch_save(input, out, pg, to),
     };
     p.finish();
     let written = written?;
-    let what = if is_dcp { "DCP checkpoint " } else { "" };
     Ok(Written {
         operation: "consolidate",
         output: out.to_path_buf(),
@@ -129,11 +139,10 @@ pub fn consolidate_with(
         count: None,
         world_size: None,
         message: format!(
-            "consolidated {what}{} -> {}{}: {written} bytes of {}",
+            "consolidated {what}{} -> {}{}: {written} bytes of {noun}",
             input.display(),
             out.display(),
             on_processes(pg),
-            if is_dcp { "tensors" } else { "tensor state" }
         ),
     })
 }
@@ -193,42 +202,6 @@ fn consolidate_input(input: &Path) -> Result<Input> {
         "a DCP directory, a checkpoint of this crate, a DeepSpeed checkpoint or a Megatron-Core checkpoint",
         |i| i.is_dcp() || i == Input::Checkpoint || i.is_deepspeed() || i == Input::Megatron,
     )
-}
-
-/// `consolidate MEGATRON OUT`: the model tensors of a Megatron-Core checkpoint
-/// ([`conversions::megatron_to_torch_save`], [`conversions::megatron_to_safetensors`]).
-fn consolidate_megatron(
-    input: &Path,
-    out: &Path,
-    format: FileFormat,
-    pg: &dyn ProcessGroup,
-    p: &dyn Progress,
-) -> Result<Written> {
-    let total =
-        pg.agree(io::megatron::MegatronCheckpoint::open(input).map(|m| m.summary().model_bytes))?;
-    pg.on_root(|| clean_stale(p, out, None))?;
-    let share_total = (pg.world_size() == 1).then_some((total, Unit::Bytes));
-    p.start(&phase("consolidating", pg), share_total);
-    let to = |b| p.update(b);
-    let written = match format {
-        FileFormat::Safetensors => conversions::megatron_to_safetensors(input, out, pg, to),
-        FileFormat::TorchSave => conversions::megatron_to_torch_save(input, out, pg, to),
-    };
-    p.finish();
-    let written = written?;
-    Ok(Written {
-        operation: "consolidate",
-        output: out.to_path_buf(),
-        tensor_bytes: written,
-        count: None,
-        world_size: None,
-        message: format!(
-            "consolidated Megatron-Core checkpoint {} -> {}{}: {written} bytes of model tensors",
-            input.display(),
-            out.display(),
-            on_processes(pg),
-        ),
-    })
 }
 
 /// Whether `consolidate INPUT OUTPUT` splits its work across the processes of a job: from

@@ -63,16 +63,15 @@ pub fn verify(input: &Path, p: &dyn Progress) -> Result<Verified> {
         |i| i.is_dcp() || i == Input::Checkpoint || i == Input::Megatron,
     )?;
     step(p, "verifying", || {
-        Ok(if found == Input::Megatron {
-            let m = crate::io::megatron::MegatronCheckpoint::open(input)?;
+        let dcp_dir = match found {
+            Input::Megatron => Some(crate::io::megatron::directory_of(input)?),
+            i if i.is_dcp() => Some(input.to_path_buf()),
+            _ => None,
+        };
+        Ok(if let Some(dir) = dcp_dir {
             Verified::Dcp {
                 input: input.to_path_buf(),
-                report: dcp::verify(m.directory())?,
-            }
-        } else if found.is_dcp() {
-            Verified::Dcp {
-                input: input.to_path_buf(),
-                report: dcp::verify(input)?,
+                report: dcp::verify(&dir)?,
             }
         } else {
             Verified::Checkpoint {

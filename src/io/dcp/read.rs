@@ -37,6 +37,15 @@ pub struct DcpCheckpoint {
     open_files: Mutex<Vec<(PathBuf, Arc<File>)>>,
 }
 
+/// Each key's entry index (the first, should a key repeat).
+fn index_by_key(entries: &[Entry]) -> HashMap<String, usize> {
+    let mut by_key = HashMap::with_capacity(entries.len());
+    for (i, e) in entries.iter().enumerate() {
+        by_key.entry(e.key.clone()).or_insert(i);
+    }
+    by_key
+}
+
 /// How many data files a [`DcpCheckpoint`] keeps open for chunk reads. Reading every chunk of
 /// a file through one open file lets the kernel's read-ahead follow the file (a file opened
 /// per chunk starts each chunk's read-ahead afresh, in small pages: a third more system CPU
@@ -72,10 +81,7 @@ impl DcpCheckpoint {
                 .entry(info.relative_path.clone())
                 .or_insert_with(|| confine(&root, &info.relative_path, "data file"));
         }
-        let mut by_key = HashMap::with_capacity(metadata.entries.len());
-        for (i, e) in metadata.entries.iter().enumerate() {
-            by_key.entry(e.key.clone()).or_insert(i);
-        }
+        let by_key = index_by_key(&metadata.entries);
         let ckpt = DcpCheckpoint {
             dir,
             metadata,
@@ -208,10 +214,7 @@ impl DcpCheckpoint {
     /// above then sees, as if the others had not been saved.
     pub(crate) fn retaining(mut self, keep: impl Fn(&Entry) -> bool) -> Self {
         self.metadata.entries.retain(|e| keep(e));
-        self.by_key = HashMap::with_capacity(self.metadata.entries.len());
-        for (i, e) in self.metadata.entries.iter().enumerate() {
-            self.by_key.entry(e.key.clone()).or_insert(i);
-        }
+        self.by_key = index_by_key(&self.metadata.entries);
         self
     }
 

@@ -36,7 +36,7 @@
 //! `dcp_to_torch_save`'s output, bit for bit).
 
 use crate::error::{Error, Result};
-use crate::io::dcp::{DcpCheckpoint, Entry, EntryKind};
+use crate::io::dcp::{DcpCheckpoint, Entry, EntryKind, TensorMeta};
 use serde::Serialize;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -199,13 +199,26 @@ pub fn recognize_dir(dir: &Path) -> Result<bool> {
     })
 }
 
+/// The `torch_dist` directory of the checkpoint at `path` (its tree followed, its
+/// `metadata.json` checked), without reading the DCP metadata.
+pub fn directory_of(path: &Path) -> Result<PathBuf> {
+    Ok(torch_dist_dir(path)?.2)
+}
+
+/// The tree, iteration and `torch_dist` directory of `path`, with the directory's
+/// `sharded_backend_version`, once its `metadata.json` is checked.
+fn torch_dist_dir(path: &Path) -> Result<(Tree, Option<u64>, PathBuf, Option<i64>)> {
+    let (tree, iteration, dir) = resolve_tree(path)?;
+    let backend = backend_json(&dir.join(BACKEND_FILE))?;
+    let version = check_backend(&dir, &backend)?;
+    Ok((tree, iteration, dir, version))
+}
+
 impl MegatronCheckpoint {
     /// Opens the checkpoint at `path`: a `torch_dist` directory, or the root of a
     /// Megatron-LM or Bridge tree (its `latest_checkpointed_iteration.txt` followed).
     pub fn open(path: &Path) -> Result<Self> {
-        let (tree, iteration, dir) = resolve_tree(path)?;
-        let backend = backend_json(&dir.join(BACKEND_FILE))?;
-        let version = check_backend(&dir, &backend)?;
+        let (tree, iteration, dir, version) = torch_dist_dir(path)?;
         let dcp = DcpCheckpoint::open(&dir)?;
         Ok(MegatronCheckpoint {
             given: path.to_path_buf(),
@@ -232,25 +245,39 @@ impl MegatronCheckpoint {
         self.dcp.retaining(is_model_tensor)
     }
 
+    /// The model tensors' entries, in metadata order.
+    fn model_entries(&self) -> impl Iterator<Item = (&Entry, &TensorMeta)> {
+        self.dcp
+            .metadata()
+            .entries
+            .iter()
+            .filter_map(|e| match &e.kind {
+                EntryKind::Tensor(t) if is_model_tensor(e) => Some((e, t)),
+                _ => None,
+            })
+    }
+
+    /// Total bytes of the model tensors (global shapes): what `consolidate` writes.
+    pub fn model_bytes(&self) -> u64 {
+        self.model_entries().fold(0u64, |sum, (_, t)| {
+            let elems: u64 = t.size.iter().map(|&d| d as u64).product();
+            let width = t.dtype().map_or(0, |d| d.size() as u64);
+            sum.saturating_add(elems.saturating_mul(width))
+        })
+    }
+
     /// A summary from the metadata alone.
     pub fn summary(&self) -> MegatronSummary {
         let md = self.dcp.metadata();
-        let mut model_bytes = 0u64;
-        let mut model_tensors = Vec::new();
-        for e in md.entries.iter().filter(|e| is_model_tensor(e)) {
-            let EntryKind::Tensor(t) = &e.kind else {
-                continue;
-            };
-            let elems: u64 = t.size.iter().map(|&d| d as u64).product();
-            let width = t.dtype().map_or(0, |d| d.size() as u64);
-            model_bytes = model_bytes.saturating_add(elems.saturating_mul(width));
-            model_tensors.push(ModelTensor {
+        let model_tensors: Vec<ModelTensor> = self
+            .model_entries()
+            .map(|(e, t)| ModelTensor {
                 key: e.key.clone(),
                 dtype: t.dtype.clone(),
                 shape: t.size.clone(),
                 chunks: t.chunks.len(),
-            });
-        }
+            })
+            .collect();
         let layers = model_tensors
             .iter()
             .filter(|t| t.key.starts_with("decoder.layers."))
@@ -274,7 +301,7 @@ impl MegatronCheckpoint {
             optimizer: self.optim_layout(),
             optimizer_states: optimizer_states(md.entries.iter().map(|e| e.key.as_str())),
             model_tensors,
-            model_bytes,
+            model_bytes: self.model_bytes(),
         }
     }
 }
